@@ -1,0 +1,32 @@
+# Two set-up commands for a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv system-deps test test-fast lint demo bench gpu-check clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+system-deps:
+	scripts/system-deps.sh
+
+test: venv system-deps
+	$(BIN)/pytest -q
+
+test-fast: venv
+	$(BIN)/pytest -q -m "not slurm and not e2e"
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Temporal activities: idempotent steps over the clients, one class per client group."""

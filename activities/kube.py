@@ -1,0 +1,41 @@
+"""Kubernetes steps: cordon, taint and drain the failed node."""
+
+from __future__ import annotations
+
+from temporalio import activity
+
+from activities.errors import client_errors
+from clients.errors import NotFound
+from clients.kube import KubeClient
+from models.constants import INCIDENT_ANNOTATION, UNHEALTHY_TAINT
+from models.requests import KubeDrainRequest, KubeDrainResult
+
+
+class KubeActivities:
+    def __init__(self, kube: KubeClient, *, eviction_timeout_seconds: float = 60.0) -> None:
+        self._kube = kube
+        self._eviction_timeout = eviction_timeout_seconds
+
+    @activity.defn(name="cordon_and_drain_node")
+    def cordon_and_drain(self, request: KubeDrainRequest) -> KubeDrainResult:
+        """Cordon, taint and evict every pod but DaemonSet pods; force past the eviction deadline."""
+        result = KubeDrainResult()
+        with client_errors():
+            try:
+                self._kube.set_unschedulable(request.node, True)
+            except NotFound:
+                # A Slurm-only node has no Kubernetes side to drain.
+                return KubeDrainResult(node_found=False)
+            self._kube.add_taint(request.node, key=UNHEALTHY_TAINT, value=request.incident_id)
+            self._kube.update_metadata(request.node, annotations={INCIDENT_ANNOTATION: request.incident_id})
+            for pod in self._kube.pods_on_node(request.node):
+                if pod.owner_kind == "DaemonSet":
+                    continue
+                activity.heartbeat(f"evicting {pod.key}")
+                outcome = self._kube.evict(
+                    pod,
+                    timeout_seconds=self._eviction_timeout,
+                    progress=activity.heartbeat,
+                )
+                (result.forced if outcome == "deleted" else result.evicted).append(pod.key)
+        return result

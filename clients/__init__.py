@@ -1,0 +1,1 @@
+"""The outside world (Slurm, Kubernetes, spare pools, notifiers) behind small Protocols."""

@@ -1,0 +1,39 @@
+"""Typed errors at the client boundary; activities map them once to retryable or not."""
+
+from __future__ import annotations
+
+
+class ClientError(Exception):
+    """Base of every error a client raises on purpose."""
+
+    retryable = True
+
+
+class NotFound(ClientError):
+    """The node, job, pod or object does not exist."""
+
+    retryable = False
+
+
+class InvalidInput(ClientError):
+    """The request itself is wrong (a bad name, an impossible change)."""
+
+    retryable = False
+
+
+class NotOwned(ClientError):
+    """The object is held by someone else (a node drained by an operator, a spare claimed elsewhere)."""
+
+    retryable = False
+
+
+class Conflict(ClientError):
+    """A write lost a race (resourceVersion precondition); read again and retry."""
+
+
+class TooManyRequests(ClientError):
+    """The server refused for now (an eviction a PodDisruptionBudget forbids)."""
+
+
+class Unavailable(ClientError):
+    """The service cannot be reached or timed out; retry with backoff."""

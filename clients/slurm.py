@@ -1,0 +1,246 @@
+"""Slurm through its CLI (``sinfo``, ``squeue``, ``scontrol``, ``scancel``), JSON where 22.05 has it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any, Protocol
+
+from clients.errors import ClientError, InvalidInput, NotFound, NotOwned, Unavailable
+from models.constants import DRAIN_REASON_PREFIX
+from models.incident import JobInfo, NodeInfo
+from models.names import InvalidName, validate_node_name
+
+_UNREACHABLE = (
+    "unable to contact slurm controller",
+    "connection refused",
+    "socket timed out",
+    "communication connection failure",
+    "zero bytes were transmitted",
+    "munge",
+)
+_NOT_FOUND = ("invalid node name", "invalid job id", "does not exist", "invalid partition name")
+_REFUSED = ("presently disabled", "only batch jobs", "not requeueable", "access/permission denied")
+
+
+class SlurmClient(Protocol):
+    """What gpufleet needs from a Slurm controller."""
+
+    def node(self, name: str) -> NodeInfo: ...
+    def nodes(self) -> list[NodeInfo]: ...
+    def drain(self, name: str, *, reason: str) -> NodeInfo: ...
+    def down(self, name: str, *, reason: str) -> None: ...
+    def resume(self, name: str) -> None: ...
+    def jobs_on_node(self, name: str) -> list[JobInfo]: ...
+    def job(self, job_id: int) -> JobInfo: ...
+    def signal_job(self, job_id: int, *, signal: str = "TERM") -> None: ...
+    def requeue(self, job_id: int) -> None: ...
+    def partition_nodes(self, partition: str) -> list[str]: ...
+    def add_to_partition(self, partition: str, node: str) -> None: ...
+    def remove_from_partition(self, partition: str, node: str) -> None: ...
+
+
+def owned_reason(reason: str) -> bool:
+    """Whether a drain reason was written by gpufleet."""
+    return reason.strip().startswith(DRAIN_REASON_PREFIX)
+
+
+class SlurmCli:
+    """SlurmClient over the Slurm commands, run with argv lists (never a shell)."""
+
+    def __init__(
+        self,
+        *,
+        slurm_conf: Path | None = None,
+        bin_dir: Path | None = None,
+        timeout_seconds: float = 30.0,
+    ) -> None:
+        self._env = dict(os.environ)
+        if slurm_conf is not None:
+            self._env["SLURM_CONF"] = str(slurm_conf)
+        self._bin_dir = bin_dir
+        self._timeout = timeout_seconds
+        # Partition membership is read-modify-write; keep one writer per process.
+        self._partition_lock = threading.Lock()
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _run(self, argv: list[str]) -> str:
+        program = str(self._bin_dir / argv[0]) if self._bin_dir else argv[0]
+        try:
+            done = subprocess.run(
+                [program, *argv[1:]],
+                capture_output=True,
+                text=True,
+                timeout=self._timeout,
+                env=self._env,
+                check=False,
+            )
+        except FileNotFoundError:
+            raise Unavailable(f"{argv[0]} is not installed or not on PATH (install slurm-client)") from None
+        except subprocess.TimeoutExpired:
+            raise Unavailable(f"{' '.join(argv)} timed out after {self._timeout:.0f}s") from None
+        if done.returncode != 0:
+            message = (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
+            lowered = message.lower()
+            if any(marker in lowered for marker in _NOT_FOUND):
+                raise NotFound(f"{' '.join(argv)}: {message}")
+            if any(marker in lowered for marker in _REFUSED):
+                raise InvalidInput(f"{' '.join(argv)}: {message}")
+            if any(marker in lowered for marker in _UNREACHABLE):
+                raise Unavailable(f"{' '.join(argv)}: {message}")
+            raise ClientError(f"{' '.join(argv)}: {message}")
+        return done.stdout
+
+    def _json(self, argv: list[str]) -> dict[str, Any]:
+        out = self._run(argv)
+        try:
+            data: dict[str, Any] = json.loads(out)
+        except json.JSONDecodeError as exc:
+            raise ClientError(f"{' '.join(argv)} printed no JSON: {exc}") from None
+        errors = data.get("errors") or []
+        if errors:
+            raise ClientError(f"{' '.join(argv)}: {errors}")
+        return data
+
+    @staticmethod
+    def _safe(name: str) -> str:
+        try:
+            return validate_node_name(name)
+        except InvalidName as exc:
+            raise InvalidInput(str(exc)) from None
+
+    # -- nodes ------------------------------------------------------------------------------------
+
+    def nodes(self) -> list[NodeInfo]:
+        data = self._json(["sinfo", "--json"])
+        return [_node_from_json(raw) for raw in data.get("nodes", [])]
+
+    def node(self, name: str) -> NodeInfo:
+        name = self._safe(name)
+        for info in self.nodes():
+            if info.name == name:
+                return info
+        raise NotFound(f"Slurm has no node named {name!r}")
+
+    def drain(self, name: str, *, reason: str) -> NodeInfo:
+        """Drain with our reason; a node someone else drained keeps their reason.
+
+        Returns the node as it is after the call.
+        """
+        current = self.node(name)
+        if current.drained and not owned_reason(current.reason):
+            return current
+        if current.drained and current.reason == reason:
+            return current
+        self._run(["scontrol", "update", f"NodeName={name}", "State=DRAIN", f"Reason={reason}"])
+        return self.node(name)
+
+    def down(self, name: str, *, reason: str) -> None:
+        current = self.node(name)
+        if current.reason and not owned_reason(current.reason):
+            raise NotOwned(f"{name} is held by someone else ({current.reason!r}); leaving it as it is")
+        if current.state == "down" and current.reason == reason:
+            return
+        self._run(["scontrol", "update", f"NodeName={name}", "State=DOWN", f"Reason={reason}"])
+
+    def resume(self, name: str) -> None:
+        """Return a node to service, only when gpufleet took it out (or nobody did)."""
+        current = self.node(name)
+        if not current.drained and current.state not in {"down", "fail"}:
+            return
+        if current.reason and not owned_reason(current.reason):
+            raise NotOwned(f"{name} was taken out by someone else ({current.reason!r}); not resuming it")
+        self._run(["scontrol", "update", f"NodeName={name}", "State=RESUME"])
+
+    # -- jobs -------------------------------------------------------------------------------------
+
+    def jobs_on_node(self, name: str) -> list[JobInfo]:
+        name = self._safe(name)
+        # Filter on the expanded host list ourselves: it works the same across Slurm versions.
+        jobs = self._json(["squeue", "--json"]).get("jobs", [])
+        active = [_job_from_json(raw) for raw in jobs if raw.get("job_state") in _ACTIVE_STATES]
+        return [job for job in active if name in self._hostnames(job.nodes)]
+
+    def job(self, job_id: int) -> JobInfo:
+        for raw in self._json(["squeue", "--json", "--states=all"]).get("jobs", []):
+            if int(raw.get("job_id", -1)) == job_id:
+                return _job_from_json(raw)
+        raise NotFound(f"Slurm has no job {job_id}")
+
+    def signal_job(self, job_id: int, *, signal: str = "TERM") -> None:
+        if signal not in {"TERM", "INT", "USR1", "USR2", "HUP"}:
+            raise InvalidInput(f"refusing to send signal {signal!r}")
+        # --full reaches the batch shell as well as every step, as a checkpointing job expects.
+        self._run(["scancel", f"--signal={signal}", "--full", str(int(job_id))])
+
+    def requeue(self, job_id: int) -> None:
+        job = self.job(job_id)
+        if job.state in {"PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING"}:
+            return
+        if not job.requeue:
+            raise InvalidInput(f"job {job_id} was submitted with --no-requeue")
+        self._run(["scontrol", "requeue", str(int(job_id))])
+
+    def _hostnames(self, hostlist: str) -> list[str]:
+        if not hostlist:
+            return []
+        if "[" not in hostlist:
+            return hostlist.split(",")
+        return self._run(["scontrol", "show", "hostnames", hostlist]).split()
+
+    # -- partitions -------------------------------------------------------------------------------
+
+    def partition_nodes(self, partition: str) -> list[str]:
+        self._safe(partition)
+        return [node.name for node in self.nodes() if partition in node.partitions]
+
+    def _set_partition(self, partition: str, nodes: list[str]) -> None:
+        self._run(["scontrol", "update", f"PartitionName={partition}", f"Nodes={','.join(nodes)}"])
+
+    def add_to_partition(self, partition: str, node: str) -> None:
+        node = self._safe(node)
+        with self._partition_lock:
+            members = self.partition_nodes(partition)
+            if node not in members:
+                self._set_partition(partition, [*members, node])
+
+    def remove_from_partition(self, partition: str, node: str) -> None:
+        node = self._safe(node)
+        with self._partition_lock:
+            members = self.partition_nodes(partition)
+            if node in members:
+                # Slurm refuses an empty node list; such a partition keeps its last node.
+                remaining = [member for member in members if member != node]
+                if not remaining:
+                    raise InvalidInput(f"{node} is the last node of partition {partition}")
+                self._set_partition(partition, remaining)
+
+
+_ACTIVE_STATES = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "SIGNALING"}
+
+
+def _node_from_json(raw: dict[str, Any]) -> NodeInfo:
+    state = raw.get("state", "")
+    return NodeInfo(
+        name=raw["name"],
+        state=str(state).lower(),
+        flags=[str(flag).upper() for flag in raw.get("state_flags", [])],
+        reason=raw.get("reason", "") or "",
+        partitions=list(raw.get("partitions", [])),
+    )
+
+
+def _job_from_json(raw: dict[str, Any]) -> JobInfo:
+    return JobInfo(
+        job_id=int(raw["job_id"]),
+        name=raw.get("name", ""),
+        user=raw.get("user_name", ""),
+        state=raw.get("job_state", ""),
+        restarts=int(raw.get("restart_cnt", 0) or 0),
+        nodes=raw.get("nodes", "") or "",
+        requeue=bool(raw.get("requeue", True)),
+    )

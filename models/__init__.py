@@ -1,0 +1,1 @@
+"""Types, constants, the Xid catalog and the pure remediation policy."""

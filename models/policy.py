@@ -1,0 +1,138 @@
+"""The pure policy that turns the Xids seen on a node into one action.
+
+The catalog gives each Xid an immediate-action bucket; the policy maps buckets to an
+action on the node, with per-Xid overrides for the codes we treat as hardware faults
+that a reset will not cure. Operators override any of it with a YAML file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from models.xid import RecoveryAction, XidEvent, xid_catalog
+
+
+class Action(StrEnum):
+    """What happens to a node, from least to most disruptive."""
+
+    OBSERVE = "OBSERVE"
+    RESET_GPU = "RESET_GPU"
+    REBOOT_NODE = "REBOOT_NODE"
+    REPLACE_NODE = "REPLACE_NODE"
+
+    @property
+    def severity(self) -> int:
+        return list(Action).index(self)
+
+    @property
+    def takes_node_out(self) -> bool:
+        return self is not Action.OBSERVE
+
+
+DEFAULT_BUCKET_ACTIONS: dict[str, Action] = {
+    "RESTART_APP": Action.OBSERVE,
+    "IGNORE": Action.OBSERVE,
+    "RESET_GPU": Action.RESET_GPU,
+    "RESTART_BM": Action.REBOOT_NODE,
+    "RESTART_VM": Action.REBOOT_NODE,
+    "CONTACT_SUPPORT": Action.REPLACE_NODE,
+    "CHECK_MECHANICALS": Action.REPLACE_NODE,
+    "WORKFLOW_XID_45": Action.OBSERVE,
+    "WORKFLOW_XID_48": Action.RESET_GPU,
+    "WORKFLOW_NVLINK_ERR": Action.RESET_GPU,
+    "WORKFLOW_NVLINK5_ERR": Action.RESET_GPU,
+}
+
+# Hardware faults where the node leaves the fleet: a bus drop does not come back with a reboot
+# often enough to hold a multi-node job hostage to it.
+DEFAULT_XID_ACTIONS: dict[int, Action] = {
+    79: Action.REPLACE_NODE,
+}
+
+RECOVERY_ACTIONS: dict[RecoveryAction, Action] = {
+    RecoveryAction.NONE: Action.OBSERVE,
+    RecoveryAction.GPU_RESET: Action.RESET_GPU,
+    RecoveryAction.NODE_REBOOT: Action.REBOOT_NODE,
+    RecoveryAction.DRAIN_P2P: Action.RESET_GPU,
+    RecoveryAction.DRAIN_AND_RESET: Action.RESET_GPU,
+}
+
+
+class PolicyError(ValueError):
+    """An override file that cannot be used; the message names the file and the field."""
+
+
+class Policy(BaseModel):
+    """Bucket and per-Xid actions. ``decide`` is pure: same Xids, same action."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    buckets: dict[str, Action] = Field(default_factory=lambda: dict(DEFAULT_BUCKET_ACTIONS))
+    xids: dict[int, Action] = Field(default_factory=lambda: dict(DEFAULT_XID_ACTIONS))
+    unknown_xid: Action = Action.OBSERVE
+    # Xid 154 whose recovery action was not reported: assume the GPU needs a reset.
+    xid_154_default: Action = Action.RESET_GPU
+
+    def action_for(self, event: XidEvent | int) -> Action:
+        """The action for one Xid, before combining with others."""
+        xid = event if isinstance(event, int) else event.xid
+        recovery = None if isinstance(event, int) else event.recovery_action
+        if xid in self.xids:
+            return self.xids[xid]
+        entry = xid_catalog().get(xid)
+        if entry is None:
+            return self.unknown_xid
+        if entry.bucket == "XID_154":
+            return RECOVERY_ACTIONS[recovery] if recovery is not None else self.xid_154_default
+        return self.buckets.get(entry.bucket, self.unknown_xid)
+
+    def decide(self, events: Iterable[XidEvent | int]) -> Action:
+        """The one action for everything seen on a node: the most disruptive of each Xid's action."""
+        actions = [self.action_for(event) for event in events]
+        return max(actions, key=lambda action: action.severity, default=Action.OBSERVE)
+
+
+def policy_from_mapping(data: Mapping[str, Any], *, origin: str = "policy") -> Policy:
+    """Build a policy from overrides; keys left out keep their defaults.
+
+    Raises:
+        PolicyError: naming the field that is wrong.
+    """
+    defaults = Policy()
+    merged: dict[str, Any] = {
+        "buckets": {**defaults.buckets, **(data.get("buckets") or {})},
+        "xids": {**defaults.xids, **(data.get("xids") or {})},
+    }
+    merged.update({key: value for key, value in data.items() if key not in merged})
+    try:
+        return Policy.model_validate(merged)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors()
+        )
+        raise PolicyError(f"{origin}: {problems}") from None
+
+
+def load_policy(path: Path | None) -> Policy:
+    """The default policy, or the defaults overridden by the YAML file at ``path``.
+
+    Raises:
+        PolicyError: the file is missing, is not YAML, or names an unknown field or action.
+    """
+    if path is None:
+        return Policy()
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except OSError as exc:
+        raise PolicyError(f"{path}: cannot read the policy file: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise PolicyError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise PolicyError(f"{path}: expected a mapping with 'buckets', 'xids' or 'unknown_xid'")
+    return policy_from_mapping(data, origin=str(path))

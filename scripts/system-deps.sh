@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs Debian's slurm-wlm and munge when missing (as root), else says what to install.
+set -euo pipefail
+missing=()
+for tool in slurmctld slurmd munged scontrol sbatch; do
+  command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing slurm-wlm and munge (missing: ${missing[*]})"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null
+  exit 0
+fi
+echo "missing: ${missing[*]}" >&2
+echo "install Slurm and MUNGE first, e.g. as root: apt-get install slurm-wlm munge" >&2
+exit 1

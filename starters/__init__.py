@@ -1,0 +1,1 @@
+"""The gpufleet command: start, signal and query workflows."""

@@ -1,0 +1,281 @@
+"""The ``gpufleet`` command for people (tables, progress) and scripts (``--json``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.service import RPCError
+
+from models.constants import REMEDIATION_WORKFLOW, remediation_workflow_id
+from models.incident import IncidentStatus, Outcome, Step
+from models.names import InvalidName, validate_cluster_name, validate_node_name
+from models.settings import Settings
+from models.xid import XidEvent
+from starters.server import dev_server_argv
+from starters.temporal import TemporalUnreachable, connect, report_xid
+from workflows.remediation import NodeRemediationWorkflow
+
+app = typer.Typer(
+    help="gpufleet: turn GPU failures into automatic, audited recoveries (Temporal + Slurm + Kubernetes).",
+    no_args_is_help=True,
+    add_completion=False,
+)
+incidents_app = typer.Typer(help="List and inspect incidents.", no_args_is_help=True)
+app.add_typer(incidents_app, name="incidents")
+
+console = Console()
+err = Console(stderr=True)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    err.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code)
+
+
+def run_async(coro: Any) -> Any:
+    try:
+        return asyncio.run(coro)
+    except TemporalUnreachable as exc:
+        fail(str(exc))
+    except InvalidName as exc:
+        fail(str(exc), code=2)
+
+
+async def _client() -> Client:
+    return await connect()
+
+
+# -- server --------------------------------------------------------------------------------------
+
+
+@app.command()
+def server(
+    port: Annotated[int, typer.Option(help="Temporal frontend (gRPC) port.")] = 7233,
+    ui_port: Annotated[int, typer.Option(help="Temporal UI port.")] = 8233,
+    db: Annotated[Path | None, typer.Option(help="SQLite file (default: $GPUFLEET_HOME/temporal.db).")] = None,
+) -> None:
+    """Run the local Temporal dev server (UI on --ui-port), with gpufleet's search attributes."""
+    settings = Settings()
+    db_file = db or settings.home / "temporal.db"
+    db_file.parent.mkdir(parents=True, exist_ok=True)
+    argv = dev_server_argv(db_file=db_file, port=port, ui_port=ui_port)
+    console.print(f"Temporal dev server on localhost:{port}, UI on http://localhost:{ui_port} (db {db_file})")
+    os.execv(argv[0], argv)
+
+
+# -- remediate -----------------------------------------------------------------------------------
+
+
+def _print_status(status: IncidentStatus, *, as_json: bool) -> None:
+    if as_json:
+        print(status.model_dump_json())
+        return
+    console.print(
+        f"[bold]{status.incident_id}[/]  node {status.node}  Xid {', '.join(map(str, status.xids)) or '-'}  "
+        f"action {status.action or '-'}  outcome [bold]{status.outcome}[/]"
+    )
+    if status.spare:
+        console.print(f"replacement: {status.spare}")
+    if status.unrequeued:
+        console.print(f"[yellow]not requeued:[/] {status.unrequeued}")
+    if status.error:
+        console.print(f"[red]error:[/] {status.error}")
+    table = Table("time (UTC)", "+s", "step", "event", "detail")
+    start = status.timeline[0].at if status.timeline else None
+    for entry in status.timeline:
+        offset = f"{(entry.at - start).total_seconds():.1f}" if start else ""
+        table.add_row(entry.at.strftime("%H:%M:%S.%f")[:-3], offset, entry.step, entry.event, entry.detail)
+    console.print(table)
+
+
+async def _wait_for(
+    handle: Any, *, until_closed: bool, show_progress: bool, timeout: float
+) -> tuple[IncidentStatus | None, str | None]:
+    """Poll the incident until it closes (or leaves classification); returns (status, failure)."""
+    deadline = time.monotonic() + timeout
+    status: IncidentStatus | None = None
+    with console.status("waiting for the incident", spinner="dots") if show_progress else _Null() as spinner:
+        while time.monotonic() < deadline:
+            description = await handle.describe()
+            if description.status != WorkflowExecutionStatus.RUNNING:
+                try:
+                    status = await handle.result()
+                    return status, None
+                except WorkflowFailureError as exc:
+                    cause = exc.cause
+                    return status, str(cause.message if hasattr(cause, "message") else cause)
+            try:
+                status = await handle.query(NodeRemediationWorkflow.status)
+            except RPCError:
+                status = None
+            if status is not None:
+                if spinner is not None:
+                    spinner.update(f"{status.node}: {status.step} ({status.outcome})")
+                if not until_closed and status.step != Step.CLASSIFY:
+                    return status, None
+            await asyncio.sleep(0.3)
+    return status, f"still running after {timeout:.0f}s"
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *args: object) -> None:
+        return None
+
+
+@app.command()
+def remediate(
+    node: Annotated[str, typer.Argument(help="The failed node (Slurm and Kubernetes name).")],
+    xid: Annotated[int, typer.Option(help="The Xid seen on the node, e.g. 79 (fallen off the bus).")],
+    cluster: Annotated[str | None, typer.Option(help="Cluster name (default: $GPUFLEET_CLUSTER or 'lab').")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until the incident closes.")] = False,
+    timeout: Annotated[float, typer.Option(help="With --wait: give up waiting after this many seconds.")] = 3600,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the incident as JSON.")] = False,
+) -> None:
+    """Open (or join) the incident for NODE with an Xid, as the detector would."""
+    settings = Settings()
+    cluster = cluster or settings.cluster
+    try:
+        validate_node_name(node)
+        validate_cluster_name(cluster)
+    except InvalidName as exc:
+        fail(str(exc), code=2)
+
+    async def go() -> int:
+        client = await _client()
+        event = XidEvent(node=node, xid=xid, source="cli", message="reported with gpufleet remediate")
+        handle = await report_xid(client, event, cluster=cluster)
+        if not as_json:
+            console.print(f"incident workflow [bold]{handle.id}[/] (Xid {xid} on {node})")
+        status, failure = await _wait_for(
+            handle, until_closed=wait, show_progress=not as_json, timeout=timeout if wait else 60
+        )
+        if failure:
+            err.print(f"[bold red]error:[/] {failure}")
+            if as_json and status is not None:
+                print(status.model_dump_json())
+            return 1
+        if status is not None:
+            if wait or as_json:
+                _print_status(status, as_json=as_json)
+            else:
+                console.print(f"running: step {status.step}; follow with `gpufleet incidents show {handle.id}`")
+        return 0 if status is None or status.outcome != Outcome.FAILED else 1
+
+    raise typer.Exit(run_async(go()))
+
+
+# -- signals -------------------------------------------------------------------------------------
+
+
+@app.command("checkpoint-done")
+def checkpoint_done(
+    job_id: Annotated[int, typer.Argument(help="The Slurm job that saved its checkpoint.")],
+    node: Annotated[str, typer.Option(help="A node of the job that has an open incident.")],
+    cluster: Annotated[str | None, typer.Option(help="Cluster name.")] = None,
+) -> None:
+    """Tell the node's incident that JOB_ID has checkpointed, so its grace period ends early."""
+    cluster = cluster or Settings().cluster
+
+    async def go() -> None:
+        client = await _client()
+        handle = client.get_workflow_handle(remediation_workflow_id(cluster, validate_node_name(node)))
+        try:
+            await handle.signal(NodeRemediationWorkflow.checkpoint_done, job_id)
+        except RPCError as exc:
+            fail(f"no open incident for {node}: {exc.message}")
+
+    run_async(go())
+
+
+@app.command("spare-available")
+def spare_available(
+    node: Annotated[str, typer.Argument(help="The failed node whose incident waits for a spare.")],
+    cluster: Annotated[str | None, typer.Option(help="Cluster name.")] = None,
+) -> None:
+    """Tell an incident waiting for a spare to look again now."""
+    cluster = cluster or Settings().cluster
+
+    async def go() -> None:
+        client = await _client()
+        handle = client.get_workflow_handle(remediation_workflow_id(cluster, validate_node_name(node)))
+        try:
+            await handle.signal(NodeRemediationWorkflow.spare_available)
+        except RPCError as exc:
+            fail(f"no open incident for {node}: {exc.message}")
+
+    run_async(go())
+
+
+# -- incidents -----------------------------------------------------------------------------------
+
+
+@incidents_app.command("list")
+def incidents_list(
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON array for scripts.")] = False,
+    limit: Annotated[int, typer.Option(help="At most this many, newest first.")] = 50,
+) -> None:
+    """List incidents, newest first."""
+
+    async def go() -> list[dict[str, Any]]:
+        client = await _client()
+        rows = []
+        async for execution in client.list_workflows(f"WorkflowType='{REMEDIATION_WORKFLOW}'", limit=limit):
+            rows.append(
+                {
+                    "id": execution.id,
+                    "run_id": execution.run_id,
+                    "status": execution.status.name if execution.status else "",
+                    "start_time": execution.start_time.isoformat(),
+                    "close_time": execution.close_time.isoformat() if execution.close_time else None,
+                }
+            )
+        return rows
+
+    rows = run_async(go())
+    if as_json:
+        print(json.dumps(rows))
+        return
+    table = Table("incident workflow", "status", "started", "closed")
+    for row in rows:
+        table.add_row(row["id"], row["status"], _short(row["start_time"]), _short(row["close_time"]))
+    console.print(table)
+
+
+def _short(stamp: str | None) -> str:
+    return datetime.fromisoformat(stamp).strftime("%Y-%m-%d %H:%M:%S") if stamp else "-"
+
+
+@incidents_app.command("show")
+def incidents_show(
+    incident: Annotated[str, typer.Argument(help="Workflow ID (remediate-CLUSTER-NODE) or a node name.")],
+    cluster: Annotated[str | None, typer.Option(help="Cluster, when INCIDENT is a node name.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="The incident as JSON.")] = False,
+) -> None:
+    """Show an incident: outcome, jobs, spare and its timeline."""
+    workflow_id = incident if incident.startswith("remediate-") else remediation_workflow_id(
+        cluster or Settings().cluster, incident
+    )
+
+    async def go() -> IncidentStatus:
+        client = await _client()
+        handle = client.get_workflow_handle(workflow_id)
+        try:
+            status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
+        except RPCError as exc:
+            fail(f"no incident {workflow_id}: {exc.message}")
+        return status
+
+    _print_status(run_async(go()), as_json=as_json)

@@ -1,0 +1,83 @@
+"""Connecting to Temporal, and starting or joining a node's incident (signal-with-start)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from temporalio.client import Client, WorkflowHandle
+from temporalio.common import TypedSearchAttributes
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.envconfig import ClientConfig
+
+from models.constants import SA_CLUSTER, SA_GPU_NODE, SA_XID, TASK_QUEUE, remediation_workflow_id
+from models.incident import IncidentStatus, RemediationInput
+from models.names import validate_cluster_name, validate_node_name
+from models.xid import XidEvent
+from workflows.remediation import NodeRemediationWorkflow
+
+
+class TemporalUnreachable(ConnectionError):
+    """The Temporal server did not answer; the message names the address."""
+
+
+def connect_config(profile: str | None = None) -> dict[str, Any]:
+    """Temporal's env-config (``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``, profiles), with our defaults."""
+    config: dict[str, Any] = dict(ClientConfig.load_client_connect_config(profile=profile))
+    config.setdefault("target_host", "localhost:7233")
+    return config
+
+
+async def connect(*, profile: str | None = None, timeout_seconds: float = 10.0) -> Client:
+    """Connect with the pydantic data converter.
+
+    Raises:
+        TemporalUnreachable: naming the address, when nothing answers there.
+    """
+    config = connect_config(profile)
+    address = config.pop("target_host")
+    try:
+        return await asyncio.wait_for(
+            Client.connect(address, data_converter=pydantic_data_converter, **config),
+            timeout=timeout_seconds,
+        )
+    except (RuntimeError, OSError, TimeoutError) as exc:
+        raise TemporalUnreachable(
+            f"cannot reach the Temporal server at {address} ({exc}). Start one with `gpufleet server`, "
+            "or set TEMPORAL_ADDRESS (or a Temporal env-config profile) to your cluster."
+        ) from None
+
+
+async def report_xid(
+    client: Client,
+    event: XidEvent,
+    *,
+    cluster: str,
+    options: RemediationInput | None = None,
+    search_attributes: bool = True,
+) -> WorkflowHandle[NodeRemediationWorkflow, IncidentStatus]:
+    """Open the node's incident, or join the open one, with this Xid (signal-with-start)."""
+    validate_cluster_name(cluster)
+    validate_node_name(event.node)
+    params = options or RemediationInput(cluster=cluster, node=event.node)
+    attributes = (
+        TypedSearchAttributes(
+            [
+                SA_GPU_NODE.value_set(event.node),
+                SA_CLUSTER.value_set(cluster),
+                SA_XID.value_set(event.xid),
+            ]
+        )
+        if search_attributes
+        else None
+    )
+    return await client.start_workflow(
+        NodeRemediationWorkflow.run,
+        params,
+        id=remediation_workflow_id(cluster, event.node),
+        task_queue=TASK_QUEUE,
+        start_signal="report_xid",
+        start_signal_args=[event],
+        search_attributes=attributes,
+        static_summary=f"Xid {event.xid} on {event.node} ({cluster})",
+    )

@@ -1,0 +1,44 @@
+"""The ``gpufleet`` console script: the starter commands plus ``worker`` (and ``lab``).
+
+This is the composition root: it alone may see every room, so it lives with the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from models.policy import PolicyError
+from models.settings import Settings
+from starters.cli import app, fail, run_async
+from starters.temporal import connect
+
+
+@app.command()
+def worker() -> None:
+    """Run a worker on task queue 'gpufleet' (settings from GPUFLEET_* and Temporal env-config)."""
+    from workers.main import run_worker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings()
+
+    async def go() -> None:
+        client = await connect()
+        await run_worker(client, settings)
+
+    try:
+        run_async(go())
+    except PolicyError as exc:
+        fail(f"policy file: {exc}")
+    except KeyboardInterrupt:
+        pass
+
+
+def main() -> None:
+    try:
+        from lab.cli import lab_app
+    except ImportError:  # the lab extra is not installed
+        lab_app = None
+    if lab_app is not None:
+        app.add_typer(lab_app, name="lab")
+    app()
+
