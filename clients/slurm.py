@@ -1,9 +1,15 @@
-"""Slurm through its CLI (``sinfo``, ``squeue``, ``scontrol``, ``scancel``), JSON where 22.05 has it."""
+"""Slurm through its CLI (``scontrol``, ``squeue``, ``scancel``), JSON where 22.05 has it.
+
+Nodes are read with ``scontrol show -o node``: ``sinfo`` only lists nodes that belong to a
+partition, and a spare outside every partition must still be visible. 22.05's scontrol has
+no JSON, so its one-line records are parsed here.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import threading
 from pathlib import Path
@@ -22,7 +28,7 @@ _UNREACHABLE = (
     "zero bytes were transmitted",
     "munge",
 )
-_NOT_FOUND = ("invalid node name", "invalid job id", "does not exist", "invalid partition name")
+_NOT_FOUND = ("invalid node name", "invalid job id", "does not exist", "invalid partition name", "not found")
 _REFUSED = ("presently disabled", "only batch jobs", "not requeueable", "access/permission denied")
 
 
@@ -116,15 +122,19 @@ class SlurmCli:
     # -- nodes ------------------------------------------------------------------------------------
 
     def nodes(self) -> list[NodeInfo]:
-        data = self._json(["sinfo", "--json"])
-        return [_node_from_json(raw) for raw in data.get("nodes", [])]
+        out = self._run(["scontrol", "show", "-o", "node"])
+        return [parse_node_record(line) for line in out.splitlines() if line.startswith("NodeName=")]
 
     def node(self, name: str) -> NodeInfo:
         name = self._safe(name)
-        for info in self.nodes():
-            if info.name == name:
-                return info
-        raise NotFound(f"Slurm has no node named {name!r}")
+        try:
+            out = self._run(["scontrol", "show", "-o", "node", name])
+        except NotFound:
+            raise NotFound(f"Slurm has no node named {name!r}") from None
+        records = [parse_node_record(line) for line in out.splitlines() if line.startswith("NodeName=")]
+        if not records or records[0].name != name:
+            raise NotFound(f"Slurm has no node named {name!r}")
+        return records[0]
 
     def drain(self, name: str, *, reason: str) -> NodeInfo:
         """Drain with our reason; a node someone else drained keeps their reason.
@@ -223,14 +233,22 @@ class SlurmCli:
 _ACTIVE_STATES = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "SIGNALING"}
 
 
-def _node_from_json(raw: dict[str, Any]) -> NodeInfo:
-    state = raw.get("state", "")
+_FIELD = re.compile(r"(?:^| )(NodeName|State|Partitions)=(\S*)")
+_REASON = re.compile(r" Reason=(.*?)(?: \[[^\]]*\])?$")
+
+
+def parse_node_record(line: str) -> NodeInfo:
+    """One line of ``scontrol show -o node``: ``State=IDLE+DRAIN``, ``Reason=... [user@time]`` last."""
+    fields = dict(_FIELD.findall(line))
+    base, *flags = fields.get("State", "UNKNOWN").split("+")
+    reason = _REASON.search(line.rstrip())
+    partitions = fields.get("Partitions", "")
     return NodeInfo(
-        name=raw["name"],
-        state=str(state).lower(),
-        flags=[str(flag).upper() for flag in raw.get("state_flags", [])],
-        reason=raw.get("reason", "") or "",
-        partitions=list(raw.get("partitions", [])),
+        name=fields["NodeName"],
+        state=base.rstrip("*~#%$@^!").lower(),
+        flags=[flag.upper() for flag in flags] + (["NOT_RESPONDING"] if base.endswith("*") else []),
+        reason=reason.group(1).strip() if reason else "",
+        partitions=[p for p in partitions.split(",") if p and p != "(null)"],
     )
 
 

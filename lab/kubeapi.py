@@ -1,0 +1,234 @@
+"""An emulated Kubernetes API server, built on kmock's KubernetesEmulator.
+
+kmock keeps objects in memory and serves list/get/create/patch/delete. We add what
+gpufleet relies on and a real API server does:
+
+- ``resourceVersion`` on every write, and 409 Conflict when a write names a stale one;
+- label selectors and field selectors on lists;
+- the eviction subresource: 429 while a PodDisruptionBudget forbids it, else the pod goes.
+
+Run it as ``python -m lab.kubeapi --port N --seed FILE --kubeconfig FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import signal
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiohttp.web
+import attrs
+import kmock
+from kmock._internal import enums, rendering
+
+from lab.selectors import SelectorError, field_selector, label_selector
+
+PODS = kmock.resource("", "v1", "pods")
+NODES = kmock.resource("", "v1", "nodes")
+PDBS = kmock.resource("policy", "v1", "poddisruptionbudgets")
+
+
+def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:
+    body = {
+        "apiVersion": "v1",
+        "kind": "Status",
+        "metadata": {},
+        "status": "Success" if code < 300 else "Failure",
+        "code": code,
+        "reason": reason,
+        "message": message,
+    }
+    return aiohttp.web.json_response(body, status=code)
+
+
+@attrs.define(kw_only=True)
+class KubeApiEmulator(kmock.KubernetesEmulator):
+    """KubernetesEmulator with resourceVersions, selectors and evictions."""
+
+    _version: int = attrs.field(default=0, init=False)
+    _write_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        for res in (PODS, NODES, PDBS):
+            self.resources[res]  # declare, so empty lists answer 200 rather than 404
+
+    def next_version(self) -> str:
+        self._version += 1
+        return str(self._version)
+
+    def seed(self, resource: kmock.resource, obj: dict[str, Any]) -> None:
+        """Add an object directly (lab set-up), stamped like an API write."""
+        meta = obj.setdefault("metadata", {})
+        self._stamp_new(meta)
+        self.objects[resource, meta.get("namespace"), meta["name"]] = obj
+
+    def _stamp_new(self, meta: dict[str, Any]) -> None:
+        meta["resourceVersion"] = self.next_version()
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("creationTimestamp", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+
+    def _live(self, resource: kmock.resource, namespace: str | None = None) -> list[dict[str, Any]]:
+        found = []
+        for (res, ns, _name), obj in self.objects.items():
+            if res == resource and not obj.deleted and (namespace is None or ns == namespace):
+                found.append(dict(obj.raw))
+        return found
+
+    def _find(self, resource: kmock.resource, namespace: str | None, name: str) -> Any | None:
+        for (res, ns, obj_name), obj in self.objects.items():
+            if res == resource and ns == namespace and obj_name == name and not obj.deleted:
+                return obj
+        return None
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        if request.resource == PODS and request.subresource == "eviction" and request.method == enums.method.POST:
+            async with self._write_lock:
+                return await self._evict(request)
+        if request.resource is None or request.action not in (enums.action.CREATE, enums.action.UPDATE):
+            return await super()._handle(request)
+        async with self._write_lock:
+            if isinstance(request.data, dict):
+                meta = request.data.setdefault("metadata", {})
+                if request.action == enums.action.UPDATE and request.name is not None:
+                    current = self._find(request.resource, request.namespace, request.name)
+                    wanted = meta.get("resourceVersion")
+                    have = current.raw.get("metadata", {}).get("resourceVersion") if current else None
+                    if current is not None and wanted and wanted != have:
+                        return _status(
+                            409,
+                            "Conflict",
+                            f'Operation cannot be fulfilled on {request.resource.plural} "{request.name}": '
+                            "the object has been modified; please apply your changes to the latest version "
+                            "and try again",
+                        )
+                    meta["resourceVersion"] = self.next_version()
+                else:
+                    self._stamp_new(meta)
+            return await super()._handle(request)
+
+    async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
+        payload = await super()._serve_list(request)
+        assert isinstance(payload, dict)
+        try:
+            labels = label_selector(request.params.get("labelSelector", ""))
+            fields = field_selector(request.params.get("fieldSelector", ""))
+        except SelectorError as exc:
+            raise kmock.KubernetesError(status=400, reason="BadRequest", message=str(exc)) from None
+        payload["items"] = [
+            item for item in payload["items"]
+            if labels(item.get("metadata", {}).get("labels") or {}) and fields(item)
+        ]
+        payload["metadata"] = {"resourceVersion": str(self._version)}
+        return payload
+
+    async def _evict(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        assert request.name is not None
+        pod = self._find(PODS, request.namespace, request.name)
+        if pod is None:
+            return _status(404, "NotFound", f'pods "{request.name}" not found')
+        pod_labels = pod.raw.get("metadata", {}).get("labels") or {}
+        for pdb in self._live(PDBS, request.namespace):
+            selector = (pdb.get("spec", {}).get("selector") or {}).get("matchLabels") or {}
+            if not selector or any(pod_labels.get(k) != v for k, v in selector.items()):
+                continue
+            if self._disruptions_allowed(pdb, selector, request.namespace) <= 0:
+                return _status(
+                    429,
+                    "TooManyRequests",
+                    "Cannot evict pod as it would violate the pod's disruption budget.",
+                )
+        await self._remove(PODS, request.namespace, request.name)
+        return _status(201, "", "")
+
+    def _disruptions_allowed(self, pdb: dict[str, Any], selector: dict[str, str], namespace: str | None) -> int:
+        healthy = sum(
+            1
+            for pod in self._live(PODS, namespace)
+            if all((pod.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in selector.items())
+            and (pod.get("status") or {}).get("phase", "Running") == "Running"
+        )
+        spec = pdb.get("spec", {})
+        if "minAvailable" in spec:
+            return healthy - int(spec["minAvailable"])
+        if "maxUnavailable" in spec:
+            expected = int((pdb.get("status") or {}).get("expectedPods", healthy))
+            return int(spec["maxUnavailable"]) - (expected - healthy)
+        return 1
+
+    async def _remove(self, resource: kmock.resource, namespace: str | None, name: str) -> None:
+        obj = self._find(resource, namespace, name)
+        if obj is None:
+            return
+        raw = dict(obj.raw)
+        obj.delete()
+        await self._buses[resource].put({"type": "DELETED", "object": raw})
+
+
+def node_object(name: str, *, pool: str, ready: bool = True) -> dict[str, Any]:
+    """A Node as the lab seeds it: Ready, labelled with its gpufleet pool."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "gpufleet.io/pool": pool}},
+        "spec": {},
+        "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+def write_kubeconfig(path: Path, *, server: str) -> Path:
+    """A kubeconfig that points the official client at the emulator."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "gpufleet-lab", "cluster": {"server": server}}],
+        "users": [{"name": "gpufleet-lab", "user": {"token": "lab"}}],
+        "contexts": [{"name": "gpufleet-lab", "context": {"cluster": "gpufleet-lab", "user": "gpufleet-lab"}}],
+        "current-context": "gpufleet-lab",
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return path
+
+
+async def serve(*, port: int, seed: Path | None, kubeconfig: Path | None, ready_file: Path | None) -> None:
+    emulator = KubeApiEmulator()
+    if seed is not None:
+        data = json.loads(seed.read_text(encoding="utf-8"))
+        for obj in data.get("nodes", []):
+            emulator.seed(NODES, obj)
+        for obj in data.get("pods", []):
+            emulator.seed(PODS, obj)
+        for obj in data.get("pdbs", []):
+            emulator.seed(PDBS, obj)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with emulator, kmock.Server(emulator, port=port, host="127.0.0.1") as server:
+        url = f"http://127.0.0.1:{server.port}"
+        if kubeconfig is not None:
+            write_kubeconfig(kubeconfig, server=url)
+        if ready_file is not None:
+            ready_file.write_text(url, encoding="utf-8")
+        print(f"emulated Kubernetes API on {url}", flush=True)
+        await stop.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m lab.kubeapi", description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (0: any free port)")
+    parser.add_argument("--seed", type=Path, help="JSON file with 'nodes', 'pods' and 'pdbs' to start with")
+    parser.add_argument("--kubeconfig", type=Path, help="write a kubeconfig for the server here")
+    parser.add_argument("--ready-file", type=Path, help="write the server URL here once it listens")
+    args = parser.parse_args()
+    asyncio.run(serve(port=args.port, seed=args.seed, kubeconfig=args.kubeconfig, ready_file=args.ready_file))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""A real Slurm cluster on one machine: a private munged, slurmctld and one ``slurmd -N`` per node."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import pwd
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lab.procs import free_port, pids_with_env, spawn, stop, wait_for
+
+
+def slurm_installed() -> bool:
+    return all(shutil.which(tool) for tool in ("slurmctld", "slurmd", "munged", "scontrol", "sbatch"))
+
+
+@dataclass
+class SlurmLabSpec:
+    nodes: list[str] = field(default_factory=lambda: ["gpu1", "gpu2", "gpu3", "gpu4"])
+    spares: list[str] = field(default_factory=lambda: ["spare1", "spare2"])
+    partition: str = "train"
+    cpus_per_node: int = 1
+    # How long a requeued job waits before it may start again (Slurm's default is 120 s).
+    requeue_delay_seconds: int = 5
+
+
+class SlurmLab:
+    """Start and stop the daemons under ``root``; every PID is recorded in ``root/pids.json``."""
+
+    def __init__(self, root: Path, spec: SlurmLabSpec | None = None) -> None:
+        self.root = root.resolve()
+        self.spec = spec or SlurmLabSpec()
+        self.conf = self.root / "slurm.conf"
+        self.munge_socket = self.root / "munge" / "munge.socket"
+        self.logs = self.root / "log"
+        self._pids_file = self.root / "pids.json"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment in which the Slurm commands talk to this cluster."""
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def pids(self) -> dict[str, int]:
+        if not self._pids_file.exists():
+            return {}
+        data: dict[str, int] = json.loads(self._pids_file.read_text())
+        return data
+
+    def _record(self, name: str, pid: int) -> None:
+        pids = self.pids()
+        pids[name] = pid
+        self._pids_file.write_text(json.dumps(pids))
+
+    # -- start ------------------------------------------------------------------------------------
+
+    def start(self, *, timeout: float = 60.0) -> None:
+        if not slurm_installed():
+            raise RuntimeError("Slurm is not installed: apt-get install slurm-wlm munge (or run make test as root)")
+        for folder in ("munge", "state", "spool", "log"):
+            (self.root / folder).mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root / "munge", 0o700)
+        self._start_munge()
+        self._write_conf()
+        self._record("slurmctld", spawn(["slurmctld", "-D", "-i", "-f", str(self.conf)],
+                                        log=self.logs / "slurmctld.out", env=self.env))
+        wait_for(self._controller_up, timeout=timeout, what="slurmctld to answer")
+        for node in self.all_nodes:
+            (self.root / "spool" / node).mkdir(exist_ok=True)
+            self._record(f"slurmd-{node}", spawn(["slurmd", "-D", "-N", node, "-f", str(self.conf)],
+                                                log=self.logs / f"slurmd-{node}.out", env=self.env))
+        wait_for(self._nodes_up, timeout=timeout, what="every slurmd to register")
+
+    @property
+    def all_nodes(self) -> list[str]:
+        return [*self.spec.nodes, *self.spec.spares]
+
+    def _start_munge(self) -> None:
+        key = self.root / "munge" / "munge.key"
+        if not key.exists():
+            key.write_bytes(os.urandom(1024))
+            key.chmod(0o600)
+        argv = [
+            "munged", "-F", "--force",
+            f"--socket={self.munge_socket}",
+            f"--key-file={key}",
+            f"--pid-file={self.root / 'munge' / 'munged.pid'}",
+            f"--seed-file={self.root / 'munge' / 'munged.seed'}",
+            f"--log-file={self.logs / 'munged.log'}",
+        ]
+        self._record("munged", spawn(argv, log=self.logs / "munged.out"))
+        wait_for(self.munge_socket.exists, timeout=10, what="munged to create its socket")
+
+    def _write_conf(self) -> None:
+        user = getpass.getuser()
+        spec = self.spec
+        lines = [
+            "ClusterName=gpufleetlab",
+            "SlurmctldHost=localhost",
+            f"SlurmUser={user}",
+            f"SlurmdUser={user}",
+            f"SlurmctldPort={free_port()}",
+            f"SlurmdPort={free_port()}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={self.munge_socket},cred_expire={spec.requeue_delay_seconds}",
+            f"StateSaveLocation={self.root / 'state'}",
+            f"SlurmdSpoolDir={self.root / 'spool'}/%n",
+            f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
+            f"SlurmdPidFile={self.root / 'spool'}/slurmd-%n.pid",
+            f"SlurmctldLogFile={self.logs / 'slurmctld.log'}",
+            f"SlurmdLogFile={self.logs}/slurmd-%n.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "SchedulerType=sched/backfill",
+            "SchedulerParameters=bf_interval=1,sched_min_interval=100000",
+            "ReturnToService=2",
+            "MpiDefault=none",
+            "JobCompType=jobcomp/none",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "SlurmdParameters=config_overrides",
+            "SlurmctldTimeout=10",
+            "SlurmdTimeout=30",
+            "KillWait=10",
+            "MinJobAge=600",
+            "PlugStackConfig=/dev/null",
+        ]
+        for node in self.all_nodes:
+            lines.append(
+                f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={free_port()} "
+                f"CPUs={spec.cpus_per_node} RealMemory=256 State=UNKNOWN"
+            )
+        lines.append(f"PartitionName={spec.partition} Nodes={','.join(spec.nodes)} Default=YES MaxTime=INFINITE State=UP")
+        self.conf.write_text("\n".join(lines) + "\n")
+        if os.geteuid() == 0 and user != "root":
+            pwd.getpwnam(user)  # a named SlurmUser must exist
+
+    def scontrol(self, *args: str) -> str:
+        done = subprocess.run(["scontrol", *args], env=self.env, capture_output=True, text=True, timeout=15,
+                              check=True)
+        return done.stdout
+
+    def _controller_up(self) -> bool:
+        return "UP" in self.scontrol("ping")
+
+    def _nodes_up(self) -> bool:
+        out = self.scontrol("show", "-o", "node")
+        states = {
+            fields["NodeName"]: fields["State"]
+            for fields in (dict(re.findall(r"(NodeName|State)=(\S+)", line)) for line in out.splitlines())
+            if "NodeName" in fields
+        }
+        return all(states.get(node) == "IDLE" for node in self.all_nodes)
+
+    # -- jobs -------------------------------------------------------------------------------------
+
+    def sbatch(self, script: Path, *args: str, env: dict[str, str] | None = None) -> int:
+        """Submit a batch script; returns the job ID."""
+        done = subprocess.run(["sbatch", "--parsable", *args, str(script)], env={**self.env, **(env or {})},
+                              capture_output=True, text=True, timeout=30, check=True)
+        return int(done.stdout.strip().split(";")[0])
+
+    # -- stop -------------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop every daemon this lab started and every job step they left behind."""
+        if self.conf.exists():
+            subprocess.run(["scancel", "--user", getpass.getuser()], env=self.env,
+                           capture_output=True, timeout=15, check=False)
+        pids = self.pids()
+        daemons = [pid for name, pid in pids.items() if name.startswith("slurmd")]
+        stop(daemons)
+        stop([pid for name, pid in pids.items() if name == "slurmctld"])
+        # slurmstepd and the job processes carry the lab's SLURM_CONF in their environment.
+        stop(pids_with_env("SLURM_CONF", str(self.conf)), timeout=3)
+        stop([pid for name, pid in pids.items() if name == "munged"])
+        if self._pids_file.exists():
+            self._pids_file.unlink()
