@@ -54,17 +54,11 @@ class SlurmActivities:
                 signalled.append(job_id)
         return signalled
 
-    @activity.defn(name="wait_jobs_stopped")
-    def wait_jobs_stopped(self, request: WaitJobsRequest) -> list[int]:
-        """Wait, heartbeating, until the jobs have stopped; returns those still running at the deadline."""
-        deadline = time.monotonic() + request.timeout_seconds
-        while True:
-            with client_errors():
-                running = [job_id for job_id in request.job_ids if not self._stopped(job_id)]
-            activity.heartbeat(f"{len(running)} job(s) still running")
-            if not running or time.monotonic() >= deadline:
-                return running
-            time.sleep(self._poll)
+    @activity.defn(name="jobs_still_running")
+    def still_running(self, job_ids: list[int]) -> list[int]:
+        """The jobs among ``job_ids`` that have not stopped yet (a job Slurm forgot has stopped)."""
+        with client_errors():
+            return [job_id for job_id in job_ids if not self._stopped(job_id)]
 
     def _stopped(self, job_id: int) -> bool:
         try:

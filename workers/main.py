@@ -46,7 +46,7 @@ def build_activities(settings: Settings) -> list[Any]:
         slurm_acts.drain_node,
         slurm_acts.jobs_on_node,
         slurm_acts.signal_jobs,
-        slurm_acts.wait_jobs_stopped,
+        slurm_acts.still_running,
         slurm_acts.requeue_jobs,
         slurm_acts.wait_jobs_resumed,
         kube_acts.cordon_and_drain,

@@ -269,36 +269,33 @@ class NodeRemediationWorkflow:
         self._done(Step.CLAIM_SPARE, f"{spare} joined the partition")
 
     async def _grace(self, job_ids: list[int], grace_seconds: float) -> str:
-        """Wait until the jobs stopped or reported their checkpoints, at most the grace period."""
-        stopped = workflow.start_activity_method(
-            SlurmActivities.wait_jobs_stopped,
-            WaitJobsRequest(job_ids=job_ids, timeout_seconds=grace_seconds),
-            start_to_close_timeout=timedelta(seconds=grace_seconds + 60),
-            heartbeat_timeout=HEARTBEAT,
-            retry_policy=RETRY,
-            summary="wait for the jobs to checkpoint and exit",
-        )
+        """Wait until the jobs stopped or reported their checkpoints, at most the grace period.
 
-        async def all_checkpointed() -> None:
-            await workflow.wait_condition(
-                lambda: all(job_id in self._checkpointed for job_id in job_ids),
-                timeout=timedelta(seconds=grace_seconds),
+        The grace is a workflow timer; between short checks of the jobs the workflow sleeps,
+        waking at once on ``checkpoint_done``. Checks start at 0.5 s (jobs usually exit right
+        after saving) and back off to 5 s, so a full grace costs a few dozen short activities.
+        """
+        deadline = workflow.now() + timedelta(seconds=grace_seconds)
+        interval = 0.5
+        while True:
+            if all(job_id in self._checkpointed for job_id in job_ids):
+                return "every job reported its checkpoint"
+            running: list[int] = await self._activity(
+                SlurmActivities.still_running, job_ids, summary="check which jobs still run"
             )
-
-        checkpointed = asyncio.ensure_future(all_checkpointed())
-        done, _ = await workflow.wait([stopped, checkpointed], return_when=asyncio.FIRST_COMPLETED)
-        if stopped in done:
-            checkpointed.cancel()
-            still_running: list[int] = stopped.result()
-            if still_running:
-                return f"grace of {grace_seconds:.0f}s over; {len(still_running)} job(s) still running"
-            return "jobs exited after checkpointing"
-        stopped.cancel()
-        try:
-            checkpointed.result()
-        except TimeoutError:
-            return f"grace of {grace_seconds:.0f}s over"
-        return "every job reported its checkpoint"
+            if not running:
+                return "jobs exited after checkpointing"
+            remaining = (deadline - workflow.now()).total_seconds()
+            if remaining <= 0:
+                return f"grace of {grace_seconds:.0f}s over; {len(running)} job(s) still running"
+            try:
+                await workflow.wait_condition(
+                    lambda: all(job_id in self._checkpointed for job_id in job_ids),
+                    timeout=timedelta(seconds=min(interval, remaining)),
+                )
+            except TimeoutError:
+                pass
+            interval = min(interval * 2, 5.0)
 
     # -- helpers ------------------------------------------------------------------------------------
 

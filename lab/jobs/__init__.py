@@ -1,0 +1,1 @@
+"""Example jobs a researcher would submit with sbatch."""

@@ -1,0 +1,105 @@
+"""Shared fixtures: the real Slurm lab, the emulated Kubernetes API, a webhook receiver, Temporal binaries."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lab.kubeapi import node_object
+from lab.slurm import SlurmLab, SlurmLabSpec, slurm_installed
+from lab.webhook import WebhookReceiver
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def venv_binary(name: str) -> str:
+    path = Path(sysconfig.get_path("scripts")) / name
+    if not path.exists():
+        pytest.fail(f"{name} is missing from the virtualenv: run `make test` (it installs the dev extra)")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def temporal_test_server() -> str:
+    return venv_binary("temporal-test-server")
+
+
+@pytest.fixture(scope="session")
+def temporal_cli() -> str:
+    return venv_binary("temporal")
+
+
+def _require_slurm() -> None:
+    if not slurm_installed():
+        pytest.fail("Slurm is not installed: run `make test` as root, or apt-get install slurm-wlm munge")
+
+
+@pytest.fixture(scope="session")
+def slurm_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmLab]:
+    """A real Slurm cluster: gpu1..gpu3 in partition 'train', spare1 and spare2 outside it."""
+    _require_slurm()
+    lab = SlurmLab(
+        tmp_path_factory.mktemp("slurm"),
+        SlurmLabSpec(nodes=["gpu1", "gpu2", "gpu3"], spares=["spare1", "spare2"]),
+    )
+    lab.start()
+    yield lab
+    lab.stop()
+
+
+class KubeApiProcess:
+    """The emulated API server as its own process, reached over HTTP by the official client."""
+
+    def __init__(self, root: Path, seed: dict[str, object]) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.seed_file = root / "seed.json"
+        self.seed_file.write_text(json.dumps(seed))
+        self.kubeconfig = root / "kubeconfig"
+        ready = root / "ready"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lab.kubeapi", "--seed", str(self.seed_file),
+             "--kubeconfig", str(self.kubeconfig), "--ready-file", str(ready)],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=open(root / "kubeapi.log", "wb"),  # noqa: SIM115
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"emulated API server did not start: {(root / 'kubeapi.log').read_text()}")
+            time.sleep(0.05)
+        self.url = ready.read_text()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def lab_seed(training: list[str], spares: list[str]) -> dict[str, object]:
+    nodes = [node_object(n, pool="training") for n in training] + [node_object(n, pool="spare") for n in spares]
+    return {"nodes": nodes}
+
+
+@pytest.fixture
+def kube_api(tmp_path: Path) -> Iterator[KubeApiProcess]:
+    """A fresh emulated API server with Nodes mirroring the Slurm lab."""
+    api = KubeApiProcess(tmp_path / "kube", lab_seed(["gpu1", "gpu2", "gpu3"], ["spare1", "spare2"]))
+    yield api
+    api.stop()
+
+
+@pytest.fixture
+def webhook() -> Iterator[WebhookReceiver]:
+    receiver = WebhookReceiver(0).start_background()
+    yield receiver
+    receiver.shutdown()
+    receiver.server_close()
