@@ -193,7 +193,12 @@ class SlurmCli:
             return
         if not job.requeue:
             raise InvalidInput(f"job {job_id} was submitted with --no-requeue")
-        self._run(["scontrol", "requeue", str(int(job_id))])
+        try:
+            self._run(["scontrol", "requeue", str(int(job_id))])
+        except ClientError as exc:
+            # Between our read and the requeue the job may already have gone back to pending.
+            if "pending execution" not in str(exc).lower():
+                raise
 
     def _hostnames(self, hostlist: str) -> list[str]:
         if not hostlist:

@@ -1,0 +1,109 @@
+"""The policy over the whole Xid catalog, combinations of Xids, and operator override files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from models.policy import DEFAULT_BUCKET_ACTIONS, Action, Policy, PolicyError, load_policy
+from models.xid import RecoveryAction, XidEvent, xid_catalog
+
+REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "xid-catalog.csv"
+
+APPLICATION_XIDS = [13, 31, 43, 45, 68, 69]
+
+
+def test_catalog_covers_every_reference_row() -> None:
+    catalog = xid_catalog()
+    assert len(catalog) == 41
+    assert catalog[79].name == "GPU has fallen off the bus"
+    assert catalog[79].bucket == "RESTART_BM"
+    if REFERENCE.exists():  # the shared facts sit beside the checkout
+        import csv
+
+        rows = {int(r["xid"]): r["immediate_action"] for r in csv.DictReader(REFERENCE.open())}
+        assert {xid: entry.bucket for xid, entry in catalog.items()} == rows
+
+
+@pytest.mark.parametrize("xid", sorted(xid_catalog()))
+def test_every_catalog_xid_gets_a_deliberate_action(xid: int) -> None:
+    entry = xid_catalog()[xid]
+    action = Policy().action_for(xid)
+    if xid == 79:
+        assert action is Action.REPLACE_NODE
+    elif entry.bucket == "XID_154":
+        assert action is Action.RESET_GPU  # no recovery action reported: assume a reset is needed
+    else:
+        assert entry.bucket in DEFAULT_BUCKET_ACTIONS, f"bucket {entry.bucket} of Xid {xid} has no action"
+        assert action is DEFAULT_BUCKET_ACTIONS[entry.bucket]
+
+
+@pytest.mark.parametrize("xid", APPLICATION_XIDS)
+def test_application_errors_are_observed(xid: int) -> None:
+    assert Policy().decide([xid]) is Action.OBSERVE
+
+
+@pytest.mark.parametrize(
+    ("xids", "expected"),
+    [
+        ([79], Action.REPLACE_NODE),
+        ([48], Action.RESET_GPU),
+        ([13, 79], Action.REPLACE_NODE),
+        ([45, 48], Action.RESET_GPU),
+        ([43, 13], Action.OBSERVE),
+        ([54], Action.REPLACE_NODE),
+        ([], Action.OBSERVE),
+        ([999], Action.OBSERVE),
+    ],
+)
+def test_the_most_disruptive_action_wins(xids: list[int], expected: Action) -> None:
+    assert Policy().decide(xids) is expected
+
+
+@pytest.mark.parametrize(
+    ("recovery", "expected"),
+    [
+        (RecoveryAction.NONE, Action.OBSERVE),
+        (RecoveryAction.GPU_RESET, Action.RESET_GPU),
+        (RecoveryAction.NODE_REBOOT, Action.REBOOT_NODE),
+        (RecoveryAction.DRAIN_AND_RESET, Action.RESET_GPU),
+    ],
+)
+def test_xid_154_follows_the_recovery_action_it_names(recovery: RecoveryAction, expected: Action) -> None:
+    event = XidEvent(node="gpu1", xid=154, recovery_action=recovery)
+    assert Policy().decide([event]) is expected
+
+
+def test_override_file_changes_only_what_it_names(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text("xids:\n  74: REPLACE_NODE\nbuckets:\n  RESTART_APP: RESET_GPU\n")
+    policy = load_policy(path)
+    assert policy.decide([74]) is Action.REPLACE_NODE
+    assert policy.decide([13]) is Action.RESET_GPU
+    assert policy.decide([79]) is Action.REPLACE_NODE  # defaults kept
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("xids:\n  79: EXPLODE\n", "xids.79"),
+        ("buckets:\n  IGNORE: [1]\n", "buckets.IGNORE"),
+        ("unknown_xid: SOMETIMES\n", "unknown_xid"),
+        ("colour: blue\n", "colour"),
+        ("- 1\n- 2\n", "expected a mapping"),
+        ("xids: {79: [unclosed\n", "not valid YAML"),
+    ],
+)
+def test_invalid_override_file_names_the_field(tmp_path: Path, text: str, named: str) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    with pytest.raises(PolicyError) as error:
+        load_policy(path)
+    assert named in str(error.value)
+    assert str(path) in str(error.value)
+
+
+def test_missing_override_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match="cannot read the policy file"):
+        load_policy(tmp_path / "absent.yaml")
