@@ -182,10 +182,21 @@ class SlurmCli:
         raise NotFound(f"Slurm has no job {job_id}")
 
     def signal_job(self, job_id: int, *, signal: str = "TERM") -> None:
+        """Signal each running step of the job, or its batch shell when it runs no step.
+
+        The tasks are what must see the signal to save a checkpoint. A job-wide SIGTERM is
+        a cancel to slurmctld, and signalling the batch shell with srun in it (``--full``)
+        makes srun force its step down: both kill the tasks before they could save.
+        """
         if signal not in {"TERM", "INT", "USR1", "USR2", "HUP"}:
             raise InvalidInput(f"refusing to send signal {signal!r}")
-        # --full reaches the batch shell as well as every step, as a checkpointing job expects.
-        self._run(["scancel", f"--signal={signal}", "--full", str(int(job_id))])
+        job = str(int(job_id))
+        listed = self._run(["squeue", "--steps", "--noheader", "--format=%i", f"--jobs={job}"]).split()
+        steps = [step for step in listed if step.partition(".")[2].isdigit()]
+        if not steps:
+            self._run(["scancel", f"--signal={signal}", "--batch", job])
+        for step in steps:
+            self._run(["scancel", f"--signal={signal}", step])
 
     def requeue(self, job_id: int) -> None:
         job = self.job(job_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import os
@@ -12,7 +13,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lab.procs import free_port, pids_with_env, spawn, stop, wait_for
+from lab.procs import alive, free_port, pids_with_env, spawn, stop, wait_for
 
 
 def slurm_installed() -> bool:
@@ -66,7 +67,7 @@ class SlurmLab:
         os.chmod(self.root / "munge", 0o700)
         self._start_munge()
         self._write_conf()
-        self._record("slurmctld", spawn(["slurmctld", "-D", "-i", "-f", str(self.conf)],
+        self._record("slurmctld", spawn(["slurmctld", "-D", "-c", "-i", "-f", str(self.conf)],
                                         log=self.logs / "slurmctld.out", env=self.env))
         wait_for(self._controller_up, timeout=timeout, what="slurmctld to answer")
         for node in self.all_nodes:
@@ -171,10 +172,11 @@ class SlurmLab:
 
     def stop(self) -> None:
         """Stop every daemon this lab started and every job step they left behind."""
-        if self.conf.exists():
-            subprocess.run(["scancel", "--user", getpass.getuser()], env=self.env,
-                           capture_output=True, timeout=15, check=False)
         pids = self.pids()
+        if self.conf.exists() and alive(pids.get("slurmctld", 0)):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                subprocess.run(["scancel", "--user", getpass.getuser()], env=self.env,
+                               capture_output=True, timeout=15, check=False)
         daemons = [pid for name, pid in pids.items() if name.startswith("slurmd")]
         stop(daemons)
         stop([pid for name, pid in pids.items() if name == "slurmctld"])

@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from temporalio.client import Client, WorkflowHandle
-from temporalio.common import TypedSearchAttributes
+from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfig
 
@@ -63,9 +63,9 @@ async def report_xid(
     attributes = (
         TypedSearchAttributes(
             [
-                SA_GPU_NODE.value_set(event.node),
-                SA_CLUSTER.value_set(cluster),
-                SA_XID.value_set(event.xid),
+                SearchAttributePair(SA_GPU_NODE, event.node),
+                SearchAttributePair(SA_CLUSTER, cluster),
+                SearchAttributePair(SA_XID, event.xid),
             ]
         )
         if search_attributes

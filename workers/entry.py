@@ -42,3 +42,7 @@ def main() -> None:
         app.add_typer(lab_app, name="lab")
     app()
 
+
+
+if __name__ == "__main__":
+    main()

@@ -190,27 +190,13 @@ class NodeRemediationWorkflow:
             return
         self._done(Step.APPROVE, "REPLACE_NODE by policy")
 
-        # 7 and 8, side by side: retire the failed node while the spare joins.
-        await asyncio.gather(self._retire(params), self._bring_in_spare(params))
-
-        # 9. resume
+        # 7 and 8, side by side: the failed node is retired while the spare joins, and the
+        # jobs may run again as soon as the spare is in (9), whatever the retirement still does.
         requeued = [job_id for job_id in job_ids if job_id not in status.unrequeued]
-        self._enter(Step.RESUME)
-        if requeued:
-            resumed: list[JobInfo] = await self._activity(
-                SlurmActivities.wait_jobs_resumed,
-                WaitJobsRequest(
-                    job_ids=requeued,
-                    timeout_seconds=params.resume_timeout_seconds,
-                    restarts_before=restarts_before,
-                ),
-                summary=f"wait for jobs {', '.join(map(str, requeued))} to run again",
-                timeout=timedelta(seconds=params.resume_timeout_seconds + 60),
-            )
-            status.jobs = resumed
-            self._done(Step.RESUME, ", ".join(f"{job.job_id} on {job.nodes}" for job in resumed))
-        else:
-            self._done(Step.RESUME, "no jobs to resume")
+        await asyncio.gather(
+            self._retire(params),
+            self._replace_and_resume(params, requeued, restarts_before),
+        )
         status.outcome = Outcome.RESOLVED
         await self._notify(
             "resolved",
@@ -237,6 +223,27 @@ class NodeRemediationWorkflow:
         self._enter(Step.RETIRE_NODE)
         await self._activity(SpareActivities.retire_node, params.node, summary=f"retire {params.node}")
         self._done(Step.RETIRE_NODE)
+
+    async def _replace_and_resume(
+        self, params: RemediationInput, requeued: list[int], restarts_before: dict[int, int]
+    ) -> None:
+        await self._bring_in_spare(params)
+        self._enter(Step.RESUME)
+        if not requeued:
+            self._done(Step.RESUME, "no jobs to resume")
+            return
+        resumed: list[JobInfo] = await self._activity(
+            SlurmActivities.wait_jobs_resumed,
+            WaitJobsRequest(
+                job_ids=requeued,
+                timeout_seconds=params.resume_timeout_seconds,
+                restarts_before=restarts_before,
+            ),
+            summary=f"wait for jobs {', '.join(map(str, requeued))} to run again",
+            timeout=timedelta(seconds=params.resume_timeout_seconds + 60),
+        )
+        self._status.jobs = resumed
+        self._done(Step.RESUME, ", ".join(f"{job.job_id} on {job.nodes}" for job in resumed))
 
     async def _bring_in_spare(self, params: RemediationInput) -> None:
         status = self._status

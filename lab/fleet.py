@@ -1,0 +1,242 @@
+"""The whole local fleet lab: Temporal dev server, Slurm, emulated Kubernetes, webhook receiver, worker.
+
+Everything runs detached, under ``home`` (``$GPUFLEET_HOME``, default ``./.gpufleet``), and
+every PID is recorded in ``home/lab.json`` so that ``down`` stops exactly what ``up`` started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lab.kubeapi import node_object
+from lab.procs import alive, free_port, port_in_use, spawn, stop, wait_for
+from lab.slurm import SlurmLab, SlurmLabSpec
+from starters.server import dev_server_argv
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+Say = Callable[[str], None]
+
+
+@dataclass
+class LabConfig:
+    training: list[str] = field(default_factory=lambda: ["gpu1", "gpu2", "gpu3", "gpu4"])
+    spares: list[str] = field(default_factory=lambda: ["spare1", "spare2"])
+    partition: str = "train"
+    cluster: str = "lab"
+    temporal_port: int = 7233
+    ui_port: int = 8233
+    grace_seconds: float = 120.0
+    requeue_delay_seconds: int = 5
+
+
+class LabError(RuntimeError):
+    """The lab cannot do what was asked; the message says why and what to do."""
+
+
+class FleetLab:
+    def __init__(self, home: Path, config: LabConfig | None = None) -> None:
+        self.home = home.resolve()
+        self.state_file = self.home / "lab.json"
+        saved = self._load()
+        self.config = LabConfig(**saved["config"]) if saved.get("config") and config is None else (
+            config or LabConfig()
+        )
+        self.slurm = SlurmLab(
+            self.home / "slurm",
+            SlurmLabSpec(
+                nodes=list(self.config.training),
+                spares=list(self.config.spares),
+                partition=self.config.partition,
+                requeue_delay_seconds=self.config.requeue_delay_seconds,
+            ),
+        )
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def _load(self) -> dict[str, Any]:
+        if not self.state_file.exists():
+            return {}
+        data: dict[str, Any] = json.loads(self.state_file.read_text())
+        return data
+
+    def _save(self, state: dict[str, Any]) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.state_file.write_text(json.dumps(state, indent=2))
+
+    def state(self) -> dict[str, Any]:
+        return self._load()
+
+    def running(self) -> bool:
+        state = self._load()
+        return bool(state) and all(alive(pid) for pid in self.recorded_pids())
+
+    def recorded_pids(self) -> list[int]:
+        state = self._load()
+        pids = [svc["pid"] for svc in state.get("services", {}).values() if "pid" in svc]
+        pids += list(self.slurm.pids().values())
+        return pids
+
+    def env(self) -> dict[str, str]:
+        """Environment for the gpufleet CLI, the worker and sbatch against this lab."""
+        state = self._load()
+        services = state.get("services", {})
+        env = {
+            **os.environ,
+            "GPUFLEET_HOME": str(self.home),
+            "GPUFLEET_CLUSTER": self.config.cluster,
+            "GPUFLEET_PARTITION": self.config.partition,
+            "GPUFLEET_SLURM_CONF": str(self.slurm.conf),
+            "GPUFLEET_GRACE_SECONDS": str(self.config.grace_seconds),
+            "SLURM_CONF": str(self.slurm.conf),
+            "PYTHONPATH": str(REPO_ROOT),
+        }
+        if "temporal" in services:
+            env["TEMPORAL_ADDRESS"] = services["temporal"]["address"]
+        if "kubeapi" in services:
+            env["GPUFLEET_KUBECONFIG"] = services["kubeapi"]["kubeconfig"]
+        if "webhook" in services:
+            env["GPUFLEET_WEBHOOK_URL"] = services["webhook"]["url"]
+        return env
+
+    # -- up ---------------------------------------------------------------------------------------
+
+    def up(self, say: Say = lambda _: None) -> dict[str, Any]:
+        """Start what is not running yet; a second call reuses what runs."""
+        state = self._load()
+        services: dict[str, Any] = state.get("services", {})
+        state["config"] = asdict(self.config)
+        self.home.mkdir(parents=True, exist_ok=True)
+        logs = self.home / "logs"
+
+        def running(name: str) -> bool:
+            return name in services and alive(services[name]["pid"])
+
+        if running("temporal"):
+            say(f"Temporal already running at {services['temporal']['address']}")
+        else:
+            port = self._port(self.config.temporal_port, "Temporal", say)
+            ui_port = self._port(self.config.ui_port, "Temporal UI", say)
+            argv = dev_server_argv(db_file=self.home / "temporal.db", port=port, ui_port=ui_port)
+            pid = spawn(argv, log=logs / "temporal.log")
+            services["temporal"] = {"pid": pid, "address": f"127.0.0.1:{port}", "ui": f"http://localhost:{ui_port}"}
+            say(f"starting Temporal dev server on 127.0.0.1:{port} (UI http://localhost:{ui_port})")
+            self._save({**state, "services": services})
+            wait_for(lambda: port_in_use(port), timeout=60, what="the Temporal dev server")
+
+        if self.slurm.pids() and all(alive(pid) for pid in self.slurm.pids().values()):
+            say("Slurm already running")
+        else:
+            say(f"starting Slurm: partition {self.config.partition} = {', '.join(self.config.training)}; "
+                f"spares {', '.join(self.config.spares)}")
+            if self.slurm.pids():
+                self.slurm.stop()  # a partial cluster from an earlier run
+            self.slurm.start()
+
+        if running("kubeapi"):
+            say(f"Kubernetes API already running at {services['kubeapi']['url']}")
+        else:
+            seed = self.home / "kube-seed.json"
+            seed.write_text(json.dumps(self._kube_seed()))
+            ready = self.home / "kubeapi.url"
+            ready.unlink(missing_ok=True)
+            kubeconfig = self.home / "kubeconfig"
+            pid = spawn([sys.executable, "-m", "lab.kubeapi", "--seed", str(seed), "--kubeconfig", str(kubeconfig),
+                         "--ready-file", str(ready)], log=logs / "kubeapi.log", env=self.env(), cwd=REPO_ROOT)
+            wait_for(ready.exists, timeout=30, what="the emulated Kubernetes API")
+            services["kubeapi"] = {"pid": pid, "url": ready.read_text(), "kubeconfig": str(kubeconfig)}
+            say(f"emulated Kubernetes API on {services['kubeapi']['url']} (kubeconfig {kubeconfig})")
+            self._save({**state, "services": services})
+
+        if running("webhook"):
+            say(f"webhook receiver already running at {services['webhook']['url']}")
+        else:
+            ready = self.home / "webhook.url"
+            ready.unlink(missing_ok=True)
+            pid = spawn([sys.executable, "-m", "lab.webhook", "--record", str(self.notifications_file),
+                         "--ready-file", str(ready)], log=logs / "webhook.log", env=self.env(), cwd=REPO_ROOT)
+            wait_for(ready.exists, timeout=30, what="the webhook receiver")
+            services["webhook"] = {"pid": pid, "url": ready.read_text()}
+            say(f"webhook receiver on {services['webhook']['url']} (records {self.notifications_file})")
+            self._save({**state, "services": services})
+
+        if running("worker"):
+            say("worker already running")
+        else:
+            pid = spawn([sys.executable, "-m", "workers.entry", "worker"], log=logs / "worker.log", env=self.env(),
+                        cwd=REPO_ROOT)
+            services["worker"] = {"pid": pid}
+            self._save({**state, "services": services})
+            time.sleep(1.0)
+            if not alive(pid):
+                raise LabError(f"the worker exited at once; see {logs / 'worker.log'}")
+            say("worker running on task queue gpufleet")
+        state = {**state, "services": services}
+        self._save(state)
+        return state
+
+    @property
+    def notifications_file(self) -> Path:
+        return self.home / "notifications.jsonl"
+
+    def notifications(self) -> list[dict[str, Any]]:
+        if not self.notifications_file.exists():
+            return []
+        return [json.loads(line) for line in self.notifications_file.read_text().splitlines() if line.strip()]
+
+    def _port(self, wanted: int, what: str, say: Say) -> int:
+        if wanted and not port_in_use(wanted):
+            return wanted
+        port = free_port()
+        if wanted:
+            say(f"port {wanted} for {what} is in use; using {port} instead")
+        return port
+
+    def _kube_seed(self) -> dict[str, Any]:
+        nodes = [node_object(n, pool="training") for n in self.config.training]
+        nodes += [node_object(n, pool="spare") for n in self.config.spares]
+        pods = [
+            {
+                "metadata": {"name": f"inference-{n}", "namespace": "serving", "labels": {"app": "inference"}},
+                "spec": {"nodeName": n, "containers": [{"name": "server", "image": "vllm/vllm-openai"}]},
+                "status": {"phase": "Running"},
+            }
+            for n in self.config.training
+        ]
+        pdbs = [
+            {
+                "metadata": {"name": "inference", "namespace": "serving"},
+                "spec": {"minAvailable": max(len(self.config.training) - 1, 0),
+                         "selector": {"matchLabels": {"app": "inference"}}},
+            }
+        ]
+        return {"nodes": nodes, "pods": pods, "pdbs": pdbs}
+
+    # -- down -------------------------------------------------------------------------------------
+
+    def down(self, say: Say = lambda _: None) -> list[int]:
+        """Stop everything ``up`` started; returns the PIDs that were stopped."""
+        state = self._load()
+        services = state.get("services", {})
+        pids = self.recorded_pids()
+        for name in ("worker", "webhook", "kubeapi"):
+            if name in services:
+                say(f"stopping {name}")
+                stop([services[name]["pid"]])
+        say("stopping Slurm")
+        self.slurm.stop()
+        if "temporal" in services:
+            say("stopping Temporal")
+            stop([services["temporal"]["pid"]])
+        left = [pid for pid in pids if alive(pid)]
+        if left:
+            raise LabError(f"processes still running after lab down: {left}")
+        state.pop("services", None)
+        self._save(state)
+        return pids

@@ -1,0 +1,136 @@
+"""End to end over every real part: Temporal dev server, worker, Slurm daemons, emulated Kubernetes, webhook.
+
+A two-node checkpointing job runs on gpu1 and gpu2; ``gpufleet remediate gpu1 --xid 79 --wait``
+must leave gpu1 drained and out of the partition, its Node deleted, spare1 serving, the job
+requeued once and resumed from its checkpoint, and the owner told "opened" and "resolved".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from clients.kube import KubernetesApi
+from clients.slurm import SlurmCli
+from lab.fleet import REPO_ROOT, FleetLab, LabConfig
+from lab.procs import alive
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
+
+COUNTER_JOB = REPO_ROOT / "lab" / "jobs" / "counter.sbatch"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
+    config = LabConfig(training=["gpu1", "gpu2"], spares=["spare1"], temporal_port=0, ui_port=0,
+                       grace_seconds=30)
+    lab = FleetLab(tmp_path_factory.mktemp("fleet"), config)
+    lab.up()
+    yield lab
+    pids = lab.down()
+    assert not [pid for pid in pids if alive(pid)]
+
+
+def gpufleet(lab: FleetLab, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "workers.entry", *args], env=lab.env(), cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def wait_until(check, timeout: float = 60.0, what: str = "condition"):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def activity_types(lab: FleetLab, workflow_id: str) -> list[str]:
+    async def fetch() -> list[str]:
+        client = await Client.connect(lab.env()["TEMPORAL_ADDRESS"], data_converter=pydantic_data_converter)
+        history = await client.get_workflow_handle(workflow_id).fetch_history()
+        return [
+            event.activity_task_scheduled_event_attributes.activity_type.name
+            for event in history.events
+            if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        ]
+
+    return asyncio.run(fetch())
+
+
+def test_xid_79_recovers_a_running_job(fleet: FleetLab, tmp_path: Path) -> None:
+    slurm = SlurmCli(slurm_conf=fleet.slurm.conf)
+    kube = KubernetesApi(kubeconfig=Path(fleet.env()["GPUFLEET_KUBECONFIG"]))
+    log = tmp_path / "counter.log"
+    job_id = fleet.slurm.sbatch(
+        COUNTER_JOB, "-o", str(log),
+        env={"PYTHON": sys.executable, "CHECKPOINT": str(tmp_path / "ckpt.json"), "PYTHONPATH": str(REPO_ROOT)},
+    )
+    wait_until(lambda: log.exists() and "checkpoint saved" in log.read_text(), what="a first checkpoint")
+
+    done = gpufleet(fleet, "remediate", "gpu1", "--xid", "79", "--wait", "--json")
+    assert done.returncode == 0, done.stderr
+    incident = json.loads(done.stdout.strip().splitlines()[-1])
+    assert incident["outcome"] == "resolved"
+    assert incident["spare"] == "spare1"
+
+    gpu1 = slurm.node("gpu1")
+    assert gpu1.drained or gpu1.state == "down"
+    assert gpu1.reason.startswith("gpufleet:") and "xid 79" in gpu1.reason
+    assert "train" not in gpu1.partitions
+    assert "gpu1" not in [node.name for node in kube.list_nodes()]
+    assert "spare1" in slurm.partition_nodes("train")
+    assert kube.get_node("spare1").ready and not slurm.node("spare1").drained
+
+    job = slurm.job(job_id)
+    assert job.restarts == 1 and job.state == "RUNNING"
+    assert set(job.nodes.split(",")) == {"gpu2", "spare1"}
+    resumed = wait_until(lambda: re.search(r"resumed from step (\d+)", log.read_text()), what="resume line")
+    assert int(resumed.group(1)) > 0
+
+    kinds = [message["kind"] for message in fleet.notifications()]
+    assert "opened" in kinds and "resolved" in kinds
+    assert all(message["incident"]["node"] == "gpu1" for message in fleet.notifications())
+
+    scheduled = activity_types(fleet, "remediate-lab-gpu1")
+    for step in ["slurm_node_state", "classify_xids", "notify", "drain_slurm_node", "jobs_on_node", "signal_jobs",
+                 "jobs_still_running", "requeue_jobs", "cordon_and_drain_node", "claim_spare", "retire_node",
+                 "wait_jobs_resumed"]:
+        assert step in scheduled, f"{step} missing from the workflow history"
+
+    shown = gpufleet(fleet, "incidents", "show", "remediate-lab-gpu1")
+    assert shown.returncode == 0 and "resolved" in shown.stdout and "drain_slurm" in shown.stdout
+    listed = json.loads(gpufleet(fleet, "incidents", "list", "--json").stdout)
+    assert any(row["id"] == "remediate-lab-gpu1" and row["status"] == "COMPLETED" for row in listed)
+
+
+def test_unknown_node_fails_with_a_message_and_leaves_nothing_running(fleet: FleetLab) -> None:
+    done = gpufleet(fleet, "remediate", "nosuch", "--xid", "79")
+    assert done.returncode != 0
+    assert "no node named 'nosuch'" in done.stderr
+
+    async def status() -> WorkflowExecutionStatus | None:
+        client = await Client.connect(fleet.env()["TEMPORAL_ADDRESS"])
+        return (await client.get_workflow_handle("remediate-lab-nosuch").describe()).status
+
+    assert asyncio.run(status()) == WorkflowExecutionStatus.FAILED
+
+
+def test_unsafe_node_name_is_rejected_before_anything_runs(fleet: FleetLab) -> None:
+    done = gpufleet(fleet, "remediate", "gpu1;reboot", "--xid", "79")
+    assert done.returncode == 2
+    assert "invalid node name" in done.stderr
+    listed = json.loads(gpufleet(fleet, "incidents", "list", "--json").stdout)
+    assert not any("reboot" in row["id"] for row in listed)
