@@ -13,8 +13,21 @@ from clients.slurm import SlurmClient
 from models.incident import JobInfo, NodeInfo, RequeueResult
 from models.requests import DrainRequest, SignalJobsRequest, WaitJobsRequest
 
-_STOPPED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-            "OUT_OF_MEMORY", "PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "DEADLINE"}
+_STOPPED = {
+    "COMPLETED",
+    "CANCELLED",
+    "FAILED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "OUT_OF_MEMORY",
+    "PENDING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "DEADLINE",
+}
 
 
 class SlurmActivities:
@@ -89,7 +102,8 @@ class SlurmActivities:
             with client_errors():
                 jobs = [self._slurm.job(job_id) for job_id in request.job_ids]
             waiting = [
-                job for job in jobs
+                job
+                for job in jobs
                 if not (job.state == "RUNNING" and job.restarts > request.restarts_before.get(job.job_id, 0))
             ]
             activity.heartbeat(f"{len(waiting)} job(s) not running again yet")

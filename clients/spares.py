@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol
 
 from clients.errors import Conflict, NotFound
@@ -78,8 +79,6 @@ class SparePool:
     def retire(self, node: str) -> None:
         """Take the failed node out of the partition and the pool, and delete its Node."""
         self._slurm.remove_from_partition(self._partition, node)
-        try:
+        with contextlib.suppress(NotFound):
             self._kube.update_metadata(node, labels={POOL_LABEL: POOL_RETIRED})
-        except NotFound:
-            pass
         self._kube.delete_node(node)

@@ -11,8 +11,9 @@ from rich.console import Console
 from lab.fleet import FleetLab, LabError
 from models.settings import Settings
 
-lab_app = typer.Typer(help="The local fleet lab: Temporal, Slurm, emulated Kubernetes, webhook, worker.",
-                      no_args_is_help=True)
+lab_app = typer.Typer(
+    help="The local fleet lab: Temporal, Slurm, emulated Kubernetes, webhook, worker.", no_args_is_help=True
+)
 console = Console()
 
 
@@ -21,8 +22,9 @@ def _lab(home: Path | None) -> FleetLab:
 
 
 @lab_app.command()
-def up(home: Annotated[Path | None, typer.Option(help="State folder (default $GPUFLEET_HOME or ./.gpufleet).")] = None
-       ) -> None:
+def up(
+    home: Annotated[Path | None, typer.Option(help="State folder (default $GPUFLEET_HOME or ./.gpufleet).")] = None,
+) -> None:
     """Start the lab, detached; a second call reuses what already runs."""
     try:
         state = _lab(home).up(say=console.print)

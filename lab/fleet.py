@@ -45,8 +45,8 @@ class FleetLab:
         self.home = home.resolve()
         self.state_file = self.home / "lab.json"
         saved = self._load()
-        self.config = LabConfig(**saved["config"]) if saved.get("config") and config is None else (
-            config or LabConfig()
+        self.config = (
+            LabConfig(**saved["config"]) if saved.get("config") and config is None else (config or LabConfig())
         )
         self.slurm = SlurmLab(
             self.home / "slurm",
@@ -133,8 +133,10 @@ class FleetLab:
         if self.slurm.pids() and all(alive(pid) for pid in self.slurm.pids().values()):
             say("Slurm already running")
         else:
-            say(f"starting Slurm: partition {self.config.partition} = {', '.join(self.config.training)}; "
-                f"spares {', '.join(self.config.spares)}")
+            say(
+                f"starting Slurm: partition {self.config.partition} = {', '.join(self.config.training)}; "
+                f"spares {', '.join(self.config.spares)}"
+            )
             if self.slurm.pids():
                 self.slurm.stop()  # a partial cluster from an earlier run
             self.slurm.start()
@@ -147,8 +149,22 @@ class FleetLab:
             ready = self.home / "kubeapi.url"
             ready.unlink(missing_ok=True)
             kubeconfig = self.home / "kubeconfig"
-            pid = spawn([sys.executable, "-m", "lab.kubeapi", "--seed", str(seed), "--kubeconfig", str(kubeconfig),
-                         "--ready-file", str(ready)], log=logs / "kubeapi.log", env=self.env(), cwd=REPO_ROOT)
+            pid = spawn(
+                [
+                    sys.executable,
+                    "-m",
+                    "lab.kubeapi",
+                    "--seed",
+                    str(seed),
+                    "--kubeconfig",
+                    str(kubeconfig),
+                    "--ready-file",
+                    str(ready),
+                ],
+                log=logs / "kubeapi.log",
+                env=self.env(),
+                cwd=REPO_ROOT,
+            )
             wait_for(ready.exists, timeout=30, what="the emulated Kubernetes API")
             services["kubeapi"] = {"pid": pid, "url": ready.read_text(), "kubeconfig": str(kubeconfig)}
             say(f"emulated Kubernetes API on {services['kubeapi']['url']} (kubeconfig {kubeconfig})")
@@ -159,8 +175,20 @@ class FleetLab:
         else:
             ready = self.home / "webhook.url"
             ready.unlink(missing_ok=True)
-            pid = spawn([sys.executable, "-m", "lab.webhook", "--record", str(self.notifications_file),
-                         "--ready-file", str(ready)], log=logs / "webhook.log", env=self.env(), cwd=REPO_ROOT)
+            pid = spawn(
+                [
+                    sys.executable,
+                    "-m",
+                    "lab.webhook",
+                    "--record",
+                    str(self.notifications_file),
+                    "--ready-file",
+                    str(ready),
+                ],
+                log=logs / "webhook.log",
+                env=self.env(),
+                cwd=REPO_ROOT,
+            )
             wait_for(ready.exists, timeout=30, what="the webhook receiver")
             services["webhook"] = {"pid": pid, "url": ready.read_text()}
             say(f"webhook receiver on {services['webhook']['url']} (records {self.notifications_file})")
@@ -169,8 +197,12 @@ class FleetLab:
         if running("worker"):
             say("worker already running")
         else:
-            pid = spawn([sys.executable, "-m", "workers.entry", "worker"], log=logs / "worker.log", env=self.env(),
-                        cwd=REPO_ROOT)
+            pid = spawn(
+                [sys.executable, "-m", "workers.entry", "worker"],
+                log=logs / "worker.log",
+                env=self.env(),
+                cwd=REPO_ROOT,
+            )
             services["worker"] = {"pid": pid}
             self._save({**state, "services": services})
             time.sleep(1.0)
@@ -212,8 +244,10 @@ class FleetLab:
         pdbs = [
             {
                 "metadata": {"name": "inference", "namespace": "serving"},
-                "spec": {"minAvailable": max(len(self.config.training) - 1, 0),
-                         "selector": {"matchLabels": {"app": "inference"}}},
+                "spec": {
+                    "minAvailable": max(len(self.config.training) - 1, 0),
+                    "selector": {"matchLabels": {"app": "inference"}},
+                },
             }
         ]
         return {"nodes": nodes, "pods": pods, "pdbs": pdbs}

@@ -121,8 +121,7 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         except SelectorError as exc:
             raise kmock.KubernetesError(status=400, reason="BadRequest", message=str(exc)) from None
         payload["items"] = [
-            item for item in payload["items"]
-            if labels(item.get("metadata", {}).get("labels") or {}) and fields(item)
+            item for item in payload["items"] if labels(item.get("metadata", {}).get("labels") or {}) and fields(item)
         ]
         payload["metadata"] = {"resourceVersion": str(self._version)}
         return payload

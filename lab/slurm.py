@@ -67,13 +67,21 @@ class SlurmLab:
         os.chmod(self.root / "munge", 0o700)
         self._start_munge()
         self._write_conf()
-        self._record("slurmctld", spawn(["slurmctld", "-D", "-c", "-i", "-f", str(self.conf)],
-                                        log=self.logs / "slurmctld.out", env=self.env))
+        self._record(
+            "slurmctld",
+            spawn(["slurmctld", "-D", "-c", "-i", "-f", str(self.conf)], log=self.logs / "slurmctld.out", env=self.env),
+        )
         wait_for(self._controller_up, timeout=timeout, what="slurmctld to answer")
         for node in self.all_nodes:
             (self.root / "spool" / node).mkdir(exist_ok=True)
-            self._record(f"slurmd-{node}", spawn(["slurmd", "-D", "-N", node, "-f", str(self.conf)],
-                                                log=self.logs / f"slurmd-{node}.out", env=self.env))
+            self._record(
+                f"slurmd-{node}",
+                spawn(
+                    ["slurmd", "-D", "-N", node, "-f", str(self.conf)],
+                    log=self.logs / f"slurmd-{node}.out",
+                    env=self.env,
+                ),
+            )
         wait_for(self._nodes_up, timeout=timeout, what="every slurmd to register")
 
     @property
@@ -86,7 +94,9 @@ class SlurmLab:
             key.write_bytes(os.urandom(1024))
             key.chmod(0o600)
         argv = [
-            "munged", "-F", "--force",
+            "munged",
+            "-F",
+            "--force",
             f"--socket={self.munge_socket}",
             f"--key-file={key}",
             f"--pid-file={self.root / 'munge' / 'munged.pid'}",
@@ -138,14 +148,15 @@ class SlurmLab:
                 f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={free_port()} "
                 f"CPUs={spec.cpus_per_node} RealMemory=256 State=UNKNOWN"
             )
-        lines.append(f"PartitionName={spec.partition} Nodes={','.join(spec.nodes)} Default=YES MaxTime=INFINITE State=UP")
+        lines.append(
+            f"PartitionName={spec.partition} Nodes={','.join(spec.nodes)} Default=YES MaxTime=INFINITE State=UP"
+        )
         self.conf.write_text("\n".join(lines) + "\n")
         if os.geteuid() == 0 and user != "root":
             pwd.getpwnam(user)  # a named SlurmUser must exist
 
     def scontrol(self, *args: str) -> str:
-        done = subprocess.run(["scontrol", *args], env=self.env, capture_output=True, text=True, timeout=15,
-                              check=True)
+        done = subprocess.run(["scontrol", *args], env=self.env, capture_output=True, text=True, timeout=15, check=True)
         return done.stdout
 
     def _controller_up(self) -> bool:
@@ -164,8 +175,14 @@ class SlurmLab:
 
     def sbatch(self, script: Path, *args: str, env: dict[str, str] | None = None) -> int:
         """Submit a batch script; returns the job ID."""
-        done = subprocess.run(["sbatch", "--parsable", *args, str(script)], env={**self.env, **(env or {})},
-                              capture_output=True, text=True, timeout=30, check=True)
+        done = subprocess.run(
+            ["sbatch", "--parsable", *args, str(script)],
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         return int(done.stdout.strip().split(";")[0])
 
     # -- stop -------------------------------------------------------------------------------------
@@ -175,8 +192,9 @@ class SlurmLab:
         pids = self.pids()
         if self.conf.exists() and alive(pids.get("slurmctld", 0)):
             with contextlib.suppress(subprocess.TimeoutExpired):
-                subprocess.run(["scancel", "--user", getpass.getuser()], env=self.env,
-                               capture_output=True, timeout=15, check=False)
+                subprocess.run(
+                    ["scancel", "--user", getpass.getuser()], env=self.env, capture_output=True, timeout=15, check=False
+                )
         daemons = [pid for name, pid in pids.items() if name.startswith("slurmd")]
         stop(daemons)
         stop([pid for name, pid in pids.items() if name == "slurmctld"])

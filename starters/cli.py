@@ -70,7 +70,7 @@ def server(
     db_file.parent.mkdir(parents=True, exist_ok=True)
     argv = dev_server_argv(db_file=db_file, port=port, ui_port=ui_port)
     console.print(f"Temporal dev server on localhost:{port}, UI on http://localhost:{ui_port} (db {db_file})")
-    os.execv(argv[0], argv)
+    os.execv(argv[0], argv)  # noqa: S606 - replace this process with the server; argv is ours
 
 
 # -- remediate -----------------------------------------------------------------------------------
@@ -265,8 +265,10 @@ def incidents_show(
     as_json: Annotated[bool, typer.Option("--json", help="The incident as JSON.")] = False,
 ) -> None:
     """Show an incident: outcome, jobs, spare and its timeline."""
-    workflow_id = incident if incident.startswith("remediate-") else remediation_workflow_id(
-        cluster or Settings().cluster, incident
+    workflow_id = (
+        incident
+        if incident.startswith("remediate-")
+        else remediation_workflow_id(cluster or Settings().cluster, incident)
     )
 
     async def go() -> IncidentStatus:

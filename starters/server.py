@@ -9,8 +9,15 @@ from pathlib import Path
 
 from models.constants import SEARCH_ATTRIBUTES
 
-_KIND = {"KEYWORD": "Keyword", "INT": "Int", "TEXT": "Text", "BOOL": "Bool", "FLOAT": "Double",
-         "DATETIME": "Datetime", "KEYWORD_LIST": "KeywordList"}
+_KIND = {
+    "KEYWORD": "Keyword",
+    "INT": "Int",
+    "TEXT": "Text",
+    "BOOL": "Bool",
+    "FLOAT": "Double",
+    "DATETIME": "Datetime",
+    "KEYWORD_LIST": "KeywordList",
+}
 
 
 def temporal_binary() -> Path:
@@ -31,11 +38,16 @@ def dev_server_argv(*, db_file: Path, port: int = 7233, ui_port: int = 8233, ip:
         str(temporal_binary()),
         "server",
         "start-dev",
-        "--db-filename", str(db_file),
-        "--ip", ip,
-        "--port", str(port),
-        "--ui-port", str(ui_port),
-        "--log-level", "warn",
+        "--db-filename",
+        str(db_file),
+        "--ip",
+        ip,
+        "--port",
+        str(port),
+        "--ui-port",
+        str(ui_port),
+        "--log-level",
+        "warn",
         "--ui-disable-news-fetch",
     ]
     for key in SEARCH_ATTRIBUTES:

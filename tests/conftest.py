@@ -65,8 +65,17 @@ class KubeApiProcess:
         self.kubeconfig = root / "kubeconfig"
         ready = root / "ready"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lab.kubeapi", "--seed", str(self.seed_file),
-             "--kubeconfig", str(self.kubeconfig), "--ready-file", str(ready)],
+            [
+                sys.executable,
+                "-m",
+                "lab.kubeapi",
+                "--seed",
+                str(self.seed_file),
+                "--kubeconfig",
+                str(self.kubeconfig),
+                "--ready-file",
+                str(ready),
+            ],
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=open(root / "kubeapi.log", "wb"),  # noqa: SIM115

@@ -36,12 +36,11 @@ def worker() -> None:
 def main() -> None:
     try:
         from lab.cli import lab_app
-    except ImportError:  # the lab extra is not installed
-        lab_app = None
-    if lab_app is not None:
+    except ImportError:  # the lab extra (kmock) is not installed: no lab commands
+        pass
+    else:
         app.add_typer(lab_app, name="lab")
     app()
-
 
 
 if __name__ == "__main__":

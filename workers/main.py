@@ -69,8 +69,7 @@ async def run_worker(client: Client, settings: Settings, *, stop: asyncio.Event 
             activity_executor=executor,
             max_concurrent_activities=64,
         )
-        log.info("worker on task queue %s (cluster %s, partition %s)", TASK_QUEUE, settings.cluster,
-                 settings.partition)
+        log.info("worker on task queue %s (cluster %s, partition %s)", TASK_QUEUE, settings.cluster, settings.partition)
         if stop is None:
             await worker.run()
             return

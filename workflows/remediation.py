@@ -8,6 +8,7 @@ spare's claim, and finally watch the jobs run again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import timedelta
 from typing import Any
 
@@ -200,8 +201,7 @@ class NodeRemediationWorkflow:
         status.outcome = Outcome.RESOLVED
         await self._notify(
             "resolved",
-            f"{self._who()}: resolved. {params.node} replaced by {status.spare}; "
-            f"{len(requeued)} job(s) running again.",
+            f"{self._who()}: resolved. {params.node} replaced by {status.spare}; {len(requeued)} job(s) running again.",
         )
         await self._close()
 
@@ -217,7 +217,8 @@ class NodeRemediationWorkflow:
         )
         self._done(
             Step.DRAIN_KUBERNETES,
-            "no Kubernetes node" if not drained.node_found
+            "no Kubernetes node"
+            if not drained.node_found
             else f"evicted {len(drained.evicted)}, forced {len(drained.forced)}",
         )
         self._enter(Step.RETIRE_NODE)
@@ -265,12 +266,10 @@ class NodeRemediationWorkflow:
                     "gpufleet takes the next spare that appears (signal spare_available to hurry it).",
                 )
             self._spare_signalled = False
-            try:
+            with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(
                     lambda: self._spare_signalled, timeout=timedelta(seconds=params.spare_recheck_seconds)
                 )
-            except TimeoutError:
-                pass
         status.spare = spare
         status.waiting_for_spare = False
         self._done(Step.CLAIM_SPARE, f"{spare} joined the partition")
@@ -295,13 +294,11 @@ class NodeRemediationWorkflow:
             remaining = (deadline - workflow.now()).total_seconds()
             if remaining <= 0:
                 return f"grace of {grace_seconds:.0f}s over; {len(running)} job(s) still running"
-            try:
+            with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(
                     lambda: all(job_id in self._checkpointed for job_id in job_ids),
                     timeout=timedelta(seconds=min(interval, remaining)),
                 )
-            except TimeoutError:
-                pass
             interval = min(interval * 2, 5.0)
 
     # -- helpers ------------------------------------------------------------------------------------
@@ -314,9 +311,7 @@ class NodeRemediationWorkflow:
         )
         return action
 
-    async def _activity(
-        self, method: Any, arg: Any, *, summary: str, timeout: timedelta = SHORT
-    ) -> Any:
+    async def _activity(self, method: Any, arg: Any, *, summary: str, timeout: timedelta = SHORT) -> Any:
         return await workflow.execute_activity_method(
             method,
             arg,

@@ -28,16 +28,23 @@ def pod(name: str, node: str, labels: dict[str, str], *, owner: str | None = Non
 @pytest.fixture
 def api(tmp_path: Path) -> Iterator[KubeApiProcess]:
     seed = {
-        "nodes": [node_object("gpu1", pool="training"), node_object("gpu2", pool="training"),
-                  node_object("spare1", pool="spare")],
+        "nodes": [
+            node_object("gpu1", pool="training"),
+            node_object("gpu2", pool="training"),
+            node_object("spare1", pool="spare"),
+        ],
         "pods": [
             pod("web-a", "gpu1", {"app": "web"}),
             pod("web-b", "gpu2", {"app": "web"}),
             pod("batch", "gpu1", {"app": "batch"}),
             pod("agent", "gpu1", {"app": "agent"}, owner="DaemonSet"),
         ],
-        "pdbs": [{"metadata": {"name": "web", "namespace": "default"},
-                  "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "web"}}}}],
+        "pdbs": [
+            {
+                "metadata": {"name": "web", "namespace": "default"},
+                "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "web"}}},
+            }
+        ],
     }
     process = KubeApiProcess(tmp_path / "kube", seed)
     yield process
@@ -73,11 +80,13 @@ def test_cordon_and_taint_are_idempotent(kube: KubernetesApi) -> None:
 
 def test_stale_resource_version_is_a_conflict(kube: KubernetesApi) -> None:
     before = kube.get_node("spare1")
-    kube.update_metadata("spare1", annotations={"gpufleet.io/claimed-by": "a"},
-                         resource_version=before.resource_version)
+    kube.update_metadata(
+        "spare1", annotations={"gpufleet.io/claimed-by": "a"}, resource_version=before.resource_version
+    )
     with pytest.raises(Conflict):
-        kube.update_metadata("spare1", annotations={"gpufleet.io/claimed-by": "b"},
-                             resource_version=before.resource_version)
+        kube.update_metadata(
+            "spare1", annotations={"gpufleet.io/claimed-by": "b"}, resource_version=before.resource_version
+        )
     assert kube.get_node("spare1").annotations["gpufleet.io/claimed-by"] == "a"
 
 

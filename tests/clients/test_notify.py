@@ -12,8 +12,9 @@ from models.incident import IncidentStatus, Notification
 
 
 def note(kind: str) -> Notification:
-    return Notification(kind=kind, text=f"gpu1: {kind}", incident=IncidentStatus(incident_id="i", cluster="lab",
-                                                                               node="gpu1", xids=[79]))
+    return Notification(
+        kind=kind, text=f"gpu1: {kind}", incident=IncidentStatus(incident_id="i", cluster="lab", node="gpu1", xids=[79])
+    )
 
 
 def test_message_has_text_and_the_incident(webhook: WebhookReceiver) -> None:

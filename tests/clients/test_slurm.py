@@ -23,10 +23,17 @@ def slurm(slurm_lab: SlurmLab) -> Iterator[SlurmCli]:
     yield client
     subprocess.run(["scancel", "--user", "root"], env=slurm_lab.env, check=False)
     for node in slurm_lab.all_nodes:
-        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], env=slurm_lab.env,
-                       capture_output=True, check=False)
-    subprocess.run(["scontrol", "update", "PartitionName=train", f"Nodes={','.join(slurm_lab.spec.nodes)}"],
-                   env=slurm_lab.env, check=True)
+        subprocess.run(
+            ["scontrol", "update", f"NodeName={node}", "State=RESUME"],
+            env=slurm_lab.env,
+            capture_output=True,
+            check=False,
+        )
+    subprocess.run(
+        ["scontrol", "update", "PartitionName=train", f"Nodes={','.join(slurm_lab.spec.nodes)}"],
+        env=slurm_lab.env,
+        check=True,
+    )
 
 
 def wait_until(check, timeout: float = 30.0):  # type: ignore[no-untyped-def]
@@ -104,8 +111,11 @@ def test_requeue_of_a_running_job(slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path
 def test_sigterm_reaches_the_batch_script(slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path) -> None:
     marker, ready = tmp_path / "got-term", tmp_path / "trap-set"
     job_id = submit(
-        slurm_lab, tmp_path,
-        f"trap 'touch {marker}; exit 0' TERM\ntouch {ready}\nwhile true; do sleep 0.1; done\n", "-w", "gpu2",
+        slurm_lab,
+        tmp_path,
+        f"trap 'touch {marker}; exit 0' TERM\ntouch {ready}\nwhile true; do sleep 0.1; done\n",
+        "-w",
+        "gpu2",
     )
     wait_until(ready.exists)
     slurm.signal_job(job_id)
@@ -114,9 +124,7 @@ def test_sigterm_reaches_the_batch_script(slurm: SlurmCli, slurm_lab: SlurmLab, 
     assert slurm.jobs_on_node("gpu2") == []
 
 
-def test_job_submitted_without_requeue_cannot_be_requeued(
-    slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path
-) -> None:
+def test_job_submitted_without_requeue_cannot_be_requeued(slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path) -> None:
     path = tmp_path / "norequeue.sh"
     path.write_text("#!/bin/bash\nsleep 300\n")
     job_id = slurm_lab.sbatch(path, "--no-requeue", "-o", "/dev/null", "-w", "gpu3")

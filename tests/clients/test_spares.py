@@ -21,8 +21,11 @@ def pool(slurm_lab: SlurmLab, kube_api: KubeApiProcess) -> Iterator[tuple[SpareP
     kube = KubernetesApi(kubeconfig=kube_api.kubeconfig)
     slurm = SlurmCli(slurm_conf=slurm_lab.conf)
     yield SparePool(kube=kube, slurm=slurm, partition="train"), kube, slurm
-    subprocess.run(["scontrol", "update", "PartitionName=train", f"Nodes={','.join(slurm_lab.spec.nodes)}"],
-                   env=slurm_lab.env, check=True)
+    subprocess.run(
+        ["scontrol", "update", "PartitionName=train", f"Nodes={','.join(slurm_lab.spec.nodes)}"],
+        env=slurm_lab.env,
+        check=True,
+    )
 
 
 def test_claim_is_idempotent_and_brings_the_spare_in(pool: tuple[SparePool, KubernetesApi, SlurmCli]) -> None:

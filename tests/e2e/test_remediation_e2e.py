@@ -33,8 +33,7 @@ COUNTER_JOB = REPO_ROOT / "lab" / "jobs" / "counter.sbatch"
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
-    config = LabConfig(training=["gpu1", "gpu2"], spares=["spare1"], temporal_port=0, ui_port=0,
-                       grace_seconds=30)
+    config = LabConfig(training=["gpu1", "gpu2"], spares=["spare1"], temporal_port=0, ui_port=0, grace_seconds=30)
     lab = FleetLab(tmp_path_factory.mktemp("fleet"), config)
     lab.up()
     yield lab
@@ -43,8 +42,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
 
 
 def gpufleet(lab: FleetLab, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "workers.entry", *args], env=lab.env(), cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "workers.entry", *args],
+        env=lab.env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def wait_until(check, timeout: float = 60.0, what: str = "condition"):  # type: ignore[no-untyped-def]
@@ -75,7 +81,9 @@ def test_xid_79_recovers_a_running_job(fleet: FleetLab, tmp_path: Path) -> None:
     kube = KubernetesApi(kubeconfig=Path(fleet.env()["GPUFLEET_KUBECONFIG"]))
     log = tmp_path / "counter.log"
     job_id = fleet.slurm.sbatch(
-        COUNTER_JOB, "-o", str(log),
+        COUNTER_JOB,
+        "-o",
+        str(log),
         env={"PYTHON": sys.executable, "CHECKPOINT": str(tmp_path / "ckpt.json"), "PYTHONPATH": str(REPO_ROOT)},
     )
     wait_until(lambda: log.exists() and "checkpoint saved" in log.read_text(), what="a first checkpoint")
@@ -105,9 +113,20 @@ def test_xid_79_recovers_a_running_job(fleet: FleetLab, tmp_path: Path) -> None:
     assert all(message["incident"]["node"] == "gpu1" for message in fleet.notifications())
 
     scheduled = activity_types(fleet, "remediate-lab-gpu1")
-    for step in ["slurm_node_state", "classify_xids", "notify", "drain_slurm_node", "jobs_on_node", "signal_jobs",
-                 "jobs_still_running", "requeue_jobs", "cordon_and_drain_node", "claim_spare", "retire_node",
-                 "wait_jobs_resumed"]:
+    for step in [
+        "slurm_node_state",
+        "classify_xids",
+        "notify",
+        "drain_slurm_node",
+        "jobs_on_node",
+        "signal_jobs",
+        "jobs_still_running",
+        "requeue_jobs",
+        "cordon_and_drain_node",
+        "claim_spare",
+        "retire_node",
+        "wait_jobs_resumed",
+    ]:
         assert step in scheduled, f"{step} missing from the workflow history"
 
     shown = gpufleet(fleet, "incidents", "show", "remediate-lab-gpu1")

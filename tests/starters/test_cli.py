@@ -12,14 +12,28 @@ from lab.procs import free_port
 def gpufleet(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     import os
 
-    return subprocess.run([sys.executable, "-m", "workers.entry", *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, **(env or {})}, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "workers.entry", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
 
 
 def test_every_command_has_help() -> None:
-    for command in (["--help"], ["remediate", "--help"], ["incidents", "list", "--help"],
-                    ["incidents", "show", "--help"], ["server", "--help"], ["worker", "--help"],
-                    ["checkpoint-done", "--help"], ["lab", "--help"]):
+    for command in (
+        ["--help"],
+        ["remediate", "--help"],
+        ["incidents", "list", "--help"],
+        ["incidents", "show", "--help"],
+        ["server", "--help"],
+        ["worker", "--help"],
+        ["checkpoint-done", "--help"],
+        ["lab", "--help"],
+    ):
         done = gpufleet(*command)
         assert done.returncode == 0, (command, done.stderr)
         assert "Usage" in done.stdout

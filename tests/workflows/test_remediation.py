@@ -137,8 +137,20 @@ class Fleet:
             fleet.calls.append("wait_jobs_resumed")
             return [JobInfo(job_id=j, state="RUNNING", restarts=1, nodes="gpu2,spare1") for j in request.job_ids]
 
-        return [node_state, classify, notify, drain, jobs_on_node, signal_jobs, still_running,
-                requeue_jobs, cordon, retire, claim, resumed]
+        return [
+            node_state,
+            classify,
+            notify,
+            drain,
+            jobs_on_node,
+            signal_jobs,
+            still_running,
+            requeue_jobs,
+            cordon,
+            retire,
+            claim,
+            resumed,
+        ]
 
 
 async def start(client: Client, *, node: str = "gpu1", xid: int = 79, grace: float = 120.0) -> object:
@@ -153,8 +165,7 @@ async def start(client: Client, *, node: str = "gpu1", xid: int = 79, grace: flo
 
 
 def worker(env: WorkflowEnvironment, fleet: Fleet) -> Worker:
-    return Worker(env.client, task_queue=TASK_QUEUE, workflows=[NodeRemediationWorkflow],
-                  activities=fleet.activities())
+    return Worker(env.client, task_queue=TASK_QUEUE, workflows=[NodeRemediationWorkflow], activities=fleet.activities())
 
 
 def span(status: IncidentStatus, step: Step) -> float:
@@ -174,8 +185,16 @@ async def test_happy_path_runs_the_steps_in_order(env: WorkflowEnvironment) -> N
     branches = {"cordon_and_drain_node", "retire_node", "claim_spare", "wait_jobs_resumed"}
     sequential = [c for c in fleet.calls if c not in branches]
     assert sequential == [
-        "slurm_node_state", "classify_xids", "notify:opened", "drain_slurm_node", "jobs_on_node",
-        "signal_jobs", "jobs_still_running", "requeue_jobs", "classify_xids", "notify:resolved",
+        "slurm_node_state",
+        "classify_xids",
+        "notify:opened",
+        "drain_slurm_node",
+        "jobs_on_node",
+        "signal_jobs",
+        "jobs_still_running",
+        "requeue_jobs",
+        "classify_xids",
+        "notify:resolved",
     ]
     # After approve: the failed node's branch and the spare's branch, then resolved.
     middle = fleet.calls[fleet.calls.index("requeue_jobs") + 2 : fleet.calls.index("notify:resolved")]
@@ -238,7 +257,9 @@ async def test_second_xid_joins_the_open_incident(env: WorkflowEnvironment) -> N
         await asyncio.wait_for(fleet.signalled.wait(), timeout=10)
         cluster = handle.id.removeprefix("remediate-").removesuffix("-gpu1")  # type: ignore[attr-defined]
         again = await report_xid(
-            env.client, XidEvent(node="gpu1", xid=48, source="test"), cluster=cluster,
+            env.client,
+            XidEvent(node="gpu1", xid=48, source="test"),
+            cluster=cluster,
             options=RemediationInput(cluster=cluster, node="gpu1", search_attributes=False),
             search_attributes=False,
         )
