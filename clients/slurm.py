@@ -176,9 +176,9 @@ class SlurmCli:
         return [job for job in active if name in self._hostnames(job.nodes)]
 
     def job(self, job_id: int) -> JobInfo:
-        for raw in self._json(["squeue", "--json", "--states=all"]).get("jobs", []):
-            if int(raw.get("job_id", -1)) == job_id:
-                return _job_from_json(raw)
+        for job in self.jobs():
+            if job.job_id == job_id:
+                return job
         raise NotFound(f"Slurm has no job {job_id}")
 
     def signal_job(self, job_id: int, *, signal: str = "TERM") -> None:
@@ -219,6 +219,14 @@ class SlurmCli:
         return self._run(["scontrol", "show", "hostnames", hostlist]).split()
 
     # -- partitions -------------------------------------------------------------------------------
+
+    def jobs(self) -> list[JobInfo]:
+        """Every job Slurm still knows, finished ones included (within MinJobAge)."""
+        return [_job_from_json(raw) for raw in self._json(["squeue", "--json", "--states=all"]).get("jobs", [])]
+
+    def hostnames(self, hostlist: str) -> list[str]:
+        """``gpu[1-2],spare1`` as ``["gpu1", "gpu2", "spare1"]``."""
+        return self._hostnames(hostlist)
 
     def partition_nodes(self, partition: str) -> list[str]:
         self._safe(partition)
@@ -277,4 +285,5 @@ def _job_from_json(raw: dict[str, Any]) -> JobInfo:
         restarts=int(raw.get("restart_cnt", 0) or 0),
         nodes=raw.get("nodes", "") or "",
         requeue=bool(raw.get("requeue", True)),
+        stdout=raw.get("standard_output", "") or "",
     )

@@ -59,6 +59,7 @@ class JobInfo(BaseModel):
     restarts: int = 0
     nodes: str = ""
     requeue: bool = True
+    stdout: str = ""
 
 
 class RequeueResult(BaseModel):

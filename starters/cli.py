@@ -76,7 +76,7 @@ def server(
 # -- remediate -----------------------------------------------------------------------------------
 
 
-def _print_status(status: IncidentStatus, *, as_json: bool) -> None:
+def print_incident(status: IncidentStatus, *, as_json: bool) -> None:
     if as_json:
         print(status.model_dump_json())
         return
@@ -169,7 +169,7 @@ def remediate(
             return 1
         if status is not None:
             if wait or as_json:
-                _print_status(status, as_json=as_json)
+                print_incident(status, as_json=as_json)
             else:
                 console.print(f"running: step {status.step}; follow with `gpufleet incidents show {handle.id}`")
         return 0 if status is None or status.outcome != Outcome.FAILED else 1
@@ -280,4 +280,4 @@ def incidents_show(
             fail(f"no incident {workflow_id}: {exc.message}")
         return status
 
-    _print_status(run_async(go()), as_json=as_json)
+    print_incident(run_async(go()), as_json=as_json)

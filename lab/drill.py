@@ -1,0 +1,185 @@
+"""The recovery drill: a training job runs, an Xid hits one of its nodes, gpufleet recovers it.
+
+The result is one JSON-ready dict with the incident's outcome, the job's restart and the
+step it resumed from, and timings measured from the moment the Xid was reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import re
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from clients.slurm import SlurmCli
+from lab.fleet import REPO_ROOT, FleetLab, LabError
+from models.incident import IncidentStatus, JobInfo, Outcome, Step
+from models.names import InvalidName, validate_node_name
+from models.xid import XidEvent
+from starters.temporal import connect, report_xid
+from workflows.remediation import NodeRemediationWorkflow
+
+JOBS = {
+    "ddp": (REPO_ROOT / "lab" / "jobs" / "ddp.sbatch", "ddp-train"),
+    "counter": (REPO_ROOT / "lab" / "jobs" / "counter.sbatch", "counter"),
+}
+RESUMED = re.compile(r"resumed from step (\d+)")
+Say = Callable[[str], None]
+
+# timing name -> the step whose end marks it
+MILESTONES = {
+    "detect_to_drained": Step.DRAIN_SLURM,
+    "detect_to_requeued": Step.REQUEUE,
+    "detect_to_replaced": Step.CLAIM_SPARE,
+    "detect_to_resumed": Step.RESUME,
+}
+
+
+def default_job() -> str:
+    return "ddp" if importlib.util.find_spec("torch") else "counter"
+
+
+def log_path(job: JobInfo) -> Path:
+    return Path(job.stdout.replace("%j", str(job.job_id)).replace("%x", job.name))
+
+
+def _wait(check: Callable[[], Any], *, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise LabError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def training_job(lab: FleetLab, slurm: SlurmCli, *, job_kind: str, say: Say) -> JobInfo:
+    """The drill's running training job; submits one and waits for its first checkpoint if none runs."""
+    script, name = JOBS[job_kind]
+    running = [j for j in slurm.jobs() if j.name in {n for _, n in JOBS.values()} and j.state == "RUNNING"]
+    if running:
+        job = running[0]
+        say(f"using running job {job.job_id} ({job.name}) on {job.nodes}")
+    else:
+        folder = lab.home / "drill"
+        folder.mkdir(parents=True, exist_ok=True)
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+        env = {
+            "PYTHON": sys.executable,
+            "CHECKPOINT": str(folder / f"{name}-{stamp}.ckpt"),
+            "PYTHONPATH": str(REPO_ROOT),
+        }
+        job_id = lab.slurm.sbatch(script, "-o", str(folder / f"{name}-{stamp}-%j.log"), env=env)
+        say(f"submitted {name} as job {job_id}; waiting for it to run and checkpoint")
+        job = _wait(
+            lambda: (j := slurm.job(job_id)).state == "RUNNING" and j, timeout=120, what=f"job {job_id} to start"
+        )
+    log = log_path(job)
+    _wait(
+        lambda: log.exists() and "checkpoint saved" in log.read_text(),
+        timeout=180,
+        what=f"job {job.job_id} to save a first checkpoint ({log})",
+    )
+    return job
+
+
+async def _follow(handle: Any, *, timeout: float, say: Say) -> IncidentStatus:
+    deadline = time.monotonic() + timeout
+    last_step = None
+    while time.monotonic() < deadline:
+        status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
+        if status.step != last_step:
+            say(f"  step: {status.step}")
+            last_step = status.step
+        if status.step == Step.CLOSED or status.outcome == Outcome.FAILED:
+            return status
+        await asyncio.sleep(0.25)
+    raise LabError(f"the incident did not close within {timeout:.0f}s")
+
+
+def timings(status: IncidentStatus, *, detected: datetime, workflow_start: datetime) -> dict[str, float | None]:
+    def end_of(step: Step) -> float | None:
+        ends = [e.at for e in status.timeline if e.step == step and e.event == "finished"]
+        return round((ends[-1] - detected).total_seconds(), 3) if ends else None
+
+    result: dict[str, float | None] = {"detect_to_workflow": round((workflow_start - detected).total_seconds(), 3)}
+    result.update({name: end_of(step) for name, step in MILESTONES.items()})
+    return result
+
+
+def steps(status: IncidentStatus, *, detected: datetime) -> list[dict[str, Any]]:
+    rows: dict[Step, dict[str, Any]] = {}
+    for entry in status.timeline:
+        offset = round((entry.at - detected).total_seconds(), 3)
+        if entry.event == "started" and entry.step not in rows:
+            rows[entry.step] = {"name": entry.step.value, "start": offset, "end": None}
+        elif entry.event == "finished" and entry.step in rows:
+            rows[entry.step]["end"] = offset
+    return list(rows.values())
+
+
+async def run_drill(
+    lab: FleetLab,
+    *,
+    node: str | None = None,
+    xid: int = 79,
+    job_kind: str | None = None,
+    timeout: float = 600,
+    say: Say = lambda _: None,
+) -> dict[str, Any]:
+    """Run one drill against a running lab; returns the result as a JSON-ready dict."""
+    if not lab.running():
+        raise LabError("the lab is not running: start it with `gpufleet lab up`")
+    slurm = SlurmCli(slurm_conf=lab.slurm.conf)
+    if node is not None:
+        try:
+            validate_node_name(node)
+        except InvalidName as exc:
+            raise LabError(str(exc)) from None
+        members = slurm.partition_nodes(lab.config.partition)
+        if node not in members:
+            raise LabError(f"no node {node!r} in partition {lab.config.partition}; nodes: {', '.join(members)}")
+    job = training_job(lab, slurm, job_kind=job_kind or default_job(), say=say)
+    job_nodes = slurm.hostnames(job.nodes)
+    target = node or job_nodes[0]
+    if target not in job_nodes:
+        say(f"note: {target} does not run job {job.job_id} (it runs on {job.nodes})")
+    restarts_before = job.restarts
+
+    client = await connect()
+    say(f"injecting Xid {xid} on {target}")
+    detected = datetime.now(UTC)
+    handle = await report_xid(
+        client, XidEvent(node=target, xid=xid, source="drill", timestamp=detected), cluster=lab.config.cluster
+    )
+    description = await handle.describe()
+    status = await _follow(handle, timeout=timeout, say=say)
+
+    after = slurm.job(job.job_id)
+    log = log_path(after)
+    resumed_from = None
+    if status.outcome == Outcome.RESOLVED and target in job_nodes:
+        text = _wait(
+            lambda: (t := log.read_text()).count("resumed from step") > restarts_before and t,
+            timeout=60,
+            what="the job to log its resume",
+        )
+        resumed_from = int(RESUMED.findall(text)[-1])
+    return {
+        "incident_id": status.incident_id,
+        "workflow_id": handle.id,
+        "node": target,
+        "xid": xid,
+        "outcome": status.outcome.value,
+        "job_id": job.job_id,
+        "job_restarts": after.restarts,
+        "resumed_from_step": resumed_from,
+        "replacement_node": status.spare,
+        "timings_s": timings(status, detected=detected, workflow_start=description.start_time),
+        "steps": steps(status, detected=detected),
+    }

@@ -1,0 +1,91 @@
+"""A PyTorch DDP training job (gloo, CPU) that checkpoints the way a real one should.
+
+Launched by ``srun`` inside ``ddp.sbatch``: one task per node, rank and world size from
+Slurm. Rank 0 saves model, optimizer and step atomically (temp file, then rename) every
+``--checkpoint-every`` steps and on SIGTERM; every rank agrees on stopping through an
+all-reduce, so a signal seen by one rank a step early cannot deadlock the others. On
+start it loads the checkpoint and logs ``resumed from step N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def save_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=100000)
+    parser.add_argument("--step-seconds", type=float, default=0.2)
+    parser.add_argument("--checkpoint-every", type=int, default=5)
+    args = parser.parse_args()
+
+    rank = int(os.environ["SLURM_PROCID"])
+    world = int(os.environ["SLURM_NTASKS"])
+    node = os.environ.get("SLURMD_NODENAME", "?")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ["SLURM_JOB_ID"]) % 20000))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    stopping = False
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = 0
+    if args.checkpoint.exists():
+        state = torch.load(args.checkpoint, weights_only=True)
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = int(state["step"])
+        print(f"rank {rank} on {node}: resumed from step {step}", flush=True)
+    else:
+        print(f"rank {rank} on {node}: starting from scratch", flush=True)
+
+    inputs = torch.randn(64, 16)
+    target = inputs.sum(dim=1, keepdim=True)
+    while step < args.steps:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(inputs), target)
+        loss.backward()
+        optimizer.step()
+        step += 1
+        stop = torch.tensor([1 if stopping else 0])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop.item():
+            if rank == 0:
+                save_checkpoint(args.checkpoint, model=model.module, optimizer=optimizer, step=step)
+                print(f"SIGTERM: checkpoint saved at step {step}; exiting", flush=True)
+            break
+        if rank == 0 and step % args.checkpoint_every == 0:
+            save_checkpoint(args.checkpoint, model=model.module, optimizer=optimizer, step=step)
+            print(f"checkpoint saved at step {step} (loss {loss.item():.4f})", flush=True)
+        time.sleep(args.step_seconds)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
