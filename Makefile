@@ -28,5 +28,14 @@ lint: venv
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+demo: venv system-deps
+	$(BIN)/gpufleet lab up
+	$(BIN)/gpufleet lab drill
+	@echo
+	@echo "The lab keeps running: $(BIN)/gpufleet lab status | $(BIN)/gpufleet incidents list | stop it with $(BIN)/gpufleet lab down"
+
+bench: venv system-deps
+	$(BIN)/python -m lab.bench --drills $(or $(K),3)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -110,6 +110,8 @@ def drill(
         for step in result["steps"]:
             table.add_row(step["name"], f"{step['start']:.2f}", "-" if step["end"] is None else f"{step['end']:.2f}")
         console.print(table)
+        ui = lab.state()["services"]["temporal"]["ui"]
+        console.print(f"the incident in the Temporal UI: {ui}/namespaces/default/workflows/{result['workflow_id']}")
         console.print(
             f"incident {result['workflow_id']}: {result['outcome']}; job {result['job_id']} restarts "
             f"{result['job_restarts']}, resumed from step {result['resumed_from_step']}"

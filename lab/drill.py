@@ -81,11 +81,17 @@ def training_job(lab: FleetLab, slurm: SlurmCli, *, job_kind: str, say: Say) -> 
         )
     log = log_path(job)
     _wait(
-        lambda: log.exists() and "checkpoint saved" in log.read_text(),
+        lambda: log.exists() and checkpointed_since_start(log.read_text()),
         timeout=180,
-        what=f"job {job.job_id} to save a first checkpoint ({log})",
+        what=f"job {job.job_id} to save a checkpoint ({log})",
     )
     return job
+
+
+def checkpointed_since_start(text: str) -> bool:
+    """Whether the job's current run (after its last restart) has saved a checkpoint."""
+    start = max(text.rfind("starting from scratch"), text.rfind("resumed from step"))
+    return text.rfind("checkpoint saved") > start >= 0
 
 
 async def _follow(handle: Any, *, timeout: float, say: Say) -> IncidentStatus:

@@ -278,11 +278,11 @@ class NodeRemediationWorkflow:
         """Wait until the jobs stopped or reported their checkpoints, at most the grace period.
 
         The grace is a workflow timer; between short checks of the jobs the workflow sleeps,
-        waking at once on ``checkpoint_done``. Checks start at 0.5 s (jobs usually exit right
-        after saving) and back off to 5 s, so a full grace costs a few dozen short activities.
+        waking at once on ``checkpoint_done``. Checks start at 0.25 s (jobs usually exit right
+        after saving) and back off to 5 s, so a full grace costs about thirty short activities.
         """
         deadline = workflow.now() + timedelta(seconds=grace_seconds)
-        interval = 0.5
+        interval = 0.25
         while True:
             if all(job_id in self._checkpointed for job_id in job_ids):
                 return "every job reported its checkpoint"
@@ -299,7 +299,7 @@ class NodeRemediationWorkflow:
                     lambda: all(job_id in self._checkpointed for job_id in job_ids),
                     timeout=timedelta(seconds=min(interval, remaining)),
                 )
-            interval = min(interval * 2, 5.0)
+            interval = min(interval * 1.5, 5.0)
 
     # -- helpers ------------------------------------------------------------------------------------
 

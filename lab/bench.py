@@ -1,0 +1,158 @@
+"""``make bench``: K recovery drills in one lab, as JSON.
+
+Besides each drill's timings and their medians, it splits every incident's time using the
+workflow history: the control-plane overhead (activities and workflow tasks waiting to be
+picked up, and workflow tasks being decided) apart from the time spent in Slurm, Kubernetes
+and the job itself (activities running, timers between checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from temporalio.api.enums.v1 import EventType
+from temporalio.api.history.v1 import HistoryEvent
+from temporalio.client import Client
+
+from lab.drill import run_drill
+from lab.fleet import FleetLab, LabConfig
+from models.settings import Settings
+from starters.temporal import connect
+
+_SCHEDULED = EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+_STARTED = EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED
+_CLOSED = {
+    EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED,
+    EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED,
+    EventType.EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT,
+    EventType.EVENT_TYPE_ACTIVITY_TASK_CANCELED,
+}
+
+
+def _t(event: HistoryEvent) -> float:
+    return event.event_time.ToDatetime().timestamp()
+
+
+def breakdown(events: list[HistoryEvent]) -> dict[str, Any]:
+    """Where an incident's time went, from its workflow history."""
+    activity_type: dict[int, str] = {}
+    scheduled: dict[int, float] = {}
+    started: dict[int, float] = {}
+    queue_wait = 0.0
+    running: dict[str, float] = defaultdict(float)
+    wf_scheduled: dict[int, float] = {}
+    wf_task = 0.0
+    timers: dict[int, float] = {}
+    timer_wait = 0.0
+    last_timer = 0.0
+    for event in events:
+        kind = event.event_type
+        if kind == _SCHEDULED:
+            activity_type[event.event_id] = event.activity_task_scheduled_event_attributes.activity_type.name
+            scheduled[event.event_id] = _t(event)
+        elif kind == _STARTED:
+            sid = event.activity_task_started_event_attributes.scheduled_event_id
+            started[sid] = _t(event)
+            queue_wait += _t(event) - scheduled[sid]
+        elif kind in _CLOSED:
+            attrs = (
+                event.activity_task_completed_event_attributes
+                if kind == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
+                else event.activity_task_failed_event_attributes
+                if kind == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED
+                else None
+            )
+            if attrs is not None and attrs.scheduled_event_id in started:
+                sid = attrs.scheduled_event_id
+                running[activity_type[sid]] += _t(event) - started[sid]
+        elif kind == EventType.EVENT_TYPE_WORKFLOW_TASK_SCHEDULED:
+            wf_scheduled[event.event_id] = _t(event)
+        elif kind == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+            sid = event.workflow_task_completed_event_attributes.scheduled_event_id
+            wf_task += _t(event) - wf_scheduled.get(sid, _t(event))
+        elif kind == EventType.EVENT_TYPE_TIMER_STARTED:
+            timers[event.event_id] = _t(event)
+        elif kind == EventType.EVENT_TYPE_TIMER_FIRED:
+            sid = event.timer_fired_event_attributes.started_event_id
+            last_timer = _t(event) - timers.get(sid, _t(event))
+            timer_wait += last_timer
+    return {
+        "control_plane_overhead_s": round(queue_wait + wf_task, 3),
+        "activity_queue_wait_s": round(queue_wait, 3),
+        "workflow_task_s": round(wf_task, 3),
+        # A job noticed stopping was noticed at most one check interval late.
+        "polling_delay_bound_s": round(last_timer + Settings().poll_seconds, 3),
+        "timers_s": round(timer_wait, 3),
+        "activity_running_s": {name: round(seconds, 3) for name, seconds in sorted(running.items())},
+    }
+
+
+async def history_breakdown(client: Client, workflow_id: str, run_id: str | None = None) -> dict[str, Any]:
+    history = await client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+    return breakdown(list(history.events))
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 3) if present else None
+
+
+async def bench(drills: int, *, home: Path, job_kind: str | None, say: Any) -> dict[str, Any]:
+    config = LabConfig(
+        training=["gpu1", "gpu2", "gpu3", "gpu4"],
+        spares=[f"spare{i + 1}" for i in range(drills)],
+        temporal_port=0,
+        ui_port=0,
+    )
+    lab = FleetLab(home, config)
+    lab.up(say=say)
+    results = []
+    try:
+        import os
+
+        os.environ["TEMPORAL_ADDRESS"] = lab.env()["TEMPORAL_ADDRESS"]
+        client = await connect()
+        for index in range(drills):
+            say(f"drill {index + 1} of {drills}")
+            result = await run_drill(lab, job_kind=job_kind, say=say)
+            description = await client.get_workflow_handle(result["workflow_id"]).describe()
+            result["history"] = await history_breakdown(client, result["workflow_id"], description.run_id)
+            results.append(result)
+    finally:
+        lab.down(say=say)
+    names = list(results[0]["timings_s"]) if results else []
+    return {
+        "drills": results,
+        "medians_s": {name: _median([r["timings_s"][name] for r in results]) for name in names},
+        "median_control_plane_overhead_s": _median([r["history"]["control_plane_overhead_s"] for r in results]),
+        "median_polling_delay_bound_s": _median([r["history"]["polling_delay_bound_s"] for r in results]),
+        "targets_s": {"detect_to_replaced": 10, "detect_to_resumed": 30, "control_plane_overhead": 1},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m lab.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--drills", type=int, default=3, help="how many drills (default 3)")
+    parser.add_argument("--job", choices=["ddp", "counter"], help="training job (default: ddp if torch is there)")
+    parser.add_argument("--output", type=Path, help="also write the JSON here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
+        result = asyncio.run(
+            bench(args.drills, home=Path(tmp), job_kind=args.job, say=lambda m: print(m, file=sys.stderr))
+        )
+    text = json.dumps(result, indent=2)
+    if args.output:
+        args.output.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

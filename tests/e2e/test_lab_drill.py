@@ -1,0 +1,135 @@
+"""The lab as a user drives it: lab up (twice), lab drill with the PyTorch DDP job, lab status, lab down.
+
+Also: the incident is found by its search attributes, a drill on an unknown node changes
+nothing, and a port already in use makes lab up pick another and say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from temporalio.client import Client
+
+from clients.slurm import SlurmCli
+from lab.fleet import REPO_ROOT, FleetLab, LabConfig
+from lab.procs import alive, free_port, pids_with_env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
+
+
+@pytest.fixture(scope="module")
+def busy_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", free_port()))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory, busy_port: int) -> Iterator[tuple[FleetLab, list[str]]]:
+    config = LabConfig(training=["gpu1", "gpu2", "gpu3"], spares=["spare1"], temporal_port=busy_port, ui_port=0)
+    fleet = FleetLab(tmp_path_factory.mktemp("lab"), config)
+    said: list[str] = []
+    fleet.up(say=said.append)
+    yield fleet, said
+    fleet.down()
+
+
+def gpufleet(fleet: FleetLab, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    env = {**fleet.env(), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "workers.entry", *args], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_a_port_in_use_is_replaced_and_named(lab: tuple[FleetLab, list[str]], busy_port: int) -> None:
+    fleet, said = lab
+    assert any(f"port {busy_port}" in line and "in use" in line for line in said)
+    assert fleet.state()["services"]["temporal"]["address"] != f"127.0.0.1:{busy_port}"
+
+
+def test_lab_up_again_reuses_what_runs(lab: tuple[FleetLab, list[str]]) -> None:
+    fleet, _ = lab
+    before = sorted(fleet.recorded_pids())
+    done = gpufleet(fleet, "lab", "up")
+    assert done.returncode == 0, done.stderr
+    assert "already running" in done.stdout
+    assert sorted(fleet.recorded_pids()) == before
+
+
+def test_drill_on_an_unknown_node_changes_nothing(lab: tuple[FleetLab, list[str]]) -> None:
+    fleet, _ = lab
+    slurm = SlurmCli(slurm_conf=fleet.slurm.conf)
+    jobs_before = slurm.jobs()
+    done = gpufleet(fleet, "lab", "drill", "--node", "nosuch")
+    assert done.returncode == 1
+    assert "no node 'nosuch'" in done.stdout + done.stderr
+    assert slurm.jobs() == jobs_before
+    listed = json.loads(gpufleet(fleet, "incidents", "list", "--json").stdout)
+    assert listed == []
+
+
+def test_drill_recovers_the_ddp_job(lab: tuple[FleetLab, list[str]]) -> None:
+    fleet, _ = lab
+    done = gpufleet(fleet, "lab", "drill", "--job", "ddp")
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["outcome"] == "resolved"
+    assert result["xid"] == 79 and result["node"] == "gpu1"
+    assert result["job_restarts"] >= 1
+    assert result["resumed_from_step"] > 0
+    assert result["replacement_node"] == "spare1"
+    t = result["timings_s"]
+    assert set(t) == {"detect_to_workflow", "detect_to_drained", "detect_to_requeued", "detect_to_replaced",
+                      "detect_to_resumed"}
+    assert 0 <= t["detect_to_workflow"] <= t["detect_to_drained"] <= t["detect_to_requeued"]
+    assert t["detect_to_requeued"] <= t["detect_to_replaced"] <= t["detect_to_resumed"]
+    names = [step["name"] for step in result["steps"]]
+    assert names[:5] == ["classify", "notify", "drain_slurm", "checkpoint", "requeue"]
+    assert all(step["end"] is None or step["end"] >= step["start"] for step in result["steps"])
+    assert "Temporal UI" in done.stdout and "drain_slurm" in done.stdout
+
+
+def test_the_incident_is_found_by_its_search_attributes(lab: tuple[FleetLab, list[str]]) -> None:
+    fleet, _ = lab
+
+    async def search(query: str) -> list[str]:
+        client = await Client.connect(fleet.env()["TEMPORAL_ADDRESS"])
+        return [w.id async for w in client.list_workflows(query)]
+
+    for query in ('GpuNode="gpu1"', "Xid=79", 'Cluster="lab" AND RemediationStep="closed"'):
+        found: list[str] = []
+        for _ in range(50):  # visibility is eventually consistent
+            found = asyncio.run(search(query))
+            if found:
+                break
+            asyncio.run(asyncio.sleep(0.2))
+        assert found == ["remediate-lab-gpu1"], query
+
+
+def test_lab_status_shows_both_sides(lab: tuple[FleetLab, list[str]]) -> None:
+    fleet, _ = lab
+    status = json.loads(gpufleet(fleet, "lab", "status", "--json").stdout)
+    nodes = {node["name"]: node for node in status["nodes"]}
+    assert nodes["gpu1"]["reason"].startswith("gpufleet:")
+    assert nodes["gpu1"]["kubernetes"] == "absent"
+    assert nodes["spare1"]["pool"] == "training" and "train" in nodes["spare1"]["partitions"]
+    assert nodes["gpu2"]["kubernetes"] == "schedulable"
+    assert any(job["restarts"] >= 1 for job in status["jobs"])
+    assert status["incidents"] == []
+
+
+def test_lab_down_leaves_no_process(lab: tuple[FleetLab, list[str]]) -> None:
+    fleet, _ = lab
+    pids = fleet.recorded_pids()
+    assert len(pids) >= 9
+    done = gpufleet(fleet, "lab", "down")
+    assert done.returncode == 0, done.stderr
+    assert not [pid for pid in pids if alive(pid)]
+    # Job steps and training processes carry the lab's SLURM_CONF: none may outlive it.
+    assert pids_with_env("SLURM_CONF", str(fleet.slurm.conf)) == []
