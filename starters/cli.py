@@ -21,6 +21,7 @@ from models.incident import IncidentStatus, Outcome, Step
 from models.names import InvalidName, validate_cluster_name, validate_node_name
 from models.settings import Settings
 from models.xid import XidEvent
+from starters.chart import write_chart
 from starters.server import dev_server_argv
 from starters.temporal import TemporalUnreachable, connect, report_xid
 from workflows.remediation import NodeRemediationWorkflow
@@ -263,8 +264,11 @@ def incidents_show(
     incident: Annotated[str, typer.Argument(help="Workflow ID (remediate-CLUSTER-NODE) or a node name.")],
     cluster: Annotated[str | None, typer.Option(help="Cluster, when INCIDENT is a node name.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="The incident as JSON.")] = False,
+    chart: Annotated[
+        Path | None, typer.Option(help="Also draw the timeline as a Gantt chart: FILE.html, FILE.svg or FILE.png.")
+    ] = None,
 ) -> None:
-    """Show an incident: outcome, jobs, spare and its timeline."""
+    """Show an incident: outcome, jobs, spare and its timeline (optionally as a chart)."""
     workflow_id = (
         incident
         if incident.startswith("remediate-")
@@ -280,4 +284,12 @@ def incidents_show(
             fail(f"no incident {workflow_id}: {exc.message}")
         return status
 
-    print_incident(run_async(go()), as_json=as_json)
+    status = run_async(go())
+    print_incident(status, as_json=as_json)
+    if chart is not None:
+        try:
+            write_chart(status, chart)
+        except ValueError as exc:
+            fail(str(exc), code=2)
+        if not as_json:
+            console.print(f"chart written to {chart}")

@@ -331,6 +331,11 @@ class NodeRemediationWorkflow:
     def _enter(self, step: Step) -> None:
         self._status.step = step
         self._mark(step, "started")
+        # What the Temporal UI shows for the incident while it runs, and once it is over.
+        workflow.set_current_details(
+            f"{self._input.node} Xid {', '.join(map(str, self._status.xids))}: {step.value}, "
+            f"outcome {self._status.outcome.value}"
+        )
         if self._input.search_attributes:
             workflow.upsert_search_attributes([SA_STEP.value_set(step.value)])
 

@@ -95,6 +95,14 @@ def test_drill_recovers_the_ddp_job(lab: tuple[FleetLab, list[str]]) -> None:
     assert "Temporal UI" in done.stdout and "drain_slurm" in done.stdout
 
 
+def test_incident_chart(lab: tuple[FleetLab, list[str]], tmp_path_factory: pytest.TempPathFactory) -> None:
+    fleet, _ = lab
+    picture = tmp_path_factory.mktemp("chart") / "incident.png"
+    done = gpufleet(fleet, "incidents", "show", "remediate-lab-gpu1", "--chart", str(picture))
+    assert done.returncode == 0, done.stderr
+    assert picture.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_the_incident_is_found_by_its_search_attributes(lab: tuple[FleetLab, list[str]]) -> None:
     fleet, _ = lab
 
