@@ -30,6 +30,8 @@ class XidEvent(BaseModel):
     xid: int = Field(ge=0, le=65535)
     pci: str | None = None
     gpu_uuid: str | None = None
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
     pid: int | None = None
     process: str | None = None
     message: str = ""
