@@ -34,6 +34,9 @@ def worker() -> None:
 
 
 def main() -> None:
+    from detector.cli import detect
+
+    app.command()(detect)
     try:
         from lab.cli import lab_app
     except ImportError:  # the lab extra (kmock) is not installed: no lab commands

@@ -39,8 +39,7 @@ def test_rotation_finishes_the_old_file_then_reads_the_new(tmp_path: Path) -> No
     os.rename(log, tmp_path / "kern.log.1")
     append(tmp_path / "kern.log.1", "late write to the old file\n")
     log.write_text("first of the new file\n")
-    assert list(follower.read_available()) == ["before rotation", "late write to the old file",
-                                               "first of the new file"]
+    assert list(follower.read_available()) == ["before rotation", "late write to the old file", "first of the new file"]
     append(log, "next\n")
     assert list(follower.read_available()) == ["next"]
 

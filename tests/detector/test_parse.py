@@ -10,19 +10,56 @@ from detector.parse import KernelLogParser, parse_xid, strip_prefix
 
 FORMATS = [
     # (line, xid, pci, pid, process, message start)
-    ("NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus.", 79, "0000:01:00", None, None,
-     "GPU has fallen off the bus."),
-    ("NVRM: Xid (PCI:0000:b5:00): 13, pid='<unknown>', name=<unknown>, Graphics SM Warp Exception on "
-     "(GPC 1, TPC 3, SM 0): Out Of Range Address", 13, "0000:b5:00", None, None, "Graphics SM Warp Exception on (GPC 1"),
-    ("NVRM: Xid (PCI:0000:66:00): 32, pid=2280636, name=train.3, Channel ID 0000000d intr0 00040000", 32,
-     "0000:66:00", 2280636, "train.3", "Channel ID 0000000d"),
-    ("NVRM: Xid (PCI:0000:10:1c): 63, pid=1896, Row Remapper: New row marked for remapping, reset gpu to activate.",
-     63, "0000:10:1c", 1896, None, "Row Remapper: New row marked for remapping, reset gpu"),
-    ("NVRM: Xid (PCI:0000:3B:00): 48, pid=77, name=python3, An uncorrectable double bit error (DBE) has been "
-     "detected on GPU in the framebuffer at partition 6, subpartition 0.", 48, "0000:3b:00", 77, "python3",
-     "An uncorrectable double bit error"),
-    ("NVRM: Xid (PCI:0000:3b:00): 119, Timeout after 6s of waiting for RPC response from GPU0 GSP!", 119,
-     "0000:3b:00", None, None, "Timeout after 6s"),
+    (
+        "NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus.",
+        79,
+        "0000:01:00",
+        None,
+        None,
+        "GPU has fallen off the bus.",
+    ),
+    (
+        "NVRM: Xid (PCI:0000:b5:00): 13, pid='<unknown>', name=<unknown>, Graphics SM Warp Exception on "
+        "(GPC 1, TPC 3, SM 0): Out Of Range Address",
+        13,
+        "0000:b5:00",
+        None,
+        None,
+        "Graphics SM Warp Exception on (GPC 1",
+    ),
+    (
+        "NVRM: Xid (PCI:0000:66:00): 32, pid=2280636, name=train.3, Channel ID 0000000d intr0 00040000",
+        32,
+        "0000:66:00",
+        2280636,
+        "train.3",
+        "Channel ID 0000000d",
+    ),
+    (
+        "NVRM: Xid (PCI:0000:10:1c): 63, pid=1896, Row Remapper: New row marked for remapping, reset gpu to activate.",
+        63,
+        "0000:10:1c",
+        1896,
+        None,
+        "Row Remapper: New row marked for remapping, reset gpu",
+    ),
+    (
+        "NVRM: Xid (PCI:0000:3B:00): 48, pid=77, name=python3, An uncorrectable double bit error (DBE) has been "
+        "detected on GPU in the framebuffer at partition 6, subpartition 0.",
+        48,
+        "0000:3b:00",
+        77,
+        "python3",
+        "An uncorrectable double bit error",
+    ),
+    (
+        "NVRM: Xid (PCI:0000:3b:00): 119, Timeout after 6s of waiting for RPC response from GPU0 GSP!",
+        119,
+        "0000:3b:00",
+        None,
+        None,
+        "Timeout after 6s",
+    ),
 ]
 
 PREFIXES = [
@@ -37,8 +74,9 @@ PREFIXES = [
 
 @pytest.mark.parametrize("prefix", PREFIXES)
 @pytest.mark.parametrize(("line", "xid", "pci", "pid", "process", "message"), FORMATS)
-def test_driver_formats(prefix: str, line: str, xid: int, pci: str, pid: int | None, process: str | None,
-                        message: str) -> None:
+def test_driver_formats(
+    prefix: str, line: str, xid: int, pci: str, pid: int | None, process: str | None, message: str
+) -> None:
     [report] = KernelLogParser().feed(prefix + line + "\n")
     assert (report.xid, report.pci, report.pid, report.process) == (xid, pci, pid, process)
     assert report.message.startswith(message)

@@ -43,8 +43,15 @@ def lab(tmp_path_factory: pytest.TempPathFactory, busy_port: int) -> Iterator[tu
 
 def gpufleet(fleet: FleetLab, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
     env = {**fleet.env(), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "workers.entry", *args], env=env, cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "workers.entry", *args],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_a_port_in_use_is_replaced_and_named(lab: tuple[FleetLab, list[str]], busy_port: int) -> None:
@@ -85,8 +92,13 @@ def test_drill_recovers_the_ddp_job(lab: tuple[FleetLab, list[str]]) -> None:
     assert result["resumed_from_step"] > 0
     assert result["replacement_node"] == "spare1"
     t = result["timings_s"]
-    assert set(t) == {"detect_to_workflow", "detect_to_drained", "detect_to_requeued", "detect_to_replaced",
-                      "detect_to_resumed"}
+    assert set(t) == {
+        "detect_to_workflow",
+        "detect_to_drained",
+        "detect_to_requeued",
+        "detect_to_replaced",
+        "detect_to_resumed",
+    }
     assert 0 <= t["detect_to_workflow"] <= t["detect_to_drained"] <= t["detect_to_requeued"]
     assert t["detect_to_requeued"] <= t["detect_to_replaced"] <= t["detect_to_resumed"]
     names = [step["name"] for step in result["steps"]]

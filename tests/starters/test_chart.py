@@ -20,22 +20,41 @@ def entry(step: Step, event: str, seconds: float) -> TimelineEntry:
 @pytest.fixture
 def status() -> IncidentStatus:
     timeline = [
-        entry(Step.CLASSIFY, "started", 0), entry(Step.CLASSIFY, "finished", 0.1),
-        entry(Step.DRAIN_SLURM, "started", 0.1), entry(Step.DRAIN_SLURM, "finished", 0.2),
-        entry(Step.CHECKPOINT, "started", 0.2), entry(Step.CHECKPOINT, "finished", 1.5),
-        entry(Step.DRAIN_KUBERNETES, "started", 1.6), entry(Step.CLAIM_SPARE, "started", 1.6),
-        entry(Step.CLAIM_SPARE, "finished", 1.7), entry(Step.RESUME, "started", 1.7),
-        entry(Step.DRAIN_KUBERNETES, "finished", 2.0), entry(Step.RESUME, "finished", 9.0),
+        entry(Step.CLASSIFY, "started", 0),
+        entry(Step.CLASSIFY, "finished", 0.1),
+        entry(Step.DRAIN_SLURM, "started", 0.1),
+        entry(Step.DRAIN_SLURM, "finished", 0.2),
+        entry(Step.CHECKPOINT, "started", 0.2),
+        entry(Step.CHECKPOINT, "finished", 1.5),
+        entry(Step.DRAIN_KUBERNETES, "started", 1.6),
+        entry(Step.CLAIM_SPARE, "started", 1.6),
+        entry(Step.CLAIM_SPARE, "finished", 1.7),
+        entry(Step.RESUME, "started", 1.7),
+        entry(Step.DRAIN_KUBERNETES, "finished", 2.0),
+        entry(Step.RESUME, "finished", 9.0),
         entry(Step.CLOSED, "started", 9.1),
     ]
-    return IncidentStatus(incident_id="lab-gpu1-x", cluster="lab", node="gpu1", xids=[79],
-                          outcome=Outcome.RESOLVED, jobs=[JobInfo(job_id=1)], timeline=timeline)
+    return IncidentStatus(
+        incident_id="lab-gpu1-x",
+        cluster="lab",
+        node="gpu1",
+        xids=[79],
+        outcome=Outcome.RESOLVED,
+        jobs=[JobInfo(job_id=1)],
+        timeline=timeline,
+    )
 
 
 def test_bars_follow_the_timeline(status: IncidentStatus) -> None:
     rows = bars(status)
-    assert [name for name, _, _ in rows] == ["classify", "drain_slurm", "checkpoint", "drain_kubernetes",
-                                             "claim_spare", "resume"]
+    assert [name for name, _, _ in rows] == [
+        "classify",
+        "drain_slurm",
+        "checkpoint",
+        "drain_kubernetes",
+        "claim_spare",
+        "resume",
+    ]
     assert rows[-1] == ("resume", 1.7, 9.0)
     assert outage(status) == (0.2, 9.0)
 

@@ -1,0 +1,144 @@
+"""The NVML source: Xid critical-error events from every GPU, through pynvml (nvidia-ml-py).
+
+NVML does not report Xid 79, 119 or 120; the kernel log does. NVML complements it: it
+sees Xids on drivers whose log we cannot read, and a GPU that is lost (NVML_ERROR_GPU_IS_LOST)
+is reported as fallen off the bus.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from detector.parse import XidReport
+
+log = logging.getLogger("gpufleet.detector")
+UNKNOWN_XID = 999
+
+
+@dataclass
+class Gpu:
+    index: int
+    handle: Any
+    pci: str
+    uuid: str
+    lost: bool = False
+
+
+def short_pci(bus_id: str) -> str:
+    """NVML's ``00000000:3B:00.0`` as the kernel log writes it: ``0000:3b:00``."""
+    domain, bus, rest = bus_id.lower().split(":", 2)
+    return f"{domain[-4:]}:{bus}:{rest.split('.')[0]}"
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _address(handle: Any) -> int | None:
+    return ctypes.cast(handle, ctypes.c_void_p).value
+
+
+class NvmlSource:
+    name = "nvml"
+
+    def __init__(self, *, wait_ms: int = 500) -> None:
+        self._wait_ms = wait_ms
+        self.gpus: list[Gpu] = []
+        self.registered: list[int] = []
+        self.available = False
+
+    def open(self) -> bool:
+        """Initialise NVML and register for Xid events on every GPU; False (said once) without NVML."""
+        import pynvml
+
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            log.warning("NVML unavailable (%s); the kernel-log source carries on alone", exc)
+            return False
+        self._pynvml = pynvml
+        self._events = pynvml.nvmlEventSetCreate()
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            gpu = Gpu(
+                index=index,
+                handle=handle,
+                pci=short_pci(_text(pynvml.nvmlDeviceGetPciInfo(handle).busId)),
+                uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+            )
+            self.gpus.append(gpu)
+            try:
+                pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, self._events)
+                self.registered.append(index)
+            except pynvml.NVMLError as exc:
+                log.warning("GPU %d (%s): cannot register for Xid events: %s", index, gpu.pci, exc)
+        self.available = True
+        return True
+
+    def _gpu_for(self, handle: Any) -> Gpu | None:
+        address = _address(handle)
+        return next((gpu for gpu in self.gpus if _address(gpu.handle) == address), None)
+
+    def _lost_gpus(self) -> list[Gpu]:
+        pynvml = self._pynvml
+        lost = []
+        for gpu in self.gpus:
+            if gpu.lost:
+                continue
+            try:
+                pynvml.nvmlDeviceGetUUID(gpu.handle)
+            except pynvml.NVMLError as exc:
+                if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
+                    gpu.lost = True
+                    lost.append(gpu)
+        return lost
+
+    def poll(self) -> list[XidReport]:
+        """Wait once (up to ``wait_ms``) and return what NVML reported."""
+        pynvml = self._pynvml
+        try:
+            data = pynvml.nvmlEventSetWait_v2(self._events, self._wait_ms)
+        except pynvml.NVMLError as exc:
+            if exc.value == pynvml.NVML_ERROR_TIMEOUT:
+                return []
+            if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
+                return [
+                    XidReport(xid=79, pci=gpu.pci, gpu_uuid=gpu.uuid, message="NVML: GPU is lost")
+                    for gpu in self._lost_gpus()
+                ]
+            raise
+        # eventData means something else for other event types: check the type first.
+        if data.eventType != pynvml.nvmlEventTypeXidCriticalError or data.eventData == 0:
+            return []
+        gpu = self._gpu_for(data.device)
+        xid = int(data.eventData)
+        return [
+            XidReport(
+                xid=xid,
+                pci=gpu.pci if gpu else "unknown",
+                gpu_uuid=gpu.uuid if gpu else None,
+                message="NVML: unknown Xid (999)" if xid == UNKNOWN_XID else "NVML: Xid critical error",
+                gpu_instance=None if data.gpuInstanceId == 0xFFFFFFFF else int(data.gpuInstanceId),
+                compute_instance=None if data.computeInstanceId == 0xFFFFFFFF else int(data.computeInstanceId),
+            )
+        ]
+
+    def run(self, emit: Any, stop: threading.Event) -> None:
+        if not self.available and not self.open():
+            return
+        try:
+            while not stop.is_set():
+                for report in self.poll():
+                    emit(report, self.name)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.available:
+            self._pynvml.nvmlEventSetFree(self._events)
+            self._pynvml.nvmlShutdown()
+            self.available = False
