@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -104,10 +105,8 @@ def detect(
         out=lambda line: print(line, flush=True),
         as_json=as_json or dry_run,
     )
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(detector.run(sources, once=once))
-    except KeyboardInterrupt:
-        pass
     if delivery is not None and len(delivery.spool):
         typer.echo(f"{len(delivery.spool)} event(s) still spooled in {delivery.spool.folder}", err=True)
         raise typer.Exit(1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import queue
@@ -170,10 +171,8 @@ class Detector:
         else:
             self._out(f"{event.timestamp:%H:%M:%S} {event.node} Xid {event.xid} ({event.pci}) -> {action.value}")
         if self.delivery is not None and action is not Action.OBSERVE:
-            try:
+            with contextlib.suppress(SpoolFull):  # the spool reports it loudly
                 self.delivery.put(event)
-            except SpoolFull:
-                pass  # reported loudly by the spool
         return event
 
     async def run(self, sources: list[Source], *, once: bool = False, stop: threading.Event | None = None) -> None:

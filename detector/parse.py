@@ -17,9 +17,8 @@ _PREFIXES = (
     re.compile(r"^(?:\w{3} [ \d]\d \d\d:\d\d:\d\d|\d{4}-\d\d-\d\dT\S+) \S+ kernel: (?:\[[^\]]{1,40}\]\s?)?"),
 )
 _PCI = r"(?P<pci>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})"
-_XID = re.compile(
-    rf"^NVRM: Xid \(PCI:{_PCI}(?: GPU-I:(?P<gi>\d+))?(?: GPU-CI:(?P<ci>\d+))?\): (?P<xid>\d{{1,5}})(?:, (?P<rest>.*)|,?)$"
-)
+_MIG = r"(?: GPU-I:(?P<gi>\d+))?(?: GPU-CI:(?P<ci>\d+))?"
+_XID = re.compile(rf"^NVRM: Xid \(PCI:{_PCI}{_MIG}\): (?P<xid>\d{{1,5}})(?:, (?P<rest>.*)|,?)$")
 _PID = re.compile(r"^pid=(?P<pid>'<unknown>'|<unknown>|\d+)(?:, |$)")
 _NAME = re.compile(r"^name=(?P<name>[^,]*)(?:, |$)")
 _GPU_AT = re.compile(rf"^NVRM: GPU at PCI:{_PCI}: (?P<uuid>GPU-[0-9a-fA-F-]+)\s*$")

@@ -140,8 +140,10 @@ def test_random_bytes_never_crash_or_invent(data: bytes) -> None:
     parser = KernelLogParser()
     for line in data.decode("utf-8", errors="replace").splitlines() or [""]:
         for report in parser.feed(line):
-            # Anything reported must come from a real driver shape present in the input.
+            # Anything reported comes from a driver line that names this Xid and this GPU.
             assert "NVRM: " in line
+            assert report.pci in line.lower()
+            assert str(report.xid) in line or "fallen off the bus" in line
 
 
 @settings(max_examples=400, deadline=None)

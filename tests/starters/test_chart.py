@@ -75,6 +75,6 @@ def test_png(status: IncidentStatus, tmp_path: Path) -> None:
 
 
 def test_unknown_format_is_refused(status: IncidentStatus, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="use .html, .svg or .png"):
+    with pytest.raises(ValueError, match=r"use \.html, \.svg or \.png"):
         write_chart(status, tmp_path / "incident.pdf")
     assert not (tmp_path / "incident.pdf").exists()
