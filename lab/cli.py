@@ -119,3 +119,22 @@ def drill(
     print(json.dumps(result))
     if result["outcome"] != "resolved":
         raise typer.Exit(1)
+
+
+@lab_app.command("inject-xid")
+def inject_xid(
+    node: Annotated[str, typer.Argument(help="The lab node whose kernel log gets the Xid line.")],
+    xid: Annotated[int, typer.Option(help="The Xid, e.g. 79 (fallen off the bus).")] = 79,
+    home: Annotated[Path | None, typer.Option(help="State folder.")] = None,
+) -> None:
+    """Append a driver-format Xid line to NODE's kernel log, where its detector sees it."""
+    lab = _lab(home)
+    if not lab.running():
+        console.print("[red]error:[/] the lab is not running (start it with `gpufleet lab up`)")
+        raise typer.Exit(1)
+    try:
+        line = lab.inject_xid(node, xid)
+    except LabError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from None
+    console.print(f"{node}: {line}")

@@ -12,16 +12,18 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from temporalio.service import RPCError
+
 from clients.slurm import SlurmCli
 from lab.fleet import REPO_ROOT, FleetLab, LabError
+from models.constants import remediation_workflow_id
 from models.incident import IncidentStatus, JobInfo, Outcome, Step
 from models.names import InvalidName, validate_node_name
-from models.xid import XidEvent
-from starters.temporal import connect, report_xid
+from starters.temporal import connect
 from workflows.remediation import NodeRemediationWorkflow
 
 JOBS = {
@@ -94,6 +96,20 @@ def checkpointed_since_start(text: str) -> bool:
     return text.rfind("checkpoint saved") > start >= 0
 
 
+async def _new_run(handle: Any, *, since: datetime, timeout: float) -> Any:
+    """The incident run the detector started for this Xid (not an earlier one on the same node)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            description = await handle.describe()
+        except RPCError:
+            description = None
+        if description is not None and description.start_time >= since - timedelta(seconds=1):
+            return description
+        await asyncio.sleep(0.02)
+    raise LabError(f"the detector did not open an incident within {timeout:.0f}s (see the lab's detector logs)")
+
+
 async def _follow(handle: Any, *, timeout: float, say: Say) -> IncidentStatus:
     deadline = time.monotonic() + timeout
     last_step = None
@@ -158,12 +174,11 @@ async def run_drill(
     restarts_before = job.restarts
 
     client = await connect()
-    say(f"injecting Xid {xid} on {target}")
+    say(f"injecting Xid {xid} on {target} (a driver line in {lab.kmsg_file(target)})")
     detected = datetime.now(UTC)
-    handle = await report_xid(
-        client, XidEvent(node=target, xid=xid, source="drill", timestamp=detected), cluster=lab.config.cluster
-    )
-    description = await handle.describe()
+    lab.inject_xid(target, xid)
+    handle = client.get_workflow_handle(remediation_workflow_id(lab.config.cluster, target))
+    description = await _new_run(handle, since=detected, timeout=30)
     status = await _follow(handle, timeout=timeout, say=say)
 
     after = slurm.job(job.job_id)

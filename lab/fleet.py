@@ -18,6 +18,7 @@ from typing import Any
 from lab.kubeapi import node_object
 from lab.procs import alive, free_port, port_in_use, spawn, stop, wait_for
 from lab.slurm import SlurmLab, SlurmLabSpec
+from models.xid import xid_catalog
 from starters.server import dev_server_argv
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -194,6 +195,31 @@ class FleetLab:
             say(f"webhook receiver on {services['webhook']['url']} (records {self.notifications_file})")
             self._save({**state, "services": services})
 
+        for node in self.all_nodes:
+            name = f"detector-{node}"
+            if running(name):
+                continue
+            kmsg = self.kmsg_file(node)
+            kmsg.parent.mkdir(parents=True, exist_ok=True)
+            kmsg.touch()
+            argv = [
+                sys.executable,
+                "-m",
+                "workers.entry",
+                "detect",
+                "--kmsg",
+                str(kmsg),
+                "--node",
+                node,
+                "--cluster",
+                self.config.cluster,
+                "--fold-seconds",
+                "2",
+            ]
+            services[name] = {"pid": spawn(argv, log=logs / f"{name}.log", env=self.env(), cwd=REPO_ROOT)}
+            self._save({**state, "services": services})
+        say(f"a detector per node, each following its kernel log in {self.home / 'kmsg'}")
+
         if running("worker"):
             say("worker already running")
         else:
@@ -212,6 +238,26 @@ class FleetLab:
         state = {**state, "services": services}
         self._save(state)
         return state
+
+    @property
+    def all_nodes(self) -> list[str]:
+        return [*self.config.training, *self.config.spares]
+
+    def kmsg_file(self, node: str) -> Path:
+        """The node's kernel log, which its detector follows."""
+        return self.home / "kmsg" / f"{node}.log"
+
+    def inject_xid(self, node: str, xid: int) -> str:
+        """Append a driver-format Xid line to the node's kernel log; returns the line."""
+        if node not in self.all_nodes:
+            raise LabError(f"no lab node {node!r}; nodes: {', '.join(self.all_nodes)}")
+        entry = xid_catalog().get(xid)
+        text = "GPU has fallen off the bus." if xid == 79 else (entry.name if entry else "Unknown Error")
+        line = f"NVRM: Xid (PCI:0000:3b:00): {xid}, pid='<unknown>', name=<unknown>, {text}"
+        seconds = time.monotonic()
+        with open(self.kmsg_file(node), "a", encoding="utf-8") as out:
+            out.write(f"[{seconds:12.6f}] {line}\n")
+        return line
 
     @property
     def notifications_file(self) -> Path:
@@ -259,6 +305,10 @@ class FleetLab:
         state = self._load()
         services = state.get("services", {})
         pids = self.recorded_pids()
+        detectors = [svc["pid"] for name, svc in services.items() if name.startswith("detector-")]
+        if detectors:
+            say("stopping the detectors")
+            stop(detectors)
         for name in ("worker", "webhook", "kubeapi"):
             if name in services:
                 say(f"stopping {name}")

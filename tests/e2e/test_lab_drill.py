@@ -81,6 +81,14 @@ def test_drill_on_an_unknown_node_changes_nothing(lab: tuple[FleetLab, list[str]
     assert listed == []
 
 
+def test_inject_xid_refuses_an_unknown_node(lab: tuple[FleetLab, list[str]]) -> None:
+    fleet, _ = lab
+    done = gpufleet(fleet, "lab", "inject-xid", "nosuch", "--xid", "79")
+    assert done.returncode == 1
+    assert "no lab node 'nosuch'" in done.stdout
+    assert not fleet.kmsg_file("nosuch").exists()
+
+
 def test_drill_recovers_the_ddp_job(lab: tuple[FleetLab, list[str]]) -> None:
     fleet, _ = lab
     done = gpufleet(fleet, "lab", "drill", "--job", "ddp")
@@ -105,6 +113,8 @@ def test_drill_recovers_the_ddp_job(lab: tuple[FleetLab, list[str]]) -> None:
     assert names[:5] == ["classify", "notify", "drain_slurm", "checkpoint", "requeue"]
     assert all(step["end"] is None or step["end"] >= step["start"] for step in result["steps"])
     assert "Temporal UI" in done.stdout and "drain_slurm" in done.stdout
+    # The Xid went through gpu1's detector: its kernel log holds the driver line.
+    assert "NVRM: Xid (PCI:0000:3b:00): 79" in fleet.kmsg_file("gpu1").read_text()
 
 
 def test_incident_chart(lab: tuple[FleetLab, list[str]], tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -1,0 +1,96 @@
+"""With Temporal down, events wait in the spool; when it comes back they arrive in order, as one incident."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from detector.spool import Spool, SpoolFull
+from lab.procs import free_port, port_in_use, stop
+from models.xid import XidEvent
+from starters.server import dev_server_argv
+from tests.conftest import REPO
+
+
+def wait_until(check, timeout: float, what: str):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_spool_is_ordered_bounded_and_loud(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    spool = Spool(tmp_path, max_events=2)
+    spool.put(XidEvent(node="gpu1", xid=79))
+    spool.put(XidEvent(node="gpu1", xid=48))
+    try:
+        spool.put(XidEvent(node="gpu1", xid=13))
+        raise AssertionError("a full spool must refuse")
+    except SpoolFull:
+        pass
+    assert "SPOOL FULL" in caplog.text and "Xid 13 on gpu1 NOT KEPT" in caplog.text
+    assert [event.xid for _, event in Spool(tmp_path).pending()] == [79, 48]  # survives a restart
+
+
+def test_temporal_down_then_back(tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "kern.log"
+    log.write_text("")
+    env = {**os.environ, "TEMPORAL_ADDRESS": f"127.0.0.1:{port}", "GPUFLEET_HOME": str(tmp_path / "home"),
+           "PYTHONPATH": str(REPO)}
+    detector = subprocess.Popen(
+        [sys.executable, "-m", "workers.entry", "detect", "--kmsg", str(log), "--node", "gpu1", "--cluster", "lab"],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=open(tmp_path / "detector.err", "w"),  # noqa: SIM115
+        start_new_session=True,
+    )
+    server = None
+    try:
+        time.sleep(1.0)
+        with open(log, "a") as out:
+            out.write("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.\n")
+            out.write("NVRM: Xid (PCI:0000:3b:00): 48, pid=1, name=x, An uncorrectable double bit error\n")
+            out.write("NVRM: Xid (PCI:0000:5e:00): 64, pid=1, name=x, Row remapping failure\n")
+            out.write("NVRM: Xid (PCI:0000:5e:00): 13, pid=1, name=x, Graphics Exception\n")  # OBSERVE: not sent
+        spool = tmp_path / "home" / "spool" / "gpu1"
+        wait_until(lambda: len(list(spool.glob("*.json"))) == 3, 15, "three spooled events")
+        wait_until(lambda: "Temporal unreachable" in (tmp_path / "detector.err").read_text(), 15, "a warning")
+
+        server = subprocess.Popen(dev_server_argv(db_file=tmp_path / "t.db", port=port, ui_port=free_port()),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        wait_until(lambda: port_in_use(port), 60, "the dev server")
+        wait_until(lambda: not list(spool.glob("*.json")), 60, "the spool to drain")
+
+        async def signals() -> tuple[list[str], list[int]]:
+            client = await Client.connect(f"127.0.0.1:{port}", data_converter=pydantic_data_converter)
+            ids = [w.id async for w in client.list_workflows()]
+            history = await client.get_workflow_handle("remediate-lab-gpu1").fetch_history()
+            xids = []
+            for event in history.events:
+                if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED:
+                    payload = event.workflow_execution_signaled_event_attributes.input.payloads[0]
+                    xids.append(XidEvent.model_validate_json(payload.data).xid)
+            return ids, xids
+
+        ids, xids = asyncio.run(signals())
+        for _ in range(50):  # list_workflows reads visibility, which may lag a moment
+            if ids:
+                break
+            time.sleep(0.1)
+            ids, xids = asyncio.run(signals())
+        assert ids == ["remediate-lab-gpu1"]
+        assert xids == [79, 48, 64]
+    finally:
+        stop([detector.pid])
+        if server is not None:
+            stop([server.pid])
