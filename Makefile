@@ -37,5 +37,9 @@ demo: venv system-deps
 bench: venv system-deps
 	$(BIN)/python -m lab.bench --drills $(or $(K),3)
 
+# On a machine with NVIDIA GPUs and a driver: the NVML source for 30 s, no false events expected.
+gpu-check: venv
+	$(BIN)/python -m detector.gpu_check --seconds 30
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -47,11 +47,18 @@ def test_temporal_down_then_back(tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "kern.log"
     log.write_text("")
-    env = {**os.environ, "TEMPORAL_ADDRESS": f"127.0.0.1:{port}", "GPUFLEET_HOME": str(tmp_path / "home"),
-           "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "TEMPORAL_ADDRESS": f"127.0.0.1:{port}",
+        "GPUFLEET_HOME": str(tmp_path / "home"),
+        "PYTHONPATH": str(REPO),
+    }
     detector = subprocess.Popen(
         [sys.executable, "-m", "workers.entry", "detect", "--kmsg", str(log), "--node", "gpu1", "--cluster", "lab"],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=open(tmp_path / "detector.err", "w"),  # noqa: SIM115
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "detector.err", "w"),  # noqa: SIM115
         start_new_session=True,
     )
     server = None
@@ -66,8 +73,12 @@ def test_temporal_down_then_back(tmp_path: Path) -> None:
         wait_until(lambda: len(list(spool.glob("*.json"))) == 3, 15, "three spooled events")
         wait_until(lambda: "Temporal unreachable" in (tmp_path / "detector.err").read_text(), 15, "a warning")
 
-        server = subprocess.Popen(dev_server_argv(db_file=tmp_path / "t.db", port=port, ui_port=free_port()),
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        server = subprocess.Popen(
+            dev_server_argv(db_file=tmp_path / "t.db", port=port, ui_port=free_port()),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         wait_until(lambda: port_in_use(port), 60, "the dev server")
         wait_until(lambda: not list(spool.glob("*.json")), 60, "the spool to drain")
 

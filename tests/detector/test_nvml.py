@@ -105,3 +105,29 @@ def test_without_nvml_the_detector_says_so_and_goes_on(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("NVML unavailable") == 1
     assert json.loads(done.stdout)["xid"] == 79
+
+
+def test_gpu_check_lists_gpus_and_registration(stub_lib: Path, tmp_path: Path) -> None:
+    events_file = tmp_path / "events"
+    events_file.write_text("")
+    env = {
+        **os.environ,
+        "LD_LIBRARY_PATH": str(stub_lib),
+        "STUB_NVML_EVENTS": str(events_file),
+        "STUB_NVML_GPUS": "3",
+        "PYTHONPATH": str(REPO),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "detector.gpu_check", "--seconds", "1"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert [g["pci"] for g in result["gpus"]] == ["0000:3b:00", "0000:3c:00", "0000:3d:00"]
+    assert result["registered_for_xid_events"] == [0, 1, 2]
+    assert result["events"] == []

@@ -1,0 +1,47 @@
+"""The manifests and the compose file say what the design needs, with no more privilege than that."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from models.constants import SEARCH_ATTRIBUTES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def documents(name: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all((ROOT / name).read_text()) if doc]
+
+
+def test_detector_daemonset_reads_kmsg_only_and_knows_its_node() -> None:
+    [daemonset] = documents("deploy/detector-daemonset.yaml")
+    pod = daemonset["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["kmsg"]["hostPath"]["path"] == "/dev/kmsg"
+    assert mounts["kmsg"]["readOnly"] is True
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    security = container["securityContext"]
+    assert not security.get("privileged", False)
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"], "add": ["SYSLOG"]}
+    assert "detect" in container["args"] and "--nvml" in container["args"]
+
+
+def test_worker_may_evict_but_not_create_pods() -> None:
+    role = next(d for d in documents("deploy/worker-deployment.yaml") if d["kind"] == "ClusterRole")
+    rules = {resource: set(rule["verbs"]) for rule in role["rules"] for resource in rule["resources"]}
+    assert rules["pods/eviction"] == {"create"}
+    assert "create" not in rules["pods"] and "create" not in rules["nodes"]
+
+
+def test_compose_registers_every_search_attribute() -> None:
+    compose = documents("docker-compose.temporal.yml")[0]
+    command = " ".join(compose["services"]["register-search-attributes"]["command"])
+    for key in SEARCH_ATTRIBUTES:
+        assert f"--name {key.name} --type" in command
