@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -21,10 +23,13 @@ from typing import Any
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client
+from temporalio.service import RPCError
 
 from lab.drill import run_drill
-from lab.fleet import FleetLab, LabConfig
+from lab.fleet import REPO_ROOT, FleetLab, LabConfig
+from lab.procs import free_port, port_in_use, spawn, stop, wait_for
 from models.settings import Settings
+from starters.server import dev_server_argv
 from starters.temporal import connect
 
 _SCHEDULED = EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
@@ -116,8 +121,6 @@ async def bench(drills: int, *, home: Path, job_kind: str | None, say: Any) -> d
     lab.up(say=say)
     results = []
     try:
-        import os
-
         os.environ["TEMPORAL_ADDRESS"] = lab.env()["TEMPORAL_ADDRESS"]
         client = await connect()
         for index in range(drills):
@@ -138,16 +141,95 @@ async def bench(drills: int, *, home: Path, job_kind: str | None, say: Any) -> d
     }
 
 
+async def detector_latency(samples: int, *, home: Path, say: Any) -> dict[str, Any]:
+    """Kernel-log line written -> Xid signalled into the incident, through a real detector process.
+
+    The first line starts the node's incident (signal-with-start); later lines, with other
+    GPUs so that none is folded, join it. Timestamps come from the workflow history.
+    """
+    port = free_port()
+    server = spawn(
+        dev_server_argv(db_file=home / "latency.db", port=port, ui_port=free_port()), log=home / "latency-temporal.log"
+    )
+    log_file = home / "latency-kern.log"
+    log_file.write_text("")
+    env = {
+        **os.environ,
+        "TEMPORAL_ADDRESS": f"127.0.0.1:{port}",
+        "GPUFLEET_HOME": str(home),
+        "PYTHONPATH": str(REPO_ROOT),
+    }
+    detector = spawn(
+        [
+            sys.executable,
+            "-m",
+            "workers.entry",
+            "detect",
+            "--kmsg",
+            str(log_file),
+            "--node",
+            "bench1",
+            "--cluster",
+            "bench",
+        ],
+        log=home / "latency-detector.log",
+        env=env,
+        cwd=REPO_ROOT,
+    )
+    try:
+        wait_for(lambda: port_in_use(port), timeout=60, what="the Temporal dev server")
+        os.environ["TEMPORAL_ADDRESS"] = f"127.0.0.1:{port}"
+        client = await connect()
+        handle = client.get_workflow_handle("remediate-bench-bench1")
+        await asyncio.sleep(2.0)  # let the detector settle on its log
+        written: list[float] = []
+        received: list[float] = []
+        for index in range(samples):
+            line = f"NVRM: Xid (PCI:0000:{index % 256:02x}:00): 79, GPU has fallen off the bus.\n"
+            written.append(time.time())
+            with open(log_file, "a") as out:
+                out.write(line)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    history = await handle.fetch_history()
+                except RPCError:
+                    await asyncio.sleep(0.01)
+                    continue
+                signals = [
+                    e for e in history.events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+                ]
+                if len(signals) > index:
+                    received.append(_t(signals[index]))
+                    break
+                await asyncio.sleep(0.01)
+            say(f"detector sample {index + 1} of {samples}")
+        latencies = [round(r - w, 4) for w, r in zip(written, received, strict=False)]
+    finally:
+        stop([detector, server])
+    return {
+        "samples": len(latencies),
+        "line_to_workflow_first_s": latencies[0] if latencies else None,
+        "line_to_incident_s": latencies,
+        "median_line_to_incident_s": _median(list(latencies)),
+        "target_median_s": 1.0,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m lab.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--drills", type=int, default=3, help="how many drills (default 3)")
     parser.add_argument("--job", choices=["ddp", "counter"], help="training job (default: ddp if torch is there)")
+    parser.add_argument("--detector-samples", type=int, default=20, help="detector latency samples (0: skip)")
     parser.add_argument("--output", type=Path, help="also write the JSON here")
     args = parser.parse_args()
+    say = lambda message: print(message, file=sys.stderr)  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
-        result = asyncio.run(
-            bench(args.drills, home=Path(tmp), job_kind=args.job, say=lambda m: print(m, file=sys.stderr))
-        )
+        result: dict[str, Any] = {}
+        if args.detector_samples:
+            result["detector"] = asyncio.run(detector_latency(args.detector_samples, home=Path(tmp), say=say))
+        if args.drills:
+            result.update(asyncio.run(bench(args.drills, home=Path(tmp) / "lab", job_kind=args.job, say=say)))
     text = json.dumps(result, indent=2)
     if args.output:
         args.output.write_text(text)
