@@ -138,6 +138,7 @@ class SlurmLab:
             "JobAcctGatherType=jobacct_gather/none",
             "SlurmdParameters=config_overrides",
             "SlurmctldTimeout=10",
+            "MessageTimeout=5",
             "SlurmdTimeout=30",
             "KillWait=10",
             "MinJobAge=600",
