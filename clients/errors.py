@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from models.names import InvalidName, validate_node_name
+
 
 class ClientError(Exception):
     """Base of every error a client raises on purpose."""
@@ -37,3 +39,11 @@ class TooManyRequests(ClientError):
 
 class Unavailable(ClientError):
     """The service cannot be reached or timed out; retry with backoff."""
+
+
+def checked_node_name(name: str) -> str:
+    """``name`` when it is safe for a command line or an API path, else InvalidInput."""
+    try:
+        return validate_node_name(name)
+    except InvalidName as exc:
+        raise InvalidInput(str(exc)) from None

@@ -13,8 +13,15 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import BaseModel, Field
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from clients.errors import ClientError, Conflict, InvalidInput, NotFound, TooManyRequests, Unavailable
-from models.names import InvalidName, validate_node_name
+from clients.errors import (
+    ClientError,
+    Conflict,
+    InvalidInput,
+    NotFound,
+    TooManyRequests,
+    Unavailable,
+    checked_node_name,
+)
 
 Progress = Callable[[str], None]
 
@@ -121,15 +128,8 @@ class KubernetesApi:
         except (ApiException, Urllib3Error, OSError) as exc:
             raise _translate(exc, what) from None
 
-    @staticmethod
-    def _safe(name: str) -> str:
-        try:
-            return validate_node_name(name)
-        except InvalidName as exc:
-            raise InvalidInput(str(exc)) from None
-
     def get_node(self, name: str) -> KubeNode:
-        name = self._safe(name)
+        name = checked_node_name(name)
         return _node(self._call(f"read node {name}", self._api.read_node, name))
 
     def list_nodes(self, *, label_selector: str = "") -> list[KubeNode]:
@@ -162,7 +162,7 @@ class KubernetesApi:
         annotations: dict[str, str | None] | None = None,
         resource_version: str | None = None,
     ) -> KubeNode:
-        name = self._safe(name)
+        name = checked_node_name(name)
         metadata: dict[str, Any] = {}
         if labels:
             metadata["labels"] = labels
@@ -173,7 +173,7 @@ class KubernetesApi:
         return self._patch(name, {"metadata": metadata})
 
     def pods_on_node(self, name: str) -> list[PodRef]:
-        name = self._safe(name)
+        name = checked_node_name(name)
         result = self._call(
             f"list pods on {name}",
             self._api.list_pod_for_all_namespaces,
@@ -230,7 +230,7 @@ class KubernetesApi:
         return "deleted"
 
     def delete_node(self, name: str) -> None:
-        name = self._safe(name)
+        name = checked_node_name(name)
         try:
             self._call(f"delete node {name}", self._api.delete_node, name)
         except NotFound:

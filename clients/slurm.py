@@ -15,10 +15,9 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
-from clients.errors import ClientError, InvalidInput, NotFound, NotOwned, Unavailable
+from clients.errors import ClientError, InvalidInput, NotFound, NotOwned, Unavailable, checked_node_name
 from models.constants import DRAIN_REASON_PREFIX
 from models.incident import JobInfo, NodeInfo
-from models.names import InvalidName, validate_node_name
 
 _UNREACHABLE = (
     "unable to contact slurm controller",
@@ -112,13 +111,6 @@ class SlurmCli:
             raise ClientError(f"{' '.join(argv)}: {errors}")
         return data
 
-    @staticmethod
-    def _safe(name: str) -> str:
-        try:
-            return validate_node_name(name)
-        except InvalidName as exc:
-            raise InvalidInput(str(exc)) from None
-
     # -- nodes ------------------------------------------------------------------------------------
 
     def nodes(self) -> list[NodeInfo]:
@@ -126,7 +118,7 @@ class SlurmCli:
         return [parse_node_record(line) for line in out.splitlines() if line.startswith("NodeName=")]
 
     def node(self, name: str) -> NodeInfo:
-        name = self._safe(name)
+        name = checked_node_name(name)
         try:
             out = self._run(["scontrol", "show", "-o", "node", name])
         except NotFound:
@@ -169,7 +161,7 @@ class SlurmCli:
     # -- jobs -------------------------------------------------------------------------------------
 
     def jobs_on_node(self, name: str) -> list[JobInfo]:
-        name = self._safe(name)
+        name = checked_node_name(name)
         # Filter on the expanded host list ourselves: it works the same across Slurm versions.
         jobs = self._json(["squeue", "--json"]).get("jobs", [])
         active = [_job_from_json(raw) for raw in jobs if raw.get("job_state") in _ACTIVE_STATES]
@@ -229,21 +221,21 @@ class SlurmCli:
         return self._hostnames(hostlist)
 
     def partition_nodes(self, partition: str) -> list[str]:
-        self._safe(partition)
+        checked_node_name(partition)
         return [node.name for node in self.nodes() if partition in node.partitions]
 
     def _set_partition(self, partition: str, nodes: list[str]) -> None:
         self._run(["scontrol", "update", f"PartitionName={partition}", f"Nodes={','.join(nodes)}"])
 
     def add_to_partition(self, partition: str, node: str) -> None:
-        node = self._safe(node)
+        node = checked_node_name(node)
         with self._partition_lock:
             members = self.partition_nodes(partition)
             if node not in members:
                 self._set_partition(partition, [*members, node])
 
     def remove_from_partition(self, partition: str, node: str) -> None:
-        node = self._safe(node)
+        node = checked_node_name(node)
         with self._partition_lock:
             members = self.partition_nodes(partition)
             if node in members:

@@ -102,7 +102,7 @@ def drill(
     say = (lambda _: None) if as_json else console.print
     try:
         result = asyncio.run(run_drill(lab, node=node, xid=xid, job_kind=job, timeout=timeout, say=say))
-    except (LabError, TemporalUnreachable) as exc:
+    except (LabError, TemporalUnreachable, TimeoutError) as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(1) from None
     if not as_json:

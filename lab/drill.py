@@ -20,6 +20,7 @@ from temporalio.service import RPCError
 
 from clients.slurm import SlurmCli
 from lab.fleet import REPO_ROOT, FleetLab, LabError
+from lab.procs import wait_for
 from models.constants import remediation_workflow_id
 from models.incident import IncidentStatus, JobInfo, Outcome, Step
 from models.names import InvalidName, validate_node_name
@@ -50,16 +51,6 @@ def log_path(job: JobInfo) -> Path:
     return Path(job.stdout.replace("%j", str(job.job_id)).replace("%x", job.name))
 
 
-def _wait(check: Callable[[], Any], *, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise LabError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 def training_job(lab: FleetLab, slurm: SlurmCli, *, job_kind: str, say: Say) -> JobInfo:
     """The drill's running training job; submits one and waits for its first checkpoint if none runs."""
     script, name = JOBS[job_kind]
@@ -78,11 +69,11 @@ def training_job(lab: FleetLab, slurm: SlurmCli, *, job_kind: str, say: Say) -> 
         }
         job_id = lab.slurm.sbatch(script, "-o", str(folder / f"{name}-{stamp}-%j.log"), env=env)
         say(f"submitted {name} as job {job_id}; waiting for it to run and checkpoint")
-        job = _wait(
+        job = wait_for(
             lambda: (j := slurm.job(job_id)).state == "RUNNING" and j, timeout=120, what=f"job {job_id} to start"
         )
     log = log_path(job)
-    _wait(
+    wait_for(
         lambda: log.exists() and checkpointed_since_start(log.read_text()),
         timeout=180,
         what=f"job {job.job_id} to save a checkpoint ({log})",
@@ -185,7 +176,7 @@ async def run_drill(
     log = log_path(after)
     resumed_from = None
     if status.outcome == Outcome.RESOLVED and target in job_nodes:
-        text = _wait(
+        text = wait_for(
             lambda: (t := log.read_text()).count("resumed from step") > restarts_before and t,
             timeout=60,
             what="the job to log its resume",

@@ -95,6 +95,8 @@ class FleetLab:
             "GPUFLEET_PARTITION": self.config.partition,
             "GPUFLEET_SLURM_CONF": str(self.slurm.conf),
             "GPUFLEET_GRACE_SECONDS": str(self.config.grace_seconds),
+            # A local controller answers in milliseconds; give up on a silent one sooner.
+            "GPUFLEET_SLURM_TIMEOUT_SECONDS": "10",
             "SLURM_CONF": str(self.slurm.conf),
             "PYTHONPATH": str(REPO_ROOT),
         }
@@ -147,51 +149,21 @@ class FleetLab:
         else:
             seed = self.home / "kube-seed.json"
             seed.write_text(json.dumps(self._kube_seed()))
-            ready = self.home / "kubeapi.url"
-            ready.unlink(missing_ok=True)
             kubeconfig = self.home / "kubeconfig"
-            pid = spawn(
-                [
-                    sys.executable,
-                    "-m",
-                    "lab.kubeapi",
-                    "--seed",
-                    str(seed),
-                    "--kubeconfig",
-                    str(kubeconfig),
-                    "--ready-file",
-                    str(ready),
-                ],
-                log=logs / "kubeapi.log",
-                env=self.env(),
-                cwd=REPO_ROOT,
+            pid, url = self._start_module(
+                "kubeapi", ["--seed", str(seed), "--kubeconfig", str(kubeconfig)], what="the emulated Kubernetes API"
             )
-            wait_for(ready.exists, timeout=30, what="the emulated Kubernetes API")
-            services["kubeapi"] = {"pid": pid, "url": ready.read_text(), "kubeconfig": str(kubeconfig)}
+            services["kubeapi"] = {"pid": pid, "url": url, "kubeconfig": str(kubeconfig)}
             say(f"emulated Kubernetes API on {services['kubeapi']['url']} (kubeconfig {kubeconfig})")
             self._save({**state, "services": services})
 
         if running("webhook"):
             say(f"webhook receiver already running at {services['webhook']['url']}")
         else:
-            ready = self.home / "webhook.url"
-            ready.unlink(missing_ok=True)
-            pid = spawn(
-                [
-                    sys.executable,
-                    "-m",
-                    "lab.webhook",
-                    "--record",
-                    str(self.notifications_file),
-                    "--ready-file",
-                    str(ready),
-                ],
-                log=logs / "webhook.log",
-                env=self.env(),
-                cwd=REPO_ROOT,
+            pid, url = self._start_module(
+                "webhook", ["--record", str(self.notifications_file)], what="the webhook receiver"
             )
-            wait_for(ready.exists, timeout=30, what="the webhook receiver")
-            services["webhook"] = {"pid": pid, "url": ready.read_text()}
+            services["webhook"] = {"pid": pid, "url": url}
             say(f"webhook receiver on {services['webhook']['url']} (records {self.notifications_file})")
             self._save({**state, "services": services})
 
@@ -238,6 +210,15 @@ class FleetLab:
         state = {**state, "services": services}
         self._save(state)
         return state
+
+    def _start_module(self, name: str, args: list[str], *, what: str) -> tuple[int, str]:
+        """Start ``python -m lab.NAME ARGS --ready-file F``; returns its PID and the URL it wrote to F."""
+        ready = self.home / f"{name}.url"
+        ready.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", f"lab.{name}", *args, "--ready-file", str(ready)]
+        pid = spawn(argv, log=self.home / "logs" / f"{name}.log", env=self.env(), cwd=REPO_ROOT)
+        wait_for(ready.exists, timeout=30, what=what)
+        return pid, ready.read_text()
 
     @property
     def all_nodes(self) -> list[str]:

@@ -10,6 +10,9 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal, TypeVar
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -41,13 +44,17 @@ def spawn(argv: list[str], *, log: Path, env: dict[str, str] | None = None, cwd:
     return proc.pid
 
 
-def wait_for(check: Callable[[], bool], *, timeout: float, what: str, interval: float = 0.1) -> None:
-    """Poll ``check`` until it holds; raise TimeoutError naming ``what`` otherwise."""
+def wait_for(check: Callable[[], T | Literal[False] | None], *, timeout: float, what: str, interval: float = 0.1) -> T:
+    """Poll ``check`` until it returns something truthy, and return that.
+
+    An exception from ``check`` counts as "not yet". Raises TimeoutError naming ``what``.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(Exception):
-            if check():
-                return
+            value = check()
+            if value:
+                return value
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 

@@ -181,6 +181,20 @@ def remediate(
 # -- signals -------------------------------------------------------------------------------------
 
 
+def _signal_incident(node: str, cluster: str | None, signal: Any, *args: Any) -> None:
+    """Send ``signal`` to the node's open incident; a clear error when there is none."""
+    workflow_id = remediation_workflow_id(cluster or Settings().cluster, validate_node_name(node))
+
+    async def go() -> None:
+        client = await _client()
+        try:
+            await client.get_workflow_handle(workflow_id).signal(signal, *args)
+        except RPCError as exc:
+            fail(f"no open incident for {node} ({workflow_id}): {exc.message}")
+
+    run_async(go())
+
+
 @app.command("checkpoint-done")
 def checkpoint_done(
     job_id: Annotated[int, typer.Argument(help="The Slurm job that saved its checkpoint.")],
@@ -188,17 +202,7 @@ def checkpoint_done(
     cluster: Annotated[str | None, typer.Option(help="Cluster name.")] = None,
 ) -> None:
     """Tell the node's incident that JOB_ID has checkpointed, so its grace period ends early."""
-    cluster = cluster or Settings().cluster
-
-    async def go() -> None:
-        client = await _client()
-        handle = client.get_workflow_handle(remediation_workflow_id(cluster, validate_node_name(node)))
-        try:
-            await handle.signal(NodeRemediationWorkflow.checkpoint_done, job_id)
-        except RPCError as exc:
-            fail(f"no open incident for {node}: {exc.message}")
-
-    run_async(go())
+    _signal_incident(node, cluster, NodeRemediationWorkflow.checkpoint_done, job_id)
 
 
 @app.command("spare-available")
@@ -207,17 +211,7 @@ def spare_available(
     cluster: Annotated[str | None, typer.Option(help="Cluster name.")] = None,
 ) -> None:
     """Tell an incident waiting for a spare to look again now."""
-    cluster = cluster or Settings().cluster
-
-    async def go() -> None:
-        client = await _client()
-        handle = client.get_workflow_handle(remediation_workflow_id(cluster, validate_node_name(node)))
-        try:
-            await handle.signal(NodeRemediationWorkflow.spare_available)
-        except RPCError as exc:
-            fail(f"no open incident for {node}: {exc.message}")
-
-    run_async(go())
+    _signal_incident(node, cluster, NodeRemediationWorkflow.spare_available)
 
 
 # -- incidents -----------------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 
 from clients.errors import InvalidInput, NotFound, NotOwned, Unavailable
 from clients.slurm import SlurmCli, parse_node_record
-from lab.procs import free_port
+from lab.procs import free_port, wait_for
 from lab.slurm import SlurmLab
 
 pytestmark = pytest.mark.slurm
@@ -34,16 +33,6 @@ def slurm(slurm_lab: SlurmLab) -> Iterator[SlurmCli]:
         env=slurm_lab.env,
         check=True,
     )
-
-
-def wait_until(check, timeout: float = 30.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError("condition not met in time")
 
 
 def submit(lab: SlurmLab, tmp_path: Path, script: str, *args: str) -> int:
@@ -99,13 +88,17 @@ def test_unreachable_controller_is_unavailable(slurm_lab: SlurmLab, tmp_path: Pa
 
 def test_requeue_of_a_running_job(slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path) -> None:
     job_id = submit(slurm_lab, tmp_path, "echo run $SLURM_RESTART_COUNT\nsleep 300\n", "-w", "gpu1")
-    wait_until(lambda: slurm.job(job_id).state == "RUNNING")
+    wait_for(lambda: slurm.job(job_id).state == "RUNNING", timeout=30, what="the job to run")
     assert [job.job_id for job in slurm.jobs_on_node("gpu1")] == [job_id]
     slurm.requeue(job_id)
     slurm.requeue(job_id)  # already pending again: a no-op
-    job = wait_until(lambda: (j := slurm.job(job_id)).state == "RUNNING" and j.restarts == 1 and j)
+    job = wait_for(
+        lambda: (j := slurm.job(job_id)).state == "RUNNING" and j.restarts == 1 and j, timeout=60, what="the restart"
+    )
     assert job.restarts == 1
-    assert "run 1" in wait_until(lambda: (tmp_path / f"job-{job_id}.out").read_text())
+    assert "run 1" in wait_for(
+        lambda: "run 1" in (out := (tmp_path / f"job-{job_id}.out").read_text()) and out, timeout=30, what="the log"
+    )
 
 
 def test_sigterm_reaches_the_batch_script(slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path) -> None:
@@ -117,10 +110,10 @@ def test_sigterm_reaches_the_batch_script(slurm: SlurmCli, slurm_lab: SlurmLab, 
         "-w",
         "gpu2",
     )
-    wait_until(ready.exists)
+    wait_for(ready.exists, timeout=30, what="the trap to be set")
     slurm.signal_job(job_id)
-    wait_until(marker.exists)
-    assert wait_until(lambda: slurm.job(job_id).state in {"COMPLETED", "CANCELLED"})
+    wait_for(marker.exists, timeout=30, what="SIGTERM to arrive")
+    assert wait_for(lambda: slurm.job(job_id).state in {"COMPLETED", "CANCELLED"}, timeout=30, what="the job to end")
     assert slurm.jobs_on_node("gpu2") == []
 
 
@@ -128,7 +121,7 @@ def test_job_submitted_without_requeue_cannot_be_requeued(slurm: SlurmCli, slurm
     path = tmp_path / "norequeue.sh"
     path.write_text("#!/bin/bash\nsleep 300\n")
     job_id = slurm_lab.sbatch(path, "--no-requeue", "-o", "/dev/null", "-w", "gpu3")
-    wait_until(lambda: slurm.job(job_id).state == "RUNNING")
+    wait_for(lambda: slurm.job(job_id).state == "RUNNING", timeout=30, what="the job to run")
     with pytest.raises(InvalidInput, match="--no-requeue"):
         slurm.requeue(job_id)
 

@@ -14,20 +14,10 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from detector.spool import Spool, SpoolFull
-from lab.procs import free_port, port_in_use, stop
+from lab.procs import free_port, port_in_use, stop, wait_for
 from models.xid import XidEvent
 from starters.server import dev_server_argv
 from tests.conftest import REPO
-
-
-def wait_until(check, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_spool_is_ordered_bounded_and_loud(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
@@ -70,8 +60,10 @@ def test_temporal_down_then_back(tmp_path: Path) -> None:
             out.write("NVRM: Xid (PCI:0000:5e:00): 64, pid=1, name=x, Row remapping failure\n")
             out.write("NVRM: Xid (PCI:0000:5e:00): 13, pid=1, name=x, Graphics Exception\n")  # OBSERVE: not sent
         spool = tmp_path / "home" / "spool" / "gpu1"
-        wait_until(lambda: len(list(spool.glob("*.json"))) == 3, 15, "three spooled events")
-        wait_until(lambda: "Temporal unreachable" in (tmp_path / "detector.err").read_text(), 15, "a warning")
+        wait_for(lambda: len(list(spool.glob("*.json"))) == 3, timeout=15, what="three spooled events")
+        wait_for(
+            lambda: "Temporal unreachable" in (tmp_path / "detector.err").read_text(), timeout=15, what="a warning"
+        )
 
         server = subprocess.Popen(
             dev_server_argv(db_file=tmp_path / "t.db", port=port, ui_port=free_port()),
@@ -79,8 +71,8 @@ def test_temporal_down_then_back(tmp_path: Path) -> None:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        wait_until(lambda: port_in_use(port), 60, "the dev server")
-        wait_until(lambda: not list(spool.glob("*.json")), 60, "the spool to drain")
+        wait_for(lambda: port_in_use(port), timeout=60, what="the dev server")
+        wait_for(lambda: not list(spool.glob("*.json")), timeout=60, what="the spool to drain")
 
         async def signals() -> tuple[list[str], list[int]]:
             client = await Client.connect(f"127.0.0.1:{port}", data_converter=pydantic_data_converter)

@@ -25,8 +25,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
-    lab = FleetLab(tmp_path_factory.mktemp("outage"),
-                   LabConfig(training=["gpu1", "gpu2"], spares=["spare1", "spare2"], temporal_port=0, ui_port=0))
+    lab = FleetLab(
+        tmp_path_factory.mktemp("outage"),
+        LabConfig(training=["gpu1", "gpu2"], spares=["spare1", "spare2"], temporal_port=0, ui_port=0),
+    )
     lab.up()
     yield lab
     lab.down()

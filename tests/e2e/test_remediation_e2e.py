@@ -12,7 +12,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from clients.kube import KubernetesApi
 from clients.slurm import SlurmCli
 from lab.fleet import REPO_ROOT, FleetLab, LabConfig
-from lab.procs import alive
+from lab.procs import alive, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
@@ -53,16 +52,6 @@ def gpufleet(lab: FleetLab, *args: str, timeout: float = 240) -> subprocess.Comp
     )
 
 
-def wait_until(check, timeout: float = 60.0, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def activity_types(lab: FleetLab, workflow_id: str) -> list[str]:
     async def fetch() -> list[str]:
         client = await Client.connect(lab.env()["TEMPORAL_ADDRESS"], data_converter=pydantic_data_converter)
@@ -86,7 +75,7 @@ def test_xid_79_recovers_a_running_job(fleet: FleetLab, tmp_path: Path) -> None:
         str(log),
         env={"PYTHON": sys.executable, "CHECKPOINT": str(tmp_path / "ckpt.json"), "PYTHONPATH": str(REPO_ROOT)},
     )
-    wait_until(lambda: log.exists() and "checkpoint saved" in log.read_text(), what="a first checkpoint")
+    wait_for(lambda: "checkpoint saved" in log.read_text(), timeout=60, what="a first checkpoint")
 
     done = gpufleet(fleet, "remediate", "gpu1", "--xid", "79", "--wait", "--json")
     assert done.returncode == 0, done.stderr
@@ -105,7 +94,7 @@ def test_xid_79_recovers_a_running_job(fleet: FleetLab, tmp_path: Path) -> None:
     job = slurm.job(job_id)
     assert job.restarts == 1 and job.state == "RUNNING"
     assert set(job.nodes.split(",")) == {"gpu2", "spare1"}
-    resumed = wait_until(lambda: re.search(r"resumed from step (\d+)", log.read_text()), what="resume line")
+    resumed = wait_for(lambda: re.search(r"resumed from step (\d+)", log.read_text()), timeout=60, what="resume")
     assert int(resumed.group(1)) > 0
 
     kinds = [message["kind"] for message in fleet.notifications()]
