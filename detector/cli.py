@@ -82,7 +82,7 @@ def detect(
         kmsg = Path("/dev/kmsg")
     sources: list[Source] = []
     if kmsg is not None:
-        if not kmsg.exists() and once:
+        if str(kmsg) != "-" and not kmsg.exists() and once:
             typer.echo(f"error: {kmsg} does not exist", err=True)
             raise typer.Exit(2)
         try:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 MAX_LINE = 64 * 1024  # a line longer than this is not a kernel record; drop it rather than grow forever
 
@@ -124,11 +126,37 @@ class KmsgReader:
         os.close(self._fd)
 
 
-def open_source(path: Path, *, from_start: bool) -> LogFollower | KmsgReader:
-    """A KmsgReader for a character device such as /dev/kmsg, else a LogFollower."""
+class StreamReader:
+    """Lines from a stream: standard input (``-``) or a named pipe, e.g. ``journalctl -k -f`` piped in."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self._stream = stream
+
+    def read_available(self) -> Iterator[str]:
+        """With --once: everything until the stream ends."""
+        for raw in self._stream:
+            yield raw[:MAX_LINE].decode("utf-8", errors="replace").rstrip("\n")
+
+    def follow(self, *, stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
+        for line in self.read_available():
+            yield line
+            if stop():
+                return
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+def open_source(path: Path, *, from_start: bool) -> LogFollower | KmsgReader | StreamReader:
+    """The right reader for ``path``: /dev/kmsg, a pipe or standard input (``-``), or a log file."""
+    if str(path) == "-":
+        return StreamReader(sys.stdin.buffer)
     try:
-        if stat.S_ISCHR(os.stat(path).st_mode):
-            return KmsgReader(path, from_start=from_start)
+        mode = os.stat(path).st_mode
     except FileNotFoundError:
-        pass
+        return LogFollower(path, from_start=from_start)
+    if stat.S_ISCHR(mode):
+        return KmsgReader(path, from_start=from_start)
+    if stat.S_ISFIFO(mode):
+        return StreamReader(open(path, "rb"))  # the reader owns the pipe until close()
     return LogFollower(path, from_start=from_start)
