@@ -20,6 +20,22 @@ from lab.webhook import WebhookReceiver
 REPO = Path(__file__).resolve().parents[1]
 
 
+def gpufleet_cli(
+    *args: str, env: dict[str, str] | None = None, stdin: str | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Run the ``gpufleet`` command as a user would, in a process of its own, from the repository."""
+    return subprocess.run(
+        [sys.executable, "-m", "workers.entry", *args],
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        cwd=REPO,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def venv_binary(name: str) -> str:
     path = Path(sysconfig.get_path("scripts")) / name
     if not path.exists():

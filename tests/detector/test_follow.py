@@ -65,24 +65,13 @@ def test_a_file_that_appears_later_is_read_whole(tmp_path: Path) -> None:
 
 
 def test_a_stream_on_standard_input(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO
+    from tests.conftest import gpufleet_cli
 
     stream = (
         "Dec  2 12:00:00 gpu-node-7 kernel: NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.\n"
         "Dec  2 12:00:01 gpu-node-7 kernel: usb 1-1: new device\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "workers.entry", "detect", "--kmsg", "-", "--node", "gpu7", "--dry-run", "--once"],
-        input=stream,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = gpufleet_cli("detect", "--kmsg", "-", "--node", "gpu7", "--dry-run", "--once", stdin=stream)
     assert done.returncode == 0, done.stderr
     assert [line for line in done.stdout.splitlines() if line] == [done.stdout.strip()]
     assert '"xid": 79' in done.stdout and '"node": "gpu7"' in done.stdout

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, gpufleet_cli
 
 STUB = Path(__file__).with_name("stub_nvml.c")
 
@@ -35,21 +35,11 @@ def detect(lib: Path, tmp_path: Path, events: str, *args: str) -> tuple[list[dic
     events_file = tmp_path / "events"
     events_file.write_text(events)
     env = {
-        **os.environ,
         "LD_LIBRARY_PATH": str(lib),
         "STUB_NVML_EVENTS": str(events_file),
         "STUB_NVML_LOG": str(tmp_path / "stub.log"),
-        "PYTHONPATH": str(REPO),
     }
-    done = subprocess.run(
-        [sys.executable, "-m", "workers.entry", "detect", "--nvml", "--node", "gpu1", "--dry-run", "--once", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = gpufleet_cli("detect", "--nvml", "--node", "gpu1", "--dry-run", "--once", *args, env=env)
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines()], (tmp_path / "stub.log").read_text()
 
@@ -80,27 +70,16 @@ def test_unknown_xid_and_a_lost_gpu(stub_lib: Path, tmp_path: Path) -> None:
 def test_without_nvml_the_detector_says_so_and_goes_on(tmp_path: Path) -> None:
     log = tmp_path / "kern.log"
     log.write_text("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.\n")
-    env = {**os.environ, "LD_LIBRARY_PATH": str(tmp_path), "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "workers.entry",
-            "detect",
-            "--nvml",
-            "--kmsg",
-            str(log),
-            "--node",
-            "gpu1",
-            "--dry-run",
-            "--once",
-        ],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    done = gpufleet_cli(
+        "detect",
+        "--nvml",
+        "--kmsg",
+        str(log),
+        "--node",
+        "gpu1",
+        "--dry-run",
+        "--once",
+        env={"LD_LIBRARY_PATH": str(tmp_path)},
     )
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("NVML unavailable") == 1

@@ -2,25 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from lab.fleet import REPO_ROOT
 from lab.procs import free_port
-
-
-def gpufleet(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    import os
-
-    return subprocess.run(
-        [sys.executable, "-m", "workers.entry", *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, **(env or {})},
-        check=False,
-    )
+from tests.conftest import gpufleet_cli
 
 
 def test_every_command_has_help() -> None:
@@ -34,20 +17,20 @@ def test_every_command_has_help() -> None:
         ["checkpoint-done", "--help"],
         ["lab", "--help"],
     ):
-        done = gpufleet(*command)
+        done = gpufleet_cli(*command)
         assert done.returncode == 0, (command, done.stderr)
         assert "Usage" in done.stdout
 
 
 def test_unreachable_temporal_names_the_address() -> None:
     address = f"127.0.0.1:{free_port()}"
-    done = gpufleet("remediate", "gpu1", "--xid", "79", env={"TEMPORAL_ADDRESS": address})
+    done = gpufleet_cli("remediate", "gpu1", "--xid", "79", env={"TEMPORAL_ADDRESS": address})
     assert done.returncode == 1
     assert address in done.stderr
     assert "Traceback" not in done.stderr
 
 
 def test_bad_node_name_exits_2_without_contacting_anything() -> None:
-    done = gpufleet("remediate", "$(reboot)", "--xid", "79", env={"TEMPORAL_ADDRESS": "127.0.0.1:1"})
+    done = gpufleet_cli("remediate", "$(reboot)", "--xid", "79", env={"TEMPORAL_ADDRESS": "127.0.0.1:1"})
     assert done.returncode == 2
     assert "invalid node name" in done.stderr
