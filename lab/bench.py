@@ -233,7 +233,8 @@ def main() -> None:
     text = json.dumps(result, indent=2)
     if args.output:
         args.output.write_text(text)
-    print(text)
+    print(text, flush=True)
+    os._exit(0)  # skip interpreter teardown: see workers.entry.exit_now
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ This is the composition root: it alone may see every room, so it lives with the 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 from models.policy import PolicyError
 from models.settings import Settings
@@ -43,7 +45,23 @@ def main() -> None:
         pass
     else:
         app.add_typer(lab_app, name="lab")
-    app()
+    try:
+        app()
+    except SystemExit as exc:
+        exit_now(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """Leave without interpreter teardown.
+
+    The Temporal client's Rust threads can outlive the event loop, and CPython's finalisation
+    then aborts the process (SIGABRT, "PyGILState_Release: thread state ... must be current")
+    after the command has done its work: temporalio/sdk-python issue 300.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
