@@ -99,6 +99,9 @@ class NodeRemediationWorkflow:
             self._status.outcome = Outcome.FAILED
             self._status.error = message
             self._mark(self._status.step, "failed", message)
+            # Never fail silently: tell the owner, if the notifier itself still works.
+            with contextlib.suppress(ActivityError):
+                await self._notify("failed", f"{self._who()}: gpufleet stopped at {self._status.step}: {message}")
             raise ApplicationError(
                 f"incident {self._status.incident_id} failed at {self._status.step}: {message}",
                 type=getattr(cause, "type", None) or "RemediationFailed",
@@ -108,7 +111,10 @@ class NodeRemediationWorkflow:
 
     async def _remediate(self, params: RemediationInput) -> None:
         status = self._status
-        await workflow.wait_condition(lambda: bool(self._events), timeout=timedelta(minutes=5))
+        try:
+            await workflow.wait_condition(lambda: bool(self._events), timeout=timedelta(minutes=5))
+        except TimeoutError:
+            raise ApplicationError("no Xid was reported to this incident", non_retryable=True) from None
         if params.search_attributes:
             workflow.upsert_search_attributes(
                 [

@@ -287,7 +287,8 @@ async def test_unknown_node_fails_fast_and_changes_nothing(env: WorkflowEnvironm
         with pytest.raises(WorkflowFailureError) as failure:
             await handle.result()  # type: ignore[attr-defined]
     assert "no node named 'nosuch'" in str(failure.value.cause)
-    assert fleet.calls == ["slurm_node_state"]
+    # Nothing changed; the owner is told why the incident stopped.
+    assert fleet.calls == ["slurm_node_state", "notify:failed"]
 
 
 async def test_application_xid_is_only_recorded(env: WorkflowEnvironment) -> None:
