@@ -22,6 +22,8 @@ from models.xid import xid_catalog
 from starters.server import dev_server_argv
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The lab's worker polls Slurm this often while it waits for a job (GPUFLEET_POLL_SECONDS).
+LAB_POLL_SECONDS = "0.25"
 Say = Callable[[str], None]
 
 
@@ -97,6 +99,7 @@ class FleetLab:
             "GPUFLEET_GRACE_SECONDS": str(self.config.grace_seconds),
             # A local controller answers in milliseconds; give up on a silent one sooner.
             "GPUFLEET_SLURM_TIMEOUT_SECONDS": "10",
+            "GPUFLEET_POLL_SECONDS": LAB_POLL_SECONDS,
             "SLURM_CONF": str(self.slurm.conf),
             "PYTHONPATH": str(REPO_ROOT),
         }

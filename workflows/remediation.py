@@ -284,11 +284,11 @@ class NodeRemediationWorkflow:
         """Wait until the jobs stopped or reported their checkpoints, at most the grace period.
 
         The grace is a workflow timer; between short checks of the jobs the workflow sleeps,
-        waking at once on ``checkpoint_done``. Checks start at 0.25 s (jobs usually exit right
+        waking at once on ``checkpoint_done``. Checks start at 0.1 s (jobs usually exit right
         after saving) and back off to 5 s, so a full grace costs about thirty short activities.
         """
         deadline = workflow.now() + timedelta(seconds=grace_seconds)
-        interval = 0.25
+        interval = 0.1
         while True:
             if all(job_id in self._checkpointed for job_id in job_ids):
                 return "every job reported its checkpoint"
