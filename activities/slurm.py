@@ -11,7 +11,7 @@ from activities.errors import client_errors
 from clients.errors import NotFound
 from clients.slurm import SlurmClient
 from models.incident import JobInfo, NodeInfo, RequeueResult
-from models.requests import DrainRequest, SignalJobsRequest, WaitJobsRequest
+from models.requests import DrainRequest, SignalJobsRequest, StillRunningRequest, WaitJobsRequest
 
 _STOPPED = {
     "COMPLETED",
@@ -68,10 +68,16 @@ class SlurmActivities:
         return signalled
 
     @activity.defn(name="jobs_still_running")
-    def still_running(self, job_ids: list[int]) -> list[int]:
-        """The jobs among ``job_ids`` that have not stopped yet (a job Slurm forgot has stopped)."""
-        with client_errors():
-            return [job_id for job_id in job_ids if not self._stopped(job_id)]
+    def still_running(self, request: StillRunningRequest) -> list[int]:
+        """The jobs that have not stopped yet, watched up to ``watch_seconds`` (a job Slurm forgot has stopped)."""
+        deadline = time.monotonic() + request.watch_seconds
+        while True:
+            with client_errors():
+                running = [job_id for job_id in request.job_ids if not self._stopped(job_id)]
+            if not running or time.monotonic() >= deadline:
+                return running
+            activity.heartbeat(f"{len(running)} job(s) still running")
+            time.sleep(self._poll)
 
     def _stopped(self, job_id: int) -> bool:
         try:

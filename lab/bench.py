@@ -49,8 +49,9 @@ def breakdown(events: list[HistoryEvent], *, poll_seconds: float) -> dict[str, A
     """Where an incident's time went, from its workflow history.
 
     The control-plane overhead is what is ours: activities and workflow tasks waiting,
-    scheduled but not started, plus our polling delay (bounded: the last check interval
-    before the jobs were seen stopped, and the worker's poll while waiting for the resume).
+    scheduled but not started, plus our polling delay (bounded: the last wait before the jobs
+    were seen stopped, a timer or one worker poll, and the worker's poll while waiting for
+    the resume).
     Workflow-task processing, activities running (Slurm, Kubernetes, the job) and timers
     are reported apart.
     """
@@ -74,7 +75,8 @@ def breakdown(events: list[HistoryEvent], *, poll_seconds: float) -> dict[str, A
             activity_type[event.event_id] = name
             scheduled[event.event_id] = _t(event)
             if name == "requeue_jobs" and grace_check_delay is None:
-                grace_check_delay = last_timer
+                # Seen stopping after a timer: late by at most that timer; else by one worker poll.
+                grace_check_delay = last_timer or poll_seconds
         elif kind == _STARTED:
             sid = event.activity_task_started_event_attributes.scheduled_event_id
             started[sid] = _t(event)

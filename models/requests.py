@@ -23,6 +23,12 @@ class SignalJobsRequest(BaseModel):
     signal: str = "TERM"
 
 
+class StillRunningRequest(BaseModel):
+    job_ids: list[int]
+    # Watch the jobs this long, returning as soon as all have stopped (0: look once).
+    watch_seconds: float = 0.0
+
+
 class WaitJobsRequest(BaseModel):
     job_ids: list[int]
     timeout_seconds: float

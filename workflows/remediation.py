@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from datetime import timedelta
 from typing import Any
 
@@ -33,6 +34,7 @@ with workflow.unsafe.imports_passed_through():
         KubeDrainRequest,
         NotifyRequest,
         SignalJobsRequest,
+        StillRunningRequest,
         WaitJobsRequest,
     )
     from models.xid import XidEvent
@@ -45,6 +47,9 @@ RETRY = RetryPolicy(
     non_retryable_error_types=list(NON_RETRYABLE),
 )
 SHORT = timedelta(seconds=60)
+# Grace checks that watch the jobs inside the activity before the workflow falls back to timers
+# (Temporal timers are not meant for sub-second waits).
+WATCHED_CHECKS = 4
 HEARTBEAT = timedelta(seconds=30)
 
 
@@ -283,29 +288,37 @@ class NodeRemediationWorkflow:
     async def _grace(self, job_ids: list[int], grace_seconds: float) -> str:
         """Wait until the jobs stopped or reported their checkpoints, at most the grace period.
 
-        The grace is a workflow timer; between short checks of the jobs the workflow sleeps,
-        waking at once on ``checkpoint_done``. Checks start at 0.1 s (jobs usually exit right
-        after saving) and back off to 5 s, so a full grace costs about thirty short activities.
+        Most jobs save and exit within seconds of SIGTERM, so the first checks are activities
+        that watch the jobs for up to a second each (noticing an exit within one worker poll).
+        After that the workflow sleeps between checks on timers backing off from 1 s to 5 s,
+        waking at once on ``checkpoint_done``: a full grace costs about thirty short activities.
         """
         deadline = workflow.now() + timedelta(seconds=grace_seconds)
-        interval = 0.1
-        while True:
+        interval = 1.0
+        for check in itertools.count():
             if all(job_id in self._checkpointed for job_id in job_ids):
                 return "every job reported its checkpoint"
+            remaining = (deadline - workflow.now()).total_seconds()
+            watch = min(1.0, max(remaining, 0.0)) if check < WATCHED_CHECKS else 0.0
             running: list[int] = await self._activity(
-                SlurmActivities.still_running, job_ids, summary="check which jobs still run"
+                SlurmActivities.still_running,
+                StillRunningRequest(job_ids=job_ids, watch_seconds=watch),
+                summary="check which jobs still run",
             )
             if not running:
                 return "jobs exited after checkpointing"
             remaining = (deadline - workflow.now()).total_seconds()
             if remaining <= 0:
                 return f"grace of {grace_seconds:.0f}s over; {len(running)} job(s) still running"
+            if check < WATCHED_CHECKS:
+                continue
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(
                     lambda: all(job_id in self._checkpointed for job_id in job_ids),
                     timeout=timedelta(seconds=min(interval, remaining)),
                 )
             interval = min(interval * 1.5, 5.0)
+        raise AssertionError("unreachable")
 
     # -- helpers ------------------------------------------------------------------------------------
 

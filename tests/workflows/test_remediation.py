@@ -31,6 +31,7 @@ from models.requests import (
     KubeDrainResult,
     NotifyRequest,
     SignalJobsRequest,
+    StillRunningRequest,
     WaitJobsRequest,
 )
 from models.xid import XidEvent
@@ -103,9 +104,9 @@ class Fleet:
             return request.job_ids
 
         @activity.defn(name="jobs_still_running")
-        async def still_running(job_ids: list[int]) -> list[int]:
+        async def still_running(request: StillRunningRequest) -> list[int]:
             fleet.calls.append("jobs_still_running")
-            return [] if fleet.jobs_exit_on_sigterm else job_ids
+            return [] if fleet.jobs_exit_on_sigterm else request.job_ids
 
         @activity.defn(name="requeue_jobs")
         async def requeue_jobs(job_ids: list[int]) -> RequeueResult:
