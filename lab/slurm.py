@@ -130,7 +130,8 @@ class SlurmLab:
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
             "SchedulerType=sched/backfill",
-            "SchedulerParameters=bf_interval=1,sched_min_interval=100000",
+            # A scheduling pass every second, so a requeued job starts as soon as it may.
+            "SchedulerParameters=sched_interval=1,bf_interval=1,sched_min_interval=100000",
             "ReturnToService=2",
             "MpiDefault=none",
             "JobCompType=jobcomp/none",
