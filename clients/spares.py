@@ -72,10 +72,6 @@ class SparePool:
             self._kube.update_metadata(spare.name, labels={POOL_LABEL: POOL_TRAINING})
         return spare.name
 
-    def free_spares(self) -> list[str]:
-        nodes = self._kube.list_nodes(label_selector=f"{POOL_LABEL}={POOL_SPARE}")
-        return [n.name for n in nodes if n.ready and CLAIMED_BY_ANNOTATION not in n.annotations]
-
     def retire(self, node: str) -> None:
         """Take the failed node out of the partition and the pool, and delete its Node."""
         self._slurm.remove_from_partition(self._partition, node)

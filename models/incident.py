@@ -111,8 +111,3 @@ class Notification(BaseModel):
     kind: str
     text: str
     incident: IncidentStatus
-
-
-class SpareClaim(BaseModel):
-    incident_id: str
-    spare: str | None = None

@@ -30,10 +30,6 @@ class Action(StrEnum):
     def severity(self) -> int:
         return list(Action).index(self)
 
-    @property
-    def takes_node_out(self) -> bool:
-        return self is not Action.OBSERVE
-
 
 DEFAULT_BUCKET_ACTIONS: dict[str, Action] = {
     "RESTART_APP": Action.OBSERVE,

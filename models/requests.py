@@ -49,7 +49,6 @@ class KubeDrainResult(BaseModel):
 
 class ClaimRequest(BaseModel):
     incident_id: str
-    failed_node: str
 
 
 class NotifyRequest(BaseModel):

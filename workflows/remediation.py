@@ -263,7 +263,7 @@ class NodeRemediationWorkflow:
         while True:
             spare = await self._activity(
                 SpareActivities.claim_spare,
-                ClaimRequest(incident_id=status.incident_id, failed_node=params.node),
+                ClaimRequest(incident_id=status.incident_id),
                 summary="claim a spare",
             )
             if spare is not None:
