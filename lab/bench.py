@@ -141,8 +141,7 @@ async def bench(drills: int, *, home: Path, job_kind: str | None, say: Any) -> d
     lab.up(say=say)
     results = []
     try:
-        os.environ["TEMPORAL_ADDRESS"] = lab.env()["TEMPORAL_ADDRESS"]
-        client = await connect()
+        client = await connect(address=lab.env()["TEMPORAL_ADDRESS"])
         for index in range(drills):
             say(f"drill {index + 1} of {drills}")
             result = await run_drill(lab, job_kind=job_kind, say=say)
@@ -198,8 +197,7 @@ async def detector_latency(samples: int, *, home: Path, say: Any) -> dict[str, A
     )
     try:
         wait_for(lambda: port_in_use(port), timeout=60, what="the Temporal dev server")
-        os.environ["TEMPORAL_ADDRESS"] = f"127.0.0.1:{port}"
-        client = await connect()
+        client = await connect(address=f"127.0.0.1:{port}")
         handle = client.get_workflow_handle("remediate-bench-bench1")
         await asyncio.sleep(2.0)  # let the detector settle on its log
         written: list[float] = []

@@ -164,7 +164,7 @@ async def run_drill(
         say(f"note: {target} does not run job {job.job_id} (it runs on {job.nodes})")
     restarts_before = job.restarts
 
-    client = await connect()
+    client = await connect(address=lab.env()["TEMPORAL_ADDRESS"])
     say(f"injecting Xid {xid} on {target} (a driver line in {lab.kmsg_file(target)})")
     detected = datetime.now(UTC)
     lab.inject_xid(target, xid)

@@ -59,10 +59,7 @@ def lab_status(lab: FleetLab) -> dict[str, Any]:
 
 
 async def _open_incidents(address: str) -> list[dict[str, Any]]:
-    import os
-
-    os.environ["TEMPORAL_ADDRESS"] = address
-    client = await connect()
+    client = await connect(address=address)
     rows = []
     query = f"WorkflowType='{REMEDIATION_WORKFLOW}' AND ExecutionStatus='Running'"
     async for execution in client.list_workflows(query):

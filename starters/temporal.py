@@ -28,14 +28,20 @@ def connect_config(profile: str | None = None) -> dict[str, Any]:
     return config
 
 
-async def connect(*, profile: str | None = None, timeout_seconds: float = 10.0) -> Client:
+async def connect(
+    *, address: str | None = None, profile: str | None = None, timeout_seconds: float = 10.0
+) -> Client:
     """Connect with the pydantic data converter.
+
+    Args:
+        address: host:port to use instead of the env-config's (the lab knows its own server).
 
     Raises:
         TemporalUnreachable: naming the address, when nothing answers there.
     """
     config = connect_config(profile)
-    address = config.pop("target_host")
+    address = address or config.pop("target_host")
+    config.pop("target_host", None)
     try:
         return await asyncio.wait_for(
             Client.connect(address, data_converter=pydantic_data_converter, **config),

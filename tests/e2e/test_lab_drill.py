@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -54,6 +55,21 @@ def gpufleet(fleet: FleetLab, *args: str, timeout: float = 400) -> subprocess.Co
     )
 
 
+def lab_cli(fleet: FleetLab, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    """A `gpufleet lab` command as a user types it: only GPUFLEET_HOME says which lab (no TEMPORAL_ADDRESS)."""
+    env = {k: v for k, v in os.environ.items() if k != "TEMPORAL_ADDRESS"}
+    env.update({"GPUFLEET_HOME": str(fleet.home), "COLUMNS": "200", "PYTHONPATH": str(REPO_ROOT)})
+    return subprocess.run(
+        [sys.executable, "-m", "workers.entry", "lab", *args],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def test_a_port_in_use_is_replaced_and_named(lab: tuple[FleetLab, list[str]], busy_port: int) -> None:
     fleet, said = lab
     assert any(f"port {busy_port}" in line and "in use" in line for line in said)
@@ -63,7 +79,7 @@ def test_a_port_in_use_is_replaced_and_named(lab: tuple[FleetLab, list[str]], bu
 def test_lab_up_again_reuses_what_runs(lab: tuple[FleetLab, list[str]]) -> None:
     fleet, _ = lab
     before = sorted(fleet.recorded_pids())
-    done = gpufleet(fleet, "lab", "up")
+    done = lab_cli(fleet, "up")
     assert done.returncode == 0, done.stderr
     assert "already running" in done.stdout
     assert sorted(fleet.recorded_pids()) == before
@@ -73,7 +89,7 @@ def test_drill_on_an_unknown_node_changes_nothing(lab: tuple[FleetLab, list[str]
     fleet, _ = lab
     slurm = SlurmCli(slurm_conf=fleet.slurm.conf)
     jobs_before = slurm.jobs()
-    done = gpufleet(fleet, "lab", "drill", "--node", "nosuch")
+    done = lab_cli(fleet, "drill", "--node", "nosuch")
     assert done.returncode == 1
     assert "no node 'nosuch'" in done.stdout + done.stderr
     assert slurm.jobs() == jobs_before
@@ -83,7 +99,7 @@ def test_drill_on_an_unknown_node_changes_nothing(lab: tuple[FleetLab, list[str]
 
 def test_inject_xid_refuses_an_unknown_node(lab: tuple[FleetLab, list[str]]) -> None:
     fleet, _ = lab
-    done = gpufleet(fleet, "lab", "inject-xid", "nosuch", "--xid", "79")
+    done = lab_cli(fleet, "inject-xid", "nosuch", "--xid", "79")
     assert done.returncode == 1
     assert "no lab node 'nosuch'" in done.stdout
     assert not fleet.kmsg_file("nosuch").exists()
@@ -91,7 +107,7 @@ def test_inject_xid_refuses_an_unknown_node(lab: tuple[FleetLab, list[str]]) -> 
 
 def test_drill_recovers_the_ddp_job(lab: tuple[FleetLab, list[str]]) -> None:
     fleet, _ = lab
-    done = gpufleet(fleet, "lab", "drill", "--job", "ddp")
+    done = lab_cli(fleet, "drill", "--job", "ddp")
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["outcome"] == "resolved"
@@ -144,7 +160,7 @@ def test_the_incident_is_found_by_its_search_attributes(lab: tuple[FleetLab, lis
 
 def test_lab_status_shows_both_sides(lab: tuple[FleetLab, list[str]]) -> None:
     fleet, _ = lab
-    status = json.loads(gpufleet(fleet, "lab", "status", "--json").stdout)
+    status = json.loads(lab_cli(fleet, "status", "--json").stdout)
     nodes = {node["name"]: node for node in status["nodes"]}
     assert nodes["gpu1"]["reason"].startswith("gpufleet:")
     assert nodes["gpu1"]["kubernetes"] == "absent"
@@ -158,7 +174,7 @@ def test_lab_down_leaves_no_process(lab: tuple[FleetLab, list[str]]) -> None:
     fleet, _ = lab
     pids = fleet.recorded_pids()
     assert len(pids) >= 9
-    done = gpufleet(fleet, "lab", "down")
+    done = lab_cli(fleet, "down")
     assert done.returncode == 0, done.stderr
     assert not [pid for pid in pids if alive(pid)]
     # Job steps and training processes carry the lab's SLURM_CONF: none may outlive it.
