@@ -51,3 +51,16 @@ def test_retire_takes_the_node_out_everywhere(pool: tuple[SparePool, KubernetesA
     spares.retire("gpu3")
     assert "gpu3" not in slurm.partition_nodes("train")
     assert "gpu3" not in [n.name for n in kube.list_nodes()]
+
+
+def test_racing_incidents_never_share_a_spare(pool: tuple[SparePool, KubernetesApi, SlurmCli]) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    spares, kube, _ = pool
+    with ThreadPoolExecutor(max_workers=6) as executor:
+        claims = list(executor.map(spares.claim, [f"race-{i}" for i in range(6)]))
+    won = [claim for claim in claims if claim is not None]
+    assert sorted(won) == ["spare1", "spare2"]
+    for name in won:
+        owner = kube.get_node(name).annotations["gpufleet.io/claimed-by"]
+        assert claims[int(owner.removeprefix("race-"))] == name
