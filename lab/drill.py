@@ -18,10 +18,11 @@ from typing import Any
 
 from temporalio.service import RPCError
 
+from clients.kube import KubernetesApi
 from clients.slurm import SlurmCli
 from lab.fleet import REPO_ROOT, FleetLab, LabError
 from lab.procs import wait_for
-from models.constants import remediation_workflow_id
+from models.constants import CLAIMED_BY_ANNOTATION, POOL_LABEL, POOL_SPARE, remediation_workflow_id
 from models.incident import IncidentStatus, JobInfo, Outcome, Step
 from models.names import InvalidName, validate_node_name
 from starters.temporal import connect
@@ -157,6 +158,18 @@ async def run_drill(
         members = slurm.partition_nodes(lab.config.partition)
         if node not in members:
             raise LabError(f"no node {node!r} in partition {lab.config.partition}; nodes: {', '.join(members)}")
+    free = [
+        node.name
+        for node in KubernetesApi(kubeconfig=lab.home / "kubeconfig").list_nodes(
+            label_selector=f"{POOL_LABEL}={POOL_SPARE}"
+        )
+        if CLAIMED_BY_ANNOTATION not in node.annotations
+    ]
+    if not free:
+        raise LabError(
+            "no free spare is left in the lab, so the incident would wait for one; "
+            "start a fresh lab with `gpufleet lab down && rm -r $GPUFLEET_HOME && gpufleet lab up`"
+        )
     job = training_job(lab, slurm, job_kind=job_kind or default_job(), say=say)
     job_nodes = slurm.hostnames(job.nodes)
     target = node or job_nodes[0]

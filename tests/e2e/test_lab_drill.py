@@ -133,6 +133,15 @@ def test_drill_recovers_the_ddp_job(lab: tuple[FleetLab, list[str]]) -> None:
     assert "NVRM: Xid (PCI:0000:3b:00): 79" in fleet.kmsg_file("gpu1").read_text()
 
 
+def test_a_drill_without_a_free_spare_says_so_and_injects_nothing(lab: tuple[FleetLab, list[str]]) -> None:
+    fleet, _ = lab
+    logs = {node: fleet.kmsg_file(node).read_text() for node in fleet.all_nodes}
+    done = lab_cli(fleet, "drill", "--job", "ddp")
+    assert done.returncode == 1
+    assert "no free spare" in done.stdout
+    assert {node: fleet.kmsg_file(node).read_text() for node in fleet.all_nodes} == logs
+
+
 def test_incident_chart(lab: tuple[FleetLab, list[str]], tmp_path_factory: pytest.TempPathFactory) -> None:
     fleet, _ = lab
     picture = tmp_path_factory.mktemp("chart") / "incident.png"
