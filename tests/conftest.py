@@ -21,12 +21,22 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def gpufleet_cli(
-    *args: str, env: dict[str, str] | None = None, stdin: str | None = None, timeout: float = 60
+    *args: str,
+    env: dict[str, str] | None = None,
+    stdin: str | None = None,
+    timeout: float = 60,
+    unset: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """Run the ``gpufleet`` command as a user would, in a process of its own, from the repository."""
+    """Run the ``gpufleet`` command as a user would, in a process of its own, from the repository.
+
+    ``env`` adds to this process's environment; ``unset`` names variables the command must not see.
+    """
+    environment = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})}
+    for name in unset:
+        environment.pop(name, None)
     return subprocess.run(
         [sys.executable, "-m", "workers.entry", *args],
-        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        env=environment,
         cwd=REPO,
         input=stdin,
         capture_output=True,

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 from temporalio.client import Client
 
 from clients.slurm import SlurmCli
-from lab.fleet import REPO_ROOT, FleetLab, LabConfig
+from lab.fleet import FleetLab, LabConfig
 from lab.procs import alive, free_port, pids_with_env
+from tests.conftest import gpufleet_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
@@ -42,32 +41,13 @@ def lab(tmp_path_factory: pytest.TempPathFactory, busy_port: int) -> Iterator[tu
     fleet.down()
 
 
-def gpufleet(fleet: FleetLab, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    env = {**fleet.env(), "COLUMNS": "200"}
-    return subprocess.run(
-        [sys.executable, "-m", "workers.entry", *args],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+def gpufleet(fleet: FleetLab, *args: str) -> subprocess.CompletedProcess[str]:
+    return gpufleet_cli(*args, env=fleet.env(), timeout=400)
 
 
-def lab_cli(fleet: FleetLab, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+def lab_cli(fleet: FleetLab, *args: str) -> subprocess.CompletedProcess[str]:
     """A `gpufleet lab` command as a user types it: only GPUFLEET_HOME says which lab (no TEMPORAL_ADDRESS)."""
-    env = {k: v for k, v in os.environ.items() if k != "TEMPORAL_ADDRESS"}
-    env.update({"GPUFLEET_HOME": str(fleet.home), "COLUMNS": "200", "PYTHONPATH": str(REPO_ROOT)})
-    return subprocess.run(
-        [sys.executable, "-m", "workers.entry", "lab", *args],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return gpufleet_cli("lab", *args, env={"GPUFLEET_HOME": str(fleet.home)}, unset=("TEMPORAL_ADDRESS",), timeout=400)
 
 
 def test_a_port_in_use_is_replaced_and_named(lab: tuple[FleetLab, list[str]], busy_port: int) -> None:

@@ -24,6 +24,7 @@ from clients.kube import KubernetesApi
 from clients.slurm import SlurmCli
 from lab.fleet import REPO_ROOT, FleetLab, LabConfig
 from lab.procs import alive, wait_for
+from tests.conftest import gpufleet_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
@@ -40,16 +41,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
     assert not [pid for pid in pids if alive(pid)]
 
 
-def gpufleet(lab: FleetLab, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "workers.entry", *args],
-        env=lab.env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+def gpufleet(lab: FleetLab, *args: str) -> subprocess.CompletedProcess[str]:
+    return gpufleet_cli(*args, env=lab.env(), timeout=240)
 
 
 def activity_types(lab: FleetLab, workflow_id: str) -> list[str]:
