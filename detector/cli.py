@@ -8,7 +8,6 @@ import logging
 import os
 import socket
 import sys
-import threading
 from pathlib import Path
 from typing import Annotated
 
@@ -21,23 +20,6 @@ from detector.spool import Spool
 from models.names import InvalidName, validate_cluster_name, validate_node_name
 from models.policy import PolicyError, load_policy
 from models.settings import Settings
-
-
-class _OnceNvml(NvmlSource):
-    """With --once: stop at the first wait that brings nothing."""
-
-    def run(self, emit, stop: threading.Event) -> None:  # type: ignore[no-untyped-def]
-        if not self.open():
-            return
-        try:
-            while not stop.is_set():
-                reports = self.poll()
-                if not reports:
-                    return
-                for report in reports:
-                    emit(report, self.name)
-        finally:
-            self.close()
 
 
 def node_name(explicit: str | None) -> str:
@@ -92,7 +74,7 @@ def detect(
             raise typer.Exit(2) from None
         sources.append(KernelLogSource(follower, once=once))
     if nvml:
-        sources.append(_OnceNvml() if once else NvmlSource())
+        sources.append(NvmlSource(once=once))
     delivery = None
     if not dry_run:
         folder = spool or settings.home / "spool" / this_node

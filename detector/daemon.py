@@ -131,7 +131,6 @@ class Detector:
         self._out = out
         self._as_json = as_json
         self._queue: queue.Queue[tuple[XidReport, str]] = queue.Queue()
-        self.events: list[XidEvent] = []
 
     def emit(self, report: XidReport, source: str) -> None:
         self._queue.put((report, source))
@@ -153,7 +152,6 @@ class Detector:
         if not self.folder.fresh(event):
             return None
         action = self.policy.decide([event])
-        self.events.append(event)
         record = {
             "node": event.node,
             "xid": event.xid,

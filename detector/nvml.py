@@ -45,8 +45,10 @@ def _address(handle: Any) -> int | None:
 class NvmlSource:
     name = "nvml"
 
-    def __init__(self, *, wait_ms: int = 500) -> None:
+    def __init__(self, *, wait_ms: int = 500, once: bool = False) -> None:
         self._wait_ms = wait_ms
+        # With once (--once): stop at the first wait that brings nothing.
+        self._once = once
         self.gpus: list[Gpu] = []
         self.registered: list[int] = []
         self.available = False
@@ -132,7 +134,10 @@ class NvmlSource:
             return
         try:
             while not stop.is_set():
-                for report in self.poll():
+                reports = self.poll()
+                if not reports and self._once:
+                    return
+                for report in reports:
                     emit(report, self.name)
         finally:
             self.close()

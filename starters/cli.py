@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import time
+from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -105,7 +106,7 @@ async def _wait_for(
     """Poll the incident until it closes (or leaves classification); returns (status, failure)."""
     deadline = time.monotonic() + timeout
     status: IncidentStatus | None = None
-    with console.status("waiting for the incident", spinner="dots") if show_progress else _Null() as spinner:
+    with console.status("waiting for the incident", spinner="dots") if show_progress else nullcontext() as spinner:
         while time.monotonic() < deadline:
             description = await handle.describe()
             if description.status != WorkflowExecutionStatus.RUNNING:
@@ -126,14 +127,6 @@ async def _wait_for(
                     return status, None
             await asyncio.sleep(0.3)
     return status, f"still running after {timeout:.0f}s"
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: object) -> None:
-        return None
 
 
 @app.command()

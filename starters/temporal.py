@@ -28,9 +28,7 @@ def connect_config(profile: str | None = None) -> dict[str, Any]:
     return config
 
 
-async def connect(
-    *, address: str | None = None, profile: str | None = None, timeout_seconds: float = 10.0
-) -> Client:
+async def connect(*, address: str | None = None, profile: str | None = None, timeout_seconds: float = 10.0) -> Client:
     """Connect with the pydantic data converter.
 
     Args:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 from datetime import timedelta
 from typing import Any
 
@@ -295,11 +294,13 @@ class NodeRemediationWorkflow:
         """
         deadline = workflow.now() + timedelta(seconds=grace_seconds)
         interval = 1.0
-        for check in itertools.count():
+        check = 0
+        while True:
+            check += 1
             if all(job_id in self._checkpointed for job_id in job_ids):
                 return "every job reported its checkpoint"
             remaining = (deadline - workflow.now()).total_seconds()
-            watch = min(1.0, max(remaining, 0.0)) if check < WATCHED_CHECKS else 0.0
+            watch = min(1.0, max(remaining, 0.0)) if check <= WATCHED_CHECKS else 0.0
             running: list[int] = await self._activity(
                 SlurmActivities.still_running,
                 StillRunningRequest(job_ids=job_ids, watch_seconds=watch),
@@ -310,7 +311,7 @@ class NodeRemediationWorkflow:
             remaining = (deadline - workflow.now()).total_seconds()
             if remaining <= 0:
                 return f"grace of {grace_seconds:.0f}s over; {len(running)} job(s) still running"
-            if check < WATCHED_CHECKS:
+            if check <= WATCHED_CHECKS:
                 continue
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(
@@ -318,7 +319,6 @@ class NodeRemediationWorkflow:
                     timeout=timedelta(seconds=min(interval, remaining)),
                 )
             interval = min(interval * 1.5, 5.0)
-        raise AssertionError("unreachable")
 
     # -- helpers ------------------------------------------------------------------------------------
 
