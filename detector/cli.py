@@ -45,13 +45,24 @@ def detect(
     fold_seconds: Annotated[float, typer.Option(help="Fold identical repeats within this window.")] = 10.0,
     spool: Annotated[Path | None, typer.Option(help="Spool folder (default: $GPUFLEET_HOME/spool/NODE).")] = None,
     spool_max: Annotated[int, typer.Option(help="At most this many undelivered events on disk.")] = 10000,
+    ready_file: Annotated[
+        Path | None,
+        typer.Option(help="Write this file (our PID) once every source is followed; wait for it, not a sleep."),
+    ] = None,
 ) -> None:
     """Watch the kernel log (and NVML) for Xids and open or join the node's incident in Temporal.
 
     Events the policy marks OBSERVE are printed only. Anything else goes to Temporal with
     signal-with-start on remediate-CLUSTER-NODE, through an on-disk spool while Temporal is away.
+
+    What a start reads: a log file from its end (lines already in it are not reported again;
+    --from-start reads them), a file that does not exist yet from its start once it appears,
+    /dev/kmsg from its newest record (--from-start: the whole ring buffer), a pipe or standard
+    input from what is written next. Lines written before --ready-file appears may be missed.
     """
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s detector: %(message)s")
+    if ready_file is not None:
+        ready_file.unlink(missing_ok=True)  # a stale one from an earlier run must not count
     settings = Settings()
     try:
         this_node = node_name(node)
@@ -88,7 +99,7 @@ def detect(
         as_json=as_json or dry_run,
     )
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(detector.run(sources, once=once))
+        asyncio.run(detector.run(sources, once=once, ready_file=ready_file))
     if delivery is not None and len(delivery.spool):
         typer.echo(f"{len(delivery.spool)} event(s) still spooled in {delivery.spool.folder}", err=True)
         raise typer.Exit(1)

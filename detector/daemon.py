@@ -6,12 +6,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 from temporalio.client import Client
@@ -25,12 +27,15 @@ from starters.temporal import TemporalUnreachable, connect, report_xid
 
 log = logging.getLogger("gpufleet.detector")
 Emit = Callable[[XidReport, str], None]
+Ready = Callable[[], None]
 
 
 class Source(Protocol):
     name: str
 
-    def run(self, emit: Emit, stop: threading.Event) -> None: ...
+    def run(self, emit: Emit, stop: threading.Event, ready: Ready) -> None:
+        """Feed reports to ``emit`` until ``stop``; call ``ready`` once nothing new can be missed."""
+        ...
 
 
 class KernelLogSource:
@@ -43,7 +48,9 @@ class KernelLogSource:
         self._once = once
         self._parser = KernelLogParser()
 
-    def run(self, emit: Emit, stop: threading.Event) -> None:
+    def run(self, emit: Emit, stop: threading.Event, ready: Ready) -> None:
+        self._follower.prime()
+        ready()
         lines = self._follower.read_available() if self._once else self._follower.follow(stop=stop.is_set)
         for line in lines:
             for report in self._parser.feed(line):
@@ -173,9 +180,35 @@ class Detector:
                 self.delivery.put(event)
         return event
 
-    async def run(self, sources: list[Source], *, once: bool = False, stop: threading.Event | None = None) -> None:
+    async def run(
+        self,
+        sources: list[Source],
+        *,
+        once: bool = False,
+        stop: threading.Event | None = None,
+        ready_file: Path | None = None,
+    ) -> None:
+        """Run the sources until they end (``once``) or ``stop`` is set.
+
+        Args:
+            ready_file: written (with the PID) once every source follows its input, so that
+                whoever starts the detector can wait for it instead of guessing.
+        """
         stop = stop or threading.Event()
-        threads = [threading.Thread(target=s.run, args=(self.emit, stop), name=s.name, daemon=True) for s in sources]
+        pending = len(sources)
+        lock = threading.Lock()
+
+        def source_ready() -> None:
+            nonlocal pending
+            with lock:
+                pending -= 1
+                if pending == 0 and ready_file is not None:
+                    write_ready_file(ready_file)
+
+        threads = [
+            threading.Thread(target=s.run, args=(self.emit, stop, source_ready), name=s.name, daemon=True)
+            for s in sources
+        ]
         for thread in threads:
             thread.start()
         try:
@@ -195,3 +228,11 @@ class Detector:
             stop.set()
         if once and self.delivery is not None and len(self.delivery.spool):
             await self.delivery.flush()
+
+
+def write_ready_file(path: Path) -> None:
+    """Write ``path`` atomically (a reader never sees it half written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(f"{os.getpid()}\n")
+    partial.replace(path)

@@ -61,13 +61,21 @@ class LogFollower:
             for raw in lines:
                 yield raw.decode("utf-8", errors="replace")
 
+    def prime(self) -> None:
+        """Open the file now, fixing where reading starts (its end, unless ``from_start``).
+
+        A file that does not exist yet is read whole once it appears, so nothing written
+        after this call is missed.
+        """
+        if self._fd is None:
+            self._open(at_end=not self._from_start)
+            self._from_start = True  # a file that appears later, or a rotated one, is read whole
+
     def read_available(self) -> Iterator[str]:
         """Every complete line available now (opening, reopening after rotation, as needed)."""
+        self.prime()
         if self._fd is None:
-            opened = self._open(at_end=not self._from_start)
-            self._from_start = True  # a file that appears later, or a rotated one, is read whole
-            if not opened:
-                return
+            return
         yield from self._drain()
         try:
             current = os.stat(self.path)
@@ -103,6 +111,9 @@ class KmsgReader:
             os.lseek(self._fd, 0, os.SEEK_END)
         self._poll = poll_seconds
 
+    def prime(self) -> None:
+        """Already open: the read position was fixed when the device was opened."""
+
     def read_available(self) -> Iterator[str]:
         while True:
             try:
@@ -131,6 +142,9 @@ class StreamReader:
 
     def __init__(self, stream: IO[bytes]) -> None:
         self._stream = stream
+
+    def prime(self) -> None:
+        """A stream has no position to fix: what is written to it from now on is read."""
 
     def read_available(self) -> Iterator[str]:
         """With --once: everything until the stream ends."""

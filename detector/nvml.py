@@ -129,9 +129,11 @@ class NvmlSource:
             )
         ]
 
-    def run(self, emit: Any, stop: threading.Event) -> None:
+    def run(self, emit: Any, stop: threading.Event, ready: Any) -> None:
         if not self.available and not self.open():
+            ready()  # no NVML here: nothing to wait for
             return
+        ready()
         try:
             while not stop.is_set():
                 reports = self.poll()

@@ -190,6 +190,8 @@ async def detector_latency(samples: int, *, home: Path, say: Any) -> dict[str, A
             "bench1",
             "--cluster",
             "bench",
+            "--ready-file",
+            str(home / "latency-detector.ready"),
         ],
         log=home / "latency-detector.log",
         env=env,
@@ -199,7 +201,7 @@ async def detector_latency(samples: int, *, home: Path, say: Any) -> dict[str, A
         wait_for(lambda: port_in_use(port), timeout=60, what="the Temporal dev server")
         client = await connect(address=f"127.0.0.1:{port}")
         handle = client.get_workflow_handle("remediate-bench-bench1")
-        await asyncio.sleep(2.0)  # let the detector settle on its log
+        wait_for(lambda: (home / "latency-detector.ready").exists(), timeout=60, what="the detector")
         written: list[float] = []
         received: list[float] = []
         for index in range(samples):

@@ -170,6 +170,7 @@ class FleetLab:
             say(f"webhook receiver on {services['webhook']['url']} (records {self.notifications_file})")
             self._save({**state, "services": services})
 
+        started: list[Path] = []
         for node in self.all_nodes:
             name = f"detector-{node}"
             if running(name):
@@ -190,9 +191,14 @@ class FleetLab:
                 self.config.cluster,
                 "--fold-seconds",
                 "2",
+                "--ready-file",
+                str(self.detector_ready_file(node)),
             ]
+            self.detector_ready_file(node).unlink(missing_ok=True)
             services[name] = {"pid": spawn(argv, log=logs / f"{name}.log", env=self.env(), cwd=REPO_ROOT)}
             self._save({**state, "services": services})
+            started.append(self.detector_ready_file(node))
+        wait_for(lambda: all(ready.exists() for ready in started), timeout=60, what="the detectors")
         say(f"a detector per node, each following its kernel log in {self.home / 'kmsg'}")
 
         if running("worker"):
@@ -226,6 +232,10 @@ class FleetLab:
     @property
     def all_nodes(self) -> list[str]:
         return [*self.config.training, *self.config.spares]
+
+    def detector_ready_file(self, node: str) -> Path:
+        """Written by the node's detector once it follows its kernel log."""
+        return self.home / "kmsg" / f"{node}.ready"
 
     def kmsg_file(self, node: str) -> Path:
         """The node's kernel log, which its detector follows."""

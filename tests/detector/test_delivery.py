@@ -37,6 +37,7 @@ def test_temporal_down_then_back(tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "kern.log"
     log.write_text("")
+    ready = tmp_path / "detector.ready"
     env = {
         **os.environ,
         "TEMPORAL_ADDRESS": f"127.0.0.1:{port}",
@@ -44,7 +45,20 @@ def test_temporal_down_then_back(tmp_path: Path) -> None:
         "PYTHONPATH": str(REPO),
     }
     detector = subprocess.Popen(
-        [sys.executable, "-m", "workers.entry", "detect", "--kmsg", str(log), "--node", "gpu1", "--cluster", "lab"],
+        [
+            sys.executable,
+            "-m",
+            "workers.entry",
+            "detect",
+            "--kmsg",
+            str(log),
+            "--node",
+            "gpu1",
+            "--cluster",
+            "lab",
+            "--ready-file",
+            str(ready),
+        ],
         env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -53,16 +67,16 @@ def test_temporal_down_then_back(tmp_path: Path) -> None:
     )
     server = None
     try:
-        time.sleep(1.0)
+        wait_for(ready.exists, timeout=60, what="the detector to follow its log")
         with open(log, "a") as out:
             out.write("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.\n")
             out.write("NVRM: Xid (PCI:0000:3b:00): 48, pid=1, name=x, An uncorrectable double bit error\n")
             out.write("NVRM: Xid (PCI:0000:5e:00): 64, pid=1, name=x, Row remapping failure\n")
             out.write("NVRM: Xid (PCI:0000:5e:00): 13, pid=1, name=x, Graphics Exception\n")  # OBSERVE: not sent
         spool = tmp_path / "home" / "spool" / "gpu1"
-        wait_for(lambda: len(list(spool.glob("*.json"))) == 3, timeout=15, what="three spooled events")
+        wait_for(lambda: len(list(spool.glob("*.json"))) == 3, timeout=60, what="three spooled events")
         wait_for(
-            lambda: "Temporal unreachable" in (tmp_path / "detector.err").read_text(), timeout=15, what="a warning"
+            lambda: "Temporal unreachable" in (tmp_path / "detector.err").read_text(), timeout=60, what="a warning"
         )
 
         server = subprocess.Popen(
