@@ -7,14 +7,22 @@ from temporalio import activity
 from activities.errors import client_errors
 from clients.errors import NotFound
 from clients.kube import KubeClient
-from models.constants import INCIDENT_ANNOTATION, UNHEALTHY_TAINT
+from models.constants import INCIDENT_ANNOTATION, POOL_LABEL, UNHEALTHY_TAINT
 from models.requests import KubeDrainRequest, KubeDrainResult
 
 
 class KubeActivities:
-    def __init__(self, kube: KubeClient, *, eviction_timeout_seconds: float = 60.0) -> None:
+    def __init__(self, kube: KubeClient) -> None:
         self._kube = kube
-        self._eviction_timeout = eviction_timeout_seconds
+
+    @activity.defn(name="kube_node_pool")
+    def node_pool(self, node: str) -> str | None:
+        """The node's ``gpufleet.io/pool`` label ("" when unlabelled), or None without a Kubernetes node."""
+        with client_errors():
+            try:
+                return self._kube.get_node(node).labels.get(POOL_LABEL, "")
+            except NotFound:
+                return None
 
     @activity.defn(name="cordon_and_drain_node")
     def cordon_and_drain(self, request: KubeDrainRequest) -> KubeDrainResult:
@@ -34,7 +42,7 @@ class KubeActivities:
                 activity.heartbeat(f"evicting {pod.key}")
                 outcome = self._kube.evict(
                     pod,
-                    timeout_seconds=self._eviction_timeout,
+                    timeout_seconds=request.eviction_timeout_seconds,
                     progress=activity.heartbeat,
                 )
                 (result.forced if outcome == "deleted" else result.evicted).append(pod.key)

@@ -1,17 +1,30 @@
-"""Classification: the worker's policy (with its operator overrides) decides the action."""
+"""The worker's configuration and classification: one policy file decides for the detector and the worker."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from temporalio import activity
 
 from models.policy import Action, Policy
-from models.requests import ClassifyRequest
+from models.requests import ClassifyRequest, WorkerConfig
 
 
 class PolicyActivities:
-    def __init__(self, policy: Policy) -> None:
-        self._policy = policy
+    def __init__(self, config: Callable[[], WorkerConfig]) -> None:
+        # Called on every read, so an edited policy file applies to the next incident.
+        self._config = config
+
+    @activity.defn(name="worker_config")
+    def worker_config(self, cluster: str) -> WorkerConfig:
+        """Grace, timeouts and policy as this worker has them; the incident records them once."""
+        config = self._config()
+        if cluster != config.cluster:
+            # Task queues are per cluster, so this means a worker started with the wrong cluster.
+            raise ValueError(f"this worker serves cluster {config.cluster!r}, not {cluster!r}")
+        return config
 
     @activity.defn(name="classify_xids")
     def classify(self, request: ClassifyRequest) -> Action:
-        return self._policy.decide(request.events)
+        policy: Policy = request.policy or self._config().policy
+        return policy.decide(request.events)

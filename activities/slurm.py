@@ -8,10 +8,17 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.errors import client_errors
-from clients.errors import NotFound
 from clients.slurm import SlurmClient
-from models.incident import JobInfo, NodeInfo, RequeueResult
-from models.requests import DrainRequest, SignalJobsRequest, StillRunningRequest, WaitJobsRequest
+from models.incident import JobInfo, JobRequeue, NodeInfo, RequeueOutcome
+from models.requests import (
+    DrainRequest,
+    RequeueJobRequest,
+    ResumeCheck,
+    ResumeCheckRequest,
+    SignalJobRequest,
+    SignalJobResult,
+    StillRunningRequest,
+)
 
 _STOPPED = {
     "COMPLETED",
@@ -28,6 +35,10 @@ _STOPPED = {
     "REQUEUE_FED",
     "DEADLINE",
 }
+
+
+_SIGNALLABLE = {"RUNNING", "SUSPENDED", "CONFIGURING"}
+_QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"}
 
 
 class SlurmActivities:
@@ -52,20 +63,22 @@ class SlurmActivities:
         with client_errors():
             return self._slurm.jobs_on_node(node)
 
-    @activity.defn(name="signal_jobs")
-    def signal_jobs(self, request: SignalJobsRequest) -> list[int]:
-        """Send the signal to every job still running; returns the jobs signalled."""
-        signalled = []
+    @activity.defn(name="signal_job")
+    def signal_job(self, request: SignalJobRequest) -> SignalJobResult:
+        """Signal the job if it still runs the run this incident found; say why not otherwise.
+
+        One job per call, so a retry never repeats a signal another job already got.
+        """
         with client_errors():
-            for job_id in request.job_ids:
-                try:
-                    if self._slurm.job(job_id).state not in {"RUNNING", "SUSPENDED"}:
-                        continue
-                    self._slurm.signal_job(job_id, signal=request.signal)
-                except NotFound:
-                    continue
-                signalled.append(job_id)
-        return signalled
+            job = self._slurm.jobs_by_id([request.job_id]).get(request.job_id)
+            if job is None:
+                return SignalJobResult(job_id=request.job_id, signalled=False, why="Slurm no longer knows the job")
+            if job.restarts > request.restarts_before:
+                return SignalJobResult(job_id=job.job_id, signalled=False, why="already restarted elsewhere")
+            if job.state not in _SIGNALLABLE:
+                return SignalJobResult(job_id=job.job_id, signalled=False, why=f"not running ({job.state})")
+            self._slurm.signal_job(job.job_id, signal=request.signal)
+        return SignalJobResult(job_id=job.job_id, signalled=True)
 
     @activity.defn(name="jobs_still_running")
     def still_running(self, request: StillRunningRequest) -> list[int]:
@@ -73,53 +86,63 @@ class SlurmActivities:
         deadline = time.monotonic() + request.watch_seconds
         while True:
             with client_errors():
-                running = [job_id for job_id in request.job_ids if not self._stopped(job_id)]
+                jobs = self._slurm.jobs_by_id(request.job_ids)
+            running = [job_id for job_id in request.job_ids if job_id in jobs and jobs[job_id].state not in _STOPPED]
             if not running or time.monotonic() >= deadline:
                 return running
             activity.heartbeat(f"{len(running)} job(s) still running")
             time.sleep(self._poll)
 
-    def _stopped(self, job_id: int) -> bool:
+    @activity.defn(name="requeue_job")
+    def requeue_job(self, request: RequeueJobRequest) -> JobRequeue:
+        """Requeue one job of the incident, guarded by its state and restart count.
+
+        A job that exited after our SIGTERM, however it exited, is requeued: that is the point.
+        Left alone: a job that already restarted since the incident began (requeueing it would
+        kill the new run), one that had ended before we signalled it, and one its owner
+        cancelled. A job found pending again was requeued already (by a retry, or by another
+        incident sharing a multi-node job) and counts as requeued.
+        """
+        job_id = request.job_id
+
+        def outcome(kind: RequeueOutcome, why: str = "") -> JobRequeue:
+            return JobRequeue(job_id=job_id, outcome=kind, why=why)
+
         try:
-            return self._slurm.job(job_id).state in _STOPPED
-        except NotFound:
-            return True
+            with client_errors():
+                job = self._slurm.jobs_by_id([job_id]).get(job_id)
+                if job is None:
+                    return outcome(RequeueOutcome.FAILED, "Slurm no longer knows the job (past MinJobAge)")
+                if job.restarts > request.restarts_before:
+                    if job.state in _QUEUED:
+                        return outcome(RequeueOutcome.REQUEUED, "already back in the queue")
+                    return outcome(RequeueOutcome.SKIPPED, f"already restarted ({job.state})")
+                if job.state in _QUEUED:
+                    return outcome(RequeueOutcome.REQUEUED, "already back in the queue")
+                if not request.signalled:
+                    return outcome(RequeueOutcome.SKIPPED, f"had ended before gpufleet signalled it ({job.state})")
+                if job.state == "CANCELLED":
+                    return outcome(RequeueOutcome.SKIPPED, "cancelled by its owner")
+                self._slurm.requeue(job_id)
+        except ApplicationError as exc:
+            if not exc.non_retryable:
+                raise
+            return outcome(RequeueOutcome.FAILED, str(exc))
+        return outcome(RequeueOutcome.REQUEUED)
 
-    @activity.defn(name="requeue_jobs")
-    def requeue_jobs(self, job_ids: list[int]) -> RequeueResult:
-        """Requeue each job; a job that cannot be requeued is reported, never silently dropped."""
-        result = RequeueResult()
-        for job_id in job_ids:
-            try:
-                with client_errors():
-                    self._slurm.requeue(job_id)
-                result.requeued.append(job_id)
-            except ApplicationError as exc:
-                if not exc.non_retryable:
-                    raise
-                result.failed[job_id] = str(exc)
-        return result
-
-    @activity.defn(name="wait_jobs_resumed")
-    def wait_jobs_resumed(self, request: WaitJobsRequest) -> list[JobInfo]:
-        """Wait, heartbeating, until every job runs again after a restart."""
-        deadline = time.monotonic() + request.timeout_seconds
+    @activity.defn(name="jobs_resumed")
+    def jobs_resumed(self, request: ResumeCheckRequest) -> ResumeCheck:
+        """Which jobs run again after a restart, watched up to ``watch_seconds`` (heartbeating)."""
+        deadline = time.monotonic() + request.watch_seconds
         while True:
             with client_errors():
-                jobs = [self._slurm.job(job_id) for job_id in request.job_ids]
-            waiting = [
-                job
-                for job in jobs
-                if not (job.state == "RUNNING" and job.restarts > request.restarts_before.get(job.job_id, 0))
-            ]
-            activity.heartbeat(f"{len(waiting)} job(s) not running again yet")
-            if not waiting:
-                return jobs
-            if time.monotonic() >= deadline:
-                names = ", ".join(f"{job.job_id} ({job.state})" for job in waiting)
-                raise ApplicationError(
-                    f"jobs did not resume within {request.timeout_seconds:.0f}s: {names}",
-                    type="JobsNotResumed",
-                    non_retryable=True,
-                )
+                jobs = self._slurm.jobs_by_id(request.job_ids)
+            check = ResumeCheck()
+            for job_id in request.job_ids:
+                job = jobs.get(job_id) or JobInfo(job_id=job_id, state="UNKNOWN")
+                back = job.state == "RUNNING" and job.restarts > request.restarts_before.get(job_id, 0)
+                (check.resumed if back else check.waiting).append(job)
+            if not check.waiting or time.monotonic() >= deadline:
+                return check
+            activity.heartbeat(f"{len(check.waiting)} job(s) not running again yet")
             time.sleep(self._poll)

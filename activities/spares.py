@@ -1,4 +1,4 @@
-"""Node provider steps: claim a spare, retire the failed node."""
+"""Node provider steps: claim a spare, release an unused claim, retire the failed node, return a repaired one."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from temporalio import activity
 
 from activities.errors import client_errors
 from clients.spares import NodeProvider
-from models.requests import ClaimRequest
+from models.requests import ClaimRequest, ReturnNodeRequest
 
 
 class SpareActivities:
@@ -19,7 +19,20 @@ class SpareActivities:
         with client_errors():
             return self._provider.claim(request.incident_id)
 
+    @activity.defn(name="release_spare")
+    def release_spare(self, request: ClaimRequest) -> str | None:
+        """Give back the spare this incident claimed and did not use (None: it holds none)."""
+        with client_errors():
+            return self._provider.release(request.incident_id)
+
     @activity.defn(name="retire_node")
     def retire_node(self, node: str) -> None:
+        """Out of the partition; the Node kept cordoned, tainted gpufleet.io/retired and labelled retired."""
         with client_errors():
             self._provider.retire(node)
+
+    @activity.defn(name="return_node")
+    def return_node(self, request: ReturnNodeRequest) -> None:
+        """Bring a repaired node back as a spare or for training (NotOwned: someone else holds it in Slurm)."""
+        with client_errors():
+            self._provider.return_node(request.node, as_=request.as_)

@@ -34,7 +34,12 @@ class Conflict(ClientError):
 
 
 class TooManyRequests(ClientError):
-    """The server refused for now (an eviction a PodDisruptionBudget forbids)."""
+    """The server refused for now (an eviction a PodDisruptionBudget forbids, a rate limit)."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        # Seconds the server asked us to wait (HTTP Retry-After), when it said.
+        self.retry_after = retry_after
 
 
 class Unavailable(ClientError):

@@ -53,6 +53,7 @@ class KubeClient(Protocol):
     def list_nodes(self, *, label_selector: str = "") -> list[KubeNode]: ...
     def set_unschedulable(self, name: str, unschedulable: bool) -> KubeNode: ...
     def add_taint(self, name: str, *, key: str, value: str, effect: str = "NoSchedule") -> KubeNode: ...
+    def remove_taint(self, name: str, *, key: str, effect: str | None = None) -> KubeNode: ...
     def update_metadata(
         self,
         name: str,
@@ -152,6 +153,16 @@ class KubernetesApi:
         taints = [*current.taints, {"key": key, "value": value, "effect": effect}]
         # The taint list is replaced whole, so guard it with the version we read it at.
         body = {"metadata": {"resourceVersion": current.resource_version}, "spec": {"taints": taints}}
+        return self._patch(name, body)
+
+    def remove_taint(self, name: str, *, key: str, effect: str | None = None) -> KubeNode:
+        """Remove the taints with ``key`` (only those with ``effect`` when given); none there: a no-op."""
+        current = self.get_node(name)
+        kept = [t for t in current.taints if not (t["key"] == key and effect in (None, t["effect"]))]
+        if len(kept) == len(current.taints):
+            return current
+        # The taint list is replaced whole, so guard it with the version we read it at.
+        body = {"metadata": {"resourceVersion": current.resource_version}, "spec": {"taints": kept}}
         return self._patch(name, body)
 
     def update_metadata(

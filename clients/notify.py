@@ -1,51 +1,74 @@
-"""Notifications to a Slack-compatible webhook over httpx."""
+"""Notifications to a Slack-compatible webhook over httpx.
+
+The webhook URL carries a secret token (Slack's do), so it never appears in a message,
+an error or a log line: errors name the receiver by its host only.
+"""
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Protocol
+from urllib.parse import urlsplit
 
 import httpx
 
-from clients.errors import InvalidInput, Unavailable
+from clients.errors import InvalidInput, TooManyRequests, Unavailable
 from models.incident import Notification
 
 log = logging.getLogger(__name__)
+# httpx logs every request's full URL at INFO: that would put the token in the worker's log.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 class Notifier(Protocol):
-    def send(self, notification: Notification) -> None: ...
+    def send(self, notification: Notification) -> bool:
+        """Deliver once; True when sent, False when there is nowhere to send. Raises a ClientError."""
+        ...
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """An HTTP ``Retry-After`` in seconds (the delta-seconds form; a date is ignored)."""
+    if not value:
+        return None
+    try:
+        return max(float(value.strip()), 0.0)
+    except ValueError:
+        return None
 
 
 class WebhookNotifier:
-    """Posts ``{"text": ..., "incident": {...}}``; with no URL it only logs."""
+    """Posts ``{"text": ..., "kind": ..., "incident": {...}}``; with no URL it only logs.
 
-    def __init__(self, *, url: str | None, timeout_seconds: float = 5.0, attempts: int = 3) -> None:
+    One attempt per call, bounded by ``timeout_seconds`` in all (connect, send, answer):
+    the caller's retries (Temporal's) decide how often to try again.
+    """
+
+    def __init__(self, *, url: str | None, timeout_seconds: float = 8.0) -> None:
         self._url = url
         self._timeout = timeout_seconds
-        self._attempts = attempts
+        self._where = f"the webhook at {urlsplit(url).hostname or '?'}" if url else "no webhook"
 
-    def send(self, notification: Notification) -> None:
+    def send(self, notification: Notification) -> bool:
         if not self._url:
             log.info("notification (no webhook configured): %s", notification.text)
-            return
+            return False
         payload = {
             "text": notification.text,
             "kind": notification.kind,
             "incident": notification.incident.model_dump(mode="json"),
         }
-        error = ""
-        for attempt in range(self._attempts):
-            try:
-                response = httpx.post(self._url, json=payload, timeout=self._timeout)
-            except httpx.HTTPError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            else:
-                if response.status_code < 300:
-                    return
-                if 400 <= response.status_code < 500 and response.status_code != 429:
-                    raise InvalidInput(f"webhook {self._url} refused the message: HTTP {response.status_code}")
-                error = f"HTTP {response.status_code}"
-            time.sleep(min(0.2 * 2**attempt, 2.0))
-        raise Unavailable(f"webhook {self._url} unreachable after {self._attempts} attempts: {error}")
+        try:
+            response = httpx.post(self._url, json=payload, timeout=httpx.Timeout(self._timeout))
+        except httpx.HTTPError as exc:
+            # The exception's text may quote the URL: keep only its kind.
+            raise Unavailable(f"{self._where} did not answer ({type(exc).__name__})") from None
+        if response.status_code < 300:
+            return True
+        if response.status_code == 429:
+            raise TooManyRequests(
+                f"{self._where} asked us to slow down (HTTP 429)",
+                retry_after=retry_after_seconds(response.headers.get("retry-after")),
+            )
+        if 400 <= response.status_code < 500:
+            raise InvalidInput(f"{self._where} refused the message: HTTP {response.status_code}")
+        raise Unavailable(f"{self._where} answered HTTP {response.status_code}")

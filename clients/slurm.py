@@ -1,8 +1,14 @@
-"""Slurm through its CLI (``scontrol``, ``squeue``, ``scancel``), JSON where 22.05 has it.
+"""Slurm through its CLI (``scontrol``, ``squeue``, ``scancel``).
 
 Nodes are read with ``scontrol show -o node``: ``sinfo`` only lists nodes that belong to a
 partition, and a spare outside every partition must still be visible. 22.05's scontrol has
 no JSON, so its one-line records are parsed here.
+
+Jobs are read scoped to the incident, with ``squeue --Format`` rather than ``squeue --json``:
+22.05's ``squeue --json`` ignores every filter (``-w``, ``--jobs``, ``--states``: checked on
+22.05.8, it always dumps every job of the cluster), while the plain output honours them on
+every version. ``--json`` is kept for the whole-cluster listing (``SlurmCli.jobs``), and
+``parse_squeue_json`` reads both its 22.05 (v0.0.38) and its 23.11+ (data_parser v0.0.40+) shapes.
 """
 
 from __future__ import annotations
@@ -10,8 +16,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import subprocess
 import threading
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,6 +48,7 @@ class SlurmClient(Protocol):
     def down(self, name: str, *, reason: str) -> None: ...
     def resume(self, name: str) -> None: ...
     def jobs_on_node(self, name: str) -> list[JobInfo]: ...
+    def jobs_by_id(self, job_ids: list[int]) -> dict[int, JobInfo]: ...
     def job(self, job_id: int) -> JobInfo: ...
     def signal_job(self, job_id: int, *, signal: str = "TERM") -> None: ...
     def requeue(self, job_id: int) -> None: ...
@@ -161,17 +170,39 @@ class SlurmCli:
     # -- jobs -------------------------------------------------------------------------------------
 
     def jobs_on_node(self, name: str) -> list[JobInfo]:
+        """The jobs running (or completing, suspended, ...) on the node, from one squeue scoped to it."""
         name = checked_node_name(name)
-        # Filter on the expanded host list ourselves: it works the same across Slurm versions.
-        jobs = self._json(["squeue", "--json"]).get("jobs", [])
-        active = [_job_from_json(raw) for raw in jobs if raw.get("job_state") in _ACTIVE_STATES]
-        return [job for job in active if name in self._hostnames(job.nodes)]
+        try:
+            # squeue's default states (not finished, completing included), narrowed here to the active ones.
+            jobs = self._squeue(f"--nodelist={name}")
+        except NotFound:
+            raise NotFound(f"Slurm has no node named {name!r}") from None
+        return [job for job in jobs if job.state in _ACTIVE_STATES]
+
+    def jobs_by_id(self, job_ids: list[int]) -> dict[int, JobInfo]:
+        """The given jobs from ONE squeue, finished ones included (within MinJobAge).
+
+        A job Slurm no longer knows is absent from the result.
+        """
+        wanted = sorted({checked_job_id(job_id) for job_id in job_ids})
+        if not wanted:
+            return {}
+        try:
+            jobs = self._squeue("--states=all", f"--jobs={','.join(str(job_id) for job_id in wanted)}")
+        except NotFound:
+            # With one ID squeue asks for that job alone and fails when Slurm has forgotten it
+            # ("Invalid job id specified"); with several it just leaves the unknown ones out.
+            if len(wanted) > 1:
+                raise
+            return {}
+        # An array's base ID also selects its tasks: keep only what was asked for.
+        return {job.job_id: job for job in jobs if job.job_id in wanted}
 
     def job(self, job_id: int) -> JobInfo:
-        for job in self.jobs():
-            if job.job_id == job_id:
-                return job
-        raise NotFound(f"Slurm has no job {job_id}")
+        found = self.jobs_by_id([job_id]).get(job_id)
+        if found is None:
+            raise NotFound(f"Slurm has no job {job_id}")
+        return found
 
     def signal_job(self, job_id: int, *, signal: str = "TERM") -> None:
         """Signal each running step of the job, or its batch shell when it runs no step.
@@ -182,7 +213,7 @@ class SlurmCli:
         """
         if signal not in {"TERM", "INT", "USR1", "USR2", "HUP"}:
             raise InvalidInput(f"refusing to send signal {signal!r}")
-        job = str(int(job_id))
+        job = str(checked_job_id(job_id))
         listed = self._run(["squeue", "--steps", "--noheader", "--format=%i", f"--jobs={job}"]).split()
         steps = [step for step in listed if step.partition(".")[2].isdigit()]
         if not steps:
@@ -197,11 +228,26 @@ class SlurmCli:
         if not job.requeue:
             raise InvalidInput(f"job {job_id} was submitted with --no-requeue")
         try:
-            self._run(["scontrol", "requeue", str(int(job_id))])
+            self._run(["scontrol", "requeue", str(checked_job_id(job_id))])
         except ClientError as exc:
             # Between our read and the requeue the job may already have gone back to pending.
             if "pending execution" not in str(exc).lower():
                 raise
+
+    def _squeue(self, *filters: str) -> list[JobInfo]:
+        """``squeue --noheader --Format=...`` with ``filters``, parsed.
+
+        The separators carry a fresh random token: a job name or output path (free text, where
+        Slurm accepts even newlines and control characters) cannot contain a string that did not
+        exist when the job was submitted, so records and fields split unambiguously.
+        """
+        token = secrets.token_hex(8)
+        separator, terminator = f"\x1f{token}\x1f", f"\x1e{token}\x1e"
+        # No width after the colon: the field is printed whole, neither padded nor cut.
+        spec = ",".join(f"{field}:{separator}" for field in _SQUEUE_FIELDS[:-1])
+        spec += f",{_SQUEUE_FIELDS[-1]}:{terminator}"
+        out = self._run(["squeue", "--noheader", *filters, f"--Format={spec}"])
+        return parse_squeue_format(out, separator=separator, terminator=terminator)
 
     def _hostnames(self, hostlist: str) -> list[str]:
         if not hostlist:
@@ -210,15 +256,16 @@ class SlurmCli:
             return hostlist.split(",")
         return self._run(["scontrol", "show", "hostnames", hostlist]).split()
 
-    # -- partitions -------------------------------------------------------------------------------
-
     def jobs(self) -> list[JobInfo]:
         """Every job Slurm still knows, finished ones included (within MinJobAge)."""
-        return [_job_from_json(raw) for raw in self._json(["squeue", "--json", "--states=all"]).get("jobs", [])]
+        # The whole cluster (22.05 would ignore any filter here anyway).
+        return parse_squeue_json(self._json(["squeue", "--json", "--states=all"]))
 
     def hostnames(self, hostlist: str) -> list[str]:
         """``gpu[1-2],spare1`` as ``["gpu1", "gpu2", "spare1"]``."""
         return self._hostnames(hostlist)
+
+    # -- partitions -------------------------------------------------------------------------------
 
     def partition_nodes(self, partition: str) -> list[str]:
         checked_node_name(partition)
@@ -268,14 +315,159 @@ def parse_node_record(line: str) -> NodeInfo:
     )
 
 
-def _job_from_json(raw: dict[str, Any]) -> JobInfo:
+def checked_job_id(job_id: object) -> int:
+    """``job_id`` when it is a Slurm job ID squeue accepts (an int in 1..2**31-1), else InvalidInput."""
+    # squeue rejects a larger --jobs value ("Invalid job id"), and would fail the whole query for it.
+    if isinstance(job_id, bool) or not isinstance(job_id, int) or not 0 < job_id < 2**31:
+        raise InvalidInput(f"invalid job id {job_id!r}")
+    return job_id
+
+
+# Fields of ``squeue --Format``, in JobInfo's order. JobID is the job's own ID (an array task's
+# too, never ``123_4``); State is job_state_string(): the same single word as 22.05's JSON.
+_SQUEUE_FIELDS = ("JobID", "Name", "UserName", "State", "RestartCnt", "NodeList", "Requeue", "STDOUT")
+
+
+def parse_squeue_format(out: str, *, separator: str, terminator: str) -> list[JobInfo]:
+    """``squeue --noheader --Format`` output whose fields end with ``separator``, records with ``terminator``."""
+    records = out.split(terminator)
+    if records.pop().strip():
+        raise ClientError(f"squeue printed an unterminated record: {out[-200:]!r}")
+    jobs = []
+    for index, record in enumerate(records):
+        # squeue ends each line with a newline, after our terminator.
+        fields = (record.removeprefix("\n") if index else record).split(separator)
+        if len(fields) != len(_SQUEUE_FIELDS):
+            raise ClientError(f"squeue printed {len(fields)} fields where {len(_SQUEUE_FIELDS)} were asked for")
+        job_id, name, user, state, restarts, nodes, requeue, stdout = fields
+        if not job_id.strip().isdigit() or not restarts.strip().isdigit():
+            raise ClientError(f"squeue printed a malformed job record: {record[:200]!r}")
+        nodes = nodes.strip()
+        jobs.append(
+            JobInfo(
+                job_id=int(job_id),
+                name=name,
+                user=user.strip(),
+                state=state.strip().upper(),
+                restarts=int(restarts),
+                nodes="" if nodes == "(null)" else nodes,
+                requeue=_flag(requeue, default=True),
+                stdout=stdout,
+            )
+        )
+    return jobs
+
+
+# job_state_string() of Slurm: a flag, when the job carries one of these, names the state
+# before its base state does, in this order.
+_STATE_FLAGS = (
+    "COMPLETING",
+    "STAGE_OUT",
+    "CONFIGURING",
+    "RESIZING",
+    "REQUEUED",
+    "REQUEUE_FED",
+    "REQUEUE_HOLD",
+    "SPECIAL_EXIT",
+    "STOPPED",
+    "REVOKED",
+    "RESV_DEL_HOLD",
+    "SIGNALING",
+)
+_BASE_STATES = {
+    "PENDING",
+    "RUNNING",
+    "SUSPENDED",
+    "COMPLETED",
+    "CANCELLED",
+    "FAILED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+}
+
+
+def primary_state(job_state: object) -> str:
+    """One state word from a job_state: 22.05's string, or 23.11+'s list of base state and flags.
+
+    The list is reduced the way Slurm's own job_state_string() reduces the state bits, which
+    is what 22.05's JSON and every version's ``squeue --Format=State`` print: a job in
+    ``["PENDING", "REQUEUED"]`` is ``REQUEUED``, ``["RUNNING", "CONFIGURING"]`` is
+    ``CONFIGURING``, ``["CANCELLED", "COMPLETING"]`` is ``COMPLETING``. The same job thus
+    reads the same on every version, and the callers' sets stay right: REQUEUED counts as
+    stopped and as already requeued, CONFIGURING and COMPLETING as still on the node, and only
+    a plain RUNNING job counts as running (resumed, or to be signalled).
+    """
+    if isinstance(job_state, str):
+        return job_state.strip().upper()
+    if not isinstance(job_state, list | tuple):
+        return ""
+    states = [str(state).strip().upper() for state in job_state]
+    for flag in _STATE_FLAGS:
+        if flag in states:
+            return flag
+    for state in states:
+        if state in _BASE_STATES:
+            return state
+    return states[0] if states else ""
+
+
+def _number(value: object, *, default: int) -> int:
+    """A count as 22.05 prints it (``3``) or as 23.11+ may (``{"set": true, "infinite": false, "number": 3}``)."""
+    if isinstance(value, Mapping):
+        if not value.get("set", True) or value.get("infinite", False):
+            return default
+        value = value.get("number")
+    if isinstance(value, bool) or value is None:
+        return default
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return default
+
+
+def _flag(value: object, *, default: bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value != 0
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in {"1", "yes", "true"}:
+            return True
+        if lowered in {"0", "no", "false"}:
+            return False
+    return default
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def job_from_json(raw: Mapping[str, Any]) -> JobInfo:
+    """One job of ``squeue --json``, 22.05 (openapi v0.0.38) or 23.11+ (data_parser v0.0.40+)."""
+    job_id = _number(raw.get("job_id"), default=0)
+    if job_id <= 0:
+        raise ClientError(f"squeue printed a job without an ID: {dict(raw)!r:.200}")
     return JobInfo(
-        job_id=int(raw["job_id"]),
-        name=raw.get("name", ""),
-        user=raw.get("user_name", ""),
-        state=raw.get("job_state", ""),
-        restarts=int(raw.get("restart_cnt", 0) or 0),
-        nodes=raw.get("nodes", "") or "",
-        requeue=bool(raw.get("requeue", True)),
-        stdout=raw.get("standard_output", "") or "",
+        job_id=job_id,
+        name=_text(raw.get("name")),
+        user=_text(raw.get("user_name")),
+        state=primary_state(raw.get("job_state")),
+        restarts=_number(raw.get("restart_cnt"), default=0),
+        nodes=_text(raw.get("nodes")),
+        requeue=_flag(raw.get("requeue"), default=True),
+        stdout=_text(raw.get("standard_output")),
     )
+
+
+def parse_squeue_json(data: Mapping[str, Any]) -> list[JobInfo]:
+    """Every job of a ``squeue --json`` document."""
+    jobs: Iterable[Mapping[str, Any]] = data.get("jobs") or []
+    return [job_from_json(raw) for raw in jobs]

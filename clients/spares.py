@@ -3,19 +3,60 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+import functools
+import logging
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
-from clients.errors import Conflict, NotFound
+from clients.errors import Conflict, InvalidInput, NotFound, NotOwned
 from clients.kube import KubeClient, KubeNode
-from clients.slurm import SlurmClient
-from models.constants import CLAIMED_BY_ANNOTATION, POOL_LABEL, POOL_RETIRED, POOL_SPARE, POOL_TRAINING
+from clients.slurm import SlurmClient, owned_reason
+from models.constants import (
+    CLAIM_PARTITION_ANNOTATION,
+    CLAIMED_BY_ANNOTATION,
+    CLUSTER_LABEL,
+    INCIDENT_ANNOTATION,
+    POOL_LABEL,
+    POOL_RETIRED,
+    POOL_SPARE,
+    POOL_TRAINING,
+    QUARANTINE_LABEL,
+    RETIRED_TAINT,
+    UNHEALTHY_TAINT,
+)
+
+log = logging.getLogger("gpufleet.spares")
+
+T = TypeVar("T")
+
+# Conflicts (someone else wrote the Node between our read and our write) are retried this often.
+_ATTEMPTS = 10
+# Slurm node flags that make an idle node unfit to be a spare.
+_UNFIT_FLAGS = frozenset(
+    {"DRAIN", "FAIL", "NOT_RESPONDING", "MAINT", "REBOOT_REQUESTED", "POWER_DOWN", "POWERED_DOWN", "POWERING_DOWN"}
+)
+_OUT_OF_SERVICE = frozenset({"down", "fail"})
+# A spare that fails to come in for one of these is released and the next one is tried.
+_UNFIT_ERRORS = (NotOwned, NotFound, InvalidInput)
 
 
 class NodeProvider(Protocol):
-    """Where replacement nodes come from."""
+    """Where replacement nodes come from, and where failed and repaired nodes go."""
 
     def claim(self, incident_id: str) -> str | None: ...
-    def retire(self, node: str) -> None: ...
+    def release(self, incident_id: str) -> str | None: ...
+    def retire(self, node: str, incident_id: str = "") -> None: ...
+    def return_node(self, node: str, *, as_: str) -> None: ...
+
+
+def _retry_conflicts(write: Callable[[], T]) -> T:
+    """Run a read-modify-write guarded by a resourceVersion again while it loses races."""
+    for _ in range(_ATTEMPTS - 1):
+        try:
+            return write()
+        except Conflict:
+            continue
+    return write()
 
 
 class SparePool:
@@ -24,57 +65,200 @@ class SparePool:
     A claim is written on the spare itself (annotation ``gpufleet.io/claimed-by``) with a
     resourceVersion precondition: a retry finds its own claim again, and two incidents
     racing for one spare see one of them lose with a conflict and move on to the next.
+
+    A spare is only claimed when it is ours to take: in the spare pool, of this cluster (or of
+    no cluster), Ready and schedulable, unclaimed, without an open incident, not quarantined,
+    and idle in Slurm (not drained, not down). A spare that then fails to come in is released
+    and the next one is tried.
     """
 
-    def __init__(self, *, kube: KubeClient, slurm: SlurmClient, partition: str) -> None:
+    def __init__(self, *, kube: KubeClient, slurm: SlurmClient, partition: str, cluster: str) -> None:
         self._kube = kube
         self._slurm = slurm
         self._partition = partition
+        self._cluster = cluster
+
+    # -- which spares are ours ----------------------------------------------------------------------
+
+    def _of_this_cluster(self, node: KubeNode) -> bool:
+        return node.labels.get(CLUSTER_LABEL, self._cluster) == self._cluster
+
+    def _free_in_kube(self, node: KubeNode) -> bool:
+        return (
+            node.labels.get(POOL_LABEL) == POOL_SPARE
+            and self._of_this_cluster(node)
+            and node.ready
+            and not node.unschedulable
+            and CLAIMED_BY_ANNOTATION not in node.annotations
+            and INCIDENT_ANNOTATION not in node.annotations
+            and QUARANTINE_LABEL not in node.labels
+            and not any(t["key"] in (RETIRED_TAINT, UNHEALTHY_TAINT) for t in node.taints)
+        )
+
+    def _idle_in_slurm(self, name: str) -> bool:
+        try:
+            info = self._slurm.node(name)
+        except NotFound:
+            return False
+        return info.state == "idle" and not info.drained and not _UNFIT_FLAGS.intersection(info.flags)
 
     def _own_claim(self, incident_id: str) -> KubeNode | None:
-        for node in self._kube.list_nodes(label_selector=POOL_LABEL):
-            if node.annotations.get(CLAIMED_BY_ANNOTATION) == incident_id:
+        for node in self._kube.list_nodes(label_selector=f"{POOL_LABEL} in ({POOL_SPARE},{POOL_TRAINING})"):
+            if node.annotations.get(CLAIMED_BY_ANNOTATION) == incident_id and self._of_this_cluster(node):
                 return node
         return None
 
-    def _take_one(self, incident_id: str) -> KubeNode | None:
-        for _ in range(10):
-            candidates = [
-                node
-                for node in self._kube.list_nodes(label_selector=f"{POOL_LABEL}={POOL_SPARE}")
-                if node.ready and not node.unschedulable and CLAIMED_BY_ANNOTATION not in node.annotations
-            ]
-            if not candidates:
+    def _take_one(self, incident_id: str, *, skip: set[str]) -> KubeNode | None:
+        for _ in range(_ATTEMPTS):
+            candidates = sorted(
+                (
+                    node
+                    for node in self._kube.list_nodes(label_selector=f"{POOL_LABEL}={POOL_SPARE}")
+                    if node.name not in skip and self._free_in_kube(node)
+                ),
+                key=lambda node: node.name,
+            )
+            lost_a_race = False
+            for spare in candidates:
+                if not self._idle_in_slurm(spare.name):
+                    continue
+                try:
+                    return self._kube.update_metadata(
+                        spare.name,
+                        annotations={CLAIMED_BY_ANNOTATION: incident_id},
+                        resource_version=spare.resource_version,
+                    )
+                except NotFound:
+                    continue  # the Node went away since we listed it
+                except Conflict:
+                    lost_a_race = True  # someone else wrote it first; look again
+                    break
+            if not lost_a_race:
                 return None
-            spare = sorted(candidates, key=lambda node: node.name)[0]
-            try:
-                return self._kube.update_metadata(
-                    spare.name,
-                    annotations={CLAIMED_BY_ANNOTATION: incident_id},
-                    resource_version=spare.resource_version,
-                )
-            except Conflict:
-                continue  # someone else got there first; look again
         return None
+
+    # -- claim and release --------------------------------------------------------------------------
+
+    def _bring_in(self, spare: KubeNode) -> None:
+        """Resume the claimed spare in Slurm, put it in the partition and the training pool."""
+        name = spare.name
+        if QUARANTINE_LABEL in spare.labels:
+            raise NotOwned(f"{name} was quarantined after it was claimed")
+        self._slurm.resume(name)  # NotFound: gone from Slurm; NotOwned: taken out by someone else
+        info = self._slurm.node(name)
+        if info.drained or info.state in _OUT_OF_SERVICE:
+            raise NotOwned(f"{name} is out of service in Slurm ({info.state}, {info.reason!r})")
+        if self._partition not in info.partitions:
+            if CLAIM_PARTITION_ANNOTATION not in spare.annotations:
+                # Recorded before the change, so that a release knows to undo it.
+                spare = self._kube.update_metadata(name, annotations={CLAIM_PARTITION_ANNOTATION: self._partition})
+            self._slurm.add_to_partition(self._partition, name)
+        if spare.labels.get(POOL_LABEL) != POOL_TRAINING:
+            self._kube.update_metadata(name, labels={POOL_LABEL: POOL_TRAINING})
 
     def claim(self, incident_id: str) -> str | None:
         """Claim a spare for the incident and bring it into the partition and the training pool.
 
         Returns:
-            The spare's name, or None when no spare is free.
+            The spare's name (the same one on every retry), or None when no spare is free.
         """
-        spare = self._own_claim(incident_id) or self._take_one(incident_id)
-        if spare is None:
+        tried: set[str] = set()
+        while True:
+            spare = self._own_claim(incident_id) or self._take_one(incident_id, skip=tried)
+            if spare is None:
+                return None
+            if spare.name in tried:
+                raise Conflict(f"the claim of {spare.name} for {incident_id} could not be released; retry")
+            try:
+                self._bring_in(spare)
+            except _UNFIT_ERRORS as exc:
+                log.warning("spare %s did not come in for %s (%s); releasing it", spare.name, incident_id, exc)
+                tried.add(spare.name)
+                self._release_node(spare.name, incident_id)
+                continue
+            return spare.name
+
+    def _release_node(self, name: str, incident_id: str) -> bool:
+        """Undo ``incident_id``'s claim on ``name``; False when it holds no claim there."""
+        for _ in range(_ATTEMPTS):
+            try:
+                node = self._kube.get_node(name)
+            except NotFound:
+                return False
+            if node.annotations.get(CLAIMED_BY_ANNOTATION) != incident_id:
+                return False
+            partition = node.annotations.get(CLAIM_PARTITION_ANNOTATION)
+            if partition:
+                self._slurm.remove_from_partition(partition, name)
+            try:
+                self._kube.update_metadata(
+                    name,
+                    labels={POOL_LABEL: POOL_SPARE},
+                    annotations={CLAIMED_BY_ANNOTATION: None, CLAIM_PARTITION_ANNOTATION: None},
+                    resource_version=node.resource_version,
+                )
+            except NotFound:
+                return False
+            except Conflict:
+                continue
+            return True
+        raise Conflict(f"could not release {name} from {incident_id}: the Node kept changing")
+
+    def release(self, incident_id: str) -> str | None:
+        """Give back the spare claimed by an incident that did not use it.
+
+        The claim is removed, the spare leaves the partition if the claim had put it there and
+        is labelled a spare again. Idempotent.
+
+        Returns:
+            The released spare's name, or None when the incident holds no claim.
+        """
+        spare = self._own_claim(incident_id)
+        if spare is None or not self._release_node(spare.name, incident_id):
             return None
-        self._slurm.resume(spare.name)
-        self._slurm.add_to_partition(self._partition, spare.name)
-        if spare.labels.get(POOL_LABEL) != POOL_TRAINING:
-            self._kube.update_metadata(spare.name, labels={POOL_LABEL: POOL_TRAINING})
         return spare.name
 
-    def retire(self, node: str) -> None:
-        """Take the failed node out of the partition and the pool, and delete its Node."""
+    # -- failed and repaired nodes ------------------------------------------------------------------
+
+    def retire(self, node: str, incident_id: str = "") -> None:
+        """Take the failed node out of the partition and keep its Node cordoned, tainted and retired.
+
+        The Node is not deleted: a kubelet restart would register a deleted node again, clean and
+        schedulable. A node Kubernetes does not know is still taken out of the partition.
+        """
         self._slurm.remove_from_partition(self._partition, node)
         with contextlib.suppress(NotFound):
-            self._kube.update_metadata(node, labels={POOL_LABEL: POOL_RETIRED})
-        self._kube.delete_node(node)
+            self._kube.set_unschedulable(node, True)
+            _retry_conflicts(lambda: self._kube.add_taint(node, key=RETIRED_TAINT, value=incident_id or POOL_RETIRED))
+            if self._kube.get_node(node).labels.get(POOL_LABEL) != POOL_RETIRED:
+                self._kube.update_metadata(node, labels={POOL_LABEL: POOL_RETIRED})
+
+    def return_node(self, node: str, *, as_: str) -> None:
+        """Bring a repaired node back, as a warm spare (``as_="spare"``) or for training (``"training"``).
+
+        In Slurm the node is resumed only when gpufleet took it out; a node drained or down for
+        someone else's reason raises NotOwned and is left exactly as it is.
+        """
+        if as_ not in (POOL_SPARE, POOL_TRAINING):
+            raise InvalidInput(f"a node returns as {POOL_SPARE!r} or {POOL_TRAINING!r}, not {as_!r}")
+        info = self._slurm.node(node)
+        if (info.drained or info.state in _OUT_OF_SERVICE) and not owned_reason(info.reason):
+            raise NotOwned(
+                f"{node} was taken out of Slurm by someone else ({info.state}, reason {info.reason!r}); "
+                "not returning it: resume it by hand once its owner is done"
+            )
+        if as_ == POOL_SPARE:
+            self._slurm.remove_from_partition(self._partition, node)
+            self._slurm.resume(node)
+        else:
+            self._slurm.resume(node)
+            self._slurm.add_to_partition(self._partition, node)
+        with contextlib.suppress(NotFound):
+            for taint in (RETIRED_TAINT, UNHEALTHY_TAINT):
+                _retry_conflicts(functools.partial(self._kube.remove_taint, node, key=taint))
+            self._kube.update_metadata(
+                node,
+                labels={POOL_LABEL: as_},
+                annotations={INCIDENT_ANNOTATION: None, CLAIMED_BY_ANNOTATION: None, CLAIM_PARTITION_ANNOTATION: None},
+            )
+            self._kube.set_unschedulable(node, False)

@@ -18,7 +18,7 @@ from detector.follow import open_source
 from detector.nvml import NvmlSource
 from detector.spool import Spool
 from models.names import InvalidName, validate_cluster_name, validate_node_name
-from models.policy import PolicyError, load_policy
+from models.policy import PolicyError, PolicyFile
 from models.settings import Settings
 
 
@@ -67,7 +67,7 @@ def detect(
     try:
         this_node = node_name(node)
         this_cluster = validate_cluster_name(cluster or settings.cluster)
-        policy = load_policy(settings.policy_file)
+        policy = PolicyFile(settings.policy_file)
     except (InvalidName, PolicyError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -21,7 +21,7 @@ from temporalio.service import RPCError
 
 from detector.parse import KernelLogParser, XidReport
 from detector.spool import Spool, SpoolFull
-from models.policy import Action, Policy
+from models.policy import Action, Policy, PolicyFile
 from models.xid import XidEvent
 from starters.temporal import TemporalUnreachable, connect, report_xid
 
@@ -125,7 +125,7 @@ class Detector:
         self,
         *,
         node: str,
-        policy: Policy,
+        policy: Policy | PolicyFile,
         delivery: Delivery | None,
         fold_seconds: float = 10.0,
         out: Callable[[str], None] = print,
@@ -158,7 +158,13 @@ class Detector:
         )
         if not self.folder.fresh(event):
             return None
-        action = self.policy.decide([event])
+        if isinstance(self.policy, PolicyFile):
+            policy = self.policy.current()
+            if self.policy.reload_error:
+                log.error("policy file not reloaded, still using the last good one: %s", self.policy.reload_error)
+        else:
+            policy = self.policy
+        action = policy.decide([event])
         record = {
             "node": event.node,
             "xid": event.xid,

@@ -74,7 +74,7 @@ def breakdown(events: list[HistoryEvent], *, poll_seconds: float) -> dict[str, A
             name = event.activity_task_scheduled_event_attributes.activity_type.name
             activity_type[event.event_id] = name
             scheduled[event.event_id] = _t(event)
-            if name == "requeue_jobs" and grace_check_delay is None:
+            if name == "requeue_job" and grace_check_delay is None:
                 # Seen stopping after a timer: late by at most that timer; else by one worker poll.
                 grace_check_delay = last_timer or poll_seconds
         elif kind == _STARTED:
@@ -107,7 +107,7 @@ def breakdown(events: list[HistoryEvent], *, poll_seconds: float) -> dict[str, A
             sid = event.timer_fired_event_attributes.started_event_id
             last_timer = _t(event) - timers.get(sid, _t(event))
             timer_wait += last_timer
-    resume_poll = poll_seconds if "wait_jobs_resumed" in activity_type.values() else 0.0
+    resume_poll = poll_seconds if "jobs_resumed" in activity_type.values() else 0.0
     polling = (grace_check_delay or 0.0) + resume_poll
     return {
         "control_plane_overhead_s": round(activity_queue + wf_queue + polling, 3),

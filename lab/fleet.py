@@ -96,7 +96,8 @@ class FleetLab:
             "GPUFLEET_CLUSTER": self.config.cluster,
             "GPUFLEET_PARTITION": self.config.partition,
             "GPUFLEET_SLURM_CONF": str(self.slurm.conf),
-            "GPUFLEET_GRACE_SECONDS": str(self.config.grace_seconds),
+            # One policy file for the detectors and the worker: Xid overrides and the worker's grace.
+            "GPUFLEET_POLICY_FILE": str(self.policy_file),
             # A local controller answers in milliseconds; give up on a silent one sooner.
             "GPUFLEET_SLURM_TIMEOUT_SECONDS": "10",
             "GPUFLEET_POLL_SECONDS": LAB_POLL_SECONDS,
@@ -119,6 +120,7 @@ class FleetLab:
         services: dict[str, Any] = state.get("services", {})
         state["config"] = asdict(self.config)
         self.home.mkdir(parents=True, exist_ok=True)
+        self._write_policy()
         logs = self.home / "logs"
 
         def running(name: str) -> bool:
@@ -215,7 +217,7 @@ class FleetLab:
             time.sleep(1.0)
             if not alive(pid):
                 raise LabError(f"the worker exited at once; see {logs / 'worker.log'}")
-            say("worker running on task queue gpufleet")
+            say(f"worker running on task queue gpufleet-{self.config.cluster}")
         state = {**state, "services": services}
         self._save(state)
         return state
@@ -232,6 +234,25 @@ class FleetLab:
     @property
     def all_nodes(self) -> list[str]:
         return [*self.config.training, *self.config.spares]
+
+    @property
+    def policy_file(self) -> Path:
+        return self.home / "policy.yaml"
+
+    def _write_policy(self) -> None:
+        """The lab's policy file, written once: edit it, and new incidents (and restarted detectors) follow."""
+        if self.policy_file.exists():
+            return
+        self.policy_file.write_text(
+            "# gpufleet policy for this lab: read by every detector (what to send) and by the worker\n"
+            "# (what to do). Overrides of the built-in defaults only; e.g.\n"
+            "#   xids: {13: REPLACE_NODE}\n"
+            "#   buckets: {RESET_GPU: REBOOT_NODE}\n"
+            "remediation:\n"
+            f"  grace_seconds: {self.config.grace_seconds:g}\n"
+            "  owner_drained: ask   # a node someone else drained waits for gpufleet approve|reject\n",
+            encoding="utf-8",
+        )
 
     def detector_ready_file(self, node: str) -> Path:
         """Written by the node's detector once it follows its kernel log."""

@@ -2,6 +2,8 @@
 
 POST any path: the JSON body is appended to the record file (JSON lines).
 GET /messages: every notification received so far, as a JSON array.
+PUT /behaviour with {"status": 200|4xx|5xx, "retry_after": S, "hang_seconds": S}: how to
+answer the next notifications (a bad day for the notifier, on purpose); {} restores 200.
 
 Run it as ``python -m lab.webhook --port N --record FILE``.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -19,15 +22,41 @@ from typing import Any
 class _Handler(BaseHTTPRequestHandler):
     server: WebhookReceiver
 
-    def do_POST(self) -> None:
+    def _body(self) -> Any:
         length = int(self.headers.get("Content-Length", "0"))
+        return json.loads(self.rfile.read(length) or b"null")
+
+    def do_PUT(self) -> None:
+        if self.path.rstrip("/") != "/behaviour":
+            self.send_error(404)
+            return
         try:
-            body = json.loads(self.rfile.read(length) or b"null")
+            self.server.behaviour = Behaviour(**(self._body() or {}))
+        except (json.JSONDecodeError, TypeError) as exc:
+            self.send_error(400, f"bad behaviour: {exc}")
+            return
+        self.send_response(204)
+        self.end_headers()
+
+    def do_POST(self) -> None:
+        try:
+            body = self._body()
         except json.JSONDecodeError:
             self.send_error(400, "body is not JSON")
             return
         if not isinstance(body, dict) or "text" not in body:
             self.send_error(400, 'expected a JSON object with "text"')
+            return
+        behaviour = self.server.behaviour
+        self.server.attempts += 1
+        if behaviour.hang_seconds:
+            self.server.hung.wait(behaviour.hang_seconds)  # set on shutdown, so a test never waits it out
+        if behaviour.status != 200:
+            self.send_response(behaviour.status)
+            if behaviour.retry_after is not None:
+                self.send_header("Retry-After", str(behaviour.retry_after))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
             return
         self.server.record(body)
         self.send_response(200)
@@ -50,6 +79,13 @@ class _Handler(BaseHTTPRequestHandler):
         return
 
 
+@dataclass
+class Behaviour:
+    status: int = 200
+    retry_after: float | None = None
+    hang_seconds: float = 0.0
+
+
 class WebhookReceiver(ThreadingHTTPServer):
     """Records what it receives, in memory and (optionally) in a JSON-lines file."""
 
@@ -60,6 +96,13 @@ class WebhookReceiver(ThreadingHTTPServer):
         self._lock = threading.Lock()
         self._messages: list[dict[str, Any]] = []
         self._record_file = record_file
+        self.behaviour = Behaviour()
+        self.attempts = 0  # POSTs received, answered or not
+        self.hung = threading.Event()
+
+    def shutdown(self) -> None:
+        self.hung.set()
+        super().shutdown()
 
     @property
     def url(self) -> str:

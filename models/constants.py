@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from temporalio.common import SearchAttributeKey
 
-TASK_QUEUE = "gpufleet"
 REMEDIATION_WORKFLOW = "NodeRemediationWorkflow"
+RETURN_NODE_WORKFLOW = "ReturnNodeWorkflow"
 
 # Slurm drain reasons we write start with this; anything else belongs to someone else.
 DRAIN_REASON_PREFIX = "gpufleet:"
@@ -25,11 +25,51 @@ SA_STEP = SearchAttributeKey.for_keyword("RemediationStep")
 SEARCH_ATTRIBUTES = (SA_GPU_NODE, SA_CLUSTER, SA_XID, SA_STEP)
 
 
+def task_queue(cluster: str) -> str:
+    """One task queue per cluster: a worker serves one cluster (its Slurm, its spares)."""
+    return f"gpufleet-{cluster}"
+
+
 def remediation_workflow_id(cluster: str, node: str) -> str:
     """The one open incident per node: repeated Xids on a node join it through this ID."""
     return f"remediate-{cluster}-{node}"
 
 
-def drain_reason(*, xid: int, incident_id: str) -> str:
-    """The Slurm drain reason that marks a node as drained by this incident."""
-    return f"{DRAIN_REASON_PREFIX} xid {xid} incident {incident_id}"
+def return_workflow_id(cluster: str, node: str) -> str:
+    return f"return-{cluster}-{node}"
+
+
+def drain_reason(*, xid: int, action: str, incident_id: str) -> str:
+    """The Slurm drain reason that marks a node as drained by this incident, for this action."""
+    return f"{DRAIN_REASON_PREFIX} xid {xid} {action} incident {incident_id}"
+
+
+def owned_reason(reason: str) -> bool:
+    """Whether a Slurm drain reason was written by gpufleet."""
+    return reason.strip().startswith(DRAIN_REASON_PREFIX)
+
+
+def drained_for(reason: str) -> str | None:
+    """The action an earlier gpufleet drain was for (``REPLACE_NODE``...), or None."""
+    if not owned_reason(reason):
+        return None
+    words = reason.split()
+    return next((word for word in words if word.isupper() and "_" in word), None)
+
+
+# Reasons Slurm writes itself when a node fails: they are the failure, not an owner's hold.
+SLURM_FAILURE_REASONS = ("not responding", "kill task failed", "node unexpectedly rebooted")
+
+
+def held_by_someone_else(reason: str) -> bool:
+    """A drain/down reason that a person or another controller wrote (not us, not Slurm itself)."""
+    text = reason.strip().lower()
+    return bool(text) and not owned_reason(reason) and not any(text.startswith(r) for r in SLURM_FAILURE_REASONS)
+
+
+# The spare pool: which cluster a Node serves, nodes kept out of every pool, retired nodes.
+CLUSTER_LABEL = "gpufleet.io/cluster"
+QUARANTINE_LABEL = "gpufleet.io/quarantine"
+RETIRED_TAINT = "gpufleet.io/retired"
+# Set on a claimed spare when the claim itself put it into this Slurm partition (release takes it out).
+CLAIM_PARTITION_ANNOTATION = "gpufleet.io/claim-partition"

@@ -7,7 +7,8 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
-from models.policy import Action
+from models.policy import Action, RemediationSettings
+from models.xid import XidEvent
 
 
 class Step(StrEnum):
@@ -15,6 +16,7 @@ class Step(StrEnum):
 
     CLASSIFY = "classify"
     NOTIFY = "notify"
+    AWAITING_APPROVAL = "awaiting_approval"
     DRAIN_SLURM = "drain_slurm"
     CHECKPOINT = "checkpoint"
     REQUEUE = "requeue"
@@ -32,6 +34,9 @@ class Outcome(StrEnum):
     RESOLVED = "resolved"
     OBSERVED = "observed"
     AWAITING_REPAIR = "awaiting_repair"
+    AWAITING_APPROVAL = "awaiting_approval"
+    REJECTED = "rejected"
+    ALREADY_RETIRED = "already_retired"
     FAILED = "failed"
 
 
@@ -62,9 +67,16 @@ class JobInfo(BaseModel):
     stdout: str = ""
 
 
-class RequeueResult(BaseModel):
-    requeued: list[int] = Field(default_factory=list)
-    failed: dict[int, str] = Field(default_factory=dict)
+class RequeueOutcome(StrEnum):
+    REQUEUED = "requeued"  # requeued now, or found already back in the queue
+    SKIPPED = "skipped"  # deliberately left alone (restarted already, ended before, cancelled by its owner)
+    FAILED = "failed"  # should have been requeued and could not be: its owner is told
+
+
+class JobRequeue(BaseModel):
+    job_id: int
+    outcome: RequeueOutcome
+    why: str = ""
 
 
 class TimelineEntry(BaseModel):
@@ -74,16 +86,36 @@ class TimelineEntry(BaseModel):
     detail: str = ""
 
 
+class NotificationRecord(BaseModel):
+    """One message to the owner and what became of it (sent beside the flow, never blocking it)."""
+
+    kind: str
+    at: datetime
+    outcome: str = "pending"  # pending | sent | failed | not_sent (no webhook configured)
+    attempts: int = 0
+    error: str = ""
+
+
 class RemediationInput(BaseModel):
-    """Options of one incident; Xids arrive through the ``report_xid`` signal."""
+    """What a caller knows: the cluster and the node. Xids arrive through the ``report_xid`` signal.
+
+    Everything else (grace, timeouts, policy) is the worker's, read once by the workflow.
+    """
 
     cluster: str
     node: str
-    grace_seconds: float = 120.0
-    spare_recheck_seconds: float = 60.0
-    resume_timeout_seconds: float = 1800.0
     # The time-skipping test server knows no custom search attributes.
     search_attributes: bool = True
+    # Set only by the workflow itself when it continues as new while waiting for a spare.
+    carried: CarriedIncident | None = None
+
+
+class Approval(BaseModel):
+    """An operator's answer to an incident waiting at ``awaiting_approval``."""
+
+    approved: bool
+    by: str = ""
+    reason: str = ""
 
 
 class IncidentStatus(BaseModel):
@@ -96,13 +128,28 @@ class IncidentStatus(BaseModel):
     action: Action | None = None
     step: Step = Step.CLASSIFY
     outcome: Outcome = Outcome.OPEN
+    settings: RemediationSettings | None = None
     jobs: list[JobInfo] = Field(default_factory=list)
+    signalled: list[int] = Field(default_factory=list)
     checkpointed: list[int] = Field(default_factory=list)
+    requeued: list[int] = Field(default_factory=list)
+    skipped: dict[int, str] = Field(default_factory=dict)
     unrequeued: dict[int, str] = Field(default_factory=dict)
     spare: str | None = None
     waiting_for_spare: bool = False
+    waiting_for_approval: str | None = None
+    approval: Approval | None = None
+    notifications: list[NotificationRecord] = Field(default_factory=list)
     timeline: list[TimelineEntry] = Field(default_factory=list)
     error: str | None = None
+
+
+class CarriedIncident(BaseModel):
+    """What a continued-as-new incident carries over: its status and what it still has to do."""
+
+    status: IncidentStatus
+    events: list[XidEvent]
+    restarts_before: dict[int, int] = Field(default_factory=dict)
 
 
 class Notification(BaseModel):
@@ -111,3 +158,6 @@ class Notification(BaseModel):
     kind: str
     text: str
     incident: IncidentStatus
+
+
+RemediationInput.model_rebuild()

@@ -64,6 +64,25 @@ class PolicyError(ValueError):
     """An override file that cannot be used; the message names the file and the field."""
 
 
+class OwnerDrained(StrEnum):
+    """What an incident does on a node that someone else drained in Slurm."""
+
+    ASK = "ask"  # notify the owner and wait for `gpufleet approve|reject`
+    PROCEED = "proceed"  # act on it anyway (their drain reason is kept)
+
+
+class RemediationSettings(BaseModel):
+    """How patient an incident is; the worker owns these and each incident records them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    grace_seconds: float = Field(default=120.0, ge=0, le=86400)
+    spare_recheck_seconds: float = Field(default=60.0, gt=0, le=86400)
+    resume_timeout_seconds: float = Field(default=1800.0, gt=0, le=7 * 86400)
+    eviction_timeout_seconds: float = Field(default=60.0, ge=0, le=86400)
+    owner_drained: OwnerDrained = OwnerDrained.ASK
+
+
 class Policy(BaseModel):
     """Bucket and per-Xid actions. ``decide`` is pure: same Xids, same action."""
 
@@ -74,6 +93,8 @@ class Policy(BaseModel):
     unknown_xid: Action = Action.OBSERVE
     # Xid 154 whose recovery action was not reported: assume the GPU needs a reset.
     xid_154_default: Action = Action.RESET_GPU
+    # The worker's side of the same file: grace, timeouts, what to do with owners' nodes.
+    remediation: RemediationSettings = Field(default_factory=RemediationSettings)
 
     def action_for(self, event: XidEvent | int) -> Action:
         """The action for one Xid, before combining with others."""
@@ -101,6 +122,9 @@ def policy_from_mapping(data: Mapping[str, Any], *, origin: str = "policy") -> P
         PolicyError: naming the field that is wrong.
     """
     defaults = Policy()
+    for key in ("buckets", "xids", "remediation"):
+        if data.get(key) is not None and not isinstance(data[key], Mapping):
+            raise PolicyError(f"{origin}: {key}: expected a mapping, got {type(data[key]).__name__}")
     merged: dict[str, Any] = {
         "buckets": {**defaults.buckets, **(data.get("buckets") or {})},
         "xids": {**defaults.xids, **(data.get("xids") or {})},
@@ -128,7 +152,45 @@ def load_policy(path: Path | None) -> Policy:
     except OSError as exc:
         raise PolicyError(f"{path}: cannot read the policy file: {exc.strerror}") from None
     except yaml.YAMLError as exc:
-        raise PolicyError(f"{path}: not valid YAML: {exc}") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise PolicyError(f"{path}: not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
-        raise PolicyError(f"{path}: expected a mapping with 'buckets', 'xids' or 'unknown_xid'")
+        raise PolicyError(f"{path}: expected a mapping with 'buckets', 'xids', 'unknown_xid' or 'remediation'")
     return policy_from_mapping(data, origin=str(path))
+
+
+class PolicyFile:
+    """The policy file as it is now: read again when it changes, the last good one kept if it breaks.
+
+    The detector and the worker read the same file, so an edit applies to both sides without
+    a restart (the worker reads it at each incident's start).
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self._path = path
+        self._stamp: tuple[float, int] | None = None
+        self._policy = load_policy(path)  # a broken file at start is an error for the caller
+        self._stamp = self._current_stamp()
+        self.reload_error: str | None = None
+
+    def _current_stamp(self) -> tuple[float, int] | None:
+        if self._path is None:
+            return None
+        try:
+            info = self._path.stat()
+        except OSError:
+            return None
+        return (info.st_mtime, info.st_size)
+
+    def current(self) -> Policy:
+        stamp = self._current_stamp()
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                self._policy = load_policy(self._path)
+                self.reload_error = None
+            except PolicyError as exc:
+                self.reload_error = str(exc)  # keep deciding with the last good policy
+        return self._policy

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from models.incident import IncidentStatus
+from models.incident import IncidentStatus, JobInfo
+from models.policy import Policy, RemediationSettings
 from models.xid import XidEvent
+
+
+class WorkerConfig(BaseModel):
+    """The worker's configuration as an incident reads it, once, at its start."""
+
+    cluster: str
+    settings: RemediationSettings
+    policy: Policy
+    policy_file: str | None = None
 
 
 class ClassifyRequest(BaseModel):
     node: str
     events: list[XidEvent]
+    # The policy the incident read at its start; None: the worker's current one.
+    policy: Policy | None = None
 
 
 class DrainRequest(BaseModel):
@@ -21,6 +33,40 @@ class DrainRequest(BaseModel):
 class SignalJobsRequest(BaseModel):
     job_ids: list[int]
     signal: str = "TERM"
+
+
+class SignalJobRequest(BaseModel):
+    """Signal one job, only if it still runs the run the incident found (same restart count)."""
+
+    job_id: int
+    restarts_before: int
+    signal: str = "TERM"
+
+
+class SignalJobResult(BaseModel):
+    job_id: int
+    signalled: bool
+    why: str = ""
+
+
+class RequeueJobRequest(BaseModel):
+    """Requeue one job the incident signalled, unless it already restarted or its owner cancelled it."""
+
+    job_id: int
+    restarts_before: int
+    signalled: bool
+
+
+class ResumeCheckRequest(BaseModel):
+    job_ids: list[int]
+    restarts_before: dict[int, int] = Field(default_factory=dict)
+    # Watch this long, returning as soon as every job runs again (0: look once).
+    watch_seconds: float = 0.0
+
+
+class ResumeCheck(BaseModel):
+    resumed: list[JobInfo] = Field(default_factory=list)
+    waiting: list[JobInfo] = Field(default_factory=list)
 
 
 class StillRunningRequest(BaseModel):
@@ -39,6 +85,7 @@ class WaitJobsRequest(BaseModel):
 class KubeDrainRequest(BaseModel):
     node: str
     incident_id: str
+    eviction_timeout_seconds: float = 60.0
 
 
 class KubeDrainResult(BaseModel):
@@ -55,3 +102,9 @@ class NotifyRequest(BaseModel):
     kind: str
     text: str
     incident: IncidentStatus
+
+
+class ReturnNodeRequest(BaseModel):
+    node: str
+    # "spare" (back into the warm pool, outside the partition) or "training" (into the partition).
+    as_: str = "spare"

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from models.names import InvalidName, validate_cluster_name
+from models.policy import OwnerDrained, RemediationSettings, load_policy
+from models.requests import WorkerConfig
 
 
 class Settings(BaseSettings):
@@ -26,8 +30,44 @@ class Settings(BaseSettings):
     kubeconfig: Path | None = None
     webhook_url: str | None = None
     policy_file: Path | None = None
-    grace_seconds: float = Field(default=120.0, ge=0)
-    spare_recheck_seconds: float = Field(default=60.0, gt=0)
-    resume_timeout_seconds: float = Field(default=1800.0, gt=0)
-    eviction_timeout_seconds: float = Field(default=60.0, ge=0)
-    poll_seconds: float = Field(default=0.5, gt=0)
+    # These five default to the policy file's `remediation:` section; set here, they win over it.
+    grace_seconds: float = Field(default=120.0, ge=0, le=86400)
+    spare_recheck_seconds: float = Field(default=60.0, gt=0, le=86400)
+    resume_timeout_seconds: float = Field(default=1800.0, gt=0, le=7 * 86400)
+    eviction_timeout_seconds: float = Field(default=60.0, ge=0, le=86400)
+    owner_drained: OwnerDrained = OwnerDrained.ASK
+    poll_seconds: float = Field(default=0.5, gt=0, le=60)
+
+    @field_validator("cluster")
+    @classmethod
+    def _cluster_name(cls, value: str) -> str:
+        try:
+            return validate_cluster_name(value)
+        except InvalidName as exc:
+            raise ValueError(str(exc)) from None
+
+    def worker_config(self) -> WorkerConfig:
+        """The policy file (one file for the detector and the worker) with GPUFLEET_* overrides on top.
+
+        Raises:
+            PolicyError: the policy file is missing or wrong.
+        """
+        policy = load_policy(self.policy_file)
+        overrides = {
+            name: getattr(self, name) for name in RemediationSettings.model_fields if name in self.model_fields_set
+        }
+        remediation = RemediationSettings.model_validate({**policy.remediation.model_dump(), **overrides})
+        return WorkerConfig(
+            cluster=self.cluster,
+            settings=remediation,
+            policy=policy.model_copy(update={"remediation": remediation}),
+            policy_file=str(self.policy_file) if self.policy_file else None,
+        )
+
+
+def settings_error(exc: ValidationError) -> str:
+    """One line naming each GPUFLEET_* variable that is wrong and why."""
+    problems = "; ".join(
+        f"GPUFLEET_{'_'.join(str(part) for part in error['loc']).upper()}: {error['msg']}" for error in exc.errors()
+    )
+    return f"invalid settings: {problems}"

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import getpass
 import json
 import os
+import re
 import time
 from contextlib import nullcontext
 from datetime import datetime
@@ -17,9 +20,16 @@ from rich.table import Table
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.service import RPCError
 
-from models.constants import REMEDIATION_WORKFLOW, remediation_workflow_id
-from models.incident import IncidentStatus, Outcome, Step
+from models.constants import (
+    REMEDIATION_WORKFLOW,
+    RETURN_NODE_WORKFLOW,
+    remediation_workflow_id,
+    return_workflow_id,
+    task_queue,
+)
+from models.incident import Approval, IncidentStatus, Outcome, Step
 from models.names import InvalidName, validate_cluster_name, validate_node_name
+from models.requests import ReturnNodeRequest
 from models.settings import Settings
 from models.xid import XidEvent
 from starters.chart import write_chart
@@ -34,6 +44,10 @@ app = typer.Typer(
 )
 incidents_app = typer.Typer(help="List and inspect incidents.", no_args_is_help=True)
 app.add_typer(incidents_app, name="incidents")
+nodes_app = typer.Typer(help="Nodes gpufleet took out of service.", no_args_is_help=True)
+app.add_typer(nodes_app, name="nodes")
+
+XID_MAX = 65535
 
 console = Console()
 err = Console(stderr=True)
@@ -90,8 +104,25 @@ def print_incident(status: IncidentStatus, *, as_json: bool) -> None:
         console.print(f"replacement: {status.spare}")
     if status.unrequeued:
         console.print(f"[yellow]not requeued:[/] {status.unrequeued}")
+    if status.waiting_for_approval:
+        console.print(
+            f"[yellow]awaiting approval:[/] {status.waiting_for_approval}\n"
+            f"  gpufleet approve {status.incident_id}   |   gpufleet reject {status.incident_id}"
+        )
+    if status.skipped:
+        console.print(f"left alone: {status.skipped}")
     if status.error:
         console.print(f"[red]error:[/] {status.error}")
+    if status.settings:
+        knobs = status.settings
+        console.print(
+            f"settings: grace {knobs.grace_seconds:g}s, spare re-check {knobs.spare_recheck_seconds:g}s, "
+            f"resume timeout {knobs.resume_timeout_seconds:g}s, eviction timeout {knobs.eviction_timeout_seconds:g}s, "
+            f"owner-drained nodes: {knobs.owner_drained}"
+        )
+    if status.notifications:
+        sent = ", ".join(f"{n.kind} {n.outcome}" + (f" ({n.error})" if n.error else "") for n in status.notifications)
+        console.print(f"notifications: {sent}")
     table = Table("time (UTC)", "+s", "step", "event", "detail")
     start = status.timeline[0].at if status.timeline else None
     for entry in status.timeline:
@@ -146,6 +177,8 @@ def remediate(
         validate_cluster_name(cluster)
     except InvalidName as exc:
         fail(str(exc), code=2)
+    if not 0 <= xid <= XID_MAX:
+        fail(f"--xid {xid} is not an Xid: NVIDIA Xids are 0..{XID_MAX} (e.g. 79, fallen off the bus)", code=2)
 
     async def go() -> int:
         client = await _client()
@@ -176,7 +209,12 @@ def remediate(
 
 def _signal_incident(node: str, cluster: str | None, signal: Any, *args: Any) -> None:
     """Send ``signal`` to the node's open incident; a clear error when there is none."""
-    workflow_id = remediation_workflow_id(cluster or Settings().cluster, validate_node_name(node))
+    try:
+        workflow_id = remediation_workflow_id(
+            validate_cluster_name(cluster or Settings().cluster), validate_node_name(node)
+        )
+    except InvalidName as exc:
+        fail(str(exc), code=2)
 
     async def go() -> None:
         client = await _client()
@@ -248,19 +286,15 @@ def _short(stamp: str | None) -> str:
 
 @incidents_app.command("show")
 def incidents_show(
-    incident: Annotated[str, typer.Argument(help="Workflow ID (remediate-CLUSTER-NODE) or a node name.")],
+    incident: Annotated[str, typer.Argument(help=INCIDENT_HELP)],
     cluster: Annotated[str | None, typer.Option(help="Cluster, when INCIDENT is a node name.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="The incident as JSON.")] = False,
     chart: Annotated[
         Path | None, typer.Option(help="Also draw the timeline as a Gantt chart: FILE.html, FILE.svg or FILE.png.")
     ] = None,
 ) -> None:
-    """Show an incident: outcome, jobs, spare and its timeline (optionally as a chart)."""
-    workflow_id = (
-        incident
-        if incident.startswith("remediate-")
-        else remediation_workflow_id(cluster or Settings().cluster, incident)
-    )
+    """Show an incident: outcome, jobs, spare, notifications and its timeline (optionally as a chart)."""
+    workflow_id = _incident_workflow_id(incident, cluster)
 
     async def go() -> IncidentStatus:
         client = await _client()
@@ -280,3 +314,112 @@ def incidents_show(
             fail(str(exc), code=2)
         if not as_json:
             console.print(f"chart written to {chart}")
+
+
+# -- approvals and nodes -------------------------------------------------------------------------
+
+INCIDENT_HELP = "Incident ID (CLUSTER-NODE-TIMESTAMP), workflow ID (remediate-CLUSTER-NODE) or a node name."
+_STAMP = re.compile(r"-\d{8}T\d{6}Z$")
+
+
+def _incident_workflow_id(incident: str, cluster: str | None) -> str:
+    """The workflow behind an incident ID, a workflow ID or a node name (bad names: exit 2)."""
+    try:
+        this_cluster = validate_cluster_name(cluster or Settings().cluster)
+        if incident.startswith("remediate-"):
+            return incident
+        node = incident
+        if _STAMP.search(incident):
+            prefix = f"{this_cluster}-"
+            if not incident.startswith(prefix):
+                fail(f"incident {incident!r} is not of cluster {this_cluster!r} (use --cluster)", code=2)
+            node = _STAMP.sub("", incident)[len(prefix) :]
+        return remediation_workflow_id(this_cluster, validate_node_name(node))
+    except InvalidName as exc:
+        fail(str(exc), code=2)
+
+
+def _decide(incident: str, cluster: str | None, *, approved: bool, reason: str) -> None:
+    workflow_id = _incident_workflow_id(incident, cluster)
+
+    async def go() -> IncidentStatus:
+        client = await _client()
+        handle = client.get_workflow_handle(workflow_id)
+        try:
+            status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
+        except RPCError as exc:
+            fail(f"no incident {workflow_id}: {exc.message}")
+        if _STAMP.search(incident) and status.incident_id != incident:
+            fail(f"incident {incident} is over; the node's latest incident is {status.incident_id}")
+        if status.waiting_for_approval is None:
+            fail(f"incident {status.incident_id} is not waiting for approval (step {status.step}, {status.outcome})")
+        await handle.signal(NodeRemediationWorkflow.decide, Approval(approved=approved, by=_who(), reason=reason))
+        return status
+
+    status = run_async(go())
+    verdict = "approved" if approved else "rejected"
+    console.print(f"{status.incident_id}: {verdict}; follow with `gpufleet incidents show {status.incident_id}`")
+
+
+def _who() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
+
+
+@app.command()
+def approve(
+    incident: Annotated[str, typer.Argument(help=INCIDENT_HELP)],
+    reason: Annotated[str, typer.Option(help="Why, for the incident's record.")] = "",
+    cluster: Annotated[str | None, typer.Option(help="Cluster, when INCIDENT is a node name.")] = None,
+) -> None:
+    """Let an incident that waits at awaiting_approval go on (e.g. on a node someone else drained)."""
+    _decide(incident, cluster, approved=True, reason=reason)
+
+
+@app.command()
+def reject(
+    incident: Annotated[str, typer.Argument(help=INCIDENT_HELP)],
+    reason: Annotated[str, typer.Option(help="Why, for the incident's record.")] = "",
+    cluster: Annotated[str | None, typer.Option(help="Cluster, when INCIDENT is a node name.")] = None,
+) -> None:
+    """Close an incident that waits at awaiting_approval, changing nothing on its node."""
+    _decide(incident, cluster, approved=False, reason=reason)
+
+
+@nodes_app.command("return")
+def nodes_return(
+    node: Annotated[str, typer.Argument(help="A repaired node that gpufleet retired or left drained.")],
+    as_: Annotated[str, typer.Option("--as", help="spare (the warm pool) or training (the partition).")] = "spare",
+    cluster: Annotated[str | None, typer.Option(help="Cluster name (default: $GPUFLEET_CLUSTER or 'lab').")] = None,
+) -> None:
+    """Bring a repaired node back: uncordon, untaint, relabel; resume it in Slurm only if gpufleet drained it."""
+    if as_ not in {"spare", "training"}:
+        fail(f"--as {as_!r}: expected 'spare' or 'training'", code=2)
+    try:
+        this_cluster = validate_cluster_name(cluster or Settings().cluster)
+        validate_node_name(node)
+    except InvalidName as exc:
+        fail(str(exc), code=2)
+
+    async def go() -> str:
+        client = await _client()
+        incident = client.get_workflow_handle(remediation_workflow_id(this_cluster, node))
+        with contextlib.suppress(RPCError):
+            if (await incident.describe()).status == WorkflowExecutionStatus.RUNNING:
+                fail(f"{node} has an open incident ({incident.id}); let it close first")
+        try:
+            result: str = await client.execute_workflow(
+                RETURN_NODE_WORKFLOW,
+                ReturnNodeRequest(node=node, as_=as_),
+                id=return_workflow_id(this_cluster, node),
+                task_queue=task_queue(this_cluster),
+                result_type=str,
+            )
+        except WorkflowFailureError as exc:
+            cause = exc.cause
+            fail(str(getattr(cause, "message", cause)))
+        return result
+
+    console.print(run_async(go()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 from typing import Any
 
 from temporalio.client import Client, WorkflowHandle
@@ -10,7 +11,7 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfig
 
-from models.constants import SA_CLUSTER, SA_GPU_NODE, SA_XID, TASK_QUEUE, remediation_workflow_id
+from models.constants import SA_CLUSTER, SA_GPU_NODE, SA_XID, remediation_workflow_id, task_queue
 from models.incident import IncidentStatus, RemediationInput
 from models.names import validate_cluster_name, validate_node_name
 from models.xid import XidEvent
@@ -57,13 +58,16 @@ async def report_xid(
     event: XidEvent,
     *,
     cluster: str,
-    options: RemediationInput | None = None,
     search_attributes: bool = True,
 ) -> WorkflowHandle[NodeRemediationWorkflow, IncidentStatus]:
-    """Open the node's incident, or join the open one, with this Xid (signal-with-start)."""
+    """Open the node's incident, or join the open one, with this Xid (signal-with-start).
+
+    The caller passes what it knows (cluster, node, the Xid); grace, timeouts and policy are
+    the worker's, read by the incident itself. The incident runs on the cluster's task queue.
+    """
     validate_cluster_name(cluster)
     validate_node_name(event.node)
-    params = options or RemediationInput(cluster=cluster, node=event.node)
+    params = RemediationInput(cluster=cluster, node=event.node, search_attributes=search_attributes)
     attributes = (
         TypedSearchAttributes(
             [
@@ -79,7 +83,9 @@ async def report_xid(
         NodeRemediationWorkflow.run,
         params,
         id=remediation_workflow_id(cluster, event.node),
-        task_queue=TASK_QUEUE,
+        task_queue=task_queue(cluster),
+        # A worker killed mid-task hands the incident on after this, not the default 10 s.
+        task_timeout=timedelta(seconds=5),
         start_signal="report_xid",
         start_signal_args=[event],
         search_attributes=attributes,

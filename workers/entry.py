@@ -9,19 +9,29 @@ import logging
 import os
 import sys
 
+from pydantic import ValidationError
+
 from models.policy import PolicyError
-from models.settings import Settings
+from models.settings import Settings, settings_error
 from starters.cli import app, fail, run_async
 from starters.temporal import connect
 
 
 @app.command()
 def worker() -> None:
-    """Run a worker on task queue 'gpufleet' (settings from GPUFLEET_* and Temporal env-config)."""
+    """Run the worker of one cluster, on task queue gpufleet-CLUSTER (SIGTERM stops it gracefully).
+
+    Settings come from GPUFLEET_* and the policy file (GPUFLEET_POLICY_FILE); Temporal's address,
+    namespace and TLS from Temporal's env-config (TEMPORAL_ADDRESS, profiles).
+    """
     from workers.main import run_worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings()
+    try:
+        settings.worker_config()  # a wrong policy file is named before anything is contacted
+    except PolicyError as exc:
+        fail(f"policy file: {exc}", code=2)
 
     async def go() -> None:
         client = await connect()
@@ -30,7 +40,7 @@ def worker() -> None:
     try:
         run_async(go())
     except PolicyError as exc:
-        fail(f"policy file: {exc}")
+        fail(f"policy file: {exc}", code=2)
     except KeyboardInterrupt:
         pass
 
@@ -49,6 +59,13 @@ def main() -> None:
         app()
     except SystemExit as exc:
         exit_now(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
+    except ValidationError as exc:
+        # Only Settings is validated from outside input before a command runs: GPUFLEET_* values.
+        print(f"error: {settings_error(exc)}", file=sys.stderr)
+        exit_now(2)
+    except PolicyError as exc:
+        print(f"error: policy file: {exc}", file=sys.stderr)
+        exit_now(2)
     exit_now(0)
 
 

@@ -1,10 +1,12 @@
-"""The gpufleet worker: every activity and workflow on task queue ``gpufleet``."""
+"""The gpufleet worker: every activity and workflow of one cluster, on task queue ``gpufleet-{cluster}``."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 from temporalio.client import Client
@@ -19,59 +21,75 @@ from clients.kube import KubernetesApi
 from clients.notify import WebhookNotifier
 from clients.slurm import SlurmCli
 from clients.spares import SparePool
-from models.constants import TASK_QUEUE
-from models.policy import load_policy
+from models.constants import task_queue
 from models.settings import Settings
+from workflows.nodes import ReturnNodeWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
 log = logging.getLogger("gpufleet.worker")
 
+# Activities are short or heartbeat (workflows/remediation.py): a graceful stop waits this long
+# for the ones in flight, and a killed worker's are retried elsewhere within seconds.
+GRACEFUL_SHUTDOWN = timedelta(seconds=10)
+
 
 def build_activities(settings: Settings) -> list[Any]:
     """Every activity, bound to clients built from the settings."""
+    settings.worker_config()  # a broken policy file stops the worker now, not the first incident
     slurm = SlurmCli(
         slurm_conf=settings.slurm_conf,
         bin_dir=settings.slurm_bin_dir,
         timeout_seconds=settings.slurm_timeout_seconds,
     )
     kube = KubernetesApi(kubeconfig=settings.kubeconfig, poll_seconds=settings.poll_seconds)
-    pool = SparePool(kube=kube, slurm=slurm, partition=settings.partition)
+    pool = SparePool(kube=kube, slurm=slurm, partition=settings.partition, cluster=settings.cluster)
     slurm_acts = SlurmActivities(slurm, poll_seconds=settings.poll_seconds)
-    kube_acts = KubeActivities(kube, eviction_timeout_seconds=settings.eviction_timeout_seconds)
+    kube_acts = KubeActivities(kube)
     spare_acts = SpareActivities(pool)
     notify_acts = NotifyActivities(WebhookNotifier(url=settings.webhook_url))
-    policy_acts = PolicyActivities(load_policy(settings.policy_file))
+    policy_acts = PolicyActivities(settings.worker_config)
     return [
         slurm_acts.node_state,
         slurm_acts.drain_node,
         slurm_acts.jobs_on_node,
-        slurm_acts.signal_jobs,
+        slurm_acts.signal_job,
         slurm_acts.still_running,
-        slurm_acts.requeue_jobs,
-        slurm_acts.wait_jobs_resumed,
+        slurm_acts.requeue_job,
+        slurm_acts.jobs_resumed,
+        kube_acts.node_pool,
         kube_acts.cordon_and_drain,
         spare_acts.claim_spare,
+        spare_acts.release_spare,
         spare_acts.retire_node,
+        spare_acts.return_node,
         notify_acts.notify,
+        policy_acts.worker_config,
         policy_acts.classify,
     ]
 
 
 async def run_worker(client: Client, settings: Settings, *, stop: asyncio.Event | None = None) -> None:
-    """Run until ``stop`` is set (or forever)."""
+    """Run until ``stop`` is set, or SIGTERM/SIGINT (finishing what is in flight, up to a bound)."""
     activities = build_activities(settings)
+    queue = task_queue(settings.cluster)
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
     with ThreadPoolExecutor(max_workers=64, thread_name_prefix="activity") as executor:
         worker = Worker(
             client,
-            task_queue=TASK_QUEUE,
-            workflows=[NodeRemediationWorkflow],
+            task_queue=queue,
+            workflows=[NodeRemediationWorkflow, ReturnNodeWorkflow],
             activities=activities,
             activity_executor=executor,
             max_concurrent_activities=64,
+            graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+            # A dead worker's cached workflows move to another worker after this, not 10 s.
+            sticky_queue_schedule_to_start_timeout=timedelta(seconds=3),
         )
-        log.info("worker on task queue %s (cluster %s, partition %s)", TASK_QUEUE, settings.cluster, settings.partition)
-        if stop is None:
-            await worker.run()
-            return
+        log.info("worker on task queue %s (cluster %s, partition %s)", queue, settings.cluster, settings.partition)
         async with worker:
             await stop.wait()
+            log.info("stopping: finishing activities in flight (at most %ss)", GRACEFUL_SHUTDOWN.seconds)

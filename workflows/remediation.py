@@ -3,6 +3,14 @@
 Steps (DESIGN.md): classify, notify, drain in Slurm, SIGTERM and wait for checkpoints,
 requeue, approve, then the failed node's cordon/drain/retire side by side with the
 spare's claim, and finally watch the jobs run again.
+
+What keeps it safe away from the happy path:
+- notifications run beside the flow, each attempt bounded, and never block or fail it;
+- the worker's configuration (grace, timeouts, policy) is read once, through an activity;
+- every activity is short or heartbeats, so a killed worker costs seconds;
+- jobs are signalled and requeued one by one, guarded by their state and restart count;
+- a node someone else drained waits for `gpufleet approve|reject`;
+- a long wait for a spare continues as new, so the history stays small.
 """
 
 from __future__ import annotations
@@ -23,18 +31,44 @@ with workflow.unsafe.imports_passed_through():
     from activities.policy import PolicyActivities
     from activities.slurm import SlurmActivities
     from activities.spares import SpareActivities
-    from models.constants import REMEDIATION_WORKFLOW, SA_CLUSTER, SA_GPU_NODE, SA_STEP, SA_XID, drain_reason
-    from models.incident import IncidentStatus, JobInfo, Outcome, RemediationInput, Step, TimelineEntry
-    from models.policy import Action
+    from models.constants import (
+        POOL_RETIRED,
+        REMEDIATION_WORKFLOW,
+        SA_CLUSTER,
+        SA_GPU_NODE,
+        SA_STEP,
+        SA_XID,
+        drain_reason,
+        drained_for,
+        held_by_someone_else,
+    )
+    from models.incident import (
+        Approval,
+        CarriedIncident,
+        IncidentStatus,
+        JobInfo,
+        JobRequeue,
+        NotificationRecord,
+        Outcome,
+        RemediationInput,
+        RequeueOutcome,
+        Step,
+        TimelineEntry,
+    )
+    from models.policy import Action, OwnerDrained, Policy, RemediationSettings
     from models.requests import (
         ClaimRequest,
         ClassifyRequest,
         DrainRequest,
         KubeDrainRequest,
         NotifyRequest,
-        SignalJobsRequest,
+        RequeueJobRequest,
+        ResumeCheck,
+        ResumeCheckRequest,
+        SignalJobRequest,
+        SignalJobResult,
         StillRunningRequest,
-        WaitJobsRequest,
+        WorkerConfig,
     )
     from models.xid import XidEvent
 
@@ -45,11 +79,32 @@ RETRY = RetryPolicy(
     maximum_interval=timedelta(seconds=15),
     non_retryable_error_types=list(NON_RETRYABLE),
 )
-SHORT = timedelta(seconds=60)
+# One Slurm or Kubernetes call: a worker that dies inside one costs at most this.
+SHORT = timedelta(seconds=10)
+# Activities that watch or wait heartbeat at least this often.
+HEARTBEAT = timedelta(seconds=5)
 # Grace checks that watch the jobs inside the activity before the workflow falls back to timers
 # (Temporal timers are not meant for sub-second waits).
 WATCHED_CHECKS = 4
-HEARTBEAT = timedelta(seconds=30)
+# Resume checks that watch for up to RESUME_WATCH_SECONDS each before backing off on timers.
+RESUME_WATCHED_CHECKS = 12
+RESUME_WATCH_SECONDS = 5.0
+# Notifications: each attempt bounded, the whole message bounded, a refusal not retried.
+NOTIFY_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=30),
+    maximum_attempts=8,
+    non_retryable_error_types=["InvalidInput"],
+)
+NOTIFY_ATTEMPT = timedelta(seconds=10)
+NOTIFY_BUDGET = timedelta(minutes=5)
+# Spare checks per run before continuing as new (about ten history events each).
+SPARE_CHECKS_PER_RUN = 30
+
+
+class _ContinueAsNew(Exception):
+    """Raised inside the spare wait; the run continues as new once the other branch is done."""
 
 
 @workflow.defn(name=REMEDIATION_WORKFLOW)
@@ -57,14 +112,26 @@ class NodeRemediationWorkflow:
     @workflow.init
     def __init__(self, params: RemediationInput) -> None:
         self._input = params
-        self._events: list[XidEvent] = []
         self._checkpointed: set[int] = set()
         self._spare_signalled = False
-        self._status = IncidentStatus(
-            incident_id=f"{params.cluster}-{params.node}-{workflow.info().start_time:%Y%m%dT%H%M%SZ}",
-            cluster=params.cluster,
-            node=params.node,
-        )
+        self._approval: Approval | None = None
+        self._deliveries: list[asyncio.Task[None]] = []
+        self._retire_finished = False
+        self._claim_attempted = params.carried is not None
+        self._settings = RemediationSettings()
+        self._policy: Policy | None = None
+        self._restarts_before: dict[int, int] = {}
+        if params.carried is not None:
+            self._status = params.carried.status
+            self._events: list[XidEvent] = list(params.carried.events)
+            self._restarts_before = dict(params.carried.restarts_before)
+        else:
+            self._events = []
+            self._status = IncidentStatus(
+                incident_id=f"{params.cluster}-{params.node}-{workflow.info().start_time:%Y%m%dT%H%M%SZ}",
+                cluster=params.cluster,
+                node=params.node,
+            )
 
     # -- signals and query --------------------------------------------------------------------------
 
@@ -87,6 +154,12 @@ class NodeRemediationWorkflow:
     def spare_available(self) -> None:
         self._spare_signalled = True
 
+    @workflow.signal
+    def decide(self, approval: Approval) -> None:
+        """An operator's answer (`gpufleet approve|reject`) while the incident awaits approval."""
+        if self._approval is None:
+            self._approval = approval
+
     @workflow.query
     def status(self) -> IncidentStatus:
         return self._status
@@ -96,19 +169,23 @@ class NodeRemediationWorkflow:
     @workflow.run
     async def run(self, params: RemediationInput) -> IncidentStatus:
         try:
-            await self._remediate(params)
-        except ActivityError as exc:
-            cause = exc.cause
-            message = str(cause) if cause else str(exc)
+            if params.carried is not None:
+                await self._continue_carried(params)
+            else:
+                await self._remediate(params)
+        except (ActivityError, ApplicationError) as exc:
+            cause = exc.cause if isinstance(exc, ActivityError) else None
+            message = str(cause or exc)
             self._status.outcome = Outcome.FAILED
             self._status.error = message
             self._mark(self._status.step, "failed", message)
-            # Never fail silently: tell the owner, if the notifier itself still works.
-            with contextlib.suppress(ActivityError):
-                await self._notify("failed", f"{self._who()}: gpufleet stopped at {self._status.step}: {message}")
+            await self._release_unused_claim()
+            # Never fail silently: tell the owner (beside the flow; bounded).
+            self._notify("failed", f"{self._who()}: gpufleet stopped at {self._status.step}: {message}")
+            await self._flush_notifications()
             raise ApplicationError(
                 f"incident {self._status.incident_id} failed at {self._status.step}: {message}",
-                type=getattr(cause, "type", None) or "RemediationFailed",
+                type=getattr(cause, "type", None) or getattr(exc, "type", None) or "RemediationFailed",
                 non_retryable=True,
             ) from exc
         return self._status
@@ -130,61 +207,124 @@ class NodeRemediationWorkflow:
 
         # 1. classify (and check the node exists before anything is changed)
         self._enter(Step.CLASSIFY)
-        await self._activity(SlurmActivities.node_state, params.node, summary=f"look up {params.node} in Slurm")
+        config: WorkerConfig = await self._activity(
+            PolicyActivities.worker_config, params.cluster, summary="read the worker's settings and policy"
+        )
+        self._settings = status.settings = config.settings
+        self._policy = config.policy
+        node = await self._activity(SlurmActivities.node_state, params.node, summary=f"look up {params.node} in Slurm")
+        pool: str | None = await self._activity(
+            KubeActivities.node_pool, params.node, summary=f"look up {params.node} in Kubernetes"
+        )
         status.action = await self._classify()
         self._done(Step.CLASSIFY, f"{status.action} for Xid {', '.join(map(str, status.xids))}")
+        if pool == POOL_RETIRED:
+            status.outcome = Outcome.ALREADY_RETIRED
+            self._notify("recorded", f"{self._who()}: Xid {status.xids} on a retired node; recorded, nothing to do.")
+            await self._close()
+            return
+        earlier = drained_for(node.reason) if node.drained or node.state in {"down", "drained"} else None
+        if earlier is not None and earlier in Action.__members__ and status.action.severity <= Action(earlier).severity:
+            status.outcome = Outcome.AWAITING_REPAIR
+            self._notify(
+                "recorded",
+                f"{self._who()}: Xid {status.xids} recorded; the node is already drained for {earlier} "
+                f"({node.reason}), which covers {status.action}.",
+            )
+            await self._close()
+            return
         if status.action is Action.OBSERVE:
             status.outcome = Outcome.OBSERVED
-            await self._notify("observed", f"{self._who()}: Xid {status.xids} recorded; no action needed.")
+            self._notify("observed", f"{self._who()}: Xid {status.xids} recorded; no action needed.")
             await self._close()
             return
 
-        # 2. notify
+        # 2. notify, beside the flow: the drain never waits for the webhook
         self._enter(Step.NOTIFY)
-        await self._notify(
+        self._notify(
             "opened",
             f"{self._who()}: Xid {status.xids[0]} -> {status.action}. gpufleet is draining the node, "
             "checkpointing and requeueing its jobs. No action is needed from you.",
         )
-        self._done(Step.NOTIFY)
+        self._done(Step.NOTIFY, "sent beside the flow")
+
+        # A node someone else took out of service is theirs until they say otherwise.
+        held = held_by_someone_else(node.reason)
+        if (
+            held
+            and self._settings.owner_drained is OwnerDrained.ASK
+            and not await self._await_approval(f"{params.node} is held by someone else: {node.reason!r}")
+        ):
+            return
 
         # 3. drain in Slurm
         self._enter(Step.DRAIN_SLURM)
         node = await self._activity(
             SlurmActivities.drain_node,
-            DrainRequest(node=params.node, reason=drain_reason(xid=status.xids[0], incident_id=status.incident_id)),
+            DrainRequest(
+                node=params.node,
+                reason=drain_reason(xid=status.xids[0], action=status.action.value, incident_id=status.incident_id),
+            ),
             summary=f"drain {params.node} in Slurm",
         )
         self._done(Step.DRAIN_SLURM, f"state={node.state} reason={node.reason!r}")
 
-        # 4. SIGTERM, and wait for checkpoints
+        # 4. SIGTERM each job once, and wait for checkpoints
         self._enter(Step.CHECKPOINT)
         status.jobs = await self._activity(
             SlurmActivities.jobs_on_node, params.node, summary=f"list jobs on {params.node}"
         )
-        job_ids = [job.job_id for job in status.jobs]
-        if job_ids:
-            await self._activity(
-                SlurmActivities.signal_jobs,
-                SignalJobsRequest(job_ids=job_ids),
-                summary=f"SIGTERM jobs {', '.join(map(str, job_ids))}",
+        self._restarts_before = {job.job_id: job.restarts for job in status.jobs}
+        results: list[SignalJobResult] = await asyncio.gather(
+            *(
+                self._activity(
+                    SlurmActivities.signal_job,
+                    SignalJobRequest(job_id=job.job_id, restarts_before=job.restarts),
+                    summary=f"SIGTERM job {job.job_id}",
+                )
+                for job in status.jobs
             )
-            detail = await self._grace(job_ids, params.grace_seconds)
+        )
+        status.signalled = [result.job_id for result in results if result.signalled]
+        for result in results:
+            if not result.signalled:
+                status.skipped[result.job_id] = result.why
+        if status.signalled:
+            detail = await self._grace(status.signalled, self._settings.grace_seconds)
         else:
-            detail = "no jobs on the node"
+            detail = "no running jobs on the node"
         self._done(Step.CHECKPOINT, detail)
 
-        # 5. requeue
+        # 5. requeue, one job at a time, each guarded by its state and restart count
         self._enter(Step.REQUEUE)
-        restarts_before = {job.job_id: job.restarts for job in status.jobs}
-        if job_ids:
-            result = await self._activity(
-                SlurmActivities.requeue_jobs, job_ids, summary=f"requeue jobs {', '.join(map(str, job_ids))}"
+        requeues: list[JobRequeue] = await asyncio.gather(
+            *(
+                self._activity(
+                    SlurmActivities.requeue_job,
+                    RequeueJobRequest(
+                        job_id=job.job_id,
+                        restarts_before=job.restarts,
+                        signalled=job.job_id in status.signalled,
+                    ),
+                    summary=f"requeue job {job.job_id}",
+                )
+                for job in status.jobs
             )
-            status.unrequeued = result.failed
-            if result.failed:
-                await self._notify("unrequeued", self._unrequeued_text(result.failed))
-        self._done(Step.REQUEUE, f"requeued {len(job_ids) - len(status.unrequeued)} of {len(job_ids)}")
+        )
+        for requeue in requeues:
+            if requeue.outcome is RequeueOutcome.REQUEUED:
+                status.requeued.append(requeue.job_id)
+            elif requeue.outcome is RequeueOutcome.SKIPPED:
+                status.skipped.setdefault(requeue.job_id, requeue.why)
+            else:
+                status.unrequeued[requeue.job_id] = requeue.why
+        if status.unrequeued:
+            self._notify("unrequeued", self._unrequeued_text(status.unrequeued))
+        self._done(
+            Step.REQUEUE,
+            f"requeued {len(status.requeued)} of {len(status.jobs)}"
+            + (f"; left alone: {status.skipped}" if status.skipped else ""),
+        )
 
         # 6. approve: later Xids may have made it worse
         self._enter(Step.APPROVE)
@@ -192,10 +332,10 @@ class NodeRemediationWorkflow:
         if status.action is not Action.REPLACE_NODE:
             status.outcome = Outcome.AWAITING_REPAIR
             self._done(Step.APPROVE, f"{status.action}: node stays drained for repair")
-            await self._notify(
+            self._notify(
                 "awaiting_repair",
                 f"{self._who()}: drained for {status.action}; jobs requeued. The node stays drained "
-                "until it is repaired and resumed.",
+                "until it is repaired and returned (gpufleet nodes return NODE).",
             )
             await self._close()
             return
@@ -203,15 +343,24 @@ class NodeRemediationWorkflow:
 
         # 7 and 8, side by side: the failed node is retired while the spare joins, and the
         # jobs may run again as soon as the spare is in (9), whatever the retirement still does.
-        requeued = [job_id for job_id in job_ids if job_id not in status.unrequeued]
-        await asyncio.gather(
-            self._retire(params),
-            self._replace_and_resume(params, requeued, restarts_before),
-        )
+        await asyncio.gather(self._retire(params), self._replace_and_resume(params))
+        await self._resolved(params)
+
+    async def _continue_carried(self, params: RemediationInput) -> None:
+        """A run continued as new while waiting for a spare: the retirement is done, wait on."""
+        self._retire_finished = True
+        self._settings = self._status.settings or RemediationSettings()
+        self._mark(Step.WAIT_FOR_SPARE, "continued", "history continued as new")
+        await self._replace_and_resume(params)
+        await self._resolved(params)
+
+    async def _resolved(self, params: RemediationInput) -> None:
+        status = self._status
         status.outcome = Outcome.RESOLVED
-        await self._notify(
+        self._notify(
             "resolved",
-            f"{self._who()}: resolved. {params.node} replaced by {status.spare}; {len(requeued)} job(s) running again.",
+            f"{self._who()}: resolved. {params.node} replaced by {status.spare}; "
+            f"{len(status.requeued)} job(s) running again.",
         )
         await self._close()
 
@@ -221,9 +370,14 @@ class NodeRemediationWorkflow:
         self._enter(Step.DRAIN_KUBERNETES)
         drained = await self._activity(
             KubeActivities.cordon_and_drain,
-            KubeDrainRequest(node=params.node, incident_id=self._status.incident_id),
+            KubeDrainRequest(
+                node=params.node,
+                incident_id=self._status.incident_id,
+                eviction_timeout_seconds=self._settings.eviction_timeout_seconds,
+            ),
             summary=f"cordon and drain {params.node} in Kubernetes",
-            timeout=timedelta(minutes=10),
+            timeout=timedelta(minutes=30),
+            heartbeat=True,
         )
         self._done(
             Step.DRAIN_KUBERNETES,
@@ -233,56 +387,93 @@ class NodeRemediationWorkflow:
         )
         self._enter(Step.RETIRE_NODE)
         await self._activity(SpareActivities.retire_node, params.node, summary=f"retire {params.node}")
-        self._done(Step.RETIRE_NODE)
+        self._done(Step.RETIRE_NODE, "cordoned, tainted and kept")
+        self._retire_finished = True
 
-    async def _replace_and_resume(
-        self, params: RemediationInput, requeued: list[int], restarts_before: dict[int, int]
-    ) -> None:
-        await self._bring_in_spare(params)
+    async def _replace_and_resume(self, params: RemediationInput) -> None:
+        try:
+            await self._bring_in_spare(params)
+        except _ContinueAsNew:
+            await workflow.wait_condition(lambda: self._retire_finished)
+            await self._flush_notifications()
+            workflow.continue_as_new(
+                RemediationInput(
+                    cluster=params.cluster,
+                    node=params.node,
+                    search_attributes=params.search_attributes,
+                    carried=CarriedIncident(
+                        status=self._status, events=self._events, restarts_before=self._restarts_before
+                    ),
+                )
+            )
         self._enter(Step.RESUME)
+        requeued = self._status.requeued
         if not requeued:
             self._done(Step.RESUME, "no jobs to resume")
             return
-        resumed: list[JobInfo] = await self._activity(
-            SlurmActivities.wait_jobs_resumed,
-            WaitJobsRequest(
-                job_ids=requeued,
-                timeout_seconds=params.resume_timeout_seconds,
-                restarts_before=restarts_before,
-            ),
-            summary=f"wait for jobs {', '.join(map(str, requeued))} to run again",
-            timeout=timedelta(seconds=params.resume_timeout_seconds + 60),
-        )
+        resumed = await self._wait_resumed(requeued)
         self._status.jobs = resumed
         self._done(Step.RESUME, ", ".join(f"{job.job_id} on {job.nodes}" for job in resumed))
 
     async def _bring_in_spare(self, params: RemediationInput) -> None:
         status = self._status
-        self._enter(Step.CLAIM_SPARE)
+        self._enter(Step.WAIT_FOR_SPARE if status.waiting_for_spare else Step.CLAIM_SPARE)
+        checks = 0
         while True:
-            spare = await self._activity(
-                SpareActivities.claim_spare,
-                ClaimRequest(incident_id=status.incident_id),
-                summary="claim a spare",
+            # Cleared before the claim, so a spare_available that arrives during it is not lost.
+            self._spare_signalled = False
+            self._claim_attempted = True
+            spare: str | None = await self._activity(
+                SpareActivities.claim_spare, ClaimRequest(incident_id=status.incident_id), summary="claim a spare"
             )
             if spare is not None:
                 break
             if not status.waiting_for_spare:
                 status.waiting_for_spare = True
                 self._mark(Step.WAIT_FOR_SPARE, "started", "no free spare")
-                await self._notify(
+                self._notify(
                     "no_spare",
                     f"{self._who()}: no free spare. {params.node} stays drained and its jobs are queued; "
                     "gpufleet takes the next spare that appears (signal spare_available to hurry it).",
                 )
-            self._spare_signalled = False
+            checks += 1
+            if checks >= SPARE_CHECKS_PER_RUN or workflow.info().is_continue_as_new_suggested():
+                raise _ContinueAsNew
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(
-                    lambda: self._spare_signalled, timeout=timedelta(seconds=params.spare_recheck_seconds)
+                    lambda: self._spare_signalled, timeout=timedelta(seconds=self._settings.spare_recheck_seconds)
                 )
         status.spare = spare
         status.waiting_for_spare = False
         self._done(Step.CLAIM_SPARE, f"{spare} joined the partition")
+
+    async def _wait_resumed(self, job_ids: list[int]) -> list[JobInfo]:
+        """Until every requeued job runs again: watched checks first, then timers backing off to 30 s."""
+        timeout = self._settings.resume_timeout_seconds
+        deadline = workflow.now() + timedelta(seconds=timeout)
+        interval = 2.0
+        check = 0
+        while True:
+            check += 1
+            watch = RESUME_WATCH_SECONDS if check <= RESUME_WATCHED_CHECKS else 0.0
+            result: ResumeCheck = await self._activity(
+                SlurmActivities.jobs_resumed,
+                ResumeCheckRequest(job_ids=job_ids, restarts_before=self._restarts_before, watch_seconds=watch),
+                summary=f"check jobs {', '.join(map(str, job_ids))} run again",
+                timeout=SHORT + timedelta(seconds=watch),
+                heartbeat=watch > 0,
+            )
+            if not result.waiting:
+                return result.resumed
+            remaining = (deadline - workflow.now()).total_seconds()
+            if remaining <= 0:
+                names = ", ".join(f"{job.job_id} ({job.state})" for job in result.waiting)
+                raise ApplicationError(
+                    f"jobs did not resume within {timeout:.0f}s: {names}", type="JobsNotResumed", non_retryable=True
+                )
+            if check > RESUME_WATCHED_CHECKS:
+                await workflow.sleep(min(interval, remaining))
+                interval = min(interval * 1.5, 30.0)
 
     async def _grace(self, job_ids: list[int], grace_seconds: float) -> str:
         """Wait until the jobs stopped or reported their checkpoints, at most the grace period.
@@ -305,6 +496,8 @@ class NodeRemediationWorkflow:
                 SlurmActivities.still_running,
                 StillRunningRequest(job_ids=job_ids, watch_seconds=watch),
                 summary="check which jobs still run",
+                timeout=SHORT + timedelta(seconds=watch),
+                heartbeat=watch > 0,
             )
             if not running:
                 return "jobs exited after checkpointing"
@@ -320,32 +513,96 @@ class NodeRemediationWorkflow:
                 )
             interval = min(interval * 1.5, 5.0)
 
+    async def _await_approval(self, why: str) -> bool:
+        """Wait for `gpufleet approve|reject`; True to go on. Nothing has been changed yet."""
+        status = self._status
+        self._enter(Step.AWAITING_APPROVAL)
+        status.outcome = Outcome.AWAITING_APPROVAL
+        status.waiting_for_approval = why
+        self._notify(
+            "approval_needed",
+            f"{self._who()}: {why}. gpufleet has changed nothing and waits: "
+            f"`gpufleet approve {status.incident_id}` to go on, `gpufleet reject {status.incident_id}` to leave it.",
+        )
+        await workflow.wait_condition(lambda: self._approval is not None)
+        assert self._approval is not None
+        status.approval = self._approval
+        status.waiting_for_approval = None
+        verdict = "approved" if self._approval.approved else "rejected"
+        self._done(Step.AWAITING_APPROVAL, f"{verdict} by {self._approval.by or '?'}: {self._approval.reason}".strip())
+        if self._approval.approved:
+            status.outcome = Outcome.OPEN
+            return True
+        status.outcome = Outcome.REJECTED
+        self._notify("rejected", f"{self._who()}: rejected by {self._approval.by or '?'}; nothing was changed.")
+        await self._close()
+        return False
+
     # -- helpers ------------------------------------------------------------------------------------
 
     async def _classify(self) -> Action:
         action: Action = await self._activity(
             PolicyActivities.classify,
-            ClassifyRequest(node=self._input.node, events=self._events),
+            ClassifyRequest(node=self._input.node, events=self._events, policy=self._policy),
             summary="classify the Xids",
         )
         return action
 
-    async def _activity(self, method: Any, arg: Any, *, summary: str, timeout: timedelta = SHORT) -> Any:
+    async def _activity(
+        self, method: Any, arg: Any, *, summary: str, timeout: timedelta = SHORT, heartbeat: bool = False
+    ) -> Any:
         return await workflow.execute_activity_method(
             method,
             arg,
             start_to_close_timeout=timeout,
-            heartbeat_timeout=HEARTBEAT if timeout > SHORT else None,
+            heartbeat_timeout=HEARTBEAT if heartbeat else None,
             retry_policy=RETRY,
             summary=summary,
         )
 
-    async def _notify(self, kind: str, text: str) -> None:
-        await self._activity(
-            NotifyActivities.notify,
-            NotifyRequest(kind=kind, text=text, incident=self._status),
-            summary=f"notify: {kind}",
-        )
+    def _notify(self, kind: str, text: str) -> None:
+        """Send a message beside the flow; its outcome lands in the timeline and the status."""
+        record = NotificationRecord(kind=kind, at=workflow.now())
+        self._status.notifications.append(record)
+        request = NotifyRequest(kind=kind, text=text, incident=self._status.model_copy(deep=True))
+        self._deliveries.append(asyncio.create_task(self._deliver(record, request)))
+
+    async def _deliver(self, record: NotificationRecord, request: NotifyRequest) -> None:
+        try:
+            attempt: int = await workflow.execute_activity_method(
+                NotifyActivities.notify,
+                request,
+                start_to_close_timeout=NOTIFY_ATTEMPT,
+                schedule_to_close_timeout=NOTIFY_BUDGET,
+                retry_policy=NOTIFY_RETRY,
+                summary=f"notify: {record.kind}",
+            )
+        except ActivityError as exc:
+            record.outcome = "failed"
+            record.error = str(exc.cause or exc)
+        else:
+            record.outcome = "sent" if attempt else "not_sent"
+            record.attempts = attempt
+        self._mark(self._status.step, f"notify {record.kind}: {record.outcome}", record.error)
+
+    async def _flush_notifications(self) -> None:
+        """Let messages in flight finish (each is bounded by NOTIFY_BUDGET) before the run ends."""
+        if self._deliveries:
+            await asyncio.gather(*self._deliveries)
+            self._deliveries = []
+
+    async def _release_unused_claim(self) -> None:
+        """A spare claimed but never brought into service goes back to the pool."""
+        if self._status.spare is not None or not self._claim_attempted:
+            return
+        with contextlib.suppress(ActivityError):
+            released = await self._activity(
+                SpareActivities.release_spare,
+                ClaimRequest(incident_id=self._status.incident_id),
+                summary="release an unused spare claim",
+            )
+            if released:
+                self._mark(self._status.step, "released", f"claim on {released} released")
 
     def _enter(self, step: Step) -> None:
         self._status.step = step
@@ -367,6 +624,7 @@ class NodeRemediationWorkflow:
     async def _close(self) -> None:
         self._enter(Step.CLOSED)
         self._mark(Step.CLOSED, self._status.outcome.value)
+        await self._flush_notifications()
 
     def _who(self) -> str:
         return f"[{self._status.incident_id}] {self._input.node}"

@@ -27,7 +27,7 @@ def pod(name: str, node: str, labels: dict[str, str], *, owner: str | None = Non
 
 @pytest.fixture
 def api(tmp_path: Path) -> Iterator[KubeApiProcess]:
-    seed = {
+    seed: dict[str, object] = {
         "nodes": [
             node_object("gpu1", pool="training"),
             node_object("gpu2", pool="training"),
@@ -120,3 +120,21 @@ def test_unreachable_api_server_is_unavailable(tmp_path: Path) -> None:
     config = write_kubeconfig(tmp_path / "kubeconfig", server=f"http://127.0.0.1:{free_port()}")
     with pytest.raises(Unavailable):
         KubernetesApi(kubeconfig=config).list_nodes()
+
+
+def test_remove_taint_is_idempotent_and_keeps_the_others(kube: KubernetesApi) -> None:
+    kube.add_taint("gpu1", key="gpufleet.io/unhealthy", value="i1")
+    kube.add_taint("gpu1", key="gpufleet.io/retired", value="i1")
+    kube.add_taint("gpu1", key="gpufleet.io/retired", value="i1", effect="NoExecute")
+    node = kube.remove_taint("gpu1", key="gpufleet.io/retired", effect="NoExecute")
+    assert [(t["key"], t["effect"]) for t in node.taints] == [
+        ("gpufleet.io/unhealthy", "NoSchedule"),
+        ("gpufleet.io/retired", "NoSchedule"),
+    ]
+    kube.remove_taint("gpu1", key="gpufleet.io/retired")
+    node = kube.remove_taint("gpu1", key="gpufleet.io/retired")
+    assert node.taints == [{"key": "gpufleet.io/unhealthy", "value": "i1", "effect": "NoSchedule"}]
+    assert kube.remove_taint("gpu1", key="gpufleet.io/unhealthy").taints == []
+    assert kube.get_node("gpu1").taints == []
+    with pytest.raises(NotFound):
+        kube.remove_taint("nosuch", key="gpufleet.io/retired")

@@ -1,19 +1,33 @@
-"""SlurmCli against real slurmctld and slurmd daemons: drain ownership, signals, requeue, partitions."""
+"""SlurmCli against real slurmctld and slurmd daemons: drain ownership, signals, requeue, partitions.
+
+The parsers of squeue's outputs (both JSON shapes, the --Format records) are tested without Slurm.
+"""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from clients.errors import InvalidInput, NotFound, NotOwned, Unavailable
-from clients.slurm import SlurmCli, parse_node_record
+from clients.errors import ClientError, InvalidInput, NotFound, NotOwned, Unavailable
+from clients.slurm import (
+    SlurmCli,
+    job_from_json,
+    parse_node_record,
+    parse_squeue_format,
+    parse_squeue_json,
+    primary_state,
+)
 from lab.procs import free_port, wait_for
 from lab.slurm import SlurmLab
+from models.incident import JobInfo
 
-pytestmark = pytest.mark.slurm
+DATA = Path(__file__).parent / "data"
+slurm_daemons = pytest.mark.slurm
 
 
 @pytest.fixture
@@ -41,6 +55,7 @@ def submit(lab: SlurmLab, tmp_path: Path, script: str, *args: str) -> int:
     return lab.sbatch(path, "--requeue", "-o", str(tmp_path / "job-%j.out"), "--open-mode=append", *args)
 
 
+@slurm_daemons
 def test_drain_with_our_reason_is_idempotent(slurm: SlurmCli) -> None:
     reason = "gpufleet: xid 79 incident lab-gpu3-1"
     first = slurm.drain("gpu3", reason=reason)
@@ -51,6 +66,7 @@ def test_drain_with_our_reason_is_idempotent(slurm: SlurmCli) -> None:
     assert not slurm.node("gpu3").drained
 
 
+@slurm_daemons
 def test_node_drained_by_someone_else_keeps_their_reason(slurm: SlurmCli, slurm_lab: SlurmLab) -> None:
     slurm_lab.scontrol("update", "NodeName=gpu3", "State=DRAIN", "Reason=disk swap by ops")
     after = slurm.drain("gpu3", reason="gpufleet: xid 79 incident x")
@@ -63,6 +79,7 @@ def test_node_drained_by_someone_else_keeps_their_reason(slurm: SlurmCli, slurm_
     assert node.drained and node.reason == "disk swap by ops"
 
 
+@slurm_daemons
 def test_unknown_node_is_not_found(slurm: SlurmCli) -> None:
     with pytest.raises(NotFound, match="no node named 'nosuch'"):
         slurm.node("nosuch")
@@ -77,6 +94,7 @@ def test_unsafe_name_is_rejected_before_any_command_runs(tmp_path: Path) -> None
         client.add_to_partition("train", "$(reboot)")
 
 
+@slurm_daemons
 def test_unreachable_controller_is_unavailable(slurm_lab: SlurmLab, tmp_path: Path) -> None:
     conf = slurm_lab.conf.read_text()
     port = next(line for line in conf.splitlines() if line.startswith("SlurmctldPort="))
@@ -86,6 +104,7 @@ def test_unreachable_controller_is_unavailable(slurm_lab: SlurmLab, tmp_path: Pa
         SlurmCli(slurm_conf=dead, timeout_seconds=20).node("gpu1")
 
 
+@slurm_daemons
 def test_requeue_of_a_running_job(slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path) -> None:
     job_id = submit(slurm_lab, tmp_path, "echo run $SLURM_RESTART_COUNT\nsleep 300\n", "-w", "gpu1")
     wait_for(lambda: slurm.job(job_id).state == "RUNNING", timeout=30, what="the job to run")
@@ -101,6 +120,7 @@ def test_requeue_of_a_running_job(slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path
     )
 
 
+@slurm_daemons
 def test_sigterm_reaches_the_batch_script(slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path) -> None:
     marker, ready = tmp_path / "got-term", tmp_path / "trap-set"
     job_id = submit(
@@ -117,6 +137,7 @@ def test_sigterm_reaches_the_batch_script(slurm: SlurmCli, slurm_lab: SlurmLab, 
     assert slurm.jobs_on_node("gpu2") == []
 
 
+@slurm_daemons
 def test_job_submitted_without_requeue_cannot_be_requeued(slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path) -> None:
     path = tmp_path / "norequeue.sh"
     path.write_text("#!/bin/bash\nsleep 300\n")
@@ -126,6 +147,7 @@ def test_job_submitted_without_requeue_cannot_be_requeued(slurm: SlurmCli, slurm
         slurm.requeue(job_id)
 
 
+@slurm_daemons
 def test_partition_membership(slurm: SlurmCli) -> None:
     slurm.add_to_partition("train", "spare1")
     slurm.add_to_partition("train", "spare1")
@@ -145,3 +167,237 @@ def test_parse_node_record_with_reason_and_flags() -> None:
     assert node.flags == ["DRAIN", "NOT_RESPONDING"]
     assert node.partitions == ["train", "debug"]
     assert node.reason == "gpufleet: xid 79 incident a=b"
+
+
+# -- scoped job queries (real Slurm) -------------------------------------------------------------
+
+
+class RecordingSlurmCli(SlurmCli):
+    """A real SlurmCli that also records the argv of every command it runs."""
+
+    def __init__(self, *, slurm_conf: Path) -> None:
+        super().__init__(slurm_conf=slurm_conf)
+        self.calls: list[list[str]] = []
+
+    def _run(self, argv: list[str]) -> str:
+        self.calls.append(list(argv))
+        return super()._run(argv)
+
+
+@slurm_daemons
+def test_jobs_on_node_reads_only_that_node(slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path) -> None:
+    alone = submit(slurm_lab, tmp_path, "sleep 300\n", "-w", "gpu1")
+    wide = submit(slurm_lab, tmp_path, "sleep 300\n", "-N", "2", "-w", "gpu2,gpu3")
+    wait_for(lambda: slurm.job(alone).state == "RUNNING", timeout=60, what="the job on gpu1 to run")
+    wait_for(lambda: slurm.job(wide).state == "RUNNING", timeout=60, what="the job on gpu[2-3] to run")
+    client = RecordingSlurmCli(slurm_conf=slurm_lab.conf)
+
+    assert [job.job_id for job in client.jobs_on_node("gpu1")] == [alone]
+    assert len(client.calls) == 1
+    argv = client.calls[0]
+    assert argv[0] == "squeue" and "--nodelist=gpu1" in argv and "--json" not in argv
+
+    # A job on gpu[2-3] belongs to each of its nodes, without expanding the host list ourselves.
+    client.calls.clear()
+    on_gpu3 = client.jobs_on_node("gpu3")
+    assert [(job.job_id, job.nodes, job.state) for job in on_gpu3] == [(wide, "gpu[2-3]", "RUNNING")]
+    assert [job.job_id for job in client.jobs_on_node("gpu2")] == [wide]
+    assert client.jobs_on_node("spare1") == []
+    assert len(client.calls) == 3
+    with pytest.raises(NotFound, match="no node named 'nosuch'"):
+        client.jobs_on_node("nosuch")
+
+
+@slurm_daemons
+def test_jobs_by_id_reads_several_jobs_in_one_query(slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path) -> None:
+    finished = submit(slurm_lab, tmp_path, "true\n", "-w", "gpu1")
+    wait_for(lambda: slurm.job(finished).state == "COMPLETED", timeout=60, what="the short job to finish")
+    # Free text from the user: a long name with the characters a delimiter would use, a newline too.
+    odd_name = "name longer than twenty | with, colons: \x1f and a\nnewline"
+    running = submit(slurm_lab, tmp_path, "sleep 300\n", "-w", "gpu1", "-J", odd_name)
+    wait_for(lambda: slurm.job(running).state == "RUNNING", timeout=60, what="the job to run")
+    pending = submit(slurm_lab, tmp_path, "sleep 300\n", "-w", "gpu1")  # gpu1 is busy: it waits
+    client = RecordingSlurmCli(slurm_conf=slurm_lab.conf)
+
+    jobs = client.jobs_by_id([pending, running, finished, 2_000_000_000, running])
+    assert len(client.calls) == 1
+    argv = client.calls[0]
+    assert argv[0] == "squeue" and "--states=all" in argv and "--json" not in argv
+    assert sorted(jobs) == sorted([pending, running, finished])
+    assert jobs[finished].state == "COMPLETED" and jobs[finished].nodes == "gpu1"
+    assert jobs[running].state == "RUNNING" and jobs[running].name == odd_name
+    assert jobs[running].stdout == str(tmp_path / "job-%j.out")
+    assert jobs[running].requeue and jobs[running].restarts == 0
+    assert jobs[pending].state == "PENDING" and jobs[pending].nodes == ""
+
+    # Asked alone, a job Slurm does not know makes squeue fail: absent, and NotFound from job().
+    assert client.jobs_by_id([2_000_000_000]) == {}
+    with pytest.raises(NotFound, match="no job 2000000000"):
+        client.job(2_000_000_000)
+    assert client.job(running) == jobs[running]
+    assert client.jobs_by_id([]) == {}
+
+
+@slurm_daemons
+def test_whole_cluster_json_listing_agrees_with_the_scoped_reads(
+    slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path
+) -> None:
+    job_id = submit(slurm_lab, tmp_path, "sleep 300\n", "-w", "gpu2")
+    wait_for(lambda: slurm.job(job_id).state == "RUNNING", timeout=60, what="the job to run")
+    listed = {job.job_id: job for job in slurm.jobs()}
+    assert listed[job_id] == slurm.job(job_id)
+
+
+def test_job_ids_are_checked_before_any_command_runs(tmp_path: Path) -> None:
+    # An empty bin dir: running any Slurm command here would fail as "not installed".
+    client = SlurmCli(bin_dir=tmp_path)
+    assert client.jobs_by_id([]) == {}
+    for bad in (0, -5, True, 2**31, "12; scancel --user=all", 1.5):
+        with pytest.raises(InvalidInput, match="invalid job id"):
+            client.jobs_by_id([bad])  # type: ignore[list-item]
+    with pytest.raises(InvalidInput):
+        client.job("7 --states=all")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        client.signal_job("7,8")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        client.jobs_on_node("gpu1 --states=all")
+
+
+# -- parsers (no Slurm) --------------------------------------------------------------------------
+
+
+def _sample(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((DATA / name).read_text())
+    return data
+
+
+def test_parse_squeue_json_of_slurm_22_05() -> None:
+    jobs = {job.job_id: job for job in parse_squeue_json(_sample("squeue_22.05.json"))}
+    assert jobs == {
+        1: JobInfo(job_id=1, name="prep", user="root", state="COMPLETED", nodes="gpu3", stdout="/srv/runs/prep-%j.out"),
+        2: JobInfo(
+            job_id=2,
+            name="ddp-train",
+            user="root",
+            state="RUNNING",
+            restarts=1,
+            nodes="gpu[1-2]",
+            stdout="/srv/runs/ddp-%j.out",
+        ),
+        3: JobInfo(
+            job_id=3,
+            name="eval",
+            user="root",
+            state="RUNNING",
+            nodes="gpu3",
+            requeue=False,
+            stdout="/srv/runs/eval-%j.out",
+        ),
+        4: JobInfo(
+            job_id=4, name="sweep", user="root", state="CANCELLED", nodes="gpu1", stdout="/srv/runs/sweep-%j.out"
+        ),
+        5: JobInfo(job_id=5, name="sweep2", user="root", state="PENDING", nodes="", stdout="/srv/runs/sweep-%j.out"),
+    }
+
+
+def test_parse_squeue_json_of_slurm_23_11() -> None:
+    jobs = {job.job_id: job for job in parse_squeue_json(_sample("squeue_23.11.json"))}
+    assert {job_id: (job.state, job.restarts, job.nodes, job.requeue) for job_id, job in jobs.items()} == {
+        1001: ("RUNNING", 2, "gpu[1-2]", True),
+        1002: ("REQUEUED", 1, "", True),
+        1003: ("COMPLETED", 3, "gpu3", True),
+        1004: ("COMPLETING", 0, "gpu4", True),
+        1005: ("CONFIGURING", 0, "gpu5", True),
+        1007: ("PENDING", 0, "", False),
+    }
+    assert jobs[1001] == JobInfo(
+        job_id=1001,
+        name="ddp-train",
+        user="alice",
+        state="RUNNING",
+        restarts=2,
+        nodes="gpu[1-2]",
+        requeue=True,
+        stdout="/home/alice/runs/ddp-%j.out",
+    )
+
+
+@pytest.mark.parametrize(
+    ("job_state", "expected"),
+    [
+        ("RUNNING", "RUNNING"),  # 22.05: already one word
+        ("requeued", "REQUEUED"),
+        (["RUNNING"], "RUNNING"),
+        (["PENDING", "REQUEUED"], "REQUEUED"),
+        (["PENDING", "REQUEUE_HOLD"], "REQUEUE_HOLD"),
+        (["RUNNING", "CONFIGURING"], "CONFIGURING"),
+        (["CANCELLED", "COMPLETING"], "COMPLETING"),
+        (["PENDING", "REQUEUED", "COMPLETING"], "COMPLETING"),
+        (["RUNNING", "SIGNALING"], "SIGNALING"),
+        (["RUNNING", "UPDATE_DB"], "RUNNING"),  # a flag job_state_string() does not name
+        (["NEW_STATE"], "NEW_STATE"),
+        ([], ""),
+        (None, ""),
+    ],
+)
+def test_primary_state_reads_like_job_state_string(job_state: object, expected: str) -> None:
+    assert primary_state(job_state) == expected
+
+
+@pytest.mark.parametrize(
+    ("restart_cnt", "expected"),
+    [
+        (3, 3),
+        ({"set": True, "infinite": False, "number": 3}, 3),
+        ({"set": False, "infinite": False, "number": 0}, 0),
+        ({"set": True, "infinite": True, "number": 0}, 0),
+        ("4", 4),
+        (None, 0),
+    ],
+)
+def test_counts_read_plain_or_as_objects(restart_cnt: object, expected: int) -> None:
+    job = job_from_json({"job_id": {"set": True, "infinite": False, "number": 9}, "restart_cnt": restart_cnt})
+    assert (job.job_id, job.restarts) == (9, expected)
+
+
+def test_a_json_job_without_an_id_is_an_error() -> None:
+    with pytest.raises(ClientError, match="without an ID"):
+        job_from_json({"name": "x", "job_state": ["RUNNING"]})
+
+
+def test_parse_squeue_format_splits_on_the_call_token_only() -> None:
+    sep, end = "\x1fabc123\x1f", "\x1eabc123\x1e"
+    rows = [
+        ["12", "a|b\x1fc\nd", "alice", "RUNNING", "2", "gpu[1-2]", "1", "/out|x/%j.out"],
+        ["13", "plain", "bob", "PENDING", "0", "", "0", "/dev/null"],
+    ]
+    out = "".join(sep.join(row) + end + "\n" for row in rows)
+    assert parse_squeue_format(out, separator=sep, terminator=end) == [
+        JobInfo(
+            job_id=12,
+            name="a|b\x1fc\nd",
+            user="alice",
+            state="RUNNING",
+            restarts=2,
+            nodes="gpu[1-2]",
+            requeue=True,
+            stdout="/out|x/%j.out",
+        ),
+        JobInfo(
+            job_id=13,
+            name="plain",
+            user="bob",
+            state="PENDING",
+            restarts=0,
+            nodes="",
+            requeue=False,
+            stdout="/dev/null",
+        ),
+    ]
+    assert parse_squeue_format("", separator=sep, terminator=end) == []
+    with pytest.raises(ClientError):
+        parse_squeue_format(sep.join(rows[0][:5]) + end + "\n", separator=sep, terminator=end)
+    with pytest.raises(ClientError):
+        parse_squeue_format(sep.join(rows[0]) + "\n", separator=sep, terminator=end)
+    with pytest.raises(ClientError):
+        parse_squeue_format(sep.join(["x", *rows[0][1:]]) + end + "\n", separator=sep, terminator=end)

@@ -1,34 +1,64 @@
-"""The spare pool over real Slurm and the emulated Kubernetes API: idempotent claims, no double claims."""
+"""The spare pool over real Slurm and the emulated Kubernetes API: idempotent claims, no double claims,
+only spares that are ours, releases, retirements that keep the Node, and repaired nodes coming back."""
 
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
+from clients.errors import InvalidInput, NotOwned
 from clients.kube import KubernetesApi
 from clients.slurm import SlurmCli
 from clients.spares import SparePool
+from lab.procs import wait_for
 from lab.slurm import SlurmLab
 from tests.conftest import KubeApiProcess
 
 pytestmark = pytest.mark.slurm
 
+Pool = tuple[SparePool, KubernetesApi, SlurmCli]
+
+OPS_REASON = "dimm swap by ops"
+OUR_REASON = "gpufleet: xid 79 incident remediate-lab-gpu3"
+
 
 @pytest.fixture
-def pool(slurm_lab: SlurmLab, kube_api: KubeApiProcess) -> Iterator[tuple[SparePool, KubernetesApi, SlurmCli]]:
+def pool(slurm_lab: SlurmLab, kube_api: KubeApiProcess) -> Iterator[Pool]:
     kube = KubernetesApi(kubeconfig=kube_api.kubeconfig)
     slurm = SlurmCli(slurm_conf=slurm_lab.conf)
-    yield SparePool(kube=kube, slurm=slurm, partition="train"), kube, slurm
+    yield SparePool(kube=kube, slurm=slurm, partition="train", cluster="lab"), kube, slurm
+    # The Slurm cluster is shared by the whole session: every node back in service, the partition as it was.
+    for node in slurm_lab.all_nodes:
+        subprocess.run(
+            ["scontrol", "update", f"NodeName={node}", "State=RESUME"],
+            env=slurm_lab.env,
+            capture_output=True,
+            check=False,
+        )
     subprocess.run(
         ["scontrol", "update", "PartitionName=train", f"Nodes={','.join(slurm_lab.spec.nodes)}"],
         env=slurm_lab.env,
         check=True,
     )
+    # A resumed node is "not responding" until slurmctld next hears from its slurmd.
+    wait_for(lambda: all(responding(slurm, n) for n in slurm_lab.all_nodes), timeout=30, what="every node idle")
 
 
-def test_claim_is_idempotent_and_brings_the_spare_in(pool: tuple[SparePool, KubernetesApi, SlurmCli]) -> None:
+def responding(slurm: SlurmCli, name: str) -> bool:
+    node = slurm.node(name)
+    return node.state == "idle" and not node.flags
+
+
+def assert_untouched_spare(kube: KubernetesApi, slurm: SlurmCli, name: str) -> None:
+    node = kube.get_node(name)
+    assert "gpufleet.io/claimed-by" not in node.annotations
+    assert node.labels["gpufleet.io/pool"] == "spare"
+    assert name not in slurm.partition_nodes("train")
+
+
+def test_claim_is_idempotent_and_brings_the_spare_in(pool: Pool) -> None:
     spares, kube, slurm = pool
     first = spares.claim("incident-a")
     again = spares.claim("incident-a")
@@ -39,21 +69,13 @@ def test_claim_is_idempotent_and_brings_the_spare_in(pool: tuple[SparePool, Kube
     assert node.annotations["gpufleet.io/claimed-by"] == "incident-a"
 
 
-def test_two_incidents_never_share_a_spare(pool: tuple[SparePool, KubernetesApi, SlurmCli]) -> None:
+def test_two_incidents_never_share_a_spare(pool: Pool) -> None:
     spares, _, _ = pool
     claims = {spares.claim(f"incident-{i}") for i in range(3)}
     assert claims == {"spare1", "spare2", None}
 
 
-def test_retire_takes_the_node_out_everywhere(pool: tuple[SparePool, KubernetesApi, SlurmCli]) -> None:
-    spares, kube, slurm = pool
-    spares.retire("gpu3")
-    spares.retire("gpu3")
-    assert "gpu3" not in slurm.partition_nodes("train")
-    assert "gpu3" not in [n.name for n in kube.list_nodes()]
-
-
-def test_racing_incidents_never_share_a_spare(pool: tuple[SparePool, KubernetesApi, SlurmCli]) -> None:
+def test_racing_incidents_never_share_a_spare(pool: Pool) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     spares, kube, _ = pool
@@ -64,3 +86,153 @@ def test_racing_incidents_never_share_a_spare(pool: tuple[SparePool, KubernetesA
     for name in won:
         owner = kube.get_node(name).annotations["gpufleet.io/claimed-by"]
         assert claims[int(owner.removeprefix("race-"))] == name
+
+
+def test_a_spare_drained_by_an_operator_is_never_claimed(pool: Pool, slurm_lab: SlurmLab) -> None:
+    spares, kube, slurm = pool
+    slurm_lab.scontrol("update", "NodeName=spare1", "State=DRAIN", f"Reason={OPS_REASON}")
+    assert spares.claim("incident-a") == "spare2"
+    assert spares.claim("incident-b") is None
+    assert_untouched_spare(kube, slurm, "spare1")
+    spare1 = slurm.node("spare1")
+    assert spare1.drained and spare1.reason == OPS_REASON
+
+
+def _other_cluster(kube: KubernetesApi) -> None:
+    kube.update_metadata("spare1", labels={"gpufleet.io/cluster": "other"})
+
+
+def _quarantined(kube: KubernetesApi) -> None:
+    kube.update_metadata("spare1", labels={"gpufleet.io/quarantine": "bad-fan"})
+
+
+def _open_incident(kube: KubernetesApi) -> None:
+    kube.update_metadata("spare1", annotations={"gpufleet.io/incident": "remediate-lab-spare1"})
+
+
+@pytest.mark.parametrize(
+    "mark", [_other_cluster, _quarantined, _open_incident], ids=["other-cluster", "quarantined", "open-incident"]
+)
+def test_a_spare_that_is_not_ours_to_take_is_never_claimed(pool: Pool, mark: Callable[[KubernetesApi], None]) -> None:
+    spares, kube, slurm = pool
+    mark(kube)
+    assert spares.claim("incident-a") == "spare2"
+    assert spares.claim("incident-b") is None
+    assert_untouched_spare(kube, slurm, "spare1")
+
+
+def test_a_spare_of_this_cluster_is_claimed(pool: Pool) -> None:
+    spares, kube, _ = pool
+    kube.update_metadata("spare1", labels={"gpufleet.io/cluster": "lab"})
+    assert spares.claim("incident-a") == "spare1"
+
+
+def test_a_claimed_spare_that_cannot_come_in_is_released_for_the_next(pool: Pool, slurm_lab: SlurmLab) -> None:
+    spares, kube, slurm = pool
+    # An earlier attempt claimed spare1 and stopped there; an operator drained it meanwhile.
+    kube.update_metadata("spare1", annotations={"gpufleet.io/claimed-by": "incident-a"})
+    slurm_lab.scontrol("update", "NodeName=spare1", "State=DRAIN", f"Reason={OPS_REASON}")
+    assert spares.claim("incident-a") == "spare2"
+    assert spares.claim("incident-a") == "spare2"
+    assert_untouched_spare(kube, slurm, "spare1")
+    assert slurm.node("spare1").reason == OPS_REASON
+    assert "spare2" in slurm.partition_nodes("train")
+
+
+def test_release_puts_the_spare_back(pool: Pool) -> None:
+    spares, kube, slurm = pool
+    assert spares.claim("incident-a") == "spare1"
+    assert spares.release("incident-a") == "spare1"
+    assert spares.release("incident-a") is None
+    assert_untouched_spare(kube, slurm, "spare1")
+    assert "gpufleet.io/claim-partition" not in kube.get_node("spare1").annotations
+    assert not slurm.node("spare1").drained
+    assert spares.claim("incident-b") == "spare1"  # free for the next incident
+
+
+def test_release_without_a_claim_is_a_no_op(pool: Pool) -> None:
+    spares, kube, slurm = pool
+    assert spares.release("incident-never-claimed") is None
+    assert_untouched_spare(kube, slurm, "spare1")
+    assert_untouched_spare(kube, slurm, "spare2")
+
+
+def test_retire_keeps_the_node_cordoned_tainted_and_out_of_the_partition(pool: Pool) -> None:
+    spares, kube, slurm = pool
+    spares.retire("gpu3", "remediate-lab-gpu3")
+    spares.retire("gpu3", "remediate-lab-gpu3")
+    assert "gpu3" not in slurm.partition_nodes("train")
+    node = kube.get_node("gpu3")  # still there: a kubelet restart cannot bring it back clean
+    assert node.unschedulable
+    assert node.taints == [{"key": "gpufleet.io/retired", "value": "remediate-lab-gpu3", "effect": "NoSchedule"}]
+    assert node.labels["gpufleet.io/pool"] == "retired"
+    assert spares.claim("incident-a") == "spare1"  # a retired node is no spare
+
+
+def test_retire_without_an_incident_and_of_a_slurm_only_node(pool: Pool) -> None:
+    spares, kube, slurm = pool
+    spares.retire("gpu3")
+    assert kube.get_node("gpu3").taints == [{"key": "gpufleet.io/retired", "value": "retired", "effect": "NoSchedule"}]
+    kube.delete_node("gpu2")
+    spares.retire("gpu2")
+    spares.retire("gpu2")
+    assert slurm.partition_nodes("train") == ["gpu1"]
+
+
+def _failed_and_retired(spares: SparePool, kube: KubernetesApi, slurm: SlurmCli, *, reason: str) -> None:
+    """gpu3 as an incident leaves it: drained, cordoned, tainted, annotated, retired."""
+    if reason.startswith("gpufleet:"):
+        slurm.drain("gpu3", reason=reason)
+    kube.set_unschedulable("gpu3", True)
+    kube.add_taint("gpu3", key="gpufleet.io/unhealthy", value="remediate-lab-gpu3")
+    kube.update_metadata("gpu3", annotations={"gpufleet.io/incident": "remediate-lab-gpu3"})
+    spares.retire("gpu3", "remediate-lab-gpu3")
+
+
+def test_return_node_for_training(pool: Pool) -> None:
+    spares, kube, slurm = pool
+    _failed_and_retired(spares, kube, slurm, reason=OUR_REASON)
+    spares.return_node("gpu3", as_="training")
+    spares.return_node("gpu3", as_="training")
+    assert "gpu3" in slurm.partition_nodes("train")
+    info = slurm.node("gpu3")
+    assert not info.drained and info.state == "idle"
+    node = kube.get_node("gpu3")
+    assert not node.unschedulable and node.taints == []
+    assert node.labels["gpufleet.io/pool"] == "training"
+    assert "gpufleet.io/incident" not in node.annotations
+
+
+def test_return_node_as_a_spare(pool: Pool) -> None:
+    spares, kube, slurm = pool
+    _failed_and_retired(spares, kube, slurm, reason=OUR_REASON)
+    spares.return_node("gpu3", as_="spare")
+    assert "gpu3" not in slurm.partition_nodes("train")
+    assert not slurm.node("gpu3").drained
+    node = kube.get_node("gpu3")
+    assert not node.unschedulable and node.taints == []
+    assert node.labels["gpufleet.io/pool"] == "spare"
+    assert "gpufleet.io/incident" not in node.annotations
+    wait_for(lambda: responding(slurm, "gpu3"), timeout=30, what="gpu3 to answer after its resume")
+    assert spares.claim("incident-a") == "gpu3"  # a spare like any other
+    assert "gpu3" in slurm.partition_nodes("train")
+
+
+def test_return_node_leaves_a_node_drained_by_someone_else_alone(pool: Pool, slurm_lab: SlurmLab) -> None:
+    spares, kube, slurm = pool
+    _failed_and_retired(spares, kube, slurm, reason=OPS_REASON)
+    slurm_lab.scontrol("update", "NodeName=gpu3", "State=DRAIN", f"Reason={OPS_REASON}")
+    with pytest.raises(NotOwned, match="someone else"):
+        spares.return_node("gpu3", as_="training")
+    info = slurm.node("gpu3")
+    assert info.drained and info.reason == OPS_REASON
+    assert "gpu3" not in slurm.partition_nodes("train")
+    node = kube.get_node("gpu3")
+    assert node.unschedulable and node.labels["gpufleet.io/pool"] == "retired"
+
+
+def test_return_node_refuses_an_unknown_role(pool: Pool) -> None:
+    spares, _, slurm = pool
+    with pytest.raises(InvalidInput):
+        spares.return_node("gpu3", as_="inference")
+    assert "gpu3" in slurm.partition_nodes("train")

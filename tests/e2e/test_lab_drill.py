@@ -152,7 +152,8 @@ def test_lab_status_shows_both_sides(lab: tuple[FleetLab, list[str]]) -> None:
     status = json.loads(lab_cli(fleet, "status", "--json").stdout)
     nodes = {node["name"]: node for node in status["nodes"]}
     assert nodes["gpu1"]["reason"].startswith("gpufleet:")
-    assert nodes["gpu1"]["kubernetes"] == "absent"
+    assert nodes["gpu1"]["kubernetes"] == "cordoned"
+    assert nodes["gpu1"]["pool"] == "retired"
     assert nodes["spare1"]["pool"] == "training" and "train" in nodes["spare1"]["partitions"]
     assert nodes["gpu2"]["kubernetes"] == "schedulable"
     assert any(job["restarts"] >= 1 for job in status["jobs"])

@@ -65,10 +65,13 @@ def run_outage(fleet: FleetLab, *, node: str, pid: int, activity: str) -> Incide
 
 def test_kubernetes_away_then_back(fleet: FleetLab) -> None:
     pid = fleet.state()["services"]["kubeapi"]["pid"]
-    status = run_outage(fleet, node="gpu1", pid=pid, activity="claim_spare")
+    status = run_outage(fleet, node="gpu1", pid=pid, activity="kube_node_pool")
     assert status.outcome == "resolved"
     kube = KubernetesApi(kubeconfig=fleet.home / "kubeconfig")
-    assert "gpu1" not in [n.name for n in kube.list_nodes()]
+    retired = kube.get_node("gpu1")  # kept, so a kubelet restart cannot bring it back clean
+    assert retired.unschedulable
+    assert retired.labels["gpufleet.io/pool"] == "retired"
+    assert any(taint["key"] == "gpufleet.io/retired" for taint in retired.taints)
 
 
 def test_slurm_away_then_back(fleet: FleetLab) -> None:

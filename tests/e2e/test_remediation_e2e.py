@@ -19,12 +19,15 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError
 
 from clients.kube import KubernetesApi
 from clients.slurm import SlurmCli
 from lab.fleet import REPO_ROOT, FleetLab, LabConfig
 from lab.procs import alive, wait_for
+from models.incident import IncidentStatus
 from tests.conftest import gpufleet_cli
+from tests.replay.record import record_histories
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
@@ -37,6 +40,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
     lab = FleetLab(tmp_path_factory.mktemp("fleet"), config)
     lab.up()
     yield lab
+    record_histories(lab.env()["TEMPORAL_ADDRESS"])
     pids = lab.down()
     assert not [pid for pid in pids if alive(pid)]
 
@@ -80,7 +84,8 @@ def test_xid_79_recovers_a_running_job(fleet: FleetLab, tmp_path: Path) -> None:
     assert gpu1.drained or gpu1.state == "down"
     assert gpu1.reason.startswith("gpufleet:") and "xid 79" in gpu1.reason
     assert "train" not in gpu1.partitions
-    assert "gpu1" not in [node.name for node in kube.list_nodes()]
+    retired = kube.get_node("gpu1")  # kept: cordoned, tainted and labelled, never deleted
+    assert retired.unschedulable and retired.labels["gpufleet.io/pool"] == "retired"
     assert "spare1" in slurm.partition_nodes("train")
     assert kube.get_node("spare1").ready and not slurm.node("spare1").drained
 
@@ -101,13 +106,13 @@ def test_xid_79_recovers_a_running_job(fleet: FleetLab, tmp_path: Path) -> None:
         "notify",
         "drain_slurm_node",
         "jobs_on_node",
-        "signal_jobs",
+        "signal_job",
         "jobs_still_running",
-        "requeue_jobs",
+        "requeue_job",
         "cordon_and_drain_node",
         "claim_spare",
         "retire_node",
-        "wait_jobs_resumed",
+        "jobs_resumed",
     ]:
         assert step in scheduled, f"{step} missing from the workflow history"
 
@@ -135,3 +140,37 @@ def test_unsafe_node_name_is_rejected_before_anything_runs(fleet: FleetLab) -> N
     assert "invalid node name" in done.stderr
     listed = json.loads(gpufleet(fleet, "incidents", "list", "--json").stdout)
     assert not any("reboot" in row["id"] for row in listed)
+
+
+def test_one_policy_file_decides_for_the_detector_and_the_worker(fleet: FleetLab) -> None:
+    """Xid 31 is an application fault (OBSERVE: the detector sends nothing) until the lab's one
+    policy file says otherwise; the same edit gives the worker a shorter grace."""
+    policy = fleet.policy_file.read_text()
+    fleet.policy_file.write_text(
+        "xids: {31: REBOOT_NODE}\nremediation:\n  grace_seconds: 7\n  spare_recheck_seconds: 11\n"
+    )
+    try:
+        done = gpufleet(fleet, "lab", "inject-xid", "gpu2", "--xid", "31")
+        assert done.returncode == 0, done.stdout + done.stderr
+
+        async def incident() -> IncidentStatus:
+            client = await Client.connect(fleet.env()["TEMPORAL_ADDRESS"], data_converter=pydantic_data_converter)
+            handle = client.get_workflow_handle("remediate-lab-gpu2", result_type=IncidentStatus)
+            deadline = asyncio.get_running_loop().time() + 120
+            while True:
+                try:
+                    return await handle.result()
+                except RPCError:  # the detector has not started it yet
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise
+                    await asyncio.sleep(0.2)
+
+        status = asyncio.run(incident())
+    finally:
+        fleet.policy_file.write_text(policy)
+    assert status.xids == [31]
+    assert status.action == "REBOOT_NODE"  # the detector sent it, the worker classified it so
+    assert status.outcome == "awaiting_repair"
+    assert status.settings is not None
+    assert (status.settings.grace_seconds, status.settings.spare_recheck_seconds) == (7, 11)
+    assert SlurmCli(slurm_conf=fleet.slurm.conf).node("gpu2").reason.startswith("gpufleet: xid 31 REBOOT_NODE")

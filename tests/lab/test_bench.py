@@ -67,7 +67,7 @@ def test_overhead_is_queue_waits_plus_polling_and_the_rest_is_apart() -> None:
             9,
             E.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED,
             0.7,
-            activity_task_scheduled_event_attributes={"activity_type": "requeue_jobs"},
+            activity_task_scheduled_event_attributes={"activity_type": "requeue_job"},
         ),
         event(
             10,
@@ -85,7 +85,7 @@ def test_overhead_is_queue_waits_plus_polling_and_the_rest_is_apart() -> None:
             12,
             E.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED,
             0.9,
-            activity_task_scheduled_event_attributes={"activity_type": "wait_jobs_resumed"},
+            activity_task_scheduled_event_attributes={"activity_type": "jobs_resumed"},
         ),
         event(
             13,
@@ -106,4 +106,4 @@ def test_overhead_is_queue_waits_plus_polling_and_the_rest_is_apart() -> None:
     assert result["polling_delay_bound_s"] == 0.65  # the 0.4 s check interval, then one 0.25 s poll
     assert result["control_plane_overhead_s"] == 0.69
     assert result["workflow_task_processing_s"] == 0.02
-    assert result["activity_running_s"] == {"jobs_still_running": 0.1, "requeue_jobs": 0.09, "wait_jobs_resumed": 6.0}
+    assert result["activity_running_s"] == {"jobs_still_running": 0.1, "requeue_job": 0.09, "jobs_resumed": 6.0}

@@ -11,6 +11,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from temporalio import activity
@@ -20,9 +21,9 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from models.constants import TASK_QUEUE
-from models.incident import IncidentStatus, JobInfo, NodeInfo, Outcome, RemediationInput, RequeueResult, Step
-from models.policy import Action, Policy
+from models.constants import task_queue
+from models.incident import Approval, IncidentStatus, JobInfo, JobRequeue, NodeInfo, Outcome, RequeueOutcome, Step
+from models.policy import Action, Policy, RemediationSettings
 from models.requests import (
     ClaimRequest,
     ClassifyRequest,
@@ -30,9 +31,13 @@ from models.requests import (
     KubeDrainRequest,
     KubeDrainResult,
     NotifyRequest,
-    SignalJobsRequest,
+    RequeueJobRequest,
+    ResumeCheck,
+    ResumeCheckRequest,
+    SignalJobRequest,
+    SignalJobResult,
     StillRunningRequest,
-    WaitJobsRequest,
+    WorkerConfig,
 )
 from models.xid import XidEvent
 from starters.temporal import report_xid
@@ -58,31 +63,57 @@ class Fleet:
     jobs_exit_on_sigterm: bool = True
     drain_failures: int = 0
     unrequeueable: set[int] = field(default_factory=set)
+    # Per job: what Slurm shows at requeue time (default: exited after SIGTERM).
+    states_at_requeue: dict[int, tuple[str, int]] = field(default_factory=dict)
+    node_reason: str = ""
+    node_drained: bool = False
+    pool: str | None = "training"
+    settings: RemediationSettings = field(default_factory=RemediationSettings)
+    notify_gate: asyncio.Event | None = None  # set: the webhook answers; None: it answers at once
+    notify_refuses: bool = False
+    retire_fails: bool = False
     calls: list[str] = field(default_factory=list)
     notifications: list[NotifyRequest] = field(default_factory=list)
     signalled: asyncio.Event = field(default_factory=asyncio.Event)
     claim_started: asyncio.Event = field(default_factory=asyncio.Event)
     drain_attempts: int = 0
+    cluster: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}")
 
     def activities(self) -> list[object]:
         fleet = self
+
+        @activity.defn(name="worker_config")
+        async def worker_config(cluster: str) -> WorkerConfig:
+            fleet.calls.append("worker_config")
+            return WorkerConfig(cluster=cluster, settings=fleet.settings, policy=Policy())
 
         @activity.defn(name="slurm_node_state")
         async def node_state(node: str) -> NodeInfo:
             fleet.calls.append("slurm_node_state")
             if node not in fleet.nodes:
                 raise ApplicationError(f"Slurm has no node named {node!r}", type="NotFound", non_retryable=True)
-            return NodeInfo(name=node, state="allocated", partitions=["train"])
+            flags = ["DRAIN"] if fleet.node_drained else []
+            return NodeInfo(name=node, state="allocated", flags=flags, reason=fleet.node_reason, partitions=["train"])
+
+        @activity.defn(name="kube_node_pool")
+        async def node_pool(node: str) -> str | None:
+            fleet.calls.append("kube_node_pool")
+            return fleet.pool
 
         @activity.defn(name="classify_xids")
         async def classify(request: ClassifyRequest) -> Action:
             fleet.calls.append("classify_xids")
-            return Policy().decide(request.events)
+            return (request.policy or Policy()).decide(request.events)
 
         @activity.defn(name="notify")
-        async def notify(request: NotifyRequest) -> None:
+        async def notify(request: NotifyRequest) -> int:
+            if fleet.notify_gate is not None:
+                await fleet.notify_gate.wait()
             fleet.calls.append(f"notify:{request.kind}")
             fleet.notifications.append(request)
+            if fleet.notify_refuses:
+                raise ApplicationError("the webhook at hooks refused the message: HTTP 403", type="InvalidInput")
+            return 1
 
         @activity.defn(name="drain_slurm_node")
         async def drain(request: DrainRequest) -> NodeInfo:
@@ -97,24 +128,35 @@ class Fleet:
             fleet.calls.append("jobs_on_node")
             return fleet.jobs
 
-        @activity.defn(name="signal_jobs")
-        async def signal_jobs(request: SignalJobsRequest) -> list[int]:
-            fleet.calls.append("signal_jobs")
+        @activity.defn(name="signal_job")
+        async def signal_job(request: SignalJobRequest) -> SignalJobResult:
+            fleet.calls.append(f"signal_job:{request.job_id}")
             fleet.signalled.set()
-            return request.job_ids
+            job = next(j for j in fleet.jobs if j.job_id == request.job_id)
+            if job.state != "RUNNING":
+                return SignalJobResult(job_id=job.job_id, signalled=False, why=f"not running ({job.state})")
+            return SignalJobResult(job_id=request.job_id, signalled=True)
 
         @activity.defn(name="jobs_still_running")
         async def still_running(request: StillRunningRequest) -> list[int]:
             fleet.calls.append("jobs_still_running")
             return [] if fleet.jobs_exit_on_sigterm else request.job_ids
 
-        @activity.defn(name="requeue_jobs")
-        async def requeue_jobs(job_ids: list[int]) -> RequeueResult:
-            fleet.calls.append("requeue_jobs")
-            return RequeueResult(
-                requeued=[j for j in job_ids if j not in fleet.unrequeueable],
-                failed={j: "submitted with --no-requeue" for j in job_ids if j in fleet.unrequeueable},
-            )
+        @activity.defn(name="requeue_job")
+        async def requeue_job(request: RequeueJobRequest) -> JobRequeue:
+            fleet.calls.append(f"requeue_job:{request.job_id}")
+            if request.job_id in fleet.unrequeueable:
+                return JobRequeue(
+                    job_id=request.job_id, outcome=RequeueOutcome.FAILED, why="submitted with --no-requeue"
+                )
+            if not request.signalled:
+                return JobRequeue(job_id=request.job_id, outcome=RequeueOutcome.SKIPPED, why="had ended before")
+            state, restarts = fleet.states_at_requeue.get(request.job_id, ("COMPLETED", request.restarts_before))
+            if restarts > request.restarts_before:
+                return JobRequeue(job_id=request.job_id, outcome=RequeueOutcome.SKIPPED, why="already restarted")
+            if state == "CANCELLED":
+                return JobRequeue(job_id=request.job_id, outcome=RequeueOutcome.SKIPPED, why="cancelled by its owner")
+            return JobRequeue(job_id=request.job_id, outcome=RequeueOutcome.REQUEUED)
 
         @activity.defn(name="cordon_and_drain_node")
         async def cordon(request: KubeDrainRequest) -> KubeDrainResult:
@@ -126,6 +168,8 @@ class Fleet:
         @activity.defn(name="retire_node")
         async def retire(node: str) -> None:
             fleet.calls.append("retire_node")
+            if fleet.retire_fails:
+                raise ApplicationError("spare1 is held by someone else", type="NotOwned", non_retryable=True)
 
         @activity.defn(name="claim_spare")
         async def claim(request: ClaimRequest) -> str | None:
@@ -133,40 +177,50 @@ class Fleet:
             fleet.calls.append("claim_spare")
             return "spare1" if fleet.spare_free else None
 
-        @activity.defn(name="wait_jobs_resumed")
-        async def resumed(request: WaitJobsRequest) -> list[JobInfo]:
-            fleet.calls.append("wait_jobs_resumed")
-            return [JobInfo(job_id=j, state="RUNNING", restarts=1, nodes="gpu2,spare1") for j in request.job_ids]
+        @activity.defn(name="release_spare")
+        async def release(request: ClaimRequest) -> str | None:
+            fleet.calls.append("release_spare")
+            return None
+
+        @activity.defn(name="jobs_resumed")
+        async def resumed(request: ResumeCheckRequest) -> ResumeCheck:
+            fleet.calls.append("jobs_resumed")
+            return ResumeCheck(
+                resumed=[JobInfo(job_id=j, state="RUNNING", restarts=1, nodes="gpu2,spare1") for j in request.job_ids]
+            )
 
         return [
+            worker_config,
             node_state,
+            node_pool,
             classify,
             notify,
             drain,
             jobs_on_node,
-            signal_jobs,
+            signal_job,
             still_running,
-            requeue_jobs,
+            requeue_job,
             cordon,
             retire,
             claim,
+            release,
             resumed,
         ]
 
 
-async def start(client: Client, *, node: str = "gpu1", xid: int = 79, grace: float = 120.0) -> object:
-    cluster = f"t{uuid.uuid4().hex[:8]}"
-    return await report_xid(
-        client,
-        XidEvent(node=node, xid=xid, source="test"),
-        cluster=cluster,
-        options=RemediationInput(cluster=cluster, node=node, grace_seconds=grace, search_attributes=False),
-        search_attributes=False,
-    )
+async def start(client: Client, fleet: Fleet, *, node: str = "gpu1", xid: int = 79) -> Any:
+    """Report an Xid as the detector would: cluster and node only, on the fleet's own cluster."""
+    event = XidEvent(node=node, xid=xid, source="test")
+    return await report_xid(client, event, cluster=fleet.cluster, search_attributes=False)
 
 
 def worker(env: WorkflowEnvironment, fleet: Fleet) -> Worker:
-    return Worker(env.client, task_queue=TASK_QUEUE, workflows=[NodeRemediationWorkflow], activities=fleet.activities())
+    return Worker(
+        env.client,
+        task_queue=task_queue(fleet.cluster),
+        workflows=[NodeRemediationWorkflow],
+        activities=fleet.activities(),
+    )
 
 
 def span(status: IncidentStatus, step: Step) -> float:
@@ -178,30 +232,37 @@ def span(status: IncidentStatus, step: Step) -> float:
 async def test_happy_path_runs_the_steps_in_order(env: WorkflowEnvironment) -> None:
     fleet = Fleet()
     async with worker(env, fleet):
-        handle = await start(env.client)
-        status: IncidentStatus = await handle.result()  # type: ignore[attr-defined]
+        handle = await start(env.client, fleet)
+        status: IncidentStatus = await handle.result()
     assert status.outcome == Outcome.RESOLVED
     assert status.action == Action.REPLACE_NODE
     assert status.spare == "spare1"
-    branches = {"cordon_and_drain_node", "retire_node", "claim_spare", "wait_jobs_resumed"}
-    sequential = [c for c in fleet.calls if c not in branches]
+    branches = {"cordon_and_drain_node", "retire_node", "claim_spare", "jobs_resumed"}
+    # Notifications run beside the flow: their place among the steps is not fixed.
+    sequential = [c for c in fleet.calls if c not in branches and not c.startswith("notify:")]
     assert sequential == [
+        "worker_config",
         "slurm_node_state",
+        "kube_node_pool",
         "classify_xids",
-        "notify:opened",
         "drain_slurm_node",
         "jobs_on_node",
-        "signal_jobs",
+        "signal_job:7",
         "jobs_still_running",
-        "requeue_jobs",
+        "requeue_job:7",
         "classify_xids",
-        "notify:resolved",
     ]
+    assert [c for c in fleet.calls if c.startswith("notify:")] == ["notify:opened", "notify:resolved"]
     # After approve: the failed node's branch and the spare's branch, then resolved.
-    middle = fleet.calls[fleet.calls.index("requeue_jobs") + 2 : fleet.calls.index("notify:resolved")]
+    middle = [c for c in fleet.calls[fleet.calls.index("requeue_job:7") + 2 :] if not c.startswith("notify:")]
     assert sorted(middle) == sorted(branches)
     assert middle.index("cordon_and_drain_node") < middle.index("retire_node")
-    assert middle.index("claim_spare") < middle.index("wait_jobs_resumed")
+    assert middle.index("claim_spare") < middle.index("jobs_resumed")
+    assert [(n.kind, n.outcome, n.attempts) for n in status.notifications] == [
+        ("opened", "sent", 1),
+        ("resolved", "sent", 1),
+    ]
+    assert status.settings == RemediationSettings()
     steps = [e.step for e in status.timeline if e.event == "started"]
     assert steps[:6] == [Step.CLASSIFY, Step.NOTIFY, Step.DRAIN_SLURM, Step.CHECKPOINT, Step.REQUEUE, Step.APPROVE]
     assert steps[-1] == Step.CLOSED
@@ -210,11 +271,11 @@ async def test_happy_path_runs_the_steps_in_order(env: WorkflowEnvironment) -> N
 async def test_grace_period_is_honoured_when_jobs_ignore_sigterm(env: WorkflowEnvironment) -> None:
     fleet = Fleet(jobs_exit_on_sigterm=False)
     async with worker(env, fleet):
-        handle = await start(env.client, grace=120)
-        status: IncidentStatus = await handle.result()  # type: ignore[attr-defined]
+        handle = await start(env.client, fleet)
+        status: IncidentStatus = await handle.result()
     assert status.outcome == Outcome.RESOLVED
     assert 120 <= span(status, Step.CHECKPOINT) < 125
-    assert "requeue_jobs" in fleet.calls
+    assert "requeue_job:7" in fleet.calls
     # Backing off to 5 s keeps the history short over the whole grace.
     assert 10 < fleet.calls.count("jobs_still_running") < 40
 
@@ -222,10 +283,10 @@ async def test_grace_period_is_honoured_when_jobs_ignore_sigterm(env: WorkflowEn
 async def test_checkpoint_done_ends_the_grace_early(env: WorkflowEnvironment) -> None:
     fleet = Fleet(jobs_exit_on_sigterm=False)
     async with worker(env, fleet):
-        handle = await start(env.client, grace=120)
+        handle = await start(env.client, fleet)
         await asyncio.wait_for(fleet.signalled.wait(), timeout=10)
-        await handle.signal(NodeRemediationWorkflow.checkpoint_done, 7)  # type: ignore[attr-defined]
-        status: IncidentStatus = await handle.result()  # type: ignore[attr-defined]
+        await handle.signal(NodeRemediationWorkflow.checkpoint_done, 7)
+        status: IncidentStatus = await handle.result()
     assert status.outcome == Outcome.RESOLVED
     assert span(status, Step.CHECKPOINT) < 120
     assert status.checkpointed == [7]
@@ -234,17 +295,17 @@ async def test_checkpoint_done_ends_the_grace_early(env: WorkflowEnvironment) ->
 async def test_no_spare_waits_notifies_and_takes_the_next_one(env: WorkflowEnvironment) -> None:
     fleet = Fleet(spare_free=False)
     async with worker(env, fleet):
-        handle = await start(env.client)
+        handle = await start(env.client, fleet)
         for _ in range(200):
             if "notify:no_spare" in fleet.calls:
                 break
             await asyncio.sleep(0.05)
         assert "notify:no_spare" in fleet.calls
-        waiting: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)  # type: ignore[attr-defined]
+        waiting: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
         assert waiting.waiting_for_spare and waiting.outcome == Outcome.OPEN
         fleet.spare_free = True
-        await handle.signal(NodeRemediationWorkflow.spare_available)  # type: ignore[attr-defined]
-        status: IncidentStatus = await handle.result()  # type: ignore[attr-defined]
+        await handle.signal(NodeRemediationWorkflow.spare_available)
+        status: IncidentStatus = await handle.result()
     assert status.outcome == Outcome.RESOLVED
     assert status.spare == "spare1"
     assert fleet.calls.count("notify:no_spare") == 1
@@ -254,20 +315,16 @@ async def test_no_spare_waits_notifies_and_takes_the_next_one(env: WorkflowEnvir
 async def test_second_xid_joins_the_open_incident(env: WorkflowEnvironment) -> None:
     fleet = Fleet(jobs_exit_on_sigterm=False)
     async with worker(env, fleet):
-        handle = await start(env.client)
+        handle = await start(env.client, fleet)
         await asyncio.wait_for(fleet.signalled.wait(), timeout=10)
-        cluster = handle.id.removeprefix("remediate-").removesuffix("-gpu1")  # type: ignore[attr-defined]
+        cluster = handle.id.removeprefix("remediate-").removesuffix("-gpu1")
         again = await report_xid(
-            env.client,
-            XidEvent(node="gpu1", xid=48, source="test"),
-            cluster=cluster,
-            options=RemediationInput(cluster=cluster, node="gpu1", search_attributes=False),
-            search_attributes=False,
+            env.client, XidEvent(node="gpu1", xid=48, source="test"), cluster=cluster, search_attributes=False
         )
-        assert again.id == handle.id  # type: ignore[attr-defined]
-        assert again.result_run_id == handle.result_run_id  # type: ignore[attr-defined]
-        await handle.signal(NodeRemediationWorkflow.checkpoint_done, 7)  # type: ignore[attr-defined]
-        status: IncidentStatus = await handle.result()  # type: ignore[attr-defined]
+        assert again.id == handle.id
+        assert again.result_run_id == handle.result_run_id
+        await handle.signal(NodeRemediationWorkflow.checkpoint_done, 7)
+        status: IncidentStatus = await handle.result()
     assert status.xids == [79, 48]
     assert status.outcome == Outcome.RESOLVED
 
@@ -275,8 +332,8 @@ async def test_second_xid_joins_the_open_incident(env: WorkflowEnvironment) -> N
 async def test_failing_activity_is_retried(env: WorkflowEnvironment) -> None:
     fleet = Fleet(drain_failures=2)
     async with worker(env, fleet):
-        handle = await start(env.client)
-        status: IncidentStatus = await handle.result()  # type: ignore[attr-defined]
+        handle = await start(env.client, fleet)
+        status: IncidentStatus = await handle.result()
     assert fleet.drain_attempts == 3
     assert status.outcome == Outcome.RESOLVED
 
@@ -284,19 +341,19 @@ async def test_failing_activity_is_retried(env: WorkflowEnvironment) -> None:
 async def test_unknown_node_fails_fast_and_changes_nothing(env: WorkflowEnvironment) -> None:
     fleet = Fleet()
     async with worker(env, fleet):
-        handle = await start(env.client, node="nosuch")
+        handle = await start(env.client, fleet, node="nosuch")
         with pytest.raises(WorkflowFailureError) as failure:
-            await handle.result()  # type: ignore[attr-defined]
+            await handle.result()
     assert "no node named 'nosuch'" in str(failure.value.cause)
     # Nothing changed; the owner is told why the incident stopped.
-    assert fleet.calls == ["slurm_node_state", "notify:failed"]
+    assert fleet.calls == ["worker_config", "slurm_node_state", "notify:failed"]
 
 
 async def test_application_xid_is_only_recorded(env: WorkflowEnvironment) -> None:
     fleet = Fleet()
     async with worker(env, fleet):
-        handle = await start(env.client, xid=13)
-        status: IncidentStatus = await handle.result()  # type: ignore[attr-defined]
+        handle = await start(env.client, fleet, xid=13)
+        status: IncidentStatus = await handle.result()
     assert status.outcome == Outcome.OBSERVED
     assert "drain_slurm_node" not in fleet.calls
     assert fleet.calls[-1] == "notify:observed"
@@ -305,9 +362,177 @@ async def test_application_xid_is_only_recorded(env: WorkflowEnvironment) -> Non
 async def test_job_that_cannot_be_requeued_names_its_owner(env: WorkflowEnvironment) -> None:
     fleet = Fleet(unrequeueable={7})
     async with worker(env, fleet):
-        handle = await start(env.client)
-        status: IncidentStatus = await handle.result()  # type: ignore[attr-defined]
+        handle = await start(env.client, fleet)
+        status: IncidentStatus = await handle.result()
     assert status.unrequeued == {7: "submitted with --no-requeue"}
     message = next(n for n in fleet.notifications if n.kind == "unrequeued")
     assert "job 7 (owner alice)" in message.text
-    assert "wait_jobs_resumed" not in fleet.calls
+    assert "jobs_resumed" not in fleet.calls
+
+
+# -- away from the happy path ---------------------------------------------------------------------
+
+
+async def test_a_hanging_webhook_never_holds_the_node_in_service(env: WorkflowEnvironment) -> None:
+    fleet = Fleet(notify_gate=asyncio.Event())
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet)
+        # The webhook has not answered, yet the node is drained and its job signalled.
+        await asyncio.wait_for(fleet.signalled.wait(), timeout=30)
+        assert "drain_slurm_node" in fleet.calls and not any(c.startswith("notify:") for c in fleet.calls)
+        waiting: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
+        assert waiting.notifications[0].kind == "opened" and waiting.notifications[0].outcome == "pending"
+        fleet.notify_gate.set()  # type: ignore[union-attr]
+        status: IncidentStatus = await handle.result()
+    assert status.outcome == Outcome.RESOLVED
+    assert [n.outcome for n in status.notifications] == ["sent", "sent"]
+
+
+async def test_a_webhook_that_refuses_does_not_fail_the_incident(env: WorkflowEnvironment) -> None:
+    fleet = Fleet(notify_refuses=True)
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet)
+        status: IncidentStatus = await handle.result()
+    assert status.outcome == Outcome.RESOLVED
+    assert status.spare == "spare1"
+    assert [(n.kind, n.outcome) for n in status.notifications] == [("opened", "failed"), ("resolved", "failed")]
+    assert "HTTP 403" in status.notifications[0].error
+    # A refusal is final: one attempt per message, not a retry storm.
+    assert fleet.calls.count("notify:opened") == 1
+    assert any(e.event == "notify opened: failed" for e in status.timeline)
+
+
+async def test_the_workers_settings_apply_and_are_recorded(env: WorkflowEnvironment) -> None:
+    fleet = Fleet(jobs_exit_on_sigterm=False, settings=RemediationSettings(grace_seconds=30))
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet)
+        status: IncidentStatus = await handle.result()
+    assert 30 <= span(status, Step.CHECKPOINT) < 35
+    assert status.settings is not None and status.settings.grace_seconds == 30
+    assert fleet.calls.count("worker_config") == 1  # read once, at the start
+
+
+async def test_jobs_are_signalled_and_requeued_one_by_one_with_their_guards(env: WorkflowEnvironment) -> None:
+    fleet = Fleet(
+        jobs=[
+            JobInfo(job_id=7, user="alice", state="RUNNING"),
+            JobInfo(job_id=8, user="bob", state="COMPLETING"),  # had ended before gpufleet signalled it
+            JobInfo(job_id=9, user="carol", state="RUNNING"),  # its owner cancels it during the grace
+            JobInfo(job_id=10, user="dan", state="RUNNING"),  # another incident's requeue restarted it
+        ],
+        states_at_requeue={9: ("CANCELLED", 0), 10: ("RUNNING", 1)},
+    )
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet)
+        status: IncidentStatus = await handle.result()
+    assert sorted(status.signalled) == [7, 9, 10]
+    assert status.requeued == [7]
+    assert status.skipped == {
+        8: "not running (COMPLETING)",
+        9: "cancelled by its owner",
+        10: "already restarted",
+    }
+    assert status.unrequeued == {}
+    assert sorted(c for c in fleet.calls if c.startswith("signal_job")) == [f"signal_job:{j}" for j in (10, 7, 8, 9)]
+
+
+async def test_a_node_drained_by_its_owner_waits_for_approval(env: WorkflowEnvironment) -> None:
+    fleet = Fleet(node_drained=True, node_reason="bob: swapping the NIC, back at 3pm")
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet)
+        waiting = await _until(handle, lambda s: s.outcome == Outcome.AWAITING_APPROVAL)
+        assert waiting.step == Step.AWAITING_APPROVAL
+        assert "swapping the NIC" in (waiting.waiting_for_approval or "")
+        assert "drain_slurm_node" not in fleet.calls and not fleet.signalled.is_set()
+        await handle.signal(NodeRemediationWorkflow.decide, Approval(approved=True, by="ops", reason="go"))
+        status: IncidentStatus = await handle.result()
+    assert status.outcome == Outcome.RESOLVED
+    assert status.approval == Approval(approved=True, by="ops", reason="go")
+    assert "notify:approval_needed" in fleet.calls
+
+
+async def test_a_rejected_incident_changes_nothing(env: WorkflowEnvironment) -> None:
+    fleet = Fleet(node_drained=True, node_reason="slurm-operator: node maintenance")
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet)
+        await _until(handle, lambda s: s.outcome == Outcome.AWAITING_APPROVAL)
+        await handle.signal(NodeRemediationWorkflow.decide, Approval(approved=False, by="ops"))
+        status: IncidentStatus = await handle.result()
+    assert status.outcome == Outcome.REJECTED
+    changing = {"drain_slurm_node", "signal_job:7", "requeue_job:7", "cordon_and_drain_node", "claim_spare"}
+    assert not changing & set(fleet.calls)
+
+
+async def test_a_node_slurm_marked_not_responding_needs_no_approval(env: WorkflowEnvironment) -> None:
+    fleet = Fleet(node_drained=True, node_reason="Not responding")
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet)
+        status: IncidentStatus = await handle.result()
+    assert status.outcome == Outcome.RESOLVED
+    assert status.approval is None
+
+
+async def test_an_xid_on_a_retired_node_is_recorded_without_a_second_spare(env: WorkflowEnvironment) -> None:
+    fleet = Fleet(pool="retired")
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet)
+        status: IncidentStatus = await handle.result()
+    assert status.outcome == Outcome.ALREADY_RETIRED
+    assert "claim_spare" not in fleet.calls and "drain_slurm_node" not in fleet.calls
+
+
+async def test_a_node_awaiting_repair_goes_on_only_for_a_worse_action(env: WorkflowEnvironment) -> None:
+    reason = "gpufleet: xid 48 RESET_GPU incident lab-gpu1-20261201T000000Z"
+    fleet = Fleet(node_drained=True, node_reason=reason)
+    async with worker(env, fleet):
+        same = await (await start(env.client, fleet, xid=48)).result()
+        assert same.outcome == Outcome.AWAITING_REPAIR
+        assert "drain_slurm_node" not in fleet.calls
+        worse = await (await start(env.client, fleet, xid=79)).result()
+    assert worse.outcome == Outcome.RESOLVED
+    assert worse.action == Action.REPLACE_NODE
+
+
+async def test_a_failed_incident_releases_its_unused_claim(env: WorkflowEnvironment) -> None:
+    fleet = Fleet(spare_free=False, retire_fails=True)
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet)
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+    assert "release_spare" in fleet.calls
+    assert "notify:failed" in fleet.calls
+
+
+async def test_a_week_without_a_spare_keeps_each_history_small(env: WorkflowEnvironment) -> None:
+    fleet = Fleet(spare_free=False, settings=RemediationSettings(spare_recheck_seconds=600))
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet)
+        first_run = handle.result_run_id
+        await env.sleep(7 * 24 * 3600)
+        fleet.spare_free = True
+        await handle.signal(NodeRemediationWorkflow.spare_available)
+        status = await env.client.get_workflow_handle(handle.id, result_type=IncidentStatus).result()
+        sizes = []
+        run_id: str | None = first_run
+        while run_id:  # follow the chain of runs, each continued as new from the one before
+            history = await env.client.get_workflow_handle(handle.id, run_id=run_id).fetch_history()
+            sizes.append(len(history.events))
+            last = history.events[-1].workflow_execution_continued_as_new_event_attributes
+            run_id = last.new_execution_run_id or None
+    assert status.outcome == Outcome.RESOLVED
+    assert status.spare == "spare1"
+    assert status.requeued == [7]
+    assert fleet.calls.count("notify:no_spare") == 1
+    assert len(sizes) > 10, sizes  # a week of checks every 10 minutes, in several runs
+    assert max(sizes) < 500, sizes
+
+
+async def _until(handle: Any, predicate: Any, timeout: float = 30) -> IncidentStatus:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
+        if predicate(status):
+            return status
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"incident never reached the state; last: {status.step} {status.outcome}")
+        await asyncio.sleep(0.05)

@@ -1,0 +1,40 @@
+"""Recording real lab incidents for the replay test.
+
+Run the lab's end-to-end tests with ``GPUFLEET_RECORD_HISTORIES=tests/replay`` and every closed
+incident of the lab is written there as ``{workflow id}-{outcome}.json`` (Temporal's JSON form).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from models.constants import REMEDIATION_WORKFLOW
+
+RECORD_ENV = "GPUFLEET_RECORD_HISTORIES"
+
+
+def record_histories(temporal_address: str) -> list[Path]:
+    """Write the lab's closed incidents where $GPUFLEET_RECORD_HISTORIES says; nothing when unset."""
+    folder = os.environ.get(RECORD_ENV)
+    if not folder:
+        return []
+
+    async def go() -> list[Path]:
+        client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
+        written = []
+        async for execution in client.list_workflows(f"WorkflowType='{REMEDIATION_WORKFLOW}'"):
+            if execution.status == WorkflowExecutionStatus.RUNNING:
+                continue
+            outcome = (execution.status.name if execution.status else "unknown").lower()
+            history = await client.get_workflow_handle(execution.id, run_id=execution.run_id).fetch_history()
+            path = Path(folder) / f"{execution.id}-{outcome}.json"
+            path.write_text(history.to_json())
+            written.append(path)
+        return written
+
+    return asyncio.run(go())

@@ -1,0 +1,34 @@
+"""Histories recorded from real lab incidents replay against today's workflow code.
+
+A change that would break incidents in flight (a step added, removed or reordered without
+``workflow.patched``) makes the replayer raise a non-determinism error here, in CI.
+Record new ones with ``GPUFLEET_RECORD_HISTORIES=tests/replay`` (see record.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
+
+from workflows.remediation import NodeRemediationWorkflow
+
+HISTORIES = sorted(Path(__file__).parent.glob("*.json"))
+
+
+def test_there_are_recorded_histories_of_each_outcome() -> None:
+    kinds = {path.stem.rsplit("-", 1)[1] for path in HISTORIES}
+    assert {"completed", "failed"} <= kinds, [path.name for path in HISTORIES]
+
+
+@pytest.mark.parametrize("path", HISTORIES, ids=[path.stem for path in HISTORIES])
+async def test_recorded_history_replays(path: Path) -> None:
+    workflow_id = path.stem.rsplit("-", 1)[0]
+    history = WorkflowHistory.from_json(workflow_id, json.loads(path.read_text()))
+    replayer = Replayer(workflows=[NodeRemediationWorkflow], data_converter=pydantic_data_converter)
+    result = await replayer.replay_workflow(history, raise_on_replay_failure=True)
+    assert result.replay_failure is None
