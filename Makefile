@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv system-deps test test-fast lint demo bench gpu-check clean
+.PHONY: venv system-deps test test-fast test-stress lint demo bench chaos gpu-check clean
 
 venv: $(STAMP)
 
@@ -33,6 +33,14 @@ demo: venv system-deps
 	$(BIN)/gpufleet lab drill
 	@echo
 	@echo "The lab keeps running: $(BIN)/gpufleet lab status | $(BIN)/gpufleet incidents list | stop it with $(BIN)/gpufleet lab down"
+
+# Remediation on a bad day: worker kills at every step, outages, a hanging webhook, a race... (JSON last line).
+chaos: venv system-deps
+	$(BIN)/python -m lab.chaos
+
+# The whole suite three times from a fresh clone, with a CPU hog beside it (not part of .ci/run).
+test-stress: venv system-deps
+	scripts/test-stress.sh
 
 bench: venv system-deps
 	$(BIN)/python -m lab.bench --drills $(or $(K),3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from temporalio import activity
 
 from activities.errors import client_errors
+from activities.heartbeat import heartbeating
 from clients.errors import NotFound
 from clients.kube import KubeClient
 from models.constants import INCIDENT_ANNOTATION, POOL_LABEL, UNHEALTHY_TAINT
@@ -16,6 +17,7 @@ class KubeActivities:
         self._kube = kube
 
     @activity.defn(name="kube_node_pool")
+    @heartbeating
     def node_pool(self, node: str) -> str | None:
         """The node's ``gpufleet.io/pool`` label ("" when unlabelled), or None without a Kubernetes node."""
         with client_errors():
@@ -25,6 +27,7 @@ class KubeActivities:
                 return None
 
     @activity.defn(name="cordon_and_drain_node")
+    @heartbeating
     def cordon_and_drain(self, request: KubeDrainRequest) -> KubeDrainResult:
         """Cordon, taint and evict every pod but DaemonSet pods; force past the eviction deadline."""
         result = KubeDrainResult()

@@ -8,6 +8,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.errors import client_errors
+from activities.heartbeat import heartbeating
 from clients.slurm import SlurmClient
 from models.incident import JobInfo, JobRequeue, NodeInfo, RequeueOutcome
 from models.requests import (
@@ -37,6 +38,15 @@ _STOPPED = {
 }
 
 
+def signalled_mark(incident_id: str) -> str:
+    return f"gpufleet:signalled:{incident_id}"
+
+
+def requeued_mark(incident_id: str, run: int) -> str:
+    """The requeue of one run (restart count) of a job, by one incident."""
+    return f"gpufleet:requeued:{incident_id}:{run}"
+
+
 _SIGNALLABLE = {"RUNNING", "SUSPENDED", "CONFIGURING"}
 _QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"}
 
@@ -47,40 +57,63 @@ class SlurmActivities:
         self._poll = poll_seconds
 
     @activity.defn(name="slurm_node_state")
+    @heartbeating
     def node_state(self, node: str) -> NodeInfo:
         """The node as Slurm sees it; an unknown node fails the incident at once."""
         with client_errors():
             return self._slurm.node(node)
 
     @activity.defn(name="drain_slurm_node")
+    @heartbeating
     def drain_node(self, request: DrainRequest) -> NodeInfo:
         """Drain with our reason. A node already drained by someone else is left with their reason."""
         with client_errors():
             return self._slurm.drain(request.node, reason=request.reason)
 
     @activity.defn(name="jobs_on_node")
+    @heartbeating
     def jobs_on_node(self, node: str) -> list[JobInfo]:
         with client_errors():
             return self._slurm.jobs_on_node(node)
 
     @activity.defn(name="signal_job")
+    @heartbeating
     def signal_job(self, request: SignalJobRequest) -> SignalJobResult:
-        """Signal the job if it still runs the run this incident found; say why not otherwise.
+        """Signal the job once, if it still runs the run this incident found; say why not otherwise.
 
-        One job per call, so a retry never repeats a signal another job already got.
+        The intent is marked on the job before the signal: a retry after a crash reads the mark
+        and never signals twice (a crash between mark and signal leaves the job running until
+        the grace ends; it is requeued all the same, never lost).
         """
-        with client_errors():
-            job = self._slurm.jobs_by_id([request.job_id]).get(request.job_id)
-            if job is None:
-                return SignalJobResult(job_id=request.job_id, signalled=False, why="Slurm no longer knows the job")
-            if job.restarts > request.restarts_before:
-                return SignalJobResult(job_id=job.job_id, signalled=False, why="already restarted elsewhere")
-            if job.state not in _SIGNALLABLE:
-                return SignalJobResult(job_id=job.job_id, signalled=False, why=f"not running ({job.state})")
-            self._slurm.signal_job(job.job_id, signal=request.signal)
-        return SignalJobResult(job_id=job.job_id, signalled=True)
+        job_id = request.job_id
+        mark = signalled_mark(request.incident_id)
+
+        def result(signalled: bool, why: str = "") -> SignalJobResult:
+            return SignalJobResult(job_id=job_id, signalled=signalled, why=why)
+
+        try:
+            with client_errors():
+                job = self._slurm.jobs_by_id([job_id]).get(job_id)
+                if job is None:
+                    return result(False, "Slurm no longer knows the job")
+                if job.restarts > request.restarts_before:
+                    return result(False, "already restarted elsewhere")
+                if request.incident_id and mark in self._slurm.job_marks(job_id):
+                    return result(True, "signalled before this retry")
+                if job.state not in _SIGNALLABLE:
+                    return result(False, f"not running ({job.state})")
+                if request.incident_id:
+                    self._slurm.mark_job(job_id, mark)
+                self._slurm.signal_job(job_id, signal=request.signal)
+        except ApplicationError as exc:
+            if not exc.non_retryable:
+                raise
+            # One job that cannot be signalled must not stop the incident for the others.
+            return result(False, str(exc))
+        return result(True)
 
     @activity.defn(name="jobs_still_running")
+    @heartbeating
     def still_running(self, request: StillRunningRequest) -> list[int]:
         """The jobs that have not stopped yet, watched up to ``watch_seconds`` (a job Slurm forgot has stopped)."""
         deadline = time.monotonic() + request.watch_seconds
@@ -94,16 +127,20 @@ class SlurmActivities:
             time.sleep(self._poll)
 
     @activity.defn(name="requeue_job")
+    @heartbeating
     def requeue_job(self, request: RequeueJobRequest) -> JobRequeue:
-        """Requeue one job of the incident, guarded by its state and restart count.
+        """Requeue one job of the incident, guarded by its state, its restart count and its marks.
 
         A job that exited after our SIGTERM, however it exited, is requeued: that is the point.
-        Left alone: a job that already restarted since the incident began (requeueing it would
-        kill the new run), one that had ended before we signalled it, and one its owner
-        cancelled. A job found pending again was requeued already (by a retry, or by another
-        incident sharing a multi-node job) and counts as requeued.
+        Left alone: a job that already restarted since the incident began by anyone else's doing
+        (requeueing it would kill the new run), one that had ended before we signalled it, and
+        one that was cancelled (gpufleet never cancels a job: CANCELLED is its owner's or an
+        admin's word). The intent is marked on the job first (with the run it applies to), so a
+        retry, or a second incident sharing a multi-node job, sees the requeue as done or finishes
+        it, and never requeues a run twice.
         """
         job_id = request.job_id
+        run = request.restarts_before
 
         def outcome(kind: RequeueOutcome, why: str = "") -> JobRequeue:
             return JobRequeue(job_id=job_id, outcome=kind, why=why)
@@ -113,16 +150,21 @@ class SlurmActivities:
                 job = self._slurm.jobs_by_id([job_id]).get(job_id)
                 if job is None:
                     return outcome(RequeueOutcome.FAILED, "Slurm no longer knows the job (past MinJobAge)")
-                if job.restarts > request.restarts_before:
-                    if job.state in _QUEUED:
-                        return outcome(RequeueOutcome.REQUEUED, "already back in the queue")
-                    return outcome(RequeueOutcome.SKIPPED, f"already restarted ({job.state})")
+                marks = self._slurm.job_marks(job_id) if request.incident_id else []
+                intended = [m for m in marks if m.startswith("gpufleet:requeued:") and m.endswith(f":{run}")]
+                if job.restarts > run:
+                    if intended:
+                        return outcome(RequeueOutcome.REQUEUED, f"requeued ({intended[0].split(':')[2]})")
+                    return outcome(RequeueOutcome.SKIPPED, f"already restarted by someone else ({job.state})")
                 if job.state in _QUEUED:
                     return outcome(RequeueOutcome.REQUEUED, "already back in the queue")
-                if not request.signalled:
-                    return outcome(RequeueOutcome.SKIPPED, f"had ended before gpufleet signalled it ({job.state})")
-                if job.state == "CANCELLED":
-                    return outcome(RequeueOutcome.SKIPPED, "cancelled by its owner")
+                if not intended:
+                    if not request.signalled:
+                        return outcome(RequeueOutcome.SKIPPED, f"had ended before gpufleet signalled it ({job.state})")
+                    if job.state == "CANCELLED":
+                        return outcome(RequeueOutcome.SKIPPED, "cancelled by its owner")
+                    if request.incident_id:
+                        self._slurm.mark_job(job_id, requeued_mark(request.incident_id, run))
                 self._slurm.requeue(job_id)
         except ApplicationError as exc:
             if not exc.non_retryable:
@@ -131,6 +173,7 @@ class SlurmActivities:
         return outcome(RequeueOutcome.REQUEUED)
 
     @activity.defn(name="jobs_resumed")
+    @heartbeating
     def jobs_resumed(self, request: ResumeCheckRequest) -> ResumeCheck:
         """Which jobs run again after a restart, watched up to ``watch_seconds`` (heartbeating)."""
         deadline = time.monotonic() + request.watch_seconds

@@ -5,8 +5,9 @@ from __future__ import annotations
 from temporalio import activity
 
 from activities.errors import client_errors
+from activities.heartbeat import heartbeating
 from clients.spares import NodeProvider
-from models.requests import ClaimRequest, ReturnNodeRequest
+from models.requests import ClaimRequest, RetireRequest, ReturnNodeRequest
 
 
 class SpareActivities:
@@ -14,24 +15,28 @@ class SpareActivities:
         self._provider = provider
 
     @activity.defn(name="claim_spare")
+    @heartbeating
     def claim_spare(self, request: ClaimRequest) -> str | None:
         """The spare claimed for this incident (the same one on every retry), or None if none is free."""
         with client_errors():
             return self._provider.claim(request.incident_id)
 
     @activity.defn(name="release_spare")
+    @heartbeating
     def release_spare(self, request: ClaimRequest) -> str | None:
         """Give back the spare this incident claimed and did not use (None: it holds none)."""
         with client_errors():
             return self._provider.release(request.incident_id)
 
     @activity.defn(name="retire_node")
-    def retire_node(self, node: str) -> None:
+    @heartbeating
+    def retire_node(self, request: RetireRequest) -> None:
         """Out of the partition; the Node kept cordoned, tainted gpufleet.io/retired and labelled retired."""
         with client_errors():
-            self._provider.retire(node)
+            self._provider.retire(request.node, request.incident_id)
 
     @activity.defn(name="return_node")
+    @heartbeating
     def return_node(self, request: ReturnNodeRequest) -> None:
         """Bring a repaired node back as a spare or for training (NotOwned: someone else holds it in Slurm)."""
         with client_errors():

@@ -1,10 +1,17 @@
-"""Kubernetes through the official client: nodes, cordon, taints, pods, evictions."""
+"""Kubernetes through the official client: nodes, cordon, taints, pods, evictions, and Leases as mutexes."""
 
 from __future__ import annotations
 
+import datetime
+import hashlib
+import logging
+import re
+import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Protocol
 
 from kubernetes import client as k8s
@@ -23,7 +30,15 @@ from clients.errors import (
     checked_node_name,
 )
 
+log = logging.getLogger("gpufleet.kube")
+
 Progress = Callable[[str], None]
+
+# A Lease's name is a DNS-1123 subdomain; a namespace's a DNS-1123 label.
+_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_LEASE_NAME_MAX = 253
+_NAMESPACE_MAX = 63
 
 
 class KubeNode(BaseModel):
@@ -65,6 +80,7 @@ class KubeClient(Protocol):
     def pods_on_node(self, name: str) -> list[PodRef]: ...
     def evict(self, pod: PodRef, *, timeout_seconds: float, progress: Progress | None = None) -> str: ...
     def delete_node(self, name: str) -> None: ...
+    def lease(self, name: str, *, namespace: str, holder: str) -> AbstractContextManager[object]: ...
 
 
 def _translate(exc: Exception, what: str) -> ClientError:
@@ -104,6 +120,35 @@ def _node(raw: Any) -> KubeNode:
     )
 
 
+def lease_name(text: str) -> str:
+    """``text`` made a valid Lease name (a DNS-1123 subdomain): lowercased, other characters as ``-``.
+
+    When that changes anything (or the name is too long), a short hash of ``text`` is appended,
+    so that two different texts (``gpu_A`` and ``gpu-a``) never share a Lease.
+    """
+    cleaned = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+    cleaned = re.sub(r"-{2,}", "-", cleaned)
+    if cleaned == text and len(cleaned) <= _LEASE_NAME_MAX:
+        return cleaned
+    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
+    head = cleaned[: _LEASE_NAME_MAX - len(digest) - 1].rstrip("-")
+    return f"{head}-{digest}" if head else digest
+
+
+def checked_lease_name(name: str) -> str:
+    """``name`` when it is a valid Lease name (a DNS-1123 subdomain), else InvalidInput."""
+    if not isinstance(name, str) or len(name) > _LEASE_NAME_MAX or not _DNS1123_SUBDOMAIN.fullmatch(name):
+        raise InvalidInput(f"invalid Lease name {name!r}: a DNS-1123 subdomain (a-z, 0-9, '-', '.') is needed")
+    return name
+
+
+def checked_namespace(namespace: str) -> str:
+    """``namespace`` when it is a valid namespace name (a DNS-1123 label), else InvalidInput."""
+    if not isinstance(namespace, str) or len(namespace) > _NAMESPACE_MAX or not _DNS1123_LABEL.fullmatch(namespace):
+        raise InvalidInput(f"invalid namespace {namespace!r}: a DNS-1123 label (a-z, 0-9, '-') is needed")
+    return namespace
+
+
 class KubernetesApi:
     """KubeClient over ``kubernetes.client.CoreV1Api``, from a kubeconfig or in-cluster config."""
 
@@ -118,9 +163,11 @@ class KubernetesApi:
                 k8s_config.load_kube_config(client_configuration=configuration)
         # Fail fast to the activity's retry policy instead of urllib3's own long retries.
         configuration.retries = 0
-        self._api = k8s.CoreV1Api(k8s.ApiClient(configuration))
+        api_client = k8s.ApiClient(configuration)
+        self._api = k8s.CoreV1Api(api_client)
+        self._coordination = k8s.CoordinationV1Api(api_client)
         self._poll = poll_seconds
-        self.host = configuration.host
+        self.host: str = configuration.host
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("_request_timeout", 15)
@@ -246,3 +293,276 @@ class KubernetesApi:
             self._call(f"delete node {name}", self._api.delete_node, name)
         except NotFound:
             return
+
+    def lease(
+        self,
+        name: str,
+        *,
+        namespace: str,
+        holder: str,
+        duration_seconds: int = 15,
+        wait_seconds: float = 30.0,
+        poll_seconds: float = 0.05,
+    ) -> KubeLease:
+        """A mutex over the Lease ``namespace/name``, held as ``holder``: ``with kube.lease(...): ...``."""
+        return KubeLease(
+            self,
+            name=name,
+            namespace=namespace,
+            holder=holder,
+            duration_seconds=duration_seconds,
+            wait_seconds=wait_seconds,
+            poll_seconds=poll_seconds,
+        )
+
+
+# One lock per Lease and holder identity in each process: the threads that share an identity
+# take turns, so a Lease held under that identity is only ever held by one of them.
+_local_locks: dict[tuple[str, str, str, str], threading.Lock] = {}
+_local_locks_guard = threading.Lock()
+
+
+def _local_lock(key: tuple[str, str, str, str]) -> threading.Lock:
+    with _local_locks_guard:
+        return _local_locks.setdefault(key, threading.Lock())
+
+
+def _micro_time() -> str:
+    """Now as a Kubernetes MicroTime (RFC 3339 with microseconds, UTC)."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class KubeLease:
+    """A mutex across processes and machines over a ``coordination.k8s.io/v1`` Lease, by client-go's rules.
+
+    Taking it: create the Lease with us as holder (409 AlreadyExists: it exists, read it), or
+    replace it at the resourceVersion we read when it is free, ours, or expired (409: we lost
+    the race, read again). A Lease held by someone else counts as expired only when its
+    resourceVersion has not changed for its leaseDurationSeconds as observed by THIS process's
+    monotonic clock: no clocks of two machines are ever compared. While held, a thread renews
+    it every third of its duration, so a long critical section keeps it; a holder that dies
+    or hangs stops renewing and loses it after the duration.
+
+    ``acquire`` polls until ``wait_seconds`` have passed, then raises Unavailable naming the
+    holder. ``release`` clears the holder; it never raises (a Lease it could not clear expires).
+    Leaving the ``with`` block raises Conflict when the Lease was lost while held.
+    """
+
+    def __init__(
+        self,
+        kube: KubernetesApi,
+        *,
+        name: str,
+        namespace: str,
+        holder: str,
+        duration_seconds: int = 15,
+        wait_seconds: float = 30.0,
+        poll_seconds: float = 0.05,
+    ) -> None:
+        self.name = checked_lease_name(name)
+        self.namespace = checked_namespace(namespace)
+        if not holder or not isinstance(holder, str):
+            raise InvalidInput("a Lease needs a holder identity")
+        if duration_seconds < 1:
+            raise InvalidInput(f"a Lease lasts at least 1 s, not {duration_seconds}")
+        self.holder = holder
+        self.duration_seconds = int(duration_seconds)
+        self._kube = kube
+        self._api = kube._coordination
+        self._wait = wait_seconds
+        self._poll = poll_seconds
+        self._local = _local_lock((kube.host, self.namespace, self.name, holder))
+        self._io = threading.Lock()  # the renewing thread and the caller never write the Lease at once
+        self._lease: Any = None  # the Lease as we last wrote it (held) or None
+        self._lost = False
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+        # What this process last saw of someone else's Lease, and when (time.monotonic()).
+        self._observed_version = ""
+        self._observed_at = 0.0
+        self.last_holder = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def held(self) -> bool:
+        return self._lease is not None and not self._lost
+
+    # -- taking it ----------------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Take the Lease, waiting up to ``wait_seconds``; Unavailable naming the holder after that."""
+        if self._lease is not None:
+            raise InvalidInput(f"lease {self.key} is already held by this object")
+        deadline = time.monotonic() + self._wait
+        if not self._local.acquire(timeout=self._wait):
+            raise Unavailable(
+                f"lease {self.key} is held by {self.holder} (another thread of this process); "
+                f"gave up after {self._wait:g} s"
+            )
+        try:
+            while not self._try_acquire():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Unavailable(
+                        f"lease {self.key} is held by {self.last_holder or 'someone else'}; "
+                        f"gave up after {self._wait:g} s"
+                    )
+                time.sleep(min(self._poll, left))
+        except BaseException:
+            self._local.release()
+            raise
+        self._lost = False
+        self._stop.clear()
+        self._renewer = threading.Thread(target=self._renew_loop, name=f"lease-{self.name}", daemon=True)
+        self._renewer.start()
+
+    def _read(self) -> Any:
+        return self._kube._call(f"read lease {self.key}", self._api.read_namespaced_lease, self.name, self.namespace)
+
+    def _try_acquire(self) -> bool:
+        now = time.monotonic()
+        try:
+            current = self._read()
+        except NotFound:
+            return self._create()
+        version = current.metadata.resource_version or ""
+        if version != self._observed_version:
+            self._observed_version, self._observed_at = version, now
+        spec = current.spec or k8s.V1LeaseSpec()
+        holder = spec.holder_identity or ""
+        duration = spec.lease_duration_seconds or self.duration_seconds
+        if holder and holder != self.holder and now < self._observed_at + duration:
+            self.last_holder = holder
+            return False
+        if holder and holder != self.holder:
+            log.warning("lease %s: %s let it expire (unchanged for %ss); taking it over", self.key, holder, duration)
+        stamp = _micro_time()
+        current.spec = spec
+        if holder != self.holder:
+            spec.lease_transitions = (spec.lease_transitions or 0) + 1
+        spec.holder_identity = self.holder
+        spec.lease_duration_seconds = self.duration_seconds
+        spec.acquire_time = stamp
+        spec.renew_time = stamp
+        try:
+            # The read resourceVersion rides in the body: a write since our read answers 409.
+            self._lease = self._replace(current)
+        except (Conflict, NotFound):
+            return False  # someone else wrote it (or deleted it) since our read: read again
+        return True
+
+    def _create(self) -> bool:
+        stamp = _micro_time()
+        body = k8s.V1Lease(
+            metadata=k8s.V1ObjectMeta(name=self.name, namespace=self.namespace),
+            spec=k8s.V1LeaseSpec(
+                holder_identity=self.holder,
+                lease_duration_seconds=self.duration_seconds,
+                acquire_time=stamp,
+                renew_time=stamp,
+                lease_transitions=0,
+            ),
+        )
+        try:
+            self._lease = self._kube._call(
+                f"create lease {self.key}", self._api.create_namespaced_lease, self.namespace, body
+            )
+        except Conflict:
+            return False  # AlreadyExists: someone created it first; read it next time round
+        return True
+
+    def _replace(self, body: Any) -> Any:
+        return self._kube._call(
+            f"replace lease {self.key}", self._api.replace_namespaced_lease, self.name, self.namespace, body
+        )
+
+    # -- keeping it ---------------------------------------------------------------------------------
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.duration_seconds / 3):
+            try:
+                self._renew()
+            except ClientError as exc:
+                log.warning("lease %s: could not renew (%s); trying again", self.key, exc)
+            if self._lost:
+                return
+
+    def _renew(self) -> None:
+        with self._io:
+            if self._lease is None or self._stop.is_set():
+                return
+            spec = self._lease.spec
+            spec.acquire_time = _as_micro_time(spec.acquire_time) if spec.acquire_time else _micro_time()
+            spec.renew_time = _micro_time()
+            try:
+                self._lease = self._replace(self._lease)
+            except (Conflict, NotFound):
+                self._lost = True
+                log.error("lease %s: taken by someone else while %s held it", self.key, self.holder)
+
+    # -- giving it back -----------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Clear the holder so that the next one need not wait; a Lease lost or gone is left alone."""
+        if self._lease is None:
+            return
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+            self._renewer = None
+        try:
+            with self._io:
+                if not self._lost:
+                    self._clear()
+        finally:
+            self._lease = None
+            self._local.release()
+
+    def _clear(self) -> None:
+        lease = self._lease
+        for _ in range(3):
+            spec = lease.spec
+            if (spec.holder_identity or "") != self.holder:
+                return  # someone else's now
+            spec.holder_identity = None
+            spec.acquire_time = _as_micro_time(spec.acquire_time) if spec.acquire_time else None
+            spec.renew_time = _micro_time()
+            try:
+                self._replace(lease)
+                return
+            except NotFound:
+                return
+            except Conflict:
+                try:
+                    lease = self._read()
+                except ClientError:
+                    return
+            except ClientError as exc:
+                log.warning("lease %s: could not release (%s); it expires on its own", self.key, exc)
+                return
+
+    def __enter__(self) -> KubeLease:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        lost = self._lost
+        self.release()
+        if lost and exc is None:
+            raise Conflict(f"lease {self.key} was taken over while {self.holder} held it; retry")
+
+
+def _as_micro_time(value: Any) -> str:
+    """A MicroTime read back (a datetime) as the string the API server parses."""
+    if isinstance(value, datetime.datetime):
+        aware = value if value.tzinfo else value.replace(tzinfo=datetime.UTC)
+        return aware.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return str(value)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from clients.errors import ClientError, InvalidInput, NotFound, NotOwned, Unavailable, checked_node_name
-from models.constants import DRAIN_REASON_PREFIX
+from models.constants import owned_reason as owned_reason  # re-exported for the spare pool
 from models.incident import JobInfo, NodeInfo
 
 _UNREACHABLE = (
@@ -52,14 +52,15 @@ class SlurmClient(Protocol):
     def job(self, job_id: int) -> JobInfo: ...
     def signal_job(self, job_id: int, *, signal: str = "TERM") -> None: ...
     def requeue(self, job_id: int) -> None: ...
+    def job_marks(self, job_id: int) -> list[str]: ...
+    def mark_job(self, job_id: int, mark: str) -> None: ...
     def partition_nodes(self, partition: str) -> list[str]: ...
     def add_to_partition(self, partition: str, node: str) -> None: ...
     def remove_from_partition(self, partition: str, node: str) -> None: ...
 
 
-def owned_reason(reason: str) -> bool:
-    """Whether a drain reason was written by gpufleet."""
-    return reason.strip().startswith(DRAIN_REASON_PREFIX)
+_MARK = re.compile(r"gpufleet:[a-z]+:[A-Za-z0-9._:-]+")
+_MARK_SAFE = re.compile(r"^gpufleet:[a-z]+:[A-Za-z0-9._:-]+$")
 
 
 class SlurmCli:
@@ -233,6 +234,35 @@ class SlurmCli:
             # Between our read and the requeue the job may already have gone back to pending.
             if "pending execution" not in str(exc).lower():
                 raise
+
+    # -- marks: what gpufleet did to a job, kept on the job itself -------------------------------
+
+    def _admin_comment(self, job_id: int) -> str:
+        out = self._run(["scontrol", "show", "job", str(checked_job_id(job_id))])
+        for line in out.splitlines():
+            stripped = line.strip()
+            if stripped.startswith("AdminComment="):
+                comment = stripped.removeprefix("AdminComment=")
+                return "" if comment == "(null)" else comment
+        return ""
+
+    def job_marks(self, job_id: int) -> list[str]:
+        """gpufleet's marks on the job (``gpufleet:signalled:<incident>``...), from its AdminComment."""
+        return _MARK.findall(self._admin_comment(job_id))
+
+    def mark_job(self, job_id: int, mark: str) -> None:
+        """Record ``mark`` on the job, durably in slurmctld, before acting on it.
+
+        A retry of an activity killed half-way reads the mark and knows what was already
+        decided. Whatever else the job's AdminComment holds is kept.
+        """
+        if not _MARK_SAFE.match(mark):
+            raise InvalidInput(f"refusing to write job mark {mark!r}")
+        comment = self._admin_comment(job_id)
+        if mark in _MARK.findall(comment):
+            return
+        updated = f"{comment}; {mark}" if comment else mark
+        self._run(["scontrol", "update", f"JobId={checked_job_id(job_id)}", f"AdminComment={updated}"])
 
     def _squeue(self, *filters: str) -> list[JobInfo]:
         """``squeue --noheader --Format=...`` with ``filters``, parsed.

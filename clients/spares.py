@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
+import secrets
+import socket
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from clients.errors import Conflict, InvalidInput, NotFound, NotOwned
-from clients.kube import KubeClient, KubeNode
+from clients.kube import KubeClient, KubeNode, checked_namespace, lease_name
 from clients.slurm import SlurmClient, owned_reason
 from models.constants import (
     CLAIM_PARTITION_ANNOTATION,
@@ -49,6 +52,16 @@ class NodeProvider(Protocol):
     def return_node(self, node: str, *, as_: str) -> None: ...
 
 
+def default_holder() -> str:
+    """This process's identity as a Lease holder: ``{hostname}-{pid}-{random}``, unique per process."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def partition_lease_name(partition: str) -> str:
+    """The Lease that serialises every edit of ``partition``'s membership, in every worker process."""
+    return lease_name(f"gpufleet-partition-{partition}")
+
+
 def _retry_conflicts(write: Callable[[], T]) -> T:
     """Run a read-modify-write guarded by a resourceVersion again while it loses races."""
     for _ in range(_ATTEMPTS - 1):
@@ -70,13 +83,51 @@ class SparePool:
     no cluster), Ready and schedulable, unclaimed, without an open incident, not quarantined,
     and idle in Slurm (not drained, not down). A spare that then fails to come in is released
     and the next one is tried.
+
+    Slurm's partition membership is read-modify-write (22.05 has no ``Nodes+=``), so every edit
+    of it holds the partition's Lease (``gpufleet-partition-{partition}`` in ``namespace``,
+    held as ``holder``), shared by every worker process, and is read back after the write: a
+    change that is not there raises Conflict (the activity retries).
     """
 
-    def __init__(self, *, kube: KubeClient, slurm: SlurmClient, partition: str, cluster: str) -> None:
+    def __init__(
+        self,
+        *,
+        kube: KubeClient,
+        slurm: SlurmClient,
+        partition: str,
+        cluster: str,
+        namespace: str = "gpufleet",
+        holder: str | None = None,
+    ) -> None:
         self._kube = kube
         self._slurm = slurm
         self._partition = partition
         self._cluster = cluster
+        self._namespace = checked_namespace(namespace)
+        self._holder = holder or default_holder()
+
+    # -- partition membership -----------------------------------------------------------------------
+
+    def add_to_partition(self, node: str, *, partition: str | None = None) -> None:
+        """Put ``node`` in the partition (ours unless named), under the partition's Lease; verified."""
+        self._edit_partition(partition or self._partition, node, add=True)
+
+    def remove_from_partition(self, node: str, *, partition: str | None = None) -> None:
+        """Take ``node`` out of the partition (ours unless named), under the partition's Lease; verified."""
+        self._edit_partition(partition or self._partition, node, add=False)
+
+    def _edit_partition(self, partition: str, node: str, *, add: bool) -> None:
+        lease = self._kube.lease(partition_lease_name(partition), namespace=self._namespace, holder=self._holder)
+        with lease:
+            if add:
+                self._slurm.add_to_partition(partition, node)
+            else:
+                self._slurm.remove_from_partition(partition, node)
+            if (node in self._slurm.partition_nodes(partition)) != add:
+                raise Conflict(
+                    f"{node} is {'still not' if add else 'still'} in partition {partition} after the edit; retry"
+                )
 
     # -- which spares are ours ----------------------------------------------------------------------
 
@@ -152,7 +203,7 @@ class SparePool:
             if CLAIM_PARTITION_ANNOTATION not in spare.annotations:
                 # Recorded before the change, so that a release knows to undo it.
                 spare = self._kube.update_metadata(name, annotations={CLAIM_PARTITION_ANNOTATION: self._partition})
-            self._slurm.add_to_partition(self._partition, name)
+            self.add_to_partition(name)
         if spare.labels.get(POOL_LABEL) != POOL_TRAINING:
             self._kube.update_metadata(name, labels={POOL_LABEL: POOL_TRAINING})
 
@@ -189,7 +240,7 @@ class SparePool:
                 return False
             partition = node.annotations.get(CLAIM_PARTITION_ANNOTATION)
             if partition:
-                self._slurm.remove_from_partition(partition, name)
+                self.remove_from_partition(name, partition=partition)
             try:
                 self._kube.update_metadata(
                     name,
@@ -226,7 +277,7 @@ class SparePool:
         The Node is not deleted: a kubelet restart would register a deleted node again, clean and
         schedulable. A node Kubernetes does not know is still taken out of the partition.
         """
-        self._slurm.remove_from_partition(self._partition, node)
+        self.remove_from_partition(node)
         with contextlib.suppress(NotFound):
             self._kube.set_unschedulable(node, True)
             _retry_conflicts(lambda: self._kube.add_taint(node, key=RETIRED_TAINT, value=incident_id or POOL_RETIRED))
@@ -248,11 +299,11 @@ class SparePool:
                 "not returning it: resume it by hand once its owner is done"
             )
         if as_ == POOL_SPARE:
-            self._slurm.remove_from_partition(self._partition, node)
+            self.remove_from_partition(node)
             self._slurm.resume(node)
         else:
             self._slurm.resume(node)
-            self._slurm.add_to_partition(self._partition, node)
+            self.add_to_partition(node)
         with contextlib.suppress(NotFound):
             for taint in (RETIRED_TAINT, UNHEALTHY_TAINT):
                 _retry_conflicts(functools.partial(self._kube.remove_taint, node, key=taint))

@@ -11,7 +11,7 @@ import importlib.util
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -102,17 +102,31 @@ async def _new_run(handle: Any, *, since: datetime, timeout: float) -> Any:
     raise LabError(f"the detector did not open an incident within {timeout:.0f}s (see the lab's detector logs)")
 
 
-async def _follow(handle: Any, *, timeout: float, say: Say) -> IncidentStatus:
+OnStatus = Callable[[IncidentStatus], Awaitable[None]]
+
+
+async def _follow(handle: Any, *, timeout: float, say: Say, on_status: OnStatus | None = None) -> IncidentStatus:
+    """Poll the incident until it closes; ``on_status`` sees every status (a chaos run acts on it).
+
+    A query can fail while a worker or the server is down on purpose: it is tried again.
+    """
     deadline = time.monotonic() + timeout
     last_step = None
+    interval = 0.25 if on_status is None else 0.01
     while time.monotonic() < deadline:
-        status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
+        try:
+            status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
+        except RPCError:
+            await asyncio.sleep(0.1)
+            continue
         if status.step != last_step:
             say(f"  step: {status.step}")
             last_step = status.step
+        if on_status is not None:
+            await on_status(status)
         if status.step == Step.CLOSED or status.outcome == Outcome.FAILED:
             return status
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(interval)
     raise LabError(f"the incident did not close within {timeout:.0f}s")
 
 
@@ -145,8 +159,14 @@ async def run_drill(
     job_kind: str | None = None,
     timeout: float = 600,
     say: Say = lambda _: None,
+    on_status: OnStatus | None = None,
 ) -> dict[str, Any]:
-    """Run one drill against a running lab; returns the result as a JSON-ready dict."""
+    """Run one drill against a running lab; returns the result as a JSON-ready dict.
+
+    Args:
+        on_status: called with each status seen while the incident runs (chaos scenarios act
+            there: kill a worker at a step, approve an incident waiting for approval).
+    """
     if not lab.running():
         raise LabError("the lab is not running: start it with `gpufleet lab up`")
     slurm = SlurmCli(slurm_conf=lab.slurm.conf)
@@ -183,7 +203,7 @@ async def run_drill(
     lab.inject_xid(target, xid)
     handle = client.get_workflow_handle(remediation_workflow_id(lab.config.cluster, target))
     description = await _new_run(handle, since=detected, timeout=30)
-    status = await _follow(handle, timeout=timeout, say=say)
+    status = await _follow(handle, timeout=timeout, say=say, on_status=on_status)
 
     after = slurm.job(job.job_id)
     log = log_path(after)
@@ -205,6 +225,8 @@ async def run_drill(
         "job_restarts": after.restarts,
         "resumed_from_step": resumed_from,
         "replacement_node": status.spare,
+        "job_state": after.state,
+        "restarts_before": restarts_before,
         "timings_s": timings(status, detected=detected, workflow_start=description.start_time),
         "steps": steps(status, detected=detected),
     }

@@ -4,8 +4,14 @@ kmock keeps objects in memory and serves list/get/create/patch/delete. We add wh
 gpufleet relies on and a real API server does:
 
 - ``resourceVersion`` on every write, and 409 Conflict when a write names a stale one;
+- 409 AlreadyExists when a create names an object that exists;
+- replace (PUT) of a whole object, which kmock does not serve (Leases are taken and renewed so);
 - label selectors and field selectors on lists;
 - the eviction subresource: 429 while a PodDisruptionBudget forbids it, else the pod goes.
+
+For bad days on purpose (chaos runs and tests): ``PUT /_faults`` with
+``{"status": 500, "count": N, "retry_after": S}`` makes the next N API requests answer that
+status (429 with a Retry-After when given); ``{"count": 0}`` clears it.
 
 Run it as ``python -m lab.kubeapi --port N --seed FILE --kubeconfig FILE``.
 """
@@ -31,6 +37,7 @@ from lab.selectors import SelectorError, field_selector, label_selector
 PODS = kmock.resource("", "v1", "pods")
 NODES = kmock.resource("", "v1", "nodes")
 PDBS = kmock.resource("policy", "v1", "poddisruptionbudgets")
+LEASES = kmock.resource("coordination.k8s.io", "v1", "leases")
 
 
 def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:
@@ -51,11 +58,15 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
     """KubernetesEmulator with resourceVersions, selectors and evictions."""
 
     _version: int = attrs.field(default=0, init=False)
+    _fault_status: int = attrs.field(default=0, init=False)
+    _fault_count: int = attrs.field(default=0, init=False)
+    _fault_retry_after: int | None = attrs.field(default=None, init=False)
+    faults_served: int = attrs.field(default=0, init=False)
     _write_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        for res in (PODS, NODES, PDBS):
+        for res in (PODS, NODES, PDBS, LEASES):
             self.resources[res]  # declare, so empty lists answer 200 rather than 404
 
     def next_version(self) -> str:
@@ -87,14 +98,35 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         return None
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        if request.url.path == "/_faults":
+            return self._set_faults(request)
+        if self._fault_count > 0:
+            self._fault_count -= 1
+            self.faults_served += 1
+            response = _status(self._fault_status, "InjectedFault", "a fault injected on purpose (PUT /_faults)")
+            if self._fault_retry_after is not None:
+                response.headers["Retry-After"] = str(self._fault_retry_after)
+            return response
         if request.resource == PODS and request.subresource == "eviction" and request.method == enums.method.POST:
             async with self._write_lock:
                 return await self._evict(request)
+        if (
+            request.resource is not None
+            and request.method == enums.method.PUT
+            and request.name is not None
+            and request.subresource is None
+        ):
+            async with self._write_lock:
+                return await self._replace(request)
         if request.resource is None or request.action not in (enums.action.CREATE, enums.action.UPDATE):
             return await super()._handle(request)
         async with self._write_lock:
             if isinstance(request.data, dict):
                 meta = request.data.setdefault("metadata", {})
+                if request.action == enums.action.CREATE:
+                    name = meta.get("name") or request.name
+                    if name and self._find(request.resource, request.namespace or meta.get("namespace"), name):
+                        return _status(409, "AlreadyExists", f'{request.resource.plural} "{name}" already exists')
                 if request.action == enums.action.UPDATE and request.name is not None:
                     current = self._find(request.resource, request.namespace, request.name)
                     wanted = meta.get("resourceVersion")
@@ -111,6 +143,49 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
                 else:
                     self._stamp_new(meta)
             return await super()._handle(request)
+
+    async def _replace(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        """PUT: the whole object replaced, guarded by its resourceVersion when the body names one."""
+        assert request.resource is not None and request.name is not None
+        plural = request.resource.plural
+        current = self._find(request.resource, request.namespace, request.name)
+        if current is None:
+            return _status(404, "NotFound", f'{plural} "{request.name}" not found')
+        if not isinstance(request.data, dict):
+            return _status(400, "BadRequest", "the body of a replace must be a JSON object")
+        obj = request.data
+        meta = obj.setdefault("metadata", {})
+        if meta.get("name", request.name) != request.name:
+            return _status(400, "BadRequest", f"the name in the body ({meta.get('name')!r}) is not the URL's")
+        have = current.raw.get("metadata", {})
+        wanted = meta.get("resourceVersion")
+        if wanted and wanted != have.get("resourceVersion"):
+            return _status(
+                409,
+                "Conflict",
+                f'Operation cannot be fulfilled on {plural} "{request.name}": the object has been modified; '
+                "please apply your changes to the latest version and try again",
+            )
+        meta["name"] = request.name
+        if request.namespace is not None:
+            meta["namespace"] = request.namespace
+        for kept in ("uid", "creationTimestamp"):
+            if kept in have:
+                meta[kept] = have[kept]
+        meta["resourceVersion"] = self.next_version()
+        self.objects[request.resource, request.namespace, request.name] = obj
+        await self._buses[request.resource].put({"type": "MODIFIED", "object": obj})
+        return aiohttp.web.json_response(obj)
+
+    def _set_faults(self, request: rendering.Request) -> aiohttp.web.Response:
+        if request.method == enums.method.GET:
+            return aiohttp.web.json_response({"pending": self._fault_count, "served": self.faults_served})
+        data = request.data if isinstance(request.data, dict) else {}
+        self._fault_status = int(data.get("status", 500))
+        self._fault_count = int(data.get("count", 0))
+        retry_after = data.get("retry_after")
+        self._fault_retry_after = int(retry_after) if retry_after is not None else None
+        return aiohttp.web.json_response({"pending": self._fault_count, "served": self.faults_served})
 
     async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
         payload = await super()._serve_list(request)

@@ -106,8 +106,10 @@ class RemediationInput(BaseModel):
     node: str
     # The time-skipping test server knows no custom search attributes.
     search_attributes: bool = True
-    # Set only by the workflow itself when it continues as new while waiting for a spare.
+    # Set only by the workflow itself when it continues as new while waiting for a spare...
     carried: CarriedIncident | None = None
+    # ... or when Xids arrived as it closed: they open the node's next incident.
+    pending_events: list[XidEvent] = Field(default_factory=list)
 
 
 class Approval(BaseModel):

@@ -41,6 +41,7 @@ class SignalJobRequest(BaseModel):
     job_id: int
     restarts_before: int
     signal: str = "TERM"
+    incident_id: str = ""
 
 
 class SignalJobResult(BaseModel):
@@ -55,6 +56,7 @@ class RequeueJobRequest(BaseModel):
     job_id: int
     restarts_before: int
     signalled: bool
+    incident_id: str = ""
 
 
 class ResumeCheckRequest(BaseModel):
@@ -96,6 +98,11 @@ class KubeDrainResult(BaseModel):
 
 class ClaimRequest(BaseModel):
     incident_id: str
+
+
+class RetireRequest(BaseModel):
+    node: str
+    incident_id: str = ""
 
 
 class NotifyRequest(BaseModel):

@@ -28,6 +28,8 @@ class Settings(BaseSettings):
     slurm_bin_dir: Path | None = None
     slurm_timeout_seconds: float = 30.0
     kubeconfig: Path | None = None
+    # Where gpufleet keeps its Leases (one per Slurm partition, serialising membership edits).
+    namespace: str = "gpufleet"
     webhook_url: str | None = None
     policy_file: Path | None = None
     # These five default to the policy file's `remediation:` section; set here, they win over it.

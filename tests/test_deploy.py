@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 
 from models.constants import SEARCH_ATTRIBUTES
+from models.policy import policy_from_mapping
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,3 +46,18 @@ def test_compose_registers_every_search_attribute() -> None:
     command = " ".join(compose["services"]["register-search-attributes"]["command"])
     for key in SEARCH_ATTRIBUTES:
         assert f"--name {key.name} --type" in command
+
+
+def test_the_detector_and_the_worker_mount_one_policy() -> None:
+    [configmap] = documents("deploy/policy-configmap.yaml")
+    detector = documents("deploy/detector-daemonset.yaml")[0]["spec"]["template"]["spec"]
+    worker = next(d for d in documents("deploy/worker-deployment.yaml") if d["kind"] == "Deployment")
+    for pod in (detector, worker["spec"]["template"]["spec"]):
+        [container] = pod["containers"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert volumes["policy"]["configMap"]["name"] == configmap["metadata"]["name"]
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "policy")
+        assert env["GPUFLEET_POLICY_FILE"] == f"{mount['mountPath']}/policy.yaml"
+    policy = policy_from_mapping(yaml.safe_load(configmap["data"]["policy.yaml"]), origin="the ConfigMap")
+    assert policy.remediation.owner_drained == "ask"

@@ -22,6 +22,8 @@ from clients.notify import WebhookNotifier
 from clients.slurm import SlurmCli
 from clients.spares import SparePool
 from models.constants import task_queue
+from models.policy import PolicyError
+from models.requests import WorkerConfig
 from models.settings import Settings
 from workflows.nodes import ReturnNodeWorkflow
 from workflows.remediation import NodeRemediationWorkflow
@@ -33,21 +35,42 @@ log = logging.getLogger("gpufleet.worker")
 GRACEFUL_SHUTDOWN = timedelta(seconds=10)
 
 
+class LastGoodConfig:
+    """The worker's configuration, read again at each incident; a broken edit keeps the last good one.
+
+    An incident must not wait at classify for ever because someone saved a typo in the policy
+    file: it goes on with what the worker had, and the log says loudly what is wrong.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._last: WorkerConfig = settings.worker_config()  # broken at start: the worker stops
+
+    def __call__(self) -> WorkerConfig:
+        try:
+            self._last = self._settings.worker_config()
+        except PolicyError as exc:
+            log.error("policy file not reloaded, incidents use the last good one: %s", exc)
+        return self._last
+
+
 def build_activities(settings: Settings) -> list[Any]:
     """Every activity, bound to clients built from the settings."""
-    settings.worker_config()  # a broken policy file stops the worker now, not the first incident
+    config = LastGoodConfig(settings)  # a broken policy file stops the worker now, not the first incident
     slurm = SlurmCli(
         slurm_conf=settings.slurm_conf,
         bin_dir=settings.slurm_bin_dir,
         timeout_seconds=settings.slurm_timeout_seconds,
     )
     kube = KubernetesApi(kubeconfig=settings.kubeconfig, poll_seconds=settings.poll_seconds)
-    pool = SparePool(kube=kube, slurm=slurm, partition=settings.partition, cluster=settings.cluster)
+    pool = SparePool(
+        kube=kube, slurm=slurm, partition=settings.partition, cluster=settings.cluster, namespace=settings.namespace
+    )
     slurm_acts = SlurmActivities(slurm, poll_seconds=settings.poll_seconds)
     kube_acts = KubeActivities(kube)
     spare_acts = SpareActivities(pool)
     notify_acts = NotifyActivities(WebhookNotifier(url=settings.webhook_url))
-    policy_acts = PolicyActivities(settings.worker_config)
+    policy_acts = PolicyActivities(config)
     return [
         slurm_acts.node_state,
         slurm_acts.drain_node,

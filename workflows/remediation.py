@@ -23,6 +23,7 @@ from typing import Any
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from activities.errors import NON_RETRYABLE
@@ -65,6 +66,7 @@ with workflow.unsafe.imports_passed_through():
         RequeueJobRequest,
         ResumeCheck,
         ResumeCheckRequest,
+        RetireRequest,
         SignalJobRequest,
         SignalJobResult,
         StillRunningRequest,
@@ -79,10 +81,13 @@ RETRY = RetryPolicy(
     maximum_interval=timedelta(seconds=15),
     non_retryable_error_types=list(NON_RETRYABLE),
 )
-# One Slurm or Kubernetes call: a worker that dies inside one costs at most this.
-SHORT = timedelta(seconds=10)
-# Activities that watch or wait heartbeat at least this often.
+# Every activity heartbeats (activities/heartbeat.py): a worker that dies costs this, plus a retry.
 HEARTBEAT = timedelta(seconds=5)
+# One step of Slurm or Kubernetes calls: longer than the calls' own timeouts (Slurm 30 s,
+# Kubernetes 15 s), so a slow attempt in a live worker ends before its retry could start.
+SHORT = timedelta(seconds=60)
+# Spare steps: several calls, and the partition lease may be waited for.
+SPARE_STEP = timedelta(minutes=3)
 # Grace checks that watch the jobs inside the activity before the workflow falls back to timers
 # (Temporal timers are not meant for sub-second waits).
 WATCHED_CHECKS = 4
@@ -101,6 +106,8 @@ NOTIFY_ATTEMPT = timedelta(seconds=10)
 NOTIFY_BUDGET = timedelta(minutes=5)
 # Spare checks per run before continuing as new (about ten history events each).
 SPARE_CHECKS_PER_RUN = 30
+# ... or sooner, when a run with many jobs has a long history already.
+HISTORY_SOFT_LIMIT = 400
 
 
 class _ContinueAsNew(Exception):
@@ -121,12 +128,13 @@ class NodeRemediationWorkflow:
         self._settings = RemediationSettings()
         self._policy: Policy | None = None
         self._restarts_before: dict[int, int] = {}
+        self._classified = 0
         if params.carried is not None:
             self._status = params.carried.status
             self._events: list[XidEvent] = list(params.carried.events)
             self._restarts_before = dict(params.carried.restarts_before)
         else:
-            self._events = []
+            self._events = list(params.pending_events)
             self._status = IncidentStatus(
                 incident_id=f"{params.cluster}-{params.node}-{workflow.info().start_time:%Y%m%dT%H%M%SZ}",
                 cluster=params.cluster,
@@ -173,6 +181,15 @@ class NodeRemediationWorkflow:
                 await self._continue_carried(params)
             else:
                 await self._remediate(params)
+        except asyncio.CancelledError:
+            # Cancelled by a person (Temporal UI or CLI): give back an unused spare, say so.
+            self._status.outcome = Outcome.FAILED
+            self._status.error = "cancelled"
+            self._mark(self._status.step, "cancelled")
+            await self._release_unused_claim()
+            self._notify("cancelled", f"{self._who()}: the incident was cancelled at {self._status.step}.")
+            await self._flush_notifications()
+            raise
         except (ActivityError, ApplicationError) as exc:
             cause = exc.cause if isinstance(exc, ActivityError) else None
             message = str(cause or exc)
@@ -268,6 +285,14 @@ class NodeRemediationWorkflow:
             summary=f"drain {params.node} in Slurm",
         )
         self._done(Step.DRAIN_SLURM, f"state={node.state} reason={node.reason!r}")
+        # Someone else drained it since we looked: theirs until they say otherwise, as above.
+        if (
+            held_by_someone_else(node.reason)
+            and status.approval is None
+            and self._settings.owner_drained is OwnerDrained.ASK
+            and not await self._await_approval(f"{params.node} was drained by someone else: {node.reason!r}")
+        ):
+            return
 
         # 4. SIGTERM each job once, and wait for checkpoints
         self._enter(Step.CHECKPOINT)
@@ -279,7 +304,7 @@ class NodeRemediationWorkflow:
             *(
                 self._activity(
                     SlurmActivities.signal_job,
-                    SignalJobRequest(job_id=job.job_id, restarts_before=job.restarts),
+                    SignalJobRequest(job_id=job.job_id, restarts_before=job.restarts, incident_id=status.incident_id),
                     summary=f"SIGTERM job {job.job_id}",
                 )
                 for job in status.jobs
@@ -305,6 +330,7 @@ class NodeRemediationWorkflow:
                         job_id=job.job_id,
                         restarts_before=job.restarts,
                         signalled=job.job_id in status.signalled,
+                        incident_id=status.incident_id,
                     ),
                     summary=f"requeue job {job.job_id}",
                 )
@@ -343,12 +369,26 @@ class NodeRemediationWorkflow:
 
         # 7 and 8, side by side: the failed node is retired while the spare joins, and the
         # jobs may run again as soon as the spare is in (9), whatever the retirement still does.
-        await asyncio.gather(self._retire(params), self._replace_and_resume(params))
+        await self._side_by_side(self._retire(params), self._replace_and_resume(params))
         await self._resolved(params)
+
+    async def _side_by_side(self, *branches: Any) -> None:
+        """Run the branches together; when one fails, cancel the others and wait for them to stop."""
+        tasks = [asyncio.create_task(branch) for branch in branches]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(BaseException):
+                    await task
+            raise
 
     async def _continue_carried(self, params: RemediationInput) -> None:
         """A run continued as new while waiting for a spare: the retirement is done, wait on."""
         self._retire_finished = True
+        self._classified = len(self._events)
         self._settings = self._status.settings or RemediationSettings()
         self._mark(Step.WAIT_FOR_SPARE, "continued", "history continued as new")
         await self._replace_and_resume(params)
@@ -377,7 +417,6 @@ class NodeRemediationWorkflow:
             ),
             summary=f"cordon and drain {params.node} in Kubernetes",
             timeout=timedelta(minutes=30),
-            heartbeat=True,
         )
         self._done(
             Step.DRAIN_KUBERNETES,
@@ -386,7 +425,12 @@ class NodeRemediationWorkflow:
             else f"evicted {len(drained.evicted)}, forced {len(drained.forced)}",
         )
         self._enter(Step.RETIRE_NODE)
-        await self._activity(SpareActivities.retire_node, params.node, summary=f"retire {params.node}")
+        await self._activity(
+            SpareActivities.retire_node,
+            RetireRequest(node=params.node, incident_id=self._status.incident_id),
+            summary=f"retire {params.node}",
+            timeout=SPARE_STEP,
+        )
         self._done(Step.RETIRE_NODE, "cordoned, tainted and kept")
         self._retire_finished = True
 
@@ -424,7 +468,10 @@ class NodeRemediationWorkflow:
             self._spare_signalled = False
             self._claim_attempted = True
             spare: str | None = await self._activity(
-                SpareActivities.claim_spare, ClaimRequest(incident_id=status.incident_id), summary="claim a spare"
+                SpareActivities.claim_spare,
+                ClaimRequest(incident_id=status.incident_id),
+                summary="claim a spare",
+                timeout=SPARE_STEP,
             )
             if spare is not None:
                 break
@@ -437,7 +484,12 @@ class NodeRemediationWorkflow:
                     "gpufleet takes the next spare that appears (signal spare_available to hurry it).",
                 )
             checks += 1
-            if checks >= SPARE_CHECKS_PER_RUN or workflow.info().is_continue_as_new_suggested():
+            info = workflow.info()
+            if (
+                checks >= SPARE_CHECKS_PER_RUN
+                or info.get_current_history_length() > HISTORY_SOFT_LIMIT
+                or info.is_continue_as_new_suggested()
+            ):
                 raise _ContinueAsNew
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(
@@ -461,7 +513,6 @@ class NodeRemediationWorkflow:
                 ResumeCheckRequest(job_ids=job_ids, restarts_before=self._restarts_before, watch_seconds=watch),
                 summary=f"check jobs {', '.join(map(str, job_ids))} run again",
                 timeout=SHORT + timedelta(seconds=watch),
-                heartbeat=watch > 0,
             )
             if not result.waiting:
                 return result.resumed
@@ -473,7 +524,8 @@ class NodeRemediationWorkflow:
                 )
             if check > RESUME_WATCHED_CHECKS:
                 await workflow.sleep(min(interval, remaining))
-                interval = min(interval * 1.5, 30.0)
+                # At most about 300 checks however long the timeout: the history stays small.
+                interval = min(interval * 1.5, max(30.0, timeout / 300))
 
     async def _grace(self, job_ids: list[int], grace_seconds: float) -> str:
         """Wait until the jobs stopped or reported their checkpoints, at most the grace period.
@@ -497,7 +549,6 @@ class NodeRemediationWorkflow:
                 StillRunningRequest(job_ids=job_ids, watch_seconds=watch),
                 summary="check which jobs still run",
                 timeout=SHORT + timedelta(seconds=watch),
-                heartbeat=watch > 0,
             )
             if not running:
                 return "jobs exited after checkpointing"
@@ -511,7 +562,8 @@ class NodeRemediationWorkflow:
                     lambda: all(job_id in self._checkpointed for job_id in job_ids),
                     timeout=timedelta(seconds=min(interval, remaining)),
                 )
-            interval = min(interval * 1.5, 5.0)
+            # At most about 200 checks however long the grace: the history stays small.
+            interval = min(interval * 1.5, max(5.0, grace_seconds / 200))
 
     async def _await_approval(self, why: str) -> bool:
         """Wait for `gpufleet approve|reject`; True to go on. Nothing has been changed yet."""
@@ -541,23 +593,26 @@ class NodeRemediationWorkflow:
     # -- helpers ------------------------------------------------------------------------------------
 
     async def _classify(self) -> Action:
+        events = list(self._events)
         action: Action = await self._activity(
             PolicyActivities.classify,
-            ClassifyRequest(node=self._input.node, events=self._events, policy=self._policy),
+            ClassifyRequest(node=self._input.node, events=events, policy=self._policy),
             summary="classify the Xids",
         )
+        self._classified = len(events)
         return action
 
-    async def _activity(
-        self, method: Any, arg: Any, *, summary: str, timeout: timedelta = SHORT, heartbeat: bool = False
-    ) -> Any:
+    async def _activity(self, method: Any, arg: Any, *, summary: str, timeout: timedelta = SHORT) -> Any:
         return await workflow.execute_activity_method(
             method,
             arg,
             start_to_close_timeout=timeout,
-            heartbeat_timeout=HEARTBEAT if heartbeat else None,
+            heartbeat_timeout=HEARTBEAT,
             retry_policy=RETRY,
             summary=summary,
+            # A cancelled branch (the other one failed) waits for its activity to end, so that
+            # nothing it was doing (a claim, a drain) goes on behind the incident's back.
+            cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
         )
 
     def _notify(self, kind: str, text: str) -> None:
@@ -587,9 +642,9 @@ class NodeRemediationWorkflow:
 
     async def _flush_notifications(self) -> None:
         """Let messages in flight finish (each is bounded by NOTIFY_BUDGET) before the run ends."""
-        if self._deliveries:
-            await asyncio.gather(*self._deliveries)
-            self._deliveries = []
+        while self._deliveries:
+            pending, self._deliveries = self._deliveries, []
+            await asyncio.gather(*pending)
 
     async def _release_unused_claim(self) -> None:
         """A spare claimed but never brought into service goes back to the pool."""
@@ -600,6 +655,7 @@ class NodeRemediationWorkflow:
                 SpareActivities.release_spare,
                 ClaimRequest(incident_id=self._status.incident_id),
                 summary="release an unused spare claim",
+                timeout=SPARE_STEP,
             )
             if released:
                 self._mark(self._status.step, "released", f"claim on {released} released")
@@ -625,6 +681,18 @@ class NodeRemediationWorkflow:
         self._enter(Step.CLOSED)
         self._mark(Step.CLOSED, self._status.outcome.value)
         await self._flush_notifications()
+        late = self._events[self._classified :]
+        if late and self._classified:
+            # Xids that arrived after the last classification (while messages were still going
+            # out) would be lost with this run: they open the node's next incident instead.
+            workflow.continue_as_new(
+                RemediationInput(
+                    cluster=self._input.cluster,
+                    node=self._input.node,
+                    search_attributes=self._input.search_attributes,
+                    pending_events=late,
+                )
+            )
 
     def _who(self) -> str:
         return f"[{self._status.incident_id}] {self._input.node}"

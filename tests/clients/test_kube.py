@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from clients.errors import Conflict, InvalidInput, NotFound, Unavailable
-from clients.kube import KubernetesApi, PodRef
+from clients.kube import KubernetesApi, PodRef, checked_lease_name, checked_namespace, lease_name
 from lab.kubeapi import node_object
 from lab.procs import free_port
 from tests.conftest import KubeApiProcess
@@ -138,3 +141,146 @@ def test_remove_taint_is_idempotent_and_keeps_the_others(kube: KubernetesApi) ->
     assert kube.get_node("gpu1").taints == []
     with pytest.raises(NotFound):
         kube.remove_taint("nosuch", key="gpufleet.io/retired")
+
+
+# -- Leases: one mutex per name across processes (coordination.k8s.io/v1, client-go's rules) ------------------------
+
+
+def raw_lease(kube: KubernetesApi, name: str, namespace: str = "gpufleet") -> Any:
+    return kube._coordination.read_namespaced_lease(name, namespace)
+
+
+def test_lease_names_are_dns_1123_and_distinct() -> None:
+    assert lease_name("gpufleet-partition-train") == "gpufleet-partition-train"
+    odd = lease_name("gpufleet-partition-GPU_a100")
+    assert checked_lease_name(odd) == odd and odd.startswith("gpufleet-partition-gpu-a100-")
+    assert odd != lease_name("gpufleet-partition-gpu-a100") != lease_name("gpufleet-partition-gpu_A100")
+    assert len(lease_name("x" * 400)) <= 253
+    for bad in ("", "Train", "a_b", "-a", "a-", "a/b", "x" * 254):
+        with pytest.raises(InvalidInput):
+            checked_lease_name(bad)
+    with pytest.raises(InvalidInput):
+        checked_namespace("gpu.fleet")
+
+
+def test_lease_acquire_and_release(kube: KubernetesApi) -> None:
+    with kube.lease("gpufleet-partition-train", namespace="gpufleet", holder="worker-a") as lease:
+        assert lease.held
+        held = raw_lease(kube, "gpufleet-partition-train")
+        assert held.spec.holder_identity == "worker-a"
+        assert held.spec.lease_duration_seconds == 15
+    assert not lease.held
+    assert raw_lease(kube, "gpufleet-partition-train").spec.holder_identity is None
+    # Free again: the next holder takes it at once, and the transition is counted.
+    with kube.lease("gpufleet-partition-train", namespace="gpufleet", holder="worker-b", wait_seconds=1):
+        taken = raw_lease(kube, "gpufleet-partition-train")
+        assert taken.spec.holder_identity == "worker-b"
+        assert taken.spec.lease_transitions == 1
+    assert kube._coordination.list_namespaced_lease("other").items == []
+
+
+def test_a_second_holder_waits_until_the_first_releases(kube: KubernetesApi, api: KubeApiProcess) -> None:
+    other = KubernetesApi(kubeconfig=api.kubeconfig)  # its own connection, as another worker has
+    entered = threading.Event()
+    waited: list[float] = []
+
+    def second() -> None:
+        start = time.monotonic()
+        with other.lease("gpufleet-partition-train", namespace="gpufleet", holder="worker-b", wait_seconds=10):
+            waited.append(time.monotonic() - start)
+            entered.set()
+
+    first = kube.lease("gpufleet-partition-train", namespace="gpufleet", holder="worker-a")
+    first.acquire()
+    thread = threading.Thread(target=second)
+    thread.start()
+    try:
+        assert not entered.wait(0.8), "the second holder got a Lease the first still holds"
+    finally:
+        first.release()
+    assert entered.wait(5)
+    thread.join(5)
+    assert 0.8 <= waited[0] < 3
+
+
+def test_a_live_holder_keeps_the_lease_past_its_duration(kube: KubernetesApi, api: KubeApiProcess) -> None:
+    other = KubernetesApi(kubeconfig=api.kubeconfig)
+    with kube.lease("gpufleet-partition-train", namespace="gpufleet", holder="worker-a", duration_seconds=1) as lease:
+        start = time.monotonic()
+        with (
+            pytest.raises(Unavailable, match="held by worker-a"),
+            other.lease("gpufleet-partition-train", namespace="gpufleet", holder="worker-b", wait_seconds=2.5),
+        ):
+            pass
+        assert time.monotonic() - start >= 2.5
+        assert lease.held  # renewed every third of a second, so never expired
+
+
+def test_an_abandoned_lease_is_taken_over_after_its_duration_by_our_own_clock(kube: KubernetesApi) -> None:
+    from kubernetes import client as k8s
+
+    # A holder that died holding it: never renewed, and its renewTime from a machine whose clock
+    # is far behind. Only the time WE see it unchanged counts, so the takeover waits the duration.
+    kube._coordination.create_namespaced_lease(
+        "gpufleet",
+        k8s.V1Lease(
+            metadata=k8s.V1ObjectMeta(name="gpufleet-partition-train", namespace="gpufleet"),
+            spec=k8s.V1LeaseSpec(
+                holder_identity="dead-worker",
+                lease_duration_seconds=2,
+                acquire_time="2001-01-01T00:00:00.000000Z",
+                renew_time="2001-01-01T00:00:00.000000Z",
+                lease_transitions=4,
+            ),
+        ),
+    )
+    start = time.monotonic()
+    with kube.lease("gpufleet-partition-train", namespace="gpufleet", holder="worker-b", wait_seconds=10):
+        elapsed = time.monotonic() - start
+        taken = raw_lease(kube, "gpufleet-partition-train")
+        assert taken.spec.holder_identity == "worker-b"
+        assert taken.spec.lease_transitions == 5
+    assert 2 <= elapsed < 4
+
+
+def test_a_lease_taken_away_while_held_fails_the_block(kube: KubernetesApi) -> None:
+    with (
+        pytest.raises(Conflict, match="taken over"),
+        kube.lease("gpufleet-partition-train", namespace="gpufleet", holder="worker-a", duration_seconds=1) as lease,
+    ):
+        stolen = raw_lease(kube, "gpufleet-partition-train")
+        stolen.spec.holder_identity = "thief"
+        kube._coordination.replace_namespaced_lease("gpufleet-partition-train", "gpufleet", stolen)
+        deadline = time.monotonic() + 3
+        while lease.held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not lease.held
+    assert raw_lease(kube, "gpufleet-partition-train").spec.holder_identity == "thief"  # not cleared by us
+
+
+def test_a_stale_replace_loses_with_conflict_and_a_second_create_with_already_exists(kube: KubernetesApi) -> None:
+    from kubernetes import client as k8s
+    from kubernetes.client.exceptions import ApiException
+
+    body = k8s.V1Lease(
+        metadata=k8s.V1ObjectMeta(name="race", namespace="gpufleet"),
+        spec=k8s.V1LeaseSpec(holder_identity="worker-a", lease_duration_seconds=15),
+    )
+    coordination: Any = kube._coordination
+    coordination.create_namespaced_lease("gpufleet", body)
+    with pytest.raises(ApiException) as exists:
+        coordination.create_namespaced_lease("gpufleet", body)
+    assert exists.value.status == 409 and '"AlreadyExists"' in str(exists.value.body)
+    with pytest.raises(Conflict):
+        kube._call("create lease", coordination.create_namespaced_lease, "gpufleet", body)
+
+    seen_by_a = coordination.read_namespaced_lease("race", "gpufleet")
+    seen_by_b = coordination.read_namespaced_lease("race", "gpufleet")
+    seen_by_a.spec.holder_identity = "worker-a2"
+    coordination.replace_namespaced_lease("race", "gpufleet", seen_by_a)
+    seen_by_b.spec.holder_identity = "worker-b"
+    with pytest.raises(Conflict):
+        kube._call("replace lease", coordination.replace_namespaced_lease, "race", "gpufleet", seen_by_b)
+    assert coordination.read_namespaced_lease("race", "gpufleet").spec.holder_identity == "worker-a2"
+    with pytest.raises(NotFound):
+        kube._call("read lease", coordination.read_namespaced_lease, "nosuch", "gpufleet")

@@ -4,14 +4,17 @@ only spares that are ours, releases, retirements that keep the Node, and repaire
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
-from clients.errors import InvalidInput, NotOwned
+from clients.errors import Conflict, InvalidInput, NotOwned
 from clients.kube import KubernetesApi
 from clients.slurm import SlurmCli
-from clients.spares import SparePool
+from clients.spares import SparePool, partition_lease_name
 from lab.procs import wait_for
 from lab.slurm import SlurmLab
 from tests.conftest import KubeApiProcess
@@ -236,3 +239,48 @@ def test_return_node_refuses_an_unknown_role(pool: Pool) -> None:
     with pytest.raises(InvalidInput):
         spares.return_node("gpu3", as_="inference")
     assert "gpu3" in slurm.partition_nodes("train")
+
+
+# -- partition edits: under the partition's Lease, read back after the write ------------------------------------------
+
+
+def test_a_partition_edit_waits_for_the_partition_lease(pool: Pool, kube_api: KubeApiProcess) -> None:
+    spares, _, slurm = pool
+    other_worker = KubernetesApi(kubeconfig=kube_api.kubeconfig)
+    held = other_worker.lease(partition_lease_name("train"), namespace="gpufleet", holder="other-worker")
+    held.acquire()
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        try:
+            claim = executor.submit(spares.claim, "incident-a")
+            time.sleep(1.0)
+            assert not claim.done()
+            assert "spare1" not in slurm.partition_nodes("train")  # claimed, but not in until the Lease is ours
+        finally:
+            held.release()
+        assert claim.result(timeout=10) == "spare1"
+    assert "spare1" in slurm.partition_nodes("train")
+    lease: Any = other_worker._coordination.read_namespaced_lease(partition_lease_name("train"), "gpufleet")
+    assert lease.spec.holder_identity is None  # given back after the edit
+
+
+class ForgetfulSlurm(SlurmCli):
+    """Real Slurm whose partition writes are lost, as when another writer's stale list lands after ours."""
+
+    def _set_partition(self, partition: str, nodes: list[str]) -> None:
+        pass
+
+
+def test_a_partition_edit_that_did_not_stick_is_a_conflict(slurm_lab: SlurmLab, kube_api: KubeApiProcess) -> None:
+    kube = KubernetesApi(kubeconfig=kube_api.kubeconfig)
+    spares = SparePool(kube=kube, slurm=ForgetfulSlurm(slurm_conf=slurm_lab.conf), partition="train", cluster="lab")
+    with pytest.raises(Conflict, match="still not in partition train"):
+        spares.add_to_partition("spare1")
+    with pytest.raises(Conflict, match="still in partition train"):
+        spares.remove_from_partition("gpu3")
+
+
+def test_the_lease_namespace_must_be_a_namespace(pool: Pool) -> None:
+    _, kube, slurm = pool
+    with pytest.raises(InvalidInput):
+        SparePool(kube=kube, slurm=slurm, partition="train", cluster="lab", namespace="Not_A_Namespace")
+    assert partition_lease_name("train") == "gpufleet-partition-train"

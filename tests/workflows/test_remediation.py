@@ -34,6 +34,7 @@ from models.requests import (
     RequeueJobRequest,
     ResumeCheck,
     ResumeCheckRequest,
+    RetireRequest,
     SignalJobRequest,
     SignalJobResult,
     StillRunningRequest,
@@ -166,7 +167,7 @@ class Fleet:
             return KubeDrainResult(evicted=["default/web-1"])
 
         @activity.defn(name="retire_node")
-        async def retire(node: str) -> None:
+        async def retire(request: RetireRequest) -> None:
             fleet.calls.append("retire_node")
             if fleet.retire_fails:
                 raise ApplicationError("spare1 is held by someone else", type="NotOwned", non_retryable=True)

@@ -1,0 +1,562 @@
+"""``make chaos``: remediation on a bad day, in a lab of its own, with a training job running.
+
+Each scenario is a fresh incident on a node of the running job, with one fault on purpose:
+the worker SIGKILLed at each step (and restarted 2 s later), the Temporal server killed and
+restarted, slurmctld stopped for 30 s, the Kubernetes API answering 500 and 429 in bursts, a
+PodDisruptionBudget blocking the eviction, the webhook refusing connections or hanging, two
+workers racing over two incidents at once, and a node an operator drained before its Xid.
+A clean drill in the same run is the baseline. Between scenarios the retired nodes are
+returned as spares (``gpufleet nodes return``), as an operator would after a repair.
+
+The last line printed is one JSON object: per scenario its name, whether it passed (it is
+``correct``: resolved, the job resumed once, nothing lost; and ``within_budget``: a worker
+kill adds at most 15 s, a dead or hanging webhook at most 1 s before the drain), the
+outcome, ``detect_to_drained``, ``detect_to_resumed`` and ``added_delay_s`` (against the
+baseline); totals ``jobs_lost``, ``double_claims``, ``nodes_undrained_not_ours``,
+``claims_leaked`` and ``max_added_delay_s``.
+
+Run it as ``python -m lab.chaos [--short] [--home DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from temporalio.service import RPCError
+
+from clients.kube import KubernetesApi
+from clients.slurm import SlurmCli
+from lab.drill import default_job, run_drill, training_job
+from lab.fleet import REPO_ROOT, FleetLab, LabConfig
+from lab.procs import alive, free_port, spawn, stop, wait_for
+from models.constants import CLAIMED_BY_ANNOTATION, POOL_LABEL, POOL_RETIRED, owned_reason
+from models.incident import Approval, IncidentStatus, Outcome, Step
+from starters.temporal import connect
+from workflows.remediation import NodeRemediationWorkflow
+
+Say = Callable[[str], None]
+OnStatus = Callable[[IncidentStatus], Awaitable[None]]
+
+# Steps where the worker is killed, in the order an incident passes them.
+KILL_STEPS = [
+    Step.CLASSIFY,
+    Step.DRAIN_SLURM,
+    Step.CHECKPOINT,
+    Step.REQUEUE,
+    Step.APPROVE,
+    Step.DRAIN_KUBERNETES,
+    Step.CLAIM_SPARE,
+    Step.RESUME,
+]
+STEP_ORDER = [
+    Step.CLASSIFY,
+    Step.NOTIFY,
+    Step.AWAITING_APPROVAL,
+    Step.DRAIN_SLURM,
+    Step.CHECKPOINT,
+    Step.REQUEUE,
+    Step.APPROVE,
+    Step.DRAIN_KUBERNETES,
+    Step.CLAIM_SPARE,
+    Step.WAIT_FOR_SPARE,
+    Step.RETIRE_NODE,
+    Step.RESUME,
+    Step.CLOSED,
+]
+OPERATOR_REASON = "operator: reseating the NVLink bridge"
+WORKER_RESTART_DELAY = 2.0
+SLURMCTLD_STOP = 30.0
+
+
+@dataclass
+class Context:
+    """What a scenario's fault acts on."""
+
+    lab: FleetLab
+    say: Say
+    fired: list[str] = field(default_factory=list)
+    extra_workers: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Scenario:
+    name: str
+    # Called once the incident reaches ``at`` (or a later step): the fault itself.
+    fault: Callable[[Context], Awaitable[None]] | None = None
+    at: Step | None = None
+    # Before the Xid is injected (with the target node) and after the incident closed.
+    before: Callable[[Context, str], Awaitable[None]] | None = None
+    after: Callable[[Context], Awaitable[None]] | None = None
+    expect_approval: bool = False
+    # Added delay allowed against the baseline (None: only correctness is checked).
+    delay_budget_s: float | None = None
+    drained_budget_s: float | None = None
+
+
+# -- faults ----------------------------------------------------------------------------------------
+
+
+def _pid(lab: FleetLab, service: str) -> int:
+    return int(lab.state()["services"][service]["pid"])
+
+
+async def kill_worker(ctx: Context) -> None:
+    pid = _pid(ctx.lab, "worker")
+    os.kill(pid, signal.SIGKILL)
+    ctx.fired.append(f"worker {pid} SIGKILLed")
+    await asyncio.sleep(WORKER_RESTART_DELAY)  # the scenario: a worker back 2 s later
+    await asyncio.to_thread(ctx.lab.up)
+    ctx.fired.append(f"worker restarted as {_pid(ctx.lab, 'worker')}")
+
+
+async def kill_temporal(ctx: Context) -> None:
+    pid = _pid(ctx.lab, "temporal")
+    os.kill(pid, signal.SIGKILL)
+    ctx.fired.append("Temporal dev server SIGKILLed")
+    await asyncio.to_thread(wait_for, lambda: not alive(pid), timeout=30, what="the server to die")
+    await asyncio.sleep(WORKER_RESTART_DELAY)
+    await asyncio.to_thread(ctx.lab.up)
+    ctx.fired.append("Temporal dev server restarted on the same port and database")
+
+
+async def stop_slurmctld(ctx: Context) -> None:
+    pid = ctx.lab.slurm.pids()["slurmctld"]
+    os.kill(pid, signal.SIGSTOP)
+    ctx.fired.append(f"slurmctld stopped for {SLURMCTLD_STOP:.0f}s")
+    try:
+        await asyncio.sleep(SLURMCTLD_STOP)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _kube_url(lab: FleetLab) -> str:
+    return str(lab.state()["services"]["kubeapi"]["url"])
+
+
+def kube_faults(status: int, count: int, retry_after: int | None = None) -> Callable[[Context], Awaitable[None]]:
+    async def fault(ctx: Context) -> None:
+        body: dict[str, Any] = {"status": status, "count": count}
+        if retry_after is not None:
+            body["retry_after"] = retry_after
+        httpx.put(f"{_kube_url(ctx.lab)}/_faults", json=body, timeout=5).raise_for_status()
+        ctx.fired.append(f"Kubernetes API answers the next {count} requests with HTTP {status}")
+
+    return fault
+
+
+def _core(lab: FleetLab) -> tuple[k8s.CoreV1Api, k8s.PolicyV1Api]:
+    api = k8s_config.new_client_from_config(config_file=str(lab.home / "kubeconfig"))
+    return k8s.CoreV1Api(api), k8s.PolicyV1Api(api)
+
+
+async def pdb_blocks(ctx: Context, node: str) -> None:
+    """An inference pod on the target node whose budget allows no disruption at all."""
+    core, policy = _core(ctx.lab)
+    name = f"chaos-inference-{node}"
+    pod: Any = {
+        "metadata": {"name": name, "namespace": "serving", "labels": {"app": "chaos-inference"}},
+        "spec": {"nodeName": node, "containers": [{"name": "server", "image": "vllm/vllm-openai"}]},
+        "status": {"phase": "Running"},
+    }
+    budget: Any = {
+        "metadata": {"name": "chaos-inference", "namespace": "serving"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "chaos-inference"}}},
+    }
+    core.create_namespaced_pod("serving", pod)
+    policy.create_namespaced_pod_disruption_budget("serving", budget)
+    ctx.fired.append(f"PodDisruptionBudget forbids evicting {name}")
+
+
+async def pdb_cleanup(ctx: Context) -> None:
+    _, policy = _core(ctx.lab)
+    policy.delete_namespaced_pod_disruption_budget("chaos-inference", "serving")
+
+
+async def webhook_refuses(ctx: Context, node: str) -> None:
+    pid = _pid(ctx.lab, "webhook")
+    os.kill(pid, signal.SIGKILL)
+    await asyncio.to_thread(wait_for, lambda: not alive(pid), timeout=30, what="the webhook to die")
+    ctx.fired.append("webhook receiver killed: connections refused")
+
+
+async def webhook_back(ctx: Context) -> None:
+    """Start the receiver again on its old address (the worker keeps the URL it was given)."""
+    services = ctx.lab.state()["services"]
+    url = services["webhook"]["url"]
+    port = int(url.rsplit(":", 1)[1].split("/", 1)[0])
+    ready = ctx.lab.home / "webhook.url"
+    ready.unlink(missing_ok=True)
+    pid = spawn(
+        [
+            sys.executable,
+            "-m",
+            "lab.webhook",
+            "--port",
+            str(port),
+            "--record",
+            str(ctx.lab.notifications_file),
+            "--ready-file",
+            str(ready),
+        ],
+        log=ctx.lab.home / "logs" / "webhook.log",
+        env=ctx.lab.env(),
+        cwd=REPO_ROOT,
+    )
+    await asyncio.to_thread(wait_for, ready.exists, timeout=30, what="the webhook receiver")
+    state = ctx.lab.state()
+    state["services"]["webhook"]["pid"] = pid
+    ctx.lab._save(state)
+
+
+async def webhook_hangs(ctx: Context, node: str) -> None:
+    os.kill(_pid(ctx.lab, "webhook"), signal.SIGSTOP)
+    ctx.fired.append("webhook receiver stopped (SIGSTOP): connections hang")
+
+
+async def webhook_continues(ctx: Context) -> None:
+    os.kill(_pid(ctx.lab, "webhook"), signal.SIGCONT)
+
+
+async def operator_drains(ctx: Context, node: str) -> None:
+    slurm_update(ctx.lab, node, "State=DRAIN", f"Reason={OPERATOR_REASON}")
+    ctx.fired.append(f"{node} drained by an operator: {OPERATOR_REASON!r}")
+
+
+def slurm_update(lab: FleetLab, node: str, *fields: str) -> None:
+    subprocess.run(["scontrol", "update", f"NodeName={node}", *fields], env=lab.env(), check=True, capture_output=True)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+def scenarios(*, short: bool) -> list[Scenario]:
+    kills = [
+        Scenario(name=f"worker_killed_at_{step.value}", fault=kill_worker, at=step, delay_budget_s=15.0)
+        for step in KILL_STEPS
+    ]
+    full = [
+        *kills,
+        Scenario(name="temporal_killed_and_restarted", fault=kill_temporal, at=Step.CHECKPOINT),
+        Scenario(name="slurmctld_stopped_30s", fault=stop_slurmctld, at=Step.CHECKPOINT),
+        Scenario(name="kubernetes_500_burst", fault=kube_faults(500, 12), at=Step.APPROVE),
+        Scenario(name="kubernetes_429_burst", fault=kube_faults(429, 12, retry_after=1), at=Step.APPROVE),
+        Scenario(name="pdb_blocks_eviction", before=pdb_blocks, after=pdb_cleanup),
+        Scenario(name="webhook_refuses_connections", before=webhook_refuses, after=webhook_back, drained_budget_s=1.0),
+        Scenario(name="webhook_hangs", before=webhook_hangs, after=webhook_continues, drained_budget_s=1.0),
+        Scenario(name="operator_drained_before_xid", before=operator_drains, expect_approval=True),
+    ]
+    if short:
+        names = {"worker_killed_at_checkpoint", "webhook_hangs"}
+        return [s for s in full if s.name in names]
+    return full
+
+
+def fleet_facts(lab: FleetLab) -> dict[str, Any]:
+    """What the totals are computed from: claims on nodes, pools, Slurm reasons, the jobs."""
+    kube = KubernetesApi(kubeconfig=lab.home / "kubeconfig")
+    slurm = SlurmCli(slurm_conf=lab.slurm.conf)
+    nodes = {node.name: node for node in kube.list_nodes()}
+    return {
+        "claims": {n: k.annotations.get(CLAIMED_BY_ANNOTATION) for n, k in nodes.items()},
+        "pools": {n: k.labels.get(POOL_LABEL, "") for n, k in nodes.items()},
+        "slurm": {node.name: (node.drained, node.reason) for node in slurm.nodes()},
+        "partition": slurm.partition_nodes(lab.config.partition),
+    }
+
+
+def double_claims(facts: dict[str, Any]) -> int:
+    incidents = [claim for claim in facts["claims"].values() if claim]
+    return len(incidents) - len(set(incidents))
+
+
+def leaked_claims(facts: dict[str, Any]) -> int:
+    """A claim on a node that did not join the partition: claimed and never used."""
+    return sum(1 for node, claim in facts["claims"].items() if claim and node not in facts["partition"])
+
+
+def undrained_not_ours(before: dict[str, Any], after: dict[str, Any]) -> int:
+    """Nodes someone else had drained that are no longer drained with their reason."""
+    lost = 0
+    for node, (drained, reason) in before["slurm"].items():
+        if drained and reason and not owned_reason(reason):
+            still = after["slurm"].get(node)
+            if still is None or not still[0] or still[1] != reason:
+                lost += 1
+    return lost
+
+
+async def return_retired(lab: FleetLab, say: Say) -> None:
+    """Every retired node comes back as a spare, as after a repair; an operator's drain is lifted first."""
+    facts = fleet_facts(lab)
+    for node, pool in facts["pools"].items():
+        if pool != POOL_RETIRED:
+            continue
+        drained, reason = facts["slurm"][node]
+        if drained and not owned_reason(reason):
+            slurm_update(lab, node, "State=RESUME")  # the operator finishes their work
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "workers.entry", "nodes", "return", node, "--as", "spare"],
+            env=lab.env(),
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"could not return {node}: {done.stdout}{done.stderr}")
+        say(f"returned {node} as a spare")
+    # A returned node is briefly "not responding" after its resume: wait until Slurm shows it idle.
+    slurm = SlurmCli(slurm_conf=lab.slurm.conf)
+    await asyncio.to_thread(
+        wait_for,
+        lambda: all(not n.flags and n.state in {"idle", "allocated", "mixed"} for n in slurm.nodes()),
+        timeout=60,
+        what="every node to be healthy in Slurm",
+    )
+
+
+def at_or_after(step: Step, target: Step) -> bool:
+    return STEP_ORDER.index(step) >= STEP_ORDER.index(target)
+
+
+async def run_scenario(ctx: Context, scenario: Scenario, baseline: dict[str, Any] | None) -> dict[str, Any]:
+    lab, say = ctx.lab, ctx.say
+    ctx.fired = []
+    slurm = SlurmCli(slurm_conf=lab.slurm.conf)
+    job = await asyncio.to_thread(training_job, lab, slurm, job_kind=default_job(), say=say)
+    target = slurm.hostnames(job.nodes)[0]
+    if scenario.before is not None:
+        await scenario.before(ctx, target)
+    before = fleet_facts(lab)
+    fired_at: list[str] = []
+    client = await connect(address=lab.env()["TEMPORAL_ADDRESS"])
+
+    async def on_status(status: IncidentStatus) -> None:
+        due = scenario.at is not None and at_or_after(status.step, scenario.at) and status.step != Step.CLOSED
+        if scenario.fault is not None and due and not fired_at:
+            fired_at.append(status.step.value)
+            await scenario.fault(ctx)
+        if scenario.expect_approval and status.waiting_for_approval and "approved" not in ctx.fired:
+            ctx.fired.append("approved")
+            handle = client.get_workflow_handle(f"remediate-{lab.config.cluster}-{status.node}")
+            await handle.signal(NodeRemediationWorkflow.decide, Approval(approved=True, by="chaos", reason="drill"))
+
+    result: dict[str, Any] = {"name": scenario.name}
+    try:
+        drill = await run_drill(lab, node=target, job_kind=default_job(), timeout=300, say=say, on_status=on_status)
+    except Exception as exc:  # a scenario that breaks is reported, and the run goes on
+        result.update(passed=False, correct=False, outcome="error", error=f"{type(exc).__name__}: {exc}")
+        drill = None
+    finally:
+        if scenario.after is not None:
+            await scenario.after(ctx)
+    after = fleet_facts(lab)
+    checks: dict[str, int] = {
+        "jobs_lost": 0,
+        "double_claims": double_claims(after),
+        "nodes_undrained_not_ours": undrained_not_ours(before, after),
+        "claims_leaked": leaked_claims(after),
+    }
+    if drill is not None:
+        timings = drill["timings_s"]
+        resumed = drill["job_state"] == "RUNNING" and drill["job_restarts"] == drill["restarts_before"] + 1
+        checks["jobs_lost"] = 0 if resumed else 1
+        added = None
+        drained_added = None
+        if baseline is not None and timings["detect_to_resumed"] is not None:
+            added = round(timings["detect_to_resumed"] - baseline["detect_to_resumed"], 3)
+            drained_added = round(timings["detect_to_drained"] - baseline["detect_to_drained"], 3)
+        correct = (
+            drill["outcome"] == Outcome.RESOLVED.value
+            and resumed
+            and (drill["resumed_from_step"] or 0) > 0
+            and not any(checks.values())
+            and (not scenario.expect_approval or "approved" in ctx.fired)
+        )
+        within_budget = (scenario.delay_budget_s is None or added is None or added <= scenario.delay_budget_s) and (
+            scenario.drained_budget_s is None or drained_added is None or drained_added <= scenario.drained_budget_s
+        )
+        result.update(
+            passed=correct and within_budget,
+            correct=correct,
+            within_budget=within_budget,
+            outcome=drill["outcome"],
+            node=drill["node"],
+            detect_to_drained=timings["detect_to_drained"],
+            detect_to_resumed=timings["detect_to_resumed"],
+            added_delay_s=added,
+            added_to_drained_s=drained_added,
+            incident=drill["incident_id"],
+        )
+    if fired_at:
+        result["fault_at_step"] = fired_at[0]
+    result["faults"] = list(ctx.fired)
+    result.update(checks)
+    say(f"{scenario.name}: {'passed' if result.get('passed') else 'FAILED'} ({result.get('outcome')})")
+    await return_retired(lab, say)
+    return result
+
+
+async def race_two_incidents(ctx: Context, baseline: dict[str, Any]) -> dict[str, Any]:
+    """Two workers at once, Xids on both nodes of the job at once: two spares, one requeue."""
+    lab, say = ctx.lab, ctx.say
+    slurm = SlurmCli(slurm_conf=lab.slurm.conf)
+    job = await asyncio.to_thread(training_job, lab, slurm, job_kind=default_job(), say=say)
+    targets = slurm.hostnames(job.nodes)[:2]
+    second = spawn(
+        [sys.executable, "-m", "workers.entry", "worker"],
+        log=lab.home / "logs" / "worker-2.log",
+        env=lab.env(),
+        cwd=REPO_ROOT,
+    )
+    before = fleet_facts(lab)
+    client = await connect(address=lab.env()["TEMPORAL_ADDRESS"])
+    result: dict[str, Any] = {"name": "two_workers_two_incidents", "nodes": targets}
+    try:
+        detected = datetime.now(UTC)
+        for node in targets:
+            lab.inject_xid(node, 79)
+        statuses = []
+        for node in targets:
+            handle = client.get_workflow_handle(f"remediate-{lab.config.cluster}-{node}", result_type=IncidentStatus)
+            statuses.append(await _closed(handle, since=detected))
+        after_job = await asyncio.to_thread(
+            wait_for,
+            lambda: (j := slurm.job(job.job_id)).state == "RUNNING" and j.restarts > job.restarts and j,
+            timeout=120,
+            what="the job to run again",
+        )
+    except Exception as exc:  # reported, and the run goes on
+        result.update(passed=False, correct=False, outcome="error", error=f"{type(exc).__name__}: {exc}")
+        statuses, after_job = [], None
+    finally:
+        stop([second])
+    after = fleet_facts(lab)
+    spares = [status.spare for status in statuses]
+    checks = {
+        "jobs_lost": 0 if after_job is not None and after_job.restarts == job.restarts + 1 else 1,
+        "double_claims": double_claims(after) + (1 if len(set(spares)) != len(spares) else 0),
+        "nodes_undrained_not_ours": undrained_not_ours(before, after),
+        "claims_leaked": leaked_claims(after),
+    }
+    if statuses:
+        partition = set(after["partition"])
+        in_place = all(s.spare in partition for s in statuses) and not partition & set(targets)
+        resumed_at = max(_end(s, Step.RESUME) for s in statuses)
+        drained_at = max(_end(s, Step.DRAIN_SLURM) for s in statuses)
+        correct = all(s.outcome == Outcome.RESOLVED for s in statuses) and in_place and not any(checks.values())
+        result.update(
+            passed=correct,
+            correct=correct,
+            outcome=",".join(s.outcome.value for s in statuses),
+            spares=spares,
+            partition=sorted(partition),
+            detect_to_drained=round((drained_at - detected).total_seconds(), 3),
+            detect_to_resumed=round((resumed_at - detected).total_seconds(), 3),
+            added_delay_s=round((resumed_at - detected).total_seconds() - baseline["detect_to_resumed"], 3),
+        )
+    result.update(checks)
+    say(f"two_workers_two_incidents: {'passed' if result.get('passed') else 'FAILED'}")
+    await return_retired(lab, say)
+    return result
+
+
+def _end(status: IncidentStatus, step: Step) -> datetime:
+    return [e.at for e in status.timeline if e.step == step and e.event == "finished"][-1]
+
+
+async def _closed(handle: Any, *, since: datetime, timeout: float = 300) -> IncidentStatus:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        try:
+            description = await handle.describe()
+        except RPCError:  # not started yet
+            description = None
+        if description is not None and description.start_time >= since and description.close_time is not None:
+            status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
+            return status
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"{handle.id} did not close within {timeout:.0f}s")
+
+
+async def chaos(home: Path, *, short: bool, say: Say) -> dict[str, Any]:
+    config = LabConfig(
+        training=["gpu1", "gpu2"],
+        spares=["spare1", "spare2"],
+        temporal_port=free_port(),
+        ui_port=free_port(),
+        grace_seconds=60,
+    )
+    lab = FleetLab(home, config)
+    lab.up(say=say)
+    # Evictions a budget forbids are forced after 5 s here (60 s by default), to keep the run short.
+    lab.policy_file.write_text(
+        lab.policy_file.read_text().replace("remediation:\n", "remediation:\n  eviction_timeout_seconds: 5\n")
+    )
+    ctx = Context(lab=lab, say=say)
+    results: list[dict[str, Any]] = []
+    baseline: dict[str, Any] = {}
+    try:
+        say("baseline: a clean drill")
+        clean = await run_scenario(ctx, Scenario(name="baseline"), None)
+        results.append(clean)
+        baseline = {key: clean.get(key) for key in ("detect_to_drained", "detect_to_resumed")}
+        if None in baseline.values():
+            raise RuntimeError(f"the baseline drill did not resolve: {clean}")
+        for scenario in scenarios(short=short):
+            say(f"scenario: {scenario.name}")
+            results.append(await run_scenario(ctx, scenario, baseline))
+        if not short:
+            say("scenario: two workers, two incidents at once")
+            results.append(await race_two_incidents(ctx, baseline))
+    finally:
+        lab.down()
+    delays = [r["added_delay_s"] for r in results if r.get("added_delay_s") is not None]
+    totals = {
+        key: sum(r.get(key, 0) for r in results)
+        for key in ("jobs_lost", "double_claims", "nodes_undrained_not_ours", "claims_leaked")
+    }
+    return {
+        "scenarios": results,
+        "passed": all(r.get("passed") for r in results) and not any(totals.values()),
+        **totals,
+        "max_added_delay_s": max(delays) if delays else None,
+        "baseline": baseline,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m lab.chaos", description=__doc__.splitlines()[0])
+    parser.add_argument("--short", action="store_true", help="the baseline and two scenarios (part of make test)")
+    parser.add_argument("--home", type=Path, help="the chaos lab's state folder (default: a new temporary one)")
+    args = parser.parse_args()
+    home = args.home or Path(tempfile.mkdtemp(prefix="gpufleet-chaos-"))
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    say(f"chaos lab in {home}")
+    result = asyncio.run(chaos(home, short=args.short, say=say))
+    print(json.dumps(result), flush=True)
+    sys.exit(0 if result["passed"] else 1)
+
+
+if __name__ == "__main__":
+    main()
