@@ -153,8 +153,10 @@ class SlurmActivities:
                 marks = self._slurm.job_marks(job_id) if request.incident_id else []
                 intended = [m for m in marks if m.startswith("gpufleet:requeued:") and m.endswith(f":{run}")]
                 if job.restarts > run:
-                    if intended:
-                        return outcome(RequeueOutcome.REQUEUED, f"requeued ({intended[0].split(':')[2]})")
+                    # A finished job cannot be marked (Slurm refuses): our signal mark then stands
+                    # for the requeue that followed it.
+                    if intended or signalled_mark(request.incident_id) in marks:
+                        return outcome(RequeueOutcome.REQUEUED, "requeued by gpufleet")
                     return outcome(RequeueOutcome.SKIPPED, f"already restarted by someone else ({job.state})")
                 if job.state in _QUEUED:
                     return outcome(RequeueOutcome.REQUEUED, "already back in the queue")

@@ -53,7 +53,7 @@ class SlurmClient(Protocol):
     def signal_job(self, job_id: int, *, signal: str = "TERM") -> None: ...
     def requeue(self, job_id: int) -> None: ...
     def job_marks(self, job_id: int) -> list[str]: ...
-    def mark_job(self, job_id: int, mark: str) -> None: ...
+    def mark_job(self, job_id: int, mark: str) -> bool: ...
     def partition_nodes(self, partition: str) -> list[str]: ...
     def add_to_partition(self, partition: str, node: str) -> None: ...
     def remove_from_partition(self, partition: str, node: str) -> None: ...
@@ -250,19 +250,26 @@ class SlurmCli:
         """gpufleet's marks on the job (``gpufleet:signalled:<incident>``...), from its AdminComment."""
         return _MARK.findall(self._admin_comment(job_id))
 
-    def mark_job(self, job_id: int, mark: str) -> None:
+    def mark_job(self, job_id: int, mark: str) -> bool:
         """Record ``mark`` on the job, durably in slurmctld, before acting on it.
 
         A retry of an activity killed half-way reads the mark and knows what was already
-        decided. Whatever else the job's AdminComment holds is kept.
+        decided. Whatever else the job's AdminComment holds is kept. Slurm refuses to change a
+        job that has finished: then nothing is written and False is returned.
         """
         if not _MARK_SAFE.match(mark):
             raise InvalidInput(f"refusing to write job mark {mark!r}")
         comment = self._admin_comment(job_id)
         if mark in _MARK.findall(comment):
-            return
+            return True
         updated = f"{comment}; {mark}" if comment else mark
-        self._run(["scontrol", "update", f"JobId={checked_job_id(job_id)}", f"AdminComment={updated}"])
+        try:
+            self._run(["scontrol", "update", f"JobId={checked_job_id(job_id)}", f"AdminComment={updated}"])
+        except ClientError as exc:
+            if "already finished" in str(exc).lower():
+                return False
+            raise
+        return True
 
     def _squeue(self, *filters: str) -> list[JobInfo]:
         """``squeue --noheader --Format=...`` with ``filters``, parsed.

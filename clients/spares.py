@@ -281,8 +281,12 @@ class SparePool:
         with contextlib.suppress(NotFound):
             self._kube.set_unschedulable(node, True)
             _retry_conflicts(lambda: self._kube.add_taint(node, key=RETIRED_TAINT, value=incident_id or POOL_RETIRED))
-            if self._kube.get_node(node).labels.get(POOL_LABEL) != POOL_RETIRED:
-                self._kube.update_metadata(node, labels={POOL_LABEL: POOL_RETIRED})
+            current = self._kube.get_node(node)
+            if current.labels.get(POOL_LABEL) != POOL_RETIRED or CLAIMED_BY_ANNOTATION in current.annotations:
+                # A spare that failed in service is no longer anyone's claim: it is retired.
+                self._kube.update_metadata(
+                    node, labels={POOL_LABEL: POOL_RETIRED}, annotations={CLAIMED_BY_ANNOTATION: None}
+                )
 
     def return_node(self, node: str, *, as_: str) -> None:
         """Bring a repaired node back, as a warm spare (``as_="spare"``) or for training (``"training"``).

@@ -553,7 +553,17 @@ def main() -> None:
         print(line, file=sys.stderr, flush=True)
 
     say(f"chaos lab in {home}")
-    result = asyncio.run(chaos(home, short=args.short, say=say))
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        result = asyncio.run(chaos(home, short=args.short, say=say))
+    finally:
+        lab = FleetLab(home)
+        if lab.state().get("services"):
+            lab.down()  # never leave a lab running, however the run ended
     print(json.dumps(result), flush=True)
     sys.exit(0 if result["passed"] else 1)
 

@@ -401,3 +401,25 @@ def test_parse_squeue_format_splits_on_the_call_token_only() -> None:
         parse_squeue_format(sep.join(rows[0]) + "\n", separator=sep, terminator=end)
     with pytest.raises(ClientError):
         parse_squeue_format(sep.join(["x", *rows[0][1:]]) + end + "\n", separator=sep, terminator=end)
+
+
+@slurm_daemons
+def test_marks_are_kept_on_the_job_beside_what_the_site_wrote(
+    slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path
+) -> None:
+    job_id = submit(slurm_lab, tmp_path, "sleep 300\n", "-w", "gpu2")
+    wait_for(lambda: slurm.job(job_id).state == "RUNNING", timeout=30, what="the job to run")
+    subprocess.run(
+        ["scontrol", "update", f"JobId={job_id}", "AdminComment=site billing tag"], env=slurm_lab.env, check=True
+    )
+    assert slurm.mark_job(job_id, "gpufleet:signalled:lab-gpu2-20261202T000000Z")
+    assert slurm.mark_job(job_id, "gpufleet:signalled:lab-gpu2-20261202T000000Z")  # once only
+    assert slurm.job_marks(job_id) == ["gpufleet:signalled:lab-gpu2-20261202T000000Z"]
+    assert slurm._admin_comment(job_id).startswith("site billing tag; ")
+    slurm.requeue(job_id)  # the marks survive a requeue: a retry after it still reads them
+    assert slurm.job_marks(job_id) == ["gpufleet:signalled:lab-gpu2-20261202T000000Z"]
+    with pytest.raises(InvalidInput):
+        slurm.mark_job(job_id, "gpufleet:x:y; rm -rf /")
+    subprocess.run(["scancel", str(job_id)], env=slurm_lab.env, check=True)
+    wait_for(lambda: slurm.job(job_id).state == "CANCELLED", timeout=30, what="the cancel")
+    assert slurm.mark_job(job_id, "gpufleet:requeued:lab-gpu2-20261202T000000Z:0") is False  # finished: refused

@@ -284,3 +284,14 @@ def test_the_lease_namespace_must_be_a_namespace(pool: Pool) -> None:
     with pytest.raises(InvalidInput):
         SparePool(kube=kube, slurm=slurm, partition="train", cluster="lab", namespace="Not_A_Namespace")
     assert partition_lease_name("train") == "gpufleet-partition-train"
+
+
+def test_a_spare_that_fails_in_service_is_retired_without_its_old_claim(pool: Pool) -> None:
+    spares, kube, slurm = pool
+    assert spares.claim("incident-a") == "spare1"
+    spares.retire("spare1", "incident-b")  # the spare itself failed later, in the partition
+    node = kube.get_node("spare1")
+    assert node.labels["gpufleet.io/pool"] == "retired"
+    assert "gpufleet.io/claimed-by" not in node.annotations
+    assert "spare1" not in slurm.partition_nodes("train")
+    assert spares.release("incident-a") is None  # nothing left to give back
