@@ -26,6 +26,17 @@ class Notifier(Protocol):
         ...
 
 
+# Request Timeout and Too Early: the receiver asks for another try, unlike other 4xx refusals.
+_TRY_AGAIN = {408, 425}
+
+
+def _host(url: str) -> str:
+    try:
+        return urlsplit(url).hostname or "?"
+    except ValueError:
+        return "?"
+
+
 def retry_after_seconds(value: str | None) -> float | None:
     """An HTTP ``Retry-After`` in seconds (the delta-seconds form; a date is ignored)."""
     if not value:
@@ -43,10 +54,12 @@ class WebhookNotifier:
     the caller's retries (Temporal's) decide how often to try again.
     """
 
-    def __init__(self, *, url: str | None, timeout_seconds: float = 8.0) -> None:
+    def __init__(self, *, url: str | None, timeout_seconds: float = 6.0) -> None:
         self._url = url
         self._timeout = timeout_seconds
-        self._where = f"the webhook at {urlsplit(url).hostname or '?'}" if url else "no webhook"
+        self._where = f"the webhook at {_host(url)}" if url else "no webhook"
+        # Each phase bounded so that one attempt stays well inside the activity's 10 s.
+        self._timeouts = httpx.Timeout(timeout_seconds, connect=min(3.0, timeout_seconds), pool=1.0)
 
     def send(self, notification: Notification) -> bool:
         if not self._url:
@@ -58,7 +71,9 @@ class WebhookNotifier:
             "incident": notification.incident.model_dump(mode="json"),
         }
         try:
-            response = httpx.post(self._url, json=payload, timeout=httpx.Timeout(self._timeout))
+            response = httpx.post(self._url, json=payload, timeout=self._timeouts)
+        except httpx.InvalidURL:
+            raise InvalidInput(f"{self._where}: GPUFLEET_WEBHOOK_URL is not a valid URL") from None
         except httpx.HTTPError as exc:
             # The exception's text may quote the URL: keep only its kind.
             raise Unavailable(f"{self._where} did not answer ({type(exc).__name__})") from None
@@ -69,6 +84,8 @@ class WebhookNotifier:
                 f"{self._where} asked us to slow down (HTTP 429)",
                 retry_after=retry_after_seconds(response.headers.get("retry-after")),
             )
+        if response.status_code in _TRY_AGAIN:
+            raise Unavailable(f"{self._where} answered HTTP {response.status_code}; trying again")
         if 400 <= response.status_code < 500:
             raise InvalidInput(f"{self._where} refused the message: HTTP {response.status_code}")
         raise Unavailable(f"{self._where} answered HTTP {response.status_code}")

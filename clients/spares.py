@@ -182,7 +182,12 @@ class SparePool:
                 except NotFound:
                     continue  # the Node went away since we listed it
                 except Conflict:
-                    lost_a_race = True  # someone else wrote it first; look again
+                    # Someone wrote it first. It may be another attempt of this same incident
+                    # (a retry overlapping a slow one): then that claim is ours, and the only one.
+                    own = self._own_claim(incident_id)
+                    if own is not None:
+                        return own
+                    lost_a_race = True
                     break
             if not lost_a_race:
                 return None

@@ -233,6 +233,8 @@ def checkpoint_done(
     cluster: Annotated[str | None, typer.Option(help="Cluster name.")] = None,
 ) -> None:
     """Tell the node's incident that JOB_ID has checkpointed, so its grace period ends early."""
+    if not 0 < job_id < 2**31:
+        fail(f"job id {job_id} is not a Slurm job id (1..{2**31 - 1})", code=2)
     _signal_incident(node, cluster, NodeRemediationWorkflow.checkpoint_done, job_id)
 
 

@@ -81,3 +81,18 @@ def test_no_url_only_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("INFO")
     assert WebhookNotifier(url=None).send(note("opened")) is False
     assert "gpu1: opened" in caplog.text
+
+
+def test_408_is_tried_again_but_other_4xx_are_final(webhook: WebhookReceiver) -> None:
+    behave(webhook, status=408)
+    with pytest.raises(Unavailable, match="HTTP 408"):
+        WebhookNotifier(url=webhook.url).send(note("opened"))
+    behave(webhook, status=404)
+    with pytest.raises(InvalidInput, match="HTTP 404"):
+        WebhookNotifier(url=webhook.url).send(note("opened"))
+
+
+def test_a_malformed_url_is_invalid_and_not_quoted() -> None:
+    with pytest.raises(InvalidInput, match="not a valid URL") as failure:
+        WebhookNotifier(url=f"http://[::1/{SECRET}").send(note("opened"))
+    assert SECRET not in str(failure.value)

@@ -82,6 +82,12 @@ def test_an_out_of_range_xid_exits_2(xid: str) -> None:
     assert f"--xid {xid} is not an Xid" in one_line_error(done.stderr)
 
 
+def test_checkpoint_done_refuses_a_job_id_slurm_cannot_have() -> None:
+    done = gpufleet_cli("checkpoint-done", "--node", "gpu1", "--", "-3", env=NOWHERE)
+    assert done.returncode == 2
+    assert "is not a Slurm job id" in one_line_error(done.stderr)
+
+
 def test_nodes_return_refuses_an_unknown_role() -> None:
     done = gpufleet_cli("nodes", "return", "gpu1", "--as", "inference", env=NOWHERE)
     assert done.returncode == 2
