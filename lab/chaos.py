@@ -359,7 +359,9 @@ async def run_scenario(ctx: Context, scenario: Scenario, baseline: dict[str, Any
 
     result: dict[str, Any] = {"name": scenario.name}
     try:
-        drill = await run_drill(lab, node=target, job_kind=default_job(), timeout=300, say=say, on_status=on_status)
+        drill = await run_drill(
+            lab, node=target, job_kind=default_job(), timeout=300, say=say, on_status=on_status, require_running=False
+        )
     except Exception as exc:  # a scenario that breaks is reported, and the run goes on
         result.update(passed=False, correct=False, outcome="error", error=f"{type(exc).__name__}: {exc}")
         drill = None

@@ -160,14 +160,16 @@ async def run_drill(
     timeout: float = 600,
     say: Say = lambda _: None,
     on_status: OnStatus | None = None,
+    require_running: bool = True,
 ) -> dict[str, Any]:
     """Run one drill against a running lab; returns the result as a JSON-ready dict.
 
     Args:
         on_status: called with each status seen while the incident runs (chaos scenarios act
             there: kill a worker at a step, approve an incident waiting for approval).
+        require_running: refuse unless every lab process runs (a chaos run stops some on purpose).
     """
-    if not lab.running():
+    if require_running and not lab.running():
         raise LabError("the lab is not running: start it with `gpufleet lab up`")
     slurm = SlurmCli(slurm_conf=lab.slurm.conf)
     if node is not None:

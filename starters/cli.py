@@ -299,12 +299,7 @@ def incidents_show(
     workflow_id = _incident_workflow_id(incident, cluster)
 
     async def go() -> IncidentStatus:
-        client = await _client()
-        handle = client.get_workflow_handle(workflow_id)
-        try:
-            status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
-        except RPCError as exc:
-            fail(f"no incident {workflow_id}: {exc.message}")
+        _, status = await _incident(workflow_id)
         return status
 
     status = run_async(go())
@@ -341,16 +336,22 @@ def _incident_workflow_id(incident: str, cluster: str | None) -> str:
         fail(str(exc), code=2)
 
 
+async def _incident(workflow_id: str) -> tuple[Any, IncidentStatus]:
+    """The incident's handle and status; a clear error when there is none."""
+    client = await _client()
+    handle = client.get_workflow_handle(workflow_id)
+    try:
+        status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
+    except RPCError as exc:
+        fail(f"no incident {workflow_id}: {exc.message}")
+    return handle, status
+
+
 def _decide(incident: str, cluster: str | None, *, approved: bool, reason: str) -> None:
     workflow_id = _incident_workflow_id(incident, cluster)
 
     async def go() -> IncidentStatus:
-        client = await _client()
-        handle = client.get_workflow_handle(workflow_id)
-        try:
-            status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
-        except RPCError as exc:
-            fail(f"no incident {workflow_id}: {exc.message}")
+        handle, status = await _incident(workflow_id)
         if _STAMP.search(incident) and status.incident_id != incident:
             fail(f"incident {incident} is over; the node's latest incident is {status.incident_id}")
         if status.waiting_for_approval is None:

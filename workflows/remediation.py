@@ -74,11 +74,12 @@ with workflow.unsafe.imports_passed_through():
     )
     from models.xid import XidEvent
 
-# Slurm or Kubernetes being away is retried until they come back; wrong input is not.
+# Slurm or Kubernetes being away is retried until they come back (every 5 s at most, so an
+# incident goes on within seconds of their return); wrong input is not retried.
 RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
     backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=15),
+    maximum_interval=timedelta(seconds=5),
     non_retryable_error_types=list(NON_RETRYABLE),
 )
 # Every activity heartbeats (activities/heartbeat.py): a worker that dies costs this, plus a retry.
