@@ -2,7 +2,8 @@
 
 A change that would break incidents in flight (a step added, removed or reordered without
 ``workflow.patched``) makes the replayer raise a non-determinism error here, in CI.
-Record new ones with ``GPUFLEET_RECORD_HISTORIES=tests/replay`` (see record.py).
+Record new ones with ``GPUFLEET_RECORD_HISTORIES=tests/replay`` (see record.py); the
+``operator-drained`` and ``worker-killed`` ones come from a `make chaos` run's Temporal database.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def test_there_are_recorded_histories_of_each_outcome() -> None:
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[path.stem for path in HISTORIES])
 async def test_recorded_history_replays(path: Path) -> None:
-    workflow_id = path.stem.rsplit("-", 1)[0]
-    history = WorkflowHistory.from_json(workflow_id, json.loads(path.read_text()))
+    # The workflow's code never reads its own ID: the file's name stands in for it.
+    history = WorkflowHistory.from_json(path.stem.rsplit("-", 1)[0], json.loads(path.read_text()))
     replayer = Replayer(workflows=[NodeRemediationWorkflow], data_converter=pydantic_data_converter)
     result = await replayer.replay_workflow(history, raise_on_replay_failure=True)
     assert result.replay_failure is None
