@@ -37,9 +37,11 @@ def heartbeating(fn: Callable[P, R]) -> Callable[P, R]:
                     context.run(activity.heartbeat)
                 except RuntimeError:  # the activity is over (or not an activity at all)
                     return
+                except Exception:  # noqa: S112 - a slow hand-off to the SDK: beat again next time
+                    continue
 
-        threading.Thread(target=beat, name=f"heartbeat-{fn.__name__}", daemon=True).start()
         try:
+            threading.Thread(target=beat, name=f"heartbeat-{fn.__name__}", daemon=True).start()
             return fn(*args, **kwargs)
         finally:
             done.set()

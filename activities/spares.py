@@ -9,6 +9,9 @@ from activities.heartbeat import heartbeating
 from clients.spares import NodeProvider
 from models.requests import ClaimRequest, RetireRequest, ReturnNodeRequest
 
+# Spare steps run to their end even when their incident is cancelled (the workflow waits for
+# them): a claim or partition edit cut off half-way could leave a Lease or a claim behind.
+
 
 class SpareActivities:
     def __init__(self, provider: NodeProvider) -> None:
@@ -18,26 +21,26 @@ class SpareActivities:
     @heartbeating
     def claim_spare(self, request: ClaimRequest) -> str | None:
         """The spare claimed for this incident (the same one on every retry), or None if none is free."""
-        with client_errors():
+        with activity.shield_thread_cancel_exception(), client_errors():
             return self._provider.claim(request.incident_id)
 
     @activity.defn(name="release_spare")
     @heartbeating
     def release_spare(self, request: ClaimRequest) -> str | None:
         """Give back the spare this incident claimed and did not use (None: it holds none)."""
-        with client_errors():
+        with activity.shield_thread_cancel_exception(), client_errors():
             return self._provider.release(request.incident_id)
 
     @activity.defn(name="retire_node")
     @heartbeating
     def retire_node(self, request: RetireRequest) -> None:
         """Out of the partition; the Node kept cordoned, tainted gpufleet.io/retired and labelled retired."""
-        with client_errors():
+        with activity.shield_thread_cancel_exception(), client_errors():
             self._provider.retire(request.node, request.incident_id)
 
     @activity.defn(name="return_node")
     @heartbeating
     def return_node(self, request: ReturnNodeRequest) -> None:
         """Bring a repaired node back as a spare or for training (NotOwned: someone else holds it in Slurm)."""
-        with client_errors():
+        with activity.shield_thread_cancel_exception(), client_errors():
             self._provider.return_node(request.node, as_=request.as_)

@@ -420,7 +420,13 @@ class KubeLease:
         self._renewer.start()
 
     def _read(self) -> Any:
-        return self._kube._call(f"read lease {self.key}", self._api.read_namespaced_lease, self.name, self.namespace)
+        return self._kube._call(
+            f"read lease {self.key}",
+            self._api.read_namespaced_lease,
+            self.name,
+            self.namespace,
+            _request_timeout=self._call_timeout,
+        )
 
     def _try_acquire(self) -> bool:
         now = time.monotonic()
@@ -476,17 +482,32 @@ class KubeLease:
 
     def _replace(self, body: Any) -> Any:
         return self._kube._call(
-            f"replace lease {self.key}", self._api.replace_namespaced_lease, self.name, self.namespace, body
+            f"replace lease {self.key}",
+            self._api.replace_namespaced_lease,
+            self.name,
+            self.namespace,
+            body,
+            _request_timeout=self._call_timeout,
         )
+
+    @property
+    def _call_timeout(self) -> float:
+        # A renew slower than a third of the duration is a renew that did not happen.
+        return max(1.0, self.duration_seconds / 3)
 
     # -- keeping it ---------------------------------------------------------------------------------
 
     def _renew_loop(self) -> None:
+        renewed = time.monotonic()
         while not self._stop.wait(self.duration_seconds / 3):
             try:
                 self._renew()
-            except ClientError as exc:
+                renewed = time.monotonic()
+            except Exception as exc:
                 log.warning("lease %s: could not renew (%s); trying again", self.key, exc)
+            if time.monotonic() - renewed > self.duration_seconds * 2 / 3:
+                # Others may take it over soon: count it lost now, so the edit fails and is retried.
+                self._lost = True
             if self._lost:
                 return
 

@@ -152,6 +152,8 @@ class CarriedIncident(BaseModel):
     status: IncidentStatus
     events: list[XidEvent]
     restarts_before: dict[int, int] = Field(default_factory=dict)
+    # How many of ``events`` the last classification saw (later ones open the next incident).
+    classified: int = 0
 
 
 class Notification(BaseModel):

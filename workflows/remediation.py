@@ -140,6 +140,7 @@ class NodeRemediationWorkflow:
                 incident_id=f"{params.cluster}-{params.node}-{workflow.info().start_time:%Y%m%dT%H%M%SZ}",
                 cluster=params.cluster,
                 node=params.node,
+                xids=list(dict.fromkeys(event.xid for event in params.pending_events)),
             )
 
     # -- signals and query --------------------------------------------------------------------------
@@ -389,7 +390,7 @@ class NodeRemediationWorkflow:
     async def _continue_carried(self, params: RemediationInput) -> None:
         """A run continued as new while waiting for a spare: the retirement is done, wait on."""
         self._retire_finished = True
-        self._classified = len(self._events)
+        self._classified = self._input.carried.classified if self._input.carried else len(self._events)
         self._settings = self._status.settings or RemediationSettings()
         self._mark(Step.WAIT_FOR_SPARE, "continued", "history continued as new")
         await self._replace_and_resume(params)
@@ -447,7 +448,10 @@ class NodeRemediationWorkflow:
                     node=params.node,
                     search_attributes=params.search_attributes,
                     carried=CarriedIncident(
-                        status=self._status, events=self._events, restarts_before=self._restarts_before
+                        status=self._status,
+                        events=self._events,
+                        restarts_before=self._restarts_before,
+                        classified=self._classified,
                     ),
                 )
             )
@@ -486,7 +490,7 @@ class NodeRemediationWorkflow:
                 )
             checks += 1
             info = workflow.info()
-            if (
+            if self._retire_finished and (
                 checks >= SPARE_CHECKS_PER_RUN
                 or info.get_current_history_length() > HISTORY_SOFT_LIMIT
                 or info.is_continue_as_new_suggested()
@@ -636,6 +640,10 @@ class NodeRemediationWorkflow:
         except ActivityError as exc:
             record.outcome = "failed"
             record.error = str(exc.cause or exc)
+        except asyncio.CancelledError:
+            record.outcome = "cancelled"
+            self._mark(self._status.step, f"notify {record.kind}: cancelled")
+            raise
         else:
             record.outcome = "sent" if attempt else "not_sent"
             record.attempts = attempt

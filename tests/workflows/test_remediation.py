@@ -537,3 +537,19 @@ async def _until(handle: Any, predicate: Any, timeout: float = 30) -> IncidentSt
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"incident never reached the state; last: {status.step} {status.outcome}")
         await asyncio.sleep(0.05)
+
+
+async def test_an_xid_arriving_while_the_incident_closes_opens_the_next_one(env: WorkflowEnvironment) -> None:
+    fleet = Fleet(notify_gate=asyncio.Event())
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet, xid=48)  # RESET_GPU: the node stays drained for repair
+        closing = await _until(handle, lambda s: s.step == Step.CLOSED)
+        assert closing.outcome == Outcome.AWAITING_REPAIR  # its messages are still going out
+        await handle.signal(NodeRemediationWorkflow.report_xid, XidEvent(node="gpu1", xid=79, source="test"))
+        fleet.notify_gate.set()  # type: ignore[union-attr]
+        latest = env.client.get_workflow_handle(handle.id, result_type=IncidentStatus)
+        status = await latest.result()
+    assert status.xids == [79]
+    assert status.action == Action.REPLACE_NODE
+    assert status.outcome == Outcome.RESOLVED
+    assert status.timeline[0].at >= closing.timeline[-1].at  # a new incident, after the first closed
