@@ -1,7 +1,7 @@
 """End to end over every real part: Temporal dev server, worker, Slurm daemons, emulated Kubernetes, webhook.
 
 A two-node checkpointing job runs on gpu1 and gpu2; ``gpufleet remediate gpu1 --xid 79 --wait``
-must leave gpu1 drained and out of the partition, its Node deleted, spare1 serving, the job
+must leave gpu1 drained and out of the partition, its Node retired (kept), spare1 serving, the job
 requeued once and resumed from its checkpoint, and the owner told "opened" and "resolved".
 """
 
@@ -26,8 +26,11 @@ from clients.slurm import SlurmCli
 from lab.fleet import REPO_ROOT, FleetLab, LabConfig
 from lab.procs import alive, wait_for
 from models.incident import IncidentStatus
+from models.xid import XidEvent
+from starters.temporal import report_xid
 from tests.conftest import gpufleet_cli
 from tests.replay.record import record_histories
+from workflows.remediation import NodeRemediationWorkflow
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
@@ -174,3 +177,32 @@ def test_one_policy_file_decides_for_the_detector_and_the_worker(fleet: FleetLab
     assert status.settings is not None
     assert (status.settings.grace_seconds, status.settings.spare_recheck_seconds) == (7, 11)
     assert SlurmCli(slurm_conf=fleet.slurm.conf).node("gpu2").reason.startswith("gpufleet: xid 31 REBOOT_NODE")
+
+
+def test_no_spare_waits_until_a_repaired_node_is_returned(fleet: FleetLab) -> None:
+    """The lab's one spare is in use and gpu1 is retired: an Xid 79 on gpu2 waits for a spare,
+    says so once, and takes gpu1 when an operator returns it as a spare after its repair."""
+
+    async def scenario() -> IncidentStatus:
+        client = await Client.connect(fleet.env()["TEMPORAL_ADDRESS"], data_converter=pydantic_data_converter)
+        handle = await report_xid(client, XidEvent(node="gpu2", xid=79, source="test"), cluster="lab")
+        deadline = asyncio.get_running_loop().time() + 120
+        while not (status := await handle.query(NodeRemediationWorkflow.status)).waiting_for_spare:
+            assert asyncio.get_running_loop().time() < deadline, status.step
+            await asyncio.sleep(0.2)
+        returned = await asyncio.to_thread(gpufleet, fleet, "nodes", "return", "gpu1", "--as", "spare")
+        assert returned.returncode == 0, returned.stdout + returned.stderr
+        signalled = await asyncio.to_thread(gpufleet, fleet, "spare-available", "gpu2")
+        assert signalled.returncode == 0, signalled.stderr
+        result: IncidentStatus = await asyncio.wait_for(handle.result(), timeout=180)
+        return result
+
+    status = asyncio.run(scenario())
+    assert status.outcome == "resolved"
+    assert status.spare == "gpu1"
+    assert [n.kind for n in status.notifications].count("no_spare") == 1
+    kube = KubernetesApi(kubeconfig=Path(fleet.env()["GPUFLEET_KUBECONFIG"]))
+    gpu1 = kube.get_node("gpu1")
+    assert not any(taint["key"] == "gpufleet.io/retired" for taint in gpu1.taints)
+    assert gpu1.labels["gpufleet.io/pool"] == "training"
+    assert "gpu1" in SlurmCli(slurm_conf=fleet.slurm.conf).partition_nodes("train")

@@ -1,7 +1,8 @@
 """Recording real lab incidents for the replay test.
 
-Run the lab's end-to-end tests with ``GPUFLEET_RECORD_HISTORIES=tests/replay`` and every closed
-incident of the lab is written there as ``{workflow id}-{outcome}.json`` (Temporal's JSON form).
+Run the lab's end-to-end tests with ``GPUFLEET_RECORD_HISTORIES=DIR`` and every closed
+incident of the lab is written there as ``{workflow id}-{run id prefix}-{outcome}.json`` (Temporal's
+JSON form; one workflow id can have several runs). Rename the ones worth keeping after what they show.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def record_histories(temporal_address: str) -> list[Path]:
                 continue
             outcome = (execution.status.name if execution.status else "unknown").lower()
             history = await client.get_workflow_handle(execution.id, run_id=execution.run_id).fetch_history()
-            path = Path(folder) / f"{execution.id}-{outcome}.json"
+            path = Path(folder) / f"{execution.id}-{execution.run_id[:8]}-{outcome}.json"
             path.write_text(history.to_json())
             written.append(path)
         return written

@@ -2,7 +2,8 @@
 
 A change that would break incidents in flight (a step added, removed or reordered without
 ``workflow.patched``) makes the replayer raise a non-determinism error here, in CI.
-Record new ones with ``GPUFLEET_RECORD_HISTORIES=tests/replay`` (see record.py); the
+Record new ones with ``GPUFLEET_RECORD_HISTORIES=DIR`` (see record.py) and keep them here named after
+what they show (resolved, awaiting-repair, no-spare-then-returned, unknown-node); the
 ``operator-drained`` and ``worker-killed`` ones come from a `make chaos` run's Temporal database.
 """
 
