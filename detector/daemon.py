@@ -10,23 +10,41 @@ import os
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from temporalio.client import Client
 from temporalio.service import RPCError
 
+from detector.cursor import CursorFile, Position
+from detector.follow import LineReader, SourceStats
 from detector.parse import KernelLogParser, XidReport
 from detector.spool import Spool, SpoolFull
 from models.policy import Action, Policy, PolicyFile
-from models.xid import XidEvent
+from models.xid import GpuEventKind, XidEvent
 from starters.temporal import TemporalUnreachable, connect, report_xid
 
 log = logging.getLogger("gpufleet.detector")
-Emit = Callable[[XidReport, str], None]
+STALE_LOOP_SECONDS = 10.0  # /healthz fails when the main loop has not come round for this long
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Save ``position`` in ``cursor`` once everything the source emitted before it is handled.
+
+    It travels through the same queue as the reports, so the main loop reaches it only after
+    their events are printed and spooled.
+    """
+
+    cursor: CursorFile
+    position: Position
+
+
+Emit = Callable[[XidReport | Checkpoint, str], None]
 Ready = Callable[[], None]
 
 
@@ -39,22 +57,88 @@ class Source(Protocol):
 
 
 class KernelLogSource:
-    """Kernel-log lines (a file, a stream or /dev/kmsg) through the driver-line parser."""
+    """Kernel-log lines (a file, a stream, /dev/kmsg or the journal) through the driver-line parser.
 
-    name = "kmsg"
+    With a ``cursor``, the reader's position is saved after each line that produced an event,
+    and otherwise at most every ``save_seconds`` (a burst of other lines costs no fsync each),
+    and when the source stops.
+    """
 
-    def __init__(self, follower: Any, *, once: bool) -> None:
-        self._follower = follower
+    def __init__(
+        self,
+        reader: LineReader,
+        *,
+        once: bool,
+        name: str = "kmsg",
+        cursor: CursorFile | None = None,
+        save_seconds: float = 0.5,
+    ) -> None:
+        self.name = name
+        self._reader = reader
         self._once = once
         self._parser = KernelLogParser()
+        self._cursor = cursor
+        self._save_seconds = save_seconds
+        self._saved: Position | None = None
+        self._saved_at = float("-inf")
+
+    @property
+    def stats(self) -> SourceStats:
+        return self._reader.stats
 
     def run(self, emit: Emit, stop: threading.Event, ready: Ready) -> None:
-        self._follower.prime()
+        self._reader.prime()
         ready()
-        lines = self._follower.read_available() if self._once else self._follower.follow(stop=stop.is_set)
-        for line in lines:
-            for report in self._parser.feed(line):
-                emit(report, self.name)
+        try:
+            if self._once:
+                lines = self._reader.read_available()
+            else:
+                lines = self._reader.follow(stop=stop.is_set, idle=lambda: self._checkpoint(emit, now=False))
+            for line in lines:
+                reports = self._parser.feed(line)
+                for report in reports:
+                    emit(report, self.name)
+                self._checkpoint(emit, now=bool(reports))
+            self._checkpoint(emit, now=True)
+        finally:
+            self._reader.close()
+
+    def _checkpoint(self, emit: Emit, *, now: bool) -> None:
+        """Ask for the position to be saved: ``now``, or if the last save is ``save_seconds`` old."""
+        if self._cursor is None:
+            return
+        position = self._reader.position()
+        if position is None or position == self._saved:
+            return
+        if not now and time.monotonic() - self._saved_at < self._save_seconds:
+            return
+        emit(Checkpoint(self._cursor, position), self.name)
+        self._saved, self._saved_at = position, time.monotonic()
+
+
+class SourceFailed(RuntimeError):
+    """A source raised: the detector would be deaf to it, so it stops (and is restarted)."""
+
+    def __init__(self, source: str, error: BaseException) -> None:
+        super().__init__(f"source {source} failed: {type(error).__name__}: {error}")
+        self.source = source
+        self.error = error
+
+
+class SourceThread(threading.Thread):
+    """Runs one source and keeps what it raised, for the main loop to act on."""
+
+    def __init__(self, source: Source, emit: Emit, stop: threading.Event, ready: Ready) -> None:
+        super().__init__(name=f"source-{source.name}", daemon=True)  # a source blocked in a read must not hold exit
+        self.source = source
+        self._args = (emit, stop, ready)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.source.run(*self._args)
+        except BaseException as exc:
+            self.error = exc
 
 
 @dataclass
@@ -62,11 +146,11 @@ class Folder:
     """Folds identical repeats (same node, Xid and GPU) seen within ``window`` seconds."""
 
     window: float = 10.0
-    _seen: dict[tuple[str, int, str | None], float] = field(default_factory=dict)
+    _seen: dict[tuple[str, str, int | None, str | None], float] = field(default_factory=dict)
     folded: int = 0
 
     def fresh(self, event: XidEvent) -> bool:
-        key = (event.node, event.xid, event.pci)
+        key = (event.node, event.kind.value, event.xid, event.pci)
         now = time.monotonic()
         last = self._seen.get(key)
         self._seen[key] = now
@@ -116,7 +200,7 @@ class Delivery:
             self._backoff = 0.5
             sent += 1
             self.delivered += 1
-            log.info("Xid %d on %s -> incident %s", event.xid, event.node, handle.id)
+            log.info("%s on %s -> incident %s", event.label, event.node, handle.id)
         return sent
 
 
@@ -137,14 +221,42 @@ class Detector:
         self.folder = Folder(fold_seconds)
         self._out = out
         self._as_json = as_json
-        self._queue: queue.Queue[tuple[XidReport, str]] = queue.Queue()
+        self._queue: queue.Queue[tuple[XidReport | Checkpoint, str]] = queue.Queue()
+        self._threads: list[SourceThread] = []
+        self._cursor_errors: set[Path] = set()
+        # For /healthz and /metrics, read from the HTTP server's threads.
+        self.last_tick: float | None = None  # time.monotonic() when the main loop last came round
+        self.stats: dict[str, SourceStats] = {}
+        self.last_event_at: float | None = None  # the Unix time of the last event reported
+        self._events: Counter[tuple[str, str]] = Counter()  # (kind, action) -> events reported
+        self._events_lock = threading.Lock()
 
-    def emit(self, report: XidReport, source: str) -> None:
-        self._queue.put((report, source))
+    def emit(self, item: XidReport | Checkpoint, source: str) -> None:
+        self._queue.put((item, source))
+
+    def events_reported(self) -> dict[tuple[str, str], int]:
+        """Events reported so far by (kind, action); folded repeats are not counted."""
+        with self._events_lock:
+            return dict(self._events)
+
+    def health(self) -> tuple[bool, str]:
+        """Whether the detector still listens: the main loop comes round and every source runs."""
+        if self.last_tick is None:
+            return False, "not started yet"
+        age = time.monotonic() - self.last_tick
+        if age > STALE_LOOP_SECONDS:
+            return False, f"the main loop has not come round for {age:.0f}s"
+        for thread in self._threads:
+            if thread.error is not None:
+                return False, str(SourceFailed(thread.source.name, thread.error))
+            if not thread.is_alive():
+                return False, f"source {thread.source.name} has ended"
+        return True, "ok"
 
     def handle(self, report: XidReport, source: str) -> XidEvent | None:
         event = XidEvent(
             node=self.node,
+            kind=GpuEventKind(report.kind),
             xid=report.xid,
             pci=report.pci,
             gpu_uuid=report.gpu_uuid,
@@ -167,6 +279,7 @@ class Detector:
         action = policy.decide([event])
         record = {
             "node": event.node,
+            "kind": event.kind.value,
             "xid": event.xid,
             "pci": event.pci,
             "gpu_uuid": event.gpu_uuid,
@@ -180,7 +293,10 @@ class Detector:
         if self._as_json:
             self._out(json.dumps(record))
         else:
-            self._out(f"{event.timestamp:%H:%M:%S} {event.node} Xid {event.xid} ({event.pci}) -> {action.value}")
+            self._out(f"{event.timestamp:%H:%M:%S} {event.node} {event.label} ({event.pci}) -> {action.value}")
+        with self._events_lock:
+            self._events[(event.kind.value, action.value)] += 1
+            self.last_event_at = event.timestamp.timestamp()
         if self.delivery is not None and action is not Action.OBSERVE:
             with contextlib.suppress(SpoolFull):  # the spool reports it loudly
                 self.delivery.put(event)
@@ -194,7 +310,7 @@ class Detector:
         stop: threading.Event | None = None,
         ready_file: Path | None = None,
     ) -> None:
-        """Run the sources until they end (``once``) or ``stop`` is set.
+        """Run the sources until they end (``once``) or ``stop`` is set; SourceFailed if one raises.
 
         Args:
             ready_file: written (with the PID) once every source follows its input, so that
@@ -211,29 +327,66 @@ class Detector:
                 if pending == 0 and ready_file is not None:
                     write_ready_file(ready_file)
 
-        threads = [
-            threading.Thread(target=s.run, args=(self.emit, stop, source_ready), name=s.name, daemon=True)
-            for s in sources
-        ]
-        for thread in threads:
+        self.stats = {s.name: s.stats if isinstance(s, KernelLogSource) else SourceStats() for s in sources}
+        self._threads = [SourceThread(s, self.emit, stop, source_ready) for s in sources]
+        for thread in self._threads:
             thread.start()
         try:
             while True:
+                self.last_tick = time.monotonic()
+                self._raise_if_a_source_failed()
                 try:
-                    report, source = await asyncio.to_thread(self._queue.get, True, 0.05)
-                    self.handle(report, source)
+                    item, source = await asyncio.to_thread(self._queue.get, True, 0.05)
+                    self._take(item, source)
                     continue  # drain the queue before delivering
                 except queue.Empty:
                     pass
                 if self.delivery is not None:
                     await self.delivery.flush()
-                sources_done = not any(thread.is_alive() for thread in threads)
+                sources_done = not any(thread.is_alive() for thread in self._threads)
                 if (once and sources_done and self._queue.empty()) or stop.is_set():
                     break
+            self._raise_if_a_source_failed()
         finally:
             stop.set()
+            await self._wind_down()
         if once and self.delivery is not None and len(self.delivery.spool):
             await self.delivery.flush()
+
+    def _raise_if_a_source_failed(self) -> None:
+        for thread in self._threads:
+            if thread.error is not None:
+                self.stats[thread.source.name].errors += 1
+                raise SourceFailed(thread.source.name, thread.error) from thread.error
+
+    async def _wind_down(self) -> None:
+        """After ``stop``: let the sources end (their last cursor position), then take what they queued."""
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join, 2.0)  # one blocked in a read (standard input) is left behind
+        while True:
+            try:
+                item, source = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._take(item, source)
+
+    def _take(self, item: XidReport | Checkpoint, source: str) -> None:
+        if isinstance(item, Checkpoint):
+            self._save_cursor(item)
+        else:
+            self.handle(item, source)
+
+    def _save_cursor(self, checkpoint: Checkpoint) -> None:
+        """Every event before ``checkpoint`` is handled: its position may now be saved."""
+        path = checkpoint.cursor.path
+        try:
+            checkpoint.cursor.save(checkpoint.position)
+        except OSError as exc:
+            if path not in self._cursor_errors:  # said once, not at every save
+                log.error("cannot save cursor %s (%s); a restart reads again what followed the last save", path, exc)
+            self._cursor_errors.add(path)
+        else:
+            self._cursor_errors.discard(path)
 
 
 def write_ready_file(path: Path) -> None:

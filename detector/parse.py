@@ -1,40 +1,91 @@
-"""Parsing the NVIDIA driver's kernel-log lines into Xid reports.
+"""Finding the NVIDIA driver's records in kernel logs, wherever a log puts them.
 
-Accepts raw ``/dev/kmsg`` records (``prio,seq,usec,flags;message``), ``dmesg`` and
-``dmesg -T`` lines (``[...] message``), ``journalctl -k`` / syslog lines (``... kernel: message``)
-and bare messages. Only a driver line (``NVRM:`` at the start of the message) can become an
-event; everything else, other NVRM messages included, is ignored.
+The driver writes a handful of records that matter (``models.xid.GpuEventKind``):
+
+- ``NVRM: Xid (PCI:0000:3b:00): 79, pid=..., name=..., message`` (older drivers: ``(0000:01:00)``
+  without ``PCI:``; MIG adds ``GPU-I:nn GPU-CI:nn``; a redacted ``PCI:...`` is an unknown address;
+  the payload after the number may be missing);
+- ``nvidia-nvswitchN: SXid (PCI:0000:04:00.0): 22013, ...``, NVSwitch errors, often repeated over
+  several lines that carry the same header (``Severity ...``, ``Data {...}``): one event;
+- "fallen off the bus" without an Xid line: ``NVRM: GPU at 0000:01:00.0 has fallen off the bus.``,
+  ``NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.``, or three lines starting
+  ``NVRM: The NVIDIA GPU 0000:3b:00.0`` whose continuation lines may have no ``NVRM:`` of their own;
+- ``RmInitAdapter failed!`` / ``rm_init_adapter failed`` (the GPU never came up) and a GPU whose
+  auxiliary power cables are not connected.
+
+A record can sit behind any prefix: ``/dev/kmsg`` fields, dmesg and syslog timestamps in any
+locale, journald formats, a bare ``kernel:`` tag, a health agent's own prefix, a Markdown fence.
+A JSON log record (keys ``MESSAGE``, ``message`` or ``log``) is unwrapped and its text parsed.
+
+A *quotation* of a record never counts. The record is in shell context when the text before it
+
+- starts with a shell prompt (``$ ``, ``# ``, ``user@host:~$ ``, ``[root@host ~]# ``),
+- contains one of the commands ``echo``, ``printf``, ``logger``, ``tee`` or a ``grep``,
+- or ends with an opening quote that is not a field's value (``XID: "NVRM...`` and
+  ``msg="NVRM...`` are wrappers; ``--text 'NVRM...``, ``said 'NVRM...`` are quotations);
+
+and a record logged by a user-space program (a syslog ``program[pid]:`` tag) is not the kernel's.
+
+Other numbers in a record's text (``... caused by previous Xid 149``) never replace its own code,
+and GSP diagnostics (``_kgspLogXid119``, ``krcRcAndNotifyAllChannels ... critical error 79``) are
+not events of their own. Lines without a driver record cost two substring checks: the parser
+has to keep up with a chatty kernel and with a replayed journal.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-_PREFIXES = (
-    re.compile(r"^\d+,\d+,\d+,[^;]*;"),  # /dev/kmsg
-    re.compile(r"^\[[^\]]{1,40}\]\s?"),  # dmesg, dmesg -T
-    re.compile(r"^(?:\w{3} [ \d]\d \d\d:\d\d:\d\d|\d{4}-\d\d-\d\dT\S+) \S+ kernel: (?:\[[^\]]{1,40}\]\s?)?"),
-)
-_PCI = r"(?P<pci>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})"
+_HEX_PCI = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}"
 _MIG = r"(?: GPU-I:(?P<gi>\d+))?(?: GPU-CI:(?P<ci>\d+))?"
-_XID = re.compile(rf"^NVRM: Xid \(PCI:{_PCI}{_MIG}\): (?P<xid>\d{{1,5}})(?:, (?P<rest>.*)|,?)$")
-_PID = re.compile(r"^pid=(?P<pid>'<unknown>'|<unknown>|\d+)(?:, |$)")
-_NAME = re.compile(r"^name=(?P<name>[^,]*)(?:, |$)")
-_GPU_AT = re.compile(rf"^NVRM: GPU at PCI:{_PCI}: (?P<uuid>GPU-[0-9a-fA-F-]+)\s*$")
-# "NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus." and the multi-line
-# "NVRM: The NVIDIA GPU 0000:3b:00.0 / (PCI ID: ...) installed in this system has / fallen off the bus ..."
-_GPU_NAMED = re.compile(r"^NVRM: (?:The NVIDIA )?GPU (?P<pci>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})(?:\.\d)?\b")
-_CONTINUATION_LINES = 4
+_XID = re.compile(
+    rf"Xid \((?:PCI:)?(?:(?P<pci>{_HEX_PCI})(?:\.[0-7])?|(?P<redacted>[.xX:]+)){_MIG}\): "
+    r"(?P<xid>\d{1,5})(?:, ?(?P<rest>.*?)|,?)\s*$"
+)
+_SXID = re.compile(
+    rf"^nvidia-nvswitch\d+: SXid \((?:PCI:)?(?:(?P<pci>{_HEX_PCI}(?:\.[0-7])?)|[.xX:]+)\): "
+    r"(?P<xid>\d{1,5})(?:, ?(?P<rest>.*?)|,?)\s*$"
+)
+_SXID_CONTINUATION = ("Severity ", "Data {", "Data:", "Data ")
+_PID = re.compile(r"^pid=(?P<pid>'<unknown>'|<unknown>|\d+)(?:, ?|$)")
+_NAME = re.compile(r"^name=(?P<name>[^,]*)(?:, ?|$)")
+_GPU_AT_UUID = re.compile(rf"^GPU at PCI:(?P<pci>{_HEX_PCI}): (?P<uuid>GPU-[0-9a-fA-F-]+)\s*$")
+_BUS_LOST_ONE_LINE = re.compile(
+    rf"^GPU (?:at )?(?:PCI:)?(?P<pci>{_HEX_PCI})(?:\.[0-7])?:? (?:GPU )?has fallen off the bus"
+)
+_BUS_LOST_START = re.compile(rf"^The NVIDIA GPU (?:PCI:)?(?P<pci>{_HEX_PCI})(?:\.[0-7])?\b")
+_GPU_NAMED = re.compile(rf"\bGPU (?:at )?(?:PCI:)?(?P<pci>{_HEX_PCI})")
+_INIT_FAILED = ("RmInitAdapter failed", "rm_init_adapter failed")
+_POWER_CABLE = re.compile(
+    r"power (?:cable|connector)s?\b.*\bnot (?:be )?connected|not .*\bpower cables? connected", re.IGNORECASE
+)
+
+_ANCHOR = re.compile(r"NVRM: |nvidia-nvswitch\d+: ")
+_PROMPT = re.compile(r"^\s*(?:\[[\w.-]+@[^\]]*\]|[\w.-]+@[\w.-]+(?::\S*)?)?\s*[$#]\s")
+_COMMAND = re.compile(r"(?:^|[\s;&|(`'\"])(?:echo|printf|logger|tee|[ezf]?grep|rg)(?=[\s'\"]|$)")
+_PROGRAM_TAG = re.compile(r"\S+\[\d+\]:\s*$")
+_FIELD_VALUE_QUOTE = re.compile(r"(?:(?<![\w-])[A-Za-z_][\w.]*=|:\s*)$")
+_FENCE = re.compile(r"^\s*```\w*\s*")
+_JSON_KEYS = ("MESSAGE", "message", "log")
+
+_CONTINUATION_LINES = 4  # a multi-line bus-loss record is three lines; allow one stray between
+_RECENT_LINES = 50  # how far back a record's companion (Xid 79, RmInitAdapter) is remembered
 
 
 @dataclass(frozen=True)
 class XidReport:
-    """One Xid as the driver reported it."""
+    """One event as the driver reported it: an Xid, an SXid, or a failure without a code.
 
-    xid: int
-    pci: str
+    ``kind`` is a ``models.xid.GpuEventKind`` value; ``xid`` is None for kinds without a code;
+    ``pci`` is None when the log does not say (a redacted address).
+    """
+
+    xid: int | None
+    pci: str | None
     message: str
+    kind: str = "xid"
     pid: int | None = None
     process: str | None = None
     gpu_instance: int | None = None
@@ -42,19 +93,24 @@ class XidReport:
     gpu_uuid: str | None = None
 
 
-def strip_prefix(line: str) -> str:
-    """The kernel message without its kmsg/dmesg/journal prefix."""
-    line = line.rstrip("\r\n")
-    for prefix in _PREFIXES:
-        match = prefix.match(line)
-        if match:
-            return line[match.end() :]
-    return line
+def in_shell_context(prefix: str) -> bool:
+    """Whether a record behind ``prefix`` is a quotation (a command, a prompt, a quoted argument)
+    or was logged by a user-space program rather than the kernel."""
+    if not prefix:
+        return False
+    if _PROMPT.match(prefix) or _COMMAND.search(prefix) or _PROGRAM_TAG.search(prefix):
+        return True
+    before = prefix.rstrip()
+    if before.endswith(("'", '"', "`")):
+        return not _FIELD_VALUE_QUOTE.search(before[:-1])
+    return False
 
 
 def parse_xid(message: str) -> XidReport | None:
-    """An ``NVRM: Xid (...)`` message as a report, or None when it is not one."""
-    match = _XID.match(message)
+    """An ``NVRM: Xid (...)`` message (no prefix) as a report, or None when it is not one."""
+    if not message.startswith("NVRM: "):
+        return None
+    match = _XID.match(message, 6)
     if not match:
         return None
     rest = match.group("rest") or ""
@@ -66,11 +122,12 @@ def parse_xid(message: str) -> XidReport | None:
         rest = rest[pid_match.end() :]
         if name_match := _NAME.match(rest):
             name = name_match.group("name").strip()
-            process = None if name in {"<unknown>", ""} else name
+            process = None if name in {"<unknown>", "'<unknown>'", ""} else name
             rest = rest[name_match.end() :]
+    pci = match.group("pci")
     return XidReport(
         xid=int(match.group("xid")),
-        pci=match.group("pci").lower(),
+        pci=pci.lower() if pci else None,
         message=rest.strip(),
         pid=pid,
         process=process,
@@ -79,47 +136,137 @@ def parse_xid(message: str) -> XidReport | None:
     )
 
 
+def _unwrap_json(line: str) -> list[str] | None:
+    """The kernel text inside a JSON log record, as lines; None when the line is not one.
+
+    A record that says where it came from (journald's ``_TRANSPORT``) counts only from the kernel.
+    """
+    start, end = line.find("{"), line.rfind("}")
+    if start < 0 or end < start:
+        return None
+    try:
+        record = json.loads(line[start : end + 1])
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    transport = record.get("_TRANSPORT")
+    if transport is not None and transport != "kernel":
+        return []
+    for key in _JSON_KEYS:
+        value = record.get(key)
+        if isinstance(value, list) and all(isinstance(b, int) and 0 <= b < 256 for b in value):
+            value = bytes(value).decode("utf-8", errors="replace")  # journald's non-UTF-8 form
+        if isinstance(value, str):
+            return value.splitlines()
+    return None
+
+
 @dataclass
 class KernelLogParser:
     """Stateful parser over a stream of kernel-log lines.
 
-    It remembers PCI -> GPU UUID from ``NVRM: GPU at PCI:...`` lines and joins the
-    multi-line "fallen off the bus" message, which the driver prints without an Xid.
+    It remembers PCI -> GPU UUID from ``NVRM: GPU at PCI:...`` lines, joins multi-line records,
+    and keeps a record's companion lines (the bus-loss line after an Xid 79, ``rm_init_adapter``
+    after ``RmInitAdapter``, an SXid's continuation lines) from counting twice.
     """
 
     uuids: dict[str, str] = field(default_factory=dict)
+    _line: int = 0
     _pending_pci: str | None = None
-    _pending_text: list[str] = field(default_factory=list)
+    _pending_left: int = 0
+    _recent: dict[tuple[str, str | None], int] = field(default_factory=dict)
+    _last_sxid: tuple[str | None, int] | None = None
 
     def feed(self, line: str) -> list[XidReport]:
-        message = strip_prefix(line)
-        if not message.startswith("NVRM: "):
-            self._pending_pci = None
+        """The events completed by this line (usually none)."""
+        self._line += 1
+        if "NVRM" not in line and "nvswitch" not in line:
+            if self._pending_left:
+                return self._continuation(line)
             return []
-        if at := _GPU_AT.match(message):
+        if "{" in line:
+            inner = _unwrap_json(line)
+            if inner is not None:
+                return [report for text in inner for report in self.feed(text)]
+        anchor = _ANCHOR.search(line)
+        if anchor is None:
+            return self._continuation(line) if self._pending_left else []
+        prefix = line[: anchor.start()]
+        if "```" in prefix:
+            prefix = _FENCE.sub("", prefix)
+        if in_shell_context(prefix):
+            self._pending_left = 0
+            return []
+        message = line[anchor.start() :].rstrip()
+        if message.startswith("NVRM: "):
+            return self._driver(message)
+        self._pending_left = 0
+        return self._nvswitch(message)
+
+    def _driver(self, message: str) -> list[XidReport]:
+        if report := parse_xid(message):
+            self._pending_left = 0
+            if report.xid == 79 and report.pci:
+                self._recent[("xid79", report.pci)] = self._line
+            return [self._with_uuid(report)]
+        body = message[6:]
+        if at := _GPU_AT_UUID.match(body):
             self.uuids[at.group("pci").lower()] = at.group("uuid")
             return []
-        if report := parse_xid(message):
-            self._pending_pci = None
-            return [self._with_uuid(report)]
-        if named := _GPU_NAMED.match(message):
-            self._pending_pci = named.group("pci").lower()
-            self._pending_text = [message[len("NVRM: ") :]]
-        elif self._pending_pci is not None and len(self._pending_text) < _CONTINUATION_LINES:
-            self._pending_text.append(message[len("NVRM: ") :])
-        else:
-            self._pending_pci = None
-            return []
-        text = " ".join(self._pending_text)
-        if "fallen off the bus" in text:
-            pci = self._pending_pci
-            self._pending_pci = None
-            assert pci is not None
-            return [self._with_uuid(XidReport(xid=79, pci=pci, message=text))]
+        if lost := _BUS_LOST_ONE_LINE.match(body):
+            self._pending_left = 0
+            return self._bus_lost(lost.group("pci").lower(), body)
+        if start := _BUS_LOST_START.match(body):
+            self._pending_pci = start.group("pci").lower()
+            self._pending_left = _CONTINUATION_LINES
+            return self._continuation(body) if "fallen off the bus" in body else []
+        if self._pending_left:
+            return self._continuation(body)
+        if any(marker in body for marker in _INIT_FAILED):
+            return self._init_failed(body)
+        if "power" in body and _POWER_CABLE.search(body):
+            named = _GPU_NAMED.search(body)
+            pci = named.group("pci").lower() if named else None
+            return [self._with_uuid(XidReport(xid=None, pci=pci, message=body, kind="power_cable"))]
         return []
 
+    def _continuation(self, text: str) -> list[XidReport]:
+        self._pending_left -= 1
+        if "fallen off the bus" not in text or self._pending_pci is None:
+            return []
+        pci, self._pending_pci, self._pending_left = self._pending_pci, None, 0
+        return self._bus_lost(pci, text.strip())
+
+    def _bus_lost(self, pci: str, text: str) -> list[XidReport]:
+        seen = self._recent.get(("xid79", pci))
+        if seen is not None and self._line - seen <= _RECENT_LINES:
+            return []  # the driver's companion line to the Xid 79 just reported
+        return [self._with_uuid(XidReport(xid=79, pci=pci, message=text, kind="bus_lost"))]
+
+    def _init_failed(self, body: str) -> list[XidReport]:
+        named = _GPU_NAMED.search(body)
+        pci = named.group("pci").lower() if named else None
+        if body.startswith("rm_init_adapter"):
+            seen = self._recent.get(("init", None))
+            if seen is not None and self._line - seen <= _RECENT_LINES:
+                return []  # follows the RmInitAdapter line of the same failure
+        self._recent[("init", None)] = self._line
+        return [self._with_uuid(XidReport(xid=None, pci=pci, message=body, kind="init_failed"))]
+
+    def _nvswitch(self, message: str) -> list[XidReport]:
+        match = _SXID.match(message)
+        if not match:
+            return []
+        pci = match.group("pci").lower() if match.group("pci") else None
+        code = int(match.group("xid"))
+        rest = (match.group("rest") or "").strip()
+        same = self._last_sxid == (pci, code)
+        self._last_sxid = (pci, code)
+        if same and rest.startswith(_SXID_CONTINUATION):
+            return []  # the same SXid's severity or data line
+        return [XidReport(xid=code, pci=pci, message=rest, kind="sxid")]
+
     def _with_uuid(self, report: XidReport) -> XidReport:
-        uuid = self.uuids.get(report.pci)
-        if uuid is None:
-            return report
-        return XidReport(**{**report.__dict__, "gpu_uuid": uuid})
+        uuid = self.uuids.get(report.pci) if report.pci else None
+        return report if uuid is None else replace(report, gpu_uuid=uuid)

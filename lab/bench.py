@@ -1,5 +1,8 @@
 """``make bench``: K recovery drills in one lab, as JSON.
 
+First the detector's figures: parse throughput over a large mixed kernel log (one core) and
+a real detector's idle CPU (lab/parse_bench.py), and the line-to-incident latency.
+
 Besides each drill's timings and their medians, it splits every incident's time using the
 workflow history: the control-plane overhead (activities and workflow tasks waiting to be
 picked up, and workflow tasks being decided) apart from the time spent in Slurm, Kubernetes
@@ -27,6 +30,7 @@ from temporalio.service import RPCError
 
 from lab.drill import run_drill
 from lab.fleet import LAB_POLL_SECONDS, REPO_ROOT, FleetLab, LabConfig
+from lab.parse_bench import detector_idle_cpu, parse_throughput
 from lab.procs import free_port, port_in_use, spawn, stop, wait_for
 from starters.server import dev_server_argv
 from starters.temporal import connect
@@ -241,11 +245,24 @@ def main() -> None:
     parser.add_argument("--drills", type=int, default=3, help="how many drills (default 3)")
     parser.add_argument("--job", choices=["ddp", "counter"], help="training job (default: ddp if torch is there)")
     parser.add_argument("--detector-samples", type=int, default=20, help="detector latency samples (0: skip)")
+    parser.add_argument(
+        "--parse-lines", type=int, default=1_000_000, help="lines for the parse-throughput figure (0: skip)"
+    )
+    parser.add_argument("--idle-seconds", type=float, default=10, help="detector idle-CPU sample (0: skip)")
     parser.add_argument("--output", type=Path, help="also write the JSON here")
     args = parser.parse_args()
-    say = lambda message: print(message, file=sys.stderr)  # noqa: E731
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr)
+
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
         result: dict[str, Any] = {}
+        if args.parse_lines:
+            say(f"parse throughput over {args.parse_lines} lines")
+            result["parse"] = parse_throughput(args.parse_lines)
+        if args.idle_seconds:
+            say(f"detector idle CPU over {args.idle_seconds:g} s")
+            result["detector_idle"] = detector_idle_cpu(args.idle_seconds, home=Path(tmp))
         if args.detector_samples:
             result["detector"] = asyncio.run(detector_latency(args.detector_samples, home=Path(tmp), say=say))
         if args.drills:

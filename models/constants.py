@@ -22,7 +22,9 @@ SA_GPU_NODE = SearchAttributeKey.for_keyword("GpuNode")
 SA_CLUSTER = SearchAttributeKey.for_keyword("Cluster")
 SA_XID = SearchAttributeKey.for_int("Xid")
 SA_STEP = SearchAttributeKey.for_keyword("RemediationStep")
-SEARCH_ATTRIBUTES = (SA_GPU_NODE, SA_CLUSTER, SA_XID, SA_STEP)
+# The first event's kind: xid, sxid, bus_lost, init_failed, power_cable (Xid is set for GPU Xids only).
+SA_EVENT_KIND = SearchAttributeKey.for_keyword("GpuEventKind")
+SEARCH_ATTRIBUTES = (SA_GPU_NODE, SA_CLUSTER, SA_XID, SA_STEP, SA_EVENT_KIND)
 
 
 def task_queue(cluster: str) -> str:
@@ -39,9 +41,12 @@ def return_workflow_id(cluster: str, node: str) -> str:
     return f"return-{cluster}-{node}"
 
 
-def drain_reason(*, xid: int, action: str, incident_id: str) -> str:
-    """The Slurm drain reason that marks a node as drained by this incident, for this action."""
-    return f"{DRAIN_REASON_PREFIX} xid {xid} {action} incident {incident_id}"
+def drain_reason(*, event: str, action: str, incident_id: str) -> str:
+    """The Slurm drain reason that marks a node as drained by this incident, for this action.
+
+    ``event`` names what was seen first: "xid 79", "sxid 22013", "init_failed".
+    """
+    return f"{DRAIN_REASON_PREFIX} {event} {action} incident {incident_id}"
 
 
 def owned_reason(reason: str) -> bool:

@@ -126,7 +126,9 @@ class IncidentStatus(BaseModel):
     incident_id: str
     cluster: str
     node: str
-    xids: list[int] = Field(default_factory=list)
+    xids: list[int] = Field(default_factory=list)  # GPU Xid codes (a bus loss counts as 79)
+    # Every event that joined, as people name them: "Xid 79", "SXid 22013", "init_failed".
+    events: list[str] = Field(default_factory=list)
     action: Action | None = None
     step: Step = Step.CLASSIFY
     outcome: Outcome = Outcome.OPEN
@@ -165,3 +167,8 @@ class Notification(BaseModel):
 
 
 RemediationInput.model_rebuild()
+
+
+def seen(status: IncidentStatus) -> str:
+    """An incident's events as people name them ("Xid 79, SXid 22013"); older incidents list Xids only."""
+    return ", ".join(status.events) or ("Xid " + ", ".join(map(str, status.xids)) if status.xids else "-")

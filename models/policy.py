@@ -1,8 +1,11 @@
-"""The pure policy that turns the Xids seen on a node into one action.
+"""The pure policy that turns the GPU events seen on a node into one action.
 
-The catalog gives each Xid an immediate-action bucket; the policy maps buckets to an
-action on the node, with per-Xid overrides for the codes we treat as hardware faults
-that a reset will not cure. Operators override any of it with a YAML file.
+Events are looked up by (kind, code). The Xid catalog gives each Xid an immediate-action
+bucket; the policy maps buckets to an action on the node, with per-Xid overrides for the
+codes we treat as hardware faults that a reset will not cure. NVSwitch SXids have their own
+catalog (fatal or not) and their own overrides (``sxids:``); failures the driver reports
+without a code have one entry per kind (``kinds:``). A bus loss without an Xid line acts as
+Xid 79. Operators override any of it with a YAML file.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from models.xid import RecoveryAction, XidEvent, xid_catalog
+from models.sxid import sxid_catalog
+from models.xid import GpuEventKind, RecoveryAction, XidEvent, xid_catalog
 
 
 class Action(StrEnum):
@@ -51,6 +55,19 @@ DEFAULT_XID_ACTIONS: dict[int, Action] = {
     79: Action.REPLACE_NODE,
 }
 
+# A fatal SXid takes the switch's NVLink fabric down with it: the node leaves the fleet.
+DEFAULT_SXID_SEVERITY_ACTIONS: dict[str, Action] = {
+    "fatal": Action.REPLACE_NODE,
+    "non-fatal": Action.OBSERVE,
+}
+
+# Failures without a code: the GPU never came up (or has no power), so no job can use it.
+CODELESS_KINDS = tuple(kind for kind in GpuEventKind if not kind.has_code)
+DEFAULT_KIND_ACTIONS: dict[GpuEventKind, Action] = {
+    GpuEventKind.INIT_FAILED: Action.REPLACE_NODE,
+    GpuEventKind.POWER_CABLE: Action.REPLACE_NODE,
+}
+
 RECOVERY_ACTIONS: dict[RecoveryAction, Action] = {
     RecoveryAction.NONE: Action.OBSERVE,
     RecoveryAction.GPU_RESET: Action.RESET_GPU,
@@ -84,22 +101,43 @@ class RemediationSettings(BaseModel):
 
 
 class Policy(BaseModel):
-    """Bucket and per-Xid actions. ``decide`` is pure: same Xids, same action."""
+    """Actions by Xid bucket and code, SXid severity and code, and kind. ``decide`` is pure:
+    same events, same action."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     buckets: dict[str, Action] = Field(default_factory=lambda: dict(DEFAULT_BUCKET_ACTIONS))
     xids: dict[int, Action] = Field(default_factory=lambda: dict(DEFAULT_XID_ACTIONS))
     unknown_xid: Action = Action.OBSERVE
+    sxid_severities: dict[str, Action] = Field(default_factory=lambda: dict(DEFAULT_SXID_SEVERITY_ACTIONS))
+    sxids: dict[int, Action] = Field(default_factory=dict)
+    unknown_sxid: Action = Action.OBSERVE
+    kinds: dict[GpuEventKind, Action] = Field(default_factory=lambda: dict(DEFAULT_KIND_ACTIONS))
     # Xid 154 whose recovery action was not reported: assume the GPU needs a reset.
     xid_154_default: Action = Action.RESET_GPU
     # The worker's side of the same file: grace, timeouts, what to do with owners' nodes.
     remediation: RemediationSettings = Field(default_factory=RemediationSettings)
 
+    @field_validator("kinds")
+    @classmethod
+    def _codeless_only(cls, kinds: dict[GpuEventKind, Action]) -> dict[GpuEventKind, Action]:
+        for kind in kinds:
+            if kind.has_code:
+                hint = "set it under 'xids: {79: ...}'" if kind is GpuEventKind.BUS_LOST else "use 'xids' or 'sxids'"
+                raise ValueError(f"{kind.value} events have a code: {hint}")
+        return kinds
+
     def action_for(self, event: XidEvent | int) -> Action:
-        """The action for one Xid, before combining with others."""
-        xid = event if isinstance(event, int) else event.xid
+        """The action for one event (an int is a GPU Xid), before combining with others."""
+        if isinstance(event, XidEvent):
+            if event.kind is GpuEventKind.SXID:
+                return self._sxid_action(event.xid)
+            if not event.kind.has_code:
+                return self.kinds.get(event.kind, Action.REPLACE_NODE)
+        xid = event if isinstance(event, int) else event.gpu_xid
         recovery = None if isinstance(event, int) else event.recovery_action
+        if xid is None:  # unreachable: every other kind has a GPU Xid
+            return self.unknown_xid
         if xid in self.xids:
             return self.xids[xid]
         entry = xid_catalog().get(xid)
@@ -108,6 +146,14 @@ class Policy(BaseModel):
         if entry.bucket == "XID_154":
             return RECOVERY_ACTIONS[recovery] if recovery is not None else self.xid_154_default
         return self.buckets.get(entry.bucket, self.unknown_xid)
+
+    def _sxid_action(self, sxid: int | None) -> Action:
+        if sxid in self.sxids:
+            return self.sxids[sxid]
+        entry = sxid_catalog().get(sxid) if sxid is not None else None
+        if entry is None:
+            return self.unknown_sxid
+        return self.sxid_severities.get(entry.severity, self.unknown_sxid)
 
     def decide(self, events: Iterable[XidEvent | int]) -> Action:
         """The one action for everything seen on a node: the most disruptive of each Xid's action."""
@@ -122,12 +168,15 @@ def policy_from_mapping(data: Mapping[str, Any], *, origin: str = "policy") -> P
         PolicyError: naming the field that is wrong.
     """
     defaults = Policy()
-    for key in ("buckets", "xids", "remediation"):
+    for key in ("buckets", "xids", "sxids", "sxid_severities", "kinds", "remediation"):
         if data.get(key) is not None and not isinstance(data[key], Mapping):
             raise PolicyError(f"{origin}: {key}: expected a mapping, got {type(data[key]).__name__}")
     merged: dict[str, Any] = {
         "buckets": {**defaults.buckets, **(data.get("buckets") or {})},
         "xids": {**defaults.xids, **(data.get("xids") or {})},
+        "sxids": {**defaults.sxids, **(data.get("sxids") or {})},
+        "sxid_severities": {**defaults.sxid_severities, **(data.get("sxid_severities") or {})},
+        "kinds": {**defaults.kinds, **(data.get("kinds") or {})},
     }
     merged.update({key: value for key, value in data.items() if key not in merged})
     try:
@@ -157,7 +206,7 @@ def load_policy(path: Path | None) -> Policy:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise PolicyError(f"{path}: not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
-        raise PolicyError(f"{path}: expected a mapping with 'buckets', 'xids', 'unknown_xid' or 'remediation'")
+        raise PolicyError(f"{path}: expected a mapping with 'xids', 'sxids', 'kinds', 'buckets' or 'remediation'")
     return policy_from_mapping(data, origin=str(path))
 
 

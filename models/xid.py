@@ -1,14 +1,15 @@
-"""The Xid event and the Xid catalog shipped with the package."""
+"""The GPU event (an Xid, an NVSwitch SXid, or a failure the driver reports without one)
+and the Xid catalog shipped with the package."""
 
 from __future__ import annotations
 
 import csv
 from datetime import UTC, datetime
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from functools import cache
 from importlib import resources
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from models.names import validate_node_name
 
@@ -23,11 +24,30 @@ class RecoveryAction(IntEnum):
     DRAIN_AND_RESET = 4
 
 
+class GpuEventKind(StrEnum):
+    """What the driver reported. Policy looks events up by (kind, code), so an NVSwitch SXid
+    never meets the GPU Xid of the same number."""
+
+    XID = "xid"  # NVRM: Xid (PCI:...): N, ...
+    SXID = "sxid"  # nvidia-nvswitchN: SXid (PCI:...): N, ... (``pci`` is the switch's)
+    BUS_LOST = "bus_lost"  # "GPU ... has fallen off the bus" with no Xid line: acts as Xid 79
+    INIT_FAILED = "init_failed"  # RmInitAdapter failed / rm_init_adapter failed: no code
+    POWER_CABLE = "power_cable"  # a GPU's auxiliary power cables are not connected: no code
+
+    @property
+    def has_code(self) -> bool:
+        return self in (GpuEventKind.XID, GpuEventKind.SXID, GpuEventKind.BUS_LOST)
+
+
+BUS_LOST_XID = 79
+
+
 class XidEvent(BaseModel):
-    """One Xid reported for one GPU of one node."""
+    """One GPU event reported for one node: an Xid, an SXid, or a failure without a code."""
 
     node: str
-    xid: int = Field(ge=0, le=65535)
+    kind: GpuEventKind = GpuEventKind.XID
+    xid: int | None = Field(default=None, ge=0, le=65535)
     pci: str | None = None
     gpu_uuid: str | None = None
     gpu_instance: int | None = None
@@ -43,6 +63,41 @@ class XidEvent(BaseModel):
     @classmethod
     def _node_is_safe(cls, value: str) -> str:
         return validate_node_name(value)
+
+    @model_validator(mode="after")
+    def _code_matches_kind(self) -> XidEvent:
+        if self.kind is GpuEventKind.BUS_LOST and self.xid is None:
+            self.xid = BUS_LOST_XID
+        if self.kind.has_code and self.xid is None:
+            raise ValueError(f"a {self.kind.value} event needs its code in 'xid'")
+        if not self.kind.has_code and self.xid is not None:
+            raise ValueError(f"a {self.kind.value} event has no code; 'xid' must be null")
+        return self
+
+    @property
+    def gpu_xid(self) -> int | None:
+        """The GPU Xid this event counts as (a bus loss is Xid 79); None for SXids and codeless kinds."""
+        return self.xid if self.kind in (GpuEventKind.XID, GpuEventKind.BUS_LOST) else None
+
+    @property
+    def label(self) -> str:
+        """How people name it: "Xid 79", "SXid 22013", "init_failed"."""
+        if self.kind is GpuEventKind.XID:
+            return f"Xid {self.xid}"
+        if self.kind is GpuEventKind.SXID:
+            return f"SXid {self.xid}"
+        if self.kind is GpuEventKind.BUS_LOST:
+            return "bus_lost (Xid 79)"
+        return self.kind.value
+
+    @property
+    def reason_word(self) -> str:
+        """How a drain reason names it: "xid 79" (a bus loss too), "sxid 22013", "init_failed"."""
+        if self.gpu_xid is not None:
+            return f"xid {self.gpu_xid}"
+        if self.kind is GpuEventKind.SXID:
+            return f"sxid {self.xid}"
+        return self.kind.value
 
 
 class CatalogEntry(BaseModel):

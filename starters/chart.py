@@ -6,7 +6,7 @@ import html
 from datetime import datetime
 from pathlib import Path
 
-from models.incident import IncidentStatus, Step
+from models.incident import IncidentStatus, Step, seen
 
 ROW = 26
 LEFT = 150
@@ -50,7 +50,7 @@ def svg(status: IncidentStatus) -> str:
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 40}" height="{height}" '
         'font-family="sans-serif" font-size="12">',
         f'<text x="10" y="20" font-size="15" font-weight="bold">{html.escape(status.incident_id)}: '
-        f"{html.escape(status.node)}, Xid {', '.join(map(str, status.xids))}, {status.outcome.value}</text>",
+        f"{html.escape(status.node)}, {html.escape(seen(status))}, {status.outcome.value}</text>",
     ]
     down = outage(status)
     if down:
@@ -119,7 +119,7 @@ def _png(status: IncidentStatus, path: Path) -> None:
     ax.set_yticks(range(len(rows)), [name for name, _, _ in rows])
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the Xid")
-    ax.set_title(f"{status.incident_id}: {status.node}, Xid {status.xids}, {status.outcome.value}")
+    ax.set_title(f"{status.incident_id}: {status.node}, {seen(status)}, {status.outcome.value}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

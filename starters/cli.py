@@ -27,7 +27,7 @@ from models.constants import (
     return_workflow_id,
     task_queue,
 )
-from models.incident import Approval, IncidentStatus, Outcome, Step
+from models.incident import Approval, IncidentStatus, Outcome, Step, seen
 from models.names import InvalidName, validate_cluster_name, validate_node_name
 from models.requests import ReturnNodeRequest
 from models.settings import Settings
@@ -97,7 +97,7 @@ def print_incident(status: IncidentStatus, *, as_json: bool) -> None:
         print(status.model_dump_json())
         return
     console.print(
-        f"[bold]{status.incident_id}[/]  node {status.node}  Xid {', '.join(map(str, status.xids)) or '-'}  "
+        f"[bold]{status.incident_id}[/]  node {status.node}  {seen(status)}  "
         f"action {status.action or '-'}  outcome [bold]{status.outcome}[/]"
     )
     if status.spare:

@@ -11,7 +11,7 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfig
 
-from models.constants import SA_CLUSTER, SA_GPU_NODE, SA_XID, remediation_workflow_id, task_queue
+from models.constants import SA_CLUSTER, SA_EVENT_KIND, SA_GPU_NODE, SA_XID, remediation_workflow_id, task_queue
 from models.incident import IncidentStatus, RemediationInput
 from models.names import validate_cluster_name, validate_node_name
 from models.xid import XidEvent
@@ -68,17 +68,14 @@ async def report_xid(
     validate_cluster_name(cluster)
     validate_node_name(event.node)
     params = RemediationInput(cluster=cluster, node=event.node, search_attributes=search_attributes)
-    attributes = (
-        TypedSearchAttributes(
-            [
-                SearchAttributePair(SA_GPU_NODE, event.node),
-                SearchAttributePair(SA_CLUSTER, cluster),
-                SearchAttributePair(SA_XID, event.xid),
-            ]
-        )
-        if search_attributes
-        else None
-    )
+    pairs: list[SearchAttributePair[Any]] = [
+        SearchAttributePair(SA_GPU_NODE, event.node),
+        SearchAttributePair(SA_CLUSTER, cluster),
+        SearchAttributePair(SA_EVENT_KIND, event.kind.value),
+    ]
+    if event.gpu_xid is not None:
+        pairs.append(SearchAttributePair(SA_XID, event.gpu_xid))
+    attributes = TypedSearchAttributes(pairs) if search_attributes else None
     return await client.start_workflow(
         NodeRemediationWorkflow.run,
         params,
@@ -89,5 +86,5 @@ async def report_xid(
         start_signal="report_xid",
         start_signal_args=[event],
         search_attributes=attributes,
-        static_summary=f"Xid {event.xid} on {event.node} ({cluster})",
+        static_summary=f"{event.label} on {event.node} ({cluster})",
     )

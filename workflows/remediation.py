@@ -36,6 +36,7 @@ with workflow.unsafe.imports_passed_through():
         POOL_RETIRED,
         REMEDIATION_WORKFLOW,
         SA_CLUSTER,
+        SA_EVENT_KIND,
         SA_GPU_NODE,
         SA_STEP,
         SA_XID,
@@ -55,6 +56,7 @@ with workflow.unsafe.imports_passed_through():
         RequeueOutcome,
         Step,
         TimelineEntry,
+        seen,
     )
     from models.policy import Action, OwnerDrained, Policy, RemediationSettings
     from models.requests import (
@@ -140,8 +142,9 @@ class NodeRemediationWorkflow:
                 incident_id=f"{params.cluster}-{params.node}-{workflow.info().start_time:%Y%m%dT%H%M%SZ}",
                 cluster=params.cluster,
                 node=params.node,
-                xids=list(dict.fromkeys(event.xid for event in params.pending_events)),
             )
+            for event in params.pending_events:
+                self._count_event(event)
 
     # -- signals and query --------------------------------------------------------------------------
 
@@ -149,9 +152,14 @@ class NodeRemediationWorkflow:
     def report_xid(self, event: XidEvent) -> None:
         """Another Xid on this node joins the open incident."""
         self._events.append(event)
-        if event.xid not in self._status.xids:
-            self._status.xids.append(event.xid)
-        self._mark(self._status.step, "xid", f"Xid {event.xid} from {event.source}")
+        self._count_event(event)
+        self._mark(self._status.step, "xid", f"{event.label} from {event.source}")
+
+    def _count_event(self, event: XidEvent) -> None:
+        if event.gpu_xid is not None and event.gpu_xid not in self._status.xids:
+            self._status.xids.append(event.gpu_xid)
+        if event.label not in self._status.events:
+            self._status.events.append(event.label)
 
     @workflow.signal
     def checkpoint_done(self, job_id: int) -> None:
@@ -216,11 +224,13 @@ class NodeRemediationWorkflow:
         except TimeoutError:
             raise ApplicationError("no Xid was reported to this incident", non_retryable=True) from None
         if params.search_attributes:
+            first = self._events[0]
             workflow.upsert_search_attributes(
                 [
                     SA_GPU_NODE.value_set(params.node),
                     SA_CLUSTER.value_set(params.cluster),
-                    SA_XID.value_set(self._events[0].xid),
+                    SA_XID.value_set(first.gpu_xid) if first.gpu_xid is not None else SA_XID.value_unset(),
+                    SA_EVENT_KIND.value_set(first.kind.value),
                 ]
             )
 
@@ -236,10 +246,10 @@ class NodeRemediationWorkflow:
             KubeActivities.node_pool, params.node, summary=f"look up {params.node} in Kubernetes"
         )
         status.action = await self._classify()
-        self._done(Step.CLASSIFY, f"{status.action} for Xid {', '.join(map(str, status.xids))}")
+        self._done(Step.CLASSIFY, f"{status.action} for {self._seen()}")
         if pool == POOL_RETIRED:
             status.outcome = Outcome.ALREADY_RETIRED
-            self._notify("recorded", f"{self._who()}: Xid {status.xids} on a retired node; recorded, nothing to do.")
+            self._notify("recorded", f"{self._who()}: {self._seen()} on a retired node; recorded, nothing to do.")
             await self._close()
             return
         earlier = drained_for(node.reason) if node.drained or node.state in {"down", "drained"} else None
@@ -247,14 +257,14 @@ class NodeRemediationWorkflow:
             status.outcome = Outcome.AWAITING_REPAIR
             self._notify(
                 "recorded",
-                f"{self._who()}: Xid {status.xids} recorded; the node is already drained for {earlier} "
+                f"{self._who()}: {self._seen()} recorded; the node is already drained for {earlier} "
                 f"({node.reason}), which covers {status.action}.",
             )
             await self._close()
             return
         if status.action is Action.OBSERVE:
             status.outcome = Outcome.OBSERVED
-            self._notify("observed", f"{self._who()}: Xid {status.xids} recorded; no action needed.")
+            self._notify("observed", f"{self._who()}: {self._seen()} recorded; no action needed.")
             await self._close()
             return
 
@@ -262,7 +272,7 @@ class NodeRemediationWorkflow:
         self._enter(Step.NOTIFY)
         self._notify(
             "opened",
-            f"{self._who()}: Xid {status.xids[0]} -> {status.action}. gpufleet is draining the node, "
+            f"{self._who()}: {self._events[0].label} -> {status.action}. gpufleet is draining the node, "
             "checkpointing and requeueing its jobs. No action is needed from you.",
         )
         self._done(Step.NOTIFY, "sent beside the flow")
@@ -282,7 +292,9 @@ class NodeRemediationWorkflow:
             SlurmActivities.drain_node,
             DrainRequest(
                 node=params.node,
-                reason=drain_reason(xid=status.xids[0], action=status.action.value, incident_id=status.incident_id),
+                reason=drain_reason(
+                    event=self._events[0].reason_word, action=status.action.value, incident_id=status.incident_id
+                ),
             ),
             summary=f"drain {params.node} in Slurm",
         )
@@ -669,13 +681,15 @@ class NodeRemediationWorkflow:
             if released:
                 self._mark(self._status.step, "released", f"claim on {released} released")
 
+    def _seen(self) -> str:
+        return seen(self._status)
+
     def _enter(self, step: Step) -> None:
         self._status.step = step
         self._mark(step, "started")
         # What the Temporal UI shows for the incident while it runs, and once it is over.
         workflow.set_current_details(
-            f"{self._input.node} Xid {', '.join(map(str, self._status.xids))}: {step.value}, "
-            f"outcome {self._status.outcome.value}"
+            f"{self._input.node} {self._seen()}: {step.value}, outcome {self._status.outcome.value}"
         )
         if self._input.search_attributes:
             workflow.upsert_search_attributes([SA_STEP.value_set(step.value)])

@@ -5,9 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
-from models.policy import DEFAULT_BUCKET_ACTIONS, Action, Policy, PolicyError, load_policy
-from models.xid import RecoveryAction, XidEvent, xid_catalog
+from models.policy import DEFAULT_BUCKET_ACTIONS, Action, Policy, PolicyError, load_policy, policy_from_mapping
+from models.sxid import sxid_catalog
+from models.xid import GpuEventKind, RecoveryAction, XidEvent, xid_catalog
 
 REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "xid-catalog.csv"
 
@@ -93,6 +95,10 @@ def test_override_file_changes_only_what_it_names(tmp_path: Path) -> None:
         ("colour: blue\n", "colour"),
         ("- 1\n- 2\n", "expected a mapping"),
         ("xids: {79: [unclosed\n", "not valid YAML"),
+        ("sxids:\n  22013: EXPLODE\n", "sxids.22013"),
+        ("kinds:\n  cosmic_ray: REPLACE_NODE\n", "kinds.cosmic_ray"),
+        ("kinds:\n  bus_lost: OBSERVE\n", "xids: {79"),
+        ("kinds: [init_failed]\n", "kinds: expected a mapping"),
     ],
 )
 def test_invalid_override_file_names_the_field(tmp_path: Path, text: str, named: str) -> None:
@@ -107,3 +113,62 @@ def test_invalid_override_file_names_the_field(tmp_path: Path, text: str, named:
 def test_missing_override_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="cannot read the policy file"):
         load_policy(tmp_path / "absent.yaml")
+
+
+def sxid(code: int) -> XidEvent:
+    return XidEvent(node="gpu1", kind=GpuEventKind.SXID, xid=code)
+
+
+def test_sxid_catalog_has_both_severities() -> None:
+    catalog = sxid_catalog()
+    assert {entry.severity for entry in catalog.values()} == {"fatal", "non-fatal"}
+
+
+@pytest.mark.parametrize("code", sorted(sxid_catalog()))
+def test_sxids_follow_their_documented_severity(code: int) -> None:
+    fatal = sxid_catalog()[code].severity == "fatal"
+    assert Policy().action_for(sxid(code)) is (Action.REPLACE_NODE if fatal else Action.OBSERVE)
+
+
+def test_an_sxid_never_meets_the_xid_of_the_same_number() -> None:
+    fatal = next(code for code, entry in sorted(sxid_catalog().items()) if entry.severity == "fatal")
+    policy = load_policy_text(f"xids: {{{fatal}: REBOOT_NODE}}\nsxids: {{{fatal}: RESET_GPU}}\n")
+    assert policy.action_for(XidEvent(node="gpu1", xid=fatal)) is Action.REBOOT_NODE
+    assert policy.action_for(sxid(fatal)) is Action.RESET_GPU
+    assert Policy().action_for(sxid(79)) is Action.OBSERVE  # no SXid 79: unknown, observed
+    assert Policy().action_for(XidEvent(node="gpu1", xid=79)) is Action.REPLACE_NODE
+
+
+def test_failures_without_a_code_have_their_own_entries() -> None:
+    init = XidEvent(node="gpu1", kind=GpuEventKind.INIT_FAILED)
+    power = XidEvent(node="gpu1", kind=GpuEventKind.POWER_CABLE)
+    assert Policy().action_for(init) is Action.REPLACE_NODE
+    assert Policy().action_for(power) is Action.REPLACE_NODE
+    policy = load_policy_text("kinds: {power_cable: REBOOT_NODE}\n")
+    assert policy.action_for(power) is Action.REBOOT_NODE
+    assert policy.action_for(init) is Action.REPLACE_NODE  # left out: keeps its default
+
+
+def test_a_bus_loss_without_an_xid_line_acts_as_xid_79() -> None:
+    lost = XidEvent(node="gpu1", kind=GpuEventKind.BUS_LOST)
+    assert lost.xid == 79 and lost.gpu_xid == 79
+    assert Policy().action_for(lost) is Action.REPLACE_NODE
+    assert load_policy_text("xids: {79: REBOOT_NODE}\n").action_for(lost) is Action.REBOOT_NODE
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"kind": "xid"}, "needs its code"),
+        ({"kind": "sxid"}, "needs its code"),
+        ({"kind": "init_failed", "xid": 3}, "has no code"),
+        ({"kind": "unplugged"}, "kind"),
+    ],
+)
+def test_events_whose_code_does_not_fit_their_kind_are_refused(fields: dict[str, object], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        XidEvent.model_validate({"node": "gpu1", **fields})
+
+
+def load_policy_text(text: str) -> Policy:
+    return policy_from_mapping(yaml.safe_load(text))

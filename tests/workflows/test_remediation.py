@@ -40,7 +40,8 @@ from models.requests import (
     StillRunningRequest,
     WorkerConfig,
 )
-from models.xid import XidEvent
+from models.sxid import sxid_catalog
+from models.xid import GpuEventKind, XidEvent
 from starters.temporal import report_xid
 from workflows.remediation import NodeRemediationWorkflow
 
@@ -78,6 +79,7 @@ class Fleet:
     signalled: asyncio.Event = field(default_factory=asyncio.Event)
     claim_started: asyncio.Event = field(default_factory=asyncio.Event)
     drain_attempts: int = 0
+    drain_reasons: list[str] = field(default_factory=list)
     cluster: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}")
 
     def activities(self) -> list[object]:
@@ -122,6 +124,7 @@ class Fleet:
             if fleet.drain_attempts <= fleet.drain_failures:
                 raise ApplicationError("slurmctld unreachable", type="Unavailable")
             fleet.calls.append("drain_slurm_node")
+            fleet.drain_reasons.append(request.reason)
             return NodeInfo(name=request.node, state="allocated", flags=["DRAIN"], reason=request.reason)
 
         @activity.defn(name="jobs_on_node")
@@ -209,9 +212,11 @@ class Fleet:
         ]
 
 
-async def start(client: Client, fleet: Fleet, *, node: str = "gpu1", xid: int = 79) -> Any:
-    """Report an Xid as the detector would: cluster and node only, on the fleet's own cluster."""
-    event = XidEvent(node=node, xid=xid, source="test")
+async def start(
+    client: Client, fleet: Fleet, *, node: str = "gpu1", xid: int | None = 79, kind: GpuEventKind = GpuEventKind.XID
+) -> Any:
+    """Report an event as the detector would: cluster and node only, on the fleet's own cluster."""
+    event = XidEvent(node=node, kind=kind, xid=xid, source="test")
     return await report_xid(client, event, cluster=fleet.cluster, search_attributes=False)
 
 
@@ -553,3 +558,38 @@ async def test_an_xid_arriving_while_the_incident_closes_opens_the_next_one(env:
     assert status.action == Action.REPLACE_NODE
     assert status.outcome == Outcome.RESOLVED
     assert status.timeline[0].at >= closing.timeline[-1].at  # a new incident, after the first closed
+
+
+def an_sxid(severity: str) -> int:
+    return next(code for code, entry in sorted(sxid_catalog().items()) if entry.severity == severity)
+
+
+@pytest.mark.parametrize(
+    ("kind", "code", "reason_starts", "label"),
+    [
+        (GpuEventKind.SXID, an_sxid("fatal"), f"gpufleet: sxid {an_sxid('fatal')} REPLACE_NODE", "SXid"),
+        (GpuEventKind.INIT_FAILED, None, "gpufleet: init_failed REPLACE_NODE", "init_failed"),
+        (GpuEventKind.BUS_LOST, None, "gpufleet: xid 79 REPLACE_NODE", "bus_lost (Xid 79)"),
+    ],
+)
+async def test_events_without_a_gpu_xid_replace_the_node_under_their_own_name(
+    env: WorkflowEnvironment, kind: GpuEventKind, code: int | None, reason_starts: str, label: str
+) -> None:
+    fleet = Fleet()
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet, kind=kind, xid=code)
+        status: IncidentStatus = await handle.result()
+    assert status.outcome == Outcome.RESOLVED and status.action == Action.REPLACE_NODE
+    assert fleet.drain_reasons[0].startswith(reason_starts)
+    assert status.events[0].startswith(label)
+    assert status.xids == ([79] if kind is GpuEventKind.BUS_LOST else [])
+    assert label.split()[0] in fleet.notifications[0].text
+
+
+async def test_a_non_fatal_sxid_is_only_recorded(env: WorkflowEnvironment) -> None:
+    fleet = Fleet()
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet, kind=GpuEventKind.SXID, xid=an_sxid("non-fatal"))
+        status: IncidentStatus = await handle.result()
+    assert status.outcome == Outcome.OBSERVED
+    assert "drain_slurm_node" not in fleet.calls
