@@ -21,8 +21,9 @@ A *quotation* of a record never counts. The record is in shell context when the 
 
 - starts with a shell prompt (``$ ``, ``# ``, ``user@host:~$ ``, ``[root@host ~]# ``),
 - contains one of the commands ``echo``, ``printf``, ``logger``, ``tee`` or a ``grep``,
-- or ends with an opening quote that is not a field's value (``XID: "NVRM...`` and
-  ``msg="NVRM...`` are wrappers; ``--text 'NVRM...``, ``said 'NVRM...`` are quotations);
+- or ends with an opening quote right after a word, as an argument is quoted (``--text 'NVRM...``,
+  ``said 'NVRM...``; a field's value such as ``XID: "NVRM...``, ``msg="NVRM...`` or a tool's
+  ``(54 minutes ago) "NVRM...`` is a wrapper);
 
 and a record logged by a user-space program (a syslog ``program[pid]:`` tag) is not the kernel's.
 
@@ -41,7 +42,8 @@ from dataclasses import dataclass, field, replace
 _HEX_PCI = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}"
 _MIG = r"(?: GPU-I:(?P<gi>\d+))?(?: GPU-CI:(?P<ci>\d+))?"
 _XID = re.compile(
-    rf"Xid \((?:PCI:)?(?:(?P<pci>{_HEX_PCI})(?:\.[0-7])?|(?P<redacted>[.xX:]+)){_MIG}\): "
+    rf"Xid \((?:PCI:(?:(?P<pci>{_HEX_PCI})(?:\.[0-7])?|[.xX:]+)|(?P<bare>{_HEX_PCI})"
+    rf"|(?P<busdev>[0-9a-fA-F]{{4}}:[0-9a-fA-F]{{2}})){_MIG}\): "
     r"(?P<xid>\d{1,5})(?:, ?(?P<rest>.*?)|,?)\s*$"
 )
 _SXID = re.compile(
@@ -57,7 +59,7 @@ _BUS_LOST_ONE_LINE = re.compile(
 )
 _BUS_LOST_START = re.compile(rf"^The NVIDIA GPU (?:PCI:)?(?P<pci>{_HEX_PCI})(?:\.[0-7])?\b")
 _GPU_NAMED = re.compile(rf"\bGPU (?:at )?(?:PCI:)?(?P<pci>{_HEX_PCI})")
-_INIT_FAILED = ("RmInitAdapter failed", "rm_init_adapter failed")
+_INIT_FAILED = re.compile(r"RmInitAdapter failed|rm_init_adapter(?:\(\d+\))? failed")
 _POWER_CABLE = re.compile(
     r"power (?:cable|connector)s?\b.*\bnot (?:be )?connected|not .*\bpower cables? connected", re.IGNORECASE
 )
@@ -66,7 +68,7 @@ _ANCHOR = re.compile(r"NVRM: |nvidia-nvswitch\d+: ")
 _PROMPT = re.compile(r"^\s*(?:\[[\w.-]+@[^\]]*\]|[\w.-]+@[\w.-]+(?::\S*)?)?\s*[$#]\s")
 _COMMAND = re.compile(r"(?:^|[\s;&|(`'\"])(?:echo|printf|logger|tee|[ezf]?grep|rg)(?=[\s'\"]|$)")
 _PROGRAM_TAG = re.compile(r"\S+\[\d+\]:\s*$")
-_FIELD_VALUE_QUOTE = re.compile(r"(?:(?<![\w-])[A-Za-z_][\w.]*=|:\s*)$")
+_QUOTED_ARGUMENT = re.compile(r"[\w.-]\s+$")  # a word, a space, the quote: `said 'NVRM...`, `--text 'NVRM...`
 _FENCE = re.compile(r"^\s*```\w*\s*")
 _JSON_KEYS = ("MESSAGE", "message", "log")
 
@@ -101,9 +103,7 @@ def in_shell_context(prefix: str) -> bool:
     if _PROMPT.match(prefix) or _COMMAND.search(prefix) or _PROGRAM_TAG.search(prefix):
         return True
     before = prefix.rstrip()
-    if before.endswith(("'", '"', "`")):
-        return not _FIELD_VALUE_QUOTE.search(before[:-1])
-    return False
+    return before.endswith(("'", '"', "`")) and bool(_QUOTED_ARGUMENT.search(before[:-1]))
 
 
 def parse_xid(message: str) -> XidReport | None:
@@ -124,7 +124,10 @@ def parse_xid(message: str) -> XidReport | None:
             name = name_match.group("name").strip()
             process = None if name in {"<unknown>", "'<unknown>'", ""} else name
             rest = rest[name_match.end() :]
-    pci = match.group("pci")
+    pci = match.group("pci") or match.group("bare")
+    if pci is None and match.group("busdev"):  # older drivers: (bus:device), bus in four digits
+        bus, device = match.group("busdev").split(":")
+        pci = f"0000:{bus[-2:]}:{device}"
     return XidReport(
         xid=int(match.group("xid")),
         pci=pci.lower() if pci else None,
@@ -192,17 +195,23 @@ class KernelLogParser:
         anchor = _ANCHOR.search(line)
         if anchor is None:
             return self._continuation(line) if self._pending_left else []
-        prefix = line[: anchor.start()]
-        if "```" in prefix:
-            prefix = _FENCE.sub("", prefix)
-        if in_shell_context(prefix):
-            self._pending_left = 0
-            return []
-        message = line[anchor.start() :].rstrip()
-        if message.startswith("NVRM: "):
-            return self._driver(message)
-        self._pending_left = 0
-        return self._nvswitch(message)
+        reports: list[XidReport] = []
+        while anchor is not None:  # a tool's report can carry several records on one line
+            following = _ANCHOR.search(line, anchor.end())
+            prefix = line[: anchor.start()]
+            if "```" in prefix:
+                prefix = _FENCE.sub("", prefix)
+            if in_shell_context(prefix):
+                self._pending_left = 0
+                return reports
+            message = line[anchor.start() : following.start() if following else len(line)].rstrip()
+            if message.startswith("NVRM: "):
+                reports += self._driver(message)
+            else:
+                self._pending_left = 0
+                reports += self._nvswitch(message)
+            anchor = following
+        return reports
 
     def _driver(self, message: str) -> list[XidReport]:
         if report := parse_xid(message):
@@ -223,7 +232,7 @@ class KernelLogParser:
             return self._continuation(body) if "fallen off the bus" in body else []
         if self._pending_left:
             return self._continuation(body)
-        if any(marker in body for marker in _INIT_FAILED):
+        if "nit" in body and _INIT_FAILED.search(body):
             return self._init_failed(body)
         if "power" in body and _POWER_CABLE.search(body):
             named = _GPU_NAMED.search(body)
