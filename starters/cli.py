@@ -17,7 +17,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.console import Console
 from rich.table import Table
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowQueryFailedError
 from temporalio.service import RPCError
 
 from models.constants import (
@@ -411,7 +411,12 @@ def nodes_return(
         incident = client.get_workflow_handle(remediation_workflow_id(this_cluster, node))
         with contextlib.suppress(RPCError):
             if (await incident.describe()).status == WorkflowExecutionStatus.RUNNING:
-                fail(f"{node} has an open incident ({incident.id}); let it close first")
+                # Closed and only delivering its last messages (a webhook may be down): done with the node.
+                status: IncidentStatus | None = None
+                with contextlib.suppress(RPCError, WorkflowQueryFailedError):
+                    status = await incident.query(NodeRemediationWorkflow.status)
+                if status is None or status.step != Step.CLOSED:
+                    fail(f"{node} has an open incident ({incident.id}); let it close first")
         try:
             result: str = await client.execute_workflow(
                 RETURN_NODE_WORKFLOW,
