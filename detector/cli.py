@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from detector.daemon import Delivery, Detector, KernelLogSource, Source
-from detector.follow import open_source
+from detector.cursor import CursorFile, Position
+from detector.daemon import Delivery, Detector, KernelLogSource, Source, SourceFailed
+from detector.follow import JournalctlMissing, open_journal, open_source
+from detector.health import HealthServer
 from detector.nvml import NvmlSource
 from detector.spool import Spool
 from models.names import InvalidName, validate_cluster_name, validate_node_name
@@ -29,8 +32,12 @@ def node_name(explicit: str | None) -> str:
 
 def detect(
     kmsg: Annotated[
-        Path | None, typer.Option(help="Kernel log to read: /dev/kmsg, a log file, or a journalctl/dmesg stream.")
+        Path | None,
+        typer.Option(help="Kernel log to read: /dev/kmsg (the default), a log file, or a stream ('-': stdin)."),
     ] = None,
+    journal: Annotated[
+        bool, typer.Option("--journal", help="Also read the kernel's records from the journal (journalctl -k).")
+    ] = False,
     nvml: Annotated[bool, typer.Option("--nvml", help="Also listen to NVML Xid events on every GPU.")] = False,
     node: Annotated[str | None, typer.Option(help="This node's name (default: $NODE_NAME, then the hostname).")] = None,
     cluster: Annotated[str | None, typer.Option(help="Cluster name (default: $GPUFLEET_CLUSTER or 'lab').")] = None,
@@ -45,6 +52,15 @@ def detect(
     fold_seconds: Annotated[float, typer.Option(help="Fold identical repeats within this window.")] = 10.0,
     spool: Annotated[Path | None, typer.Option(help="Spool folder (default: $GPUFLEET_HOME/spool/NODE).")] = None,
     spool_max: Annotated[int, typer.Option(help="At most this many undelivered events on disk.")] = 10000,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where each source's cursor is kept (default: $GPUFLEET_HOME/detector/NODE; "
+            "with --dry-run, no cursor unless given)."
+        ),
+    ] = None,
+    health_port: Annotated[int, typer.Option(help="Serve /healthz and /metrics on this TCP port (0: off).")] = 0,
+    health_host: Annotated[str, typer.Option(help="The address --health-port listens on.")] = "0.0.0.0",  # noqa: S104
     ready_file: Annotated[
         Path | None,
         typer.Option(help="Write this file (our PID) once every source is followed; wait for it, not a sleep."),
@@ -55,10 +71,21 @@ def detect(
     Events the policy marks OBSERVE are printed only. Anything else goes to Temporal with
     signal-with-start on remediate-CLUSTER-NODE, through an on-disk spool while Temporal is away.
 
-    What a start reads: a log file from its end (lines already in it are not reported again;
-    --from-start reads them), a file that does not exist yet from its start once it appears,
-    /dev/kmsg from its newest record (--from-start: the whole ring buffer), a pipe or standard
-    input from what is written next. Lines written before --ready-file appears may be missed.
+    Whom to believe: /dev/kmsg and --journal yield only records the kernel wrote (kernel facility 0,
+    journal transport "kernel"); others are counted and dropped. A plain text file (kern.log) or a
+    stream is forgeable by any local user who can write to syslog (logger -t kernel "NVRM: Xid ..."):
+    use one for tests and dry runs. The DaemonSet reads /dev/kmsg or the journal.
+
+    What a start reads: with a cursor in --state-dir for the same boot (/dev/kmsg, the journal) or
+    the same file, right after the last line handled, so a restart neither loses nor repeats events.
+    A log file rotated while the detector was away is read whole (all of it came after the cursor).
+    Otherwise (a first start, another boot): a log file from its end
+    (--from-start: from its start), a file that does not exist yet from its start once it appears,
+    /dev/kmsg and the journal the whole of this boot, a pipe or standard input from what is written
+    next. --from-start ignores the cursor. --once reads what there is (a file from its start, or
+    from its cursor) and exits. Lines written before --ready-file appears may be missed.
+
+    A source that fails ends the detector (exit code 1), so that its supervisor restarts it.
     """
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s detector: %(message)s")
     if ready_file is not None:
@@ -71,21 +98,14 @@ def detect(
     except (InvalidName, PolicyError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    if kmsg is None and not nvml:
+    if kmsg is None and not nvml and not journal:
         kmsg = Path("/dev/kmsg")
-    sources: list[Source] = []
-    if kmsg is not None:
-        if str(kmsg) != "-" and not kmsg.exists() and once:
-            typer.echo(f"error: {kmsg} does not exist", err=True)
-            raise typer.Exit(2)
-        try:
-            follower = open_source(kmsg, from_start=from_start or once)
-        except PermissionError:
-            typer.echo(f"error: cannot read {kmsg}: run as root or grant CAP_SYSLOG", err=True)
-            raise typer.Exit(2) from None
-        sources.append(KernelLogSource(follower, once=once))
-    if nvml:
-        sources.append(NvmlSource(once=once))
+    if kmsg is not None and str(kmsg) != "-" and not kmsg.exists() and once:
+        typer.echo(f"error: {kmsg} does not exist", err=True)
+        raise typer.Exit(2)
+    state = state_dir
+    if state is None and not dry_run:  # a dry run must not move the daemon's cursors
+        state = settings.home / "detector" / this_node
     delivery = None
     if not dry_run:
         folder = spool or settings.home / "spool" / this_node
@@ -98,8 +118,55 @@ def detect(
         out=lambda line: print(line, flush=True),
         as_json=as_json or dry_run,
     )
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(detector.run(sources, once=once, ready_file=ready_file))
+    health = None
+    if health_port:
+        try:
+            health = HealthServer(detector, health_host, health_port).start()
+        except OSError as exc:
+            typer.echo(f"error: --health-port {health_port} on {health_host}: {exc.strerror or exc}", err=True)
+            raise typer.Exit(2) from None
+        logging.getLogger("gpufleet.detector").info(
+            "liveness and metrics on http://%s:%d/healthz and /metrics", health_host, health.port
+        )
+
+    def cursor(name: str) -> tuple[CursorFile | None, Position | None]:
+        """The source's cursor file, and the position to resume from (none with --from-start)."""
+        if state is None:
+            return None, None
+        file = CursorFile(state, name)
+        return file, None if from_start else file.load()
+
+    sources: list[Source] = []
+    if kmsg is not None:
+        kmsg_cursor, resume = cursor("kmsg")
+        try:
+            follower = open_source(kmsg, from_start=from_start or once, resume=resume)
+        except PermissionError:
+            typer.echo(f"error: cannot read {kmsg}: run as root or grant CAP_SYSLOG", err=True)
+            raise typer.Exit(2) from None
+        sources.append(KernelLogSource(follower, once=once, cursor=kmsg_cursor))
+    if journal:
+        journal_cursor, resume = cursor("journal")
+        try:
+            reader = open_journal(resume=resume, follow=not once)
+        except JournalctlMissing as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        sources.append(KernelLogSource(reader, once=once, name="journal", cursor=journal_cursor))
+    if nvml:
+        sources.append(NvmlSource(once=once))
+
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):  # a clean stop: queued events handled, cursors saved
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        asyncio.run(detector.run(sources, once=once, stop=stop, ready_file=ready_file))
+    except SourceFailed as exc:
+        typer.echo(f"error: {exc}; exiting so the DaemonSet restarts it", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        if health is not None:
+            health.stop()
     if delivery is not None and len(delivery.spool):
         typer.echo(f"{len(delivery.spool)} event(s) still spooled in {delivery.spool.folder}", err=True)
         raise typer.Exit(1)

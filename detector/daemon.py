@@ -249,8 +249,8 @@ class Detector:
         for thread in self._threads:
             if thread.error is not None:
                 return False, str(SourceFailed(thread.source.name, thread.error))
-            if not thread.is_alive():
-                return False, f"source {thread.source.name} has ended"
+            # A source that ended without an error had nothing to follow (NVML without a driver):
+            # the others carry on, and a restart would not bring it back.
         return True, "ok"
 
     def handle(self, report: XidReport, source: str) -> XidEvent | None:
@@ -294,12 +294,12 @@ class Detector:
             self._out(json.dumps(record))
         else:
             self._out(f"{event.timestamp:%H:%M:%S} {event.node} {event.label} ({event.pci}) -> {action.value}")
-        with self._events_lock:
-            self._events[(event.kind.value, action.value)] += 1
-            self.last_event_at = event.timestamp.timestamp()
         if self.delivery is not None and action is not Action.OBSERVE:
             with contextlib.suppress(SpoolFull):  # the spool reports it loudly
                 self.delivery.put(event)
+        with self._events_lock:
+            self._events[(event.kind.value, action.value)] += 1
+            self.last_event_at = event.timestamp.timestamp()
         return event
 
     async def run(

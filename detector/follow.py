@@ -1,17 +1,86 @@
-"""Following a kernel log: a file that grows, rotates or is truncated, or ``/dev/kmsg`` itself."""
+"""Following a kernel log: a file that grows, rotates or is truncated, ``/dev/kmsg`` itself,
+a stream, or the systemd journal.
+
+Every reader yields lines and says, through ``position()``, where to resume after the last
+line it yielded (None for a stream, which cannot be resumed); ``detector.cursor`` keeps it.
+"""
 
 from __future__ import annotations
 
 import errno
+import functools
+import json
+import logging
 import os
+import select
+import shutil
 import stat
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, Protocol
+
+from detector.cursor import Position
+
+log = logging.getLogger("gpufleet.detector")
 
 MAX_LINE = 64 * 1024  # a line longer than this is not a kernel record; drop it rather than grow forever
+DEV_KMSG = Path("/dev/kmsg")
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+Idle = Callable[[], None]
+
+
+def _nothing() -> None:
+    """The default ``idle``: nothing to do when caught up."""
+
+
+@dataclass
+class SourceStats:
+    """What a reader counts for the metrics; only ever incremented, read from the metrics thread."""
+
+    untrusted: int = 0  # records dropped because the kernel did not write them
+    errors: int = 0  # records lost or unreadable, and the failure that ends a source
+
+
+class LineReader(Protocol):
+    """What every reader offers the kernel-log source."""
+
+    stats: SourceStats
+
+    def prime(self) -> None: ...
+
+    def read_available(self) -> Iterator[str]: ...
+
+    def follow(self, *, stop: Callable[[], bool], idle: Idle = _nothing) -> Iterator[str]: ...
+
+    def position(self) -> Position | None: ...
+
+    def close(self) -> None: ...
+
+
+class WarnEvery:
+    """At most one warning per ``seconds``; the next one says how many were held back.
+
+    Anyone who may write a forged record may write a million: the log must not drown.
+    """
+
+    def __init__(self, seconds: float = 1.0) -> None:
+        self._seconds = seconds
+        self._last = -seconds
+        self._held = 0
+
+    def warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last < self._seconds:
+            self._held += 1
+            return
+        if self._held:
+            message += f" ({self._held} more like it not shown)"
+        self._last, self._held = now, 0
+        log.warning("%s", message)
 
 
 class LogFollower:
@@ -19,16 +88,30 @@ class LogFollower:
 
     Rotation (the path now names another file) finishes the old file, then starts the new
     one from its beginning; truncation starts over from the beginning.
+
+    ``resume`` (a saved ``position()``) continues right after the last line handled, if the
+    path still names that file (same device and inode) and it has not shrunk below it.
     """
 
-    def __init__(self, path: Path, *, from_start: bool = False, poll_seconds: float = 0.05) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        from_start: bool = False,
+        poll_seconds: float = 0.05,
+        resume: Position | None = None,
+    ) -> None:
         self.path = path
         self._poll = poll_seconds
         self._from_start = from_start
+        self._resume = resume
         self._fd: int | None = None
         self._inode: tuple[int, int] | None = None
-        self._offset = 0
-        self._partial = b""
+        self._offset = 0  # where the next read starts
+        self._partial = b""  # the start of a line still waiting for its newline
+        self._partial_at = 0  # the file offset of ``_partial``
+        self._line_end = 0  # the file offset just after the last line yielded
+        self.stats = SourceStats()
 
     def _open(self, *, at_end: bool) -> bool:
         try:
@@ -38,9 +121,34 @@ class LogFollower:
         info = os.fstat(fd)
         self._fd = fd
         self._inode = (info.st_dev, info.st_ino)
-        self._offset = info.st_size if at_end else 0
+        self._offset = self._start_offset(info, at_end=at_end)
         self._partial = b""
+        self._partial_at = self._line_end = self._offset
         return True
+
+    def _start_offset(self, info: os.stat_result, *, at_end: bool) -> int:
+        resume, self._resume = self._resume, None  # only the first file opened can be the cursor's
+        if resume is not None:
+            same_file = (resume.get("kind"), resume.get("dev"), resume.get("ino")) == ("file", info.st_dev, info.st_ino)
+            offset = resume.get("offset")
+            if same_file and isinstance(offset, int) and 0 <= offset <= info.st_size:
+                log.info("%s: resuming at byte %d, after the last line handled", self.path, offset)
+                return offset
+            if same_file:
+                log.warning("%s: shorter than the saved cursor (truncated since); reading it from its start", self.path)
+                return 0
+            # Rotated while we were away: every line of the file now at this path came after the
+            # last one we handled (had we read any of it, the cursor would name it), so read it all.
+            log.info("%s: not the file the saved cursor names (rotated while away): reading it whole", self.path)
+            return 0
+        return info.st_size if at_end else 0
+
+    def position(self) -> Position | None:
+        """Just after the last line yielded, in this very file; None before a file is open."""
+        if self._inode is None:
+            return None
+        dev, ino = self._inode
+        return {"kind": "file", "path": str(self.path), "dev": dev, "ino": ino, "offset": self._line_end}
 
     def _close(self) -> None:
         if self._fd is not None:
@@ -55,11 +163,17 @@ class LogFollower:
                 return
             self._offset += len(chunk)
             data = self._partial + chunk
-            *lines, self._partial = data.split(b"\n")
+            start = 0
+            while (newline := data.find(b"\n", start)) >= 0:
+                raw = data[start:newline]
+                start = newline + 1
+                self._line_end = self._partial_at + start
+                yield raw.decode("utf-8", errors="replace")
+            self._partial = data[start:]
+            self._partial_at = self._offset - len(self._partial)
             if len(self._partial) > MAX_LINE:
                 self._partial = b""
-            for raw in lines:
-                yield raw.decode("utf-8", errors="replace")
+                self._partial_at = self._offset
 
     def prime(self) -> None:
         """Open the file now, fixing where reading starts (its end, unless ``from_start``).
@@ -88,70 +202,173 @@ class LogFollower:
             if self._open(at_end=False):
                 yield from self._drain()
         elif current.st_size < self._offset:
-            self._offset = 0  # truncated: start over
+            self._offset = self._partial_at = self._line_end = 0  # truncated: start over
             self._partial = b""
             yield from self._drain()
 
-    def follow(self, *, stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
+    def follow(self, *, stop: Callable[[], bool] = lambda: False, idle: Idle = _nothing) -> Iterator[str]:
+        """Lines as they are written, until ``stop``; ``idle`` is called each time it has caught up."""
         while not stop():
             yield from self.read_available()
+            idle()
             time.sleep(self._poll)
 
     def close(self) -> None:
         self._close()
 
 
-class KmsgReader:
-    """Records from ``/dev/kmsg``: one record per read; old records skipped unless ``from_start``."""
+FACILITIES = ("kern", "user", "mail", "daemon", "auth", "syslog", "lpr", "news", "uucp", "cron", "authpriv", "ftp")
 
-    def __init__(self, path: Path = Path("/dev/kmsg"), *, from_start: bool = False, poll_seconds: float = 0.05):
+
+def facility_name(facility: int) -> str:
+    """A syslog facility as people write it: 1 is "user", 16 "local0"."""
+    if facility < len(FACILITIES):
+        return FACILITIES[facility]
+    if 16 <= facility <= 23:
+        return f"local{facility - 16}"
+    return str(facility)
+
+
+def read_boot_id(path: Path = BOOT_ID) -> str:
+    """This boot's id: a kmsg sequence number means something only within one boot."""
+    return path.read_text().strip()
+
+
+class KmsgReader:
+    """Records from ``/dev/kmsg``, one per read, starting at the oldest record of this boot still held.
+
+    Only the kernel's own records (facility 0) are yielded. Whoever may write ``/dev/kmsg`` gets
+    facility 1 (user), or another one they name, never 0: those records are counted and dropped.
+
+    ``resume`` (a saved ``position()`` of this boot) skips every record up to its sequence number;
+    one from another boot is ignored. ``read_record`` replaces reading the device, for tests: it
+    behaves as ``os.read`` on ``/dev/kmsg`` does (one record per call, BlockingIOError when there
+    is none yet, OSError EPIPE when the ring buffer overwrote records not yet read).
+    """
+
+    def __init__(
+        self,
+        path: Path = DEV_KMSG,
+        *,
+        resume: Position | None = None,
+        boot_id: str | None = None,
+        poll_seconds: float = 0.05,
+        read_record: Callable[[], bytes] | None = None,
+    ) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        if not from_start:
-            os.lseek(self._fd, 0, os.SEEK_END)
+        self._fd: int | None = None
+        if read_record is None:
+            self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            read_record = functools.partial(os.read, self._fd, 8192)
+        self._read_record = read_record
+        self.boot_id = read_boot_id() if boot_id is None else boot_id
         self._poll = poll_seconds
+        self._skip_through = self._resume_seq(resume)  # records up to this one were handled before
+        self._seq: int | None = None  # the last record read
+        self.stats = SourceStats()
+        self._untrusted_warning = WarnEvery()
+
+    def _resume_seq(self, resume: Position | None) -> int | None:
+        if resume is None:
+            return None
+        seq = resume.get("seq")
+        if resume.get("kind") == "kmsg" and resume.get("boot_id") == self.boot_id and isinstance(seq, int):
+            log.info("%s: resuming after record %d of this boot", self.path, seq)
+            return seq
+        log.info("%s: the saved cursor is from another boot; reading this boot's records from the oldest", self.path)
+        return None
 
     def prime(self) -> None:
-        """Already open: the read position was fixed when the device was opened."""
+        """Already open: reading starts at the oldest record the kernel still holds."""
+
+    def position(self) -> Position | None:
+        """This boot and the last record read (yielded or dropped); None before the first new one."""
+        seq = self._seq if self._seq is not None else self._skip_through
+        return None if seq is None else {"kind": "kmsg", "boot_id": self.boot_id, "seq": seq}
 
     def read_available(self) -> Iterator[str]:
         while True:
             try:
-                record = os.read(self._fd, 8192)
+                record = self._read_record()
             except BlockingIOError:
                 return
             except OSError as exc:
-                if exc.errno == errno.EPIPE:  # the ring buffer overwrote records we had not read
+                if exc.errno == errno.EPIPE:  # the next read returns the oldest record left
+                    self.stats.errors += 1
+                    log.warning("%s: the kernel overwrote records before they were read; some are lost", self.path)
                     continue
                 raise
             if not record:
                 return
-            yield record.decode("utf-8", errors="replace").rstrip("\n")
+            line = self._accept(record)
+            if line is not None:
+                yield line
 
-    def follow(self, *, stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
+    def _accept(self, record: bytes) -> str | None:
+        """The record's first line (``prio,seq,usec,flags;message``) if the kernel wrote it and it is new."""
+        line = record.split(b"\n", 1)[0].decode("utf-8", errors="replace")  # " KEY=value" lines may follow
+        header, semicolon, message = line.partition(";")
+        fields = header.split(",")
+        if not semicolon or len(fields) < 3 or not fields[0].isdigit() or not fields[1].isdigit():
+            self.stats.errors += 1
+            log.warning("%s: not a kmsg record, dropped: %.80r", self.path, line)
+            return None
+        priority, seq = int(fields[0]), int(fields[1])
+        if self._skip_through is not None and seq <= self._skip_through:
+            return None
+        if self._seq is None and self._skip_through is not None and seq > self._skip_through + 1:
+            self.stats.errors += 1
+            log.warning(
+                "%s: records %d to %d were overwritten while the detector was away; they are lost",
+                self.path,
+                self._skip_through + 1,
+                seq - 1,
+            )
+        self._seq = seq
+        facility = priority >> 3
+        if facility != 0:
+            self.stats.untrusted += 1
+            self._untrusted_warning.warn(
+                f"{self.path}: dropped record {seq} from facility {facility} ({facility_name(facility)}), "
+                f"not the kernel: {message[:80]!r}"
+            )
+            return None
+        return line
+
+    def follow(self, *, stop: Callable[[], bool] = lambda: False, idle: Idle = _nothing) -> Iterator[str]:
         while not stop():
             yield from self.read_available()
+            idle()
             time.sleep(self._poll)
 
     def close(self) -> None:
-        os.close(self._fd)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class StreamReader:
-    """Lines from a stream: standard input (``-``) or a named pipe, e.g. ``journalctl -k -f`` piped in."""
+    """Lines from a stream: standard input (``-``) or a named pipe, e.g. ``dmesg -w`` piped in.
+
+    A stream has no position to resume from: a restart reads what is written from then on.
+    """
 
     def __init__(self, stream: IO[bytes]) -> None:
         self._stream = stream
+        self.stats = SourceStats()
 
     def prime(self) -> None:
         """A stream has no position to fix: what is written to it from now on is read."""
+
+    def position(self) -> Position | None:
+        return None
 
     def read_available(self) -> Iterator[str]:
         """With --once: everything until the stream ends."""
         for raw in self._stream:
             yield raw[:MAX_LINE].decode("utf-8", errors="replace").rstrip("\n")
 
-    def follow(self, *, stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
+    def follow(self, *, stop: Callable[[], bool] = lambda: False, idle: Idle = _nothing) -> Iterator[str]:
         for line in self.read_available():
             yield line
             if stop():
@@ -161,16 +378,196 @@ class StreamReader:
         self._stream.close()
 
 
-def open_source(path: Path, *, from_start: bool) -> LogFollower | KmsgReader | StreamReader:
-    """The right reader for ``path``: /dev/kmsg, a pipe or standard input (``-``), or a log file."""
+@dataclass(frozen=True)
+class JournalEntry:
+    """The fields of one ``journalctl -o json`` entry that decide whether and what to parse."""
+
+    cursor: str | None
+    transport: str | None
+    facility: str | None
+    identifier: str | None
+    message: str | None
+
+    @property
+    def from_kernel(self) -> bool:
+        """Written by the kernel: journald read it from /dev/kmsg (transport "kernel") with facility 0.
+
+        ``logger -t kernel`` gets transport "syslog" whatever it calls itself, and a record someone
+        wrote into /dev/kmsg gets transport "kernel" but a facility other than 0.
+        """
+        return self.transport == "kernel" and self.facility in (None, "0")
+
+
+def journal_text(value: Any) -> str | None:
+    """A field as journalctl writes it: a string, byte values (not valid UTF-8), or a list of either
+    (the field appears more than once); None for null (too large to show without --all)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(b, int) and 0 <= b <= 255 for b in value):
+        return bytes(value).decode("utf-8", errors="replace")
+    if isinstance(value, list):
+        parts = [journal_text(item) for item in value if not isinstance(item, int)]
+        return "\n".join(part for part in parts if part is not None) or None
+    return None
+
+
+def parse_journal_entry(raw: bytes) -> JournalEntry | None:
+    """One line of ``journalctl -o json`` output; None when it is not a JSON object."""
+    try:
+        fields = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(fields, dict):
+        return None
+    return JournalEntry(
+        cursor=journal_text(fields.get("__CURSOR")),
+        transport=journal_text(fields.get("_TRANSPORT")),
+        facility=journal_text(fields.get("SYSLOG_FACILITY")),
+        identifier=journal_text(fields.get("SYSLOG_IDENTIFIER")),
+        message=journal_text(fields.get("MESSAGE")),
+    )
+
+
+class JournalctlMissing(RuntimeError):
+    """``--journal`` needs the journalctl command."""
+
+
+class JournalctlExited(RuntimeError):
+    """journalctl stopped while it should have been following the journal, or failed."""
+
+
+class JournalReader:
+    """Kernel records from ``journalctl -o json`` output: one JSON object per line, from any byte stream.
+
+    Only entries the kernel wrote are kept (``JournalEntry.from_kernel``); the others are counted
+    and dropped. Each line of a kept entry's MESSAGE is yielded; ``position()`` is the journal
+    cursor of the last entry read. ``process`` is the journalctl writing the stream, if any: its
+    end is the end of the stream, and an error unless it was reading without ``-f``.
+    """
+
+    def __init__(
+        self,
+        stream: IO[bytes],
+        *,
+        process: subprocess.Popen[bytes] | None = None,
+        poll_seconds: float = 0.1,
+    ) -> None:
+        self._stream = stream
+        self._process = process
+        self._poll = poll_seconds
+        self._cursor: str | None = None
+        self._partial = b""
+        self.stats = SourceStats()
+        self._untrusted_warning = WarnEvery()
+        self._malformed_warning = WarnEvery()
+
+    def prime(self) -> None:
+        """journalctl's arguments fixed where reading starts."""
+
+    def position(self) -> Position | None:
+        return None if self._cursor is None else {"kind": "journal", "cursor": self._cursor}
+
+    def read_available(self) -> Iterator[str]:
+        """Everything until the stream ends (with --once, journalctl runs without -f and ends)."""
+        for raw in self._stream:
+            yield from self._entry_lines(raw)
+        self._ended(following=False)
+
+    def follow(self, *, stop: Callable[[], bool] = lambda: False, idle: Idle = _nothing) -> Iterator[str]:
+        """Entries as journalctl writes them, until ``stop``; ``idle`` is called while none come.
+
+        Reads the descriptor itself (select, then os.read) so that waiting never blocks ``stop``;
+        the stream's own buffer is not used in this mode.
+        """
+        fd = self._stream.fileno()
+        while not stop():
+            readable, _, _ = select.select([fd], [], [], self._poll)
+            if not readable:
+                idle()
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                self._ended(following=True)
+                return
+            *lines, self._partial = (self._partial + chunk).split(b"\n")
+            if len(self._partial) > MAX_LINE:
+                self._partial = b""
+            for raw in lines:
+                yield from self._entry_lines(raw)
+
+    def _entry_lines(self, raw: bytes) -> Iterator[str]:
+        if not raw.strip():
+            return
+        entry = parse_journal_entry(raw)
+        if entry is None:
+            self.stats.errors += 1
+            self._malformed_warning.warn(f"journal: not a JSON entry, dropped: {raw[:80]!r}")
+            return
+        if not entry.from_kernel:
+            self.stats.untrusted += 1
+            self._untrusted_warning.warn(
+                f"journal: dropped an entry with transport {entry.transport} and facility {entry.facility} "
+                f"from {entry.identifier!r}, not the kernel: {(entry.message or '')[:80]!r}"
+            )
+        elif entry.message is not None:
+            yield from entry.message.splitlines()
+        if entry.cursor is not None:
+            self._cursor = entry.cursor  # only now: every line of the entry has been yielded
+
+    def _ended(self, *, following: bool) -> None:
+        if self._process is None:
+            return  # a recorded stream simply ends
+        code = self._process.wait()
+        if following or code != 0:
+            raise JournalctlExited(f"journalctl exited with code {code} (its own message, if any, is logged above)")
+
+    def close(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._stream.close()
+
+
+def journalctl_argv(journalctl: str, *, after_cursor: str | None, follow: bool) -> list[str]:
+    """``-k``: kernel records of this boot only. Resuming: after the saved cursor (in this boot, so
+    a cursor from an earlier boot reads this boot whole); first start: the whole of this boot."""
+    argv = [journalctl, "-k", "-o", "json"]
+    if follow:
+        argv.append("-f")
+    argv += ["--after-cursor", after_cursor] if after_cursor else ["-n", "all"]
+    return argv
+
+
+def open_journal(*, resume: Position | None, follow: bool) -> JournalReader:
+    """Start journalctl and read its JSON output; JournalctlMissing when it is not installed."""
+    journalctl = shutil.which("journalctl")
+    if journalctl is None:
+        raise JournalctlMissing("--journal needs journalctl, which is not on PATH")
+    cursor = resume.get("cursor") if resume is not None and resume.get("kind") == "journal" else None
+    argv = journalctl_argv(journalctl, after_cursor=cursor if isinstance(cursor, str) else None, follow=follow)
+    log.info("journal: %s", " ".join(argv))
+    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+    assert process.stdout is not None
+    return JournalReader(process.stdout, process=process)
+
+
+def open_source(path: Path, *, from_start: bool, resume: Position | None = None) -> LineReader:
+    """The right reader for ``path``: /dev/kmsg, a pipe or standard input (``-``), or a log file.
+
+    ``resume`` is the saved position to continue from, if any (a stream has none).
+    """
     if str(path) == "-":
         return StreamReader(sys.stdin.buffer)
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        return LogFollower(path, from_start=from_start)
+        return LogFollower(path, from_start=from_start, resume=resume)
     if stat.S_ISCHR(mode):
-        return KmsgReader(path, from_start=from_start)
+        return KmsgReader(path, resume=resume)
     if stat.S_ISFIFO(mode):
         return StreamReader(open(path, "rb"))  # the reader owns the pipe until close()
-    return LogFollower(path, from_start=from_start)
+    return LogFollower(path, from_start=from_start, resume=resume)

@@ -33,6 +33,29 @@ def test_spool_is_ordered_bounded_and_loud(tmp_path: Path, caplog) -> None:  # t
     assert [event.xid for _, event in Spool(tmp_path).pending()] == [79, 48]  # survives a restart
 
 
+def test_spool_files_without_an_event_are_set_aside(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    spool = Spool(tmp_path)
+    paths = [spool.put(XidEvent(node="gpu1", xid=xid)) for xid in (79, 31, 48, 13, 64, 43)]
+    paths[1].write_bytes(paths[1].read_bytes()[:25])  # cut short by a crash on a file system without fsync
+    paths[3].write_bytes(b"")  # empty
+    paths[5].write_text('{"node": "gpu1", "xid": "seventy-nine"}')  # JSON, but no event
+    (tmp_path / "000000000006.json.tmp").write_text('{"node": "gp')  # a put that never finished
+
+    restarted = Spool(tmp_path)
+    assert [event.xid for _, event in restarted.pending()] == [79, 48, 64]
+    assert len(restarted) == 3
+    assert sorted(p.name for p in tmp_path.glob("*.corrupt")) == [f"{p.name}.corrupt" for p in paths[1::2]]
+    assert not list(tmp_path.glob("*.tmp"))
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 3 and all("\n" not in error for error in errors)
+    assert f"spool file {paths[3]} holds no event (file: Invalid JSON: EOF while parsing" in errors[1]
+    assert errors[2].endswith(
+        f"xid: Input should be a valid integer, unable to parse string as an integer); "
+        f"set aside as {paths[5].name}.corrupt"
+    )
+    assert restarted.put(XidEvent(node="gpu1", xid=74)).name == "000000000006.json"
+
+
 def test_temporal_down_then_back(tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "kern.log"
