@@ -21,7 +21,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from detector.cursor import CursorFile, Position
-from detector.follow import LineReader, SourceStats
+from detector.follow import JournalReader, KmsgReader, LineReader, SourceStats
 from detector.parse import KernelLogParser, XidReport
 from detector.spool import Spool, SpoolFull
 from models.policy import Action, Policy, PolicyFile
@@ -76,7 +76,10 @@ class KernelLogSource:
         self.name = name
         self._reader = reader
         self._once = once
-        self._parser = KernelLogParser()
+        # The kernel's own records (kmsg facility 0, journal transport kernel) are the message itself.
+        self._parser = KernelLogParser(strict=isinstance(reader, KmsgReader | JournalReader))
+        if isinstance(reader, KmsgReader):
+            reader.on_skipped = self._parser.learn  # GPU UUIDs announced at boot, before the cursor
         self._cursor = cursor
         self._save_seconds = save_seconds
         self._saved: Position | None = None
@@ -107,6 +110,8 @@ class KernelLogSource:
         """Ask for the position to be saved: ``now``, or if the last save is ``save_seconds`` old."""
         if self._cursor is None:
             return
+        if not now and time.monotonic() - self._saved_at < self._save_seconds:
+            return  # checked first: most lines cost no position at all
         position = self._reader.position()
         if position is None or position == self._saved:
             return
@@ -175,12 +180,19 @@ class Delivery:
     def put(self, event: XidEvent) -> None:
         self.spool.put(event)
 
-    async def flush(self) -> int:
-        """Deliver what the spool holds, oldest first; stop at the first failure (kept for later)."""
+    async def flush(self, *, max_seconds: float = 1.0, max_events: int = 200) -> int:
+        """Deliver what the spool holds, oldest first; stop at the first failure (kept for later).
+
+        A backlog goes out in slices (``max_events`` or ``max_seconds``, whichever comes first), so
+        the main loop keeps coming round (new events, liveness, SIGTERM) while it drains.
+        """
         if time.monotonic() < self._retry_at:
             return 0
         sent = 0
-        for path, event in self.spool.pending():
+        until = time.monotonic() + max_seconds
+        for path, event in self.spool.pending(limit=max_events):
+            if time.monotonic() > until:
+                break
             try:
                 if self._client is None:
                     self._client = await connect(timeout_seconds=self._connect_timeout)
@@ -331,6 +343,7 @@ class Detector:
         self._threads = [SourceThread(s, self.emit, stop, source_ready) for s in sources]
         for thread in self._threads:
             thread.start()
+        taken = 0
         try:
             while True:
                 self.last_tick = time.monotonic()
@@ -338,7 +351,9 @@ class Detector:
                 try:
                     item, source = await asyncio.to_thread(self._queue.get, True, 0.05)
                     self._take(item, source)
-                    continue  # drain the queue before delivering
+                    taken += 1
+                    if taken % 1000:
+                        continue  # drain the queue before delivering, but not forever in a flood
                 except queue.Empty:
                     pass
                 if self.delivery is not None:
@@ -373,8 +388,12 @@ class Detector:
     def _take(self, item: XidReport | Checkpoint, source: str) -> None:
         if isinstance(item, Checkpoint):
             self._save_cursor(item)
-        else:
+            return
+        try:
             self.handle(item, source)
+        except ValueError as exc:  # a record no event can hold (pydantic's errors included): said, counted
+            self.stats.setdefault(source, SourceStats()).errors += 1
+            log.error("%s: a record that is no valid event was dropped: %s", source, str(exc).splitlines()[0])
 
     def _save_cursor(self, checkpoint: Checkpoint) -> None:
         """Every event before ``checkpoint`` is handled: its position may now be saved."""

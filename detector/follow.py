@@ -128,6 +128,9 @@ class LogFollower:
 
     def _start_offset(self, info: os.stat_result, *, at_end: bool) -> int:
         resume, self._resume = self._resume, None  # only the first file opened can be the cursor's
+        if resume is not None and resume.get("path") not in (None, str(self.path)):
+            log.info("%s: the saved cursor is for %s, another log: a first start", self.path, resume.get("path"))
+            resume = None
         if resume is not None:
             same_file = (resume.get("kind"), resume.get("dev"), resume.get("ino")) == ("file", info.st_dev, info.st_ino)
             offset = resume.get("offset")
@@ -257,6 +260,8 @@ class KmsgReader:
     ) -> None:
         self.path = path
         self._fd: int | None = None
+        # Called with each kernel record skipped as already handled (the parser learns from it).
+        self.on_skipped: Callable[[str], None] | None = None
         if read_record is None:
             self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
             read_record = functools.partial(os.read, self._fd, 8192)
@@ -315,6 +320,8 @@ class KmsgReader:
             return None
         priority, seq = int(fields[0]), int(fields[1])
         if self._skip_through is not None and seq <= self._skip_through:
+            if priority >> 3 == 0 and self.on_skipped is not None:
+                self.on_skipped(line)  # handled before the restart, but it may name a GPU's UUID
             return None
         if self._seq is None and self._skip_through is not None and seq > self._skip_through + 1:
             self.stats.errors += 1
@@ -509,10 +516,17 @@ class JournalReader:
                 f"journal: dropped an entry with transport {entry.transport} and facility {entry.facility} "
                 f"from {entry.identifier!r}, not the kernel: {(entry.message or '')[:80]!r}"
             )
-        elif entry.message is not None:
-            yield from entry.message.splitlines()
+        elif entry.message:
+            *first, last = entry.message.splitlines() or [""]
+            yield from first
+            if entry.cursor is not None:
+                # Set before the last line goes out: the position asked for once that line's
+                # events are handled is this entry's, so a crash then does not repeat it.
+                self._cursor = entry.cursor
+            yield last
+            return
         if entry.cursor is not None:
-            self._cursor = entry.cursor  # only now: every line of the entry has been yielded
+            self._cursor = entry.cursor
 
     def _ended(self, *, following: bool) -> None:
         if self._process is None:

@@ -25,7 +25,8 @@ A *quotation* of a record never counts. The record is in shell context when the 
   ``said 'NVRM...``; a field's value such as ``XID: "NVRM...``, ``msg="NVRM...`` or a tool's
   ``(54 minutes ago) "NVRM...`` is a wrapper);
 
-and a record logged by a user-space program (a syslog ``program[pid]:`` tag) is not the kernel's.
+and a record logged by a user-space program (a syslog ``program[pid]:`` tag, a ``dmesg --decode``
+facility other than ``kern``, a JSON record of another transport or facility) is not the kernel's.
 
 Other numbers in a record's text (``... caused by previous Xid 149``) never replace its own code,
 and GSP diagnostics (``_kgspLogXid119``, ``krcRcAndNotifyAllChannels ... critical error 79``) are
@@ -65,13 +66,19 @@ _POWER_CABLE = re.compile(
 )
 
 _ANCHOR = re.compile(r"NVRM: |nvidia-nvswitch\d+: ")
+_KMSG_HEADER = re.compile(r"\d+,\d+,\d+,[^;]*;")
 _PROMPT = re.compile(r"^\s*(?:\[[\w.-]+@[^\]]*\]|[\w.-]+@[\w.-]+(?::\S*)?)?\s*[$#]\s")
 _COMMAND = re.compile(r"(?:^|[\s;&|(`'\"])(?:echo|printf|logger|tee|[ezf]?grep|rg)(?=[\s'\"]|$)")
 _PROGRAM_TAG = re.compile(r"\S+\[\d+\]:\s*$")
+# dmesg --decode names each record's facility: only "kern" is the kernel's own.
+_DECODED_NOT_KERNEL = re.compile(
+    r"^\s*(?:user|mail|daemon|auth|syslog|lpr|news|uucp|cron|authpriv|ftp|local[0-7])\s*:\s*[a-z]+\s*:"
+)
 _QUOTED_ARGUMENT = re.compile(r"[\w.-]\s+$")  # a word, a space, the quote: `said 'NVRM...`, `--text 'NVRM...`
 _FENCE = re.compile(r"^\s*```\w*\s*")
 _JSON_KEYS = ("MESSAGE", "message", "log")
 
+MAX_CODE = 65535  # Xid and SXid codes are 16-bit
 _CONTINUATION_LINES = 4  # a multi-line bus-loss record is three lines; allow one stray between
 _RECENT_LINES = 50  # how far back a record's companion (Xid 79, RmInitAdapter) is remembered
 
@@ -102,6 +109,8 @@ def in_shell_context(prefix: str) -> bool:
         return False
     if _PROMPT.match(prefix) or _COMMAND.search(prefix) or _PROGRAM_TAG.search(prefix):
         return True
+    if ":" in prefix and _DECODED_NOT_KERNEL.match(prefix):
+        return True
     before = prefix.rstrip()
     return before.endswith(("'", '"', "`")) and bool(_QUOTED_ARGUMENT.search(before[:-1]))
 
@@ -124,12 +133,15 @@ def parse_xid(message: str) -> XidReport | None:
             name = name_match.group("name").strip()
             process = None if name in {"<unknown>", "'<unknown>'", ""} else name
             rest = rest[name_match.end() :]
+    code = int(match.group("xid"))
+    if code > MAX_CODE:
+        return None  # no such Xid: a garbled line, not a record
     pci = match.group("pci") or match.group("bare")
     if pci is None and match.group("busdev"):  # older drivers: (bus:device), bus in four digits
         bus, device = match.group("busdev").split(":")
         pci = f"0000:{bus[-2:]}:{device}"
     return XidReport(
-        xid=int(match.group("xid")),
+        xid=code,
         pci=pci.lower() if pci else None,
         message=rest.strip(),
         pid=pid,
@@ -156,6 +168,9 @@ def _unwrap_json(line: str) -> list[str] | None:
     transport = record.get("_TRANSPORT")
     if transport is not None and transport != "kernel":
         return []
+    facility = record.get("SYSLOG_FACILITY")
+    if facility is not None and str(facility) != "0":
+        return []  # journald: user space naming itself "kernel" still has its own facility
     for key in _JSON_KEYS:
         value = record.get(key)
         if isinstance(value, list) and all(isinstance(b, int) and 0 <= b < 256 for b in value):
@@ -175,11 +190,14 @@ class KernelLogParser:
     """
 
     uuids: dict[str, str] = field(default_factory=dict)
+    # For sources that vouch for the writer (/dev/kmsg, the journal): the kernel's message must
+    # *be* the record, not carry one inside (an audit record quoting ``msg='NVRM: Xid ...'``).
+    strict: bool = False
     _line: int = 0
     _pending_pci: str | None = None
     _pending_left: int = 0
     _recent: dict[tuple[str, str | None], int] = field(default_factory=dict)
-    _last_sxid: tuple[str | None, int] | None = None
+    _last_sxid: dict[str | None, int] = field(default_factory=dict)  # per switch: its last SXid
 
     def feed(self, line: str) -> list[XidReport]:
         """The events completed by this line (usually none)."""
@@ -188,9 +206,13 @@ class KernelLogParser:
             if self._pending_left:
                 return self._continuation(line)
             return []
+        if self.strict:
+            return self._strict(line)
         if "{" in line:
             inner = _unwrap_json(line)
             if inner is not None:
+                if in_shell_context(line[: line.find("{")]):
+                    return []  # a JSON record quoted in a command: `echo '{"MESSAGE": "NVRM..."}'`
                 return [report for text in inner for report in self.feed(text)]
         anchor = _ANCHOR.search(line)
         if anchor is None:
@@ -213,6 +235,24 @@ class KernelLogParser:
             anchor = following
         return reports
 
+    def _strict(self, line: str) -> list[XidReport]:
+        header = _KMSG_HEADER.match(line)
+        start = header.end() if header else 0
+        anchor = _ANCHOR.match(line, start)
+        if anchor is None:
+            return self._continuation(line) if self._pending_left else []
+        message = line[start:].rstrip()
+        if message.startswith("NVRM: "):
+            return self._driver(message)
+        self._pending_left = 0
+        return self._nvswitch(message)
+
+    def learn(self, line: str) -> None:
+        """Take what a line already handled says about the GPUs (their UUIDs), reporting nothing."""
+        start = line.find("NVRM: GPU at PCI:")
+        if start >= 0 and (at := _GPU_AT_UUID.match(line[start + 6 :].rstrip())):
+            self.uuids[at.group("pci").lower()] = at.group("uuid")
+
     def _driver(self, message: str) -> list[XidReport]:
         if report := parse_xid(message):
             self._pending_left = 0
@@ -230,14 +270,14 @@ class KernelLogParser:
             self._pending_pci = start.group("pci").lower()
             self._pending_left = _CONTINUATION_LINES
             return self._continuation(body) if "fallen off the bus" in body else []
-        if self._pending_left:
-            return self._continuation(body)
         if "nit" in body and _INIT_FAILED.search(body):
             return self._init_failed(body)
         if "power" in body and _POWER_CABLE.search(body):
             named = _GPU_NAMED.search(body)
             pci = named.group("pci").lower() if named else None
             return [self._with_uuid(XidReport(xid=None, pci=pci, message=body, kind="power_cable"))]
+        if self._pending_left:
+            return self._continuation(body)
         return []
 
     def _continuation(self, text: str) -> list[XidReport]:
@@ -256,11 +296,15 @@ class KernelLogParser:
     def _init_failed(self, body: str) -> list[XidReport]:
         named = _GPU_NAMED.search(body)
         pci = named.group("pci").lower() if named else None
-        if body.startswith("rm_init_adapter"):
-            seen = self._recent.get(("init", None))
+        if "rm_init_adapter" in body:
+            # The companion of the RmInitAdapter line of the same failure (of the same GPU, when
+            # both name it; older drivers name none).
+            seen = self._recent.get(("init", pci)) or (self._recent.get(("init", None)) if pci is None else None)
             if seen is not None and self._line - seen <= _RECENT_LINES:
-                return []  # follows the RmInitAdapter line of the same failure
-        self._recent[("init", None)] = self._line
+                return []
+        else:
+            self._recent[("init", pci)] = self._line
+            self._recent[("init", None)] = self._line
         return [self._with_uuid(XidReport(xid=None, pci=pci, message=body, kind="init_failed"))]
 
     def _nvswitch(self, message: str) -> list[XidReport]:
@@ -269,9 +313,11 @@ class KernelLogParser:
             return []
         pci = match.group("pci").lower() if match.group("pci") else None
         code = int(match.group("xid"))
+        if code > MAX_CODE:
+            return []
         rest = (match.group("rest") or "").strip()
-        same = self._last_sxid == (pci, code)
-        self._last_sxid = (pci, code)
+        same = self._last_sxid.get(pci) == code
+        self._last_sxid[pci] = code
         if same and rest.startswith(_SXID_CONTINUATION):
             return []  # the same SXid's severity or data line
         return [XidReport(xid=code, pci=pci, message=rest, kind="sxid")]

@@ -74,10 +74,12 @@ class Spool:
         write_durably(path, event.model_dump_json().encode())
         return path
 
-    def pending(self) -> list[tuple[Path, XidEvent]]:
-        """Spooled events, oldest first; a file that holds none is set aside."""
-        events = []
+    def pending(self, limit: int | None = None) -> list[tuple[Path, XidEvent]]:
+        """Spooled events, oldest first (at most ``limit``); a file that holds none is set aside."""
+        events: list[tuple[Path, XidEvent]] = []
         for path in self._files():
+            if limit is not None and len(events) >= limit:
+                break
             try:
                 events.append((path, XidEvent.model_validate_json(path.read_bytes())))
             except FileNotFoundError:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -56,13 +56,12 @@ DEFAULT_XID_ACTIONS: dict[int, Action] = {
 }
 
 # A fatal SXid takes the switch's NVLink fabric down with it: the node leaves the fleet.
-DEFAULT_SXID_SEVERITY_ACTIONS: dict[str, Action] = {
+DEFAULT_SXID_SEVERITY_ACTIONS: dict[Literal["fatal", "non-fatal"], Action] = {
     "fatal": Action.REPLACE_NODE,
     "non-fatal": Action.OBSERVE,
 }
 
 # Failures without a code: the GPU never came up (or has no power), so no job can use it.
-CODELESS_KINDS = tuple(kind for kind in GpuEventKind if not kind.has_code)
 DEFAULT_KIND_ACTIONS: dict[GpuEventKind, Action] = {
     GpuEventKind.INIT_FAILED: Action.REPLACE_NODE,
     GpuEventKind.POWER_CABLE: Action.REPLACE_NODE,
@@ -109,7 +108,9 @@ class Policy(BaseModel):
     buckets: dict[str, Action] = Field(default_factory=lambda: dict(DEFAULT_BUCKET_ACTIONS))
     xids: dict[int, Action] = Field(default_factory=lambda: dict(DEFAULT_XID_ACTIONS))
     unknown_xid: Action = Action.OBSERVE
-    sxid_severities: dict[str, Action] = Field(default_factory=lambda: dict(DEFAULT_SXID_SEVERITY_ACTIONS))
+    sxid_severities: dict[Literal["fatal", "non-fatal"], Action] = Field(
+        default_factory=lambda: dict(DEFAULT_SXID_SEVERITY_ACTIONS)
+    )
     sxids: dict[int, Action] = Field(default_factory=dict)
     unknown_sxid: Action = Action.OBSERVE
     kinds: dict[GpuEventKind, Action] = Field(default_factory=lambda: dict(DEFAULT_KIND_ACTIONS))

@@ -68,6 +68,8 @@ class XidEvent(BaseModel):
     def _code_matches_kind(self) -> XidEvent:
         if self.kind is GpuEventKind.BUS_LOST and self.xid is None:
             self.xid = BUS_LOST_XID
+        if self.kind is GpuEventKind.BUS_LOST and self.xid != BUS_LOST_XID:
+            raise ValueError(f"a bus_lost event is Xid {BUS_LOST_XID}, not {self.xid}")
         if self.kind.has_code and self.xid is None:
             raise ValueError(f"a {self.kind.value} event needs its code in 'xid'")
         if not self.kind.has_code and self.xid is not None:

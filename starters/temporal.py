@@ -87,4 +87,6 @@ async def report_xid(
         start_signal_args=[event],
         search_attributes=attributes,
         static_summary=f"{event.label} on {event.node} ({cluster})",
+        # A server that hangs is a failure to retry (the detector spools), not a wait without end.
+        rpc_timeout=timedelta(seconds=10),
     )

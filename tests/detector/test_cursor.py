@@ -143,3 +143,14 @@ async def test_a_burst_of_other_lines_is_not_saved_line_by_line(tmp_path: Path) 
     assert len(printed) == 1
     assert len(cursor.saves) < 20  # one after the event, one at the end, one each half second at most
     assert cursor.saves[-1][1]["offset"] == log.stat().st_size
+
+
+def test_a_cursor_saved_for_another_log_is_a_first_start(tmp_path: Path) -> None:
+    first, second = tmp_path / "a.log", tmp_path / "b.log"
+    first.write_text("one\n")
+    follower = LogFollower(first, from_start=True)
+    assert list(follower.read_available()) == ["one"]
+    saved = follower.position()
+    follower.close()
+    second.write_text("old line of another log\n")
+    assert list(LogFollower(second, resume=saved).read_available()) == []  # from its end

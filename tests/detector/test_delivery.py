@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -134,3 +135,35 @@ def test_temporal_down_then_back(tmp_path: Path) -> None:
         stop([detector.pid])
         if server is not None:
             stop([server.pid])
+
+
+def test_a_backlog_goes_out_in_slices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After an outage the spool drains a slice per turn of the main loop (liveness, new events
+    and SIGTERM are seen between slices), oldest first, and nothing is lost."""
+    from detector.daemon import Delivery
+
+    port = free_port()
+    spool = Spool(tmp_path / "spool")
+    for index in range(7):
+        spool.put(XidEvent(node=f"gpu{index}", xid=79, source="test"))
+    server = subprocess.Popen(
+        dev_server_argv(db_file=tmp_path / "t.db", port=port, ui_port=free_port()),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: port_in_use(port), timeout=60, what="the dev server")
+        monkeypatch.setenv("TEMPORAL_ADDRESS", f"127.0.0.1:{port}")
+        delivery = Delivery(cluster="lab", spool=spool, connect_timeout=30)
+
+        async def drain() -> list[int]:
+            slices = []
+            while len(spool):
+                slices.append(await delivery.flush(max_events=3))
+            return slices
+
+        assert asyncio.run(drain()) == [3, 3, 1]
+        assert delivery.delivered == 7
+    finally:
+        stop([server.pid])

@@ -140,5 +140,7 @@ async def test_a_restart_neither_loses_nor_repeats(tmp_path: Path) -> None:
     second = await run_once(ring.reopen())  # the device again from its oldest record, as after a restart
     assert len(second) == 2
     assert '"xid": 64' in second[0] and '"xid": 79' in second[1]
+    # The UUID the driver announced at boot, before the cursor, is still known after the restart.
+    assert '"gpu_uuid": "GPU-2f6a3b4c-5d6e-7f80-91a2-b3c4d5e6f708"' in second[0]
     assert cursor.load() == {"kind": "kmsg", "boot_id": BOOT, "seq": 6}
     assert await run_once(ring.reopen()) == []

@@ -144,7 +144,24 @@ SHELL_CONTEXTS = [
     "python3 alert.py --text {q}{r}{q}",
     "Aug  5 03:54:13 gpu-node-7 myscript[4242]: {r}",
     "Dec  2 12:00:00 node sshd[1]: {r}",
+    "user  :warn  : 2025-01-25T10:34:54,859532+00:00 {r}",
+    "syslog:err   : 2025-05-27T04:18:56,089671+00:00 {r}",
 ]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'echo \'{"MESSAGE": "RECORD", "_TRANSPORT": "kernel"}\'',
+        'grep -r \'{"log": "RECORD"}\' /var/log',
+        'curl -d \'{"message": "RECORD"}\' http://alerts',
+        'myscript[42]: {"log": "RECORD"}',
+        '{"MESSAGE": "RECORD", "_TRANSPORT": "kernel", "SYSLOG_FACILITY": "1"}',
+        '{"MESSAGE": "RECORD", "_TRANSPORT": "syslog", "SYSLOG_IDENTIFIER": "kernel"}',
+    ],
+)
+def test_a_json_record_quoted_or_from_user_space_is_never_an_event(line: str) -> None:
+    assert events([line.replace("RECORD", RECORDS[0][0])]) == []
 
 
 @settings(max_examples=300, deadline=None)
@@ -175,6 +192,51 @@ def test_shapes_no_public_report_showed() -> None:
     assert (power.kind, power.xid, power.pci) == ("power_cable", None, "0000:01:00")
     journal_precise = "2025-01-25T10:34:54.859532+0000 gpu-node-7 kernel: NVRM: Xid (PCI:0000:1a:00): 79"
     assert [(r.xid, r.pci) for r in events([journal_precise])] == [(79, "0000:1a:00")]
+
+
+def test_companion_lines_count_once_per_gpu_and_other_gpus_still_count() -> None:
+    lines = [
+        "NVRM: GPU 0000:3b:00.0: GPU does not have the necessary power cables connected.",
+        "NVRM: GPU 0000:3b:00.0: RmInitAdapter failed! (0x24:0x72:1568)",
+        "NVRM: GPU 0000:3b:00.0: rm_init_adapter failed, device minor number 0",
+        "NVRM: GPU 0000:5e:00.0: RmInitAdapter failed! (0x24:0x72:1568)",
+        "NVRM: GPU 0000:5e:00.0: rm_init_adapter failed, device minor number 1",
+        "NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=x, GPU has fallen off the bus.",
+        "NVRM: GPU 0000:86:00.0: GPU has fallen off the bus.",  # another GPU: its own event
+    ]
+    assert [(r.kind, r.pci) for r in events(lines)] == [
+        ("power_cable", "0000:3b:00"),
+        ("init_failed", "0000:3b:00"),
+        ("init_failed", "0000:5e:00"),
+        ("xid", "0000:3b:00"),
+        ("bus_lost", "0000:86:00"),
+    ]
+
+
+def test_from_the_kernels_own_sources_the_message_is_the_record() -> None:
+    """kmsg and the journal vouch for the writer, so a record must be the whole message: an
+    audit record (facility 0 too) quoting one in ``msg='...'`` is not the driver speaking."""
+    strict = KernelLogParser(strict=True)
+    assert [r.xid for r in strict.feed("4,12,5000,-;" + RECORDS[0][0])] == [79]
+    assert [r.xid for r in strict.feed(RECORDS[1][0])] == [31]  # a journal MESSAGE has no header
+    audit = "5,13,6000,-;audit: type=1107 audit(1.2:3): pid=1 uid=0 msg='" + RECORDS[0][0] + "'"
+    assert strict.feed(audit) == []
+    assert [r.xid for r in KernelLogParser().feed(audit)] == [79]  # a text file cannot tell
+
+
+def test_codes_beyond_16_bits_are_no_record() -> None:
+    assert events(["NVRM: Xid (PCI:0000:3b:00): 99999, pid=1, name=x, garbled"]) == []
+    assert events(["nvidia-nvswitch0: SXid (PCI:0000:04:00.0): 70000, Fatal, garbled"]) == []
+
+
+def test_an_sxid_on_one_switch_does_not_hide_anothers() -> None:
+    lines = [
+        "nvidia-nvswitch0: SXid (PCI:0000:04:00.0): 12028, Non-fatal, Link 1 egress error (First)",
+        "nvidia-nvswitch1: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 2 egress error (First)",
+        "nvidia-nvswitch0: SXid (PCI:0000:04:00.0): 12028, Severity 0 Engine instance 01 Sub-engine instance 00",
+        "nvidia-nvswitch1: SXid (PCI:0000:05:00.0): 12028, Severity 0 Engine instance 02 Sub-engine instance 00",
+    ]
+    assert [r.pci for r in events(lines)] == ["0000:04:00.0", "0000:05:00.0"]
 
 
 def test_a_records_own_code_is_never_replaced_by_another_in_its_text() -> None:
