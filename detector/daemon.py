@@ -56,6 +56,9 @@ class Source(Protocol):
         ...
 
 
+_LINES_BETWEEN_CLOCK_LOOKS = 1024  # a burst of chatter: one look at the clock per this many lines
+
+
 class KernelLogSource:
     """Kernel-log lines (a file, a stream, /dev/kmsg or the journal) through the driver-line parser.
 
@@ -97,11 +100,18 @@ class KernelLogSource:
                 lines = self._reader.read_available()
             else:
                 lines = self._reader.follow(stop=stop.is_set, idle=lambda: self._checkpoint(emit, now=False))
+            feed, countdown = self._parser.feed, _LINES_BETWEEN_CLOCK_LOOKS
             for line in lines:
-                reports = self._parser.feed(line)
-                for report in reports:
-                    emit(report, self.name)
-                self._checkpoint(emit, now=bool(reports))
+                reports = feed(line)
+                if reports:
+                    for report in reports:
+                        emit(report, self.name)
+                    self._checkpoint(emit, now=True)
+                    continue
+                countdown -= 1
+                if not countdown:  # the clock is looked at every so many lines, not for each
+                    countdown = _LINES_BETWEEN_CLOCK_LOOKS
+                    self._checkpoint(emit, now=False)
             self._checkpoint(emit, now=True)
         finally:
             self._reader.close()

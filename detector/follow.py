@@ -166,13 +166,19 @@ class LogFollower:
                 return
             self._offset += len(chunk)
             data = self._partial + chunk
-            start = 0
-            while (newline := data.find(b"\n", start)) >= 0:
-                raw = data[start:newline]
-                start = newline + 1
-                self._line_end = self._partial_at + start
-                yield raw.decode("utf-8", errors="replace")
-            self._partial = data[start:]
+            complete, newline, rest = data.rpartition(b"\n")
+            end = self._partial_at
+            if newline and complete.isascii():  # the common case: one decode and split per chunk
+                for line in complete.decode("ascii").split("\n"):
+                    end += len(line) + 1
+                    self._line_end = end
+                    yield line
+            elif newline:
+                for raw in complete.split(b"\n"):
+                    end += len(raw) + 1
+                    self._line_end = end
+                    yield raw.decode("utf-8", errors="replace")
+            self._partial = rest
             self._partial_at = self._offset - len(self._partial)
             if len(self._partial) > MAX_LINE:
                 self._partial = b""

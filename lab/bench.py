@@ -30,7 +30,7 @@ from temporalio.service import RPCError
 
 from lab.drill import run_drill
 from lab.fleet import LAB_POLL_SECONDS, REPO_ROOT, FleetLab, LabConfig
-from lab.parse_bench import detector_idle_cpu, parse_throughput
+from lab.parse_bench import detector_idle_cpu, parse_throughput, source_throughput
 from lab.procs import free_port, port_in_use, spawn, stop, wait_for
 from starters.server import dev_server_argv
 from starters.temporal import connect
@@ -260,6 +260,7 @@ def main() -> None:
         if args.parse_lines:
             say(f"parse throughput over {args.parse_lines} lines")
             result["parse"] = parse_throughput(args.parse_lines)
+            result["parse"]["source"] = source_throughput(args.parse_lines, home=Path(tmp))
         if args.idle_seconds:
             say(f"detector idle CPU over {args.idle_seconds:g} s")
             result["detector_idle"] = detector_idle_cpu(args.idle_seconds, home=Path(tmp))
