@@ -70,6 +70,24 @@ def render_metrics(detector: Detector) -> str:
             "Records dropped because the kernel did not write them (forged kernel lines).",
             [({"source": name}, stats.untrusted) for name, stats in sources],
         ),
+        *_family(
+            "gpufleet_detector_spool_dropped_total",
+            "counter",
+            "Events NOT kept because the spool was full (alert on any).",
+            [({}, delivery.spool.dropped if delivery is not None else 0)],
+        ),
+        *_family(
+            "gpufleet_detector_spool_set_aside_total",
+            "counter",
+            "Spool files that held no event, renamed NAME.corrupt.",
+            [({}, delivery.spool.set_aside if delivery is not None else 0)],
+        ),
+        *_family(
+            "gpufleet_detector_folded_total",
+            "counter",
+            "Identical repeats folded into the event before them.",
+            [({}, detector.folder.folded)],
+        ),
     ]
     return "\n".join(lines) + "\n"
 

@@ -132,7 +132,7 @@ class Policy(BaseModel):
         """The action for one event (an int is a GPU Xid), before combining with others."""
         if isinstance(event, XidEvent):
             if event.kind is GpuEventKind.SXID:
-                return self._sxid_action(event.xid)
+                return self._sxid_action(event.xid, event.message)
             if not event.kind.has_code:
                 return self.kinds.get(event.kind, Action.REPLACE_NODE)
         xid = event if isinstance(event, int) else event.gpu_xid
@@ -148,13 +148,19 @@ class Policy(BaseModel):
             return RECOVERY_ACTIONS[recovery] if recovery is not None else self.xid_154_default
         return self.buckets.get(entry.bucket, self.unknown_xid)
 
-    def _sxid_action(self, sxid: int | None) -> Action:
+    def _sxid_action(self, sxid: int | None, message: str = "") -> Action:
         if sxid in self.sxids:
             return self.sxids[sxid]
         entry = sxid_catalog().get(sxid) if sxid is not None else None
-        if entry is None:
-            return self.unknown_sxid
-        return self.sxid_severities.get(entry.severity, self.unknown_sxid)
+        if entry is not None:
+            return self.sxid_severities.get(entry.severity, self.unknown_sxid)
+        # Not in the catalog: the driver's own word on it ("Fatal, ..." / "Non-fatal, ...").
+        word = message.split(",", 1)[0].strip().lower()
+        if word == "fatal":
+            return self.sxid_severities.get("fatal", self.unknown_sxid)
+        if word == "non-fatal":
+            return self.sxid_severities.get("non-fatal", self.unknown_sxid)
+        return self.unknown_sxid
 
     def decide(self, events: Iterable[XidEvent | int]) -> Action:
         """The one action for everything seen on a node: the most disruptive of each Xid's action."""

@@ -139,6 +139,16 @@ def test_an_sxid_never_meets_the_xid_of_the_same_number() -> None:
     assert Policy().action_for(XidEvent(node="gpu1", xid=79)) is Action.REPLACE_NODE
 
 
+def test_an_sxid_missing_from_the_catalog_follows_the_drivers_own_word() -> None:
+    unknown = next(code for code in range(30000, 40000) if code not in sxid_catalog())
+    fatal = XidEvent(node="gpu1", kind=GpuEventKind.SXID, xid=unknown, message="Fatal, Link 3 something new")
+    minor = XidEvent(node="gpu1", kind=GpuEventKind.SXID, xid=unknown, message="Non-fatal, Link 3 something")
+    silent = XidEvent(node="gpu1", kind=GpuEventKind.SXID, xid=unknown, message="Data {0x0}")
+    assert Policy().action_for(fatal) is Action.REPLACE_NODE
+    assert Policy().action_for(minor) is Action.OBSERVE
+    assert Policy().action_for(silent) is Action.OBSERVE  # unknown_sxid
+
+
 def test_failures_without_a_code_have_their_own_entries() -> None:
     init = XidEvent(node="gpu1", kind=GpuEventKind.INIT_FAILED)
     power = XidEvent(node="gpu1", kind=GpuEventKind.POWER_CABLE)
