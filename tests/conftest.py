@@ -46,6 +46,19 @@ def gpufleet_cli(
     )
 
 
+def gpufleet_daemon(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start the ``gpufleet`` command as a daemon in a session of its own (stop it with lab.procs.stop)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "workers.entry", *args],
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def venv_binary(name: str) -> str:
     path = Path(sysconfig.get_path("scripts")) / name
     if not path.exists():

@@ -14,13 +14,9 @@ from detector.daemon import Detector, KernelLogSource
 from detector.follow import LogFollower
 from models.policy import Policy
 from tests.conftest import gpufleet_cli
+from tests.detector.test_follow import append
 
 XID = "NVRM: Xid (PCI:0000:3b:00): {xid}, pid=2412, name=python3, {text}\n"
-
-
-def append(path: Path, text: str) -> None:
-    with open(path, "a") as out:
-        out.write(text)
 
 
 def test_a_follower_resumes_right_after_the_last_line_it_yielded(tmp_path: Path) -> None:

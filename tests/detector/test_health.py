@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +17,7 @@ from detector.health import HealthServer
 from detector.spool import Spool
 from lab.procs import free_port, stop, wait_for
 from models.policy import Policy
-from tests.conftest import REPO
+from tests.conftest import gpufleet_daemon
 from tests.detector.test_kmsg import BOOT, Ring, record
 
 XID_79 = "NVRM: Xid (PCI:0000:3b:00): 79, pid=0, GPU has fallen off the bus.\n"
@@ -164,17 +161,9 @@ def test_gpufleet_detect_serves_health_and_stops_cleanly_on_sigterm(tmp_path: Pa
     log.write_text("")
     ready = tmp_path / "ready"
     state = tmp_path / "state"
-    argv = [sys.executable, "-m", "workers.entry", "detect", "--kmsg", str(log), "--node", "gpu7", "--dry-run"]
-    argv += ["--state-dir", str(state), "--health-port", str(port), "--health-host", "127.0.0.1"]
-    detector = subprocess.Popen(
-        [*argv, "--ready-file", str(ready)],
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    argv = ["detect", "--kmsg", str(log), "--node", "gpu7", "--dry-run", "--state-dir", str(state)]
+    argv += ["--health-port", str(port), "--health-host", "127.0.0.1", "--ready-file", str(ready)]
+    detector = gpufleet_daemon(*argv)
     try:
         wait_for(lambda: ready.exists() or detector.poll() is not None, timeout=60, what="the detector")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:

@@ -16,13 +16,12 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from detector.follow import JournalReader, journal_text, parse_journal_entry
 from lab.procs import alive, stop, wait_for
-from tests.conftest import REPO, gpufleet_cli
+from tests.conftest import gpufleet_cli, gpufleet_daemon
 
 DATA = Path(__file__).parent / "data" / "journal_kernel.json"
 
@@ -161,16 +160,8 @@ def test_a_clean_stop_ends_journalctl_too(tmp_path: Path) -> None:
     env, calls = stand_in(tmp_path, DATA)
     state = tmp_path / "state"
     ready = tmp_path / "ready"
-    argv = [sys.executable, "-m", "workers.entry", "detect", "--journal", "--node", "gpu7", "--dry-run"]
-    detector = subprocess.Popen(
-        [*argv, "--state-dir", str(state), "--ready-file", str(ready)],
-        env={**os.environ, "PYTHONPATH": str(REPO), **env},
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    argv = ["detect", "--journal", "--node", "gpu7", "--dry-run", "--state-dir", str(state), "--ready-file", str(ready)]
+    detector = gpufleet_daemon(*argv, env=env)
     try:
         wait_for(lambda: ready.exists() and calls.exists(), timeout=60, what="the detector and its journalctl")
         journalctl = json.loads(calls.read_text())["pid"]
