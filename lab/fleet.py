@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lab.kubeapi import node_object
+from lab.kubeapi import lab_workloads, node_object
 from lab.procs import alive, free_port, port_in_use, spawn, stop, wait_for
 from lab.slurm import SlurmLab, SlurmLabSpec
 from models.xid import xid_catalog
@@ -294,24 +294,7 @@ class FleetLab:
     def _kube_seed(self) -> dict[str, Any]:
         nodes = [node_object(n, pool="training") for n in self.config.training]
         nodes += [node_object(n, pool="spare") for n in self.config.spares]
-        pods = [
-            {
-                "metadata": {"name": f"inference-{n}", "namespace": "serving", "labels": {"app": "inference"}},
-                "spec": {"nodeName": n, "containers": [{"name": "server", "image": "vllm/vllm-openai"}]},
-                "status": {"phase": "Running"},
-            }
-            for n in self.config.training
-        ]
-        pdbs = [
-            {
-                "metadata": {"name": "inference", "namespace": "serving"},
-                "spec": {
-                    "minAvailable": max(len(self.config.training) - 1, 0),
-                    "selector": {"matchLabels": {"app": "inference"}},
-                },
-            }
-        ]
-        return {"nodes": nodes, "pods": pods, "pdbs": pdbs}
+        return {"nodes": nodes, **lab_workloads(self.config.training, [*self.config.training, *self.config.spares])}
 
     # -- down -------------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import datetime
 import json
 import signal
@@ -31,13 +32,39 @@ import aiohttp.web
 import attrs
 import kmock
 from kmock._internal import enums, rendering
+from kmock._internal.k8s import KubernetesObjectNotFoundError
 
+from lab import kubetables as tables
 from lab.selectors import SelectorError, field_selector, label_selector
 
 PODS = kmock.resource("", "v1", "pods")
 NODES = kmock.resource("", "v1", "nodes")
 PDBS = kmock.resource("policy", "v1", "poddisruptionbudgets")
 LEASES = kmock.resource("coordination.k8s.io", "v1", "leases")
+VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
+# resource: (kind, short names, namespaced, subresources)
+RESOURCE_INFO: dict[kmock.resource, tuple[str, list[str], bool, list[str]]] = {
+    PODS: ("Pod", ["po"], True, ["eviction"]),
+    NODES: ("Node", ["no"], False, []),
+    PDBS: ("PodDisruptionBudget", ["pdb"], True, []),
+    LEASES: ("Lease", [], True, []),
+    # Stored as given, so that `kubectl apply -f deploy/` and `kubectl get` work on the lab.
+    kmock.resource("", "v1", "namespaces"): ("Namespace", ["ns"], False, []),
+    kmock.resource("", "v1", "configmaps"): ("ConfigMap", ["cm"], True, []),
+    kmock.resource("", "v1", "serviceaccounts"): ("ServiceAccount", ["sa"], True, []),
+    kmock.resource("", "v1", "services"): ("Service", ["svc"], True, []),
+    kmock.resource("apps", "v1", "deployments"): ("Deployment", ["deploy"], True, []),
+    kmock.resource("apps", "v1", "replicasets"): ("ReplicaSet", ["rs"], True, []),
+    kmock.resource("apps", "v1", "daemonsets"): ("DaemonSet", ["ds"], True, []),
+    kmock.resource("batch", "v1", "jobs"): ("Job", [], True, []),
+    kmock.resource("rbac.authorization.k8s.io", "v1", "roles"): ("Role", [], True, []),
+    kmock.resource("rbac.authorization.k8s.io", "v1", "rolebindings"): ("RoleBinding", [], True, []),
+    kmock.resource("rbac.authorization.k8s.io", "v1", "clusterroles"): ("ClusterRole", [], False, []),
+    kmock.resource("rbac.authorization.k8s.io", "v1", "clusterrolebindings"): ("ClusterRoleBinding", [], False, []),
+}
+
+
+_REQUEST: contextvars.ContextVar[rendering.Request] = contextvars.ContextVar("request")
 
 
 def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:
@@ -66,8 +93,29 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
-        for res in (PODS, NODES, PDBS, LEASES):
-            self.resources[res]  # declare, so empty lists answer 200 rather than 404
+        # Declared with what discovery says of them, so that kubectl finds each resource type
+        # (by name, kind and short name) and knows what it may do with it.
+        for res, (kind, short, namespaced, subresources) in RESOURCE_INFO.items():
+            self.resources[res] = kmock.ResourceInfo(
+                kind=kind,
+                singular=kind.lower(),
+                namespaced=namespaced,
+                verbs=VERBS,
+                shortnames=short,
+                subresources=subresources,
+            )
+
+    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
+        """An APIResourceList as a real API server writes it (the core group is plain "v1";
+        a subresource such as pods/eviction names its own kind and verbs)."""
+        payload = await super()._serve_version(request)
+        assert isinstance(payload, dict)
+        if payload.get("groupVersion", "").startswith("/"):
+            payload["groupVersion"] = payload["groupVersion"][1:]
+        for entry in payload.get("resources", []):
+            if entry["name"] == "pods/eviction":
+                entry.update(kind="Eviction", group="policy", version="v1", verbs=["create"], singularName="")
+        return payload
 
     def next_version(self) -> str:
         self._version += 1
@@ -98,6 +146,7 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         return None
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        _REQUEST.set(request)
         if request.url.path == "/_faults":
             return self._set_faults(request)
         if self._fault_count > 0:
@@ -143,6 +192,16 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
                 else:
                     self._stamp_new(meta)
             return await super()._handle(request)
+
+    async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
+        """A missing object's 404 worded as a real API server words it (reason NotFound: older
+        kubectl and other clients look for exactly that)."""
+        if isinstance(exc, KubernetesObjectNotFoundError):
+            request = _REQUEST.get(None)
+            what = request.resource.plural if request is not None and request.resource is not None else "object"
+            name = request.name if request is not None else ""
+            return _status(404, "NotFound", f'{what} "{name}" not found')
+        return await super()._render_error(exc)
 
     async def _replace(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         """PUT: the whole object replaced, guarded by its resourceVersion when the body names one."""
@@ -199,7 +258,48 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
             item for item in payload["items"] if labels(item.get("metadata", {}).get("labels") or {}) and fields(item)
         ]
         payload["metadata"] = {"resourceVersion": str(self._version)}
+        if request.resource == PDBS:
+            payload["items"] = [self._with_pdb_status(pdb) for pdb in payload["items"]]
+        if request.resource is not None and request.resource in RESOURCE_INFO:
+            kind = RESOURCE_INFO[request.resource][0]
+            group, version = request.resource.group, request.resource.version
+            payload["kind"] = f"{kind}List"
+            payload["apiVersion"] = f"{group}/{version}" if group else version
+            if "as=Table" in request.headers.get("Accept", ""):
+                return tables.table(kind, payload["items"])
         return payload
+
+    async def _serve_fetch(self, request: rendering.Request) -> rendering.Payload:
+        payload = await super()._serve_fetch(request)
+        if request.resource == PDBS and isinstance(payload, dict):
+            payload = self._with_pdb_status(payload)
+        if request.resource in RESOURCE_INFO and "as=Table" in request.headers.get("Accept", ""):
+            assert request.resource is not None and isinstance(payload, dict)
+            return tables.table(RESOURCE_INFO[request.resource][0], [payload])
+        return payload
+
+    def _with_pdb_status(self, pdb: dict[str, Any]) -> dict[str, Any]:
+        """The budget's status as the disruption controller keeps it, from the pods there are now."""
+        namespace = pdb.get("metadata", {}).get("namespace")
+        selector = (pdb.get("spec", {}).get("selector") or {}).get("matchLabels") or {}
+        matching = [
+            pod
+            for pod in self._live(PODS, namespace)
+            if selector and all((pod.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in selector.items())
+        ]
+        healthy = sum(1 for pod in matching if (pod.get("status") or {}).get("phase", "Running") == "Running")
+        allowed = max(self._disruptions_allowed(pdb, selector, namespace), 0) if selector else 0
+        return {
+            **pdb,
+            "status": {
+                **(pdb.get("status") or {}),
+                "currentHealthy": healthy,
+                "desiredHealthy": healthy - allowed,
+                "disruptionsAllowed": allowed,
+                "expectedPods": len(matching),
+                "observedGeneration": pdb.get("metadata", {}).get("generation", 1),
+            },
+        }
 
     async def _evict(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         assert request.name is not None
@@ -231,7 +331,11 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         if "minAvailable" in spec:
             return healthy - int(spec["minAvailable"])
         if "maxUnavailable" in spec:
-            expected = int((pdb.get("status") or {}).get("expectedPods", healthy))
+            expected = sum(
+                1
+                for pod in self._live(PODS, namespace)
+                if all((pod.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in selector.items())
+            )
             return int(spec["maxUnavailable"]) - (expected - healthy)
         return 1
 
@@ -255,6 +359,99 @@ def node_object(name: str, *, pool: str, ready: bool = True) -> dict[str, Any]:
     }
 
 
+def _owned(kind: str, name: str, uid: str) -> list[dict[str, Any]]:
+    api = "apps/v1"
+    return [{"apiVersion": api, "kind": kind, "name": name, "uid": uid, "controller": True, "blockOwnerDeletion": True}]
+
+
+def lab_workloads(serving: list[str], every: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """What runs on the lab's nodes, owned as a real cluster owns it: an inference Deployment
+    (its ReplicaSet's pods on the ``serving`` nodes, a PodDisruptionBudget allowing one down) and
+    a node-exporter DaemonSet with a pod on ``every`` node."""
+    labels = {"app": "inference"}
+    deployment_uid, replicaset_uid, daemonset_uid = (str(uuid.uuid4()) for _ in range(3))
+    replicaset = "inference-5c9f7d6b8"
+    container = [{"name": "server", "image": "vllm/vllm-openai"}]
+    running = {"phase": "Running"}
+    return {
+        "namespaces": [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": n}} for n in ("serving", "monitoring")
+        ],
+        "deployments": [
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {"name": "inference", "namespace": "serving", "uid": deployment_uid, "labels": labels},
+                "spec": {
+                    "replicas": len(serving),
+                    "selector": {"matchLabels": labels},
+                    "template": {"metadata": {"labels": labels}, "spec": {"containers": container}},
+                },
+            }
+        ],
+        "replicasets": [
+            {
+                "apiVersion": "apps/v1",
+                "kind": "ReplicaSet",
+                "metadata": {
+                    "name": replicaset,
+                    "namespace": "serving",
+                    "uid": replicaset_uid,
+                    "labels": labels,
+                    "ownerReferences": _owned("Deployment", "inference", deployment_uid),
+                },
+                "spec": {"replicas": len(serving), "selector": {"matchLabels": labels}},
+            }
+        ],
+        "daemonsets": [
+            {
+                "apiVersion": "apps/v1",
+                "kind": "DaemonSet",
+                "metadata": {"name": "node-exporter", "namespace": "monitoring", "uid": daemonset_uid},
+                "spec": {"selector": {"matchLabels": {"app": "node-exporter"}}},
+            }
+        ],
+        "pods": [
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": f"{replicaset}-{node}",
+                    "namespace": "serving",
+                    "labels": labels,
+                    "ownerReferences": _owned("ReplicaSet", replicaset, replicaset_uid),
+                },
+                "spec": {"nodeName": node, "containers": container},
+                "status": running,
+            }
+            for node in serving
+        ]
+        + [
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": f"node-exporter-{node}",
+                    "namespace": "monitoring",
+                    "labels": {"app": "node-exporter"},
+                    "ownerReferences": _owned("DaemonSet", "node-exporter", daemonset_uid),
+                },
+                "spec": {"nodeName": node, "containers": [{"name": "exporter", "image": "prom/node-exporter"}]},
+                "status": running,
+            }
+            for node in every
+        ],
+        "pdbs": [
+            {
+                "apiVersion": "policy/v1",
+                "kind": "PodDisruptionBudget",
+                "metadata": {"name": "inference", "namespace": "serving"},
+                "spec": {"minAvailable": max(len(serving) - 1, 0), "selector": {"matchLabels": labels}},
+            }
+        ],
+    }
+
+
 def write_kubeconfig(path: Path, *, server: str) -> Path:
     """A kubeconfig that points the official client at the emulator."""
     config = {
@@ -274,12 +471,12 @@ async def serve(*, port: int, seed: Path | None, kubeconfig: Path | None, ready_
     emulator = KubeApiEmulator()
     if seed is not None:
         data = json.loads(seed.read_text(encoding="utf-8"))
-        for obj in data.get("nodes", []):
-            emulator.seed(NODES, obj)
-        for obj in data.get("pods", []):
-            emulator.seed(PODS, obj)
-        for obj in data.get("pdbs", []):
-            emulator.seed(PDBS, obj)
+        plurals = {str(res.plural): res for res in RESOURCE_INFO} | {"pdbs": PDBS}
+        for key, objects in data.items():
+            if key not in plurals:
+                raise SystemExit(f"{seed}: unknown kind of object {key!r}; known: {', '.join(sorted(plurals))}")
+            for obj in objects:
+                emulator.seed(plurals[key], obj)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -297,7 +494,9 @@ async def serve(*, port: int, seed: Path | None, kubeconfig: Path | None, ready_
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m lab.kubeapi", description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0, help="port to listen on (0: any free port)")
-    parser.add_argument("--seed", type=Path, help="JSON file with 'nodes', 'pods' and 'pdbs' to start with")
+    parser.add_argument(
+        "--seed", type=Path, help="JSON file of objects to start with, by plural: nodes, pods, pdbs, deployments..."
+    )
     parser.add_argument("--kubeconfig", type=Path, help="write a kubeconfig for the server here")
     parser.add_argument("--ready-file", type=Path, help="write the server URL here once it listens")
     args = parser.parse_args()

@@ -1,6 +1,16 @@
 #!/usr/bin/env bash
-# Installs Debian's slurm-wlm and munge when missing (as root), else says what to install.
+# Installs Debian's slurm-wlm and munge, and kubectl (Debian's kubernetes-client) when missing
+# (as root), else says what to install. A kubectl already on PATH (e.g. 1.32) is used as it is.
 set -euo pipefail
+if ! command -v kubectl >/dev/null 2>&1; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing kubectl (Debian's kubernetes-client)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends kubernetes-client >/dev/null
+  else
+    echo "kubectl is missing: the kubectl tests are skipped (install kubectl, or apt-get install kubernetes-client)" >&2
+  fi
+fi
 missing=()
 for tool in slurmctld slurmd munged scontrol sbatch; do
   command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
