@@ -272,7 +272,7 @@ class NodeRemediationWorkflow:
         self._enter(Step.NOTIFY)
         self._notify(
             "opened",
-            f"{self._who()}: {self._events[0].label} -> {status.action}. gpufleet is draining the node, "
+            f"{self._who()}: {self._lead().label} -> {status.action}. gpufleet is draining the node, "
             "checkpointing and requeueing its jobs. No action is needed from you.",
         )
         self._done(Step.NOTIFY, "sent beside the flow")
@@ -293,7 +293,7 @@ class NodeRemediationWorkflow:
             DrainRequest(
                 node=params.node,
                 reason=drain_reason(
-                    event=self._events[0].reason_word, action=status.action.value, incident_id=status.incident_id
+                    event=self._lead().reason_word, action=status.action.value, incident_id=status.incident_id
                 ),
             ),
             summary=f"drain {params.node} in Slurm",
@@ -680,6 +680,14 @@ class NodeRemediationWorkflow:
             )
             if released:
                 self._mark(self._status.step, "released", f"claim on {released} released")
+
+    def _lead(self) -> XidEvent:
+        """The event that decided the action: the first of the most disruptive ones (pure policy,
+        so the same on replay)."""
+        policy = self._policy
+        if policy is None:
+            return self._events[0]
+        return max(self._events, key=lambda event: policy.action_for(event).severity)
 
     def _seen(self) -> str:
         return seen(self._status)

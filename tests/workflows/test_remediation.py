@@ -22,7 +22,17 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from models.constants import task_queue
-from models.incident import Approval, IncidentStatus, JobInfo, JobRequeue, NodeInfo, Outcome, RequeueOutcome, Step
+from models.incident import (
+    Approval,
+    IncidentStatus,
+    JobInfo,
+    JobRequeue,
+    NodeInfo,
+    Outcome,
+    RemediationInput,
+    RequeueOutcome,
+    Step,
+)
 from models.policy import Action, Policy, RemediationSettings
 from models.requests import (
     ClaimRequest,
@@ -594,3 +604,24 @@ async def test_a_non_fatal_sxid_is_only_recorded(env: WorkflowEnvironment) -> No
         status: IncidentStatus = await handle.result()
     assert status.outcome == Outcome.OBSERVED
     assert "drain_slurm_node" not in fleet.calls
+
+
+async def test_the_drain_reason_names_the_event_that_decided(env: WorkflowEnvironment) -> None:
+    """A non-fatal SXid first, then Xid 79: the node is drained for the Xid, and says so."""
+    fleet = Fleet()
+    sxid = XidEvent(node="gpu1", kind=GpuEventKind.SXID, xid=an_sxid("non-fatal"), source="test")
+    both = RemediationInput(
+        cluster=fleet.cluster,
+        node="gpu1",
+        search_attributes=False,
+        pending_events=[sxid, XidEvent(node="gpu1", xid=79, source="test")],
+    )
+    async with worker(env, fleet):
+        workflow_id = f"remediate-{fleet.cluster}-gpu1"
+        handle = await env.client.start_workflow(
+            NodeRemediationWorkflow.run, both, id=workflow_id, task_queue=task_queue(fleet.cluster)
+        )
+        status: IncidentStatus = await handle.result()
+    assert status.events == [sxid.label, "Xid 79"]
+    assert status.action == Action.REPLACE_NODE
+    assert fleet.drain_reasons[0].startswith("gpufleet: xid 79 REPLACE_NODE")
