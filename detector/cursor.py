@@ -49,6 +49,11 @@ class CursorFile:
             return None
         return position
 
+    def drop(self, why: str) -> None:
+        """Forget the saved position (the next start is a first start), saying why."""
+        log.error("cursor %s dropped: %s; the next start reads its source as on a first start", self.path, why)
+        self.path.unlink(missing_ok=True)
+
     def save(self, position: Position) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_durably(self.path, json.dumps(position, sort_keys=True).encode() + b"\n")

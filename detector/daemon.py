@@ -21,7 +21,7 @@ from temporalio.client import Client
 from temporalio.service import RPCError
 
 from detector.cursor import CursorFile, Position
-from detector.follow import JournalReader, KmsgReader, LineReader, SourceStats
+from detector.follow import JournalCursorRejected, JournalReader, KmsgReader, LineReader, SourceStats
 from detector.parse import KernelLogParser, XidReport
 from detector.spool import Spool, SpoolFull
 from models.policy import Action, Policy, PolicyFile
@@ -113,6 +113,10 @@ class KernelLogSource:
                     countdown = _LINES_BETWEEN_CLOCK_LOOKS
                     self._checkpoint(emit, now=False)
             self._checkpoint(emit, now=True)
+        except JournalCursorRejected as exc:
+            if self._cursor is not None:  # so that the restart this failure brings does not fail again
+                self._cursor.drop(str(exc))
+            raise
         finally:
             self._reader.close()
 

@@ -449,6 +449,11 @@ class JournalctlExited(RuntimeError):
     """journalctl stopped while it should have been following the journal, or failed."""
 
 
+class JournalCursorRejected(JournalctlExited):
+    """journalctl failed before any entry after being given a saved cursor: the cursor is bad
+    (a journal rotated away or vacuumed), and starting from it again would fail again."""
+
+
 class JournalReader:
     """Kernel records from ``journalctl -o json`` output: one JSON object per line, from any byte stream.
 
@@ -464,9 +469,12 @@ class JournalReader:
         *,
         process: subprocess.Popen[bytes] | None = None,
         poll_seconds: float = 0.1,
+        after_cursor: str | None = None,
     ) -> None:
         self._stream = stream
         self._process = process
+        self._after_cursor = after_cursor
+        self._entries = 0
         self._poll = poll_seconds
         self._cursor: str | None = None
         self._partial = b""
@@ -511,6 +519,7 @@ class JournalReader:
     def _entry_lines(self, raw: bytes) -> Iterator[str]:
         if not raw.strip():
             return
+        self._entries += 1
         entry = parse_journal_entry(raw)
         if entry is None:
             self.stats.errors += 1
@@ -538,6 +547,8 @@ class JournalReader:
         if self._process is None:
             return  # a recorded stream simply ends
         code = self._process.wait()
+        if code != 0 and self._after_cursor is not None and self._entries == 0:
+            raise JournalCursorRejected(f"journalctl exited with code {code} when given the saved cursor")
         if following or code != 0:
             raise JournalctlExited(f"journalctl exited with code {code} (its own message, if any, is logged above)")
 
@@ -568,11 +579,12 @@ def open_journal(*, resume: Position | None, follow: bool) -> JournalReader:
     if journalctl is None:
         raise JournalctlMissing("--journal needs journalctl, which is not on PATH")
     cursor = resume.get("cursor") if resume is not None and resume.get("kind") == "journal" else None
-    argv = journalctl_argv(journalctl, after_cursor=cursor if isinstance(cursor, str) else None, follow=follow)
+    after = cursor if isinstance(cursor, str) else None
+    argv = journalctl_argv(journalctl, after_cursor=after, follow=follow)
     log.info("journal: %s", " ".join(argv))
     process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
     assert process.stdout is not None
-    return JournalReader(process.stdout, process=process)
+    return JournalReader(process.stdout, process=process, after_cursor=after)
 
 
 def open_source(path: Path, *, from_start: bool, resume: Position | None = None) -> LineReader:

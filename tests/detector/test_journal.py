@@ -184,3 +184,23 @@ def test_without_journalctl_the_option_is_refused(tmp_path: Path) -> None:
     done = gpufleet_cli("detect", "--journal", "--dry-run", "--once", env={"PATH": str(empty)})
     assert done.returncode == 2
     assert done.stderr == "error: --journal needs journalctl, which is not on PATH\n"
+
+
+def test_a_cursor_journalctl_refuses_is_dropped_so_the_restart_works(tmp_path: Path) -> None:
+    """A saved cursor the journal no longer has (rotated away, vacuumed): journalctl fails at once.
+    The detector says so and forgets the cursor, so the restart reads this boot whole, not fail again."""
+    env, calls = stand_in(tmp_path, DATA)
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "journal.json").write_text(json.dumps({"kind": "journal", "cursor": "s=vacuumed;i=1"}))
+    code, events, stderr = detect_journal(env, state, "--once")
+    assert code == 1 and events == []
+    assert "JournalCursorRejected" in stderr and "cursor" in stderr and "dropped" in stderr
+    assert not (state / "journal.json").exists()
+    code, events, stderr = detect_journal(env, state, "--once")
+    assert code == 0, stderr
+    assert len(events) == 3
+    assert [json.loads(line)["args"][-2:] for line in calls.read_text().splitlines()] == [
+        ["--after-cursor", "s=vacuumed;i=1"],
+        ["-n", "all"],
+    ]
