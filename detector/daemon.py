@@ -129,8 +129,6 @@ class KernelLogSource:
         position = self._reader.position()
         if position is None or position == self._saved:
             return
-        if not now and time.monotonic() - self._saved_at < self._save_seconds:
-            return
         emit(Checkpoint(self._cursor, position), self.name)
         self._saved, self._saved_at = position, time.monotonic()
 

@@ -21,9 +21,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Protocol
 
 from detector.cursor import Position
+from detector.parse import journal_text, marked_user_space
 
 log = logging.getLogger("gpufleet.detector")
 
@@ -59,6 +60,16 @@ class LineReader(Protocol):
     def position(self) -> Position | None: ...
 
     def close(self) -> None: ...
+
+
+def _polling(
+    read_available: Callable[[], Iterator[str]], poll: float, stop: Callable[[], bool], idle: Idle
+) -> Iterator[str]:
+    """Follow a source that can only be polled: what is there, then ``idle``, then a short sleep."""
+    while not stop():
+        yield from read_available()
+        idle()
+        time.sleep(poll)
 
 
 class WarnEvery:
@@ -217,10 +228,7 @@ class LogFollower:
 
     def follow(self, *, stop: Callable[[], bool] = lambda: False, idle: Idle = _nothing) -> Iterator[str]:
         """Lines as they are written, until ``stop``; ``idle`` is called each time it has caught up."""
-        while not stop():
-            yield from self.read_available()
-            idle()
-            time.sleep(self._poll)
+        return _polling(self.read_available, self._poll, stop, idle)
 
     def close(self) -> None:
         self._close()
@@ -349,10 +357,8 @@ class KmsgReader:
         return line
 
     def follow(self, *, stop: Callable[[], bool] = lambda: False, idle: Idle = _nothing) -> Iterator[str]:
-        while not stop():
-            yield from self.read_available()
-            idle()
-            time.sleep(self._poll)
+        """Lines as they are written, until ``stop``; ``idle`` is called each time it has caught up."""
+        return _polling(self.read_available, self._poll, stop, idle)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -408,20 +414,7 @@ class JournalEntry:
         ``logger -t kernel`` gets transport "syslog" whatever it calls itself, and a record someone
         wrote into /dev/kmsg gets transport "kernel" but a facility other than 0.
         """
-        return self.transport == "kernel" and self.facility in (None, "0")
-
-
-def journal_text(value: Any) -> str | None:
-    """A field as journalctl writes it: a string, byte values (not valid UTF-8), or a list of either
-    (the field appears more than once); None for null (too large to show without --all)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and value and all(isinstance(b, int) and 0 <= b <= 255 for b in value):
-        return bytes(value).decode("utf-8", errors="replace")
-    if isinstance(value, list):
-        parts = [journal_text(item) for item in value if not isinstance(item, int)]
-        return "\n".join(part for part in parts if part is not None) or None
-    return None
+        return self.transport == "kernel" and not marked_user_space(self.transport, self.facility)
 
 
 def parse_journal_entry(raw: bytes) -> JournalEntry | None:

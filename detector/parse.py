@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 _HEX_PCI = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}"
 _MIG = r"(?: GPU-I:(?P<gi>\d+))?(?: GPU-CI:(?P<ci>\d+))?"
@@ -151,6 +152,25 @@ def parse_xid(message: str) -> XidReport | None:
     )
 
 
+def journal_text(value: Any) -> str | None:
+    """A field as journalctl writes it: a string, byte values (not valid UTF-8), or a list of either
+    (the field appears more than once); None for null (too large to show without --all)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(b, int) and 0 <= b <= 255 for b in value):
+        return bytes(value).decode("utf-8", errors="replace")
+    if isinstance(value, list):
+        parts = [journal_text(item) for item in value if not isinstance(item, int)]
+        return "\n".join(part for part in parts if part is not None) or None
+    return None
+
+
+def marked_user_space(transport: str | None, facility: str | None) -> bool:
+    """Whether journald's fields say user space wrote a record: a transport other than "kernel"
+    (``logger -t kernel`` gets "syslog") or a facility other than 0 (a write into /dev/kmsg)."""
+    return transport not in (None, "kernel") or facility not in (None, "0")
+
+
 def _unwrap_json(line: str) -> list[str] | None:
     """The kernel text inside a JSON log record, as lines; None when the line is not one.
 
@@ -165,17 +185,11 @@ def _unwrap_json(line: str) -> list[str] | None:
         return None
     if not isinstance(record, dict):
         return None
-    transport = record.get("_TRANSPORT")
-    if transport is not None and transport != "kernel":
+    if marked_user_space(journal_text(record.get("_TRANSPORT")), journal_text(record.get("SYSLOG_FACILITY"))):
         return []
-    facility = record.get("SYSLOG_FACILITY")
-    if facility is not None and str(facility) != "0":
-        return []  # journald: user space naming itself "kernel" still has its own facility
     for key in _JSON_KEYS:
-        value = record.get(key)
-        if isinstance(value, list) and all(isinstance(b, int) and 0 <= b < 256 for b in value):
-            value = bytes(value).decode("utf-8", errors="replace")  # journald's non-UTF-8 form
-        if isinstance(value, str):
+        value = journal_text(record.get(key))
+        if value is not None:
             return value.splitlines()
     return None
 

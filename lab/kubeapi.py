@@ -64,6 +64,15 @@ RESOURCE_INFO: dict[kmock.resource, tuple[str, list[str], bool, list[str]]] = {
 }
 
 
+def _selector(pdb: dict[str, Any]) -> dict[str, str]:
+    return (pdb.get("spec", {}).get("selector") or {}).get("matchLabels") or {}
+
+
+def _matches(obj: dict[str, Any], selector: dict[str, str]) -> bool:
+    labels = obj.get("metadata", {}).get("labels") or {}
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
 _REQUEST: contextvars.ContextVar[rendering.Request] = contextvars.ContextVar("request")
 
 
@@ -280,15 +289,8 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
 
     def _with_pdb_status(self, pdb: dict[str, Any]) -> dict[str, Any]:
         """The budget's status as the disruption controller keeps it, from the pods there are now."""
-        namespace = pdb.get("metadata", {}).get("namespace")
-        selector = (pdb.get("spec", {}).get("selector") or {}).get("matchLabels") or {}
-        matching = [
-            pod
-            for pod in self._live(PODS, namespace)
-            if selector and all((pod.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in selector.items())
-        ]
-        healthy = sum(1 for pod in matching if (pod.get("status") or {}).get("phase", "Running") == "Running")
-        allowed = max(self._disruptions_allowed(pdb, selector, namespace), 0) if selector else 0
+        expected, healthy, allowed = self._budget(pdb)
+        allowed = max(allowed, 0) if _selector(pdb) else 0
         return {
             **pdb,
             "status": {
@@ -296,7 +298,7 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
                 "currentHealthy": healthy,
                 "desiredHealthy": healthy - allowed,
                 "disruptionsAllowed": allowed,
-                "expectedPods": len(matching),
+                "expectedPods": expected,
                 "observedGeneration": pdb.get("metadata", {}).get("generation", 1),
             },
         }
@@ -306,12 +308,11 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         pod = self._find(PODS, request.namespace, request.name)
         if pod is None:
             return _status(404, "NotFound", f'pods "{request.name}" not found')
-        pod_labels = pod.raw.get("metadata", {}).get("labels") or {}
         for pdb in self._live(PDBS, request.namespace):
-            selector = (pdb.get("spec", {}).get("selector") or {}).get("matchLabels") or {}
-            if not selector or any(pod_labels.get(k) != v for k, v in selector.items()):
+            selector = _selector(pdb)
+            if not selector or not _matches(pod.raw, selector):
                 continue
-            if self._disruptions_allowed(pdb, selector, request.namespace) <= 0:
+            if self._budget(pdb)[2] <= 0:
                 return _status(
                     429,
                     "TooManyRequests",
@@ -320,24 +321,18 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         await self._remove(PODS, request.namespace, request.name)
         return _status(201, "", "")
 
-    def _disruptions_allowed(self, pdb: dict[str, Any], selector: dict[str, str], namespace: str | None) -> int:
-        healthy = sum(
-            1
-            for pod in self._live(PODS, namespace)
-            if all((pod.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in selector.items())
-            and (pod.get("status") or {}).get("phase", "Running") == "Running"
-        )
+    def _budget(self, pdb: dict[str, Any]) -> tuple[int, int, int]:
+        """(pods expected, pods healthy, disruptions allowed) under a budget, from the pods there are now."""
+        selector = _selector(pdb)
+        namespace = pdb.get("metadata", {}).get("namespace")
+        matching = [pod for pod in self._live(PODS, namespace) if selector and _matches(pod, selector)]
+        healthy = sum(1 for pod in matching if (pod.get("status") or {}).get("phase", "Running") == "Running")
         spec = pdb.get("spec", {})
         if "minAvailable" in spec:
-            return healthy - int(spec["minAvailable"])
+            return len(matching), healthy, healthy - int(spec["minAvailable"])
         if "maxUnavailable" in spec:
-            expected = sum(
-                1
-                for pod in self._live(PODS, namespace)
-                if all((pod.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in selector.items())
-            )
-            return int(spec["maxUnavailable"]) - (expected - healthy)
-        return 1
+            return len(matching), healthy, int(spec["maxUnavailable"]) - (len(matching) - healthy)
+        return len(matching), healthy, 1
 
     async def _remove(self, resource: kmock.resource, namespace: str | None, name: str) -> None:
         obj = self._find(resource, namespace, name)

@@ -44,7 +44,7 @@ def return_workflow_id(cluster: str, node: str) -> str:
 def drain_reason(*, event: str, action: str, incident_id: str) -> str:
     """The Slurm drain reason that marks a node as drained by this incident, for this action.
 
-    ``event`` names what was seen first: "xid 79", "sxid 22013", "init_failed".
+    ``event`` names the event that decided the action: "xid 79", "sxid 22013", "init_failed".
     """
     return f"{DRAIN_REASON_PREFIX} {event} {action} incident {incident_id}"
 

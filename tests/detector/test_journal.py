@@ -19,7 +19,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from detector.follow import JournalReader, journal_text, parse_journal_entry
+from detector.follow import JournalReader, parse_journal_entry
+from detector.parse import journal_text
 from lab.procs import alive, stop, wait_for
 from tests.conftest import gpufleet_cli, gpufleet_daemon
 
