@@ -7,7 +7,11 @@ gpufleet relies on and a real API server does:
 - 409 AlreadyExists when a create names an object that exists;
 - replace (PUT) of a whole object, which kmock does not serve (Leases are taken and renewed so);
 - label selectors and field selectors on lists;
-- the eviction subresource: 429 while a PodDisruptionBudget forbids it, else the pod goes.
+- the eviction subresource: 429 while a PodDisruptionBudget forbids it, else the pod goes;
+- JSON merge, strategic-merge and JSON patches applied as the API server applies them
+  (``lab.patches``), with the merge keys of Kubernetes' own schemas;
+- ``fieldValidation`` (Strict, Warn, Ignore) of unknown fields on create, replace and patch;
+- the OpenAPI v3 documents kubectl reads (``lab.openapi``) and watches in kubectl's format.
 
 For bad days on purpose (chaos runs and tests): ``PUT /_faults`` with
 ``{"status": 500, "count": N, "retry_after": S}`` makes the next N API requests answer that
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextvars
+import copy
 import datetime
 import json
 import signal
@@ -35,12 +40,17 @@ from kmock._internal import enums, rendering
 from kmock._internal.k8s import KubernetesObjectNotFoundError
 
 from lab import kubetables as tables
+from lab import openapi
+from lab.patches import APPLY, JSON_PATCH, MERGE, STRATEGIC, PatchError, json_patch, merge_patch, strategic_merge_patch
 from lab.selectors import SelectorError, field_selector, label_selector
 
 PODS = kmock.resource("", "v1", "pods")
 NODES = kmock.resource("", "v1", "nodes")
 PDBS = kmock.resource("policy", "v1", "poddisruptionbudgets")
 LEASES = kmock.resource("coordination.k8s.io", "v1", "leases")
+DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")
+REPLICASETS = kmock.resource("apps", "v1", "replicasets")
+DAEMONSETS = kmock.resource("apps", "v1", "daemonsets")
 VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
 # resource: (kind, short names, namespaced, subresources)
 RESOURCE_INFO: dict[kmock.resource, tuple[str, list[str], bool, list[str]]] = {
@@ -53,9 +63,9 @@ RESOURCE_INFO: dict[kmock.resource, tuple[str, list[str], bool, list[str]]] = {
     kmock.resource("", "v1", "configmaps"): ("ConfigMap", ["cm"], True, []),
     kmock.resource("", "v1", "serviceaccounts"): ("ServiceAccount", ["sa"], True, []),
     kmock.resource("", "v1", "services"): ("Service", ["svc"], True, []),
-    kmock.resource("apps", "v1", "deployments"): ("Deployment", ["deploy"], True, []),
-    kmock.resource("apps", "v1", "replicasets"): ("ReplicaSet", ["rs"], True, []),
-    kmock.resource("apps", "v1", "daemonsets"): ("DaemonSet", ["ds"], True, []),
+    DEPLOYMENTS: ("Deployment", ["deploy"], True, []),
+    REPLICASETS: ("ReplicaSet", ["rs"], True, []),
+    DAEMONSETS: ("DaemonSet", ["ds"], True, []),
     kmock.resource("batch", "v1", "jobs"): ("Job", [], True, []),
     kmock.resource("rbac.authorization.k8s.io", "v1", "roles"): ("Role", [], True, []),
     kmock.resource("rbac.authorization.k8s.io", "v1", "rolebindings"): ("RoleBinding", [], True, []),
@@ -73,11 +83,18 @@ def _matches(obj: dict[str, Any], selector: dict[str, str]) -> bool:
     return all(labels.get(key) == value for key, value in selector.items())
 
 
+def _warn(response: aiohttp.web.StreamResponse, warnings: list[str]) -> None:
+    """Warning headers as the API server sends them (kubectl prints each as ``Warning: ...``)."""
+    for text in warnings:
+        quoted = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+        response.headers.add("Warning", f'299 - "{quoted}"')
+
+
 _REQUEST: contextvars.ContextVar[rendering.Request] = contextvars.ContextVar("request")
 
 
-def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:
-    body = {
+def _status(code: int, reason: str, message: str, details: dict[str, Any] | None = None) -> aiohttp.web.Response:
+    body: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Status",
         "metadata": {},
@@ -86,6 +103,8 @@ def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:
         "reason": reason,
         "message": message,
     }
+    if details is not None:
+        body["details"] = details
     return aiohttp.web.json_response(body, status=code)
 
 
@@ -99,6 +118,7 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
     _fault_retry_after: int | None = attrs.field(default=None, init=False)
     faults_served: int = attrs.field(default=0, init=False)
     _write_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
+    _documents: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -125,6 +145,39 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
             if entry["name"] == "pods/eviction":
                 entry.update(kind="Eviction", group="policy", version="v1", verbs=["create"], singularName="")
         return payload
+
+    async def _serve_server_version(self, request: rendering.Request) -> rendering.Payload:
+        """The release whose schemas are served (so that kubectl's version skew warning is true)."""
+        release = openapi.release()
+        major, minor, _patch = release[1:].split(".")
+        return {
+            "major": major,
+            "minor": minor,
+            "gitVersion": f"{release}-gpufleet-lab",
+            "gitTreeState": "clean",
+            "platform": "linux/amd64",
+        }
+
+    def _openapi_documents(self) -> dict[str, dict[str, Any]]:
+        if not self._documents:
+            served: dict[tuple[str, str], list[tuple[str, str, bool]]] = {}
+            for res, (kind, _short, namespaced, _sub) in RESOURCE_INFO.items():
+                served.setdefault((str(res.group), str(res.version)), []).append((kind, str(res.plural), namespaced))
+            self._documents = {
+                openapi.group_version_path(group, version): openapi.document(group, version, kinds)
+                for (group, version), kinds in served.items()
+            }
+        return self._documents
+
+    def _serve_openapi(self, path: str) -> aiohttp.web.Response:
+        """``/openapi/v3`` and each group-version's document; no OpenAPI v2 (kubectl reads v3)."""
+        documents = self._openapi_documents()
+        if path.rstrip("/") == "/openapi/v3":
+            return aiohttp.web.json_response(openapi.index(documents))
+        wanted = path.removeprefix("/openapi/v3/")
+        if path.startswith("/openapi/v3/") and wanted in documents:
+            return aiohttp.web.json_response(documents[wanted])
+        return _status(404, "NotFound", f"no OpenAPI document at {path} (the emulated API serves /openapi/v3 only)")
 
     def next_version(self) -> str:
         self._version += 1
@@ -158,6 +211,8 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         _REQUEST.set(request)
         if request.url.path == "/_faults":
             return self._set_faults(request)
+        if request.url.path.startswith("/openapi/"):
+            return self._serve_openapi(request.url.path)
         if self._fault_count > 0:
             self._fault_count -= 1
             self.faults_served += 1
@@ -176,31 +231,112 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         ):
             async with self._write_lock:
                 return await self._replace(request)
-        if request.resource is None or request.action not in (enums.action.CREATE, enums.action.UPDATE):
+        if request.resource is not None and request.method == enums.method.PATCH and request.name is not None:
+            async with self._write_lock:
+                return await self._patch(request)
+        if request.resource is not None and request.action == enums.action.WATCH:
+            return await self._watch(request)
+        if request.resource is None or request.action != enums.action.CREATE:
             return await super()._handle(request)
         async with self._write_lock:
-            if isinstance(request.data, dict):
-                meta = request.data.setdefault("metadata", {})
-                if request.action == enums.action.CREATE:
-                    name = meta.get("name") or request.name
-                    if name and self._find(request.resource, request.namespace or meta.get("namespace"), name):
-                        return _status(409, "AlreadyExists", f'{request.resource.plural} "{name}" already exists')
-                if request.action == enums.action.UPDATE and request.name is not None:
-                    current = self._find(request.resource, request.namespace, request.name)
-                    wanted = meta.get("resourceVersion")
-                    have = current.raw.get("metadata", {}).get("resourceVersion") if current else None
-                    if current is not None and wanted and wanted != have:
-                        return _status(
-                            409,
-                            "Conflict",
-                            f'Operation cannot be fulfilled on {request.resource.plural} "{request.name}": '
-                            "the object has been modified; please apply your changes to the latest version "
-                            "and try again",
-                        )
-                    meta["resourceVersion"] = self.next_version()
-                else:
-                    self._stamp_new(meta)
-            return await super()._handle(request)
+            if not isinstance(request.data, dict):
+                return _status(400, "BadRequest", "the body of a create must be a JSON object")
+            meta = request.data.setdefault("metadata", {})
+            name = meta.get("name") or request.name
+            if name and self._find(request.resource, request.namespace or meta.get("namespace"), name):
+                return _status(409, "AlreadyExists", f'{request.resource.plural} "{name}" already exists')
+            refused, warnings = self._validate_fields(request, request.data)
+            if refused is not None:
+                return refused
+            self._stamp_new(meta)
+            created = await super()._handle(request)
+            _warn(created, warnings)
+            return created
+
+    async def _watch(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        """A watch as the API server streams it: one JSON event per line (the object as a Table of
+        one row when kubectl asks for tables), the changes after the resourceVersion asked (every
+        object as ADDED when none is), until the client leaves or ``timeoutSeconds`` pass."""
+        assert request.resource is not None
+        resource, namespace = request.resource, request.namespace
+        try:
+            labels = label_selector(request.params.get("labelSelector", ""))
+            fields = field_selector(request.params.get("fieldSelector", ""))
+        except SelectorError as exc:
+            return _status(400, "BadRequest", str(exc))
+        kind = RESOURCE_INFO[resource][0] if resource in RESOURCE_INFO else str(resource.plural)
+        as_table = "as=Table" in request.headers.get("Accept", "")
+        since = request.params.get("resourceVersion", "")
+        timeout = float(request.params.get("timeoutSeconds") or 0) or None
+
+        def wanted(obj: dict[str, Any]) -> bool:
+            meta = obj.get("metadata", {})
+            if namespace is not None and meta.get("namespace") != namespace:
+                return False
+            return labels(meta.get("labels") or {}) and fields(obj)
+
+        def changed_since(obj: dict[str, Any]) -> bool:
+            version = str(obj.get("metadata", {}).get("resourceVersion", "0"))
+            return not since.isdigit() or int(since) == 0 or (version.isdigit() and int(version) > int(since))
+
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        assert request._raw_request is not None
+        await response.prepare(request._raw_request)
+        bus = self._buses[resource]
+        marker = await bus.mark()
+        backlog = [
+            {"type": "ADDED" if since in ("", "0") else "MODIFIED", "object": obj}
+            for obj in self._live(resource)
+            if changed_since(obj)
+        ]
+
+        async def events() -> Any:
+            for event in backlog:
+                yield event
+            async for event in bus.stream(since=marker):
+                yield event
+
+        try:
+            async with asyncio.timeout(timeout):
+                async for event in events():
+                    obj = event["object"]
+                    if wanted(obj):
+                        shown = tables.table(kind, [obj]) if as_table and resource in RESOURCE_INFO else obj
+                        line = json.dumps({"type": event["type"], "object": shown}) + "\n"
+                        await response.write(line.encode())
+        except (TimeoutError, ConnectionResetError):
+            pass
+        finally:
+            await bus.unmark(marker)
+        return response
+
+    def _schema(self, resource: kmock.resource) -> openapi.Schema | None:
+        kind = RESOURCE_INFO.get(resource, ("",))[0]
+        name = openapi.schema_name(str(resource.group), str(resource.version), kind)
+        return openapi.definitions().get(name) if name else None
+
+    def _validate_fields(
+        self, request: rendering.Request, obj: Any, before: Any = None
+    ) -> tuple[aiohttp.web.Response | None, list[str]]:
+        """Unknown fields in what a write would store (beyond those already stored), under the
+        request's ``fieldValidation``: Strict refuses the write (400), Warn (the default) answers
+        with a Warning header per field, Ignore says nothing."""
+        assert request.resource is not None
+        mode = request.params.get("fieldValidation", "Warn")
+        if mode not in ("Strict", "Warn", "Ignore"):
+            return _status(400, "BadRequest", f"fieldValidation must be Strict, Warn or Ignore, not {mode!r}"), []
+        schema = self._schema(request.resource)
+        if mode == "Ignore" or schema is None:
+            return None, []
+        known = set(openapi.unknown_fields(schema, before)) if before is not None else set()
+        unknown = [path for path in openapi.unknown_fields(schema, obj) if path not in known]
+        if unknown and mode == "Strict":
+            kind = RESOURCE_INFO[request.resource][0]
+            fields = ", ".join(f'unknown field "{path}"' for path in unknown)
+            version = request.resource.version
+            message = f'{kind} in version "{version}" cannot be handled as a {kind}: strict decoding error: {fields}'
+            return _status(400, "BadRequest", message), []
+        return None, [f'unknown field "{path}"' for path in unknown]
 
     async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
         """A missing object's 404 worded as a real API server words it (reason NotFound: older
@@ -215,16 +351,63 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
     async def _replace(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         """PUT: the whole object replaced, guarded by its resourceVersion when the body names one."""
         assert request.resource is not None and request.name is not None
-        plural = request.resource.plural
         current = self._find(request.resource, request.namespace, request.name)
         if current is None:
-            return _status(404, "NotFound", f'{plural} "{request.name}" not found')
+            return _status(404, "NotFound", f'{request.resource.plural} "{request.name}" not found')
         if not isinstance(request.data, dict):
             return _status(400, "BadRequest", "the body of a replace must be a JSON object")
-        obj = request.data
-        meta = obj.setdefault("metadata", {})
+        meta = request.data.setdefault("metadata", {})
         if meta.get("name", request.name) != request.name:
             return _status(400, "BadRequest", f"the name in the body ({meta.get('name')!r}) is not the URL's")
+        return await self._store(request, current, request.data)
+
+    async def _patch(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        """PATCH, in the format its Content-Type names (lab.patches), guarded by the
+        resourceVersion the patch names, if any. The status subresource patches the object."""
+        assert request.resource is not None and request.name is not None
+        current = self._find(request.resource, request.namespace, request.name)
+        if current is None:
+            return _status(404, "NotFound", f'{request.resource.plural} "{request.name}" not found')
+        content_type = request.headers.get("Content-Type", "").split(";")[0].strip()
+        original = copy.deepcopy(dict(current.raw))
+        try:
+            if content_type == JSON_PATCH:
+                patched = json_patch(original, request.data)
+            elif content_type == MERGE:
+                patched = merge_patch(original, request.data)
+            elif content_type == STRATEGIC:
+                patched = strategic_merge_patch(original, request.data, self._schema(request.resource))
+            else:
+                served = ""
+                if content_type == APPLY:
+                    served = "server-side apply is not served (use kubectl apply without --server-side); "
+                return _status(
+                    415,
+                    "UnsupportedMediaType",
+                    f"the patch content type {content_type!r} is not supported: {served}"
+                    f"send {MERGE}, {STRATEGIC} or {JSON_PATCH}",
+                )
+        except PatchError as exc:
+            kind = RESOURCE_INFO.get(request.resource, ("",))[0]
+            # With the cause in details, as clients before 1.27 print only those of an Invalid status.
+            cause = {"reason": "FieldValueInvalid", "message": f"the patch cannot be applied: {exc}"}
+            details = {"name": request.name, "kind": kind, "causes": [cause]}
+            return _status(422, "Invalid", f'{kind} "{request.name}" is invalid: {cause["message"]}', details)
+        if not isinstance(patched, dict):
+            return _status(422, "Invalid", "the patch leaves no object")
+        return await self._store(request, current, patched, before=original)
+
+    async def _store(
+        self, request: rendering.Request, current: Any, obj: dict[str, Any], before: Any = None
+    ) -> aiohttp.web.StreamResponse:
+        """Store a replaced or patched object: fields checked, the resourceVersion it names (if
+        any) checked against the stored one, identity kept, a new resourceVersion, a watch event."""
+        assert request.resource is not None and request.name is not None
+        plural = request.resource.plural
+        refused, warnings = self._validate_fields(request, obj, before)
+        if refused is not None:
+            return refused
+        meta = obj.setdefault("metadata", {})
         have = current.raw.get("metadata", {})
         wanted = meta.get("resourceVersion")
         if wanted and wanted != have.get("resourceVersion"):
@@ -243,7 +426,9 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         meta["resourceVersion"] = self.next_version()
         self.objects[request.resource, request.namespace, request.name] = obj
         await self._buses[request.resource].put({"type": "MODIFIED", "object": obj})
-        return aiohttp.web.json_response(obj)
+        response = aiohttp.web.json_response(obj)
+        _warn(response, warnings)
+        return response
 
     def _set_faults(self, request: rendering.Request) -> aiohttp.web.Response:
         if request.method == enums.method.GET:
@@ -266,26 +451,54 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         payload["items"] = [
             item for item in payload["items"] if labels(item.get("metadata", {}).get("labels") or {}) and fields(item)
         ]
-        payload["metadata"] = {"resourceVersion": str(self._version)}
-        if request.resource == PDBS:
-            payload["items"] = [self._with_pdb_status(pdb) for pdb in payload["items"]]
+        listed = {"resourceVersion": str(self._version)}
+        payload["metadata"] = listed
+        if request.resource is not None:
+            payload["items"] = [self._with_status(request.resource, item) for item in payload["items"]]
         if request.resource is not None and request.resource in RESOURCE_INFO:
             kind = RESOURCE_INFO[request.resource][0]
             group, version = request.resource.group, request.resource.version
             payload["kind"] = f"{kind}List"
             payload["apiVersion"] = f"{group}/{version}" if group else version
             if "as=Table" in request.headers.get("Accept", ""):
-                return tables.table(kind, payload["items"])
+                # The list's resourceVersion, so that `kubectl get -w` watches from there.
+                return {**tables.table(kind, payload["items"]), "metadata": listed}
         return payload
 
     async def _serve_fetch(self, request: rendering.Request) -> rendering.Payload:
         payload = await super()._serve_fetch(request)
-        if request.resource == PDBS and isinstance(payload, dict):
-            payload = self._with_pdb_status(payload)
+        if request.resource is not None and isinstance(payload, dict):
+            payload = self._with_status(request.resource, payload)
         if request.resource in RESOURCE_INFO and "as=Table" in request.headers.get("Accept", ""):
             assert request.resource is not None and isinstance(payload, dict)
             return tables.table(RESOURCE_INFO[request.resource][0], [payload])
         return payload
+
+    def _with_status(self, resource: kmock.resource, obj: dict[str, Any]) -> dict[str, Any]:
+        """The status a controller keeps, computed from the objects there are now: a budget's
+        disruptions, a Deployment's or ReplicaSet's replicas, a DaemonSet's scheduled pods."""
+        if resource == PDBS:
+            return self._with_pdb_status(obj)
+        if resource not in (DEPLOYMENTS, REPLICASETS, DAEMONSETS):
+            return obj
+        namespace = obj.get("metadata", {}).get("namespace")
+        selector = _selector(obj)
+        pods = [pod for pod in self._live(PODS, namespace) if selector and _matches(pod, selector)]
+        ready = sum(1 for pod in pods if (pod.get("status") or {}).get("phase", "Running") == "Running")
+        generation = obj.get("metadata", {}).get("generation", 1)
+        if resource == DAEMONSETS:
+            status = {
+                "desiredNumberScheduled": len(self._live(NODES)),
+                "currentNumberScheduled": len(pods),
+                "updatedNumberScheduled": len(pods),
+                "numberReady": ready,
+                "numberAvailable": ready,
+                "numberMisscheduled": 0,
+            }
+        else:
+            status = {"replicas": len(pods), "updatedReplicas": len(pods), "readyReplicas": ready}
+            status["availableReplicas"] = ready
+        return {**obj, "status": {**(obj.get("status") or {}), **status, "observedGeneration": generation}}
 
     def _with_pdb_status(self, pdb: dict[str, Any]) -> dict[str, Any]:
         """The budget's status as the disruption controller keeps it, from the pods there are now."""
@@ -359,6 +572,18 @@ def _owned(kind: str, name: str, uid: str) -> list[dict[str, Any]]:
     return [{"apiVersion": api, "kind": kind, "name": name, "uid": uid, "controller": True, "blockOwnerDeletion": True}]
 
 
+def _running(containers: list[dict[str, Any]]) -> dict[str, Any]:
+    """A pod's status once the kubelet runs it: Running, Ready, each container ready."""
+    return {
+        "phase": "Running",
+        "conditions": [{"type": "Ready", "status": "True"}],
+        "containerStatuses": [
+            {"name": c["name"], "image": c["image"], "imageID": "", "ready": True, "restartCount": 0, "started": True}
+            for c in containers
+        ],
+    }
+
+
 def lab_workloads(serving: list[str], every: list[str]) -> dict[str, list[dict[str, Any]]]:
     """What runs on the lab's nodes, owned as a real cluster owns it: an inference Deployment
     (its ReplicaSet's pods on the ``serving`` nodes, a PodDisruptionBudget allowing one down) and
@@ -367,7 +592,7 @@ def lab_workloads(serving: list[str], every: list[str]) -> dict[str, list[dict[s
     deployment_uid, replicaset_uid, daemonset_uid = (str(uuid.uuid4()) for _ in range(3))
     replicaset = "inference-5c9f7d6b8"
     container = [{"name": "server", "image": "vllm/vllm-openai"}]
-    running = {"phase": "Running"}
+    exporter = [{"name": "exporter", "image": "prom/node-exporter"}]
     return {
         "namespaces": [
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": n}} for n in ("serving", "monitoring")
@@ -417,7 +642,7 @@ def lab_workloads(serving: list[str], every: list[str]) -> dict[str, list[dict[s
                     "ownerReferences": _owned("ReplicaSet", replicaset, replicaset_uid),
                 },
                 "spec": {"nodeName": node, "containers": container},
-                "status": running,
+                "status": _running(container),
             }
             for node in serving
         ]
@@ -431,8 +656,8 @@ def lab_workloads(serving: list[str], every: list[str]) -> dict[str, list[dict[s
                     "labels": {"app": "node-exporter"},
                     "ownerReferences": _owned("DaemonSet", "node-exporter", daemonset_uid),
                 },
-                "spec": {"nodeName": node, "containers": [{"name": "exporter", "image": "prom/node-exporter"}]},
-                "status": running,
+                "spec": {"nodeName": node, "containers": exporter},
+                "status": _running(exporter),
             }
             for node in every
         ],

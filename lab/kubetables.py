@@ -70,6 +70,18 @@ def _name(obj: dict[str, Any]) -> str:
     return str(obj.get("metadata", {}).get("name", ""))
 
 
+def _status_of(obj: dict[str, Any], name: str) -> int:
+    return int((obj.get("status") or {}).get(name) or 0)
+
+
+def _containers(name: str) -> Callable[[dict[str, Any]], str]:
+    def cell(obj: dict[str, Any]) -> str:
+        containers = obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers") or []
+        return ",".join(str(container.get(name, "")) for container in containers)
+
+    return cell
+
+
 COLUMNS: dict[str, list[Column]] = {
     "Node": [
         ("Name", 0, _name),
@@ -96,12 +108,40 @@ COLUMNS: dict[str, list[Column]] = {
         ("Allowed Disruptions", 0, lambda p: p.get("status", {}).get("disruptionsAllowed", 0)),
         ("Age", 0, age),
     ],
+    "Deployment": [
+        ("Name", 0, _name),
+        ("Ready", 0, lambda d: f"{_status_of(d, 'readyReplicas')}/{d.get('spec', {}).get('replicas', 1)}"),
+        ("Up-to-date", 0, lambda d: _status_of(d, "updatedReplicas")),
+        ("Available", 0, lambda d: _status_of(d, "availableReplicas")),
+        ("Age", 0, age),
+        ("Containers", 1, _containers("name")),
+        ("Images", 1, _containers("image")),
+    ],
+    "ReplicaSet": [
+        ("Name", 0, _name),
+        ("Desired", 0, lambda r: r.get("spec", {}).get("replicas", 1)),
+        ("Current", 0, lambda r: _status_of(r, "replicas")),
+        ("Ready", 0, lambda r: _status_of(r, "readyReplicas")),
+        ("Age", 0, age),
+    ],
+    "DaemonSet": [
+        ("Name", 0, _name),
+        ("Desired", 0, lambda d: _status_of(d, "desiredNumberScheduled")),
+        ("Current", 0, lambda d: _status_of(d, "currentNumberScheduled")),
+        ("Ready", 0, lambda d: _status_of(d, "numberReady")),
+        ("Up-to-date", 0, lambda d: _status_of(d, "updatedNumberScheduled")),
+        ("Available", 0, lambda d: _status_of(d, "numberAvailable")),
+        ("Age", 0, age),
+    ],
     "Lease": [
         ("Name", 0, _name),
         ("Holder", 0, lambda lease: lease.get("spec", {}).get("holderIdentity") or ""),
         ("Age", 0, age),
     ],
 }
+
+
+_NUMBERS = {"Restarts", "Up-to-date", "Available", "Desired", "Current"}
 
 
 def table(kind: str, items: list[dict[str, Any]]) -> dict[str, Any]:
@@ -114,7 +154,7 @@ def table(kind: str, items: list[dict[str, Any]]) -> dict[str, Any]:
         "columnDefinitions": [
             {
                 "name": name,
-                "type": "integer" if name == "Restarts" else "string",
+                "type": "integer" if name in _NUMBERS else "string",
                 "format": "name" if name == "Name" else "",
                 "description": "",
                 "priority": priority,

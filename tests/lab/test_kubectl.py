@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shutil
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,25 @@ from tests.conftest import REPO, KubeApiProcess
 
 KUBECTL = shutil.which("kubectl")
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed (make test installs it as root)")
+
+
+def _kubectl_minor() -> int:
+    if KUBECTL is None:
+        return 0
+    done = subprocess.run([KUBECTL, "version", "--client", "-o", "json"], capture_output=True, text=True, check=False)
+    try:
+        return int(re.sub(r"\D", "", json.loads(done.stdout)["clientVersion"]["minor"]))
+    except (ValueError, KeyError):
+        return 0
+
+
+# kubectl reads the OpenAPI v3 documents (explain, whether the server validates fields) from 1.27;
+# older ones read only the v2 document in protobuf, which the emulator does not serve.
+OPENAPI_V3 = _kubectl_minor() >= 27
+VALIDATE = [] if OPENAPI_V3 else ["--validate=false"]
+needs_openapi_v3 = pytest.mark.skipif(
+    not OPENAPI_V3, reason="kubectl older than 1.27 reads OpenAPI v2 (protobuf), which the lab does not serve"
+)
 
 TRAINING = ["gpu1", "gpu2", "gpu3"]
 SPARES = ["spare1"]
@@ -114,11 +135,106 @@ def test_drain_respects_the_budget_then_goes_on(api: KubeApiProcess) -> None:
 def test_delete_pod_and_apply_the_deploy_manifests(api: KubeApiProcess) -> None:
     kubectl(api, "delete", "pod", "-n", "monitoring", "node-exporter-spare1")
     assert "node-exporter-spare1" not in kubectl(api, "get", "pods", "-n", "monitoring")
-    first = kubectl(api, "apply", "--validate=false", "-f", str(REPO / "deploy"))
-    assert "daemonset.apps/gpufleet-detector created" in first
-    again = kubectl(api, "apply", "--validate=false", "-f", str(REPO / "deploy"))
+    first = kubectl(api, "apply", *VALIDATE, "-f", str(REPO / "deploy"))
+    assert "daemonset.apps/gpufleet-detector created" in first and "Warning" not in first
+    again = kubectl(api, "apply", *VALIDATE, "-f", str(REPO / "deploy"))
     assert "daemonset.apps/gpufleet-detector unchanged" in again
     assert "gpufleet-worker" in kubectl(api, "get", "deploy", "-n", "gpufleet")
+
+
+WEB = """\
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: web, namespace: serving}
+spec:
+  replicas: 1
+  selector: {matchLabels: {app: web}}
+  template:
+    metadata: {labels: {app: web}}
+    spec:
+      containers: [{name: web, %s: nginx:1.27, args: ["--port=80"]}]
+"""
+
+
+@needs_openapi_v3
+def test_explain_and_field_validation_from_the_openapi_documents(api: KubeApiProcess, tmp_path: Path) -> None:
+    explained = kubectl(api, "explain", "node.spec.taints")
+    assert "FIELD: taints <[]Taint>" in explained and "effect\t<string> -required-" in explained
+    assert "Node is a worker node in Kubernetes" in kubectl(api, "explain", "node")
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(WEB % "imagee", encoding="utf-8")
+    refused = kubectl(api, "apply", "-f", str(typo), check=False)  # kubectl asks for Strict
+    assert 'strict decoding error: unknown field "spec.template.spec.containers[0].imagee"' in refused
+    assert "web" not in kubectl(api, "get", "deploy", "-n", "serving", "-o", "name")  # nothing created
+    warned = kubectl(api, "apply", "--validate=warn", "-f", str(typo))
+    assert 'Warning: unknown field "spec.template.spec.containers[0].imagee"' in warned
+
+
+def containers_of(api: KubeApiProcess, name: str) -> list[dict[str, Any]]:
+    deployment = json.loads(kubectl(api, "get", "deploy", "-n", "serving", name, "-o", "json"))
+    return deployment["spec"]["template"]["spec"]["containers"]  # type: ignore[no-any-return]
+
+
+def test_patches_as_the_api_server_applies_them(api: KubeApiProcess, tmp_path: Path) -> None:
+    manifest = tmp_path / "web.yaml"
+    manifest.write_text(WEB % "image", encoding="utf-8")
+    kubectl(api, "apply", *VALIDATE, "-f", str(manifest))
+    pair = [{"name": "web", "image": "nginx:1.28"}, {"name": "envoy", "image": "envoy"}]
+    sidecar = json.dumps({"spec": {"template": {"spec": {"containers": pair}}}})
+    kubectl(api, "patch", "deploy", "-n", "serving", "web", "-p", sidecar)  # strategic: merged by name
+    assert containers_of(api, "web") == [
+        {"name": "web", "image": "nginx:1.28", "args": ["--port=80"]},
+        {"name": "envoy", "image": "envoy"},
+    ]
+    ops = '[{"op":"replace","path":"/spec/template/spec/containers/1/image","value":"envoy:2"}]'
+    kubectl(api, "patch", "deploy", "-n", "serving", "web", "--type", "json", "-p", ops)
+    assert containers_of(api, "web")[1] == {"name": "envoy", "image": "envoy:2"}
+    only = '{"spec":{"template":{"spec":{"containers":[{"name":"web","image":"nginx:1.29"}]}}}}'
+    kubectl(api, "patch", "deploy", "-n", "serving", "web", "--type", "merge", "-p", only)  # a list replaces
+    assert containers_of(api, "web") == [{"name": "web", "image": "nginx:1.29"}]
+    manifest.write_text((WEB % "image").replace("nginx:1.27", "nginx:1.30"), encoding="utf-8")
+    kubectl(api, "apply", *VALIDATE, "-f", str(manifest))  # three-way
+    assert containers_of(api, "web") == [{"name": "web", "image": "nginx:1.30", "args": ["--port=80"]}]
+    missing = kubectl(api, "patch", "deploy", "-n", "serving", "web", "--type", "json", "-p", ops, check=False)
+    assert "no path /spec/template/spec/containers/1" in missing  # 422, and nothing changed
+    server_side = kubectl(api, "apply", "--server-side", "-f", str(manifest), check=False)
+    if OPENAPI_V3:  # kubectl 1.20 fails earlier, on the OpenAPI v2 document it fetches first
+        assert "server-side apply is not served" in server_side
+    assert "Error from server" in server_side
+
+
+def test_get_watch_prints_each_change(api: KubeApiProcess) -> None:
+    assert KUBECTL is not None
+    watch = subprocess.Popen(
+        [KUBECTL, "get", "nodes", "--watch"],
+        env={**os.environ, "KUBECONFIG": str(api.kubeconfig)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in watch.stdout or []:
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+
+    def next_line() -> str:
+        try:
+            return lines.get(timeout=60)
+        except queue.Empty:
+            raise AssertionError("kubectl get --watch printed nothing for 60 s") from None
+
+    try:
+        listed = [next_line() for _ in range(1 + len(TRAINING + SPARES))]  # the header, then each node once
+        assert [line.split()[0] for line in listed[1:]] == TRAINING + SPARES
+        kubectl(api, "cordon", "gpu2")
+        changed = next_line().split()
+        assert changed[:2] == ["gpu2", "Ready,SchedulingDisabled"]  # the change, not the whole list again
+    finally:
+        watch.kill()
+        watch.wait(timeout=10)
 
 
 def drained_state(api: KubeApiProcess, node: str) -> dict[str, Any]:
