@@ -8,8 +8,8 @@ from activities.errors import client_errors
 from activities.heartbeat import heartbeating
 from clients.errors import NotFound
 from clients.kube import KubeClient
-from models.constants import INCIDENT_ANNOTATION, POOL_LABEL, UNHEALTHY_TAINT
-from models.requests import KubeDrainRequest, KubeDrainResult
+from models.constants import INCIDENT_ANNOTATION, POOL_LABEL, QUARANTINE_LABEL, REMEDIATION_LABEL, UNHEALTHY_TAINT
+from models.requests import KubeDrainRequest, KubeDrainResult, NodeFacts
 
 
 class KubeActivities:
@@ -25,6 +25,21 @@ class KubeActivities:
                 return self._kube.get_node(node).labels.get(POOL_LABEL, "")
             except NotFound:
                 return None
+
+    @activity.defn(name="kube_node_facts")
+    @heartbeating
+    def node_facts(self, node: str) -> NodeFacts:
+        """The node's pool, opt-out and quarantine labels (found False without a Kubernetes node)."""
+        with client_errors():
+            try:
+                labels = self._kube.get_node(node).labels
+            except NotFound:
+                return NodeFacts(found=False)
+        return NodeFacts(
+            pool=labels.get(POOL_LABEL, ""),
+            remediation=labels.get(REMEDIATION_LABEL, ""),
+            quarantine=labels.get(QUARANTINE_LABEL, ""),
+        )
 
     @activity.defn(name="cordon_and_drain_node")
     @heartbeating

@@ -24,7 +24,7 @@ class NotifyActivities:
         try:
             with client_errors():
                 sent = self._notifier.send(
-                    Notification(kind=request.kind, text=request.text, incident=request.incident)
+                    Notification(kind=request.kind, text=request.text, incident=request.incident, guard=request.guard)
                 )
         except ApplicationError as exc:
             cause = exc.__cause__

@@ -48,7 +48,8 @@ def retry_after_seconds(value: str | None) -> float | None:
 
 
 class WebhookNotifier:
-    """Posts ``{"text": ..., "kind": ..., "incident": {...}}``; with no URL it only logs.
+    """Posts ``{"text": ..., "kind": ..., "incident": {...}}`` (a page from the fleet guard:
+    ``"incident": null`` and ``"guard": {...}``); with no URL it only logs.
 
     One attempt per call, bounded by ``timeout_seconds`` in all (connect, send, answer):
     the caller's retries (Temporal's) decide how often to try again.
@@ -68,8 +69,10 @@ class WebhookNotifier:
         payload = {
             "text": notification.text,
             "kind": notification.kind,
-            "incident": notification.incident.model_dump(mode="json"),
+            "incident": notification.incident.model_dump(mode="json") if notification.incident else None,
         }
+        if notification.guard is not None:
+            payload["guard"] = notification.guard.model_dump(mode="json")
         try:
             response = httpx.post(self._url, json=payload, timeout=self._timeouts)
         except httpx.InvalidURL:

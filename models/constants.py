@@ -6,6 +6,20 @@ from temporalio.common import SearchAttributeKey
 
 REMEDIATION_WORKFLOW = "NodeRemediationWorkflow"
 RETURN_NODE_WORKFLOW = "ReturnNodeWorkflow"
+GUARD_WORKFLOW = "FleetGuardWorkflow"
+# The guard's signals: an incident asks for a slot, gives it back, is let past the breaker by a
+# person; a person resets the breaker, pauses or resumes. The guard answers an incident with
+# GUARD_DECISION_SIGNAL.
+GUARD_REQUEST_SIGNAL = "request"
+GUARD_RELEASE_SIGNAL = "release"
+GUARD_ADMIT_SIGNAL = "admit"
+GUARD_RESET_SIGNAL = "reset"
+GUARD_PAUSE_SIGNAL = "pause"
+GUARD_RESUME_SIGNAL = "resume"
+GUARD_DECISION_SIGNAL = "guard_decision"
+# Nodes labelled so get a notification and a recorded incident, nothing more.
+REMEDIATION_LABEL = "gpufleet.io/remediation"
+REMEDIATION_DISABLED = "disabled"
 
 # Slurm drain reasons we write start with this; anything else belongs to someone else.
 DRAIN_REASON_PREFIX = "gpufleet:"
@@ -35,6 +49,11 @@ def task_queue(cluster: str) -> str:
 def remediation_workflow_id(cluster: str, node: str) -> str:
     """The one open incident per node: repeated Xids on a node join it through this ID."""
     return f"remediate-{cluster}-{node}"
+
+
+def guard_workflow_id(cluster: str) -> str:
+    """The one fleet guard per cluster: every incident of the cluster asks it for a slot."""
+    return f"guard-{cluster}"
 
 
 def return_workflow_id(cluster: str, node: str) -> str:

@@ -7,6 +7,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
+from models.guard import GuardStatus
 from models.policy import Action, RemediationSettings
 from models.xid import XidEvent
 
@@ -16,6 +17,7 @@ class Step(StrEnum):
 
     CLASSIFY = "classify"
     NOTIFY = "notify"
+    GUARD = "guard"
     AWAITING_APPROVAL = "awaiting_approval"
     DRAIN_SLURM = "drain_slurm"
     CHECKPOINT = "checkpoint"
@@ -36,6 +38,7 @@ class Outcome(StrEnum):
     AWAITING_REPAIR = "awaiting_repair"
     AWAITING_APPROVAL = "awaiting_approval"
     REJECTED = "rejected"
+    OPTED_OUT = "opted_out"
     ALREADY_RETIRED = "already_retired"
     FAILED = "failed"
 
@@ -143,6 +146,8 @@ class IncidentStatus(BaseModel):
     waiting_for_spare: bool = False
     waiting_for_approval: str | None = None
     approval: Approval | None = None
+    # Holds a slot of the cluster's fleet guard (given back when the incident closes).
+    guard_slot: bool = False
     notifications: list[NotificationRecord] = Field(default_factory=list)
     timeline: list[TimelineEntry] = Field(default_factory=list)
     error: str | None = None
@@ -159,11 +164,13 @@ class CarriedIncident(BaseModel):
 
 
 class Notification(BaseModel):
-    """One message to the owner: the text people read and the incident for machines."""
+    """One message to the owner: the text people read, and the incident (or, for a page from
+    the fleet guard, the guard's state) for machines."""
 
     kind: str
     text: str
-    incident: IncidentStatus
+    incident: IncidentStatus | None = None
+    guard: GuardStatus | None = None
 
 
 RemediationInput.model_rebuild()

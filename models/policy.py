@@ -99,6 +99,33 @@ class RemediationSettings(BaseModel):
     owner_drained: OwnerDrained = OwnerDrained.ASK
 
 
+class GuardSettings(BaseModel):
+    """How much of a cluster gpufleet may take down on its own (the fleet guard, per cluster).
+
+    Over a limit the breaker trips: new incidents wait, changing nothing, until a person resets
+    it (`gpufleet breaker reset`) or approves one (`gpufleet approve INCIDENT`).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Incidents past their first destructive step and not yet closed.
+    max_in_flight: int = Field(default=2, ge=1, le=100000)
+    # The share of the partition's nodes with incidents inside the sliding window.
+    max_share: float = Field(default=0.5, gt=0, le=1)
+    window_seconds: float = Field(default=600.0, gt=0, le=7 * 86400)
+    # Actions that wait for `gpufleet approve` once the node is drained and its jobs requeued
+    # (a rejection leaves the node drained), and how often the owner is reminded meanwhile.
+    require_approval: list[Action] = Field(default_factory=list)
+    approval_reminder_seconds: float = Field(default=3600.0, gt=0, le=7 * 86400)
+
+    @field_validator("require_approval")
+    @classmethod
+    def _acting(cls, actions: list[Action]) -> list[Action]:
+        if Action.OBSERVE in actions:
+            raise ValueError("OBSERVE changes nothing, so it needs no approval")
+        return actions
+
+
 class Policy(BaseModel):
     """Actions by Xid bucket and code, SXid severity and code, and kind. ``decide`` is pure:
     same events, same action."""
@@ -116,8 +143,10 @@ class Policy(BaseModel):
     kinds: dict[GpuEventKind, Action] = Field(default_factory=lambda: dict(DEFAULT_KIND_ACTIONS))
     # Xid 154 whose recovery action was not reported: assume the GPU needs a reset.
     xid_154_default: Action = Action.RESET_GPU
-    # The worker's side of the same file: grace, timeouts, what to do with owners' nodes.
+    # The worker's side of the same file: grace, timeouts, what to do with owners' nodes...
     remediation: RemediationSettings = Field(default_factory=RemediationSettings)
+    # ... and how much of the cluster it may take down on its own.
+    guard: GuardSettings = Field(default_factory=GuardSettings)
 
     @field_validator("kinds")
     @classmethod
@@ -175,7 +204,7 @@ def policy_from_mapping(data: Mapping[str, Any], *, origin: str = "policy") -> P
         PolicyError: naming the field that is wrong.
     """
     defaults = Policy()
-    for key in ("buckets", "xids", "sxids", "sxid_severities", "kinds", "remediation"):
+    for key in ("buckets", "xids", "sxids", "sxid_severities", "kinds", "remediation", "guard"):
         if data.get(key) is not None and not isinstance(data[key], Mapping):
             raise PolicyError(f"{origin}: {key}: expected a mapping, got {type(data[key]).__name__}")
     merged: dict[str, Any] = {
@@ -213,7 +242,9 @@ def load_policy(path: Path | None) -> Policy:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise PolicyError(f"{path}: not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
-        raise PolicyError(f"{path}: expected a mapping with 'xids', 'sxids', 'kinds', 'buckets' or 'remediation'")
+        raise PolicyError(
+            f"{path}: expected a mapping with 'xids', 'sxids', 'kinds', 'buckets', 'remediation' or 'guard'"
+        )
     return policy_from_mapping(data, origin=str(path))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from models.guard import GuardStatus
 from models.incident import IncidentStatus, JobInfo
 from models.policy import Policy, RemediationSettings
 from models.xid import XidEvent
@@ -96,6 +97,16 @@ class KubeDrainResult(BaseModel):
     forced: list[str] = Field(default_factory=list)
 
 
+class NodeFacts(BaseModel):
+    """What the Kubernetes Node says about remediating it (``found`` False: no Kubernetes node)."""
+
+    found: bool = True
+    pool: str = ""
+    # The gpufleet.io/remediation label ("disabled": record, notify, change nothing).
+    remediation: str = ""
+    quarantine: str = ""
+
+
 class ClaimRequest(BaseModel):
     incident_id: str
 
@@ -108,7 +119,8 @@ class RetireRequest(BaseModel):
 class NotifyRequest(BaseModel):
     kind: str
     text: str
-    incident: IncidentStatus
+    incident: IncidentStatus | None = None
+    guard: GuardStatus | None = None
 
 
 class ReturnNodeRequest(BaseModel):

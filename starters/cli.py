@@ -18,15 +18,21 @@ import typer
 from rich.console import Console
 from rich.table import Table
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowQueryFailedError
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from models.constants import (
+    GUARD_PAUSE_SIGNAL,
+    GUARD_RESET_SIGNAL,
+    GUARD_RESUME_SIGNAL,
+    GUARD_WORKFLOW,
     REMEDIATION_WORKFLOW,
     RETURN_NODE_WORKFLOW,
+    guard_workflow_id,
     remediation_workflow_id,
     return_workflow_id,
     task_queue,
 )
+from models.guard import GuardCommand, GuardInput, GuardStatus
 from models.incident import Approval, IncidentStatus, Outcome, Step, seen
 from models.names import InvalidName, validate_cluster_name, validate_node_name
 from models.requests import ReturnNodeRequest
@@ -35,6 +41,7 @@ from models.xid import XidEvent
 from starters.chart import write_chart
 from starters.server import dev_server_argv
 from starters.temporal import TemporalUnreachable, connect, report_xid
+from workflows.guard import FleetGuardWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
 app = typer.Typer(
@@ -46,6 +53,10 @@ incidents_app = typer.Typer(help="List and inspect incidents.", no_args_is_help=
 app.add_typer(incidents_app, name="incidents")
 nodes_app = typer.Typer(help="Nodes gpufleet took out of service.", no_args_is_help=True)
 app.add_typer(nodes_app, name="nodes")
+breaker_app = typer.Typer(
+    help="The fleet guard's breaker: how much of a cluster gpufleet may take down on its own.", no_args_is_help=True
+)
+app.add_typer(breaker_app, name="breaker")
 
 XID_MAX = 65535
 
@@ -431,3 +442,176 @@ def nodes_return(
         return result
 
     console.print(run_async(go()))
+
+
+# -- the fleet guard ----------------------------------------------------------------------------
+
+CLUSTER_HELP = "Cluster name (default: $GPUFLEET_CLUSTER or 'lab')."
+
+
+def _cluster(cluster: str | None) -> str:
+    try:
+        return validate_cluster_name(cluster or Settings().cluster)
+    except InvalidName as exc:
+        fail(str(exc), code=2)
+
+
+async def _guard_status(client: Client, cluster: str) -> GuardStatus | None:
+    """The guard's state, or None when no incident (or pause) has started it yet."""
+    try:
+        status: GuardStatus = await client.get_workflow_handle(guard_workflow_id(cluster)).query(
+            FleetGuardWorkflow.status
+        )
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return None
+        raise
+    except WorkflowQueryFailedError as exc:
+        fail(f"the fleet guard of cluster {cluster} did not answer: {exc}")
+    return status
+
+
+def _print_guard(cluster: str, status: GuardStatus | None, *, as_json: bool) -> None:
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "cluster": cluster,
+                    "running": status is not None,
+                    **(status.model_dump(mode="json") if status else {}),
+                }
+            )
+        )
+        return
+    if status is None:
+        console.print(f"cluster {cluster}: no incident has asked the fleet guard yet; the breaker is closed.")
+        return
+    state, limits = status.state, status.limits
+    mode = "[bold yellow]PAUSED[/]" if state.paused else "[bold red]TRIPPED[/]" if state.tripped else "[green]closed[/]"
+    console.print(f"cluster {cluster}: breaker {mode}")
+    if state.tripped:
+        console.print(
+            f"  tripped at {state.tripped_at:%Y-%m-%d %H:%M:%S} UTC: {state.tripped_why}" if state.tripped_at else ""
+        )
+    if state.paused:
+        console.print(
+            f"  paused by {state.paused_by or '?'}" + (f": {state.paused_reason}" if state.paused_reason else "")
+        )
+    share = (
+        f"{len(status.nodes_in_window)} of {status.nodes} nodes"
+        if status.nodes
+        else f"{len(status.nodes_in_window)} nodes"
+    )
+    console.print(
+        f"  in flight {len(state.in_flight)} of {limits.max_in_flight}; window {limits.window_seconds / 60:g} min: "
+        f"{share} ({', '.join(status.nodes_in_window) or '-'}), limit {limits.max_share:.0%}; pages sent {state.pages}"
+    )
+    table = Table("", "node", "incident", "since (UTC)")
+    for label, requests in (("in flight", state.in_flight), ("waiting", state.waiting)):
+        for request in requests:
+            since = request.asked_at.strftime("%H:%M:%S") if request.asked_at else ""
+            table.add_row(label, request.node, request.incident_id, since)
+    if state.in_flight or state.waiting:
+        console.print(table)
+    if state.waiting:
+        console.print(f"  `gpufleet breaker reset --cluster {cluster}` lets the waiting go on, one slot at a time;")
+        console.print("  `gpufleet approve INCIDENT` lets one past, `gpufleet reject INCIDENT` closes it.")
+    recent = Table("time (UTC)", "event", "node", "detail")
+    for event in state.log[-10:]:
+        recent.add_row(event.at.strftime("%H:%M:%S"), event.event, event.node, event.detail)
+    console.print(recent)
+
+
+@breaker_app.command("status")
+def breaker_status(
+    cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="The guard's state as JSON.")] = False,
+) -> None:
+    """Show the breaker: tripped or not, paused or not, slots in flight, the window, and who waits."""
+    name = _cluster(cluster)
+
+    async def go() -> GuardStatus | None:
+        return await _guard_status(await _client(), name)
+
+    _print_guard(name, run_async(go()), as_json=as_json)
+
+
+async def _tell_guard(cluster: str, signal: str, command: GuardCommand, *, start: bool) -> GuardStatus | None:
+    """Signal the guard (starting it first when ``start``); its state afterwards, or None if none runs."""
+    client = await _client()
+    before = await _guard_status(client, cluster)
+    seen = before.state.handled if before is not None else 0
+    if start:
+        await client.start_workflow(
+            GUARD_WORKFLOW,
+            GuardInput(cluster=cluster),
+            id=guard_workflow_id(cluster),
+            task_queue=task_queue(cluster),
+            start_signal=signal,
+            start_signal_args=[command],
+            static_summary=f"fleet guard of cluster {cluster}",
+        )
+    elif before is None:
+        return None
+    else:
+        await client.get_workflow_handle(guard_workflow_id(cluster)).signal(signal, command)
+    # The guard handles messages in order; wait (briefly) until it has handled ours.
+    deadline = time.monotonic() + 15
+    with console.status("waiting for the fleet guard", spinner="dots"):
+        while True:
+            status = await _guard_status(client, cluster)
+            if (status is not None and status.state.handled > seen) or time.monotonic() > deadline:
+                return status
+            await asyncio.sleep(0.2)
+
+
+@breaker_app.command("reset")
+def breaker_reset(
+    cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
+    reason: Annotated[str, typer.Option(help="Why, for the guard's record.")] = "",
+) -> None:
+    """Close a tripped breaker: waiting incidents go on as slots free up, one at a time."""
+    name = _cluster(cluster)
+
+    async def go() -> GuardStatus | None:
+        return await _tell_guard(name, GUARD_RESET_SIGNAL, GuardCommand(by=_who(), reason=reason), start=False)
+
+    status = run_async(go())
+    if status is None:
+        console.print(f"cluster {name}: no fleet guard runs yet; nothing to reset.")
+        return
+    waiting = len(status.state.waiting)
+    console.print(f"cluster {name}: breaker closed; {waiting} incident(s) waiting go on as slots free up.")
+
+
+@app.command()
+def pause(
+    cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
+    reason: Annotated[str, typer.Option(help="Why, for the guard's record and `breaker status`.")] = "",
+) -> None:
+    """Stop new destructive steps in the cluster: new incidents are recorded and wait, changing nothing."""
+    name = _cluster(cluster)
+
+    async def go() -> GuardStatus | None:
+        return await _tell_guard(name, GUARD_PAUSE_SIGNAL, GuardCommand(by=_who(), reason=reason), start=True)
+
+    run_async(go())
+    console.print(f"cluster {name}: paused. Incidents in flight go on; new ones wait. `gpufleet resume` to go on.")
+
+
+@app.command()
+def resume(
+    cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
+    reason: Annotated[str, typer.Option(help="Why, for the guard's record.")] = "",
+) -> None:
+    """Undo `gpufleet pause`: waiting incidents go on as slots free up."""
+    name = _cluster(cluster)
+
+    async def go() -> GuardStatus | None:
+        return await _tell_guard(name, GUARD_RESUME_SIGNAL, GuardCommand(by=_who(), reason=reason), start=False)
+
+    status = run_async(go())
+    if status is None:
+        console.print(f"cluster {name}: not paused (no fleet guard runs yet).")
+        return
+    console.print(f"cluster {name}: resumed; {len(status.state.waiting)} incident(s) waiting go on as slots free up.")

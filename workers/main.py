@@ -12,6 +12,7 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.worker import Worker
 
+from activities.guard import GuardActivities
 from activities.kube import KubeActivities
 from activities.notify import NotifyActivities
 from activities.policy import PolicyActivities
@@ -25,6 +26,7 @@ from models.constants import task_queue
 from models.policy import PolicyError
 from models.requests import WorkerConfig
 from models.settings import Settings
+from workflows.guard import FleetGuardWorkflow
 from workflows.nodes import ReturnNodeWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
@@ -71,6 +73,7 @@ def build_activities(settings: Settings) -> list[Any]:
     spare_acts = SpareActivities(pool)
     notify_acts = NotifyActivities(WebhookNotifier(url=settings.webhook_url))
     policy_acts = PolicyActivities(config)
+    guard_acts = GuardActivities(slurm, cluster=settings.cluster, partition=settings.partition)
     return [
         slurm_acts.node_state,
         slurm_acts.drain_node,
@@ -80,6 +83,7 @@ def build_activities(settings: Settings) -> list[Any]:
         slurm_acts.requeue_job,
         slurm_acts.jobs_resumed,
         kube_acts.node_pool,
+        kube_acts.node_facts,
         kube_acts.cordon_and_drain,
         spare_acts.claim_spare,
         spare_acts.release_spare,
@@ -88,6 +92,10 @@ def build_activities(settings: Settings) -> list[Any]:
         notify_acts.notify,
         policy_acts.worker_config,
         policy_acts.classify,
+        guard_acts.request_slot,
+        guard_acts.tell,
+        guard_acts.fleet_size,
+        guard_acts.running,
     ]
 
 
@@ -104,7 +112,7 @@ async def run_worker(client: Client, settings: Settings, *, stop: asyncio.Event 
         worker = Worker(
             client,
             task_queue=queue,
-            workflows=[NodeRemediationWorkflow, ReturnNodeWorkflow],
+            workflows=[NodeRemediationWorkflow, ReturnNodeWorkflow, FleetGuardWorkflow],
             activities=activities,
             activity_executor=executor,
             max_concurrent_activities=64,

@@ -10,6 +10,9 @@ What keeps it safe away from the happy path:
 - every activity is short or heartbeats, so a killed worker costs seconds;
 - jobs are signalled and requeued one by one, guarded by their state and restart count;
 - a node someone else drained waits for `gpufleet approve|reject`;
+- the cluster's fleet guard (workflows/guard.py) grants a slot before the first destructive
+  step, so a storm of Xids cannot take the whole cluster down; a node labelled
+  gpufleet.io/remediation=disabled is only recorded; actions the policy names wait for approval;
 - a long wait for a spare continues as new, so the history stays small.
 """
 
@@ -27,13 +30,19 @@ from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from activities.errors import NON_RETRYABLE
+    from activities.guard import GuardActivities
     from activities.kube import KubeActivities
     from activities.notify import NotifyActivities
     from activities.policy import PolicyActivities
     from activities.slurm import SlurmActivities
     from activities.spares import SpareActivities
     from models.constants import (
+        GUARD_ADMIT_SIGNAL,
+        GUARD_DECISION_SIGNAL,
+        GUARD_RELEASE_SIGNAL,
         POOL_RETIRED,
+        REMEDIATION_DISABLED,
+        REMEDIATION_LABEL,
         REMEDIATION_WORKFLOW,
         SA_CLUSTER,
         SA_EVENT_KIND,
@@ -44,6 +53,7 @@ with workflow.unsafe.imports_passed_through():
         drained_for,
         held_by_someone_else,
     )
+    from models.guard import GuardCommand, GuardDecision, SlotRequest
     from models.incident import (
         Approval,
         CarriedIncident,
@@ -64,6 +74,7 @@ with workflow.unsafe.imports_passed_through():
         ClassifyRequest,
         DrainRequest,
         KubeDrainRequest,
+        NodeFacts,
         NotifyRequest,
         RequeueJobRequest,
         ResumeCheck,
@@ -111,6 +122,9 @@ NOTIFY_BUDGET = timedelta(minutes=5)
 SPARE_CHECKS_PER_RUN = 30
 # ... or sooner, when a run with many jobs has a long history already.
 HISTORY_SOFT_LIMIT = 400
+# Incidents started before the fleet guard (recorded histories, runs in flight at an upgrade)
+# go on without it; new ones read the node's labels, ask the guard and honour approval gates.
+GUARD_PATCH = "fleet-guard"
 
 
 class _ContinueAsNew(Exception):
@@ -132,6 +146,9 @@ class NodeRemediationWorkflow:
         self._policy: Policy | None = None
         self._restarts_before: dict[int, int] = {}
         self._classified = 0
+        self._guarded = False
+        self._asked_guard = False
+        self._guard_decision: GuardDecision | None = None
         if params.carried is not None:
             self._status = params.carried.status
             self._events: list[XidEvent] = list(params.carried.events)
@@ -178,6 +195,12 @@ class NodeRemediationWorkflow:
         if self._approval is None:
             self._approval = approval
 
+    @workflow.signal(name=GUARD_DECISION_SIGNAL)
+    def guard_decision(self, decision: GuardDecision) -> None:
+        """The fleet guard's answer: a slot, or wait (and why)."""
+        if decision.incident_id == self._status.incident_id:
+            self._guard_decision = decision
+
     @workflow.query
     def status(self) -> IncidentStatus:
         return self._status
@@ -197,6 +220,7 @@ class NodeRemediationWorkflow:
             self._status.error = "cancelled"
             self._mark(self._status.step, "cancelled")
             await self._release_unused_claim()
+            await self._release_slot("cancelled")
             self._notify("cancelled", f"{self._who()}: the incident was cancelled at {self._status.step}.")
             await self._flush_notifications()
             raise
@@ -207,6 +231,7 @@ class NodeRemediationWorkflow:
             self._status.error = message
             self._mark(self._status.step, "failed", message)
             await self._release_unused_claim()
+            await self._release_slot(f"failed: {message}")
             # Never fail silently: tell the owner (beside the flow; bounded).
             self._notify("failed", f"{self._who()}: gpufleet stopped at {self._status.step}: {message}")
             await self._flush_notifications()
@@ -242,9 +267,17 @@ class NodeRemediationWorkflow:
         self._settings = status.settings = config.settings
         self._policy = config.policy
         node = await self._activity(SlurmActivities.node_state, params.node, summary=f"look up {params.node} in Slurm")
-        pool: str | None = await self._activity(
-            KubeActivities.node_pool, params.node, summary=f"look up {params.node} in Kubernetes"
-        )
+        self._guarded = workflow.patched(GUARD_PATCH)
+        if self._guarded:
+            facts: NodeFacts = await self._activity(
+                KubeActivities.node_facts, params.node, summary=f"look up {params.node} in Kubernetes"
+            )
+            pool: str | None = facts.pool if facts.found else None
+        else:
+            facts = NodeFacts()
+            pool = await self._activity(
+                KubeActivities.node_pool, params.node, summary=f"look up {params.node} in Kubernetes"
+            )
         status.action = await self._classify()
         self._done(Step.CLASSIFY, f"{status.action} for {self._seen()}")
         if pool == POOL_RETIRED:
@@ -267,6 +300,15 @@ class NodeRemediationWorkflow:
             self._notify("observed", f"{self._who()}: {self._seen()} recorded; no action needed.")
             await self._close()
             return
+        if facts.remediation == REMEDIATION_DISABLED:
+            status.outcome = Outcome.OPTED_OUT
+            self._notify(
+                "opted_out",
+                f"{self._who()}: {self._seen()} -> {status.action}, but the node is labelled "
+                f"{REMEDIATION_LABEL}={REMEDIATION_DISABLED}: gpufleet recorded it and changed nothing.",
+            )
+            await self._close()
+            return
 
         # 2. notify, beside the flow: the drain never waits for the webhook
         self._enter(Step.NOTIFY)
@@ -284,6 +326,10 @@ class NodeRemediationWorkflow:
             and self._settings.owner_drained is OwnerDrained.ASK
             and not await self._await_approval(f"{params.node} is held by someone else: {node.reason!r}")
         ):
+            return
+
+        # The cluster's fleet guard lets this incident take the node down, or makes it wait.
+        if self._guarded and not await self._guard_slot():
             return
 
         # 3. drain in Slurm
@@ -378,6 +424,8 @@ class NodeRemediationWorkflow:
                 "until it is repaired and returned (gpufleet nodes return NODE).",
             )
             await self._close()
+            return
+        if self._guarded and not await self._approval_gate():
             return
         self._done(Step.APPROVE, "REPLACE_NODE by policy")
 
@@ -596,16 +644,129 @@ class NodeRemediationWorkflow:
         await workflow.wait_condition(lambda: self._approval is not None)
         assert self._approval is not None
         status.approval = self._approval
+        self._approval = None  # used: a later gate waits for its own answer
         status.waiting_for_approval = None
-        verdict = "approved" if self._approval.approved else "rejected"
-        self._done(Step.AWAITING_APPROVAL, f"{verdict} by {self._approval.by or '?'}: {self._approval.reason}".strip())
-        if self._approval.approved:
+        approval = status.approval
+        verdict = "approved" if approval.approved else "rejected"
+        self._done(Step.AWAITING_APPROVAL, f"{verdict} by {approval.by or '?'}: {approval.reason}".strip())
+        if approval.approved:
             status.outcome = Outcome.OPEN
             return True
         status.outcome = Outcome.REJECTED
-        self._notify("rejected", f"{self._who()}: rejected by {self._approval.by or '?'}; nothing was changed.")
+        self._notify("rejected", f"{self._who()}: rejected by {approval.by or '?'}; nothing was changed.")
         await self._close()
         return False
+
+    async def _guard_slot(self) -> bool:
+        """Ask the cluster's fleet guard for a slot; wait while it holds (breaker tripped, paused),
+        unless a person approves this incident past it. True to go on; nothing changed yet."""
+        status = self._status
+        self._enter(Step.GUARD)
+        self._guard_decision = None
+        self._asked_guard = True
+        await self._activity(
+            GuardActivities.request_slot,
+            SlotRequest(
+                incident_id=status.incident_id,
+                workflow_id=workflow.info().workflow_id,
+                node=self._input.node,
+                action=str(status.action),
+            ),
+            summary="ask the fleet guard for a slot",
+        )
+        await workflow.wait_condition(lambda: self._guard_decision is not None or self._approval is not None)
+        decision = self._guard_decision
+        if decision is not None and decision.granted:
+            status.guard_slot = True
+            self._done(Step.GUARD, f"slot granted: {decision.why}")
+            return True
+        why = decision.why if decision is not None else "the fleet guard has not answered"
+        self._mark(Step.GUARD, "waiting", why)
+        self._enter(Step.AWAITING_APPROVAL)
+        status.outcome = Outcome.AWAITING_APPROVAL
+        status.waiting_for_approval = why
+        # The guard pages the operator once for all of them: no message per incident here.
+        await workflow.wait_condition(
+            lambda: self._approval is not None or (self._guard_decision is not None and self._guard_decision.granted)
+        )
+        status.waiting_for_approval = None
+        status.outcome = Outcome.OPEN
+        if self._approval is None:
+            status.guard_slot = True
+            granted = self._guard_decision.why if self._guard_decision else ""
+            self._done(Step.AWAITING_APPROVAL, f"slot granted: {granted}")
+            return True
+        approval, self._approval = self._approval, None
+        status.approval = approval
+        command = GuardCommand(incident_id=status.incident_id, by=approval.by, reason=approval.reason)
+        if approval.approved:
+            await self._activity(GuardActivities.tell, GUARD_ADMIT_SIGNAL, command, summary="tell the guard: approved")
+            status.guard_slot = True
+            self._done(Step.AWAITING_APPROVAL, f"approved past the guard by {approval.by or '?'}: {approval.reason}")
+            return True
+        status.outcome = Outcome.REJECTED
+        self._done(Step.AWAITING_APPROVAL, f"rejected by {approval.by or '?'}: {approval.reason}".strip())
+        self._notify("rejected", f"{self._who()}: rejected by {approval.by or '?'}; nothing was changed.")
+        await self._close()
+        return False
+
+    async def _approval_gate(self) -> bool:
+        """An action the policy names waits for `gpufleet approve|reject`, reminding the owner.
+        The node is drained and its jobs requeued already; a rejection leaves it so."""
+        status = self._status
+        assert self._policy is not None and status.action is not None
+        if status.action not in self._policy.guard.require_approval:
+            return True
+        why = f"{status.action} needs approval in cluster {status.cluster}"
+        self._enter(Step.AWAITING_APPROVAL)
+        status.outcome = Outcome.AWAITING_APPROVAL
+        status.waiting_for_approval = why
+        ask = (
+            f"`gpufleet approve {status.incident_id}` to go on, `gpufleet reject {status.incident_id}` "
+            "to leave the node drained"
+        )
+        self._notify(
+            "approval_needed",
+            f"{self._who()}: {why}. The node is drained and its jobs are requeued; {ask}.",
+        )
+        every = timedelta(seconds=self._policy.guard.approval_reminder_seconds)
+        while True:
+            try:
+                await workflow.wait_condition(lambda: self._approval is not None, timeout=every)
+                break
+            except TimeoutError:
+                self._notify("approval_reminder", f"{self._who()}: still waiting: {why}; {ask}.")
+        approval, self._approval = self._approval, None
+        assert approval is not None
+        status.approval = approval
+        status.waiting_for_approval = None
+        verdict = "approved" if approval.approved else "rejected"
+        self._done(Step.AWAITING_APPROVAL, f"{verdict} by {approval.by or '?'}: {approval.reason}".strip())
+        if approval.approved:
+            status.outcome = Outcome.OPEN
+            return True
+        status.outcome = Outcome.REJECTED
+        self._notify(
+            "rejected",
+            f"{self._who()}: {status.action} rejected by {approval.by or '?'}. The node stays drained "
+            "and its jobs stay requeued; `gpufleet nodes return NODE` once it is repaired.",
+        )
+        await self._close()
+        return False
+
+    async def _release_slot(self, why: str) -> None:
+        """Give the fleet guard its slot back (or stop waiting for one)."""
+        status = self._status
+        if not (status.guard_slot or self._asked_guard):
+            return
+        with contextlib.suppress(ActivityError):
+            await self._activity(
+                GuardActivities.tell,
+                GUARD_RELEASE_SIGNAL,
+                GuardCommand(incident_id=status.incident_id, reason=why),
+                summary="give the fleet guard its slot back",
+            )
+        status.guard_slot = self._asked_guard = False
 
     # -- helpers ------------------------------------------------------------------------------------
 
@@ -619,10 +780,10 @@ class NodeRemediationWorkflow:
         self._classified = len(events)
         return action
 
-    async def _activity(self, method: Any, arg: Any, *, summary: str, timeout: timedelta = SHORT) -> Any:
+    async def _activity(self, method: Any, *args: Any, summary: str, timeout: timedelta = SHORT) -> Any:
         return await workflow.execute_activity_method(
             method,
-            arg,
+            args=args,
             start_to_close_timeout=timeout,
             heartbeat_timeout=HEARTBEAT,
             retry_policy=RETRY,
@@ -709,6 +870,7 @@ class NodeRemediationWorkflow:
         self._status.timeline.append(TimelineEntry(step=step, event=event, at=workflow.now(), detail=detail))
 
     async def _close(self) -> None:
+        await self._release_slot(self._status.outcome.value)
         self._enter(Step.CLOSED)
         self._mark(Step.CLOSED, self._status.outcome.value)
         await self._flush_notifications()

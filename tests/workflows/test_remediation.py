@@ -21,7 +21,8 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from models.constants import task_queue
+from activities.guard import GuardActivities
+from models.constants import REMEDIATION_LABEL, task_queue
 from models.incident import (
     Approval,
     IncidentStatus,
@@ -40,6 +41,7 @@ from models.requests import (
     DrainRequest,
     KubeDrainRequest,
     KubeDrainResult,
+    NodeFacts,
     NotifyRequest,
     RequeueJobRequest,
     ResumeCheck,
@@ -53,6 +55,7 @@ from models.requests import (
 from models.sxid import sxid_catalog
 from models.xid import GpuEventKind, XidEvent
 from starters.temporal import report_xid
+from workflows.guard import FleetGuardWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
 
@@ -81,6 +84,10 @@ class Fleet:
     node_drained: bool = False
     pool: str | None = "training"
     settings: RemediationSettings = field(default_factory=RemediationSettings)
+    policy: Policy = field(default_factory=Policy)
+    labels: dict[str, dict[str, str]] = field(default_factory=dict)  # per node, beside the pool label
+    partition_size: int = 4
+    drained: list[str] = field(default_factory=list)  # nodes drained in Slurm, in order
     notify_gate: asyncio.Event | None = None  # set: the webhook answers; None: it answers at once
     notify_refuses: bool = False
     retire_fails: bool = False
@@ -97,8 +104,10 @@ class Fleet:
 
         @activity.defn(name="worker_config")
         async def worker_config(cluster: str) -> WorkerConfig:
-            fleet.calls.append("worker_config")
-            return WorkerConfig(cluster=cluster, settings=fleet.settings, policy=Policy())
+            # The fleet guard reads the same configuration (for its limits).
+            guard = activity.info().workflow_id.startswith("guard-")
+            fleet.calls.append("guard:worker_config" if guard else "worker_config")
+            return WorkerConfig(cluster=cluster, settings=fleet.settings, policy=fleet.policy)
 
         @activity.defn(name="slurm_node_state")
         async def node_state(node: str) -> NodeInfo:
@@ -112,6 +121,18 @@ class Fleet:
         async def node_pool(node: str) -> str | None:
             fleet.calls.append("kube_node_pool")
             return fleet.pool
+
+        @activity.defn(name="kube_node_facts")
+        async def node_facts(node: str) -> NodeFacts:
+            fleet.calls.append("kube_node_facts")
+            if fleet.pool is None:
+                return NodeFacts(found=False)
+            labels = fleet.labels.get(node, {})
+            return NodeFacts(pool=fleet.pool, remediation=labels.get(REMEDIATION_LABEL, ""))
+
+        @activity.defn(name="guard_fleet_size")
+        async def fleet_size() -> int:
+            return fleet.partition_size
 
         @activity.defn(name="classify_xids")
         async def classify(request: ClassifyRequest) -> Action:
@@ -135,6 +156,7 @@ class Fleet:
                 raise ApplicationError("slurmctld unreachable", type="Unavailable")
             fleet.calls.append("drain_slurm_node")
             fleet.drain_reasons.append(request.reason)
+            fleet.drained.append(request.node)
             return NodeInfo(name=request.node, state="allocated", flags=["DRAIN"], reason=request.reason)
 
         @activity.defn(name="jobs_on_node")
@@ -203,7 +225,14 @@ class Fleet:
                 resumed=[JobInfo(job_id=j, state="RUNNING", restarts=1, nodes="gpu2,spare1") for j in request.job_ids]
             )
 
+        # The guard's plumbing is Temporal's own (signal-with-start, signals, describe): the real one.
+        guard = GuardActivities(None, cluster=fleet.cluster, partition="train")  # type: ignore[arg-type]
         return [
+            guard.request_slot,
+            guard.tell,
+            guard.running,
+            fleet_size,
+            node_facts,
             worker_config,
             node_state,
             node_pool,
@@ -234,7 +263,7 @@ def worker(env: WorkflowEnvironment, fleet: Fleet) -> Worker:
     return Worker(
         env.client,
         task_queue=task_queue(fleet.cluster),
-        workflows=[NodeRemediationWorkflow],
+        workflows=[NodeRemediationWorkflow, FleetGuardWorkflow],
         activities=fleet.activities(),
     )
 
@@ -255,11 +284,11 @@ async def test_happy_path_runs_the_steps_in_order(env: WorkflowEnvironment) -> N
     assert status.spare == "spare1"
     branches = {"cordon_and_drain_node", "retire_node", "claim_spare", "jobs_resumed"}
     # Notifications run beside the flow: their place among the steps is not fixed.
-    sequential = [c for c in fleet.calls if c not in branches and not c.startswith("notify:")]
+    sequential = [c for c in fleet.calls if c not in branches and not c.startswith(("notify:", "guard:"))]
     assert sequential == [
         "worker_config",
         "slurm_node_state",
-        "kube_node_pool",
+        "kube_node_facts",
         "classify_xids",
         "drain_slurm_node",
         "jobs_on_node",
@@ -269,6 +298,9 @@ async def test_happy_path_runs_the_steps_in_order(env: WorkflowEnvironment) -> N
         "classify_xids",
     ]
     assert [c for c in fleet.calls if c.startswith("notify:")] == ["notify:opened", "notify:resolved"]
+    granted = [e for e in status.timeline if e.step == Step.GUARD and e.event == "finished"]
+    assert [e.detail for e in granted] == ["slot granted: slot 1 of 2"]  # before the drain, in the timeline
+    assert not status.guard_slot  # given back at the close
     # After approve: the failed node's branch and the spare's branch, then resolved.
     middle = [c for c in fleet.calls[fleet.calls.index("requeue_job:7") + 2 :] if not c.startswith("notify:")]
     assert sorted(middle) == sorted(branches)
@@ -280,7 +312,15 @@ async def test_happy_path_runs_the_steps_in_order(env: WorkflowEnvironment) -> N
     ]
     assert status.settings == RemediationSettings()
     steps = [e.step for e in status.timeline if e.event == "started"]
-    assert steps[:6] == [Step.CLASSIFY, Step.NOTIFY, Step.DRAIN_SLURM, Step.CHECKPOINT, Step.REQUEUE, Step.APPROVE]
+    assert steps[:7] == [
+        Step.CLASSIFY,
+        Step.NOTIFY,
+        Step.GUARD,
+        Step.DRAIN_SLURM,
+        Step.CHECKPOINT,
+        Step.REQUEUE,
+        Step.APPROVE,
+    ]
     assert steps[-1] == Step.CLOSED
 
 

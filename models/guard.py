@@ -1,0 +1,94 @@
+"""The fleet guard's messages and state: slots for incidents, the breaker, pause."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, Field
+
+from models.policy import GuardSettings
+
+# The guard's own record of its decisions, newest last, this many kept.
+GUARD_LOG_SIZE = 200
+
+
+class SlotRequest(BaseModel):
+    """An incident asking for a slot before its first destructive step (the Slurm drain)."""
+
+    incident_id: str
+    workflow_id: str
+    node: str
+    action: str = ""
+    # Set by the guard when the request arrives.
+    asked_at: datetime | None = None
+
+
+class GuardDecision(BaseModel):
+    """The guard's answer to an incident: go on, or wait (and why)."""
+
+    incident_id: str
+    granted: bool
+    why: str = ""
+
+
+class GuardCommand(BaseModel):
+    """An operator's or incident's word to the guard: who, why, for which incident."""
+
+    incident_id: str = ""
+    by: str = ""
+    reason: str = ""
+
+
+class WindowEntry(BaseModel):
+    """A node that got a slot (or was approved past the breaker), and when."""
+
+    node: str
+    incident_id: str
+    at: datetime
+
+
+class GuardEvent(BaseModel):
+    """One guard decision, for `gpufleet breaker status` and the Temporal UI."""
+
+    at: datetime
+    event: str  # granted | waiting | tripped | paged | released | approved | reset | paused | resumed | reaped
+    incident_id: str = ""
+    node: str = ""
+    detail: str = ""
+
+
+class GuardState(BaseModel):
+    """Everything the guard knows; carried over when it continues as new."""
+
+    cluster: str
+    in_flight: list[SlotRequest] = Field(default_factory=list)
+    waiting: list[SlotRequest] = Field(default_factory=list)
+    window: list[WindowEntry] = Field(default_factory=list)
+    # Nodes counted in the window only from here (set by a reset).
+    window_since: datetime | None = None
+    tripped: bool = False
+    tripped_at: datetime | None = None
+    tripped_why: str = ""
+    paused: bool = False
+    paused_by: str = ""
+    paused_reason: str = ""
+    pages: int = 0
+    # Messages handled so far (a caller that signals can wait for this to pass what it saw).
+    handled: int = 0
+    log: list[GuardEvent] = Field(default_factory=list)
+
+
+class GuardInput(BaseModel):
+    cluster: str
+    # Set only by the guard itself when it continues as new.
+    state: GuardState | None = None
+
+
+class GuardStatus(BaseModel):
+    """What the guard's ``status`` query returns."""
+
+    state: GuardState
+    limits: GuardSettings
+    # Nodes in the cluster's partition at the last count (0: not counted yet).
+    nodes: int = 0
+    nodes_in_window: list[str] = Field(default_factory=list)

@@ -1,0 +1,341 @@
+"""FleetGuardWorkflow: how much of a cluster gpufleet may take down on its own.
+
+One per cluster (``guard-{cluster}``), started by the first incident that asks it for a slot
+(signal-with-start) or by `gpufleet pause`. Every incident asks it before its first
+destructive step (the Slurm drain) and gives the slot back when it closes.
+
+Limits (the policy file's ``guard:``): incidents in flight, and the share of the partition's
+nodes with incidents inside a sliding window. A request over a limit trips the breaker: it and
+every later one wait, changing nothing, and the operator is paged once. `gpufleet breaker
+reset` lets the waiting incidents go on as slots free up, one at a time; `gpufleet approve
+INCIDENT` lets one past; `gpufleet pause|resume` hold new destructive steps without paging.
+
+Messages are handled one at a time in arrival order, so two requests never race for the last
+slot. The state survives worker and server restarts (it is the workflow's), and the run
+continues as new before its history grows large.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, FailureError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.errors import NON_RETRYABLE
+    from activities.guard import GuardActivities
+    from activities.notify import NotifyActivities
+    from activities.policy import PolicyActivities
+    from models.constants import (
+        GUARD_ADMIT_SIGNAL,
+        GUARD_DECISION_SIGNAL,
+        GUARD_PAUSE_SIGNAL,
+        GUARD_RELEASE_SIGNAL,
+        GUARD_REQUEST_SIGNAL,
+        GUARD_RESET_SIGNAL,
+        GUARD_RESUME_SIGNAL,
+        GUARD_WORKFLOW,
+    )
+    from models.guard import (
+        GUARD_LOG_SIZE,
+        GuardCommand,
+        GuardDecision,
+        GuardEvent,
+        GuardInput,
+        GuardState,
+        GuardStatus,
+        SlotRequest,
+        WindowEntry,
+    )
+    from models.policy import GuardSettings
+    from models.requests import NotifyRequest, WorkerConfig
+
+RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=5),
+    non_retryable_error_types=list(NON_RETRYABLE),
+)
+PAGE_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    maximum_interval=timedelta(seconds=30),
+    maximum_attempts=8,
+    non_retryable_error_types=["InvalidInput"],
+)
+# The partition's size is counted again when older than this.
+RECOUNT = timedelta(minutes=1)
+# Messages handled per run before continuing as new (a few history events each).
+MESSAGES_PER_RUN = 300
+
+
+@workflow.defn(name=GUARD_WORKFLOW)
+class FleetGuardWorkflow:
+    @workflow.init
+    def __init__(self, params: GuardInput) -> None:
+        self._state = params.state or GuardState(cluster=params.cluster)
+        self._inbox: list[tuple[str, SlotRequest | GuardCommand]] = []
+        self._limits = GuardSettings()
+        self._nodes = 0
+        self._counted_at: datetime | None = None
+        self._pages: list[asyncio.Task[None]] = []
+
+    # -- signals and query --------------------------------------------------------------------------
+
+    @workflow.signal(name=GUARD_REQUEST_SIGNAL)
+    def request(self, request: SlotRequest) -> None:
+        self._inbox.append((GUARD_REQUEST_SIGNAL, request))
+
+    @workflow.signal(name=GUARD_RELEASE_SIGNAL)
+    def release(self, command: GuardCommand) -> None:
+        self._inbox.append((GUARD_RELEASE_SIGNAL, command))
+
+    @workflow.signal(name=GUARD_ADMIT_SIGNAL)
+    def admit(self, command: GuardCommand) -> None:
+        self._inbox.append((GUARD_ADMIT_SIGNAL, command))
+
+    @workflow.signal(name=GUARD_RESET_SIGNAL)
+    def reset(self, command: GuardCommand) -> None:
+        self._inbox.append((GUARD_RESET_SIGNAL, command))
+
+    @workflow.signal(name=GUARD_PAUSE_SIGNAL)
+    def pause(self, command: GuardCommand) -> None:
+        self._inbox.append((GUARD_PAUSE_SIGNAL, command))
+
+    @workflow.signal(name=GUARD_RESUME_SIGNAL)
+    def resume(self, command: GuardCommand) -> None:
+        self._inbox.append((GUARD_RESUME_SIGNAL, command))
+
+    @workflow.query
+    def status(self) -> GuardStatus:
+        return GuardStatus(
+            state=self._state, limits=self._limits, nodes=self._nodes, nodes_in_window=self._nodes_in_window()
+        )
+
+    # -- run ----------------------------------------------------------------------------------------
+
+    @workflow.run
+    async def run(self, params: GuardInput) -> None:
+        config: WorkerConfig = await workflow.execute_activity_method(
+            PolicyActivities.worker_config,
+            params.cluster,
+            start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=RETRY,
+            summary="read the guard's limits",
+        )
+        self._limits = config.policy.guard
+        handled = 0
+        while True:
+            await workflow.wait_condition(lambda: bool(self._inbox))
+            while self._inbox:
+                kind, message = self._inbox.pop(0)
+                await self._handle(kind, message)
+                handled += 1
+                self._state.handled += 1
+            await self._let_waiting_in()
+            self._describe()
+            if handled >= MESSAGES_PER_RUN or workflow.info().is_continue_as_new_suggested():
+                await asyncio.gather(*self._pages)
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                if not self._inbox:
+                    workflow.continue_as_new(GuardInput(cluster=params.cluster, state=self._state))
+
+    async def _handle(self, kind: str, message: SlotRequest | GuardCommand) -> None:
+        if isinstance(message, SlotRequest):
+            await self._decide(message)
+            return
+        state = self._state
+        who = f"{message.by or '?'}" + (f": {message.reason}" if message.reason else "")
+        if kind == GUARD_RELEASE_SIGNAL:
+            held = [r for r in state.in_flight + state.waiting if r.incident_id == message.incident_id]
+            state.in_flight = [r for r in state.in_flight if r.incident_id != message.incident_id]
+            state.waiting = [r for r in state.waiting if r.incident_id != message.incident_id]
+            if held:
+                self._log("released", held[0], message.reason)
+        elif kind == GUARD_ADMIT_SIGNAL:
+            waiting = next((r for r in state.waiting if r.incident_id == message.incident_id), None)
+            if waiting is not None:
+                state.waiting.remove(waiting)
+                self._take(waiting)
+                self._log("approved", waiting, f"let past the guard by {who}")
+        elif kind == GUARD_RESET_SIGNAL:
+            was = "tripped" if state.tripped else "not tripped"
+            state.tripped, state.tripped_why = False, ""
+            state.window, state.window_since = [], workflow.now()
+            self._log("reset", detail=f"by {who} (was {was}); the window starts again")
+        elif kind == GUARD_PAUSE_SIGNAL:
+            state.paused, state.paused_by, state.paused_reason = True, message.by, message.reason
+            self._log("paused", detail=f"by {who}")
+        elif kind == GUARD_RESUME_SIGNAL and state.paused:
+            state.paused, state.paused_by, state.paused_reason = False, "", ""
+            self._log("resumed", detail=f"by {who}")
+
+    async def _decide(self, request: SlotRequest) -> None:
+        """Grant a slot, or make the incident wait (tripping the breaker when over a limit)."""
+        state = self._state
+        if any(r.incident_id == request.incident_id for r in state.in_flight):
+            await self._answer(request, granted=True, why="slot already granted")  # an activity retried
+            return
+        if any(r.incident_id == request.incident_id for r in state.waiting):
+            await self._answer(request, granted=False, why=self._holding_why())
+            return
+        request = request.model_copy(update={"asked_at": workflow.now()})
+        if state.paused or state.tripped:
+            state.waiting.append(request)
+            self._log("waiting", request, self._holding_why())
+            await self._answer(request, granted=False, why=self._holding_why())
+            return
+        over = await self._over_limit(request)
+        if over:
+            state.tripped, state.tripped_at, state.tripped_why = True, workflow.now(), over
+            state.waiting.append(request)
+            self._log("tripped", request, over)
+            await self._answer(request, granted=False, why=self._holding_why())
+            # Beside the guard's work: a slow webhook never holds up the next decision.
+            self._pages = [task for task in self._pages if not task.done()]
+            self._pages.append(asyncio.create_task(self._page(request)))
+            return
+        self._take(request)
+        in_flight = len(state.in_flight)
+        self._log("granted", request, f"{in_flight} of {self._limits.max_in_flight} in flight")
+        await self._answer(request, granted=True, why=f"slot {in_flight} of {self._limits.max_in_flight}")
+
+    async def _over_limit(self, request: SlotRequest) -> str:
+        """Why one more incident would be too many ("" when it is not)."""
+        limits = self._limits
+        if len(self._state.in_flight) + 1 > limits.max_in_flight:
+            await self._reap()
+        in_flight = len(self._state.in_flight)
+        if in_flight + 1 > limits.max_in_flight:
+            return f"{in_flight + 1} incidents would be in flight; the limit is {limits.max_in_flight}"
+        await self._count_nodes()
+        nodes = set(self._nodes_in_window()) | {request.node}
+        if self._nodes and len(nodes) / self._nodes > limits.max_share:
+            return (
+                f"{len(nodes)} of the partition's {self._nodes} nodes would have incidents within "
+                f"{limits.window_seconds / 60:g} min ({len(nodes) / self._nodes:.0%}); "
+                f"the limit is {limits.max_share:.0%}"
+            )
+        return ""
+
+    async def _let_waiting_in(self) -> None:
+        """With the breaker closed and not paused, waiting incidents go on as slots free up."""
+        state = self._state
+        while state.waiting and not state.tripped and not state.paused:
+            if len(state.in_flight) >= self._limits.max_in_flight:
+                await self._reap()
+                if len(state.in_flight) >= self._limits.max_in_flight:
+                    return
+            request = state.waiting.pop(0)
+            self._take(request)
+            self._log("granted", request, "after waiting")
+            await self._answer(request, granted=True, why="slot freed after waiting")
+
+    def _take(self, request: SlotRequest) -> None:
+        self._state.in_flight.append(request)
+        self._state.window.append(WindowEntry(node=request.node, incident_id=request.incident_id, at=workflow.now()))
+
+    async def _reap(self) -> None:
+        """Give back the slots of incidents that ended without saying so (terminated by a person)."""
+        held = [r.workflow_id for r in self._state.in_flight]
+        if not held:
+            return
+        alive: list[str] = await workflow.execute_activity_method(
+            GuardActivities.running,
+            held,
+            start_to_close_timeout=timedelta(seconds=30),
+            retry_policy=RETRY,
+            summary="check which incidents holding slots still run",
+        )
+        for request in [r for r in self._state.in_flight if r.workflow_id not in alive]:
+            self._state.in_flight.remove(request)
+            self._log("reaped", request, "its incident ended without giving the slot back")
+
+    async def _count_nodes(self) -> None:
+        now = workflow.now()
+        if self._counted_at is not None and now - self._counted_at < RECOUNT:
+            return
+        self._nodes = await workflow.execute_activity_method(
+            GuardActivities.fleet_size,
+            start_to_close_timeout=timedelta(seconds=60),
+            heartbeat_timeout=timedelta(seconds=5),
+            retry_policy=RETRY,
+            summary="count the partition's nodes",
+        )
+        self._counted_at = now
+
+    def _nodes_in_window(self) -> list[str]:
+        state = self._state
+        since = workflow.now() - timedelta(seconds=self._limits.window_seconds)
+        if state.window_since is not None and state.window_since > since:
+            since = state.window_since
+        state.window = [entry for entry in state.window if entry.at >= since]
+        return sorted({entry.node for entry in state.window})
+
+    def _holding_why(self) -> str:
+        state = self._state
+        if state.paused:
+            return f"remediation is paused by {state.paused_by or '?'}" + (
+                f" ({state.paused_reason})" if state.paused_reason else ""
+            )
+        return (
+            f"the fleet guard's breaker tripped: {state.tripped_why}. Nothing is drained until "
+            f"`gpufleet breaker reset --cluster {state.cluster}` or `gpufleet approve INCIDENT`"
+        )
+
+    async def _answer(self, request: SlotRequest, *, granted: bool, why: str) -> None:
+        decision = GuardDecision(incident_id=request.incident_id, granted=granted, why=why)
+        handle = workflow.get_external_workflow_handle(request.workflow_id)
+        try:
+            await handle.signal(GUARD_DECISION_SIGNAL, decision)
+        except FailureError as exc:  # the incident is gone: nothing to hold for it
+            state = self._state
+            state.in_flight = [r for r in state.in_flight if r.incident_id != request.incident_id]
+            state.waiting = [r for r in state.waiting if r.incident_id != request.incident_id]
+            self._log("released", request, f"its incident is gone ({exc})")
+
+    async def _page(self, request: SlotRequest) -> None:
+        """Page the operator, once per trip."""
+        state = self._state
+        state.pages += 1
+        holding = ", ".join(f"{r.node} ({r.incident_id})" for r in state.in_flight) or "none"
+        text = (
+            f"[guard-{state.cluster}] breaker tripped: {state.tripped_why}. {request.node} ({request.incident_id}) "
+            f"and every later incident wait, changing nothing. In flight: {holding}. "
+            f"`gpufleet breaker status --cluster {state.cluster}` shows who waits; "
+            f"`gpufleet breaker reset --cluster {state.cluster}` lets them go on, one slot at a time."
+        )
+        try:
+            await workflow.execute_activity_method(
+                NotifyActivities.notify,
+                NotifyRequest(kind="breaker_tripped", text=text, guard=self.status()),
+                start_to_close_timeout=timedelta(seconds=10),
+                schedule_to_close_timeout=timedelta(minutes=5),
+                retry_policy=PAGE_RETRY,
+                summary="page: breaker tripped",
+            )
+            self._log("paged", request, "breaker_tripped sent")
+        except ActivityError as exc:
+            self._log("paged", request, f"breaker_tripped not delivered: {exc.cause or exc}")
+
+    def _log(self, event: str, request: SlotRequest | None = None, detail: str = "") -> None:
+        entry = GuardEvent(
+            at=workflow.now(),
+            event=event,
+            incident_id=request.incident_id if request else "",
+            node=request.node if request else "",
+            detail=detail,
+        )
+        self._state.log = [*self._state.log, entry][-GUARD_LOG_SIZE:]
+
+    def _describe(self) -> None:
+        """What the Temporal UI shows for the guard."""
+        state = self._state
+        mode = "PAUSED" if state.paused else "TRIPPED" if state.tripped else "closed"
+        workflow.set_current_details(
+            f"breaker {mode}; in flight {len(state.in_flight)}/{self._limits.max_in_flight}: "
+            f"{', '.join(r.node for r in state.in_flight) or '-'}; waiting: "
+            f"{', '.join(r.node for r in state.waiting) or '-'}"
+        )
