@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from temporalio import activity
 from temporalio.client import Client, WorkflowFailureError
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
@@ -57,15 +55,6 @@ from models.xid import GpuEventKind, XidEvent
 from starters.temporal import report_xid
 from workflows.guard import FleetGuardWorkflow
 from workflows.remediation import NodeRemediationWorkflow
-
-
-@pytest.fixture(scope="module")
-async def env(temporal_test_server: str) -> AsyncIterator[WorkflowEnvironment]:
-    environment = await WorkflowEnvironment.start_time_skipping(
-        data_converter=pydantic_data_converter, test_server_existing_path=temporal_test_server
-    )
-    yield environment
-    await environment.shutdown()
 
 
 @dataclass
@@ -259,12 +248,13 @@ async def start(
     return await report_xid(client, event, cluster=fleet.cluster, search_attributes=False)
 
 
-def worker(env: WorkflowEnvironment, fleet: Fleet) -> Worker:
+def worker(env: WorkflowEnvironment, fleet: Fleet, **options: Any) -> Worker:
     return Worker(
         env.client,
         task_queue=task_queue(fleet.cluster),
         workflows=[NodeRemediationWorkflow, FleetGuardWorkflow],
         activities=fleet.activities(),
+        **options,
     )
 
 

@@ -1,0 +1,295 @@
+"""The fleet guard on the time-skipping test server, with the incidents it guards.
+
+The breaker trips at exactly the configured share (and on the in-flight limit), holds until a
+reset, then lets the waiting incidents go on one slot at a time; a person may approve one past
+it or reject it; pause holds new incidents without a page; a terminated incident's slot comes
+back; the guard's state survives a worker restart and its own continue-as-new; an opted-out
+node is only recorded; an action the policy gates waits for approval, reminding meanwhile.
+
+The window is measured on the server's clock, so the tests that depend on it move time only
+when they say so (auto time skipping off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from temporalio.client import Client, WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
+
+from models.constants import (
+    GUARD_PAUSE_SIGNAL,
+    GUARD_RESET_SIGNAL,
+    GUARD_RESUME_SIGNAL,
+    GUARD_WORKFLOW,
+    REMEDIATION_DISABLED,
+    REMEDIATION_LABEL,
+    guard_workflow_id,
+    task_queue,
+)
+from models.guard import GuardCommand, GuardInput, GuardStatus
+from models.incident import Approval, IncidentStatus, Outcome, Step
+from models.policy import Action, GuardSettings, Policy
+from tests.workflows.test_remediation import Fleet, start, worker
+from workflows.guard import MESSAGES_PER_RUN, FleetGuardWorkflow
+from workflows.remediation import NodeRemediationWorkflow
+
+NODES = {"gpu1", "gpu2", "gpu3", "gpu4"}
+
+
+@contextlib.asynccontextmanager
+async def running(
+    env: WorkflowEnvironment, fleet: Fleet, *, manual_clock: bool = False, end_guard: bool = True, **options: Any
+) -> AsyncIterator[None]:
+    """A worker for the fleet; with ``manual_clock``, time moves only on ``env.sleep``."""
+    with env.auto_time_skipping_disabled() if manual_clock else contextlib.nullcontext():
+        async with worker(env, fleet, **options):
+            yield
+    # The guard runs for ever: end this test's, so the shared test server carries only its own.
+    if end_guard:
+        with contextlib.suppress(Exception):
+            await guard(env.client, fleet).terminate("test over")
+
+
+def guarded(**limits: Any) -> Fleet:
+    return Fleet(nodes=set(NODES), partition_size=4, policy=Policy(guard=GuardSettings(**limits)))
+
+
+async def until(handle: WorkflowHandle[Any, Any], query: Any, check: Callable[[Any], bool], what: str) -> Any:
+    """Query until ``check`` holds (the incident or guard got there), or fail after a while."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            value = await handle.query(query)
+        except Exception:  # not started yet, or between runs
+            value = None
+        if value is not None and check(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never got to: {what} (last: {value})")
+        await asyncio.sleep(0.1)
+
+
+async def waiting(handle: WorkflowHandle[Any, Any]) -> IncidentStatus:
+    return await until(  # type: ignore[no-any-return]
+        handle, NodeRemediationWorkflow.status, lambda s: s.waiting_for_approval is not None, "awaiting approval"
+    )
+
+
+def guard(client: Client, fleet: Fleet) -> WorkflowHandle[Any, Any]:
+    return client.get_workflow_handle(guard_workflow_id(fleet.cluster))
+
+
+async def tell(client: Client, fleet: Fleet, signal: str, *, by: str = "ops") -> None:
+    await guard(client, fleet).signal(signal, GuardCommand(by=by))
+
+
+def pages(fleet: Fleet) -> list[str]:
+    return [n.text for n in fleet.notifications if n.kind == "breaker_tripped"]
+
+
+@pytest.mark.parametrize(("share", "granted"), [(0.5, 2), (0.75, 3)])
+async def test_the_breaker_trips_at_exactly_the_share_and_holds_until_reset(
+    env: WorkflowEnvironment, share: float, granted: int
+) -> None:
+    fleet = guarded(max_in_flight=10, max_share=share)
+    order = ["gpu1", "gpu2", "gpu3", "gpu4"]
+    # Time moves only when the test says so: the window is ten minutes of it.
+    async with running(env, fleet, manual_clock=True):
+        for node in order[:granted]:
+            assert (await (await start(env.client, fleet, node=node)).result()).outcome == Outcome.RESOLVED
+        held = [await start(env.client, fleet, node=node) for node in order[granted:]]
+        statuses = [await waiting(handle) for handle in held]
+        assert all("breaker tripped" in s.waiting_for_approval for s in statuses if s.waiting_for_approval)
+        assert all(s.step == Step.AWAITING_APPROVAL and not s.jobs for s in statuses)  # jobs untouched
+        assert fleet.drained == order[:granted]
+        assert len(pages(fleet)) == 1  # once, however many wait
+        assert f"{granted + 1} of the partition's 4 nodes" in pages(fleet)[0]
+        # It holds: the window passes, the incidents that had slots are long closed.
+        await env.sleep(timedelta(hours=2))
+        state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
+        assert state.state.tripped and sorted(r.node for r in state.state.waiting) == order[granted:]
+        assert fleet.drained == order[:granted]
+        await tell(env.client, fleet, GUARD_RESET_SIGNAL)
+        results = [await handle.result() for handle in held]
+    assert all(r.outcome == Outcome.RESOLVED for r in results)
+    assert sorted(fleet.drained) == order
+    assert len(pages(fleet)) == 1
+
+
+async def test_after_a_reset_waiting_incidents_go_on_one_slot_at_a_time(env: WorkflowEnvironment) -> None:
+    fleet = guarded(max_in_flight=1, max_share=1.0)
+    fleet.spare_free = False  # the first incident holds its slot while it waits for a spare
+    async with running(env, fleet):
+        first = await start(env.client, fleet, node="gpu1")
+        await until(first, NodeRemediationWorkflow.status, lambda s: s.waiting_for_spare, "waiting for a spare")
+        second = await start(env.client, fleet, node="gpu2")
+        await waiting(second)
+        third = await start(env.client, fleet, node="gpu3")
+        await waiting(third)
+        assert "2 incidents would be in flight; the limit is 1" in pages(fleet)[0]
+        await tell(env.client, fleet, GUARD_RESET_SIGNAL)
+        state = await until(
+            guard(env.client, fleet), FleetGuardWorkflow.status, lambda s: not s.state.tripped, "reset handled"
+        )
+        assert [r.node for r in state.state.waiting] == ["gpu2", "gpu3"]  # the slot is still held
+        fleet.spare_free = True
+        await first.signal(NodeRemediationWorkflow.spare_available)
+        statuses = [await handle.result() for handle in (first, second, third)]
+        state = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
+    assert fleet.drained == ["gpu1", "gpu2", "gpu3"]
+    assert all(s.outcome == Outcome.RESOLVED for s in statuses)
+    slots = [(e.event, e.node) for e in state.state.log if e.event in ("granted", "released")]
+    # One slot: each incident is granted it only once the one before gave it back.
+    assert slots == [
+        ("granted", "gpu1"),
+        ("released", "gpu1"),
+        ("granted", "gpu2"),
+        ("released", "gpu2"),
+        ("granted", "gpu3"),
+        ("released", "gpu3"),
+    ]
+
+
+async def test_approve_lets_one_past_the_breaker_and_reject_closes_one_changing_nothing(
+    env: WorkflowEnvironment,
+) -> None:
+    fleet = guarded(max_in_flight=1, max_share=1.0)
+    async with running(env, fleet):
+        fleet.spare_free = False
+        first = await start(env.client, fleet, node="gpu1")
+        await until(first, NodeRemediationWorkflow.status, lambda s: s.waiting_for_spare, "waiting for a spare")
+        fleet.spare_free = True
+        approved = await start(env.client, fleet, node="gpu2")
+        rejected = await start(env.client, fleet, node="gpu3")
+        await waiting(approved)
+        await waiting(rejected)
+        await approved.signal(NodeRemediationWorkflow.decide, Approval(approved=True, by="ops", reason="checked"))
+        assert (await approved.result()).outcome == Outcome.RESOLVED
+        await rejected.signal(NodeRemediationWorkflow.decide, Approval(approved=False, by="ops", reason="rack work"))
+        closed = await rejected.result()
+        state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
+        await first.signal(NodeRemediationWorkflow.spare_available)
+        await first.result()
+    assert closed.outcome == Outcome.REJECTED and "gpu3" not in fleet.drained
+    assert fleet.drained == ["gpu1", "gpu2"]
+    assert state.state.tripped  # approving one does not close the breaker for the others
+    assert not state.state.waiting
+    assert any(e.event == "approved" and e.node == "gpu2" for e in state.state.log)
+
+
+async def test_pause_holds_new_incidents_without_a_page_and_resume_lets_them_go(env: WorkflowEnvironment) -> None:
+    fleet = guarded()
+    async with running(env, fleet):
+        await env.client.start_workflow(  # as `gpufleet pause` does: the guard may not run yet
+            GUARD_WORKFLOW,
+            GuardInput(cluster=fleet.cluster),
+            id=guard_workflow_id(fleet.cluster),
+            task_queue=task_queue(fleet.cluster),
+            start_signal=GUARD_PAUSE_SIGNAL,
+            start_signal_args=[GuardCommand(by="ops", reason="driver roll-out")],
+        )
+        handle = await start(env.client, fleet, node="gpu1")
+        status = await waiting(handle)
+        assert status.waiting_for_approval == "remediation is paused by ops (driver roll-out)"
+        await tell(env.client, fleet, GUARD_RESUME_SIGNAL)
+        assert (await handle.result()).outcome == Outcome.RESOLVED
+    assert not pages(fleet)
+
+
+async def test_a_terminated_incident_gives_its_slot_back(env: WorkflowEnvironment) -> None:
+    fleet = guarded(max_in_flight=1, max_share=1.0)
+    fleet.spare_free = False
+    async with running(env, fleet):
+        first = await start(env.client, fleet, node="gpu1")
+        await until(first, NodeRemediationWorkflow.status, lambda s: s.waiting_for_spare, "waiting for a spare")
+        await first.terminate("a person ended it by hand")
+        fleet.spare_free = True
+        status = await (await start(env.client, fleet, node="gpu2")).result()
+        state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
+    assert status.outcome == Outcome.RESOLVED and not pages(fleet)
+    assert any(e.event == "reaped" and e.node == "gpu1" for e in state.state.log)
+
+
+async def test_the_guards_state_survives_a_worker_restart(env: WorkflowEnvironment) -> None:
+    fleet = guarded(max_in_flight=10, max_share=0.25)
+    # No workflow cache: the second worker gets the guard from its history, not from the first.
+    async with running(env, fleet, manual_clock=True, end_guard=False, max_cached_workflows=0):
+        assert (await (await start(env.client, fleet, node="gpu1")).result()).outcome == Outcome.RESOLVED
+        held = await start(env.client, fleet, node="gpu2")
+        await waiting(held)
+    async with running(env, fleet, manual_clock=True, max_cached_workflows=0):  # a new worker
+        state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
+        assert state.state.tripped and [r.node for r in state.state.waiting] == ["gpu2"]
+        await tell(env.client, fleet, GUARD_RESET_SIGNAL)
+        assert (await held.result()).outcome == Outcome.RESOLVED
+
+
+async def test_the_guard_continues_as_new_with_its_state(env: WorkflowEnvironment) -> None:
+    fleet = guarded()
+    async with running(env, fleet):
+        handle = await env.client.start_workflow(
+            GUARD_WORKFLOW,
+            GuardInput(cluster=fleet.cluster),
+            id=guard_workflow_id(fleet.cluster),
+            task_queue=task_queue(fleet.cluster),
+            start_signal=GUARD_PAUSE_SIGNAL,
+            start_signal_args=[GuardCommand(by="ops")],
+        )
+        first_run = (await handle.describe()).run_id
+        for index in range(MESSAGES_PER_RUN):
+            await tell(env.client, fleet, GUARD_RESUME_SIGNAL if index % 2 == 0 else GUARD_PAUSE_SIGNAL)
+        state = await until(
+            guard(env.client, fleet),
+            FleetGuardWorkflow.status,
+            lambda s: s.state.handled == MESSAGES_PER_RUN + 1,
+            "every message handled",
+        )
+        run = (await guard(env.client, fleet).describe()).run_id
+    assert run != first_run  # continued as new...
+    assert state.state.paused and state.state.paused_by == "ops"  # ... with its state
+
+
+async def test_an_opted_out_node_is_recorded_and_nothing_changes(env: WorkflowEnvironment) -> None:
+    fleet = guarded()
+    fleet.labels = {"gpu1": {REMEDIATION_LABEL: REMEDIATION_DISABLED}}
+    async with running(env, fleet):
+        status = await (await start(env.client, fleet, node="gpu1")).result()
+    assert status.outcome == Outcome.OPTED_OUT and status.action == Action.REPLACE_NODE
+    assert not fleet.drained and "claim_spare" not in fleet.calls
+    [message] = [n for n in fleet.notifications if n.kind == "opted_out"]
+    assert "gpufleet.io/remediation=disabled" in message.text and "changed nothing" in message.text
+
+
+@pytest.mark.parametrize("approved", [True, False])
+async def test_a_gated_action_waits_for_approval_reminding_meanwhile(env: WorkflowEnvironment, approved: bool) -> None:
+    fleet = guarded(require_approval=[Action.REPLACE_NODE], approval_reminder_seconds=1)
+    async with running(env, fleet):
+        handle = await start(env.client, fleet, node="gpu1")
+        status = await waiting(handle)
+        assert status.step == Step.AWAITING_APPROVAL and status.requeued == [7]  # drained, jobs requeued
+        assert "REPLACE_NODE needs approval" in (status.waiting_for_approval or "")
+        await until(
+            handle,
+            NodeRemediationWorkflow.status,
+            lambda s: sum(n.kind == "approval_reminder" for n in s.notifications) >= 2,
+            "two reminders",
+        )
+        await handle.signal(NodeRemediationWorkflow.decide, Approval(approved=approved, by="ops"))
+        status = await handle.result()
+    reminders = [n for n in fleet.notifications if n.kind == "approval_reminder"]
+    assert len(reminders) >= 2 and "still waiting: REPLACE_NODE needs approval" in reminders[0].text
+    assert fleet.drained == ["gpu1"]
+    if approved:
+        assert status.outcome == Outcome.RESOLVED and status.spare == "spare1"
+    else:
+        assert status.outcome == Outcome.REJECTED and status.spare is None
+        assert "claim_spare" not in fleet.calls and "cordon_and_drain_node" not in fleet.calls
+        [rejected] = [n for n in fleet.notifications if n.kind == "rejected"]
+        assert "stays drained" in rejected.text
