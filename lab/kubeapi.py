@@ -36,7 +36,7 @@ from typing import Any
 import aiohttp.web
 import attrs
 import kmock
-from kmock._internal import enums, rendering
+from kmock._internal import enums, parsing, rendering
 from kmock._internal.k8s import KubernetesObjectNotFoundError
 
 from lab import kubetables as tables
@@ -83,12 +83,47 @@ def _matches(obj: dict[str, Any], selector: dict[str, str]) -> bool:
     return all(labels.get(key) == value for key, value in selector.items())
 
 
+def _dry_run(request: rendering.Request) -> bool:
+    """``?dryRun=All`` (or ``dryRun`` in the DeleteOptions a delete or an eviction carries): the
+    write is checked and answered, and nothing is stored."""
+    if request.params.get("dryRun"):
+        return True
+    body = request.data if isinstance(request.data, dict) else {}
+    options = body.get("deleteOptions") if body.get("kind") == "Eviction" else body
+    return isinstance(options, dict) and bool(options.get("dryRun"))
+
+
+def _json_body(request: rendering.Request) -> bool:
+    content_type = request.headers.get("Content-Type", "application/json").split(";")[0].strip()
+    return content_type == "application/json" or content_type.endswith("+json")
+
+
+def _apply(request: rendering.Request) -> bool:
+    return request.headers.get("Content-Type", "").split(";")[0].strip() == APPLY
+
+
 def _warn(response: aiohttp.web.StreamResponse, warnings: list[str]) -> None:
     """Warning headers as the API server sends them (kubectl prints each as ``Warning: ...``)."""
     for text in warnings:
         quoted = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
         response.headers.add("Warning", f'299 - "{quoted}"')
 
+
+_kmock_parse_path = parsing.parse_path
+
+
+def _parse_path(path: str) -> parsing.ParsedPath:
+    """kmock reads ``/api/v1/namespaces/NAME`` as a namespace prefix (and fails on
+    ``/api/v1/namespaces``): here they are the Namespace objects themselves, as on a real server."""
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and (len(parts) <= 4 or (len(parts) == 5 and parts[4] == "status")):
+        name = parts[3] if len(parts) > 3 else None
+        subresource = parts[4] if len(parts) > 4 else None
+        return parsing.ParsedPath("", "v1", "namespaces", None, name, subresource)
+    return _kmock_parse_path(path)
+
+
+parsing.parse_path = _parse_path
 
 _REQUEST: contextvars.ContextVar[rendering.Request] = contextvars.ContextVar("request")
 
@@ -191,8 +226,10 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
 
     def _stamp_new(self, meta: dict[str, Any]) -> None:
         meta["resourceVersion"] = self.next_version()
-        meta.setdefault("uid", str(uuid.uuid4()))
-        meta.setdefault("creationTimestamp", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        meta["uid"] = meta.get("uid") or str(uuid.uuid4())
+        meta["generation"] = meta.get("generation") or 1
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        meta["creationTimestamp"] = meta.get("creationTimestamp") or now
 
     def _live(self, resource: kmock.resource, namespace: str | None = None) -> list[dict[str, Any]]:
         found = []
@@ -220,38 +257,64 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
             if self._fault_retry_after is not None:
                 response.headers["Retry-After"] = str(self._fault_retry_after)
             return response
+        if request.resource is None:
+            return await super()._handle(request)
+        writes = (enums.method.POST, enums.method.PUT, enums.method.PATCH)
+        if request.method in writes and request.body and not _json_body(request) and not _apply(request):
+            return _status(
+                415,
+                "UnsupportedMediaType",
+                f"the emulated API reads JSON bodies only, not {request.headers.get('Content-Type', '?')!r}",
+            )
         if request.resource == PODS and request.subresource == "eviction" and request.method == enums.method.POST:
             async with self._write_lock:
                 return await self._evict(request)
-        if (
-            request.resource is not None
-            and request.method == enums.method.PUT
-            and request.name is not None
-            and request.subresource is None
-        ):
+        if request.subresource not in (None, "status") and request.method != enums.method.GET:
+            # A real server serves more (scale, ephemeralcontainers...); this one does not.
+            return _status(404, "NotFound", "the server could not find the requested resource")
+        if request.method == enums.method.PUT and request.name is not None:
             async with self._write_lock:
                 return await self._replace(request)
-        if request.resource is not None and request.method == enums.method.PATCH and request.name is not None:
+        if request.method == enums.method.PATCH and request.name is not None:
             async with self._write_lock:
                 return await self._patch(request)
-        if request.resource is not None and request.action == enums.action.WATCH:
+        if request.method == enums.method.DELETE and request.name is not None and _dry_run(request):
+            found = self._find(request.resource, request.namespace, request.name)
+            if found is None:
+                return _status(404, "NotFound", f'{request.resource.plural} "{request.name}" not found')
+            return aiohttp.web.json_response(dict(found.raw))
+        if request.action == enums.action.WATCH:
             return await self._watch(request)
-        if request.resource is None or request.action != enums.action.CREATE:
+        if request.action != enums.action.CREATE:
             return await super()._handle(request)
         async with self._write_lock:
-            if not isinstance(request.data, dict):
-                return _status(400, "BadRequest", "the body of a create must be a JSON object")
-            meta = request.data.setdefault("metadata", {})
-            name = meta.get("name") or request.name
-            if name and self._find(request.resource, request.namespace or meta.get("namespace"), name):
-                return _status(409, "AlreadyExists", f'{request.resource.plural} "{name}" already exists')
-            refused, warnings = self._validate_fields(request, request.data)
-            if refused is not None:
-                return refused
-            self._stamp_new(meta)
+            return await self._create(request)
+
+    async def _create(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        """POST: refused when it exists; the namespace from the URL; fields checked (and unknown
+        ones dropped, as a real server does); stamped; nothing stored on a dry run."""
+        assert request.resource is not None
+        if not isinstance(request.data, dict):
+            return _status(400, "BadRequest", "the body of a create must be a JSON object")
+        meta = request.data.setdefault("metadata", {})
+        namespaced = RESOURCE_INFO.get(request.resource, ("", [], True))[2]
+        if namespaced and request.namespace is not None:
+            meta["namespace"] = request.namespace
+        name = meta.get("name") or request.name
+        if not name:
+            return _status(422, "Invalid", f"{request.resource.plural}: metadata.name is required")
+        if self._find(request.resource, meta.get("namespace") if namespaced else None, name):
+            return _status(409, "AlreadyExists", f'{request.resource.plural} "{name}" already exists')
+        refused, warnings = self._validate_fields(request, request.data)
+        if refused is not None:
+            return refused
+        self._stamp_new(meta)
+        if _dry_run(request):
+            created: aiohttp.web.StreamResponse = aiohttp.web.json_response(request.data, status=201)
+        else:
             created = await super()._handle(request)
-            _warn(created, warnings)
-            return created
+        _warn(created, warnings)
+        return created
 
     async def _watch(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         """A watch as the API server streams it: one JSON event per line (the object as a Table of
@@ -299,7 +362,7 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         try:
             async with asyncio.timeout(timeout):
                 async for event in events():
-                    obj = event["object"]
+                    obj = self._with_status(resource, event["object"])
                     if wanted(obj):
                         shown = tables.table(kind, [obj]) if as_table and resource in RESOURCE_INFO else obj
                         line = json.dumps({"type": event["type"], "object": shown}) + "\n"
@@ -320,16 +383,19 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
     ) -> tuple[aiohttp.web.Response | None, list[str]]:
         """Unknown fields in what a write would store (beyond those already stored), under the
         request's ``fieldValidation``: Strict refuses the write (400), Warn (the default) answers
-        with a Warning header per field, Ignore says nothing."""
+        with a Warning header per field, Ignore says nothing; either way they are not stored."""
         assert request.resource is not None
         mode = request.params.get("fieldValidation", "Warn")
         if mode not in ("Strict", "Warn", "Ignore"):
             return _status(400, "BadRequest", f"fieldValidation must be Strict, Warn or Ignore, not {mode!r}"), []
         schema = self._schema(request.resource)
-        if mode == "Ignore" or schema is None:
+        if schema is None:
             return None, []
         known = set(openapi.unknown_fields(schema, before)) if before is not None else set()
         unknown = [path for path in openapi.unknown_fields(schema, obj) if path not in known]
+        openapi.prune(schema, obj)  # what a real server does with fields it does not know
+        if mode == "Ignore":
+            return None, []
         if unknown and mode == "Strict":
             kind = RESOURCE_INFO[request.resource][0]
             fields = ", ".join(f'unknown field "{path}"' for path in unknown)
@@ -423,9 +489,15 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         for kept in ("uid", "creationTimestamp"):
             if kept in have:
                 meta[kept] = have[kept]
+        generation = int(have.get("generation") or 1)
+        meta["generation"] = generation + 1 if obj.get("spec") != current.raw.get("spec") else generation
         meta["resourceVersion"] = self.next_version()
-        self.objects[request.resource, request.namespace, request.name] = obj
-        await self._buses[request.resource].put({"type": "MODIFIED", "object": obj})
+        if not _dry_run(request):
+            self.objects[request.resource, request.namespace, request.name] = obj
+            if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+                await self._remove(request.resource, request.namespace, request.name)  # its last finalizer went
+            else:
+                await self._buses[request.resource].put({"type": "MODIFIED", "object": obj})
         response = aiohttp.web.json_response(obj)
         _warn(response, warnings)
         return response
@@ -531,7 +603,8 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
                     "TooManyRequests",
                     "Cannot evict pod as it would violate the pod's disruption budget.",
                 )
-        await self._remove(PODS, request.namespace, request.name)
+        if not _dry_run(request):
+            await self._remove(PODS, request.namespace, request.name)
         return _status(201, "", "")
 
     def _budget(self, pdb: dict[str, Any]) -> tuple[int, int, int]:

@@ -143,6 +143,29 @@ def unknown_fields(schema: Schema | None, value: Any, path: str = "") -> list[st
     return found
 
 
+def prune(schema: Schema | None, value: Any) -> None:
+    """Drop, in place, the fields ``unknown_fields`` names (a real server keeps only what its
+    types declare)."""
+    resolved = resolve(schema)
+    if resolved is None:
+        return
+    if isinstance(value, dict):
+        extra = resolved.get("additionalProperties")
+        properties = resolved.get("properties", {})
+        for key in list(value):
+            if key.startswith("$"):
+                continue
+            if isinstance(extra, dict):
+                prune(extra, value[key])
+            elif key in properties:
+                prune(properties[key], value[key])
+            elif not _open(resolved):
+                del value[key]
+    elif isinstance(value, list) and isinstance(resolved.get("items"), dict):
+        for item in value:
+            prune(resolved["items"], item)
+
+
 def _closure(names: Iterable[str]) -> dict[str, Schema]:
     """The named schemas and every schema they reference."""
     wanted = list(names)

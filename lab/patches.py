@@ -53,12 +53,16 @@ def _strategy(schema: Schema | None) -> tuple[bool, str | None]:
     return "merge" in strategies, schema.get("x-kubernetes-patch-merge-key")
 
 
+def _directive(item: Any, name: str) -> bool:
+    return isinstance(item, dict) and item.get("$patch") == name
+
+
 def _clean(value: Any) -> Any:
-    """A patch value stored as it is: directives dropped, nulls in objects dropped."""
+    """A patch value stored as it is: directives and their markers dropped, nulls in objects dropped."""
     if isinstance(value, dict):
         return {key: _clean(item) for key, item in value.items() if not key.startswith("$") and item is not None}
     if isinstance(value, list):
-        return [_clean(item) for item in value if not (isinstance(item, dict) and item.get("$patch") == "delete")]
+        return [_clean(item) for item in value if not (_directive(item, "delete") or _directive(item, "replace"))]
     return value
 
 
@@ -80,7 +84,8 @@ def strategic_merge_patch(original: Any, patch: Any, schema: Schema | None) -> A
             name = key.split("/", 1)[1]
             if not isinstance(value, list):
                 raise PatchError(f"{key} must be a list")
-            result[name] = [item for item in result.get(name) or [] if item not in value]
+            if isinstance(result.get(name), list):
+                result[name] = [item for item in result[name] if item not in value]
             continue
         if key.startswith("$"):
             continue
@@ -101,7 +106,7 @@ def strategic_merge_patch(original: Any, patch: Any, schema: Schema | None) -> A
     for key, order in patch.items():
         name = key.split("/", 1)[1] if key.startswith("$setElementOrder/") else None
         if name is not None and name not in patch and isinstance(result.get(name), list):
-            result[name] = _ordered(result[name], order, _strategy(field(schema, name))[1])
+            result[name] = _merge_list(result[name], [], field(schema, name), order)
     retain = patch.get("$retainKeys")
     if isinstance(retain, list):
         result = {key: item for key, item in result.items() if key in retain}
@@ -109,50 +114,69 @@ def strategic_merge_patch(original: Any, patch: Any, schema: Schema | None) -> A
 
 
 def _merge_list(original: Any, patch: list[Any], schema: Schema | None, order: Any) -> list[Any]:
+    """A list merged as the API server merges it: by key (or as a set of scalars) when the schema
+    says so, deletions first; the patch's order (or its ``$setElementOrder``) wins, and elements
+    only the server has keep their places relative to the others."""
     merge, key = _strategy(schema)
-    if any(isinstance(item, dict) and item.get("$patch") == "replace" for item in patch):
-        return [_clean(item) for item in patch if not (isinstance(item, dict) and item.get("$patch") == "replace")]
+    if any(_directive(item, "replace") for item in patch):
+        return [_clean(item) for item in patch if not _directive(item, "replace")]
     if not merge or not isinstance(original, list):
-        return [_clean(item) for item in patch if not (isinstance(item, dict) and item.get("$patch") == "delete")]
-    if key is None:  # a set of scalars (finalizers)
-        merged = list(original)
-        merged += [item for item in patch if item not in merged]
-        return _ordered(merged, order, None)
-    items = resolve(schema).get("items") if resolve(schema) else None  # type: ignore[union-attr]
+        return [_clean(item) for item in patch if not _directive(item, "delete")]
+
+    def ident(item: Any) -> Any:
+        if key is None:
+            return item
+        if not isinstance(item, dict) or key not in item:
+            raise PatchError(f"an element of a list merged by {key!r} has no {key!r}: {item!r}")
+        return item[key]
+
     merged = copy.deepcopy(original)
+    for change in patch:  # deletions first
+        if key is not None and _directive(change, "delete"):
+            merged = [item for item in merged if ident(item) != ident(change)]
+    items = (resolve(schema) or {}).get("items")
     for change in patch:
-        if not isinstance(change, dict) or key not in change:
-            raise PatchError(f"an element of a list merged by {key!r} has no {key!r}: {change!r}")
-        at = next((i for i, item in enumerate(merged) if isinstance(item, dict) and item.get(key) == change[key]), None)
-        if change.get("$patch") == "delete":
-            if at is not None:
-                del merged[at]
-        elif at is None:
+        if _directive(change, "delete"):
+            continue
+        at = next((i for i, item in enumerate(merged) if ident(item) == ident(change)), None)
+        if at is None:
             merged.append(_clean(change))
-        else:
+        elif key is not None:
             merged[at] = strategic_merge_patch(merged[at], change, items)
-    return _ordered(merged, order, key)
+    return _ordered(merged, [ident(item) for item in original], order if isinstance(order, list) else patch, ident)
 
 
-def _ordered(items: list[Any], order: Any, key: str | None) -> list[Any]:
-    """``$setElementOrder``: the listed elements first, in that order, then the others."""
-    if not isinstance(order, list):
-        return items
-    wanted = [entry.get(key) if key is not None and isinstance(entry, dict) else entry for entry in order]
+def _ordered(merged: list[Any], server: list[Any], order: list[Any], ident: Any) -> list[Any]:
+    """The order apimachinery gives a merged list: the elements the patch (or its order list)
+    names, in that order, interleaved with the elements only the server had, in server order."""
+    wanted = [ident(entry) for entry in order if not _directive(entry, "delete")]
+    named = sorted((item for item in merged if ident(item) in wanted), key=lambda item: wanted.index(ident(item)))
+    others = [item for item in merged if ident(item) not in wanted]
+    result: list[Any] = []
+    while named or others:
+        if not others:
+            result.append(named.pop(0))
+        elif not named:
+            result.append(others.pop(0))
+        else:
+            left, right = ident(named[0]), ident(others[0])
+            both = left in server and right in server
+            result.append(named.pop(0) if both and server.index(left) < server.index(right) else others.pop(0))
+    return result
 
-    def rank(item: Any) -> int:
-        ident = item.get(key) if key is not None and isinstance(item, dict) else item
-        return wanted.index(ident) if ident in wanted else len(wanted)
 
-    return sorted(items, key=rank)
-
-
-def _pointer(path: str) -> list[str]:
+def _pointer(path: Any) -> list[str]:
+    if not isinstance(path, str):
+        raise PatchError(f"a JSON pointer is a string: {path!r}")
     if path == "":
         return []
     if not path.startswith("/"):
         raise PatchError(f"a JSON pointer starts with '/': {path!r}")
     return [part.replace("~1", "/").replace("~0", "~") for part in path[1:].split("/")]
+
+
+def _index(part: str) -> int | None:
+    return int(part) if part.isascii() and part.isdecimal() else None
 
 
 def _parent(doc: Any, parts: list[str], op: str) -> tuple[Any, str]:
@@ -162,7 +186,7 @@ def _parent(doc: Any, parts: list[str], op: str) -> tuple[Any, str]:
     for part in parts[:-1]:
         if isinstance(node, dict) and part in node:
             node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        elif isinstance(node, list) and _index(part) is not None and _index(part) < len(node):  # type: ignore[operator]
             node = node[int(part)]
         else:
             raise PatchError(f"{op}: no path /{'/'.join(parts)} in the object")
@@ -175,8 +199,9 @@ def _get(doc: Any, parts: list[str], op: str) -> Any:
         return doc
     if isinstance(parent, dict) and last in parent:
         return parent[last]
-    if isinstance(parent, list) and last.isdigit() and int(last) < len(parent):
-        return parent[int(last)]
+    index = _index(last)
+    if isinstance(parent, list) and index is not None and index < len(parent):
+        return parent[index]
     raise PatchError(f"{op}: no path /{'/'.join(parts)} in the object")
 
 
@@ -194,10 +219,23 @@ def _add(doc: Any, parts: list[str], value: Any, op: str) -> None:
     parent, last = _parent(doc, parts, op)
     if isinstance(parent, dict):
         parent[last] = value
-    elif isinstance(parent, list) and (last == "-" or (last.isdigit() and int(last) <= len(parent))):
+    elif isinstance(parent, list) and (last == "-" or (_index(last) is not None and int(last) <= len(parent))):
         parent.insert(len(parent) if last == "-" else int(last), value)
     else:
         raise PatchError(f"{op}: cannot add at /{'/'.join(parts)}")
+
+
+def _same(left: Any, right: Any) -> bool:
+    """JSON equality: true is not 1."""
+    if type(left) is not type(right) and not (isinstance(left, (int, float)) and isinstance(right, (int, float))):
+        return False
+    if isinstance(left, bool) != isinstance(right, bool):
+        return False
+    if isinstance(left, dict):
+        return left.keys() == right.keys() and all(_same(left[k], right[k]) for k in left)
+    if isinstance(left, list):
+        return len(left) == len(right) and all(_same(a, b) for a, b in zip(left, right, strict=True))
+    return bool(left == right)
 
 
 def json_patch(original: Any, operations: Any) -> Any:
@@ -219,11 +257,15 @@ def json_patch(original: Any, operations: Any) -> Any:
             _remove(doc, parts, op)
             _add(doc, parts, copy.deepcopy(operation["value"]), op)
         elif op in ("move", "copy"):
-            source = _pointer(str(operation.get("from", "")))
+            if "from" not in operation:
+                raise PatchError(f"{op} {operation['path']}: no from")
+            source = _pointer(operation["from"])
+            if op == "move" and parts[: len(source)] == source and len(parts) > len(source):
+                raise PatchError(f"move {operation['path']}: cannot move a value into itself")
             value = _remove(doc, source, op) if op == "move" else copy.deepcopy(_get(doc, source, op))
             _add(doc, parts, value, op)
         elif op == "test":
-            if _get(doc, parts, op) != operation["value"]:
+            if not _same(_get(doc, parts, op), operation["value"]):
                 raise PatchError(f"test {operation['path']}: the value differs")
         else:
             raise PatchError(f"unknown JSON patch operation {op!r}")

@@ -90,8 +90,28 @@ def test_a_nodes_taints_are_replaced_whole_its_conditions_merged_by_type_and_nul
 
 
 def test_a_set_of_scalars_merges_as_a_set() -> None:
-    patched = strategic_merge_patch({"metadata": {"finalizers": ["a"]}}, {"metadata": {"finalizers": ["b", "a"]}}, POD)
-    assert patched["metadata"]["finalizers"] == ["a", "b"]
+    patched = strategic_merge_patch({"metadata": {"finalizers": ["a", "c"]}}, {"metadata": {"finalizers": ["b"]}}, POD)
+    assert patched["metadata"]["finalizers"] == ["a", "c", "b"]
+    missing = strategic_merge_patch({"metadata": {}}, {"metadata": {"$deleteFromPrimitiveList/finalizers": ["x"]}}, POD)
+    assert missing == {"metadata": {}}  # nothing to delete from: no list made up
+
+
+def test_the_merged_order_is_apimachinerys() -> None:
+    """The patch's order wins; what only the server has keeps its place (kubectl apply relies on it)."""
+    swapped = strategic_merge_patch(
+        deployment({"name": "a"}, {"name": "b"}), deployment({"name": "b"}, {"name": "a"}), DEPLOYMENT
+    )
+    assert [c["name"] for c in containers(swapped)] == ["b", "a"]
+    order: dict[str, Any] = {
+        "spec": {"template": {"spec": {"$setElementOrder/containers": [{"name": "c"}, {"name": "a"}]}}}
+    }
+    three = deployment({"name": "a"}, {"name": "b"}, {"name": "c"})
+    assert [c["name"] for c in containers(strategic_merge_patch(three, order, DEPLOYMENT))] == ["b", "c", "a"]
+    # Deletions first: a delete and a change of the same key in one patch leave the change.
+    both = deployment({"name": "a", "image": "a2"}, {"name": "a", "$patch": "delete"})
+    assert containers(strategic_merge_patch(deployment({"name": "a", "image": "a1"}), both, DEPLOYMENT)) == [
+        {"name": "a", "image": "a2"}
+    ]
 
 
 def test_json_merge_patch_rfc_7386_example() -> None:
@@ -130,6 +150,16 @@ def test_json_patch_rfc_6902_operations_and_errors() -> None:
         json_patch(doc, [{"op": "replace", "path": "/spec/missing/x", "value": 1}])
     with pytest.raises(PatchError, match="a list of operations"):
         json_patch(doc, {"spec": {}})
+    with pytest.raises(PatchError, match="a JSON pointer is a string"):
+        json_patch(doc, [{"op": "remove", "path": 3}])
+    with pytest.raises(PatchError, match="no path"):
+        json_patch(doc, [{"op": "remove", "path": "/spec/taints/\u00b2"}])  # a digit, but not an index
+    with pytest.raises(PatchError, match="no from"):
+        json_patch(doc, [{"op": "copy", "path": "/x"}])
+    with pytest.raises(PatchError, match="into itself"):
+        json_patch(doc, [{"op": "move", "from": "/metadata", "path": "/metadata/labels/m"}])
+    with pytest.raises(PatchError, match="the value differs"):
+        json_patch({"a": 1}, [{"op": "test", "path": "/a", "value": True}])  # JSON: true is not 1
 
 
 def test_unknown_fields_are_named_by_path_and_maps_take_any_key() -> None:
