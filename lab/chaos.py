@@ -5,6 +5,8 @@ the worker SIGKILLed at each step (and restarted 2 s later), the Temporal server
 restarted, slurmctld stopped for 30 s, the Kubernetes API answering 500 and 429 in bursts, a
 PodDisruptionBudget blocking the eviction, the webhook refusing connections or hanging, two
 workers racing over two incidents at once, and a node an operator drained before its Xid.
+Last, in a four-node lab of its own with the default fleet guard, a storm: Xids on every
+training node at once (``storm_drained``, ``storm_waiting``, ``storm_paged``).
 A clean drill in the same run is the baseline. Between scenarios the retired nodes are
 returned as spares (``gpufleet nodes return``), as an operator would after a repair.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -66,6 +69,7 @@ KILL_STEPS = [
 STEP_ORDER = [
     Step.CLASSIFY,
     Step.NOTIFY,
+    Step.GUARD,
     Step.AWAITING_APPROVAL,
     Step.DRAIN_SLURM,
     Step.CHECKPOINT,
@@ -303,9 +307,11 @@ def undrained_not_ours(before: dict[str, Any], after: dict[str, Any]) -> int:
     return lost
 
 
-async def return_retired(lab: FleetLab, say: Say) -> None:
-    """Every retired node comes back as a spare, as after a repair; an operator's drain is lifted first."""
+async def return_retired(lab: FleetLab, say: Say, *, all_healthy: bool = True) -> None:
+    """Every retired node comes back as a spare, as after a repair; an operator's drain is lifted first.
+    Then waits until every node (or, without ``all_healthy``, every returned one) is healthy in Slurm."""
     facts = fleet_facts(lab)
+    returned = []
     for node, pool in facts["pools"].items():
         if pool != POOL_RETIRED:
             continue
@@ -323,14 +329,19 @@ async def return_retired(lab: FleetLab, say: Say) -> None:
         )
         if done.returncode != 0:
             raise RuntimeError(f"could not return {node}: {done.stdout}{done.stderr}")
+        returned.append(node)
         say(f"returned {node} as a spare")
     # A returned node is briefly "not responding" after its resume: wait until Slurm shows it idle.
     slurm = SlurmCli(slurm_conf=lab.slurm.conf)
     await asyncio.to_thread(
         wait_for,
-        lambda: all(not n.flags and n.state in {"idle", "allocated", "mixed"} for n in slurm.nodes()),
+        lambda: all(
+            not n.flags and n.state in {"idle", "allocated", "mixed"}
+            for n in slurm.nodes()
+            if all_healthy or n.name in returned
+        ),
         timeout=60,
-        what="every node to be healthy in Slurm",
+        what="every node to be healthy in Slurm" if all_healthy else f"{', '.join(returned)} to be healthy in Slurm",
     )
 
 
@@ -485,6 +496,105 @@ async def race_two_incidents(ctx: Context, baseline: dict[str, Any]) -> dict[str
     return result
 
 
+STORM = "storm_four_nodes_at_once"
+
+
+async def storm(home: Path, *, say: Say) -> dict[str, Any]:
+    """Xids on all four training nodes within a second, in a four-node lab of its own with the
+    default fleet guard: at most its limit drained, one page, the rest waiting with their jobs
+    untouched; after `gpufleet breaker reset` the rest go on (and get spares once the first
+    ones' retired nodes are returned)."""
+    config = LabConfig(
+        training=["gpu1", "gpu2", "gpu3", "gpu4"],
+        spares=["spare1", "spare2"],
+        temporal_port=free_port(),
+        ui_port=free_port(),
+        grace_seconds=60,
+    )
+    lab = FleetLab(home, config)
+    lab.up(say=say)
+    result: dict[str, Any] = {"name": STORM}
+    try:
+        slurm = SlurmCli(slurm_conf=lab.slurm.conf)
+        job = await asyncio.to_thread(training_job, lab, slurm, job_kind=default_job(), say=say)
+        client = await connect(address=lab.env()["TEMPORAL_ADDRESS"])
+        handles = {
+            node: client.get_workflow_handle(f"remediate-{config.cluster}-{node}", result_type=IncidentStatus)
+            for node in config.training
+        }
+        say("storm: Xid 79 on gpu1..gpu4 at once")
+        for node in config.training:
+            lab.inject_xid(node, 79)
+
+        async def settled() -> dict[str, IncidentStatus]:
+            """Every incident past the guard or waiting at it."""
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 120
+            while loop.time() < deadline:
+                statuses = {}
+                for node, handle in handles.items():
+                    with contextlib.suppress(RPCError):
+                        statuses[node] = await handle.query(NodeRemediationWorkflow.status)
+                if len(statuses) == len(handles) and all(
+                    s.guard_slot or s.waiting_for_approval or s.step == Step.CLOSED for s in statuses.values()
+                ):
+                    return statuses
+                await asyncio.sleep(0.2)
+            raise TimeoutError("the storm's incidents did not all reach the fleet guard within 120 s")
+
+        statuses = await settled()
+        waiting = sorted(node for node, s in statuses.items() if s.waiting_for_approval)
+        granted = sorted(node for node in statuses if node not in waiting)
+        # Let the granted ones finish (they take the two spares), then look again: the rest still wait.
+        for node in granted:
+            await _closed(handles[node], since=datetime.min.replace(tzinfo=UTC))
+        after = fleet_facts(lab)
+        drained = sorted(node for node, (is_drained, reason) in after["slurm"].items() if owned_reason(reason))
+        still = [node for node in waiting if (await handles[node].query(NodeRemediationWorkflow.status)).jobs == []]
+        pages = [n for n in lab.notifications() if n.get("kind") == "breaker_tripped"]
+        job_now = slurm.job(job.job_id)
+        only_waiting = set(slurm.hostnames(job.nodes)) <= set(waiting)
+        touched = 1 if only_waiting and job_now.restarts != job.restarts else 0
+        result.update(
+            storm_drained=len(drained),
+            storm_waiting=len(still),
+            storm_paged=len(pages),
+            drained_nodes=drained,
+            waiting_nodes=waiting,
+            storm_jobs_touched_on_waiting_nodes=touched,
+        )
+        say(f"storm: drained {drained}, waiting {waiting}, pages {len(pages)}; `gpufleet breaker reset`")
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "workers.entry", "breaker", "reset", "--reason", "chaos: storm over"],
+            env=lab.env(),
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"gpufleet breaker reset failed: {done.stdout}{done.stderr}")
+        await return_retired(lab, say, all_healthy=False)  # the rest need spares: the first ones' nodes, repaired
+        rest = [await _closed(handles[node], since=datetime.min.replace(tzinfo=UTC)) for node in waiting]
+        resolved_after_reset = all(s.outcome == Outcome.RESOLVED for s in rest)
+        result.update(resolved_after_reset=resolved_after_reset)
+        correct = (
+            len(drained) <= 2
+            and len(still) == len(waiting) == 2
+            and len(pages) == 1
+            and touched == 0
+            and resolved_after_reset
+        )
+        result.update(passed=correct, correct=correct, outcome="tripped, then reset")
+    except Exception as exc:  # reported, and the run goes on
+        result.update(passed=False, correct=False, outcome="error", error=f"{type(exc).__name__}: {exc}")
+    finally:
+        lab.down()
+    say(f"{STORM}: {'passed' if result.get('passed') else 'FAILED'}")
+    return result
+
+
 def _end(status: IncidentStatus, step: Step) -> datetime:
     return [e.at for e in status.timeline if e.step == step and e.event == "finished"][-1]
 
@@ -514,9 +624,12 @@ async def chaos(home: Path, *, short: bool, say: Say, only: set[str] | None = No
     )
     lab = FleetLab(home, config)
     lab.up(say=say)
-    # Evictions a budget forbids are forced after 5 s here (60 s by default), to keep the run short.
+    # Evictions a budget forbids are forced after 5 s here (60 s by default), to keep the run short;
+    # the partition has two nodes, each hit in turn, so the fleet guard's share limit is off here
+    # (the storm scenario runs the default guard in a four-node lab of its own).
     lab.policy_file.write_text(
         lab.policy_file.read_text().replace("remediation:\n", "remediation:\n  eviction_timeout_seconds: 5\n")
+        + "guard:\n  max_share: 1.0\n"
     )
     ctx = Context(lab=lab, say=say)
     results: list[dict[str, Any]] = []
@@ -537,6 +650,9 @@ async def chaos(home: Path, *, short: bool, say: Say, only: set[str] | None = No
             results.append(await race_two_incidents(ctx, baseline))
     finally:
         lab.down()
+    if not short and (only is None or STORM in only):
+        say(f"scenario: {STORM} (a four-node lab of its own, the default fleet guard)")
+        results.append(await storm(home / "storm", say=say))
     delays = [r["added_delay_s"] for r in results if r.get("added_delay_s") is not None]
     totals = {
         key: sum(r.get(key, 0) for r in results)
@@ -560,7 +676,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     only = {name.strip() for name in args.only.split(",") if name.strip()} if args.only else None
-    known = {scenario.name for scenario in scenarios(short=False)} | {RACE}
+    known = {scenario.name for scenario in scenarios(short=False)} | {RACE, STORM}
     if only is not None and only - known:
         parser.error(f"unknown scenario(s): {', '.join(sorted(only - known))}; known: {', '.join(sorted(known))}")
     home = args.home or Path(tempfile.mkdtemp(prefix="gpufleet-chaos-"))

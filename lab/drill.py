@@ -16,13 +16,21 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from clients.kube import KubernetesApi
 from clients.slurm import SlurmCli
 from lab.fleet import REPO_ROOT, FleetLab, LabError
 from lab.procs import wait_for
-from models.constants import CLAIMED_BY_ANNOTATION, POOL_LABEL, POOL_SPARE, remediation_workflow_id
+from models.constants import (
+    CLAIMED_BY_ANNOTATION,
+    GUARD_RESET_SIGNAL,
+    POOL_LABEL,
+    POOL_SPARE,
+    guard_workflow_id,
+    remediation_workflow_id,
+)
+from models.guard import GuardCommand
 from models.incident import IncidentStatus, JobInfo, Outcome, Step
 from models.names import InvalidName, validate_node_name
 from starters.temporal import connect
@@ -105,6 +113,20 @@ async def _new_run(handle: Any, *, since: datetime, timeout: float) -> Any:
 OnStatus = Callable[[IncidentStatus], Awaitable[None]]
 
 
+async def reset_breaker(lab: FleetLab, *, reason: str) -> bool:
+    """`gpufleet breaker reset` for the lab's cluster, as an operator would between drills
+    (False when no guard runs yet). The window starts again from now."""
+    client = await connect(address=lab.env()["TEMPORAL_ADDRESS"])
+    command = GuardCommand(by="gpufleet lab", reason=reason)
+    try:
+        await client.get_workflow_handle(guard_workflow_id(lab.config.cluster)).signal(GUARD_RESET_SIGNAL, command)
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+    return True
+
+
 async def _follow(handle: Any, *, timeout: float, say: Say, on_status: OnStatus | None = None) -> IncidentStatus:
     """Poll the incident until it closes; ``on_status`` sees every status (a chaos run acts on it).
 
@@ -124,6 +146,11 @@ async def _follow(handle: Any, *, timeout: float, say: Say, on_status: OnStatus 
             last_step = status.step
         if on_status is not None:
             await on_status(status)
+        elif status.waiting_for_approval:
+            raise LabError(
+                f"the incident waits for approval: {status.waiting_for_approval}. It goes on after "
+                f"`gpufleet approve {status.incident_id}` (or a breaker reset); `gpufleet reject` closes it"
+            )
         if status.step == Step.CLOSED or status.outcome == Outcome.FAILED:
             return status
         await asyncio.sleep(interval)
