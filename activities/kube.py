@@ -6,6 +6,7 @@ from temporalio import activity
 
 from activities.errors import client_errors
 from activities.heartbeat import heartbeating
+from clients.dryrun import dry_run
 from clients.errors import NotFound
 from clients.kube import KubeClient
 from models.constants import INCIDENT_ANNOTATION, POOL_LABEL, QUARANTINE_LABEL, REMEDIATION_LABEL, UNHEALTHY_TAINT
@@ -44,9 +45,17 @@ class KubeActivities:
     @activity.defn(name="cordon_and_drain_node")
     @heartbeating
     def cordon_and_drain(self, request: KubeDrainRequest) -> KubeDrainResult:
-        """Cordon, taint and evict every pod but DaemonSet pods; force past the eviction deadline."""
+        """Cordon, taint and evict every pod but DaemonSet pods; force past the eviction deadline.
+        A dry run answers with the pods it would evict."""
         result = KubeDrainResult()
-        with client_errors():
+        with client_errors(), dry_run(request.dry_run):
+            if request.dry_run:
+                try:
+                    self._kube.get_node(request.node)
+                except NotFound:
+                    return KubeDrainResult(node_found=False)
+                pods = self._kube.pods_on_node(request.node)
+                return KubeDrainResult(evicted=[pod.key for pod in pods if pod.owner_kind != "DaemonSet"])
             try:
                 self._kube.set_unschedulable(request.node, True)
             except NotFound:

@@ -9,6 +9,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities.errors import client_errors
 from activities.heartbeat import heartbeating
+from clients.dryrun import dry_run
 from clients.slurm import SlurmClient
 from models.incident import JobInfo, JobRequeue, NodeInfo, RequeueOutcome
 from models.requests import (
@@ -66,8 +67,14 @@ class SlurmActivities:
     @activity.defn(name="drain_slurm_node")
     @heartbeating
     def drain_node(self, request: DrainRequest) -> NodeInfo:
-        """Drain with our reason. A node already drained by someone else is left with their reason."""
-        with client_errors():
+        """Drain with our reason. A node already drained by someone else is left with their reason.
+        A dry run answers with the node as the drain would leave it."""
+        with client_errors(), dry_run(request.dry_run):
+            if request.dry_run:
+                node = self._slurm.node(request.node)
+                if node.drained:
+                    return node
+                return node.model_copy(update={"flags": [*node.flags, "DRAIN"], "reason": request.reason})
             return self._slurm.drain(request.node, reason=request.reason)
 
     @activity.defn(name="jobs_on_node")
@@ -92,7 +99,7 @@ class SlurmActivities:
             return SignalJobResult(job_id=job_id, signalled=signalled, why=why)
 
         try:
-            with client_errors():
+            with client_errors(), dry_run(request.dry_run):
                 job = self._slurm.jobs_by_id([job_id]).get(job_id)
                 if job is None:
                     return result(False, "Slurm no longer knows the job")
@@ -102,6 +109,8 @@ class SlurmActivities:
                     return result(True, "signalled before this retry")
                 if job.state not in _SIGNALLABLE:
                     return result(False, f"not running ({job.state})")
+                if request.dry_run:
+                    return result(True, f"dry run: would send SIG{request.signal}")
                 if request.incident_id:
                     self._slurm.mark_job(job_id, mark)
                 self._slurm.signal_job(job_id, signal=request.signal)
@@ -146,7 +155,7 @@ class SlurmActivities:
             return JobRequeue(job_id=job_id, outcome=kind, why=why)
 
         try:
-            with client_errors():
+            with client_errors(), dry_run(request.dry_run):
                 job = self._slurm.jobs_by_id([job_id]).get(job_id)
                 if job is None:
                     return outcome(RequeueOutcome.FAILED, "Slurm no longer knows the job (past MinJobAge)")
@@ -165,6 +174,8 @@ class SlurmActivities:
                         return outcome(RequeueOutcome.SKIPPED, f"had ended before gpufleet signalled it ({job.state})")
                     if job.state == "CANCELLED":
                         return outcome(RequeueOutcome.SKIPPED, "cancelled by its owner")
+                    if request.dry_run:
+                        return outcome(RequeueOutcome.REQUEUED, "dry run: would requeue")
                     if request.incident_id:
                         self._slurm.mark_job(job_id, requeued_mark(request.incident_id, run))
                 self._slurm.requeue(job_id)

@@ -6,6 +6,7 @@ from temporalio import activity
 
 from activities.errors import client_errors
 from activities.heartbeat import heartbeating
+from clients.dryrun import dry_run
 from clients.spares import NodeProvider
 from models.requests import ClaimRequest, RetireRequest, ReturnNodeRequest
 
@@ -20,8 +21,11 @@ class SpareActivities:
     @activity.defn(name="claim_spare")
     @heartbeating
     def claim_spare(self, request: ClaimRequest) -> str | None:
-        """The spare claimed for this incident (the same one on every retry), or None if none is free."""
-        with activity.shield_thread_cancel_exception(), client_errors():
+        """The spare claimed for this incident (the same one on every retry), or None if none is free.
+        A dry run answers with the spare a claim would take, claiming nothing."""
+        with activity.shield_thread_cancel_exception(), client_errors(), dry_run(request.dry_run):
+            if request.dry_run:
+                return self._provider.candidate()
             return self._provider.claim(request.incident_id)
 
     @activity.defn(name="release_spare")
@@ -34,7 +38,10 @@ class SpareActivities:
     @activity.defn(name="retire_node")
     @heartbeating
     def retire_node(self, request: RetireRequest) -> None:
-        """Out of the partition; the Node kept cordoned, tainted gpufleet.io/retired and labelled retired."""
+        """Out of the partition; the Node kept cordoned, tainted gpufleet.io/retired and labelled retired.
+        A dry run does nothing."""
+        if request.dry_run:
+            return
         with activity.shield_thread_cancel_exception(), client_errors():
             self._provider.retire(request.node, request.incident_id)
 

@@ -20,6 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import BaseModel, Field
 from urllib3.exceptions import HTTPError as Urllib3Error
 
+from clients.dryrun import refuse_writes
 from clients.errors import (
     ClientError,
     Conflict,
@@ -170,6 +171,8 @@ class KubernetesApi:
         self.host: str = configuration.host
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not fn.__name__.startswith(("read_", "list_")):
+            refuse_writes(what)
         kwargs.setdefault("_request_timeout", 15)
         try:
             return fn(*args, **kwargs)

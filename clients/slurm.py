@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from clients.dryrun import refuse_writes
 from clients.errors import ClientError, InvalidInput, NotFound, NotOwned, Unavailable, checked_node_name
 from models.constants import owned_reason as owned_reason  # re-exported for the spare pool
 from models.incident import JobInfo, NodeInfo
@@ -63,6 +64,10 @@ _MARK = re.compile(r"gpufleet:[a-z]+:[A-Za-z0-9._:-]+")
 _MARK_SAFE = re.compile(r"^gpufleet:[a-z]+:[A-Za-z0-9._:-]+$")
 
 
+# scontrol subcommands that only read (anything else, and scancel, changes the cluster).
+_READS = frozenset({"show", "ping", "version", "listpids"})
+
+
 class SlurmCli:
     """SlurmClient over the Slurm commands, run with argv lists (never a shell)."""
 
@@ -84,6 +89,8 @@ class SlurmCli:
     # -- plumbing ---------------------------------------------------------------------------------
 
     def _run(self, argv: list[str]) -> str:
+        if argv[0] == "scancel" or (argv[0] == "scontrol" and argv[1] not in _READS):
+            refuse_writes(" ".join(argv))
         program = str(self._bin_dir / argv[0]) if self._bin_dir else argv[0]
         try:
             done = subprocess.run(

@@ -47,6 +47,7 @@ class NodeProvider(Protocol):
     """Where replacement nodes come from, and where failed and repaired nodes go."""
 
     def claim(self, incident_id: str) -> str | None: ...
+    def candidate(self) -> str | None: ...
     def release(self, incident_id: str) -> str | None: ...
     def retire(self, node: str, incident_id: str = "") -> None: ...
     def return_node(self, node: str, *, as_: str) -> None: ...
@@ -211,6 +212,13 @@ class SparePool:
             self.add_to_partition(name)
         if spare.labels.get(POOL_LABEL) != POOL_TRAINING:
             self._kube.update_metadata(name, labels={POOL_LABEL: POOL_TRAINING})
+
+    def candidate(self) -> str | None:
+        """The spare a claim would take now (reads only: a dry run's answer), or None."""
+        for node in sorted(self._kube.list_nodes(label_selector=f"{POOL_LABEL}={POOL_SPARE}"), key=lambda n: n.name):
+            if self._free_in_kube(node) and self._idle_in_slurm(node.name):
+                return node.name
+        return None
 
     def claim(self, incident_id: str) -> str | None:
         """Claim a spare for the incident and bring it into the partition and the training pool.

@@ -109,7 +109,7 @@ def detect(
     delivery = None
     if not dry_run:
         folder = spool or settings.home / "spool" / this_node
-        delivery = Delivery(cluster=this_cluster, spool=Spool(folder, max_events=spool_max))
+        delivery = Delivery(cluster=this_cluster, spool=Spool(folder, max_events=spool_max), dry_run=settings.dry_run)
     detector = Detector(
         node=this_node,
         policy=policy,

@@ -180,8 +180,10 @@ class Folder:
 class Delivery:
     """Signal-with-start into the node's incident, through the spool, in order."""
 
-    def __init__(self, *, cluster: str, spool: Spool, connect_timeout: float = 5.0) -> None:
+    def __init__(self, *, cluster: str, spool: Spool, connect_timeout: float = 5.0, dry_run: bool = False) -> None:
         self.cluster = cluster
+        # Incidents opened as dry runs (GPUFLEET_DRY_RUN): recorded in Temporal, nothing changed.
+        self.dry_run = dry_run
         self.spool = spool
         self._client: Client | None = None
         self._connect_timeout = connect_timeout
@@ -208,7 +210,7 @@ class Delivery:
             try:
                 if self._client is None:
                     self._client = await connect(timeout_seconds=self._connect_timeout)
-                handle = await report_xid(self._client, event, cluster=self.cluster)
+                handle = await report_xid(self._client, event, cluster=self.cluster, dry_run=self.dry_run)
             except (TemporalUnreachable, RPCError, RuntimeError, OSError) as exc:
                 self._client = None if isinstance(exc, TemporalUnreachable) else self._client
                 log.warning(

@@ -51,6 +51,11 @@ def remediation_workflow_id(cluster: str, node: str) -> str:
     return f"remediate-{cluster}-{node}"
 
 
+def dry_run_workflow_id(cluster: str, node: str) -> str:
+    """A dry run's own ID: it never joins, blocks or is joined by the node's real incident."""
+    return f"dryrun-{cluster}-{node}"
+
+
 def guard_workflow_id(cluster: str) -> str:
     """The one fleet guard per cluster: every incident of the cluster asks it for a slot."""
     return f"guard-{cluster}"

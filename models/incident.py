@@ -113,6 +113,8 @@ class RemediationInput(BaseModel):
     carried: CarriedIncident | None = None
     # ... or when Xids arrived as it closed: they open the node's next incident.
     pending_events: list[XidEvent] = Field(default_factory=list)
+    # Run every step and record what it would do; change nothing (workflow ID dryrun-{cluster}-{node}).
+    dry_run: bool = False
 
 
 class Approval(BaseModel):
@@ -148,6 +150,8 @@ class IncidentStatus(BaseModel):
     approval: Approval | None = None
     # Holds a slot of the cluster's fleet guard (given back when the incident closes).
     guard_slot: bool = False
+    # A dry run: every step recorded as it would have been done; nothing changed, nobody notified.
+    dry_run: bool = False
     notifications: list[NotificationRecord] = Field(default_factory=list)
     timeline: list[TimelineEntry] = Field(default_factory=list)
     error: str | None = None

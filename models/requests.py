@@ -29,6 +29,8 @@ class ClassifyRequest(BaseModel):
 class DrainRequest(BaseModel):
     node: str
     reason: str
+    # A dry run: read, answer what would be done, change nothing (clients/dryrun.py).
+    dry_run: bool = False
 
 
 class SignalJobsRequest(BaseModel):
@@ -43,6 +45,7 @@ class SignalJobRequest(BaseModel):
     restarts_before: int
     signal: str = "TERM"
     incident_id: str = ""
+    dry_run: bool = False
 
 
 class SignalJobResult(BaseModel):
@@ -58,6 +61,7 @@ class RequeueJobRequest(BaseModel):
     restarts_before: int
     signalled: bool
     incident_id: str = ""
+    dry_run: bool = False
 
 
 class ResumeCheckRequest(BaseModel):
@@ -89,6 +93,7 @@ class KubeDrainRequest(BaseModel):
     node: str
     incident_id: str
     eviction_timeout_seconds: float = 60.0
+    dry_run: bool = False
 
 
 class KubeDrainResult(BaseModel):
@@ -109,11 +114,13 @@ class NodeFacts(BaseModel):
 
 class ClaimRequest(BaseModel):
     incident_id: str
+    dry_run: bool = False
 
 
 class RetireRequest(BaseModel):
     node: str
     incident_id: str = ""
+    dry_run: bool = False
 
 
 class NotifyRequest(BaseModel):

@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     eviction_timeout_seconds: float = Field(default=60.0, ge=0, le=86400)
     owner_drained: OwnerDrained = OwnerDrained.ASK
     poll_seconds: float = Field(default=0.5, gt=0, le=60)
+    # Every incident the detectors and `gpufleet remediate` open is a dry run: each step recorded
+    # as it would be done, nothing changed, nobody notified (workflow ID dryrun-{cluster}-{node}).
+    dry_run: bool = False
 
     @field_validator("cluster")
     @classmethod

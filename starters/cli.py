@@ -111,6 +111,10 @@ def print_incident(status: IncidentStatus, *, as_json: bool) -> None:
         f"[bold]{status.incident_id}[/]  node {status.node}  {seen(status)}  "
         f"action {status.action or '-'}  outcome [bold]{status.outcome}[/]"
     )
+    if status.dry_run:
+        console.print(
+            "[bold yellow]DRY RUN[/]: every step below is what gpufleet would have done; nothing was changed."
+        )
     if status.spare:
         console.print(f"replacement: {status.spare}")
     if status.unrequeued:
@@ -179,10 +183,19 @@ def remediate(
     wait: Annotated[bool, typer.Option("--wait", help="Wait until the incident closes.")] = False,
     timeout: Annotated[float, typer.Option(help="With --wait: give up waiting after this many seconds.")] = 3600,
     as_json: Annotated[bool, typer.Option("--json", help="Print the incident as JSON.")] = False,
+    dry_run: Annotated[
+        bool | None,
+        typer.Option(
+            "--dry-run/--no-dry-run",
+            help="Run every step and record what it would do, changing nothing and notifying nobody "
+            "(workflow ID dryrun-CLUSTER-NODE). Default: $GPUFLEET_DRY_RUN.",
+        ),
+    ] = None,
 ) -> None:
     """Open (or join) the incident for NODE with an Xid, as the detector would."""
     settings = Settings()
     cluster = cluster or settings.cluster
+    dry = settings.dry_run if dry_run is None else dry_run
     try:
         validate_node_name(node)
         validate_cluster_name(cluster)
@@ -194,9 +207,10 @@ def remediate(
     async def go() -> int:
         client = await _client()
         event = XidEvent(node=node, xid=xid, source="cli", message="reported with gpufleet remediate")
-        handle = await report_xid(client, event, cluster=cluster)
+        handle = await report_xid(client, event, cluster=cluster, dry_run=dry)
         if not as_json:
-            console.print(f"incident workflow [bold]{handle.id}[/] (Xid {xid} on {node})")
+            what = "dry run" if dry else "incident workflow"
+            console.print(f"{what} [bold]{handle.id}[/] (Xid {xid} on {node})")
         status, failure = await _wait_for(
             handle, until_closed=wait, show_progress=not as_json, timeout=timeout if wait else 60
         )
@@ -326,7 +340,9 @@ def incidents_show(
 
 # -- approvals and nodes -------------------------------------------------------------------------
 
-INCIDENT_HELP = "Incident ID (CLUSTER-NODE-TIMESTAMP), workflow ID (remediate-CLUSTER-NODE) or a node name."
+INCIDENT_HELP = (
+    "Incident ID (CLUSTER-NODE-TIMESTAMP), workflow ID (remediate-CLUSTER-NODE, dryrun-CLUSTER-NODE) or a node name."
+)
 _STAMP = re.compile(r"-\d{8}T\d{6}Z$")
 
 
@@ -334,8 +350,10 @@ def _incident_workflow_id(incident: str, cluster: str | None) -> str:
     """The workflow behind an incident ID, a workflow ID or a node name (bad names: exit 2)."""
     try:
         this_cluster = validate_cluster_name(cluster or Settings().cluster)
-        if incident.startswith("remediate-"):
+        if incident.startswith(("remediate-", "dryrun-")) and not _STAMP.search(incident):
             return incident
+        if incident.startswith("dryrun-"):  # a dry run's incident ID: dryrun-CLUSTER-NODE-STAMP
+            return _STAMP.sub("", incident)
         node = incident
         if _STAMP.search(incident):
             prefix = f"{this_cluster}-"

@@ -11,7 +11,15 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfig
 
-from models.constants import SA_CLUSTER, SA_EVENT_KIND, SA_GPU_NODE, SA_XID, remediation_workflow_id, task_queue
+from models.constants import (
+    SA_CLUSTER,
+    SA_EVENT_KIND,
+    SA_GPU_NODE,
+    SA_XID,
+    dry_run_workflow_id,
+    remediation_workflow_id,
+    task_queue,
+)
 from models.incident import IncidentStatus, RemediationInput
 from models.names import validate_cluster_name, validate_node_name
 from models.xid import XidEvent
@@ -59,15 +67,17 @@ async def report_xid(
     *,
     cluster: str,
     search_attributes: bool = True,
+    dry_run: bool = False,
 ) -> WorkflowHandle[NodeRemediationWorkflow, IncidentStatus]:
     """Open the node's incident, or join the open one, with this Xid (signal-with-start).
 
-    The caller passes what it knows (cluster, node, the Xid); grace, timeouts and policy are
-    the worker's, read by the incident itself. The incident runs on the cluster's task queue.
+    The caller passes what it knows (cluster, node, the Xid, and whether this is a dry run);
+    grace, timeouts and policy are the worker's, read by the incident itself. The incident runs
+    on the cluster's task queue. A dry run has its own workflow ID (``dryrun-{cluster}-{node}``).
     """
     validate_cluster_name(cluster)
     validate_node_name(event.node)
-    params = RemediationInput(cluster=cluster, node=event.node, search_attributes=search_attributes)
+    params = RemediationInput(cluster=cluster, node=event.node, search_attributes=search_attributes, dry_run=dry_run)
     pairs: list[SearchAttributePair[Any]] = [
         SearchAttributePair(SA_GPU_NODE, event.node),
         SearchAttributePair(SA_CLUSTER, cluster),
@@ -79,14 +89,14 @@ async def report_xid(
     return await client.start_workflow(
         NodeRemediationWorkflow.run,
         params,
-        id=remediation_workflow_id(cluster, event.node),
+        id=dry_run_workflow_id(cluster, event.node) if dry_run else remediation_workflow_id(cluster, event.node),
         task_queue=task_queue(cluster),
         # A worker killed mid-task hands the incident on after this, not the default 10 s.
         task_timeout=timedelta(seconds=5),
         start_signal="report_xid",
         start_signal_args=[event],
         search_attributes=attributes,
-        static_summary=f"{event.label} on {event.node} ({cluster})",
+        static_summary=f"{'dry run: ' if dry_run else ''}{event.label} on {event.node} ({cluster})",
         # A server that hangs is a failure to retry (the detector spools), not a wait without end.
         rpc_timeout=timedelta(seconds=10),
     )

@@ -147,6 +147,7 @@ class NodeRemediationWorkflow:
         self._restarts_before: dict[int, int] = {}
         self._classified = 0
         self._guarded = False
+        self._dry = params.dry_run
         self._asked_guard = False
         self._guard_decision: GuardDecision | None = None
         if params.carried is not None:
@@ -155,10 +156,12 @@ class NodeRemediationWorkflow:
             self._restarts_before = dict(params.carried.restarts_before)
         else:
             self._events = list(params.pending_events)
+            prefix = "dryrun-" if params.dry_run else ""
             self._status = IncidentStatus(
-                incident_id=f"{params.cluster}-{params.node}-{workflow.info().start_time:%Y%m%dT%H%M%SZ}",
+                incident_id=f"{prefix}{params.cluster}-{params.node}-{workflow.info().start_time:%Y%m%dT%H%M%SZ}",
                 cluster=params.cluster,
                 node=params.node,
+                dry_run=params.dry_run,
             )
             for event in params.pending_events:
                 self._count_event(event)
@@ -329,7 +332,9 @@ class NodeRemediationWorkflow:
             return
 
         # The cluster's fleet guard lets this incident take the node down, or makes it wait.
-        if self._guarded and not await self._guard_slot():
+        if self._dry:
+            self._mark(Step.GUARD, "dry run", "the fleet guard is not asked: a dry run takes no slot")
+        elif self._guarded and not await self._guard_slot():
             return
 
         # 3. drain in Slurm
@@ -341,6 +346,7 @@ class NodeRemediationWorkflow:
                 reason=drain_reason(
                     event=self._lead().reason_word, action=status.action.value, incident_id=status.incident_id
                 ),
+                dry_run=self._dry,
             ),
             summary=f"drain {params.node} in Slurm",
         )
@@ -364,7 +370,12 @@ class NodeRemediationWorkflow:
             *(
                 self._activity(
                     SlurmActivities.signal_job,
-                    SignalJobRequest(job_id=job.job_id, restarts_before=job.restarts, incident_id=status.incident_id),
+                    SignalJobRequest(
+                        job_id=job.job_id,
+                        restarts_before=job.restarts,
+                        incident_id=status.incident_id,
+                        dry_run=self._dry,
+                    ),
                     summary=f"SIGTERM job {job.job_id}",
                 )
                 for job in status.jobs
@@ -374,7 +385,9 @@ class NodeRemediationWorkflow:
         for result in results:
             if not result.signalled:
                 status.skipped[result.job_id] = result.why
-        if status.signalled:
+        if status.signalled and self._dry:
+            detail = f"dry run: would wait up to {self._settings.grace_seconds:g}s for checkpoints"
+        elif status.signalled:
             detail = await self._grace(status.signalled, self._settings.grace_seconds)
         else:
             detail = "no running jobs on the node"
@@ -391,6 +404,7 @@ class NodeRemediationWorkflow:
                         restarts_before=job.restarts,
                         signalled=job.job_id in status.signalled,
                         incident_id=status.incident_id,
+                        dry_run=self._dry,
                     ),
                     summary=f"requeue job {job.job_id}",
                 )
@@ -459,6 +473,8 @@ class NodeRemediationWorkflow:
     async def _resolved(self, params: RemediationInput) -> None:
         status = self._status
         status.outcome = Outcome.RESOLVED
+        if self._dry:
+            self._mark(Step.RESUME, "dry run", "resolved as planned; nothing was changed")
         self._notify(
             "resolved",
             f"{self._who()}: resolved. {params.node} replaced by {status.spare}; "
@@ -476,6 +492,7 @@ class NodeRemediationWorkflow:
                 node=params.node,
                 incident_id=self._status.incident_id,
                 eviction_timeout_seconds=self._settings.eviction_timeout_seconds,
+                dry_run=self._dry,
             ),
             summary=f"cordon and drain {params.node} in Kubernetes",
             timeout=timedelta(minutes=30),
@@ -489,7 +506,7 @@ class NodeRemediationWorkflow:
         self._enter(Step.RETIRE_NODE)
         await self._activity(
             SpareActivities.retire_node,
-            RetireRequest(node=params.node, incident_id=self._status.incident_id),
+            RetireRequest(node=params.node, incident_id=self._status.incident_id, dry_run=self._dry),
             summary=f"retire {params.node}",
             timeout=SPARE_STEP,
         )
@@ -520,6 +537,9 @@ class NodeRemediationWorkflow:
         if not requeued:
             self._done(Step.RESUME, "no jobs to resume")
             return
+        if self._dry:
+            self._done(Step.RESUME, f"dry run: would wait for job(s) {', '.join(map(str, requeued))} to run again")
+            return
         resumed = await self._wait_resumed(requeued)
         self._status.jobs = resumed
         self._done(Step.RESUME, ", ".join(f"{job.job_id} on {job.nodes}" for job in resumed))
@@ -534,12 +554,15 @@ class NodeRemediationWorkflow:
             self._claim_attempted = True
             spare: str | None = await self._activity(
                 SpareActivities.claim_spare,
-                ClaimRequest(incident_id=status.incident_id),
+                ClaimRequest(incident_id=status.incident_id, dry_run=self._dry),
                 summary="claim a spare",
                 timeout=SPARE_STEP,
             )
             if spare is not None:
                 break
+            if self._dry:
+                self._done(Step.CLAIM_SPARE, "dry run: no free spare; would wait for one")
+                return
             if not status.waiting_for_spare:
                 status.waiting_for_spare = True
                 self._mark(Step.WAIT_FOR_SPARE, "started", "no free spare")
@@ -562,7 +585,7 @@ class NodeRemediationWorkflow:
                 )
         status.spare = spare
         status.waiting_for_spare = False
-        self._done(Step.CLAIM_SPARE, f"{spare} joined the partition")
+        self._done(Step.CLAIM_SPARE, f"dry run: would claim {spare}" if self._dry else f"{spare} joined the partition")
 
     async def _wait_resumed(self, job_ids: list[int]) -> list[JobInfo]:
         """Until every requeued job runs again: watched checks first, then timers backing off to 30 s."""
@@ -633,6 +656,9 @@ class NodeRemediationWorkflow:
     async def _await_approval(self, why: str) -> bool:
         """Wait for `gpufleet approve|reject`; True to go on. Nothing has been changed yet."""
         status = self._status
+        if self._dry:
+            self._mark(Step.AWAITING_APPROVAL, "dry run", f"would wait for approval: {why}")
+            return True
         self._enter(Step.AWAITING_APPROVAL)
         status.outcome = Outcome.AWAITING_APPROVAL
         status.waiting_for_approval = why
@@ -718,6 +744,9 @@ class NodeRemediationWorkflow:
         if status.action not in self._policy.guard.require_approval:
             return True
         why = f"{status.action} needs approval in cluster {status.cluster}"
+        if self._dry:
+            self._mark(Step.APPROVE, "dry run", f"would wait for approval: {why}")
+            return True
         self._enter(Step.AWAITING_APPROVAL)
         status.outcome = Outcome.AWAITING_APPROVAL
         status.waiting_for_approval = why
@@ -797,6 +826,10 @@ class NodeRemediationWorkflow:
         """Send a message beside the flow; its outcome lands in the timeline and the status."""
         record = NotificationRecord(kind=kind, at=workflow.now())
         self._status.notifications.append(record)
+        if self._dry:
+            record.outcome = "dry_run"
+            self._mark(self._status.step, f"dry run: would notify {kind}", text)
+            return
         request = NotifyRequest(kind=kind, text=text, incident=self._status.model_copy(deep=True))
         self._deliveries.append(asyncio.create_task(self._deliver(record, request)))
 
@@ -830,7 +863,7 @@ class NodeRemediationWorkflow:
 
     async def _release_unused_claim(self) -> None:
         """A spare claimed but never brought into service goes back to the pool."""
-        if self._status.spare is not None or not self._claim_attempted:
+        if self._status.spare is not None or not self._claim_attempted or self._dry:
             return
         with contextlib.suppress(ActivityError):
             released = await self._activity(
@@ -884,6 +917,7 @@ class NodeRemediationWorkflow:
                     node=self._input.node,
                     search_attributes=self._input.search_attributes,
                     pending_events=late,
+                    dry_run=self._dry,
                 )
             )
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from temporalio.client import Client, WorkflowHandle
+from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from models.constants import (
@@ -293,3 +294,34 @@ async def test_a_gated_action_waits_for_approval_reminding_meanwhile(env: Workfl
         assert "claim_spare" not in fleet.calls and "cordon_and_drain_node" not in fleet.calls
         [rejected] = [n for n in fleet.notifications if n.kind == "rejected"]
         assert "stays drained" in rejected.text
+
+
+async def test_a_dry_run_records_every_step_and_asks_each_activity_to_change_nothing(
+    env: WorkflowEnvironment,
+) -> None:
+    fleet = guarded(require_approval=[Action.REPLACE_NODE])
+    fleet.jobs_exit_on_sigterm = False  # a real grace would wait 120 s: a dry run does not
+    async with running(env, fleet):
+        handle = await start(env.client, fleet, node="gpu1", dry_run=True)
+        assert handle.id == f"dryrun-{fleet.cluster}-gpu1"  # never the real incident's ID
+        status = await handle.result()
+    assert status.dry_run and status.incident_id.startswith(f"dryrun-{fleet.cluster}-gpu1-")
+    assert status.outcome == Outcome.RESOLVED and status.spare == "spare1" and status.requeued == [7]
+    assert fleet.writes and all(request.dry_run for request in fleet.writes)
+    assert {type(request).__name__ for request in fleet.writes} == {
+        "DrainRequest",
+        "SignalJobRequest",
+        "RequeueJobRequest",
+        "KubeDrainRequest",
+        "RetireRequest",
+        "ClaimRequest",
+    }
+    assert not fleet.notifications  # nobody is told...
+    assert [n.outcome for n in status.notifications] == ["dry_run", "dry_run"]  # ... what would be said is kept
+    assert "jobs_still_running" not in fleet.calls and "jobs_resumed" not in fleet.calls  # waits simulated
+    details = [e.detail for e in status.timeline]
+    assert "dry run: would wait up to 120s for checkpoints" in details
+    assert "would wait for approval: REPLACE_NODE needs approval in cluster " + fleet.cluster in details
+    assert not any(e.step == Step.GUARD and e.event == "finished" for e in status.timeline)  # no slot taken
+    with pytest.raises(RPCError, match="not found"):
+        await guard(env.client, fleet).describe()  # a dry run never starts (or asks) the fleet guard

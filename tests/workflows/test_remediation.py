@@ -77,6 +77,7 @@ class Fleet:
     labels: dict[str, dict[str, str]] = field(default_factory=dict)  # per node, beside the pool label
     partition_size: int = 4
     drained: list[str] = field(default_factory=list)  # nodes drained in Slurm, in order
+    writes: list[Any] = field(default_factory=list)  # every request of an activity that changes the fleet
     notify_gate: asyncio.Event | None = None  # set: the webhook answers; None: it answers at once
     notify_refuses: bool = False
     retire_fails: bool = False
@@ -140,6 +141,7 @@ class Fleet:
 
         @activity.defn(name="drain_slurm_node")
         async def drain(request: DrainRequest) -> NodeInfo:
+            fleet.writes.append(request)
             fleet.drain_attempts += 1
             if fleet.drain_attempts <= fleet.drain_failures:
                 raise ApplicationError("slurmctld unreachable", type="Unavailable")
@@ -155,6 +157,7 @@ class Fleet:
 
         @activity.defn(name="signal_job")
         async def signal_job(request: SignalJobRequest) -> SignalJobResult:
+            fleet.writes.append(request)
             fleet.calls.append(f"signal_job:{request.job_id}")
             fleet.signalled.set()
             job = next(j for j in fleet.jobs if j.job_id == request.job_id)
@@ -169,6 +172,7 @@ class Fleet:
 
         @activity.defn(name="requeue_job")
         async def requeue_job(request: RequeueJobRequest) -> JobRequeue:
+            fleet.writes.append(request)
             fleet.calls.append(f"requeue_job:{request.job_id}")
             if request.job_id in fleet.unrequeueable:
                 return JobRequeue(
@@ -185,6 +189,7 @@ class Fleet:
 
         @activity.defn(name="cordon_and_drain_node")
         async def cordon(request: KubeDrainRequest) -> KubeDrainResult:
+            fleet.writes.append(request)
             fleet.calls.append("cordon_and_drain_node")
             # Only returns once the spare's claim has begun: proves the two branches overlap.
             await asyncio.wait_for(fleet.claim_started.wait(), timeout=10)
@@ -192,12 +197,14 @@ class Fleet:
 
         @activity.defn(name="retire_node")
         async def retire(request: RetireRequest) -> None:
+            fleet.writes.append(request)
             fleet.calls.append("retire_node")
             if fleet.retire_fails:
                 raise ApplicationError("spare1 is held by someone else", type="NotOwned", non_retryable=True)
 
         @activity.defn(name="claim_spare")
         async def claim(request: ClaimRequest) -> str | None:
+            fleet.writes.append(request)
             fleet.claim_started.set()
             fleet.calls.append("claim_spare")
             return "spare1" if fleet.spare_free else None
@@ -241,11 +248,17 @@ class Fleet:
 
 
 async def start(
-    client: Client, fleet: Fleet, *, node: str = "gpu1", xid: int | None = 79, kind: GpuEventKind = GpuEventKind.XID
+    client: Client,
+    fleet: Fleet,
+    *,
+    node: str = "gpu1",
+    xid: int | None = 79,
+    kind: GpuEventKind = GpuEventKind.XID,
+    dry_run: bool = False,
 ) -> Any:
     """Report an event as the detector would: cluster and node only, on the fleet's own cluster."""
     event = XidEvent(node=node, kind=kind, xid=xid, source="test")
-    return await report_xid(client, event, cluster=fleet.cluster, search_attributes=False)
+    return await report_xid(client, event, cluster=fleet.cluster, search_attributes=False, dry_run=dry_run)
 
 
 def worker(env: WorkflowEnvironment, fleet: Fleet, **options: Any) -> Worker:
