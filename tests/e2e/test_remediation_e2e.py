@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.api.enums.v1 import EventType
@@ -42,6 +43,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
     config = LabConfig(training=["gpu1", "gpu2"], spares=["spare1"], temporal_port=0, ui_port=0, grace_seconds=30)
     lab = FleetLab(tmp_path_factory.mktemp("fleet"), config)
     lab.up()
+    # Two training nodes, hit in turn by these tests: the fleet guard's default share (half the
+    # partition in ten minutes) would hold the second. The breaker is proven in tests/workflows
+    # and by the storm in `make chaos`; here it stays on with room for both.
+    lab.policy_file.write_text(lab.policy_file.read_text() + "guard:\n  max_share: 1.0\n", encoding="utf-8")
     yield lab
     record_histories(lab.env()["TEMPORAL_ADDRESS"])
     pids = lab.down()
@@ -123,6 +128,50 @@ def test_xid_79_recovers_a_running_job(fleet: FleetLab, tmp_path: Path) -> None:
     assert shown.returncode == 0 and "resolved" in shown.stdout and "drain_slurm" in shown.stdout
     listed = json.loads(gpufleet(fleet, "incidents", "list", "--json").stdout)
     assert any(row["id"] == "remediate-lab-gpu1" and row["status"] == "COMPLETED" for row in listed)
+
+
+def fleet_state(fleet: FleetLab) -> dict[str, Any]:
+    """What a dry run must leave alone: every Node's and Pod's resourceVersion, each Slurm node's
+    state, reason and partitions, each job's state and restarts."""
+    kube = KubernetesApi(kubeconfig=Path(fleet.env()["GPUFLEET_KUBECONFIG"]))
+    slurm = SlurmCli(slurm_conf=fleet.slurm.conf)
+    return {
+        "nodes": {node.name: node.resource_version for node in kube.list_nodes()},
+        "slurm": {n.name: (n.state, n.reason, n.partitions) for n in slurm.nodes()},
+        "jobs": {j.job_id: (j.state, j.restarts) for j in slurm.jobs()},
+    }
+
+
+def test_a_dry_run_records_every_step_and_changes_nothing(fleet: FleetLab) -> None:
+    before = fleet_state(fleet)
+    done = gpufleet(fleet, "remediate", "gpu2", "--xid", "79", "--dry-run", "--wait", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    status = IncidentStatus.model_validate_json(done.stdout.strip().splitlines()[-1])
+    assert status.dry_run and status.incident_id.startswith("dryrun-lab-gpu2-")
+    assert status.outcome == "resolved" and status.action == "REPLACE_NODE"
+    steps = {entry.step.value for entry in status.timeline}
+    assert {"drain_slurm", "checkpoint", "requeue", "drain_kubernetes", "claim_spare", "resume"} <= steps
+    assert status.signalled and status.requeued == status.signalled  # the job on gpu2, as it would be
+    assert all(n.outcome == "dry_run" for n in status.notifications)
+    assert fleet_state(fleet) == before  # Slurm, Kubernetes and the job exactly as they were
+    shown = gpufleet(fleet, "incidents", "show", status.incident_id)
+    assert shown.returncode == 0 and "DRY RUN" in shown.stdout, shown.stdout + shown.stderr
+
+
+def test_breaker_status_pause_and_resume_from_the_cli(fleet: FleetLab) -> None:
+    done = gpufleet(fleet, "breaker", "status", "--json")
+    assert done.returncode == 0, done.stderr
+    guard = json.loads(done.stdout)
+    assert guard["running"] and not guard["state"]["tripped"] and not guard["state"]["in_flight"]
+    assert any(e["event"] == "granted" and e["node"] == "gpu1" for e in guard["state"]["log"])
+    assert gpufleet(fleet, "pause", "--reason", "driver roll-out").returncode == 0
+    paused = json.loads(gpufleet(fleet, "breaker", "status", "--json").stdout)["state"]
+    assert paused["paused"] and paused["paused_reason"] == "driver roll-out"
+    assert "PAUSED" in gpufleet(fleet, "breaker", "status").stdout
+    assert gpufleet(fleet, "resume").returncode == 0
+    assert not json.loads(gpufleet(fleet, "breaker", "status", "--json").stdout)["state"]["paused"]
+    reset = gpufleet(fleet, "breaker", "reset", "--reason", "nothing tripped")
+    assert reset.returncode == 0 and "breaker closed" in reset.stdout
 
 
 def test_unknown_node_fails_with_a_message_and_leaves_nothing_running(fleet: FleetLab) -> None:
