@@ -8,7 +8,8 @@ from activities.errors import client_errors
 from activities.heartbeat import heartbeating
 from clients.dryrun import dry_run
 from clients.spares import NodeProvider
-from models.requests import ClaimRequest, RetireRequest, ReturnNodeRequest
+from models.constants import QUARANTINE_LABEL, QUARANTINE_REASON_ANNOTATION
+from models.requests import ClaimRequest, QuarantinedNode, QuarantineRequest, RetireRequest, ReturnNodeRequest
 
 # Spare steps run to their end even when their incident is cancelled (the workflow waits for
 # them): a claim or partition edit cut off half-way could leave a Lease or a claim behind.
@@ -51,3 +52,32 @@ class SpareActivities:
         """Bring a repaired node back as a spare or for training (NotOwned: someone else holds it in Slurm)."""
         with activity.shield_thread_cancel_exception(), client_errors():
             self._provider.return_node(request.node, as_=request.as_)
+
+    @activity.defn(name="quarantine_node")
+    @heartbeating
+    def quarantine_node(self, request: QuarantineRequest) -> None:
+        """Label the node quarantined (never a spare, not returned until released)."""
+        with activity.shield_thread_cancel_exception(), client_errors():
+            self._provider.quarantine(
+                request.node, code=request.code, reason=request.reason, incident_id=request.incident_id
+            )
+
+    @activity.defn(name="quarantined_nodes")
+    @heartbeating
+    def quarantined_nodes(self) -> list[QuarantinedNode]:
+        with client_errors():
+            return [
+                QuarantinedNode(
+                    node=node.name,
+                    code=node.labels.get(QUARANTINE_LABEL, ""),
+                    reason=node.annotations.get(QUARANTINE_REASON_ANNOTATION, ""),
+                )
+                for node in self._provider.quarantined()
+            ]
+
+    @activity.defn(name="release_quarantine")
+    @heartbeating
+    def release_quarantine(self, node: str) -> bool:
+        """Take the quarantine off (False: it had none)."""
+        with activity.shield_thread_cancel_exception(), client_errors():
+            return self._provider.release_quarantine(node)

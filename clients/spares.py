@@ -24,6 +24,7 @@ from models.constants import (
     POOL_SPARE,
     POOL_TRAINING,
     QUARANTINE_LABEL,
+    QUARANTINE_REASON_ANNOTATION,
     RETIRED_TAINT,
     UNHEALTHY_TAINT,
 )
@@ -51,6 +52,9 @@ class NodeProvider(Protocol):
     def release(self, incident_id: str) -> str | None: ...
     def retire(self, node: str, incident_id: str = "") -> None: ...
     def return_node(self, node: str, *, as_: str) -> None: ...
+    def quarantine(self, node: str, *, code: str, reason: str, incident_id: str) -> None: ...
+    def quarantined(self) -> list[KubeNode]: ...
+    def release_quarantine(self, node: str) -> bool: ...
 
 
 def default_holder() -> str:
@@ -301,6 +305,29 @@ class SparePool:
                     node, labels={POOL_LABEL: POOL_RETIRED}, annotations={CLAIMED_BY_ANNOTATION: None}
                 )
 
+    def quarantine(self, node: str, *, code: str, reason: str, incident_id: str) -> None:
+        """Label the node ``gpufleet.io/quarantine=<code>`` (never a spare, never returned until
+        released), with the reason in words beside it."""
+        self._kube.update_metadata(
+            node,
+            labels={QUARANTINE_LABEL: code},
+            annotations={QUARANTINE_REASON_ANNOTATION: f"{reason} (incident {incident_id})"},
+        )
+
+    def quarantined(self) -> list[KubeNode]:
+        """The nodes of this cluster that are quarantined."""
+        return [n for n in self._kube.list_nodes(label_selector=QUARANTINE_LABEL) if self._of_this_cluster(n)]
+
+    def release_quarantine(self, node: str) -> bool:
+        """Take the quarantine off a node (False when it had none); it may then be returned."""
+        current = self._kube.get_node(node)
+        if QUARANTINE_LABEL not in current.labels:
+            return False
+        self._kube.update_metadata(
+            node, labels={QUARANTINE_LABEL: None}, annotations={QUARANTINE_REASON_ANNOTATION: None}
+        )
+        return True
+
     def return_node(self, node: str, *, as_: str) -> None:
         """Bring a repaired node back, as a warm spare (``as_="spare"``) or for training (``"training"``).
 
@@ -309,6 +336,13 @@ class SparePool:
         """
         if as_ not in (POOL_SPARE, POOL_TRAINING):
             raise InvalidInput(f"a node returns as {POOL_SPARE!r} or {POOL_TRAINING!r}, not {as_!r}")
+        with contextlib.suppress(NotFound):
+            labels = self._kube.get_node(node).labels
+            if QUARANTINE_LABEL in labels:
+                raise NotOwned(
+                    f"{node} is quarantined ({QUARANTINE_LABEL}={labels[QUARANTINE_LABEL]}): not returning it; "
+                    f"`gpufleet nodes release {node}` first, once it is really repaired"
+                )
         info = self._slurm.node(node)
         if (info.drained or info.state in _OUT_OF_SERVICE) and not owned_reason(info.reason):
             raise NotOwned(

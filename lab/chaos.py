@@ -625,11 +625,12 @@ async def chaos(home: Path, *, short: bool, say: Say, only: set[str] | None = No
     lab = FleetLab(home, config)
     lab.up(say=say)
     # Evictions a budget forbids are forced after 5 s here (60 s by default), to keep the run short;
-    # the partition has two nodes, each hit in turn, so the fleet guard's share limit is off here
-    # (the storm scenario runs the default guard in a four-node lab of its own).
+    # the partition has two nodes, each hit again and again (returned between scenarios), so the
+    # fleet guard's share limit and its lemon rules are off here (the storm scenario runs the
+    # default guard in a four-node lab of its own).
     lab.policy_file.write_text(
         lab.policy_file.read_text().replace("remediation:\n", "remediation:\n  eviction_timeout_seconds: 5\n")
-        + "guard:\n  max_share: 1.0\n"
+        + "guard:\n  max_share: 1.0\n  cooldown_seconds: 0\n  quarantine_after: 0\n"
     )
     ctx = Context(lab=lab, say=say)
     results: list[dict[str, Any]] = []

@@ -7,6 +7,8 @@ from temporalio.common import SearchAttributeKey
 REMEDIATION_WORKFLOW = "NodeRemediationWorkflow"
 RETURN_NODE_WORKFLOW = "ReturnNodeWorkflow"
 GUARD_WORKFLOW = "FleetGuardWorkflow"
+QUARANTINED_NODES_WORKFLOW = "QuarantinedNodesWorkflow"
+RELEASE_NODE_WORKFLOW = "ReleaseNodeWorkflow"
 # The guard's signals: an incident asks for a slot, gives it back, is let past the breaker by a
 # person; a person resets the breaker, pauses or resumes. The guard answers an incident with
 # GUARD_DECISION_SIGNAL.
@@ -17,6 +19,9 @@ GUARD_RESET_SIGNAL = "reset"
 GUARD_PAUSE_SIGNAL = "pause"
 GUARD_RESUME_SIGNAL = "resume"
 GUARD_DECISION_SIGNAL = "guard_decision"
+# A node came back to service (`gpufleet nodes return`), or was released from quarantine.
+GUARD_RETURNED_SIGNAL = "returned"
+GUARD_FORGIVE_SIGNAL = "forgive"
 # Nodes labelled so get a notification and a recorded incident, nothing more.
 REMEDIATION_LABEL = "gpufleet.io/remediation"
 REMEDIATION_DISABLED = "disabled"
@@ -65,6 +70,10 @@ def return_workflow_id(cluster: str, node: str) -> str:
     return f"return-{cluster}-{node}"
 
 
+def release_workflow_id(cluster: str, node: str) -> str:
+    return f"release-{cluster}-{node}"
+
+
 def drain_reason(*, event: str, action: str, incident_id: str) -> str:
     """The Slurm drain reason that marks a node as drained by this incident, for this action.
 
@@ -99,6 +108,10 @@ def held_by_someone_else(reason: str) -> bool:
 # The spare pool: which cluster a Node serves, nodes kept out of every pool, retired nodes.
 CLUSTER_LABEL = "gpufleet.io/cluster"
 QUARANTINE_LABEL = "gpufleet.io/quarantine"
+QUARANTINE_REASON_ANNOTATION = "gpufleet.io/quarantine-reason"
+# Label values (short, label-safe) for why a node was quarantined.
+QUARANTINE_REPEAT = "repeat-failures"
+QUARANTINE_COOLDOWN = "failed-in-cooldown"
 RETIRED_TAINT = "gpufleet.io/retired"
 # Set on a claimed spare when the claim itself put it into this Slurm partition (release takes it out).
 CLAIM_PARTITION_ANNOTATION = "gpufleet.io/claim-partition"

@@ -19,24 +19,37 @@ class SlotRequest(BaseModel):
     workflow_id: str
     node: str
     action: str = ""
-    # Set by the guard when the request arrives.
+    # Set by the guard when the request arrives, with the quarantine its node has earned, if any.
     asked_at: datetime | None = None
+    quarantine: str = ""
+    quarantine_why: str = ""
 
 
 class GuardDecision(BaseModel):
-    """The guard's answer to an incident: go on, or wait (and why)."""
+    """The guard's answer to an incident: go on, or wait (and why); and whether its node is a
+    lemon to quarantine once the incident has taken it out (``quarantine``: the label value)."""
 
     incident_id: str
     granted: bool
     why: str = ""
+    quarantine: str = ""
+    quarantine_why: str = ""
 
 
 class GuardCommand(BaseModel):
-    """An operator's or incident's word to the guard: who, why, for which incident."""
+    """An operator's or incident's word to the guard: who, why, for which incident or node."""
 
     incident_id: str = ""
+    node: str = ""
     by: str = ""
     reason: str = ""
+
+
+class NodeRecord(BaseModel):
+    """A node's recent incidents and its last return to service (for cooldown and quarantine)."""
+
+    incidents: list[datetime] = Field(default_factory=list)
+    returned_at: datetime | None = None
 
 
 class WindowEntry(BaseModel):
@@ -51,7 +64,9 @@ class GuardEvent(BaseModel):
     """One guard decision, for `gpufleet breaker status` and the Temporal UI."""
 
     at: datetime
-    event: str  # granted | waiting | tripped | paged | released | approved | reset | paused | resumed | reaped
+    # granted | waiting | tripped | paged | released | approved | reset | paused | resumed | reaped
+    # | lemon | returned | forgiven
+    event: str
     incident_id: str = ""
     node: str = ""
     detail: str = ""
@@ -73,6 +88,7 @@ class GuardState(BaseModel):
     paused_by: str = ""
     paused_reason: str = ""
     pages: int = 0
+    nodes: dict[str, NodeRecord] = Field(default_factory=dict)
     # Messages handled so far (a caller that signals can wait for this to pass what it saw).
     handled: int = 0
     log: list[GuardEvent] = Field(default_factory=list)

@@ -152,6 +152,11 @@ class IncidentStatus(BaseModel):
     guard_slot: bool = False
     # A dry run: every step recorded as it would have been done; nothing changed, nobody notified.
     dry_run: bool = False
+    # Why the node is to be quarantined once this incident has taken it out ("" when it is not),
+    # the label value, and whether it has been.
+    quarantine: str = ""
+    quarantine_label: str = ""
+    quarantined: bool = False
     notifications: list[NotificationRecord] = Field(default_factory=list)
     timeline: list[TimelineEntry] = Field(default_factory=list)
     error: str | None = None

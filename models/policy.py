@@ -117,6 +117,12 @@ class GuardSettings(BaseModel):
     # (a rejection leaves the node drained), and how often the owner is reminded meanwhile.
     require_approval: list[Action] = Field(default_factory=list)
     approval_reminder_seconds: float = Field(default=3600.0, gt=0, le=7 * 86400)
+    # Lemons: a node that fails again within the cooldown after it was returned to service, or
+    # that has this many incidents within the window, is quarantined once its incident has taken
+    # it out (label gpufleet.io/quarantine; never a spare, not returned until released). 0: off.
+    cooldown_seconds: float = Field(default=86400.0, ge=0, le=90 * 86400)
+    quarantine_after: int = Field(default=3, ge=0, le=1000)
+    quarantine_window_seconds: float = Field(default=7 * 86400.0, gt=0, le=365 * 86400)
 
     @field_validator("require_approval")
     @classmethod

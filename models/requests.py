@@ -130,6 +130,25 @@ class NotifyRequest(BaseModel):
     guard: GuardStatus | None = None
 
 
+class QuarantineRequest(BaseModel):
+    node: str
+    code: str  # the gpufleet.io/quarantine label value
+    reason: str
+    incident_id: str
+
+
+class QuarantinedNode(BaseModel):
+    node: str
+    code: str
+    reason: str = ""
+
+
+class ReleaseNodeRequest(BaseModel):
+    node: str
+    by: str = ""
+    reason: str = ""
+
+
 class ReturnNodeRequest(BaseModel):
     node: str
     # "spare" (back into the warm pool, outside the partition) or "training" (into the partition).

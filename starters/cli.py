@@ -10,7 +10,7 @@ import os
 import re
 import time
 from contextlib import nullcontext
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -25,9 +25,12 @@ from models.constants import (
     GUARD_RESET_SIGNAL,
     GUARD_RESUME_SIGNAL,
     GUARD_WORKFLOW,
+    QUARANTINED_NODES_WORKFLOW,
+    RELEASE_NODE_WORKFLOW,
     REMEDIATION_WORKFLOW,
     RETURN_NODE_WORKFLOW,
     guard_workflow_id,
+    release_workflow_id,
     remediation_workflow_id,
     return_workflow_id,
     task_queue,
@@ -35,7 +38,7 @@ from models.constants import (
 from models.guard import GuardCommand, GuardInput, GuardStatus
 from models.incident import Approval, IncidentStatus, Outcome, Step, seen
 from models.names import InvalidName, validate_cluster_name, validate_node_name
-from models.requests import ReturnNodeRequest
+from models.requests import QuarantinedNode, ReleaseNodeRequest, ReturnNodeRequest
 from models.settings import Settings
 from models.xid import XidEvent
 from starters.chart import write_chart
@@ -453,6 +456,73 @@ def nodes_return(
                 id=return_workflow_id(this_cluster, node),
                 task_queue=task_queue(this_cluster),
                 result_type=str,
+            )
+        except WorkflowFailureError as exc:
+            cause = exc.cause
+            fail(str(getattr(cause, "message", cause)))
+        return result
+
+    console.print(run_async(go()))
+
+
+@nodes_app.command("quarantined")
+def nodes_quarantined(
+    cluster: Annotated[str | None, typer.Option(help="Cluster name (default: $GPUFLEET_CLUSTER or 'lab').")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON array for scripts.")] = False,
+) -> None:
+    """List the quarantined nodes ("lemons": never spares, not returned until released), and why."""
+    try:
+        this_cluster = validate_cluster_name(cluster or Settings().cluster)
+    except InvalidName as exc:
+        fail(str(exc), code=2)
+
+    async def go() -> list[QuarantinedNode]:
+        client = await _client()
+        nodes: list[QuarantinedNode] = await client.execute_workflow(
+            QUARANTINED_NODES_WORKFLOW,
+            id=f"quarantined-{this_cluster}-{int(time.time() * 1000)}",
+            task_queue=task_queue(this_cluster),
+            result_type=list[QuarantinedNode],
+            execution_timeout=timedelta(minutes=2),
+        )
+        return nodes
+
+    nodes = run_async(go())
+    if as_json:
+        print(json.dumps([node.model_dump() for node in nodes]))
+        return
+    if not nodes:
+        console.print(f"cluster {this_cluster}: no quarantined nodes")
+        return
+    table = Table("node", "quarantine", "why")
+    for node in nodes:
+        table.add_row(node.node, node.code, node.reason)
+    console.print(table)
+
+
+@nodes_app.command("release")
+def nodes_release(
+    node: Annotated[str, typer.Argument(help="A quarantined node, once it is really repaired.")],
+    reason: Annotated[str, typer.Option(help="Why, for the record.")] = "",
+    cluster: Annotated[str | None, typer.Option(help="Cluster name (default: $GPUFLEET_CLUSTER or 'lab').")] = None,
+) -> None:
+    """Take a node out of quarantine (its incident record starts again); then `gpufleet nodes return` it."""
+    try:
+        this_cluster = validate_cluster_name(cluster or Settings().cluster)
+        validate_node_name(node)
+    except InvalidName as exc:
+        fail(str(exc), code=2)
+
+    async def go() -> str:
+        client = await _client()
+        try:
+            result: str = await client.execute_workflow(
+                RELEASE_NODE_WORKFLOW,
+                ReleaseNodeRequest(node=node, by=_who(), reason=reason),
+                id=release_workflow_id(this_cluster, node),
+                task_queue=task_queue(this_cluster),
+                result_type=str,
+                execution_timeout=timedelta(minutes=2),
             )
         except WorkflowFailureError as exc:
             cause = exc.cause

@@ -27,7 +27,7 @@ from models.policy import PolicyError
 from models.requests import WorkerConfig
 from models.settings import Settings
 from workflows.guard import FleetGuardWorkflow
-from workflows.nodes import ReturnNodeWorkflow
+from workflows.nodes import QuarantinedNodesWorkflow, ReleaseNodeWorkflow, ReturnNodeWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
 log = logging.getLogger("gpufleet.worker")
@@ -89,6 +89,9 @@ def build_activities(settings: Settings) -> list[Any]:
         spare_acts.release_spare,
         spare_acts.retire_node,
         spare_acts.return_node,
+        spare_acts.quarantine_node,
+        spare_acts.quarantined_nodes,
+        spare_acts.release_quarantine,
         notify_acts.notify,
         policy_acts.worker_config,
         policy_acts.classify,
@@ -112,7 +115,13 @@ async def run_worker(client: Client, settings: Settings, *, stop: asyncio.Event 
         worker = Worker(
             client,
             task_queue=queue,
-            workflows=[NodeRemediationWorkflow, ReturnNodeWorkflow, FleetGuardWorkflow],
+            workflows=[
+                NodeRemediationWorkflow,
+                FleetGuardWorkflow,
+                ReturnNodeWorkflow,
+                QuarantinedNodesWorkflow,
+                ReleaseNodeWorkflow,
+            ],
             activities=activities,
             activity_executor=executor,
             max_concurrent_activities=64,

@@ -32,12 +32,16 @@ with workflow.unsafe.imports_passed_through():
     from models.constants import (
         GUARD_ADMIT_SIGNAL,
         GUARD_DECISION_SIGNAL,
+        GUARD_FORGIVE_SIGNAL,
         GUARD_PAUSE_SIGNAL,
         GUARD_RELEASE_SIGNAL,
         GUARD_REQUEST_SIGNAL,
         GUARD_RESET_SIGNAL,
         GUARD_RESUME_SIGNAL,
+        GUARD_RETURNED_SIGNAL,
         GUARD_WORKFLOW,
+        QUARANTINE_COOLDOWN,
+        QUARANTINE_REPEAT,
     )
     from models.guard import (
         GUARD_LOG_SIZE,
@@ -47,6 +51,7 @@ with workflow.unsafe.imports_passed_through():
         GuardInput,
         GuardState,
         GuardStatus,
+        NodeRecord,
         SlotRequest,
         WindowEntry,
     )
@@ -108,6 +113,14 @@ class FleetGuardWorkflow:
     def resume(self, command: GuardCommand) -> None:
         self._inbox.append((GUARD_RESUME_SIGNAL, command))
 
+    @workflow.signal(name=GUARD_RETURNED_SIGNAL)
+    def returned(self, command: GuardCommand) -> None:
+        self._inbox.append((GUARD_RETURNED_SIGNAL, command))
+
+    @workflow.signal(name=GUARD_FORGIVE_SIGNAL)
+    def forgive(self, command: GuardCommand) -> None:
+        self._inbox.append((GUARD_FORGIVE_SIGNAL, command))
+
     @workflow.query
     def status(self) -> GuardStatus:
         return GuardStatus(
@@ -168,6 +181,13 @@ class FleetGuardWorkflow:
         elif kind == GUARD_PAUSE_SIGNAL:
             state.paused, state.paused_by, state.paused_reason = True, message.by, message.reason
             self._log("paused", detail=f"by {who}")
+        elif kind == GUARD_RETURNED_SIGNAL and message.node:
+            record = state.nodes.setdefault(message.node, NodeRecord())
+            record.returned_at = workflow.now()
+            self._log("returned", detail=f"{message.node} back in service; cooldown starts")
+        elif kind == GUARD_FORGIVE_SIGNAL and message.node:
+            state.nodes.pop(message.node, None)
+            self._log("forgiven", detail=f"{message.node} released from quarantine by {who}; its record starts again")
         elif kind == GUARD_RESUME_SIGNAL and state.paused:
             state.paused, state.paused_by, state.paused_reason = False, "", ""
             self._log("resumed", detail=f"by {who}")
@@ -175,13 +195,18 @@ class FleetGuardWorkflow:
     async def _decide(self, request: SlotRequest) -> None:
         """Grant a slot, or make the incident wait (tripping the breaker when over a limit)."""
         state = self._state
-        if any(r.incident_id == request.incident_id for r in state.in_flight):
-            await self._answer(request, granted=True, why="slot already granted")  # an activity retried
+        held = next((r for r in state.in_flight if r.incident_id == request.incident_id), None)
+        if held is not None:
+            await self._answer(held, granted=True, why="slot already granted")  # an activity retried
             return
-        if any(r.incident_id == request.incident_id for r in state.waiting):
-            await self._answer(request, granted=False, why=self._holding_why())
+        queued = next((r for r in state.waiting if r.incident_id == request.incident_id), None)
+        if queued is not None:
+            await self._answer(queued, granted=False, why=self._holding_why())
             return
-        request = request.model_copy(update={"asked_at": workflow.now()})
+        code, why = self._lemon(request.node)
+        request = request.model_copy(update={"asked_at": workflow.now(), "quarantine": code, "quarantine_why": why})
+        if code:
+            self._log("lemon", request, why)
         if state.paused or state.tripped:
             state.waiting.append(request)
             self._log("waiting", request, self._holding_why())
@@ -201,6 +226,26 @@ class FleetGuardWorkflow:
         in_flight = len(state.in_flight)
         self._log("granted", request, f"{in_flight} of {self._limits.max_in_flight} in flight")
         await self._answer(request, granted=True, why=f"slot {in_flight} of {self._limits.max_in_flight}")
+
+    def _lemon(self, node: str) -> tuple[str, str]:
+        """Record an incident on the node; the quarantine it has earned (label value, why), if any."""
+        limits, now = self._limits, workflow.now()
+        record = self._state.nodes.setdefault(node, NodeRecord())
+        since = now - timedelta(seconds=limits.quarantine_window_seconds)
+        record.incidents = [at for at in record.incidents if at >= since] + [now]
+        if limits.cooldown_seconds and record.returned_at is not None:
+            back = (now - record.returned_at).total_seconds()
+            if back < limits.cooldown_seconds:
+                return QUARANTINE_COOLDOWN, (
+                    f"failed again {back / 3600:.1f} h after it was returned to service "
+                    f"(cooldown {limits.cooldown_seconds / 3600:g} h)"
+                )
+        if limits.quarantine_after and len(record.incidents) >= limits.quarantine_after:
+            return QUARANTINE_REPEAT, (
+                f"{len(record.incidents)} incidents within {limits.quarantine_window_seconds / 86400:g} days "
+                f"(quarantined from {limits.quarantine_after})"
+            )
+        return "", ""
 
     async def _over_limit(self, request: SlotRequest) -> str:
         """Why one more incident would be too many ("" when it is not)."""
@@ -286,7 +331,13 @@ class FleetGuardWorkflow:
         )
 
     async def _answer(self, request: SlotRequest, *, granted: bool, why: str) -> None:
-        decision = GuardDecision(incident_id=request.incident_id, granted=granted, why=why)
+        decision = GuardDecision(
+            incident_id=request.incident_id,
+            granted=granted,
+            why=why,
+            quarantine=request.quarantine,
+            quarantine_why=request.quarantine_why,
+        )
         handle = workflow.get_external_workflow_handle(request.workflow_id)
         try:
             await handle.signal(GUARD_DECISION_SIGNAL, decision)

@@ -41,6 +41,7 @@ with workflow.unsafe.imports_passed_through():
         GUARD_DECISION_SIGNAL,
         GUARD_RELEASE_SIGNAL,
         POOL_RETIRED,
+        QUARANTINE_LABEL,
         REMEDIATION_DISABLED,
         REMEDIATION_LABEL,
         REMEDIATION_WORKFLOW,
@@ -76,6 +77,7 @@ with workflow.unsafe.imports_passed_through():
         KubeDrainRequest,
         NodeFacts,
         NotifyRequest,
+        QuarantineRequest,
         RequeueJobRequest,
         ResumeCheck,
         ResumeCheckRequest,
@@ -149,6 +151,8 @@ class NodeRemediationWorkflow:
         self._guarded = False
         self._dry = params.dry_run
         self._asked_guard = False
+        # A continued run is past the drain already.
+        self._took_node = params.carried is not None and not params.dry_run
         self._guard_decision: GuardDecision | None = None
         if params.carried is not None:
             self._status = params.carried.status
@@ -200,9 +204,12 @@ class NodeRemediationWorkflow:
 
     @workflow.signal(name=GUARD_DECISION_SIGNAL)
     def guard_decision(self, decision: GuardDecision) -> None:
-        """The fleet guard's answer: a slot, or wait (and why)."""
+        """The fleet guard's answer: a slot, or wait (and why); and whether the node is a lemon."""
         if decision.incident_id == self._status.incident_id:
             self._guard_decision = decision
+            if decision.quarantine:
+                self._status.quarantine = decision.quarantine_why
+                self._status.quarantine_label = decision.quarantine
 
     @workflow.query
     def status(self) -> IncidentStatus:
@@ -351,6 +358,7 @@ class NodeRemediationWorkflow:
             summary=f"drain {params.node} in Slurm",
         )
         self._done(Step.DRAIN_SLURM, f"state={node.state} reason={node.reason!r}")
+        self._took_node = not self._dry
         # Someone else drained it since we looked: theirs until they say otherwise, as above.
         if (
             held_by_someone_else(node.reason)
@@ -783,6 +791,30 @@ class NodeRemediationWorkflow:
         await self._close()
         return False
 
+    async def _quarantine(self) -> None:
+        """A lemon this incident took out of service stays out: labelled quarantined."""
+        status = self._status
+        if not (status.quarantine_label and self._took_node) or status.quarantined:
+            return
+        await self._activity(
+            SpareActivities.quarantine_node,
+            QuarantineRequest(
+                node=self._input.node,
+                code=status.quarantine_label,
+                reason=status.quarantine,
+                incident_id=status.incident_id,
+            ),
+            summary=f"quarantine {self._input.node}",
+            timeout=SPARE_STEP,
+        )
+        status.quarantined = True
+        self._mark(status.step, "quarantined", f"{QUARANTINE_LABEL}={status.quarantine_label}: {status.quarantine}")
+        self._notify(
+            "quarantined",
+            f"{self._who()}: {self._input.node} is quarantined ({status.quarantine}): never a spare, and "
+            f"`gpufleet nodes return` refuses it until `gpufleet nodes release {self._input.node}`.",
+        )
+
     async def _release_slot(self, why: str) -> None:
         """Give the fleet guard its slot back (or stop waiting for one)."""
         status = self._status
@@ -903,6 +935,7 @@ class NodeRemediationWorkflow:
         self._status.timeline.append(TimelineEntry(step=step, event=event, at=workflow.now(), detail=detail))
 
     async def _close(self) -> None:
+        await self._quarantine()
         await self._release_slot(self._status.outcome.value)
         self._enter(Step.CLOSED)
         self._mark(Step.CLOSED, self._status.outcome.value)

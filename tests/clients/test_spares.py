@@ -221,6 +221,21 @@ def test_return_node_as_a_spare(pool: Pool) -> None:
     assert "gpu3" in slurm.partition_nodes("train")
 
 
+def test_a_quarantined_node_is_never_returned_nor_a_spare_until_released(pool: Pool) -> None:
+    spares, kube, slurm = pool
+    _failed_and_retired(spares, kube, slurm, reason=OUR_REASON)
+    spares.quarantine("gpu3", code="repeat-failures", reason="3 incidents within 7 days", incident_id="lab-gpu3-1")
+    assert [node.name for node in spares.quarantined()] == ["gpu3"]
+    with pytest.raises(NotOwned, match="quarantined.*gpufleet nodes release gpu3"):
+        spares.return_node("gpu3", as_="spare")
+    node = kube.get_node("gpu3")
+    assert node.labels["gpufleet.io/pool"] == "retired" and node.unschedulable  # left as it was
+    assert node.annotations["gpufleet.io/quarantine-reason"] == "3 incidents within 7 days (incident lab-gpu3-1)"
+    assert spares.release_quarantine("gpu3") and not spares.release_quarantine("gpu3")
+    spares.return_node("gpu3", as_="spare")
+    assert kube.get_node("gpu3").labels["gpufleet.io/pool"] == "spare" and not spares.quarantined()
+
+
 def test_return_node_leaves_a_node_drained_by_someone_else_alone(pool: Pool, slurm_lab: SlurmLab) -> None:
     spares, kube, slurm = pool
     _failed_and_retired(spares, kube, slurm, reason=OPS_REASON)

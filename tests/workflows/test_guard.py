@@ -25,9 +25,11 @@ from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
 from models.constants import (
+    GUARD_FORGIVE_SIGNAL,
     GUARD_PAUSE_SIGNAL,
     GUARD_RESET_SIGNAL,
     GUARD_RESUME_SIGNAL,
+    GUARD_RETURNED_SIGNAL,
     GUARD_WORKFLOW,
     REMEDIATION_DISABLED,
     REMEDIATION_LABEL,
@@ -325,3 +327,32 @@ async def test_a_dry_run_records_every_step_and_asks_each_activity_to_change_not
     assert not any(e.step == Step.GUARD and e.event == "finished" for e in status.timeline)  # no slot taken
     with pytest.raises(RPCError, match="not found"):
         await guard(env.client, fleet).describe()  # a dry run never starts (or asks) the fleet guard
+
+
+async def test_a_node_with_repeated_incidents_is_quarantined_and_released(env: WorkflowEnvironment) -> None:
+    fleet = guarded(quarantine_after=2, cooldown_seconds=0)
+    async with running(env, fleet):
+        first = await (await start(env.client, fleet, node="gpu1")).result()
+        second = await (await start(env.client, fleet, node="gpu1")).result()
+        await tell(env.client, fleet, GUARD_FORGIVE_SIGNAL)  # no node: nothing to forgive
+        await guard(env.client, fleet).signal(GUARD_FORGIVE_SIGNAL, GuardCommand(node="gpu1", by="ops"))
+        third = await (await start(env.client, fleet, node="gpu1")).result()
+    assert not first.quarantine and not first.quarantined
+    assert second.quarantined and "2 incidents within 7 days" in second.quarantine
+    assert fleet.quarantined == {"gpu1": "repeat-failures"}
+    [message] = [n for n in fleet.notifications if n.kind == "quarantined"]
+    assert "gpufleet nodes release gpu1" in message.text
+    assert not third.quarantined  # released: its record starts again
+
+
+async def test_a_node_failing_again_within_its_cooldown_is_quarantined(env: WorkflowEnvironment) -> None:
+    fleet = guarded(quarantine_after=0, cooldown_seconds=3600)
+    async with running(env, fleet, manual_clock=True):
+        await (await start(env.client, fleet, node="gpu1")).result()
+        await guard(env.client, fleet).signal(GUARD_RETURNED_SIGNAL, GuardCommand(node="gpu1"))  # as `nodes return`
+        await env.sleep(timedelta(minutes=30))
+        again = await (await start(env.client, fleet, node="gpu1")).result()
+        other = await (await start(env.client, fleet, node="gpu2")).result()
+    assert again.quarantined and again.quarantine.startswith("failed again 0.5 h after it was returned")
+    assert fleet.quarantined == {"gpu1": "failed-in-cooldown"}
+    assert not other.quarantined

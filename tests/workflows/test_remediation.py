@@ -41,6 +41,7 @@ from models.requests import (
     KubeDrainResult,
     NodeFacts,
     NotifyRequest,
+    QuarantineRequest,
     RequeueJobRequest,
     ResumeCheck,
     ResumeCheckRequest,
@@ -78,6 +79,7 @@ class Fleet:
     partition_size: int = 4
     drained: list[str] = field(default_factory=list)  # nodes drained in Slurm, in order
     writes: list[Any] = field(default_factory=list)  # every request of an activity that changes the fleet
+    quarantined: dict[str, str] = field(default_factory=dict)  # node: gpufleet.io/quarantine value
     notify_gate: asyncio.Event | None = None  # set: the webhook answers; None: it answers at once
     notify_refuses: bool = False
     retire_fails: bool = False
@@ -209,6 +211,11 @@ class Fleet:
             fleet.calls.append("claim_spare")
             return "spare1" if fleet.spare_free else None
 
+        @activity.defn(name="quarantine_node")
+        async def quarantine(request: QuarantineRequest) -> None:
+            fleet.writes.append(request)
+            fleet.quarantined[request.node] = request.code
+
         @activity.defn(name="release_spare")
         async def release(request: ClaimRequest) -> str | None:
             fleet.calls.append("release_spare")
@@ -244,6 +251,7 @@ class Fleet:
             claim,
             release,
             resumed,
+            quarantine,
         ]
 
 
