@@ -226,7 +226,7 @@ def test_a_quarantined_node_is_never_returned_nor_a_spare_until_released(pool: P
     _failed_and_retired(spares, kube, slurm, reason=OUR_REASON)
     spares.quarantine("gpu3", code="repeat-failures", reason="3 incidents within 7 days", incident_id="lab-gpu3-1")
     assert [node.name for node in spares.quarantined()] == ["gpu3"]
-    with pytest.raises(NotOwned, match="quarantined.*gpufleet nodes release gpu3"):
+    with pytest.raises(NotOwned, match=r"quarantined.*gpufleet nodes release gpu3"):
         spares.return_node("gpu3", as_="spare")
     node = kube.get_node("gpu3")
     assert node.labels["gpufleet.io/pool"] == "retired" and node.unschedulable  # left as it was
