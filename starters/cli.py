@@ -672,34 +672,59 @@ def breaker_reset(
     console.print(f"cluster {name}: breaker closed; {waiting} incident(s) waiting go on as slots free up.")
 
 
+async def _guarded_clusters(client: Client) -> list[str]:
+    """The clusters whose fleet guard runs now (every cluster that has had an incident or a pause)."""
+    prefix = guard_workflow_id("")
+    found = []
+    async for execution in client.list_workflows(f"WorkflowType='{GUARD_WORKFLOW}' AND ExecutionStatus='Running'"):
+        found.append(execution.id.removeprefix(prefix))
+    return sorted(set(found))
+
+
+def _pause_or_resume(cluster: str | None, all_clusters: bool, *, signal: str, reason: str) -> dict[str, Any]:
+    """Tell one cluster's guard, or every running one and the configured cluster's; their states."""
+
+    async def go() -> dict[str, Any]:
+        client = await _client()
+        names = [_cluster(cluster)]
+        if all_clusters:
+            names = sorted({*names, *await _guarded_clusters(client)})
+        command = GuardCommand(by=_who(), reason=reason)
+        return {name: await _tell_guard(name, signal, command, start=signal == GUARD_PAUSE_SIGNAL) for name in names}
+
+    result: dict[str, Any] = run_async(go())
+    return result
+
+
+ALL_HELP = "Every cluster with a fleet guard (and the configured one), not one."
+
+
 @app.command()
 def pause(
     cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
+    all_clusters: Annotated[bool, typer.Option("--all", help=ALL_HELP)] = False,
     reason: Annotated[str, typer.Option(help="Why, for the guard's record and `breaker status`.")] = "",
 ) -> None:
-    """Stop new destructive steps in the cluster: new incidents are recorded and wait, changing nothing."""
-    name = _cluster(cluster)
-
-    async def go() -> GuardStatus | None:
-        return await _tell_guard(name, GUARD_PAUSE_SIGNAL, GuardCommand(by=_who(), reason=reason), start=True)
-
-    run_async(go())
-    console.print(f"cluster {name}: paused. Incidents in flight go on; new ones wait. `gpufleet resume` to go on.")
+    """Stop new destructive steps in the cluster (or, with --all, the whole fleet): new incidents
+    are recorded and wait, changing nothing; incidents in flight go on."""
+    if cluster is not None and all_clusters:
+        fail("give --cluster or --all, not both", code=2)
+    for name in _pause_or_resume(cluster, all_clusters, signal=GUARD_PAUSE_SIGNAL, reason=reason):
+        console.print(f"cluster {name}: paused. Incidents in flight go on; new ones wait. `gpufleet resume` to go on.")
 
 
 @app.command()
 def resume(
     cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
+    all_clusters: Annotated[bool, typer.Option("--all", help=ALL_HELP)] = False,
     reason: Annotated[str, typer.Option(help="Why, for the guard's record.")] = "",
 ) -> None:
     """Undo `gpufleet pause`: waiting incidents go on as slots free up."""
-    name = _cluster(cluster)
-
-    async def go() -> GuardStatus | None:
-        return await _tell_guard(name, GUARD_RESUME_SIGNAL, GuardCommand(by=_who(), reason=reason), start=False)
-
-    status = run_async(go())
-    if status is None:
-        console.print(f"cluster {name}: not paused (no fleet guard runs yet).")
-        return
-    console.print(f"cluster {name}: resumed; {len(status.state.waiting)} incident(s) waiting go on as slots free up.")
+    if cluster is not None and all_clusters:
+        fail("give --cluster or --all, not both", code=2)
+    for name, status in _pause_or_resume(cluster, all_clusters, signal=GUARD_RESUME_SIGNAL, reason=reason).items():
+        if status is None:
+            console.print(f"cluster {name}: not paused (no fleet guard runs yet).")
+        else:
+            waiting = len(status.state.waiting)
+            console.print(f"cluster {name}: resumed; {waiting} incident(s) waiting go on as slots free up.")

@@ -168,7 +168,8 @@ def test_breaker_status_pause_and_resume_from_the_cli(fleet: FleetLab) -> None:
     paused = json.loads(gpufleet(fleet, "breaker", "status", "--json").stdout)["state"]
     assert paused["paused"] and paused["paused_reason"] == "driver roll-out"
     assert "PAUSED" in gpufleet(fleet, "breaker", "status").stdout
-    assert gpufleet(fleet, "resume").returncode == 0
+    resumed = gpufleet(fleet, "resume", "--all")  # every cluster with a guard: here, the lab's
+    assert resumed.returncode == 0 and "cluster lab: resumed" in resumed.stdout, resumed.stdout + resumed.stderr
     assert not json.loads(gpufleet(fleet, "breaker", "status", "--json").stdout)["state"]["paused"]
     reset = gpufleet(fleet, "breaker", "reset", "--reason", "nothing tripped")
     assert reset.returncode == 0 and "breaker closed" in reset.stdout
