@@ -10,13 +10,14 @@ from temporalio.exceptions import ApplicationError
 from activities.errors import client_errors
 from activities.heartbeat import heartbeating
 from clients.dryrun import dry_run
-from clients.slurm import SlurmClient
+from clients.slurm import SlurmClient, owned_reason
 from models.incident import JobInfo, JobRequeue, NodeInfo, RequeueOutcome
 from models.requests import (
     DrainRequest,
     RequeueJobRequest,
     ResumeCheck,
     ResumeCheckRequest,
+    ResumeNodeRequest,
     SignalJobRequest,
     SignalJobResult,
     StillRunningRequest,
@@ -76,6 +77,19 @@ class SlurmActivities:
                     return node
                 return node.model_copy(update={"flags": [*node.flags, "DRAIN"], "reason": request.reason})
             return self._slurm.drain(request.node, reason=request.reason)
+
+    @activity.defn(name="resume_slurm_node")
+    @heartbeating
+    def resume_node(self, request: ResumeNodeRequest) -> NodeInfo:
+        """Back into service after a repair in place, only while the node is drained with this
+        incident's reason (an operator's later drain, or a drain for another incident, stays)."""
+        with client_errors(), dry_run(request.dry_run):
+            node = self._slurm.node(request.node)
+            ours = owned_reason(node.reason) and request.incident_id in node.reason
+            if not (node.drained or node.state in {"down", "drained"}) or not ours or request.dry_run:
+                return node
+            self._slurm.resume(request.node)
+            return self._slurm.node(request.node)
 
     @activity.defn(name="jobs_on_node")
     @heartbeating

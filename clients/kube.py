@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
@@ -81,6 +82,8 @@ class KubeClient(Protocol):
     def pods_on_node(self, name: str) -> list[PodRef]: ...
     def evict(self, pod: PodRef, *, timeout_seconds: float, progress: Progress | None = None) -> str: ...
     def delete_node(self, name: str) -> None: ...
+    def create_job(self, namespace: str, body: dict[str, Any]) -> bool: ...
+    def job_state(self, namespace: str, name: str) -> JobState: ...
     def lease(self, name: str, *, namespace: str, holder: str) -> AbstractContextManager[object]: ...
 
 
@@ -150,6 +153,18 @@ def checked_namespace(namespace: str) -> str:
     return namespace
 
 
+@dataclass(frozen=True)
+class JobState:
+    finished: bool
+    succeeded: bool
+    message: str = ""
+
+
+class _Blank:
+    message: str | None = None
+    reason: str | None = None
+
+
 class KubernetesApi:
     """KubeClient over ``kubernetes.client.CoreV1Api``, from a kubeconfig or in-cluster config."""
 
@@ -167,6 +182,7 @@ class KubernetesApi:
         api_client = k8s.ApiClient(configuration)
         self._api = k8s.CoreV1Api(api_client)
         self._coordination = k8s.CoordinationV1Api(api_client)
+        self._batch = k8s.BatchV1Api(api_client)
         self._poll = poll_seconds
         self.host: str = configuration.host
 
@@ -289,6 +305,31 @@ class KubernetesApi:
         except NotFound:
             return "gone"
         return "deleted"
+
+    def create_job(self, namespace: str, body: dict[str, Any]) -> bool:
+        """Create a Job (False when one of that name exists already: a retry finds its own)."""
+        namespace = checked_namespace(namespace)
+        name = body["metadata"]["name"]
+        try:
+            self._call(f"create job {namespace}/{name}", self._batch.create_namespaced_job, namespace, body)
+        except Conflict:
+            return False
+        return True
+
+    def job_state(self, namespace: str, name: str) -> JobState:
+        """Whether the Job has completed or failed yet, with the reason its conditions give."""
+        job = self._call(
+            f"read job {namespace}/{name}", self._batch.read_namespaced_job, name, checked_namespace(namespace)
+        )
+        status = job.status
+        conditions = list(status.conditions or []) if status else []
+        done = {c.type: c for c in conditions if c.status == "True"}
+        if "Complete" in done or (status and (status.succeeded or 0) > 0):
+            return JobState(finished=True, succeeded=True, message=(done.get("Complete") or _Blank()).message or "")
+        if "Failed" in done or (status and (status.failed or 0) > 0):
+            failed = done.get("Failed") or _Blank()
+            return JobState(finished=True, succeeded=False, message=failed.message or failed.reason or "failed")
+        return JobState(finished=False, succeeded=False, message="running")
 
     def delete_node(self, name: str) -> None:
         name = checked_node_name(name)

@@ -108,6 +108,8 @@ def held_by_someone_else(reason: str) -> bool:
 # The spare pool: which cluster a Node serves, nodes kept out of every pool, retired nodes.
 CLUSTER_LABEL = "gpufleet.io/cluster"
 QUARANTINE_LABEL = "gpufleet.io/quarantine"
+# On the Jobs that reset a GPU or reboot a node: reset | reboot.
+REPAIR_LABEL = "gpufleet.io/repair"
 QUARANTINE_REASON_ANNOTATION = "gpufleet.io/quarantine-reason"
 # Label values (short, label-safe) for why a node was quarantined.
 QUARANTINE_REPEAT = "repeat-failures"

@@ -19,10 +19,12 @@ class SlotRequest(BaseModel):
     workflow_id: str
     node: str
     action: str = ""
-    # Set by the guard when the request arrives, with the quarantine its node has earned, if any.
+    # Set by the guard when the request arrives, with the quarantine or escalation its node has earned.
     asked_at: datetime | None = None
     quarantine: str = ""
     quarantine_why: str = ""
+    escalate_to: str = ""
+    escalate_why: str = ""
 
 
 class GuardDecision(BaseModel):
@@ -34,6 +36,10 @@ class GuardDecision(BaseModel):
     why: str = ""
     quarantine: str = ""
     quarantine_why: str = ""
+    # The least action the incident may take: its node was repaired in place within the
+    # escalation window, so this time one level more ("" when not).
+    escalate_to: str = ""
+    escalate_why: str = ""
 
 
 class GuardCommand(BaseModel):
@@ -43,13 +49,18 @@ class GuardCommand(BaseModel):
     node: str = ""
     by: str = ""
     reason: str = ""
+    # On release: the repair in place that put the node back in service, if one did.
+    repaired_by: str = ""
 
 
 class NodeRecord(BaseModel):
-    """A node's recent incidents and its last return to service (for cooldown and quarantine)."""
+    """A node's recent incidents, its last return to service (cooldown and quarantine) and its
+    last repair in place (escalation)."""
 
     incidents: list[datetime] = Field(default_factory=list)
     returned_at: datetime | None = None
+    repaired_by: str = ""
+    repaired_at: datetime | None = None
 
 
 class WindowEntry(BaseModel):

@@ -23,6 +23,8 @@ class Step(StrEnum):
     CHECKPOINT = "checkpoint"
     REQUEUE = "requeue"
     APPROVE = "approve"
+    REPAIR = "repair"
+    SETTLE = "settle"
     DRAIN_KUBERNETES = "drain_kubernetes"
     CLAIM_SPARE = "claim_spare"
     WAIT_FOR_SPARE = "wait_for_spare"
@@ -157,6 +159,8 @@ class IncidentStatus(BaseModel):
     quarantine: str = ""
     quarantine_label: str = ""
     quarantined: bool = False
+    # "ACTION: why" when the fleet guard raised the action (the node failed again soon after a repair).
+    escalated_by_guard: str = ""
     notifications: list[NotificationRecord] = Field(default_factory=list)
     timeline: list[TimelineEntry] = Field(default_factory=list)
     error: str | None = None

@@ -34,6 +34,11 @@ class Action(StrEnum):
     def severity(self) -> int:
         return list(Action).index(self)
 
+    def escalated(self) -> Action:
+        """One level more disruptive (REPLACE_NODE stays REPLACE_NODE)."""
+        order = list(Action)
+        return order[min(order.index(self) + 1, len(order) - 1)]
+
 
 DEFAULT_BUCKET_ACTIONS: dict[str, Action] = {
     "RESTART_APP": Action.OBSERVE,
@@ -123,6 +128,9 @@ class GuardSettings(BaseModel):
     cooldown_seconds: float = Field(default=86400.0, ge=0, le=90 * 86400)
     quarantine_after: int = Field(default=3, ge=0, le=1000)
     quarantine_window_seconds: float = Field(default=7 * 86400.0, gt=0, le=365 * 86400)
+    # A node that reports again within this window after a repair in place escalates one level:
+    # RESET_GPU, then REBOOT_NODE, then REPLACE_NODE.
+    escalation_window_seconds: float = Field(default=86400.0, ge=0, le=90 * 86400)
 
     @field_validator("require_approval")
     @classmethod
@@ -130,6 +138,33 @@ class GuardSettings(BaseModel):
         if Action.OBSERVE in actions:
             raise ValueError("OBSERVE changes nothing, so it needs no approval")
         return actions
+
+
+class RepairSettings(BaseModel):
+    """How RESET_GPU and REBOOT_NODE are done: a Kubernetes Job pinned to the node.
+
+    Commands are argv lists (no shell of ours); ``{gpu}`` (the event's GPU UUID or PCI address)
+    and ``{node}`` are filled in, each checked first. A repair succeeds when its Job completes
+    and no new event arrives for ``settle_seconds``; the node then goes back into service.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    namespace: str = "gpufleet"
+    reset_image: str = "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04"
+    reset_command: list[str] = Field(default_factory=lambda: ["nvidia-smi", "--gpu-reset", "-i", "{gpu}"])
+    # Privileged, in the host's PID namespace: the kernel's emergency reboot.
+    reboot_image: str = "busybox:1.36"
+    reboot_command: list[str] = Field(default_factory=lambda: ["sh", "-c", "echo b > /proc/sysrq-trigger"])
+    job_timeout_seconds: float = Field(default=600.0, gt=0, le=86400)
+    settle_seconds: float = Field(default=120.0, ge=0, le=86400)
+
+    @field_validator("reset_command", "reboot_command")
+    @classmethod
+    def _not_empty(cls, command: list[str]) -> list[str]:
+        if not command or not all(isinstance(part, str) and part for part in command):
+            raise ValueError("a command is a non-empty list of non-empty strings (argv, no shell)")
+        return command
 
 
 class Policy(BaseModel):
@@ -151,8 +186,10 @@ class Policy(BaseModel):
     xid_154_default: Action = Action.RESET_GPU
     # The worker's side of the same file: grace, timeouts, what to do with owners' nodes...
     remediation: RemediationSettings = Field(default_factory=RemediationSettings)
-    # ... and how much of the cluster it may take down on its own.
+    # ... how much of the cluster it may take down on its own...
     guard: GuardSettings = Field(default_factory=GuardSettings)
+    # ... and how it resets a GPU or reboots a node.
+    repair: RepairSettings = Field(default_factory=RepairSettings)
 
     @field_validator("kinds")
     @classmethod
@@ -210,7 +247,7 @@ def policy_from_mapping(data: Mapping[str, Any], *, origin: str = "policy") -> P
         PolicyError: naming the field that is wrong.
     """
     defaults = Policy()
-    for key in ("buckets", "xids", "sxids", "sxid_severities", "kinds", "remediation", "guard"):
+    for key in ("buckets", "xids", "sxids", "sxid_severities", "kinds", "remediation", "guard", "repair"):
         if data.get(key) is not None and not isinstance(data[key], Mapping):
             raise PolicyError(f"{origin}: {key}: expected a mapping, got {type(data[key]).__name__}")
     merged: dict[str, Any] = {
@@ -249,7 +286,7 @@ def load_policy(path: Path | None) -> Policy:
         raise PolicyError(f"{path}: not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise PolicyError(
-            f"{path}: expected a mapping with 'xids', 'sxids', 'kinds', 'buckets', 'remediation' or 'guard'"
+            f"{path}: expected a mapping with 'xids', 'sxids', 'kinds', 'buckets', 'remediation', 'guard' or 'repair'"
         )
     return policy_from_mapping(data, origin=str(path))
 

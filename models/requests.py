@@ -6,7 +6,7 @@ from pydantic import BaseModel, Field
 
 from models.guard import GuardStatus
 from models.incident import IncidentStatus, JobInfo
-from models.policy import Policy, RemediationSettings
+from models.policy import Action, Policy, RemediationSettings, RepairSettings
 from models.xid import XidEvent
 
 
@@ -128,6 +128,32 @@ class NotifyRequest(BaseModel):
     text: str
     incident: IncidentStatus | None = None
     guard: GuardStatus | None = None
+
+
+class RepairRequest(BaseModel):
+    """Reset a GPU or reboot a node through a Job pinned to it (``attempt`` makes each try its own Job)."""
+
+    node: str
+    action: Action
+    incident_id: str
+    attempt: int = 1
+    gpu: str = ""
+    settings: RepairSettings = Field(default_factory=RepairSettings)
+    dry_run: bool = False
+
+
+class RepairResult(BaseModel):
+    succeeded: bool
+    job: str = ""
+    detail: str = ""
+
+
+class ResumeNodeRequest(BaseModel):
+    """Back into service in Slurm after a repair in place, only if this incident drained it."""
+
+    node: str
+    incident_id: str
+    dry_run: bool = False
 
 
 class QuarantineRequest(BaseModel):

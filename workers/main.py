@@ -16,6 +16,7 @@ from activities.guard import GuardActivities
 from activities.kube import KubeActivities
 from activities.notify import NotifyActivities
 from activities.policy import PolicyActivities
+from activities.repair import RepairActivities
 from activities.slurm import SlurmActivities
 from activities.spares import SpareActivities
 from clients.kube import KubernetesApi
@@ -74,6 +75,7 @@ def build_activities(settings: Settings) -> list[Any]:
     notify_acts = NotifyActivities(WebhookNotifier(url=settings.webhook_url))
     policy_acts = PolicyActivities(config)
     guard_acts = GuardActivities(slurm, cluster=settings.cluster, partition=settings.partition)
+    repair_acts = RepairActivities(kube, poll_seconds=settings.poll_seconds)
     return [
         slurm_acts.node_state,
         slurm_acts.drain_node,
@@ -82,6 +84,8 @@ def build_activities(settings: Settings) -> list[Any]:
         slurm_acts.still_running,
         slurm_acts.requeue_job,
         slurm_acts.jobs_resumed,
+        slurm_acts.resume_node,
+        repair_acts.repair,
         kube_acts.node_pool,
         kube_acts.node_facts,
         kube_acts.cordon_and_drain,

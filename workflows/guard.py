@@ -55,7 +55,7 @@ with workflow.unsafe.imports_passed_through():
         SlotRequest,
         WindowEntry,
     )
-    from models.policy import GuardSettings
+    from models.policy import Action, GuardSettings
     from models.requests import NotifyRequest, WorkerConfig
 
 RETRY = RetryPolicy(
@@ -163,6 +163,9 @@ class FleetGuardWorkflow:
         who = f"{message.by or '?'}" + (f": {message.reason}" if message.reason else "")
         if kind == GUARD_RELEASE_SIGNAL:
             held = [r for r in state.in_flight + state.waiting if r.incident_id == message.incident_id]
+            if held and message.repaired_by:
+                record = state.nodes.setdefault(held[0].node, NodeRecord())
+                record.repaired_by, record.repaired_at = message.repaired_by, workflow.now()
             state.in_flight = [r for r in state.in_flight if r.incident_id != message.incident_id]
             state.waiting = [r for r in state.waiting if r.incident_id != message.incident_id]
             if held:
@@ -204,9 +207,20 @@ class FleetGuardWorkflow:
             await self._answer(queued, granted=False, why=self._holding_why())
             return
         code, why = self._lemon(request.node)
-        request = request.model_copy(update={"asked_at": workflow.now(), "quarantine": code, "quarantine_why": why})
+        escalate_to, escalate_why = self._escalation(request.node)
+        request = request.model_copy(
+            update={
+                "asked_at": workflow.now(),
+                "quarantine": code,
+                "quarantine_why": why,
+                "escalate_to": escalate_to,
+                "escalate_why": escalate_why,
+            }
+        )
         if code:
             self._log("lemon", request, why)
+        if escalate_to:
+            self._log("escalated", request, f"to {escalate_to}: {escalate_why}")
         if state.paused or state.tripped:
             state.waiting.append(request)
             self._log("waiting", request, self._holding_why())
@@ -246,6 +260,22 @@ class FleetGuardWorkflow:
                 f"(quarantined from {limits.quarantine_after})"
             )
         return "", ""
+
+    def _escalation(self, node: str) -> tuple[str, str]:
+        """One level above the node's last repair in place, when that was within the window."""
+        limits, record = self._limits, self._state.nodes.get(node)
+        if (
+            record is None
+            or not record.repaired_by
+            or record.repaired_at is None
+            or not limits.escalation_window_seconds
+        ):
+            return "", ""
+        ago = (workflow.now() - record.repaired_at).total_seconds()
+        if ago > limits.escalation_window_seconds:
+            return "", ""
+        after = Action(record.repaired_by).escalated()
+        return after.value, f"reported again {ago / 3600:.1f} h after {record.repaired_by} repaired it"
 
     async def _over_limit(self, request: SlotRequest) -> str:
         """Why one more incident would be too many ("" when it is not)."""
@@ -337,6 +367,8 @@ class FleetGuardWorkflow:
             why=why,
             quarantine=request.quarantine,
             quarantine_why=request.quarantine_why,
+            escalate_to=request.escalate_to,
+            escalate_why=request.escalate_why,
         )
         handle = workflow.get_external_workflow_handle(request.workflow_id)
         try:

@@ -34,6 +34,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.kube import KubeActivities
     from activities.notify import NotifyActivities
     from activities.policy import PolicyActivities
+    from activities.repair import RepairActivities
     from activities.slurm import SlurmActivities
     from activities.spares import SpareActivities
     from models.constants import (
@@ -61,6 +62,7 @@ with workflow.unsafe.imports_passed_through():
         IncidentStatus,
         JobInfo,
         JobRequeue,
+        NodeInfo,
         NotificationRecord,
         Outcome,
         RemediationInput,
@@ -78,9 +80,12 @@ with workflow.unsafe.imports_passed_through():
         NodeFacts,
         NotifyRequest,
         QuarantineRequest,
+        RepairRequest,
+        RepairResult,
         RequeueJobRequest,
         ResumeCheck,
         ResumeCheckRequest,
+        ResumeNodeRequest,
         RetireRequest,
         SignalJobRequest,
         SignalJobResult,
@@ -153,6 +158,8 @@ class NodeRemediationWorkflow:
         self._asked_guard = False
         # A continued run is past the drain already.
         self._took_node = params.carried is not None and not params.dry_run
+        # The least action this incident may take (the fleet guard's escalation of a repeat failure).
+        self._floor: Action | None = None
         self._guard_decision: GuardDecision | None = None
         if params.carried is not None:
             self._status = params.carried.status
@@ -210,6 +217,8 @@ class NodeRemediationWorkflow:
             if decision.quarantine:
                 self._status.quarantine = decision.quarantine_why
                 self._status.quarantine_label = decision.quarantine
+            if decision.escalate_to and not self._status.escalated_by_guard:
+                self._status.escalated_by_guard = f"{decision.escalate_to}: {decision.escalate_why}"
 
     @workflow.query
     def status(self) -> IncidentStatus:
@@ -436,8 +445,9 @@ class NodeRemediationWorkflow:
 
         # 6. approve: later Xids may have made it worse
         self._enter(Step.APPROVE)
-        status.action = await self._classify()
-        if status.action is not Action.REPLACE_NODE:
+        status.action = self._at_least(await self._classify())
+        if status.action is not Action.REPLACE_NODE and not self._guarded:
+            # Incidents started before repairs in place: the node waits for a person.
             status.outcome = Outcome.AWAITING_REPAIR
             self._done(Step.APPROVE, f"{status.action}: node stays drained for repair")
             self._notify(
@@ -449,7 +459,14 @@ class NodeRemediationWorkflow:
             return
         if self._guarded and not await self._approval_gate():
             return
-        self._done(Step.APPROVE, "REPLACE_NODE by policy")
+        self._done(Step.APPROVE, f"{status.action} by policy")
+        if status.action is not Action.REPLACE_NODE:
+            # RESET_GPU or REBOOT_NODE, in place; escalating, up to REPLACE_NODE, if it does not hold.
+            if await self._repair():
+                await self._repaired()
+                return
+            if not await self._approval_gate():
+                return
 
         # 7 and 8, side by side: the failed node is retired while the spare joins, and the
         # jobs may run again as soon as the spare is in (9), whatever the retirement still does.
@@ -713,6 +730,7 @@ class NodeRemediationWorkflow:
         if decision is not None and decision.granted:
             status.guard_slot = True
             self._done(Step.GUARD, f"slot granted: {decision.why}")
+            self._apply_guard()
             return True
         why = decision.why if decision is not None else "the fleet guard has not answered"
         self._mark(Step.GUARD, "waiting", why)
@@ -729,6 +747,7 @@ class NodeRemediationWorkflow:
             status.guard_slot = True
             granted = self._guard_decision.why if self._guard_decision else ""
             self._done(Step.AWAITING_APPROVAL, f"slot granted: {granted}")
+            self._apply_guard()
             return True
         approval, self._approval = self._approval, None
         status.approval = approval
@@ -737,6 +756,7 @@ class NodeRemediationWorkflow:
             await self._activity(GuardActivities.tell, GUARD_ADMIT_SIGNAL, command, summary="tell the guard: approved")
             status.guard_slot = True
             self._done(Step.AWAITING_APPROVAL, f"approved past the guard by {approval.by or '?'}: {approval.reason}")
+            self._apply_guard()
             return True
         status.outcome = Outcome.REJECTED
         self._done(Step.AWAITING_APPROVAL, f"rejected by {approval.by or '?'}: {approval.reason}".strip())
@@ -791,6 +811,117 @@ class NodeRemediationWorkflow:
         await self._close()
         return False
 
+    def _apply_guard(self) -> None:
+        """What the guard knows of the node raises the action: a lemon is replaced (and
+        quarantined at the close), a repeat failure after a repair in place escalates a level."""
+        status = self._status
+        assert status.action is not None
+        floor = None
+        if status.quarantine_label:
+            floor, why = Action.REPLACE_NODE, f"a lemon: {status.quarantine}"
+        elif status.escalated_by_guard:
+            name, why = status.escalated_by_guard.split(": ", 1)
+            floor = Action(name)
+        if floor is not None and floor.severity > status.action.severity:
+            before, status.action, self._floor = status.action, floor, floor
+            self._mark(Step.GUARD, "escalated", f"{before} -> {floor}: {why}")
+
+    def _at_least(self, action: Action) -> Action:
+        """The action, but never below what the fleet guard escalated this node to."""
+        floor = self._floor
+        return action if floor is None or action.severity >= floor.severity else floor
+
+    def _escalate(self, why: str) -> None:
+        status = self._status
+        assert status.action is not None
+        before, status.action = status.action, status.action.escalated()
+        self._floor = status.action
+        self._mark(status.step, "escalated", f"{before} -> {status.action}: {why}")
+        self._notify("escalated", f"{self._who()}: {before} did not hold ({why}); escalated to {status.action}.")
+
+    def _gpu(self) -> str:
+        """The failed GPU as the driver named it (UUID, else PCI address), from the deciding event."""
+        lead = self._lead()
+        return lead.gpu_uuid or lead.pci or ""
+
+    async def _repair(self) -> bool:
+        """RESET_GPU or REBOOT_NODE through a Job pinned to the node, then a settle period without
+        a new event. True when the node is fit to go back; False once escalated to REPLACE_NODE
+        (the Job failed, or the node reported again while settling)."""
+        status = self._status
+        assert self._policy is not None
+        settings = self._policy.repair
+        attempt = 0
+        while status.action in (Action.RESET_GPU, Action.REBOOT_NODE):
+            attempt += 1
+            self._enter(Step.REPAIR)
+            seen = len(self._events)
+            request = RepairRequest(
+                node=self._input.node,
+                action=status.action,
+                incident_id=status.incident_id,
+                attempt=attempt,
+                gpu=self._gpu(),
+                settings=settings,
+                dry_run=self._dry,
+            )
+            try:
+                result: RepairResult = await self._activity(
+                    RepairActivities.repair,
+                    request,
+                    summary=f"{status.action} {self._input.node} (Job)",
+                    timeout=timedelta(seconds=settings.job_timeout_seconds) + SHORT,
+                )
+            except ActivityError as exc:
+                if not isinstance(exc.cause, ApplicationError) or not exc.cause.non_retryable:
+                    raise
+                self._escalate(f"the repair could not start: {exc.cause.message}")
+                continue
+            if not result.succeeded:
+                self._escalate(f"Job {result.job} failed: {result.detail}")
+                continue
+            done = result.detail if self._dry else f"Job {result.job} completed {result.detail}".strip()
+            self._done(Step.REPAIR, done)
+            if self._dry:
+                return True
+            self._enter(Step.SETTLE)
+            try:
+                await workflow.wait_condition(
+                    lambda seen=seen: len(self._events) > seen,  # type: ignore[misc]
+                    timeout=timedelta(seconds=settings.settle_seconds),
+                )
+            except TimeoutError:
+                self._done(Step.SETTLE, f"no new event for {settings.settle_seconds:g}s")
+                return True
+            self._classified = len(self._events)
+            self._escalate(f"{self._events[-1].label} while settling")
+        return False
+
+    async def _repaired(self) -> None:
+        """The node back into service in Slurm, the jobs running again, the owner told."""
+        status = self._status
+        node: NodeInfo = await self._activity(
+            SlurmActivities.resume_node,
+            ResumeNodeRequest(node=self._input.node, incident_id=status.incident_id, dry_run=self._dry),
+            summary=f"resume {self._input.node} in Slurm",
+        )
+        self._mark(Step.SETTLE, "back in service", f"state={node.state} reason={node.reason!r}")
+        self._enter(Step.RESUME)
+        if self._dry:
+            self._done(Step.RESUME, "dry run: would wait for the jobs to run again")
+        elif status.requeued:
+            status.jobs = await self._wait_resumed(status.requeued)
+            self._done(Step.RESUME, ", ".join(f"{job.job_id} on {job.nodes}" for job in status.jobs))
+        else:
+            self._done(Step.RESUME, "no jobs to resume")
+        status.outcome = Outcome.RESOLVED
+        self._notify(
+            "resolved",
+            f"{self._who()}: resolved by {status.action} in place; {self._input.node} is back in service, "
+            f"{len(status.requeued)} job(s) running again.",
+        )
+        await self._close()
+
     async def _quarantine(self) -> None:
         """A lemon this incident took out of service stays out: labelled quarantined."""
         status = self._status
@@ -816,16 +947,20 @@ class NodeRemediationWorkflow:
         )
 
     async def _release_slot(self, why: str) -> None:
-        """Give the fleet guard its slot back (or stop waiting for one)."""
+        """Give the fleet guard its slot back (or stop waiting for one), saying whether a repair
+        in place put the node back (a repeat failure then escalates)."""
         status = self._status
         if not (status.guard_slot or self._asked_guard):
             return
+        repaired = status.outcome == Outcome.RESOLVED and status.action in (Action.RESET_GPU, Action.REBOOT_NODE)
+        command = GuardCommand(
+            incident_id=status.incident_id,
+            reason=why,
+            repaired_by=status.action.value if repaired and status.action else "",
+        )
         with contextlib.suppress(ActivityError):
             await self._activity(
-                GuardActivities.tell,
-                GUARD_RELEASE_SIGNAL,
-                GuardCommand(incident_id=status.incident_id, reason=why),
-                summary="give the fleet guard its slot back",
+                GuardActivities.tell, GUARD_RELEASE_SIGNAL, command, summary="give the fleet guard its slot back"
             )
         status.guard_slot = self._asked_guard = False
 

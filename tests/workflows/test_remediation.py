@@ -42,9 +42,12 @@ from models.requests import (
     NodeFacts,
     NotifyRequest,
     QuarantineRequest,
+    RepairRequest,
+    RepairResult,
     RequeueJobRequest,
     ResumeCheck,
     ResumeCheckRequest,
+    ResumeNodeRequest,
     RetireRequest,
     SignalJobRequest,
     SignalJobResult,
@@ -80,6 +83,11 @@ class Fleet:
     drained: list[str] = field(default_factory=list)  # nodes drained in Slurm, in order
     writes: list[Any] = field(default_factory=list)  # every request of an activity that changes the fleet
     quarantined: dict[str, str] = field(default_factory=dict)  # node: gpufleet.io/quarantine value
+    # Repairs in place: whether each attempt's Job succeeds (default: yes), and what ran.
+    repair_succeeds: list[bool] = field(default_factory=list)
+    repairs: list[RepairRequest] = field(default_factory=list)
+    resumed_nodes: list[str] = field(default_factory=list)
+    repair_started: asyncio.Event = field(default_factory=asyncio.Event)
     notify_gate: asyncio.Event | None = None  # set: the webhook answers; None: it answers at once
     notify_refuses: bool = False
     retire_fails: bool = False
@@ -216,6 +224,24 @@ class Fleet:
             fleet.writes.append(request)
             fleet.quarantined[request.node] = request.code
 
+        @activity.defn(name="repair_node")
+        async def repair(request: RepairRequest) -> RepairResult:
+            fleet.writes.append(request)
+            fleet.repairs.append(request)
+            fleet.repair_started.set()
+            ok = (
+                fleet.repair_succeeds[len(fleet.repairs) - 1]
+                if len(fleet.repairs) <= len(fleet.repair_succeeds)
+                else True
+            )
+            return RepairResult(succeeded=ok, job=f"job-{len(fleet.repairs)}", detail="" if ok else "exit 1")
+
+        @activity.defn(name="resume_slurm_node")
+        async def resume_node(request: ResumeNodeRequest) -> NodeInfo:
+            fleet.writes.append(request)
+            fleet.resumed_nodes.append(request.node)
+            return NodeInfo(name=request.node, state="idle")
+
         @activity.defn(name="release_spare")
         async def release(request: ClaimRequest) -> str | None:
             fleet.calls.append("release_spare")
@@ -252,6 +278,8 @@ class Fleet:
             release,
             resumed,
             quarantine,
+            repair,
+            resume_node,
         ]
 
 
@@ -609,9 +637,9 @@ async def _until(handle: Any, predicate: Any, timeout: float = 30) -> IncidentSt
 async def test_an_xid_arriving_while_the_incident_closes_opens_the_next_one(env: WorkflowEnvironment) -> None:
     fleet = Fleet(notify_gate=asyncio.Event())
     async with worker(env, fleet):
-        handle = await start(env.client, fleet, xid=48)  # RESET_GPU: the node stays drained for repair
+        handle = await start(env.client, fleet, xid=13)  # an application error: recorded, closed at once
         closing = await _until(handle, lambda s: s.step == Step.CLOSED)
-        assert closing.outcome == Outcome.AWAITING_REPAIR  # its messages are still going out
+        assert closing.outcome == Outcome.OBSERVED  # its message is still going out
         await handle.signal(NodeRemediationWorkflow.report_xid, XidEvent(node="gpu1", xid=79, source="test"))
         fleet.notify_gate.set()  # type: ignore[union-attr]
         latest = env.client.get_workflow_handle(handle.id, result_type=IncidentStatus)
