@@ -172,6 +172,16 @@ class FleetLab:
             say(f"webhook receiver on {services['webhook']['url']} (records {self.notifications_file})")
             self._save({**state, "services": services})
 
+        if running("jobrunner"):
+            say("repair Job runner already running")
+        else:
+            pid, _ = self._start_module(
+                "jobrunner", ["--api", services["kubeapi"]["url"]], what="the lab's repair Job runner"
+            )
+            services["jobrunner"] = {"pid": pid}
+            say("repair Jobs (GPU reset, reboot) run as local processes standing for their node")
+            self._save({**state, "services": services})
+
         started: list[Path] = []
         for node in self.all_nodes:
             name = f"detector-{node}"
@@ -243,6 +253,7 @@ class FleetLab:
         """The lab's policy file, written once: edit it, and new incidents (and restarted detectors) follow."""
         if self.policy_file.exists():
             return
+        python = json.dumps(sys.executable)
         self.policy_file.write_text(
             "# gpufleet policy for this lab: read by every detector (what to send) and by the worker\n"
             "# (what to do). Overrides of the built-in defaults only; e.g.\n"
@@ -250,7 +261,14 @@ class FleetLab:
             "#   buckets: {RESET_GPU: REBOOT_NODE}\n"
             "remediation:\n"
             f"  grace_seconds: {self.config.grace_seconds:g}\n"
-            "  owner_drained: ask   # a node someone else drained waits for gpufleet approve|reject\n",
+            "  owner_drained: ask   # a node someone else drained waits for gpufleet approve|reject\n"
+            "# The fleet guard: the defaults (guard: {max_in_flight: 2, max_share: 0.5, ...}); see the README.\n"
+            "# Repairs in place: in the lab a repair Job's command runs as a local process standing\n"
+            "# for its node (lab/jobrunner.py); lab/repair.py says what a real node would do.\n"
+            "repair:\n"
+            f"  reset_command: [{python}, -m, lab.repair, reset, --gpu, '{{gpu}}', --node, '{{node}}']\n"
+            f"  reboot_command: [{python}, -m, lab.repair, reboot, --node, '{{node}}']\n"
+            "  settle_seconds: 5\n",
             encoding="utf-8",
         )
 

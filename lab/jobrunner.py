@@ -1,0 +1,106 @@
+"""The lab's stand-in for the kubelet and the Job controller, for gpufleet's repair Jobs only.
+
+A real cluster runs a Job labelled ``gpufleet.io/repair`` on the node it is pinned to, in a
+privileged container (``nvidia-smi --gpu-reset``, or a reboot). The lab's nodes are names, so
+here each such Job's container command runs as a local process (with ``GPUFLEET_LAB_NODE`` set
+to the node it stands for), and the Job's status is written back as the Job controller would:
+``Complete`` or ``Failed``, with the command's last line of output as the message.
+
+Run it as ``python -m lab.jobrunner --api URL [--ready-file F]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from models.constants import REPAIR_LABEL
+
+POLL_SECONDS = 0.25
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def run_job(api: str, job: dict[str, Any]) -> None:
+    """Run the Job's command to its end (or its deadline) and record the outcome on the Job."""
+    meta, spec = job["metadata"], job["spec"]
+    pod = spec["template"]["spec"]
+    container = pod["containers"][0]
+    argv = [*container.get("command", []), *container.get("args", [])]
+    deadline = float(spec.get("activeDeadlineSeconds") or 600)
+    started = _now()
+    try:
+        done = subprocess.run(
+            argv,
+            env={**os.environ, "GPUFLEET_LAB_NODE": pod.get("nodeName", "")},
+            capture_output=True,
+            text=True,
+            timeout=deadline,
+            check=False,
+        )
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        ok, message = done.returncode == 0, (lines[-1] if lines else f"exit status {done.returncode}")
+    except subprocess.TimeoutExpired:
+        ok, message = False, f"past its deadline of {deadline:g}s"
+    except OSError as exc:
+        ok, message = False, f"could not run {argv[:1]}: {exc.strerror or exc}"
+    condition = {"type": "Complete" if ok else "Failed", "status": "True", "message": message}
+    condition["lastTransitionTime"] = _now()
+    status = {"startTime": started, "conditions": [condition], ("succeeded" if ok else "failed"): 1}
+    if ok:
+        status["completionTime"] = _now()
+    url = f"{api}/apis/batch/v1/namespaces/{meta['namespace']}/jobs/{meta['name']}/status"
+    httpx.patch(
+        url,
+        json={"status": status},
+        headers={"Content-Type": "application/merge-patch+json"},
+        timeout=10,
+    ).raise_for_status()
+
+
+def serve(api: str, stop: threading.Event) -> None:
+    seen: set[str] = set()
+    while not stop.is_set():
+        try:
+            listed = httpx.get(f"{api}/apis/batch/v1/jobs", params={"labelSelector": REPAIR_LABEL}, timeout=10)
+            listed.raise_for_status()
+            jobs = listed.json().get("items", [])
+        except httpx.HTTPError:
+            jobs = []  # the API is restarting: look again
+        for job in jobs:
+            uid = job["metadata"].get("uid") or job["metadata"]["name"]
+            if uid in seen or (job.get("status") or {}).get("conditions"):
+                continue
+            seen.add(uid)
+            threading.Thread(target=run_job, args=(api, job), daemon=True).start()
+        stop.wait(POLL_SECONDS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m lab.jobrunner", description=__doc__.splitlines()[0])
+    parser.add_argument("--api", required=True, help="the emulated Kubernetes API's URL")
+    parser.add_argument("--ready-file", type=Path, help="written once it polls")
+    args = parser.parse_args()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.ready_file is not None:
+        args.ready_file.write_text(args.api, encoding="utf-8")
+    print(f"running repair Jobs from {args.api} as local processes", flush=True)
+    serve(args.api.rstrip("/"), stop)
+    time.sleep(0)
+
+
+if __name__ == "__main__":
+    main()
