@@ -64,17 +64,27 @@ class GuardActivities:
             return len(self._slurm.partition_nodes(self._partition))
 
     @activity.defn(name="guard_running")
-    async def running(self, workflow_ids: list[str]) -> list[str]:
-        """Which of these incident workflows still run (a terminated one never gives its slot back)."""
+    async def running(self, held: list[SlotRequest]) -> list[str]:
+        """The incidents (by incident ID) among ``held`` that still run: the run that asked, or a
+        run it continued as new into. A terminated incident never gives its slot back, and a new
+        incident on the same node (same workflow ID, new run) is not the one that held it."""
         alive = []
         client = activity.client()
-        for workflow_id in workflow_ids:
+        for request in held:
             try:
-                description = await client.get_workflow_handle(workflow_id).describe(rpc_timeout=timedelta(seconds=10))
+                asked = await client.get_workflow_handle(request.workflow_id, run_id=request.run_id or None).describe(
+                    rpc_timeout=timedelta(seconds=10)
+                )
+                status = asked.status
+                if status == WorkflowExecutionStatus.CONTINUED_AS_NEW:
+                    latest = await client.get_workflow_handle(request.workflow_id).describe(
+                        rpc_timeout=timedelta(seconds=10)
+                    )
+                    status = latest.status
             except RPCError as exc:
                 if exc.status == RPCStatusCode.NOT_FOUND:
                     continue
                 raise
-            if description.status == WorkflowExecutionStatus.RUNNING:
-                alive.append(workflow_id)
+            if status == WorkflowExecutionStatus.RUNNING:
+                alive.append(request.incident_id)
         return alive

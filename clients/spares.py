@@ -307,12 +307,16 @@ class SparePool:
 
     def quarantine(self, node: str, *, code: str, reason: str, incident_id: str) -> None:
         """Label the node ``gpufleet.io/quarantine=<code>`` (never a spare, never returned until
-        released), with the reason in words beside it."""
-        self._kube.update_metadata(
-            node,
-            labels={QUARANTINE_LABEL: code},
-            annotations={QUARANTINE_REASON_ANNOTATION: f"{reason} (incident {incident_id})"},
-        )
+        released), with the reason in words beside it. A node with no Kubernetes side (Slurm
+        only) has nowhere to carry the label: its Slurm drain keeps it out, and the log says so."""
+        try:
+            self._kube.update_metadata(
+                node,
+                labels={QUARANTINE_LABEL: code},
+                annotations={QUARANTINE_REASON_ANNOTATION: f"{reason} (incident {incident_id})"},
+            )
+        except NotFound:
+            log.warning("%s has no Kubernetes Node to label quarantined (%s); it stays drained in Slurm", node, reason)
 
     def quarantined(self) -> list[KubeNode]:
         """The nodes of this cluster that are quarantined."""

@@ -17,7 +17,9 @@ class SlotRequest(BaseModel):
 
     incident_id: str
     workflow_id: str
-    node: str
+    # The run that asked (a later run of the same ID, after a continue-as-new, is the same incident).
+    run_id: str = ""
+    node: str = ""
     action: str = ""
     # Set by the guard when the request arrives, with the quarantine or escalation its node has earned.
     asked_at: datetime | None = None
@@ -25,6 +27,8 @@ class SlotRequest(BaseModel):
     quarantine_why: str = ""
     escalate_to: str = ""
     escalate_why: str = ""
+    # Why it waits: "pause" (checked against the limits when let in) or "breaker".
+    held_by: str = ""
 
 
 class GuardDecision(BaseModel):

@@ -125,6 +125,8 @@ class Approval(BaseModel):
     approved: bool
     by: str = ""
     reason: str = ""
+    # Which wait it answers (the incident's ``approval_wait`` when it was read); 0: the current one.
+    wait: int = 0
 
 
 class IncidentStatus(BaseModel):
@@ -149,6 +151,8 @@ class IncidentStatus(BaseModel):
     spare: str | None = None
     waiting_for_spare: bool = False
     waiting_for_approval: str | None = None
+    # Counts the incident's waits for approval, so that an answer meets only the wait it was for.
+    approval_wait: int = 0
     approval: Approval | None = None
     # Holds a slot of the cluster's fleet guard (given back when the incident closes).
     guard_slot: bool = False

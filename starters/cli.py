@@ -388,7 +388,8 @@ def _decide(incident: str, cluster: str | None, *, approved: bool, reason: str) 
             fail(f"incident {incident} is over; the node's latest incident is {status.incident_id}")
         if status.waiting_for_approval is None:
             fail(f"incident {status.incident_id} is not waiting for approval (step {status.step}, {status.outcome})")
-        await handle.signal(NodeRemediationWorkflow.decide, Approval(approved=approved, by=_who(), reason=reason))
+        answer = Approval(approved=approved, by=_who(), reason=reason, wait=status.approval_wait)
+        await handle.signal(NodeRemediationWorkflow.decide, answer)
         return status
 
     status = run_async(go())
@@ -419,7 +420,8 @@ def reject(
     reason: Annotated[str, typer.Option(help="Why, for the incident's record.")] = "",
     cluster: Annotated[str | None, typer.Option(help="Cluster, when INCIDENT is a node name.")] = None,
 ) -> None:
-    """Close an incident that waits at awaiting_approval, changing nothing on its node."""
+    """Close an incident that waits at awaiting_approval: before its drain nothing on the node
+    changes; at an approval gate (after the drain) the node stays drained, its jobs requeued."""
     _decide(incident, cluster, approved=False, reason=reason)
 
 
@@ -648,8 +650,13 @@ async def _tell_guard(cluster: str, signal: str, command: GuardCommand, *, start
     with console.status("waiting for the fleet guard", spinner="dots"):
         while True:
             status = await _guard_status(client, cluster)
-            if (status is not None and status.state.handled > seen) or time.monotonic() > deadline:
+            if status is not None and status.state.handled > seen:
                 return status
+            if time.monotonic() > deadline:
+                fail(
+                    f"the fleet guard of cluster {cluster} has not confirmed within 15 s (is a worker of the "
+                    f"cluster running?); the signal is queued: check `gpufleet breaker status --cluster {cluster}`"
+                )
             await asyncio.sleep(0.2)
 
 

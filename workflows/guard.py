@@ -131,14 +131,7 @@ class FleetGuardWorkflow:
 
     @workflow.run
     async def run(self, params: GuardInput) -> None:
-        config: WorkerConfig = await workflow.execute_activity_method(
-            PolicyActivities.worker_config,
-            params.cluster,
-            start_to_close_timeout=timedelta(seconds=30),
-            retry_policy=RETRY,
-            summary="read the guard's limits",
-        )
-        self._limits = config.policy.guard
+        await self._read_limits()
         handled = 0
         while True:
             await workflow.wait_condition(lambda: bool(self._inbox))
@@ -147,7 +140,9 @@ class FleetGuardWorkflow:
                 await self._handle(kind, message)
                 handled += 1
                 self._state.handled += 1
-            await self._let_waiting_in()
+                # Those already waiting come before a request that arrives after a slot frees up.
+                await self._let_waiting_in()
+            self._prune()
             self._describe()
             if handled >= MESSAGES_PER_RUN or workflow.info().is_continue_as_new_suggested():
                 await asyncio.gather(*self._pages)
@@ -222,19 +217,16 @@ class FleetGuardWorkflow:
         if escalate_to:
             self._log("escalated", request, f"to {escalate_to}: {escalate_why}")
         if state.paused or state.tripped:
+            request.held_by = "breaker" if state.tripped else "pause"
             state.waiting.append(request)
             self._log("waiting", request, self._holding_why())
             await self._answer(request, granted=False, why=self._holding_why())
             return
         over = await self._over_limit(request)
         if over:
-            state.tripped, state.tripped_at, state.tripped_why = True, workflow.now(), over
             state.waiting.append(request)
-            self._log("tripped", request, over)
+            self._trip(request, over)
             await self._answer(request, granted=False, why=self._holding_why())
-            # Beside the guard's work: a slow webhook never holds up the next decision.
-            self._pages = [task for task in self._pages if not task.done()]
-            self._pages.append(asyncio.create_task(self._page(request)))
             return
         self._take(request)
         in_flight = len(state.in_flight)
@@ -303,10 +295,29 @@ class FleetGuardWorkflow:
                 await self._reap()
                 if len(state.in_flight) >= self._limits.max_in_flight:
                     return
-            request = state.waiting.pop(0)
+            request = state.waiting[0]
+            if request.held_by == "pause":
+                # Held only by a pause: the limits it never met apply now (a reset's go-ahead does not).
+                over = await self._over_limit(request)
+                if over:
+                    self._trip(request, over)
+                    await self._answer(request, granted=False, why=self._holding_why())
+                    return
+            state.waiting.pop(0)
             self._take(request)
             self._log("granted", request, "after waiting")
             await self._answer(request, granted=True, why="slot freed after waiting")
+
+    def _trip(self, request: SlotRequest, why: str) -> None:
+        """Trip the breaker on ``request`` (already waiting) and page, beside the guard's work."""
+        state = self._state
+        state.tripped, state.tripped_at, state.tripped_why = True, workflow.now(), why
+        for waiting in state.waiting:
+            waiting.held_by = "breaker"
+        self._log("tripped", request, why)
+        # A slow webhook never holds up the next decision.
+        self._pages = [task for task in self._pages if not task.done()]
+        self._pages.append(asyncio.create_task(self._page(request)))
 
     def _take(self, request: SlotRequest) -> None:
         self._state.in_flight.append(request)
@@ -314,40 +325,79 @@ class FleetGuardWorkflow:
 
     async def _reap(self) -> None:
         """Give back the slots of incidents that ended without saying so (terminated by a person)."""
-        held = [r.workflow_id for r in self._state.in_flight]
+        held = list(self._state.in_flight)
         if not held:
             return
-        alive: list[str] = await workflow.execute_activity_method(
-            GuardActivities.running,
-            held,
-            start_to_close_timeout=timedelta(seconds=30),
-            retry_policy=RETRY,
-            summary="check which incidents holding slots still run",
-        )
-        for request in [r for r in self._state.in_flight if r.workflow_id not in alive]:
+        try:
+            alive: list[str] = await workflow.execute_activity_method(
+                GuardActivities.running,
+                held,
+                start_to_close_timeout=timedelta(seconds=30),
+                retry_policy=RETRY,
+                summary="check which incidents holding slots still run",
+            )
+        except ActivityError:
+            return  # cannot tell: keep every slot held
+        for request in [r for r in self._state.in_flight if r.incident_id not in alive]:
             self._state.in_flight.remove(request)
             self._log("reaped", request, "its incident ended without giving the slot back")
 
+    async def _read_limits(self) -> None:
+        """The worker's policy file (``guard:``); the last limits read are kept when it cannot
+        be read (a guard that stops would leave every incident of the cluster waiting)."""
+        try:
+            config: WorkerConfig = await workflow.execute_activity_method(
+                PolicyActivities.worker_config,
+                self._state.cluster,
+                start_to_close_timeout=timedelta(seconds=30),
+                retry_policy=RETRY,
+                summary="read the guard's limits",
+            )
+        except ActivityError as exc:
+            self._log("limits", detail=f"the worker's policy could not be read ({exc.cause or exc}); limits kept")
+            return
+        self._limits = config.policy.guard
+
     async def _count_nodes(self) -> None:
+        """The partition's size (and the limits, so that a policy edit reaches the guard), at
+        most once a minute."""
         now = workflow.now()
         if self._counted_at is not None and now - self._counted_at < RECOUNT:
             return
-        self._nodes = await workflow.execute_activity_method(
-            GuardActivities.fleet_size,
-            start_to_close_timeout=timedelta(seconds=60),
-            heartbeat_timeout=timedelta(seconds=5),
-            retry_policy=RETRY,
-            summary="count the partition's nodes",
-        )
         self._counted_at = now
+        await self._read_limits()
+        try:
+            self._nodes = await workflow.execute_activity_method(
+                GuardActivities.fleet_size,
+                start_to_close_timeout=timedelta(seconds=60),
+                heartbeat_timeout=timedelta(seconds=5),
+                retry_policy=RETRY,
+                summary="count the partition's nodes",
+            )
+        except ActivityError as exc:
+            self._log("count", detail=f"the partition could not be counted ({exc.cause or exc}); last count kept")
+
+    def _window_start(self) -> datetime:
+        since = workflow.now() - timedelta(seconds=self._limits.window_seconds)
+        window_since = self._state.window_since
+        return window_since if window_since is not None and window_since > since else since
 
     def _nodes_in_window(self) -> list[str]:
-        state = self._state
-        since = workflow.now() - timedelta(seconds=self._limits.window_seconds)
-        if state.window_since is not None and state.window_since > since:
-            since = state.window_since
+        since = self._window_start()
+        return sorted({entry.node for entry in self._state.window if entry.at >= since})
+
+    def _prune(self) -> None:
+        """Forget what no limit looks at any more: old window entries, nodes with no recent record."""
+        state, limits, now = self._state, self._limits, workflow.now()
+        since = self._window_start()
         state.window = [entry for entry in state.window if entry.at >= since]
-        return sorted({entry.node for entry in state.window})
+        keep = timedelta(
+            seconds=max(limits.quarantine_window_seconds, limits.cooldown_seconds, limits.escalation_window_seconds)
+        )
+        for node, record in list(state.nodes.items()):
+            stamps = [*record.incidents, record.returned_at, record.repaired_at]
+            if all(stamp is None or now - stamp > keep for stamp in stamps):
+                del state.nodes[node]
 
     def _holding_why(self) -> str:
         state = self._state

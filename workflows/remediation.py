@@ -132,6 +132,10 @@ HISTORY_SOFT_LIMIT = 400
 # Incidents started before the fleet guard (recorded histories, runs in flight at an upgrade)
 # go on without it; new ones read the node's labels, ask the guard and honour approval gates.
 GUARD_PATCH = "fleet-guard"
+# Ask the fleet guard again when it has not answered within this (it may have been terminated),
+# and, while waiting at a tripped breaker, this often.
+GUARD_ASK_AGAIN = timedelta(minutes=1)
+GUARD_ASK_WHILE_WAITING = timedelta(minutes=30)
 
 
 class _ContinueAsNew(Exception):
@@ -205,7 +209,14 @@ class NodeRemediationWorkflow:
 
     @workflow.signal
     def decide(self, approval: Approval) -> None:
-        """An operator's answer (`gpufleet approve|reject`) while the incident awaits approval."""
+        """An operator's answer (`gpufleet approve|reject`) while the incident awaits approval. An
+        answer that comes when nothing waits, or that was meant for an earlier wait, is dropped:
+        a second `approve` must never pass a later gate."""
+        status = self._status
+        if status.waiting_for_approval is None:
+            return
+        if approval.wait and approval.wait != status.approval_wait:
+            return
         if self._approval is None:
             self._approval = approval
 
@@ -214,6 +225,8 @@ class NodeRemediationWorkflow:
         """The fleet guard's answer: a slot, or wait (and why); and whether the node is a lemon."""
         if decision.incident_id == self._status.incident_id:
             self._guard_decision = decision
+            if not decision.granted and self._status.waiting_for_approval is not None and self._asked_guard:
+                self._status.waiting_for_approval = decision.why  # e.g. a pause became a tripped breaker
             if decision.quarantine:
                 self._status.quarantine = decision.quarantine_why
                 self._status.quarantine_label = decision.quarantine
@@ -549,6 +562,7 @@ class NodeRemediationWorkflow:
                     cluster=params.cluster,
                     node=params.node,
                     search_attributes=params.search_attributes,
+                    dry_run=self._dry,
                     carried=CarriedIncident(
                         status=self._status,
                         events=self._events,
@@ -686,7 +700,7 @@ class NodeRemediationWorkflow:
             return True
         self._enter(Step.AWAITING_APPROVAL)
         status.outcome = Outcome.AWAITING_APPROVAL
-        status.waiting_for_approval = why
+        self._start_wait(why)
         self._notify(
             "approval_needed",
             f"{self._who()}: {why}. gpufleet has changed nothing and waits: "
@@ -715,17 +729,15 @@ class NodeRemediationWorkflow:
         self._enter(Step.GUARD)
         self._guard_decision = None
         self._asked_guard = True
-        await self._activity(
-            GuardActivities.request_slot,
-            SlotRequest(
-                incident_id=status.incident_id,
-                workflow_id=workflow.info().workflow_id,
-                node=self._input.node,
-                action=str(status.action),
-            ),
-            summary="ask the fleet guard for a slot",
-        )
-        await workflow.wait_condition(lambda: self._guard_decision is not None or self._approval is not None)
+        await self._ask_guard()
+        # A guard that was terminated (or lost its state) never answers: ask again, now and then.
+        while True:
+            try:
+                await workflow.wait_condition(lambda: self._guard_decision is not None, timeout=GUARD_ASK_AGAIN)
+                break
+            except TimeoutError:
+                self._mark(Step.GUARD, "asking again", "the fleet guard has not answered")
+                await self._ask_guard()
         decision = self._guard_decision
         if decision is not None and decision.granted:
             status.guard_slot = True
@@ -736,11 +748,21 @@ class NodeRemediationWorkflow:
         self._mark(Step.GUARD, "waiting", why)
         self._enter(Step.AWAITING_APPROVAL)
         status.outcome = Outcome.AWAITING_APPROVAL
-        status.waiting_for_approval = why
-        # The guard pages the operator once for all of them: no message per incident here.
-        await workflow.wait_condition(
-            lambda: self._approval is not None or (self._guard_decision is not None and self._guard_decision.granted)
-        )
+        self._start_wait(why)
+        # The guard pages the operator once for all of them: no message per incident here. It is
+        # asked again now and then, in case it was terminated and started afresh without us.
+        while True:
+            try:
+                await workflow.wait_condition(
+                    lambda: (
+                        self._approval is not None
+                        or (self._guard_decision is not None and self._guard_decision.granted)
+                    ),
+                    timeout=GUARD_ASK_WHILE_WAITING,
+                )
+                break
+            except TimeoutError:
+                await self._ask_guard()
         status.waiting_for_approval = None
         status.outcome = Outcome.OPEN
         if self._approval is None:
@@ -777,7 +799,7 @@ class NodeRemediationWorkflow:
             return True
         self._enter(Step.AWAITING_APPROVAL)
         status.outcome = Outcome.AWAITING_APPROVAL
-        status.waiting_for_approval = why
+        self._start_wait(why)
         ask = (
             f"`gpufleet approve {status.incident_id}` to go on, `gpufleet reject {status.incident_id}` "
             "to leave the node drained"
@@ -810,6 +832,28 @@ class NodeRemediationWorkflow:
         )
         await self._close()
         return False
+
+    async def _ask_guard(self) -> None:
+        """(Again) ask the guard for a slot; it answers each asking, and counts this incident once."""
+        status = self._status
+        await self._activity(
+            GuardActivities.request_slot,
+            SlotRequest(
+                incident_id=status.incident_id,
+                workflow_id=workflow.info().workflow_id,
+                run_id=workflow.info().run_id,
+                node=self._input.node,
+                action=str(status.action),
+            ),
+            summary="ask the fleet guard for a slot",
+        )
+
+    def _start_wait(self, why: str) -> None:
+        """A new wait for `gpufleet approve|reject`: answers to earlier ones do not count."""
+        status = self._status
+        self._approval = None
+        status.approval_wait += 1
+        status.waiting_for_approval = why
 
     def _apply_guard(self) -> None:
         """What the guard knows of the node raises the action: a lemon is replaced (and

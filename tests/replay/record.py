@@ -1,8 +1,9 @@
 """Recording real lab incidents for the replay test.
 
 Run the lab's end-to-end tests with ``GPUFLEET_RECORD_HISTORIES=DIR`` and every closed
-incident of the lab is written there as ``{workflow id}-{run id prefix}-{outcome}.json`` (Temporal's
-JSON form; one workflow id can have several runs). Rename the ones worth keeping after what they show.
+incident (and node return) of the lab is written there as ``{workflow id}-{run id prefix}-{outcome}.json``
+(Temporal's JSON form; one workflow id can have several runs), with the fleet guard's history so far
+(``...-running.json``: it never closes). Rename the ones worth keeping after what they show.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
 
-from models.constants import REMEDIATION_WORKFLOW
+from models.constants import GUARD_WORKFLOW, REMEDIATION_WORKFLOW, RETURN_NODE_WORKFLOW
 
 RECORD_ENV = "GPUFLEET_RECORD_HISTORIES"
 
@@ -28,8 +29,11 @@ def record_histories(temporal_address: str) -> list[Path]:
     async def go() -> list[Path]:
         client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
         written = []
-        async for execution in client.list_workflows(f"WorkflowType='{REMEDIATION_WORKFLOW}'"):
-            if execution.status == WorkflowExecutionStatus.RUNNING:
+        kinds = " OR ".join(
+            f"WorkflowType='{kind}'" for kind in (REMEDIATION_WORKFLOW, RETURN_NODE_WORKFLOW, GUARD_WORKFLOW)
+        )
+        async for execution in client.list_workflows(kinds):
+            if execution.status == WorkflowExecutionStatus.RUNNING and execution.workflow_type != GUARD_WORKFLOW:
                 continue
             outcome = (execution.status.name if execution.status else "unknown").lower()
             history = await client.get_workflow_handle(execution.id, run_id=execution.run_id).fetch_history()

@@ -17,6 +17,8 @@ from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
+from workflows.guard import FleetGuardWorkflow
+from workflows.nodes import ReturnNodeWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
 HISTORIES = sorted(Path(__file__).parent.glob("*.json"))
@@ -31,6 +33,9 @@ def test_there_are_recorded_histories_of_each_outcome() -> None:
 async def test_recorded_history_replays(path: Path) -> None:
     # The workflow's code never reads its own ID: the file's name stands in for it.
     history = WorkflowHistory.from_json(path.stem.rsplit("-", 1)[0], json.loads(path.read_text()))
-    replayer = Replayer(workflows=[NodeRemediationWorkflow], data_converter=pydantic_data_converter)
+    replayer = Replayer(
+        workflows=[NodeRemediationWorkflow, FleetGuardWorkflow, ReturnNodeWorkflow],
+        data_converter=pydantic_data_converter,
+    )
     result = await replayer.replay_workflow(history, raise_on_replay_failure=True)
     assert result.replay_failure is None

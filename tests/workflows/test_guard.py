@@ -39,7 +39,6 @@ from models.constants import (
 from models.guard import GuardCommand, GuardInput, GuardStatus
 from models.incident import Approval, IncidentStatus, Outcome, Step
 from models.policy import Action, GuardSettings, Policy
-from models.xid import XidEvent
 from tests.workflows.test_remediation import Fleet, start, worker
 from workflows.guard import MESSAGES_PER_RUN, FleetGuardWorkflow
 from workflows.remediation import NodeRemediationWorkflow
@@ -356,60 +355,3 @@ async def test_a_node_failing_again_within_its_cooldown_is_quarantined(env: Work
     assert again.quarantined and again.quarantine.startswith("failed again 0.0 h after it was returned")
     assert fleet.quarantined == {"gpu1": "failed-in-cooldown"}
     assert not other.quarantined
-
-
-async def test_a_gpu_reset_in_place_puts_the_node_back_and_the_jobs_run_again(env: WorkflowEnvironment) -> None:
-    fleet = guarded()
-    async with running(env, fleet):
-        status = await (await start(env.client, fleet, node="gpu1", xid=48)).result()
-    assert status.outcome == Outcome.RESOLVED and status.action == Action.RESET_GPU
-    assert [(r.action, r.attempt) for r in fleet.repairs] == [(Action.RESET_GPU, 1)]
-    assert fleet.resumed_nodes == ["gpu1"] and status.spare is None and "claim_spare" not in fleet.calls
-    steps = [e.step for e in status.timeline if e.event == "finished"]
-    assert steps.index(Step.REQUEUE) < steps.index(Step.REPAIR) < steps.index(Step.SETTLE) < steps.index(Step.RESUME)
-    assert status.jobs and status.jobs[0].job_id == 7  # running again
-    [resolved] = [n for n in fleet.notifications if n.kind == "resolved"]
-    assert "resolved by RESET_GPU in place" in resolved.text
-
-
-@pytest.mark.parametrize(
-    ("outcomes", "final", "spare"),
-    [
-        ([False], Action.REBOOT_NODE, None),  # the reset Job fails: a reboot
-        ([False, False], Action.REPLACE_NODE, "spare1"),  # so does the reboot: replaced
-    ],
-)
-async def test_a_repair_that_fails_escalates_a_level(
-    env: WorkflowEnvironment, outcomes: list[bool], final: Action, spare: str | None
-) -> None:
-    fleet = guarded()
-    fleet.repair_succeeds = outcomes
-    async with running(env, fleet):
-        status = await (await start(env.client, fleet, node="gpu1", xid=48)).result()
-    assert status.outcome == Outcome.RESOLVED and status.action == final and status.spare == spare
-    escalations = [e.detail for e in status.timeline if e.event == "escalated"]
-    assert escalations[0].startswith("RESET_GPU -> REBOOT_NODE: Job job-1 failed")
-    assert len([n for n in fleet.notifications if n.kind == "escalated"]) == len(outcomes)
-
-
-async def test_an_xid_while_settling_escalates(env: WorkflowEnvironment) -> None:
-    fleet = guarded()
-    async with running(env, fleet):
-        handle = await start(env.client, fleet, node="gpu1", xid=48)
-        await until(handle, NodeRemediationWorkflow.status, lambda s: s.step == Step.SETTLE, "settling")
-        await handle.signal(NodeRemediationWorkflow.report_xid, XidEvent(node="gpu1", xid=48, source="test"))
-        status = await handle.result()
-    assert status.outcome == Outcome.RESOLVED and status.action == Action.REBOOT_NODE
-    assert [(r.action, r.attempt) for r in fleet.repairs] == [(Action.RESET_GPU, 1), (Action.REBOOT_NODE, 2)]
-    assert any(e.event == "escalated" and "while settling" in e.detail for e in status.timeline)
-
-
-async def test_a_node_failing_again_soon_after_a_repair_starts_one_level_up(env: WorkflowEnvironment) -> None:
-    fleet = guarded()
-    async with running(env, fleet):
-        first = await (await start(env.client, fleet, node="gpu1", xid=48)).result()
-        second = await (await start(env.client, fleet, node="gpu1", xid=48)).result()
-    assert first.action == Action.RESET_GPU and second.action == Action.REBOOT_NODE
-    assert second.escalated_by_guard.startswith("REBOOT_NODE: reported again")
-    assert "REBOOT_NODE" in fleet.drain_reasons[1]  # drained for what it will get
-    assert [r.action for r in fleet.repairs] == [Action.RESET_GPU, Action.REBOOT_NODE]

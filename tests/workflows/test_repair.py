@@ -1,0 +1,73 @@
+"""Repairs in place on the time-skipping server: a GPU reset or a reboot through a Job pinned
+to the node, a settle period, the node back in service; escalation, a level at a time, when a
+Job fails, when the node reports again while settling, or when it fails again soon after a
+repair (the fleet guard remembers)."""
+
+from __future__ import annotations
+
+import pytest
+from temporalio.testing import WorkflowEnvironment
+
+from models.incident import Outcome, Step
+from models.policy import Action
+from models.xid import XidEvent
+from tests.workflows.test_guard import guarded, running, until
+from tests.workflows.test_remediation import start
+from workflows.remediation import NodeRemediationWorkflow
+
+
+async def test_a_gpu_reset_in_place_puts_the_node_back_and_the_jobs_run_again(env: WorkflowEnvironment) -> None:
+    fleet = guarded()
+    async with running(env, fleet):
+        status = await (await start(env.client, fleet, node="gpu1", xid=48)).result()
+    assert status.outcome == Outcome.RESOLVED and status.action == Action.RESET_GPU
+    assert [(r.action, r.attempt) for r in fleet.repairs] == [(Action.RESET_GPU, 1)]
+    assert fleet.resumed_nodes == ["gpu1"] and status.spare is None and "claim_spare" not in fleet.calls
+    steps = [e.step for e in status.timeline if e.event == "finished"]
+    assert steps.index(Step.REQUEUE) < steps.index(Step.REPAIR) < steps.index(Step.SETTLE) < steps.index(Step.RESUME)
+    assert status.jobs and status.jobs[0].job_id == 7  # running again
+    [resolved] = [n for n in fleet.notifications if n.kind == "resolved"]
+    assert "resolved by RESET_GPU in place" in resolved.text
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "final", "spare"),
+    [
+        ([False], Action.REBOOT_NODE, None),  # the reset Job fails: a reboot
+        ([False, False], Action.REPLACE_NODE, "spare1"),  # so does the reboot: replaced
+    ],
+)
+async def test_a_repair_that_fails_escalates_a_level(
+    env: WorkflowEnvironment, outcomes: list[bool], final: Action, spare: str | None
+) -> None:
+    fleet = guarded()
+    fleet.repair_succeeds = outcomes
+    async with running(env, fleet):
+        status = await (await start(env.client, fleet, node="gpu1", xid=48)).result()
+    assert status.outcome == Outcome.RESOLVED and status.action == final and status.spare == spare
+    escalations = [e.detail for e in status.timeline if e.event == "escalated"]
+    assert escalations[0].startswith("RESET_GPU -> REBOOT_NODE: Job job-1 failed")
+    assert len([n for n in fleet.notifications if n.kind == "escalated"]) == len(outcomes)
+
+
+async def test_an_xid_while_settling_escalates(env: WorkflowEnvironment) -> None:
+    fleet = guarded()
+    async with running(env, fleet):
+        handle = await start(env.client, fleet, node="gpu1", xid=48)
+        await until(handle, NodeRemediationWorkflow.status, lambda s: s.step == Step.SETTLE, "settling")
+        await handle.signal(NodeRemediationWorkflow.report_xid, XidEvent(node="gpu1", xid=48, source="test"))
+        status = await handle.result()
+    assert status.outcome == Outcome.RESOLVED and status.action == Action.REBOOT_NODE
+    assert [(r.action, r.attempt) for r in fleet.repairs] == [(Action.RESET_GPU, 1), (Action.REBOOT_NODE, 2)]
+    assert any(e.event == "escalated" and "while settling" in e.detail for e in status.timeline)
+
+
+async def test_a_node_failing_again_soon_after_a_repair_starts_one_level_up(env: WorkflowEnvironment) -> None:
+    fleet = guarded()
+    async with running(env, fleet):
+        first = await (await start(env.client, fleet, node="gpu1", xid=48)).result()
+        second = await (await start(env.client, fleet, node="gpu1", xid=48)).result()
+    assert first.action == Action.RESET_GPU and second.action == Action.REBOOT_NODE
+    assert second.escalated_by_guard.startswith("REBOOT_NODE: reported again")
+    assert "REBOOT_NODE" in fleet.drain_reasons[1]  # drained for what it will get
+    assert [r.action for r in fleet.repairs] == [Action.RESET_GPU, Action.REBOOT_NODE]
