@@ -33,6 +33,7 @@ from models.constants import (
 from models.guard import GuardCommand
 from models.incident import IncidentStatus, JobInfo, Outcome, Step
 from models.names import InvalidName, validate_node_name
+from models.policy import Action, load_policy
 from starters.temporal import connect
 from workflows.remediation import NodeRemediationWorkflow
 
@@ -214,7 +215,9 @@ async def run_drill(
         )
         if CLAIMED_BY_ANNOTATION not in node.annotations
     ]
-    if not free:
+    # Only a replacement needs a spare (a GPU reset or a reboot is done in place).
+    replaces = load_policy(lab.policy_file).action_for(xid) is Action.REPLACE_NODE
+    if replaces and not free:
         raise LabError(
             "no free spare is left in the lab, so the incident would wait for one; "
             "start a fresh lab with `gpufleet lab down && rm -r $GPUFLEET_HOME && gpufleet lab up`"
@@ -249,6 +252,7 @@ async def run_drill(
         "workflow_id": handle.id,
         "node": target,
         "xid": xid,
+        "action": status.action.value if status.action else None,
         "outcome": status.outcome.value,
         "job_id": job.job_id,
         "job_restarts": after.restarts,

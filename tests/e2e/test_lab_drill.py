@@ -106,7 +106,7 @@ def test_drill_recovers_the_ddp_job(lab: tuple[FleetLab, list[str]]) -> None:
     assert 0 <= t["detect_to_workflow"] <= t["detect_to_drained"] <= t["detect_to_requeued"]
     assert t["detect_to_requeued"] <= t["detect_to_replaced"] <= t["detect_to_resumed"]
     names = [step["name"] for step in result["steps"]]
-    assert names[:5] == ["classify", "notify", "drain_slurm", "checkpoint", "requeue"]
+    assert names[:6] == ["classify", "notify", "guard", "drain_slurm", "checkpoint", "requeue"]
     assert all(step["end"] is None or step["end"] >= step["start"] for step in result["steps"])
     assert "Temporal UI" in done.stdout and "drain_slurm" in done.stdout
     # The Xid went through gpu1's detector: its kernel log holds the driver line.
@@ -120,6 +120,29 @@ def test_a_drill_without_a_free_spare_says_so_and_injects_nothing(lab: tuple[Fle
     assert done.returncode == 1
     assert "no free spare" in done.stdout
     assert {node: fleet.kmsg_file(node).read_text() for node in fleet.all_nodes} == logs
+
+
+def test_an_xid_48_drill_resets_the_gpu_in_place_and_a_second_escalates(lab: tuple[FleetLab, list[str]]) -> None:
+    """RESET_GPU by default: drained, checkpointed, requeued, the reset Job run (in the lab, a
+    local process standing for the node), settled, back in service, the job resumed on the same
+    node; no spare needed. The same node reporting again soon after starts at REBOOT_NODE."""
+    fleet, _ = lab
+    slurm = SlurmCli(slurm_conf=fleet.slurm.conf)
+    # A second node of this three-node partition within ten minutes would trip the breaker.
+    assert gpufleet(fleet, "breaker", "reset", "--reason", "the next drill").returncode == 0
+    first = lab_cli(fleet, "drill", "--xid", "48")
+    assert first.returncode == 0, first.stdout + first.stderr
+    reset = json.loads(first.stdout.strip().splitlines()[-1])
+    assert reset["outcome"] == "resolved" and reset["action"] == "RESET_GPU"
+    assert reset["replacement_node"] is None and reset["resumed_from_step"] > 0
+    names = [step["name"] for step in reset["steps"]]
+    assert names.index("requeue") < names.index("repair") < names.index("settle") < names.index("resume")
+    node = reset["node"]
+    assert not slurm.node(node).drained and node in slurm.partition_nodes("train")  # back in service
+    again = lab_cli(fleet, "drill", "--xid", "48", "--node", node)
+    assert again.returncode == 0, again.stdout + again.stderr
+    reboot = json.loads(again.stdout.strip().splitlines()[-1])
+    assert reboot["outcome"] == "resolved" and reboot["action"] == "REBOOT_NODE"
 
 
 def test_incident_chart(lab: tuple[FleetLab, list[str]], tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -137,7 +160,7 @@ def test_the_incident_is_found_by_its_search_attributes(lab: tuple[FleetLab, lis
         client = await Client.connect(fleet.env()["TEMPORAL_ADDRESS"])
         return [w.id async for w in client.list_workflows(query)]
 
-    for query in ('GpuNode="gpu1"', "Xid=79", 'Cluster="lab" AND RemediationStep="closed"'):
+    for query in ('GpuNode="gpu1"', "Xid=79", 'Cluster="lab" AND RemediationStep="closed" AND Xid=79'):
         found: list[str] = []
         for _ in range(50):  # visibility is eventually consistent
             found = asyncio.run(search(query))

@@ -29,10 +29,11 @@ def record_histories(temporal_address: str) -> list[Path]:
     async def go() -> list[Path]:
         client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
         written = []
-        kinds = " OR ".join(
-            f"WorkflowType='{kind}'" for kind in (REMEDIATION_WORKFLOW, RETURN_NODE_WORKFLOW, GUARD_WORKFLOW)
-        )
-        async for execution in client.list_workflows(kinds):
+        executions = []
+        for kind in (REMEDIATION_WORKFLOW, RETURN_NODE_WORKFLOW, GUARD_WORKFLOW):
+            async for execution in client.list_workflows(f"WorkflowType='{kind}'"):
+                executions.append(execution)
+        for execution in executions:
             if execution.status == WorkflowExecutionStatus.RUNNING and execution.workflow_type != GUARD_WORKFLOW:
                 continue
             outcome = (execution.status.name if execution.status else "unknown").lower()
