@@ -3,8 +3,10 @@
 A real cluster runs a Job labelled ``gpufleet.io/repair`` on the node it is pinned to, in a
 privileged container (``nvidia-smi --gpu-reset``, or a reboot). The lab's nodes are names, so
 here each such Job's container command runs as a local process (with ``GPUFLEET_LAB_NODE`` set
-to the node it stands for), and the Job's status is written back as the Job controller would:
-``Complete`` or ``Failed``, with the command's last line of output as the message.
+to the node it stands for) if, and only if, it is the lab's stand-in ``python -m lab.repair``
+(anything else would act on this machine: such a Job fails, saying so), and the Job's status is
+written back as the Job controller would: ``Complete`` or ``Failed``, with the command's last
+line of output as the message.
 
 Run it as ``python -m lab.jobrunner --api URL [--ready-file F]``.
 """
@@ -25,11 +27,18 @@ import httpx
 
 from models.constants import REPAIR_LABEL
 
-POLL_SECONDS = 0.25
+POLL_SECONDS = 0.5
 
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def stand_in(argv: list[str]) -> bool:
+    """Whether the command is the lab's stand-in (``python -m lab.repair ...``): nothing else is
+    ever run here, since a real repair command (a GPU reset, ``/proc/sysrq-trigger``) would act
+    on this machine, not on a lab node."""
+    return len(argv) >= 3 and Path(argv[0]).name.startswith("python") and argv[1:3] == ["-m", "lab.repair"]
 
 
 def run_job(api: str, job: dict[str, Any]) -> None:
@@ -40,6 +49,16 @@ def run_job(api: str, job: dict[str, Any]) -> None:
     argv = [*container.get("command", []), *container.get("args", [])]
     deadline = float(spec.get("activeDeadlineSeconds") or 600)
     started = _now()
+    if not stand_in(argv):
+        ok, message = (
+            False,
+            (
+                f"the lab runs only its stand-in (python -m lab.repair), not {' '.join(argv)!r}: set the lab "
+                "policy file's repair: commands (a fresh lab writes them)"
+            ),
+        )
+        _record(api, meta, started, ok, message)
+        return
     try:
         done = subprocess.run(
             argv,
@@ -55,6 +74,11 @@ def run_job(api: str, job: dict[str, Any]) -> None:
         ok, message = False, f"past its deadline of {deadline:g}s"
     except OSError as exc:
         ok, message = False, f"could not run {argv[:1]}: {exc.strerror or exc}"
+    _record(api, meta, started, ok, message)
+
+
+def _record(api: str, meta: dict[str, Any], started: str, ok: bool, message: str) -> None:
+    """The Job's outcome as the Job controller writes it."""
     condition = {"type": "Complete" if ok else "Failed", "status": "True", "message": message}
     condition["lastTransitionTime"] = _now()
     status = {"startTime": started, "conditions": [condition], ("succeeded" if ok else "failed"): 1}

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -197,11 +198,13 @@ def test_unsafe_node_name_is_rejected_before_anything_runs(fleet: FleetLab) -> N
 
 def test_one_policy_file_decides_for_the_detector_and_the_worker(fleet: FleetLab) -> None:
     """Xid 31 is an application fault (OBSERVE: the detector sends nothing) until the lab's one
-    policy file says otherwise; the same edit gives the worker a shorter grace."""
+    policy file says otherwise; the same edit gives the worker a shorter grace. The reboot is done
+    in place (the lab's stand-in for the reboot Job) and the node goes back into service."""
     policy = fleet.policy_file.read_text()
-    fleet.policy_file.write_text(
-        "xids: {31: REBOOT_NODE}\nremediation:\n  grace_seconds: 7\n  spare_recheck_seconds: 11\n"
-    )
+    edited = yaml.safe_load(policy)
+    edited["xids"] = {31: "REBOOT_NODE"}
+    edited["remediation"] = {"grace_seconds": 7, "spare_recheck_seconds": 11}
+    fleet.policy_file.write_text(yaml.safe_dump(edited))
     try:
         done = gpufleet(fleet, "lab", "inject-xid", "gpu2", "--xid", "31")
         assert done.returncode == 0, done.stdout + done.stderr
@@ -223,10 +226,14 @@ def test_one_policy_file_decides_for_the_detector_and_the_worker(fleet: FleetLab
         fleet.policy_file.write_text(policy)
     assert status.xids == [31]
     assert status.action == "REBOOT_NODE"  # the detector sent it, the worker classified it so
-    assert status.outcome == "awaiting_repair"
+    assert status.outcome == "resolved"  # rebooted in place, back in service
     assert status.settings is not None
     assert (status.settings.grace_seconds, status.settings.spare_recheck_seconds) == (7, 11)
-    assert SlurmCli(slurm_conf=fleet.slurm.conf).node("gpu2").reason.startswith("gpufleet: xid 31 REBOOT_NODE")
+    drained = next(e.detail for e in status.timeline if e.step == "drain_slurm" and e.event == "finished")
+    assert "gpufleet: xid 31 REBOOT_NODE" in drained
+    repaired = next(e.detail for e in status.timeline if e.step == "repair" and e.event == "finished")
+    assert "gpu2: rebooted (lab stand-in)" in repaired
+    assert not SlurmCli(slurm_conf=fleet.slurm.conf).node("gpu2").drained
 
 
 def test_no_spare_waits_until_a_repaired_node_is_returned(fleet: FleetLab) -> None:
