@@ -3,8 +3,10 @@
 A change that would break incidents in flight (a step added, removed or reordered without
 ``workflow.patched``) makes the replayer raise a non-determinism error here, in CI.
 Record new ones with ``GPUFLEET_RECORD_HISTORIES=DIR`` (see record.py) and keep them here named after
-what they show (resolved, awaiting-repair, no-spare-then-returned, unknown-node); the
-``operator-drained`` and ``worker-killed`` ones come from a `make chaos` run's Temporal database.
+what they show (resolved, awaiting-repair, no-spare-then-returned, unknown-node, and, since the fleet
+guard, guarded-resolved, guarded-no-spare-then-returned, rebooted-in-place, dry-run, the guard's own
+history so far and a node return); the ``operator-drained`` and ``worker-killed`` ones come from a
+`make chaos` run's Temporal database.
 """
 
 from __future__ import annotations
