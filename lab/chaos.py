@@ -307,6 +307,22 @@ def undrained_not_ours(before: dict[str, Any], after: dict[str, Any]) -> int:
     return lost
 
 
+async def gpufleet(lab: FleetLab, *args: str) -> str:
+    """Run a `gpufleet` command as an operator would, against the lab; its output (raises when it fails)."""
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "workers.entry", *args],
+        env=lab.env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"gpufleet {' '.join(args)} failed: {done.stdout}{done.stderr}")
+    return done.stdout
+
+
 async def return_retired(lab: FleetLab, say: Say, *, all_healthy: bool = True) -> None:
     """Every retired node comes back as a spare, as after a repair; an operator's drain is lifted first.
     Then waits until every node (or, without ``all_healthy``, every returned one) is healthy in Slurm."""
@@ -318,17 +334,7 @@ async def return_retired(lab: FleetLab, say: Say, *, all_healthy: bool = True) -
         drained, reason = facts["slurm"][node]
         if drained and not owned_reason(reason):
             slurm_update(lab, node, "State=RESUME")  # the operator finishes their work
-        done = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "workers.entry", "nodes", "return", node, "--as", "spare"],
-            env=lab.env(),
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"could not return {node}: {done.stdout}{done.stderr}")
+        await gpufleet(lab, "nodes", "return", node, "--as", "spare")
         returned.append(node)
         say(f"returned {node} as a spare")
     # A returned node is briefly "not responding" after its resume: wait until Slurm shows it idle.
@@ -564,17 +570,7 @@ async def storm(home: Path, *, say: Say) -> dict[str, Any]:
             storm_jobs_touched_on_waiting_nodes=touched,
         )
         say(f"storm: drained {drained}, waiting {waiting}, pages {len(pages)}; `gpufleet breaker reset`")
-        done = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "workers.entry", "breaker", "reset", "--reason", "chaos: storm over"],
-            env=lab.env(),
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"gpufleet breaker reset failed: {done.stdout}{done.stderr}")
+        await gpufleet(lab, "breaker", "reset", "--reason", "chaos: storm over")
         await return_retired(lab, say, all_healthy=False)  # the rest need spares: the first ones' nodes, repaired
         rest = [await _closed(handles[node], since=datetime.min.replace(tzinfo=UTC)) for node in waiting]
         resolved_after_reset = all(s.outcome == Outcome.RESOLVED for s in rest)

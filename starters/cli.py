@@ -425,6 +425,15 @@ def reject(
     _decide(incident, cluster, approved=False, reason=reason)
 
 
+def _cluster_of(cluster: str | None, node: str) -> str:
+    """The cluster (given or configured) once both it and the node name are safe (else exit 2)."""
+    try:
+        validate_node_name(node)
+        return validate_cluster_name(cluster or Settings().cluster)
+    except InvalidName as exc:
+        fail(str(exc), code=2)
+
+
 @nodes_app.command("return")
 def nodes_return(
     node: Annotated[str, typer.Argument(help="A repaired node that gpufleet retired or left drained.")],
@@ -434,11 +443,7 @@ def nodes_return(
     """Bring a repaired node back: uncordon, untaint, relabel; resume it in Slurm only if gpufleet drained it."""
     if as_ not in {"spare", "training"}:
         fail(f"--as {as_!r}: expected 'spare' or 'training'", code=2)
-    try:
-        this_cluster = validate_cluster_name(cluster or Settings().cluster)
-        validate_node_name(node)
-    except InvalidName as exc:
-        fail(str(exc), code=2)
+    this_cluster = _cluster_of(cluster, node)
 
     async def go() -> str:
         client = await _client()
@@ -509,11 +514,7 @@ def nodes_release(
     cluster: Annotated[str | None, typer.Option(help="Cluster name (default: $GPUFLEET_CLUSTER or 'lab').")] = None,
 ) -> None:
     """Take a node out of quarantine (its incident record starts again); then `gpufleet nodes return` it."""
-    try:
-        this_cluster = validate_cluster_name(cluster or Settings().cluster)
-        validate_node_name(node)
-    except InvalidName as exc:
-        fail(str(exc), code=2)
+    this_cluster = _cluster_of(cluster, node)
 
     async def go() -> str:
         client = await _client()

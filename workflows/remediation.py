@@ -313,33 +313,29 @@ class NodeRemediationWorkflow:
         status.action = await self._classify()
         self._done(Step.CLASSIFY, f"{status.action} for {self._seen()}")
         if pool == POOL_RETIRED:
-            status.outcome = Outcome.ALREADY_RETIRED
-            self._notify("recorded", f"{self._who()}: {self._seen()} on a retired node; recorded, nothing to do.")
-            await self._close()
+            await self._record_only(
+                Outcome.ALREADY_RETIRED, "recorded", f"{self._seen()} on a retired node; recorded, nothing to do."
+            )
             return
         earlier = drained_for(node.reason) if node.drained or node.state in {"down", "drained"} else None
         if earlier is not None and earlier in Action.__members__ and status.action.severity <= Action(earlier).severity:
-            status.outcome = Outcome.AWAITING_REPAIR
-            self._notify(
+            await self._record_only(
+                Outcome.AWAITING_REPAIR,
                 "recorded",
-                f"{self._who()}: {self._seen()} recorded; the node is already drained for {earlier} "
-                f"({node.reason}), which covers {status.action}.",
+                f"{self._seen()} recorded; the node is already drained for {earlier} ({node.reason}), "
+                f"which covers {status.action}.",
             )
-            await self._close()
             return
         if status.action is Action.OBSERVE:
-            status.outcome = Outcome.OBSERVED
-            self._notify("observed", f"{self._who()}: {self._seen()} recorded; no action needed.")
-            await self._close()
+            await self._record_only(Outcome.OBSERVED, "observed", f"{self._seen()} recorded; no action needed.")
             return
         if facts.remediation == REMEDIATION_DISABLED:
-            status.outcome = Outcome.OPTED_OUT
-            self._notify(
+            await self._record_only(
+                Outcome.OPTED_OUT,
                 "opted_out",
-                f"{self._who()}: {self._seen()} -> {status.action}, but the node is labelled "
+                f"{self._seen()} -> {status.action}, but the node is labelled "
                 f"{REMEDIATION_LABEL}={REMEDIATION_DISABLED}: gpufleet recorded it and changed nothing.",
             )
-            await self._close()
             return
 
         # 2. notify, beside the flow: the drain never waits for the webhook
@@ -847,6 +843,12 @@ class NodeRemediationWorkflow:
             ),
             summary="ask the fleet guard for a slot",
         )
+
+    async def _record_only(self, outcome: Outcome, kind: str, text: str) -> None:
+        """Close without touching the node: the outcome, one message to the owner, the close."""
+        self._status.outcome = outcome
+        self._notify(kind, f"{self._who()}: {text}")
+        await self._close()
 
     def _start_wait(self, why: str) -> None:
         """A new wait for `gpufleet approve|reject`: answers to earlier ones do not count."""

@@ -331,7 +331,7 @@ async def test_a_dry_run_records_every_step_and_asks_each_activity_to_change_not
 
 async def test_a_node_with_repeated_incidents_is_quarantined_and_released(env: WorkflowEnvironment) -> None:
     fleet = guarded(quarantine_after=2, cooldown_seconds=0)
-    async with running(env, fleet):
+    async with running(env, fleet, manual_clock=True):  # the window is on the server's clock
         first = await (await start(env.client, fleet, node="gpu1")).result()
         second = await (await start(env.client, fleet, node="gpu1")).result()
         await tell(env.client, fleet, GUARD_FORGIVE_SIGNAL)  # no node: nothing to forgive

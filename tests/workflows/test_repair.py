@@ -9,7 +9,7 @@ import pytest
 from temporalio.testing import WorkflowEnvironment
 
 from models.incident import Outcome, Step
-from models.policy import Action
+from models.policy import Action, RepairSettings
 from models.xid import XidEvent
 from tests.workflows.test_guard import guarded, running, until
 from tests.workflows.test_remediation import start
@@ -63,8 +63,11 @@ async def test_an_xid_while_settling_escalates(env: WorkflowEnvironment) -> None
 
 
 async def test_a_node_failing_again_soon_after_a_repair_starts_one_level_up(env: WorkflowEnvironment) -> None:
+    # The escalation window is measured on the server's clock: it moves only as the test says
+    # (a one-second settle, so that nothing waits long for real).
     fleet = guarded()
-    async with running(env, fleet):
+    fleet.policy = fleet.policy.model_copy(update={"repair": RepairSettings(settle_seconds=1)})
+    async with running(env, fleet, manual_clock=True):
         first = await (await start(env.client, fleet, node="gpu1", xid=48)).result()
         second = await (await start(env.client, fleet, node="gpu1", xid=48)).result()
     assert first.action == Action.RESET_GPU and second.action == Action.REBOOT_NODE
