@@ -626,7 +626,7 @@ async def chaos(home: Path, *, short: bool, say: Say, only: set[str] | None = No
     # default guard in a four-node lab of its own).
     lab.policy_file.write_text(
         lab.policy_file.read_text().replace("remediation:\n", "remediation:\n  eviction_timeout_seconds: 5\n")
-        + "guard:\n  max_share: 1.0\n  cooldown_seconds: 0\n  quarantine_after: 0\n"
+        + "guard:\n  max_share: 0\n  cooldown_seconds: 0\n  quarantine_after: 0\n"
     )
     ctx = Context(lab=lab, say=say)
     results: list[dict[str, Any]] = []

@@ -115,8 +115,9 @@ class GuardSettings(BaseModel):
 
     # Incidents past their first destructive step and not yet closed.
     max_in_flight: int = Field(default=2, ge=1, le=100000)
-    # The share of the partition's nodes with incidents inside the sliding window.
-    max_share: float = Field(default=0.5, gt=0, le=1)
+    # Nodes with incidents inside the sliding window, as a share of the partition's nodes now
+    # (retired nodes still count, so a rolling failure adds up). 0: no share limit.
+    max_share: float = Field(default=0.5, ge=0, le=1)
     window_seconds: float = Field(default=600.0, gt=0, le=7 * 86400)
     # Actions that wait for `gpufleet approve` once the node is drained and its jobs requeued
     # (a rejection leaves the node drained), and how often the owner is reminded meanwhile.

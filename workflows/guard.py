@@ -279,7 +279,7 @@ class FleetGuardWorkflow:
             return f"{in_flight + 1} incidents would be in flight; the limit is {limits.max_in_flight}"
         await self._count_nodes()
         nodes = set(self._nodes_in_window()) | {request.node}
-        if self._nodes and len(nodes) / self._nodes > limits.max_share:
+        if limits.max_share and self._nodes and len(nodes) / self._nodes > limits.max_share:
             return (
                 f"{len(nodes)} of the partition's {self._nodes} nodes would have incidents within "
                 f"{limits.window_seconds / 60:g} min ({len(nodes) / self._nodes:.0%}); "

@@ -46,8 +46,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
     lab.up()
     # Two training nodes, hit in turn by these tests: the fleet guard's default share (half the
     # partition in ten minutes) would hold the second. The breaker is proven in tests/workflows
-    # and by the storm in `make chaos`; here it stays on with room for both.
-    lab.policy_file.write_text(lab.policy_file.read_text() + "guard:\n  max_share: 1.0\n", encoding="utf-8")
+    # and by the storm in `make chaos`; here its share limit is off (the in-flight limit stays).
+    lab.policy_file.write_text(lab.policy_file.read_text() + "guard:\n  max_share: 0\n", encoding="utf-8")
     yield lab
     record_histories(lab.env()["TEMPORAL_ADDRESS"])
     pids = lab.down()
