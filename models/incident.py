@@ -127,6 +127,8 @@ class Approval(BaseModel):
     reason: str = ""
     # Which wait it answers (the incident's ``approval_wait`` when it was read); 0: the current one.
     wait: int = 0
+    # Which incident it answers ("": whichever runs under the workflow ID).
+    incident_id: str = ""
 
 
 class IncidentStatus(BaseModel):

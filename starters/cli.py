@@ -388,7 +388,9 @@ def _decide(incident: str, cluster: str | None, *, approved: bool, reason: str) 
             fail(f"incident {incident} is over; the node's latest incident is {status.incident_id}")
         if status.waiting_for_approval is None:
             fail(f"incident {status.incident_id} is not waiting for approval (step {status.step}, {status.outcome})")
-        answer = Approval(approved=approved, by=_who(), reason=reason, wait=status.approval_wait)
+        answer = Approval(
+            approved=approved, by=_who(), reason=reason, wait=status.approval_wait, incident_id=status.incident_id
+        )
         await handle.signal(NodeRemediationWorkflow.decide, answer)
         return status
 

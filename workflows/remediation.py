@@ -217,6 +217,8 @@ class NodeRemediationWorkflow:
             return
         if approval.wait and approval.wait != status.approval_wait:
             return
+        if approval.incident_id and approval.incident_id != status.incident_id:
+            return  # read from an earlier incident of the same node
         if self._approval is None:
             self._approval = approval
 
@@ -877,10 +879,13 @@ class NodeRemediationWorkflow:
         floor = self._floor
         return action if floor is None or action.severity >= floor.severity else floor
 
-    def _escalate(self, why: str) -> None:
+    def _escalate(self, why: str, *, at_least: Action | None = None) -> None:
         status = self._status
         assert status.action is not None
-        before, status.action = status.action, status.action.escalated()
+        after = status.action.escalated()
+        if at_least is not None and at_least.severity > after.severity:
+            after = at_least
+        before, status.action = status.action, after
         self._floor = status.action
         self._mark(status.step, "escalated", f"{before} -> {status.action}: {why}")
         self._notify("escalated", f"{self._who()}: {before} did not hold ({why}); escalated to {status.action}.")
@@ -919,7 +924,10 @@ class NodeRemediationWorkflow:
                     timeout=timedelta(seconds=settings.job_timeout_seconds) + SHORT,
                 )
             except ActivityError as exc:
-                if not isinstance(exc.cause, ApplicationError) or not exc.cause.non_retryable:
+                # The event named no usable GPU: a reboot needs none. Anything else (no such
+                # namespace, a refused Job) is a configuration to fix: the incident fails, loudly,
+                # with the node drained, rather than replacing nodes that a fix would have saved.
+                if not isinstance(exc.cause, ApplicationError) or exc.cause.type != "InvalidInput":
                     raise
                 self._escalate(f"the repair could not start: {exc.cause.message}")
                 continue
@@ -939,8 +947,8 @@ class NodeRemediationWorkflow:
             except TimeoutError:
                 self._done(Step.SETTLE, f"no new event for {settings.settle_seconds:g}s")
                 return True
-            self._classified = len(self._events)
-            self._escalate(f"{self._events[-1].label} while settling")
+            late = await self._classify()  # the new event may call for more than one level up
+            self._escalate(f"{self._events[-1].label} while settling", at_least=late)
         return False
 
     async def _repaired(self) -> None:
@@ -951,6 +959,17 @@ class NodeRemediationWorkflow:
             ResumeNodeRequest(node=self._input.node, incident_id=status.incident_id, dry_run=self._dry),
             summary=f"resume {self._input.node} in Slurm",
         )
+        if node.drained or node.state in {"down", "drained"}:
+            # Someone else drained it meanwhile: theirs now; the repair is not counted as holding.
+            status.outcome = Outcome.AWAITING_REPAIR
+            self._mark(Step.SETTLE, "held", f"repaired, but drained by someone else: {node.reason!r}")
+            self._notify(
+                "awaiting_repair",
+                f"{self._who()}: {status.action} done, but the node was drained meanwhile by someone else "
+                f"({node.reason!r}); gpufleet leaves it to them. Its jobs are requeued.",
+            )
+            await self._close()
+            return
         self._mark(Step.SETTLE, "back in service", f"state={node.state} reason={node.reason!r}")
         self._enter(Step.RESUME)
         if self._dry:

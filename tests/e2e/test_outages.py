@@ -30,6 +30,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
         LabConfig(training=["gpu1", "gpu2"], spares=["spare1", "spare2"], temporal_port=0, ui_port=0),
     )
     lab.up()
+    # Both training nodes are hit in turn: the fleet guard's share limit is off here (see test_guard).
+    lab.policy_file.write_text(lab.policy_file.read_text() + "guard:\n  max_share: 0\n", encoding="utf-8")
     yield lab
     lab.down()
 
@@ -65,7 +67,7 @@ def run_outage(fleet: FleetLab, *, node: str, pid: int, activity: str) -> Incide
 
 def test_kubernetes_away_then_back(fleet: FleetLab) -> None:
     pid = fleet.state()["services"]["kubeapi"]["pid"]
-    status = run_outage(fleet, node="gpu1", pid=pid, activity="kube_node_pool")
+    status = run_outage(fleet, node="gpu1", pid=pid, activity="kube_node_facts")
     assert status.outcome == "resolved"
     kube = KubernetesApi(kubeconfig=fleet.home / "kubeconfig")
     retired = kube.get_node("gpu1")  # kept, so a kubelet restart cannot bring it back clean
