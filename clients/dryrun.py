@@ -33,10 +33,6 @@ def dry_run(on: bool) -> Iterator[None]:
         _ON.reset(token)
 
 
-def active() -> bool:
-    return _ON.get()
-
-
 def refuse_writes(what: str) -> None:
     """Raise DryRunViolation when the switch is on: ``what`` would change the fleet."""
     if _ON.get():

@@ -505,13 +505,10 @@ async def race_two_incidents(ctx: Context, baseline: dict[str, Any]) -> dict[str
 STORM = "storm_four_nodes_at_once"
 
 
-async def storm(home: Path, *, say: Say) -> dict[str, Any]:
-    """Xids on all four training nodes within a second, in a four-node lab of its own with the
-    default fleet guard: at most its limit drained, one page, the rest waiting with their jobs
-    untouched; after `gpufleet breaker reset` the rest go on (and get spares once the first
-    ones' retired nodes are returned)."""
+def chaos_lab(home: Path, training: list[str], *, say: Say) -> FleetLab:
+    """A lab of the chaos run's own: these training nodes, two spares, a 60 s grace, free ports."""
     config = LabConfig(
-        training=["gpu1", "gpu2", "gpu3", "gpu4"],
+        training=training,
         spares=["spare1", "spare2"],
         temporal_port=free_port(),
         ui_port=free_port(),
@@ -519,6 +516,16 @@ async def storm(home: Path, *, say: Say) -> dict[str, Any]:
     )
     lab = FleetLab(home, config)
     lab.up(say=say)
+    return lab
+
+
+async def storm(home: Path, *, say: Say) -> dict[str, Any]:
+    """Xids on all four training nodes within a second, in a four-node lab of its own with the
+    default fleet guard: at most its limit drained, one page, the rest waiting with their jobs
+    untouched; after `gpufleet breaker reset` the rest go on (and get spares once the first
+    ones' retired nodes are returned)."""
+    lab = chaos_lab(home, ["gpu1", "gpu2", "gpu3", "gpu4"], say=say)
+    config = lab.config
     result: dict[str, Any] = {"name": STORM}
     try:
         slurm = SlurmCli(slurm_conf=lab.slurm.conf)
@@ -611,15 +618,7 @@ async def _closed(handle: Any, *, since: datetime, timeout: float = 300) -> Inci
 
 
 async def chaos(home: Path, *, short: bool, say: Say, only: set[str] | None = None) -> dict[str, Any]:
-    config = LabConfig(
-        training=["gpu1", "gpu2"],
-        spares=["spare1", "spare2"],
-        temporal_port=free_port(),
-        ui_port=free_port(),
-        grace_seconds=60,
-    )
-    lab = FleetLab(home, config)
-    lab.up(say=say)
+    lab = chaos_lab(home, ["gpu1", "gpu2"], say=say)
     # Evictions a budget forbids are forced after 5 s here (60 s by default), to keep the run short;
     # the partition has two nodes, each hit again and again (returned between scenarios), so the
     # fleet guard's share limit and its lemon rules are off here (the storm scenario runs the

@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +122,6 @@ def main() -> None:
         args.ready_file.write_text(args.api, encoding="utf-8")
     print(f"running repair Jobs from {args.api} as local processes", flush=True)
     serve(args.api.rstrip("/"), stop)
-    time.sleep(0)
 
 
 if __name__ == "__main__":

@@ -705,17 +705,9 @@ class NodeRemediationWorkflow:
             f"`gpufleet approve {status.incident_id}` to go on, `gpufleet reject {status.incident_id}` to leave it.",
         )
         await workflow.wait_condition(lambda: self._approval is not None)
-        assert self._approval is not None
-        status.approval = self._approval
-        self._approval = None  # used: a later gate waits for its own answer
-        status.waiting_for_approval = None
-        approval = status.approval
-        verdict = "approved" if approval.approved else "rejected"
-        self._done(Step.AWAITING_APPROVAL, f"{verdict} by {approval.by or '?'}: {approval.reason}".strip())
+        approval = self._answered()
         if approval.approved:
-            status.outcome = Outcome.OPEN
             return True
-        status.outcome = Outcome.REJECTED
         self._notify("rejected", f"{self._who()}: rejected by {approval.by or '?'}; nothing was changed.")
         await self._close()
         return False
@@ -813,16 +805,9 @@ class NodeRemediationWorkflow:
                 break
             except TimeoutError:
                 self._notify("approval_reminder", f"{self._who()}: still waiting: {why}; {ask}.")
-        approval, self._approval = self._approval, None
-        assert approval is not None
-        status.approval = approval
-        status.waiting_for_approval = None
-        verdict = "approved" if approval.approved else "rejected"
-        self._done(Step.AWAITING_APPROVAL, f"{verdict} by {approval.by or '?'}: {approval.reason}".strip())
+        approval = self._answered()
         if approval.approved:
-            status.outcome = Outcome.OPEN
             return True
-        status.outcome = Outcome.REJECTED
         self._notify(
             "rejected",
             f"{self._who()}: {status.action} rejected by {approval.by or '?'}. The node stays drained "
@@ -851,6 +836,19 @@ class NodeRemediationWorkflow:
         self._status.outcome = outcome
         self._notify(kind, f"{self._who()}: {text}")
         await self._close()
+
+    def _answered(self) -> Approval:
+        """Record the answer to the current wait: the incident's approval and outcome, the verdict
+        in the timeline, nothing waiting any more (a later wait needs its own answer)."""
+        approval, self._approval = self._approval, None
+        assert approval is not None
+        status = self._status
+        status.approval = approval
+        status.waiting_for_approval = None
+        verdict = "approved" if approval.approved else "rejected"
+        self._done(Step.AWAITING_APPROVAL, f"{verdict} by {approval.by or '?'}: {approval.reason}".strip())
+        status.outcome = Outcome.OPEN if approval.approved else Outcome.REJECTED
+        return approval
 
     def _start_wait(self, why: str) -> None:
         """A new wait for `gpufleet approve|reject`: answers to earlier ones do not count."""

@@ -87,7 +87,6 @@ class Fleet:
     repair_succeeds: list[bool] = field(default_factory=list)
     repairs: list[RepairRequest] = field(default_factory=list)
     resumed_nodes: list[str] = field(default_factory=list)
-    repair_started: asyncio.Event = field(default_factory=asyncio.Event)
     notify_gate: asyncio.Event | None = None  # set: the webhook answers; None: it answers at once
     notify_refuses: bool = False
     retire_fails: bool = False
@@ -228,7 +227,6 @@ class Fleet:
         async def repair(request: RepairRequest) -> RepairResult:
             fleet.writes.append(request)
             fleet.repairs.append(request)
-            fleet.repair_started.set()
             ok = (
                 fleet.repair_succeeds[len(fleet.repairs) - 1]
                 if len(fleet.repairs) <= len(fleet.repair_succeeds)
