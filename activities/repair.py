@@ -1,4 +1,10 @@
-"""Repairs in place: reset a GPU or reboot a node through a Kubernetes Job pinned to it."""
+"""Repairs in place: reset a GPU or reboot a node through a Kubernetes Job pinned to it, then
+check that the GPU answers through another.
+
+What counts as done differs. A reset is done when its Job completes. A reboot is done when the
+node comes back Ready with a new boot ID: the reboot Job's pod dies with the node, so its own
+outcome says nothing. Either way the check Job must then complete (the GPU answers).
+"""
 
 from __future__ import annotations
 
@@ -12,9 +18,9 @@ from temporalio import activity
 from activities.errors import client_errors
 from activities.heartbeat import heartbeating
 from clients.dryrun import dry_run
-from clients.errors import InvalidInput
+from clients.errors import InvalidInput, NotFound
 from clients.kube import KubeClient
-from models.constants import INCIDENT_ANNOTATION, REPAIR_LABEL
+from models.constants import BOOT_ID_ANNOTATION, INCIDENT_ANNOTATION, REPAIR_LABEL
 from models.names import InvalidName, validate_node_name
 from models.policy import Action
 from models.requests import RepairRequest, RepairResult
@@ -24,30 +30,50 @@ _GPU = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:._-]{0,95}$")
 _KINDS = {Action.RESET_GPU: "reset", Action.REBOOT_NODE: "reboot"}
 
 
-def repair_job(request: RepairRequest) -> dict[str, Any]:
-    """The Job for one repair attempt: pinned to the node, tolerating its taints, run once.
+def _kind(request: RepairRequest) -> str:
+    kind = _KINDS.get(request.action)
+    if kind is None:
+        raise InvalidInput(f"{request.action} is not a repair in place (RESET_GPU or REBOOT_NODE)")
+    return kind
+
+
+def _command(request: RepairRequest, kind: str) -> tuple[str, list[str]]:
+    """The image and the configured command for a Job of this kind (``[]``: no check)."""
+    settings = request.settings
+    if kind == "reset":
+        return settings.reset_image, settings.reset_command
+    if kind == "reboot":
+        return settings.reboot_image, settings.reboot_command
+    return settings.check_image, (settings.check_command if request.gpu else settings.node_check_command)
+
+
+def repair_job(request: RepairRequest, kind: str | None = None, *, boot_id: str = "") -> dict[str, Any]:
+    """The Job for one attempt (``kind``: reset or reboot, from the action; or check): pinned to
+    the node, tolerating its taints, run once. A reboot Job carries the node's boot ID from
+    before it.
 
     Raises:
         InvalidInput: an action that is not a repair in place, or a GPU or node name unfit
             for a command line.
     """
-    kind = _KINDS.get(request.action)
-    if kind is None:
-        raise InvalidInput(f"{request.action} is not a repair in place (RESET_GPU or REBOOT_NODE)")
+    kind = kind or _kind(request)
     try:
         node = validate_node_name(request.node)
     except InvalidName as exc:
         raise InvalidInput(str(exc)) from None
     settings = request.settings
-    command = settings.reset_command if kind == "reset" else settings.reboot_command
+    image, command = _command(request, kind)
     if any("{gpu}" in part for part in command) and not _GPU.match(request.gpu or ""):
-        raise InvalidInput(f"a GPU reset needs the GPU's UUID or PCI address; the event gave {request.gpu!r}")
+        raise InvalidInput(f"a GPU {kind} needs the GPU's UUID or PCI address; the event gave {request.gpu!r}")
     argv = [part.replace("{gpu}", request.gpu).replace("{node}", node) for part in command]
     digest = hashlib.sha256(f"{request.incident_id}/{request.attempt}".encode()).hexdigest()[:8]
     name = f"gpufleet-{kind}-{node}"[:52].rstrip("-.") + f"-{digest}"
+    annotations = {INCIDENT_ANNOTATION: request.incident_id}
+    if kind == "reboot":
+        annotations[BOOT_ID_ANNOTATION] = boot_id
     container: dict[str, Any] = {
         "name": kind,
-        "image": settings.reset_image if kind == "reset" else settings.reboot_image,
+        "image": image,
         "command": argv,
         "securityContext": {"privileged": True},
     }
@@ -58,7 +84,7 @@ def repair_job(request: RepairRequest) -> dict[str, Any]:
             "name": name,
             "namespace": settings.namespace,
             "labels": {REPAIR_LABEL: kind},
-            "annotations": {INCIDENT_ANNOTATION: request.incident_id},
+            "annotations": annotations,
         },
         "spec": {
             "backoffLimit": 0,
@@ -79,6 +105,14 @@ def repair_job(request: RepairRequest) -> dict[str, Any]:
     }
 
 
+def _argv(job: dict[str, Any]) -> str:
+    return " ".join(job["spec"]["template"]["spec"]["containers"][0]["command"])
+
+
+def _short(boot_id: str) -> str:
+    return boot_id[:8] or "(none)"
+
+
 class RepairActivities:
     def __init__(self, kube: KubeClient, *, poll_seconds: float = 0.5) -> None:
         self._kube = kube
@@ -87,25 +121,102 @@ class RepairActivities:
     @activity.defn(name="repair_node")
     @heartbeating
     def repair(self, request: RepairRequest) -> RepairResult:
-        """Run the attempt's Job (created once, found again on a retry) and wait for it to end,
-        up to its timeout. A dry run answers with the Job it would create."""
+        """Reset or reboot, then check that the GPU answers, each Job created once (a retry
+        finds its own) and waited for up to ``job_timeout_seconds``. A Job still running at its
+        deadline is deleted, so that it cannot act after the incident has moved on. A dry run
+        answers with the Jobs it would create."""
         with client_errors(), dry_run(request.dry_run):
-            job = repair_job(request)
-            name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
+            kind = _kind(request)
+            job = repair_job(request, kind)  # every name checked before anything is made
+            check = repair_job(request, "check") if _command(request, "check")[1] else None
             if request.dry_run:
-                command = " ".join(job["spec"]["template"]["spec"]["containers"][0]["command"])
-                return RepairResult(succeeded=True, job=name, detail=f"dry run: would run Job {name}: {command}")
-            self._kube.create_job(namespace, job)
-            deadline = time.monotonic() + request.settings.job_timeout_seconds
-            while True:
-                state = self._kube.job_state(namespace, name)
-                if state.finished:
-                    return RepairResult(succeeded=state.succeeded, job=name, detail=state.message)
-                if time.monotonic() > deadline:
-                    return RepairResult(
-                        succeeded=False,
-                        job=name,
-                        detail=f"Job {name} did not finish within {request.settings.job_timeout_seconds:g}s",
+                then = f"; then Job {check['metadata']['name']}: {_argv(check)}" if check else ""
+                return RepairResult(
+                    succeeded=True,
+                    job=job["metadata"]["name"],
+                    detail=f"dry run: would run Job {job['metadata']['name']}: {_argv(job)}{then}",
+                )
+            done = self._reboot(request) if kind == "reboot" else self._run(job, request.settings.job_timeout_seconds)
+            if not done.succeeded:
+                return done
+            if check is None:
+                return done.model_copy(update={"detail": f"{done.detail}; no GPU check is configured"})
+            checked = self._run(check, request.settings.job_timeout_seconds)
+            if not checked.succeeded:
+                return checked.model_copy(
+                    update={"detail": f"{done.detail}; but the GPU does not answer: {checked.detail}"}
+                )
+            return done.model_copy(update={"detail": f"{done.detail}; the GPU answers: {checked.detail}"})
+
+    def _run(self, job: dict[str, Any], timeout: float) -> RepairResult:
+        """Create the Job (or find it again) and wait for it to complete or fail."""
+        name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
+        self._kube.create_job(namespace, job)
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self._kube.job_state(namespace, name)
+            if state.finished:
+                verdict = "completed" if state.succeeded else "failed"
+                return RepairResult(
+                    succeeded=state.succeeded, job=name, detail=f"Job {name} {verdict}: {state.message}"
+                )
+            if time.monotonic() > deadline:
+                return self._overdue(namespace, name, f"Job {name} did not finish within {timeout:g}s")
+            activity.heartbeat(f"Job {name}: {state.message}")
+            time.sleep(self._poll)
+
+    def _reboot(self, request: RepairRequest) -> RepairResult:
+        """Create the reboot Job with the node's boot ID of now (a retry reads the one its Job
+        kept), then wait for the node to be Ready on a new one."""
+        settings = request.settings
+        before = self._kube.get_node(request.node).boot_id
+        job = repair_job(request, "reboot", boot_id=before)
+        name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
+        if not before or not self._kube.create_job(namespace, job):
+            try:  # a retry: its Job kept the boot ID from before
+                before = self._kube.job_annotations(namespace, name).get(BOOT_ID_ANNOTATION, "")
+            except NotFound:
+                before = ""
+        if not before:  # nothing was created
+            raise InvalidInput(
+                f"node {request.node} reports no boot ID (status.nodeInfo.bootID), so a reboot could not be "
+                "told from none; map this event to RESET_GPU or REPLACE_NODE in the policy instead"
+            )
+        deadline = time.monotonic() + settings.job_timeout_seconds
+        failed_at: float | None = None
+        while True:
+            node = self._kube.get_node(request.node)
+            state = self._kube.job_state(namespace, name)
+            if node.boot_id and node.boot_id != before and node.ready:
+                return RepairResult(
+                    succeeded=True,
+                    job=name,
+                    detail=(
+                        f"{request.node} rebooted: Ready on boot ID {_short(node.boot_id)} (was {_short(before)}); "
+                        f"Job {name}: {state.message}"
+                    ),
+                )
+            if state.finished and not state.succeeded and node.boot_id == before:
+                failed_at = failed_at if failed_at is not None else time.monotonic()
+                if node.ready and time.monotonic() - failed_at > settings.reboot_grace_seconds:
+                    return self._overdue(
+                        namespace,
+                        name,
+                        f"Job {name} failed ({state.message}) and {request.node} is still up on boot ID "
+                        f"{_short(before)} after {settings.reboot_grace_seconds:g}s: it did not reboot",
                     )
-                activity.heartbeat(f"Job {name}: {state.message}")
-                time.sleep(self._poll)
+            if time.monotonic() > deadline:
+                return self._overdue(
+                    namespace,
+                    name,
+                    f"{request.node} did not come back Ready on a new boot ID within "
+                    f"{settings.job_timeout_seconds:g}s (boot ID {_short(node.boot_id)}, Ready={node.ready}; "
+                    f"Job {name}: {state.message})",
+                )
+            activity.heartbeat(f"waiting for {request.node} to reboot: Ready={node.ready}, Job {state.message}")
+            time.sleep(self._poll)
+
+    def _overdue(self, namespace: str, name: str, why: str) -> RepairResult:
+        """The attempt failed: its Job goes, so that it cannot act late."""
+        self._kube.delete_job(namespace, name)
+        return RepairResult(succeeded=False, job=name, detail=f"{why}; Job deleted")

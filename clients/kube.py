@@ -51,6 +51,7 @@ class KubeNode(BaseModel):
     ready: bool = False
     resource_version: str = ""
     taints: list[dict[str, str]] = Field(default_factory=list)
+    boot_id: str = ""  # status.nodeInfo.bootID: a new one after every reboot
 
 
 class PodRef(BaseModel):
@@ -84,6 +85,8 @@ class KubeClient(Protocol):
     def delete_node(self, name: str) -> None: ...
     def create_job(self, namespace: str, body: dict[str, Any]) -> bool: ...
     def job_state(self, namespace: str, name: str) -> JobState: ...
+    def job_annotations(self, namespace: str, name: str) -> dict[str, str]: ...
+    def delete_job(self, namespace: str, name: str) -> None: ...
     def lease(self, name: str, *, namespace: str, holder: str) -> AbstractContextManager[object]: ...
 
 
@@ -110,6 +113,7 @@ def _node(raw: Any) -> KubeNode:
     spec = raw.spec
     conditions = (raw.status.conditions if raw.status else None) or []
     ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
+    info = raw.status.node_info if raw.status else None
     taints = [
         {"key": t.key, "value": t.value or "", "effect": t.effect} for t in ((spec.taints if spec else None) or [])
     ]
@@ -121,6 +125,7 @@ def _node(raw: Any) -> KubeNode:
         ready=ready,
         resource_version=meta.resource_version or "",
         taints=taints,
+        boot_id=(info.boot_id if info else "") or "",
     )
 
 
@@ -330,6 +335,25 @@ class KubernetesApi:
             failed = done.get("Failed") or _Blank()
             return JobState(finished=True, succeeded=False, message=failed.message or failed.reason or "failed")
         return JobState(finished=False, succeeded=False, message="running")
+
+    def job_annotations(self, namespace: str, name: str) -> dict[str, str]:
+        job = self._call(
+            f"read job {namespace}/{name}", self._batch.read_namespaced_job, name, checked_namespace(namespace)
+        )
+        return dict(job.metadata.annotations or {})
+
+    def delete_job(self, namespace: str, name: str) -> None:
+        """Delete the Job and its pods (gone already is fine)."""
+        try:
+            self._call(
+                f"delete job {namespace}/{name}",
+                self._batch.delete_namespaced_job,
+                name,
+                checked_namespace(namespace),
+                propagation_policy="Background",
+            )
+        except NotFound:
+            return
 
     def delete_node(self, name: str) -> None:
         name = checked_node_name(name)

@@ -268,6 +268,10 @@ class FleetLab:
             "repair:\n"
             f"  reset_command: [{python}, -m, lab.repair, reset, --gpu, '{{gpu}}', --node, '{{node}}']\n"
             f"  reboot_command: [{python}, -m, lab.repair, reboot, --node, '{{node}}']\n"
+            "  # Does the GPU answer afterwards? (nvidia-smi on a real node)\n"
+            f"  check_command: [{python}, -m, lab.repair, check, --gpu, '{{gpu}}', --node, '{{node}}']\n"
+            f"  node_check_command: [{python}, -m, lab.repair, check, --node, '{{node}}']\n"
+            "  reboot_grace_seconds: 10\n"
             "  settle_seconds: 5\n",
             encoding="utf-8",
         )

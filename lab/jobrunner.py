@@ -3,7 +3,8 @@
 A real cluster runs a Job labelled ``gpufleet.io/repair`` on the node it is pinned to, in a
 privileged container (``nvidia-smi --gpu-reset``, or a reboot). The lab's nodes are names, so
 here each such Job's container command runs as a local process (with ``GPUFLEET_LAB_NODE`` set
-to the node it stands for) if, and only if, it is the lab's stand-in ``python -m lab.repair``
+to the node it stands for, and ``GPUFLEET_LAB_API`` to the emulated API, where a reboot
+writes the node's new boot ID) if, and only if, it is the lab's stand-in ``python -m lab.repair``
 (anything else would act on this machine: such a Job fails, saying so), and the Job's status is
 written back as the Job controller would: ``Complete`` or ``Failed``, with the command's last
 line of output as the message.
@@ -61,7 +62,7 @@ def run_job(api: str, job: dict[str, Any]) -> None:
     try:
         done = subprocess.run(
             argv,
-            env={**os.environ, "GPUFLEET_LAB_NODE": pod.get("nodeName", "")},
+            env={**os.environ, "GPUFLEET_LAB_NODE": pod.get("nodeName", ""), "GPUFLEET_LAB_API": api},
             capture_output=True,
             text=True,
             timeout=deadline,

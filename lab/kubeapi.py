@@ -630,13 +630,34 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
 
 
 def node_object(name: str, *, pool: str, ready: bool = True) -> dict[str, Any]:
-    """A Node as the lab seeds it: Ready, labelled with its gpufleet pool."""
+    """A Node as the lab seeds it: Ready, labelled with its gpufleet pool, with the system
+    facts a kubelet reports (its boot ID changes when the node reboots)."""
     return {
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "gpufleet.io/pool": pool}},
         "spec": {},
-        "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+        "status": {
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            "nodeInfo": node_info(name, boot_id=str(uuid.uuid4())),
+        },
+    }
+
+
+def node_info(name: str, *, boot_id: str) -> dict[str, str]:
+    """``status.nodeInfo`` as a kubelet of the lab's Kubernetes version reports it."""
+    machine = uuid.uuid5(uuid.NAMESPACE_DNS, f"{name}.gpufleet.lab")
+    return {
+        "architecture": "amd64",
+        "bootID": boot_id,
+        "containerRuntimeVersion": "containerd://1.7.24",
+        "kernelVersion": "6.1.0-lab",
+        "kubeProxyVersion": "",
+        "kubeletVersion": "v1.32.0",
+        "machineID": machine.hex,
+        "operatingSystem": "linux",
+        "osImage": "gpufleet lab",
+        "systemUUID": str(machine),
     }
 
 

@@ -1,10 +1,19 @@
-"""The lab's stand-in for a repair Job's command (``nvidia-smi --gpu-reset``, a reboot).
+"""The lab's stand-in for a repair Job's command: a GPU reset, a reboot, the check afterwards.
 
-The lab's nodes are names, so there is nothing to reset: it says what a real node would do and
-succeeds, unless the lab was told to make repairs fail (a file ``repair-fails`` in
-``$GPUFLEET_HOME``), to watch an incident escalate.
+The lab's nodes are names, so there is nothing to reset: each says what a real node would do.
 
-Run as ``python -m lab.repair reset --gpu GPU --node NODE`` or ``python -m lab.repair reboot --node NODE``.
+- ``reset`` succeeds.
+- ``reboot`` does what a real reboot shows the API: the node goes NotReady, then Ready again on
+  a new boot ID (``status.nodeInfo.bootID``, written as its kubelet would), and the Job's pod
+  dies with it (exit status 143, so the Job fails, as a real reboot Job's does).
+- ``check`` (does the GPU answer?) succeeds.
+
+Each fails instead when the lab is told so by a file in ``$GPUFLEET_HOME``: ``repair-fails``
+(the reset or reboot fails; a reboot then leaves the node up on its old boot ID) or
+``check-fails`` (the GPU does not answer), to watch an incident escalate.
+
+Run as ``python -m lab.repair reset|reboot|check --node NODE [--gpu GPU]``, with
+``GPUFLEET_LAB_API`` set to the emulated API's URL for a reboot (the lab's Job runner sets it).
 """
 
 from __future__ import annotations
@@ -12,20 +21,58 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import uuid
 from pathlib import Path
+
+import httpx
+
+KILLED_BY_REBOOT = 143  # SIGTERM, as a container's exit status
+
+
+def _told_to_fail(what: str) -> bool:
+    return (Path(os.environ.get("GPUFLEET_HOME", ".gpufleet")) / what).exists()
+
+
+def _set_node(api: str, node: str, *, ready: bool, boot_id: str | None = None) -> None:
+    """Write the node's status as its kubelet would: Ready or not, and its boot ID."""
+    status: dict[str, object] = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    if boot_id is not None:
+        status["nodeInfo"] = {"bootID": boot_id}
+    httpx.patch(
+        f"{api}/api/v1/nodes/{node}/status",
+        json={"status": status},
+        headers={"Content-Type": "application/strategic-merge-patch+json"},
+        timeout=10,
+    ).raise_for_status()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m lab.repair", description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["reset", "reboot"])
+    parser.add_argument("what", choices=["reset", "reboot", "check"])
     parser.add_argument("--node", required=True)
     parser.add_argument("--gpu", default="")
     args = parser.parse_args()
-    if (Path(os.environ.get("GPUFLEET_HOME", ".gpufleet")) / "repair-fails").exists():
+    if args.what == "check":
+        if _told_to_fail("check-fails"):
+            print(f"{args.node}: GPU {args.gpu or '(all)'} does not answer (the lab was told so)", flush=True)
+            sys.exit(1)
+        print(f"{args.node}: GPU {args.gpu or '(all)'} answers (lab stand-in)", flush=True)
+        return
+    if _told_to_fail("repair-fails"):
         print(f"{args.what} of {args.node} failed (the lab was told to fail repairs)", flush=True)
         sys.exit(1)
-    done = f"GPU {args.gpu} reset" if args.what == "reset" else "rebooted"
-    print(f"{args.node}: {done} (lab stand-in)", flush=True)
+    if args.what == "reset":
+        print(f"{args.node}: GPU {args.gpu} reset (lab stand-in)", flush=True)
+        return
+    api = os.environ.get("GPUFLEET_LAB_API", "").rstrip("/")
+    if not api:
+        print("GPUFLEET_LAB_API is not set: the lab's Job runner sets it to the emulated API", flush=True)
+        sys.exit(2)
+    boot_id = str(uuid.uuid4())
+    _set_node(api, args.node, ready=False)
+    _set_node(api, args.node, ready=True, boot_id=boot_id)
+    print(f"{args.node}: rebooted onto boot ID {boot_id[:8]} (lab stand-in); the pod died with it", flush=True)
+    sys.exit(KILLED_BY_REBOOT)
 
 
 if __name__ == "__main__":

@@ -108,8 +108,10 @@ def held_by_someone_else(reason: str) -> bool:
 # The spare pool: which cluster a Node serves, nodes kept out of every pool, retired nodes.
 CLUSTER_LABEL = "gpufleet.io/cluster"
 QUARANTINE_LABEL = "gpufleet.io/quarantine"
-# On the Jobs that reset a GPU or reboot a node: reset | reboot.
+# On the Jobs that reset a GPU, reboot a node or check its GPUs afterwards: reset | reboot | check.
 REPAIR_LABEL = "gpufleet.io/repair"
+# On a reboot Job: the node's boot ID when the Job was made (a retry compares with this one).
+BOOT_ID_ANNOTATION = "gpufleet.io/boot-id-before"
 QUARANTINE_REASON_ANNOTATION = "gpufleet.io/quarantine-reason"
 # Label values (short, label-safe) for why a node was quarantined.
 QUARANTINE_REPEAT = "repeat-failures"

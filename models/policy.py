@@ -145,8 +145,18 @@ class RepairSettings(BaseModel):
     """How RESET_GPU and REBOOT_NODE are done: a Kubernetes Job pinned to the node.
 
     Commands are argv lists (no shell of ours); ``{gpu}`` (the event's GPU UUID or PCI address)
-    and ``{node}`` are filled in, each checked first. A repair succeeds when its Job completes
-    and no new event arrives for ``settle_seconds``; the node then goes back into service.
+    and ``{node}`` are filled in, each checked first. A repair holds when:
+
+    - a reset: its Job completes;
+    - a reboot: the node comes back Ready with a new boot ID (``status.nodeInfo.bootID``), within
+      ``job_timeout_seconds``. The reboot Job's own outcome does not count: its pod dies with the
+      node. A Job that failed while the node stayed up on its old boot ID fails the repair after
+      ``reboot_grace_seconds``;
+    - then the GPU answers: a check Job (``check_command`` with the event's GPU, or
+      ``node_check_command`` when the event named none) completes. An empty command skips it;
+    - and no new event arrives for ``settle_seconds``.
+
+    The node then goes back into service.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -157,6 +167,21 @@ class RepairSettings(BaseModel):
     # Privileged, in the host's PID namespace: the kernel's emergency reboot.
     reboot_image: str = "busybox:1.36"
     reboot_command: list[str] = Field(default_factory=lambda: ["sh", "-c", "echo b > /proc/sysrq-trigger"])
+    reboot_grace_seconds: float = Field(default=120.0, ge=0, le=3600)
+    # After the repair: does the GPU answer? Same image as the reset.
+    check_image: str = "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04"
+    check_command: list[str] = Field(
+        default_factory=lambda: [
+            "nvidia-smi",
+            "--query-gpu=uuid,pci.bus_id,name",
+            "--format=csv,noheader",
+            "-i",
+            "{gpu}",
+        ]
+    )
+    node_check_command: list[str] = Field(
+        default_factory=lambda: ["nvidia-smi", "--query-gpu=uuid,pci.bus_id,name", "--format=csv,noheader"]
+    )
     job_timeout_seconds: float = Field(default=600.0, gt=0, le=86400)
     settle_seconds: float = Field(default=120.0, ge=0, le=86400)
 
@@ -165,6 +190,20 @@ class RepairSettings(BaseModel):
     def _not_empty(cls, command: list[str]) -> list[str]:
         if not command or not all(isinstance(part, str) and part for part in command):
             raise ValueError("a command is a non-empty list of non-empty strings (argv, no shell)")
+        return command
+
+    @field_validator("check_command", "node_check_command")
+    @classmethod
+    def _argv_or_nothing(cls, command: list[str]) -> list[str]:
+        if not all(isinstance(part, str) and part for part in command):
+            raise ValueError("a command is a list of non-empty strings (argv, no shell); [] skips the check")
+        return command
+
+    @field_validator("node_check_command")
+    @classmethod
+    def _names_no_gpu(cls, command: list[str]) -> list[str]:
+        if any("{gpu}" in part for part in command):
+            raise ValueError("runs when the event named no GPU, so it cannot use {gpu}; check_command can")
         return command
 
 

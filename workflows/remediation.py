@@ -919,7 +919,8 @@ class NodeRemediationWorkflow:
                     RepairActivities.repair,
                     request,
                     summary=f"{status.action} {self._input.node} (Job)",
-                    timeout=timedelta(seconds=settings.job_timeout_seconds) + SHORT,
+                    # The repair's Job, then the check's, each up to the Job timeout.
+                    timeout=timedelta(seconds=2 * settings.job_timeout_seconds) + SHORT,
                 )
             except ActivityError as exc:
                 # The event named no usable GPU: a reboot needs none. Anything else (no such
@@ -930,10 +931,9 @@ class NodeRemediationWorkflow:
                 self._escalate(f"the repair could not start: {exc.cause.message}")
                 continue
             if not result.succeeded:
-                self._escalate(f"Job {result.job} failed: {result.detail}")
+                self._escalate(result.detail or f"Job {result.job} failed")
                 continue
-            done = result.detail if self._dry else f"Job {result.job} completed {result.detail}".strip()
-            self._done(Step.REPAIR, done)
+            self._done(Step.REPAIR, result.detail or f"Job {result.job} completed")
             if self._dry:
                 return True
             self._enter(Step.SETTLE)

@@ -232,7 +232,8 @@ def test_one_policy_file_decides_for_the_detector_and_the_worker(fleet: FleetLab
     drained = next(e.detail for e in status.timeline if e.step == "drain_slurm" and e.event == "finished")
     assert "gpufleet: xid 31 REBOOT_NODE" in drained
     repaired = next(e.detail for e in status.timeline if e.step == "repair" and e.event == "finished")
-    assert "gpu2: rebooted (lab stand-in)" in repaired
+    # Judged by the node's new boot ID (the reboot Job's pod died with it), then the GPUs answer.
+    assert "gpu2 rebooted: Ready on boot ID" in repaired and "answers (lab stand-in)" in repaired
     assert not SlurmCli(slurm_conf=fleet.slurm.conf).node("gpu2").drained
 
 

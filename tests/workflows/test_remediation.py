@@ -232,7 +232,12 @@ class Fleet:
                 if len(fleet.repairs) <= len(fleet.repair_succeeds)
                 else True
             )
-            return RepairResult(succeeded=ok, job=f"job-{len(fleet.repairs)}", detail="" if ok else "exit 1")
+            job = f"job-{len(fleet.repairs)}"
+            return RepairResult(
+                succeeded=ok,
+                job=job,
+                detail=f"Job {job} completed: the GPU answers" if ok else f"Job {job} failed: exit 1",
+            )
 
         @activity.defn(name="resume_slurm_node")
         async def resume_node(request: ResumeNodeRequest) -> NodeInfo:

@@ -1,0 +1,156 @@
+"""Repairs in place against the emulated API, with the lab's Job runner standing for the kubelet.
+
+A reset holds when its Job completes; a reboot when the node is Ready on a new boot ID, whatever
+its Job says (the pod dies with the node); then the GPU must answer. A Job past its deadline
+is deleted; a retry of an attempt finds its own Jobs and the boot ID from before.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from temporalio.testing import ActivityEnvironment
+
+from activities.repair import RepairActivities, repair_job
+from clients.errors import NotFound
+from clients.kube import KubernetesApi
+from models.constants import BOOT_ID_ANNOTATION
+from models.policy import Action, RepairSettings
+from models.requests import RepairRequest, RepairResult
+from tests.conftest import REPO, KubeApiProcess
+
+STAND_IN = [sys.executable, "-m", "lab.repair"]
+LAB_REPAIRS = RepairSettings(
+    reset_command=[*STAND_IN, "reset", "--gpu", "{gpu}", "--node", "{node}"],
+    reboot_command=[*STAND_IN, "reboot", "--node", "{node}"],
+    check_command=[*STAND_IN, "check", "--gpu", "{gpu}", "--node", "{node}"],
+    node_check_command=[*STAND_IN, "check", "--node", "{node}"],
+    job_timeout_seconds=60,
+    reboot_grace_seconds=1,
+)
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def runner(kube_api: KubeApiProcess, home: Path, tmp_path: Path) -> Iterator[None]:
+    """The lab's Job runner, started only where a test wants Jobs to run."""
+    home.mkdir(exist_ok=True)
+    ready = tmp_path / "jobrunner.ready"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lab.jobrunner", "--api", kube_api.url, "--ready-file", str(ready)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "GPUFLEET_HOME": str(home)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 20
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the Job runner did not start"
+        time.sleep(0.05)
+    yield
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def kube(kube_api: KubeApiProcess) -> KubernetesApi:
+    return KubernetesApi(kubeconfig=kube_api.kubeconfig, poll_seconds=0.05)
+
+
+def repair(
+    kube: KubernetesApi, action: Action, *, gpu: str = "GPU-1", attempt: int = 1, **settings: object
+) -> RepairResult:
+    request = RepairRequest(
+        node="gpu1",
+        action=action,
+        incident_id="lab-gpu1-1",
+        attempt=attempt,
+        gpu=gpu,
+        settings=LAB_REPAIRS.model_copy(update=settings),
+    )
+    result: RepairResult = ActivityEnvironment().run(RepairActivities(kube, poll_seconds=0.05).repair, request)
+    return result
+
+
+@pytest.mark.usefixtures("runner")
+def test_a_reset_holds_once_its_job_completes_and_the_gpu_answers(kube: KubernetesApi) -> None:
+    before = kube.get_node("gpu1").boot_id
+    result = repair(kube, Action.RESET_GPU)
+    assert result.succeeded, result.detail
+    assert "gpu1: GPU GPU-1 reset" in result.detail and "the GPU answers" in result.detail
+    assert kube.get_node("gpu1").boot_id == before  # a reset reboots nothing
+
+
+@pytest.mark.usefixtures("runner")
+def test_a_reboot_holds_on_a_new_boot_id_though_its_job_failed(kube: KubernetesApi) -> None:
+    before = kube.get_node("gpu1").boot_id
+    result = repair(kube, Action.REBOOT_NODE, gpu="")  # an event that named no GPU: the node-wide check
+    after = kube.get_node("gpu1")
+    assert result.succeeded, result.detail
+    assert after.boot_id != before and after.ready
+    assert f"Ready on boot ID {after.boot_id[:8]} (was {before[:8]})" in result.detail
+    assert "GPU (all) answers" in result.detail
+    assert kube.job_state("gpufleet", result.job).finished and not kube.job_state("gpufleet", result.job).succeeded
+    # A retry of the same attempt (the worker died after the reboot) does not wait for another.
+    again = repair(kube, Action.REBOOT_NODE, gpu="")
+    assert again.succeeded and kube.get_node("gpu1").boot_id == after.boot_id
+    assert kube.job_annotations("gpufleet", result.job)[BOOT_ID_ANNOTATION] == before
+
+
+@pytest.mark.usefixtures("runner")
+def test_a_reboot_job_that_fails_with_the_node_still_up_fails_the_repair(kube: KubernetesApi, home: Path) -> None:
+    (home / "repair-fails").touch()
+    before = kube.get_node("gpu1").boot_id
+    result = repair(kube, Action.REBOOT_NODE)
+    assert not result.succeeded
+    assert f"still up on boot ID {before[:8]}" in result.detail and "did not reboot" in result.detail
+    assert kube.get_node("gpu1").boot_id == before
+
+
+@pytest.mark.usefixtures("runner")
+def test_a_gpu_that_does_not_answer_after_the_reset_fails_the_repair(kube: KubernetesApi, home: Path) -> None:
+    (home / "check-fails").touch()
+    result = repair(kube, Action.RESET_GPU)
+    assert not result.succeeded
+    assert "reset" in result.detail and "but the GPU does not answer" in result.detail
+    assert result.job.startswith("gpufleet-check-gpu1-")
+
+
+def test_a_job_past_its_deadline_is_deleted(kube: KubernetesApi) -> None:
+    # No Job runner: the reset Job never starts, as on a node whose kubelet is gone.
+    result = repair(kube, Action.RESET_GPU, job_timeout_seconds=1)
+    assert not result.succeeded and "did not finish within 1s; Job deleted" in result.detail
+    with pytest.raises(NotFound):
+        kube.job_state("gpufleet", result.job)
+
+
+def test_a_node_that_reports_no_boot_id_is_not_rebooted(kube: KubernetesApi, kube_api: KubeApiProcess) -> None:
+    httpx.patch(
+        f"{kube_api.url}/api/v1/nodes/gpu1/status",
+        json=[{"op": "remove", "path": "/status/nodeInfo"}],
+        headers={"Content-Type": "application/json-patch+json"},
+    ).raise_for_status()
+    with pytest.raises(Exception, match="reports no boot ID"):
+        repair(kube, Action.REBOOT_NODE)
+    name = repair_job(RepairRequest(node="gpu1", action=Action.REBOOT_NODE, incident_id="lab-gpu1-1"))["metadata"]
+    with pytest.raises(NotFound):  # nothing was created
+        kube.job_state("gpufleet", name["name"])
+
+
+@pytest.mark.usefixtures("runner")
+def test_without_a_check_the_result_says_so(kube: KubernetesApi) -> None:
+    result = repair(kube, Action.RESET_GPU, check_command=[])
+    assert result.succeeded and result.detail.endswith("; no GPU check is configured")
+    with pytest.raises(ValueError, match="cannot use"):
+        RepairSettings(node_check_command=["nvidia-smi", "-i", "{gpu}"])
