@@ -1,0 +1,130 @@
+"""Cluster specs: the example loads; every problem of a bad spec is named by field, all at once;
+slurm.conf is rendered as the golden file says, and parses back to the spec."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from models.cluster import ClusterSpec, SpecError, check_ssh_key, load_spec, render_slurm_conf
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "cluster.yaml"
+GOLDEN = Path(__file__).parent / "data" / "research.slurm.conf"
+PLACEMENT = {"train": ["free1", "free2"], "debug": ["free3"]}
+
+
+def example() -> dict[str, Any]:
+    raw: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    return raw
+
+
+def test_the_example_spec_loads() -> None:
+    spec = load_spec(example(), free_nodes=4)
+    assert [(p.name, p.nodes) for p in spec.partitions] == [("train", 2), ("debug", 1)]
+    assert [u.name for u in spec.users] == ["alice", "bob"] and spec.nodes_needed == 4
+
+
+def test_every_problem_is_named_by_field_at_once() -> None:
+    raw = example()
+    raw["name"] = "Research_1"
+    raw["partitions"][1]["name"] = "train"  # taken
+    raw["partitions"][1]["default"] = True  # a second default
+    raw["partitions"][0]["max_time"] = "two days"
+    raw["users"][1]["uid"] = 20001  # alice's
+    raw["users"][0]["ssh_keys"] = ["ssh-ed25519 not-base64!"]
+    raw["users"].append({"name": "carol", "uid": 99, "ssh_keys": ["ssh-rsa AAAA"]})
+    raw["slurm_conf"].append("KillWait=5")
+    raw["storage"]["size"] = "lots"
+    with pytest.raises(SpecError) as caught:
+        load_spec(raw, free_nodes=3)
+    fields = [where for where, _ in caught.value.problems]
+    assert sorted(fields) == sorted(
+        [
+            "name",
+            "partitions[0].max_time",
+            "users[0].ssh_keys",
+            "users[2].ssh_keys",
+            "slurm_conf",
+            "storage.size",
+            "partitions[1].name",
+            "partitions[1].default",
+            "users[1].uid",
+            "users[2].uid",
+            "partitions",  # 2 + 1 + 1 spare > 3 free
+        ]
+    )
+    text = str(caught.value)
+    assert "users[1].uid: uid 20001 is already users[0]'s" in text
+    assert "users[2].uid: 99 is outside the allowed range 2000-59999" in text
+    assert "KillWait is set by gpufleet" in text
+    assert "partitions: 4 nodes asked (spares included) but the free pool holds 3" in text
+
+
+@pytest.mark.parametrize(
+    ("key", "problem"),
+    [
+        ("ssh-ed25519", "not valid base64"),
+        ("ssh-dss AAAAB3NzaC1kc3M=", "unknown SSH key type"),
+        # An RSA key's body under the ed25519 type.
+        ("ssh-ed25519 AAAAB3NzaC1yc2EAAAADAQABAAABAQ==", "is a 'ssh-rsa' key"),
+    ],
+)
+def test_a_key_that_does_not_parse_says_why(key: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        check_ssh_key(key if " " in key else f"{key} @@@")
+
+
+def test_unknown_fields_and_wrong_types_are_named() -> None:
+    raw = example()
+    raw["partitions"][0]["gpus"] = 8
+    raw["spares"] = "one"
+    with pytest.raises(SpecError) as caught:
+        load_spec(raw)
+    assert {where for where, _ in caught.value.problems} == {"partitions[0].gpus", "spares"}
+
+
+def parse_conf(text: str) -> tuple[dict[str, str], list[dict[str, str]], list[dict[str, str]]]:
+    """slurm.conf read back: the plain keys, the NodeName lines and the PartitionName lines."""
+    plain: dict[str, str] = {}
+    nodes, partitions = [], []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        fields = dict(part.split("=", 1) for part in line.split())
+        if "NodeName" in fields:
+            nodes.append(fields)
+        elif "PartitionName" in fields:
+            partitions.append(fields)
+        else:
+            assert len(fields) == 1, line
+            plain.update(fields)
+    return plain, nodes, partitions
+
+
+def test_slurm_conf_matches_the_golden_file_and_parses_back_to_the_spec() -> None:
+    spec = load_spec(example())
+    text = render_slurm_conf(spec, PLACEMENT)
+    assert text == GOLDEN.read_text()
+    plain, nodes, partitions = parse_conf(text)
+    assert plain["ClusterName"] == "research" and plain["JobRequeue"] == "1"
+    assert plain["KillWait"] == "120"  # the spec's grace
+    assert plain["SchedulerParameters"] == "bf_continue"
+    assert {n["NodeName"]: n["Gres"] for n in nodes} == {"free1": "gpu:8", "free2": "gpu:8", "free3": "gpu:8"}
+    assert [(p["PartitionName"], p["Nodes"].split(","), p["Default"], p["MaxTime"]) for p in partitions] == [
+        ("train", ["free1", "free2"], "YES", "2-00:00:00"),
+        ("debug", ["free3"], "NO", "1:00:00"),
+    ]
+    assert partitions[1]["OverSubscribe"] == "NO"
+
+
+def test_a_placement_that_does_not_match_the_spec_is_refused() -> None:
+    spec = ClusterSpec.model_validate(example())
+    wrong = copy.deepcopy(PLACEMENT)
+    wrong["train"].pop()
+    with pytest.raises(ValueError, match="train"):
+        render_slurm_conf(spec, wrong)
