@@ -1,0 +1,222 @@
+"""A cluster spec as the Kubernetes objects Slinky's slurm-operator runs Slurm from.
+
+Rendered for slurm-operator 1.x (API ``slinky.slurm.net/v1beta1``) and Slurm 25.11 (the
+``25.11-ubuntu24.04`` images). Slinky authenticates with Slurm's own ``auth/slurm`` key (not
+munge) and JWTs for slurmrestd: both keys are Secrets. The objects, in the order they are
+created (and deleted in reverse):
+
+- the Namespace ``slurm-<name>``;
+- Secrets: the Slurm key and the JWT key (generated when the Secret is first created; a dry run
+  shows a placeholder), the sssd configuration, and the user database (``passwd``, ``group``
+  and each user's ``authorized_keys``);
+- a PersistentVolumeClaim for the shared storage, when the spec asks for it;
+- a ConfigMap with the cluster's remediation defaults (read by its gpufleet worker);
+- ``Accounting`` when accounting is on, the ``Controller``, one ``NodeSet`` per partition (its
+  pods pinned to the reserved nodes by the labels the reservation wrote) and a ``LoginSet``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.cluster import ClusterSpec, kill_wait
+
+API = "slinky.slurm.net/v1beta1"
+SLURM_VERSION = "25.11"
+IMAGE_TAG = f"{SLURM_VERSION}-ubuntu24.04"
+IMAGES = {
+    "slurmctld": f"ghcr.io/slinkyproject/slurmctld:{IMAGE_TAG}",
+    "slurmd": f"ghcr.io/slinkyproject/slurmd:{IMAGE_TAG}",
+    "login": f"ghcr.io/slinkyproject/login:{IMAGE_TAG}",
+    "slurmdbd": f"ghcr.io/slinkyproject/slurmdbd:{IMAGE_TAG}",
+}
+GENERATED = "<generated when the Secret is first created>"
+CLUSTER_LABEL = "gpufleet.io/cluster"
+PARTITION_LABEL = "gpufleet.io/partition"
+REMEDIATION_CONFIGMAP = "gpufleet-remediation"
+USERS_MOUNT = "/etc/gpufleet/users"
+
+
+def namespace(spec: ClusterSpec) -> str:
+    return f"slurm-{spec.name}"
+
+
+def _meta(spec: ClusterSpec, name: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": namespace(spec),
+        "labels": {CLUSTER_LABEL: spec.name, "app.kubernetes.io/managed-by": "gpufleet"},
+        **extra,
+    }
+
+
+def sssd_conf() -> str:
+    """sssd reading the users from files (the user database Secret, mounted over /etc)."""
+    return (
+        "[sssd]\nservices = nss,pam\ndomains = DEFAULT\n\n"
+        "[nss]\nfilter_groups = root,slurm\nfilter_users = root,slurm\n\n[pam]\n\n"
+        "[domain/DEFAULT]\nid_provider = proxy\nproxy_lib_name = files\n"
+        "auth_provider = proxy\nproxy_pam_target = sssd-shadowutils\n"
+    )
+
+
+def user_database(spec: ClusterSpec) -> dict[str, str]:
+    """``passwd`` and ``group`` lines for the spec's users (a group per user, ``admin``
+    membership for admins), and ``authorized_keys.<user>`` for each."""
+    passwd = [f"{u.name}:x:{u.uid}:{u.uid}:{u.name}:/home/{u.name}:/bin/bash" for u in spec.users]
+    groups = [f"{u.name}:x:{u.uid}:" for u in spec.users]
+    admins = ",".join(u.name for u in spec.users if u.admin)
+    if admins:
+        groups.append(f"slurm-admins:x:{min(u.uid for u in spec.users) - 1}:{admins}")
+    data = {"passwd": "\n".join(passwd) + "\n", "group": "\n".join(groups) + "\n"}
+    for user in spec.users:
+        data[f"authorized_keys.{user.name}"] = "\n".join(user.ssh_keys) + "\n"
+    return data
+
+
+def _container(image: str) -> dict[str, Any]:
+    return {"image": image}
+
+
+def slinky_objects(spec: ClusterSpec, placement: dict[str, list[str]]) -> list[dict[str, Any]]:
+    """Every object for the spec, in creation order (``placement``: partition: node names)."""
+    ns = namespace(spec)
+    name = spec.name
+    objects: list[dict[str, Any]] = [
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": ns, "labels": {CLUSTER_LABEL: name, "app.kubernetes.io/managed-by": "gpufleet"}},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": _meta(spec, f"{name}-slurm-key"),
+            "type": "Opaque",
+            "immutable": True,
+            "stringData": {"slurm.key": GENERATED},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": _meta(spec, f"{name}-jwt-key"),
+            "type": "Opaque",
+            "immutable": True,
+            "stringData": {"jwt_hs256.key": GENERATED},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": _meta(spec, f"{name}-sssd"),
+            "type": "Opaque",
+            "stringData": {"sssd.conf": sssd_conf()},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": _meta(spec, f"{name}-users"),
+            "type": "Opaque",
+            "stringData": user_database(spec),
+        },
+    ]
+    if spec.storage is not None:
+        pvc: dict[str, Any] = {
+            "accessModes": ["ReadWriteMany"],
+            "resources": {"requests": {"storage": spec.storage.size}},
+        }
+        if spec.storage.storage_class:
+            pvc["storageClassName"] = spec.storage.storage_class
+        objects.append(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": _meta(
+                    spec, f"{name}-shared", annotations={"gpufleet.io/mount-path": spec.storage.mount_path}
+                ),
+                "spec": pvc,
+            }
+        )
+    objects.append(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _meta(spec, REMEDIATION_CONFIGMAP),
+            "data": {
+                "grace_seconds": f"{spec.remediation.grace_seconds:g}",
+                "requeue": "true" if spec.remediation.requeue else "false",
+                "task_queue": f"gpufleet-{name}",
+            },
+        }
+    )
+    keys = {
+        "slurmKeyRef": {"name": f"{name}-slurm-key", "key": "slurm.key"},
+        "jwtKeyRef": {"name": f"{name}-jwt-key", "key": "jwt_hs256.key"},
+    }
+    if spec.accounting:
+        objects.append(
+            {
+                "apiVersion": API,
+                "kind": "Accounting",
+                "metadata": _meta(spec, name),
+                "spec": {**keys, "slurmdbd": _container(IMAGES["slurmdbd"])},
+            }
+        )
+    extra = [
+        "JobRequeue=1",
+        f"KillWait={kill_wait(spec)}",
+        *(["GresTypes=gpu"] if any(p.gpus_per_node for p in spec.partitions) else []),
+        *spec.slurm_conf,
+    ]
+    controller: dict[str, Any] = {
+        "clusterName": name,
+        **keys,
+        "slurmctld": _container(IMAGES["slurmctld"]),
+        "extraConf": "\n".join(extra),
+        "persistence": {"enabled": True},
+    }
+    if spec.accounting:
+        controller["accountingRef"] = {"name": name}
+    objects.append({"apiVersion": API, "kind": "Controller", "metadata": _meta(spec, name), "spec": controller})
+    default = spec.default_partition
+    for partition in spec.partitions:
+        options = {
+            "Default": "YES" if partition.name == default else "NO",
+            "MaxTime": partition.max_time,
+            **partition.options,
+        }
+        pod: dict[str, Any] = {
+            "nodeSelector": {CLUSTER_LABEL: name, PARTITION_LABEL: partition.name},
+        }
+        if spec.storage is not None:
+            pod["volumes"] = [{"name": "shared", "persistentVolumeClaim": {"claimName": f"{name}-shared"}}]
+        nodeset: dict[str, Any] = {
+            "controllerRef": {"name": name},
+            "replicas": len(placement.get(partition.name, [])),
+            "slurmd": _container(IMAGES["slurmd"]),
+            "partition": {
+                "enabled": True,
+                "config": " ".join(f"{key}={value}" for key, value in options.items()),
+            },
+            "template": {"spec": pod},
+        }
+        if partition.gpus_per_node:
+            nodeset["extraConf"] = f"Gres=gpu:{partition.gpus_per_node}"
+        objects.append(
+            {"apiVersion": API, "kind": "NodeSet", "metadata": _meta(spec, f"{name}-{partition.name}"), "spec": nodeset}
+        )
+    admins = "\n".join(key for user in spec.users if user.admin for key in user.ssh_keys)
+    login: dict[str, Any] = {
+        "controllerRef": {"name": name},
+        "replicas": 1,
+        # The user database, where the login image's sssd (files provider) is pointed at it.
+        "login": {
+            **_container(IMAGES["login"]),
+            "volumeMounts": [{"name": "users", "mountPath": USERS_MOUNT, "readOnly": True}],
+        },
+        "sssdConfRef": {"name": f"{name}-sssd", "key": "sssd.conf"},
+        "template": {"spec": {"volumes": [{"name": "users", "secret": {"secretName": f"{name}-users"}}]}},
+    }
+    if admins:
+        login["rootSshAuthorizedKeys"] = admins + "\n"
+    objects.append({"apiVersion": API, "kind": "LoginSet", "metadata": _meta(spec, f"{name}-login"), "spec": login})
+    return objects
