@@ -1,0 +1,178 @@
+"""The steps of cluster creation (and their undos) as activities over the pool and a backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.errors import client_errors
+from activities.heartbeat import heartbeating
+from clients import pool
+from clients.clusters import ClusterBackend, StepFailed
+from clients.kube import KubeClient
+from clients.notify import Notifier
+from models.cluster import SpecError, load_spec
+from models.clusterops import ClusterRequest, StepResult
+from models.incident import Notification
+
+
+def _wanted(request: ClusterRequest) -> dict[str, int]:
+    wanted = {p.name: p.nodes for p in request.spec.partitions}
+    if request.spec.spares:
+        wanted[pool.SPARES] = request.spec.spares
+    return wanted
+
+
+class ClusterActivities:
+    def __init__(
+        self,
+        kube: KubeClient,
+        backends: Mapping[str, ClusterBackend],
+        notifier: Notifier,
+        *,
+        namespace: str = "gpufleet",
+        uid_range: tuple[int, int] = (2000, 59999),
+    ) -> None:
+        self._kube = kube
+        self._backends = backends
+        self._notifier = notifier
+        self._namespace = namespace
+        self._uid_range = uid_range
+
+    def _backend(self, request: ClusterRequest) -> ClusterBackend:
+        backend = self._backends.get(request.backend)
+        if backend is None:
+            known = ", ".join(sorted(self._backends)) or "none"
+            raise ApplicationError(
+                f"this worker has no {request.backend!r} backend (it has: {known})",
+                type="InvalidInput",
+                non_retryable=True,
+            )
+        return backend
+
+    def _run(self, request: ClusterRequest, fn: Callable[[ClusterBackend], str]) -> StepResult:
+        backend = self._backend(request)
+        try:
+            with client_errors():
+                return StepResult(detail=fn(backend))
+        except StepFailed as exc:
+            raise ApplicationError(str(exc), type="StepFailed", non_retryable=True) from exc
+
+    @activity.defn(name="cluster_validate")
+    @heartbeating
+    def validate(self, request: ClusterRequest) -> StepResult:
+        """The spec once more, now against the free pool; and no cluster of that name yet."""
+        backend = self._backend(request)
+        with client_errors():
+            held = pool.holdings(self._kube, request.spec.name)
+            free = pool.free_nodes(self._kube)
+            existing = backend.exists(request.spec)
+        if held or existing:
+            what = existing or f"nodes {', '.join(n for ns in held.values() for n in ns)}"
+            raise ApplicationError(
+                f"a cluster named {request.spec.name} exists already ({what}): delete it or choose another name",
+                type="InvalidInput",
+                non_retryable=True,
+            )
+        try:
+            load_spec(request.spec.model_dump(mode="json"), uid_range=self._uid_range, free_nodes=free)
+        except SpecError as exc:
+            raise ApplicationError(str(exc), type="SpecInvalid", non_retryable=True) from None
+        return StepResult(detail=f"spec valid; {free} free node(s) for {request.spec.nodes_needed} asked")
+
+    @activity.defn(name="cluster_reserve")
+    @heartbeating
+    def reserve(self, request: ClusterRequest) -> StepResult:
+        self._backend(request)
+        with client_errors():
+            placement = pool.reserve(self._kube, request.spec.name, _wanted(request), namespace=self._namespace)
+        detail = "; ".join(f"{where}: {', '.join(nodes)}" for where, nodes in placement.items())
+        return StepResult(detail=detail, placement=placement)
+
+    @activity.defn(name="cluster_release")
+    @heartbeating
+    def release(self, request: ClusterRequest) -> StepResult:
+        with client_errors():
+            nodes = pool.release(self._kube, request.spec.name)
+        return StepResult(detail=f"back to the free pool: {', '.join(nodes) or 'nothing held'}")
+
+    @activity.defn(name="cluster_render")
+    def render(self, request: ClusterRequest) -> StepResult:
+        backend = self._backend(request)
+        conf = backend.render_conf(request.spec, request.placement)
+        lines = sum(1 for line in conf.splitlines() if line and not line.startswith("#"))
+        return StepResult(detail=f"slurm.conf: {lines} lines", slurm_conf=conf)
+
+    @activity.defn(name="cluster_create_objects")
+    @heartbeating
+    def create_objects(self, request: ClusterRequest) -> StepResult:
+        return self._run(request, lambda b: b.create_objects(request.spec, request.placement, request.slurm_conf))
+
+    @activity.defn(name="cluster_delete_objects")
+    @heartbeating
+    def delete_objects(self, request: ClusterRequest) -> StepResult:
+        return self._run(request, lambda b: b.delete_objects(request.spec))
+
+    @activity.defn(name="cluster_bring_up")
+    @heartbeating
+    def bring_up(self, request: ClusterRequest) -> StepResult:
+        return self._run(request, lambda b: b.bring_up(request.spec, request.placement, request.slurm_conf))
+
+    @activity.defn(name="cluster_tear_down")
+    @heartbeating
+    def tear_down(self, request: ClusterRequest) -> StepResult:
+        return self._run(request, lambda b: b.tear_down(request.spec))
+
+    @activity.defn(name="cluster_add_users")
+    @heartbeating
+    def add_users(self, request: ClusterRequest) -> StepResult:
+        return self._run(request, lambda b: b.add_users(request.spec))
+
+    @activity.defn(name="cluster_remove_users")
+    @heartbeating
+    def remove_users(self, request: ClusterRequest) -> StepResult:
+        return self._run(request, lambda b: b.remove_users(request.spec))
+
+    @activity.defn(name="cluster_smoke_test")
+    @heartbeating
+    def smoke_test(self, request: ClusterRequest) -> StepResult:
+        return self._run(request, lambda b: b.smoke_test(request.spec))
+
+    @activity.defn(name="cluster_make_remediable")
+    @heartbeating
+    def make_remediable(self, request: ClusterRequest) -> StepResult:
+        return self._run(request, lambda b: b.make_remediable(request.spec))
+
+    @activity.defn(name="cluster_unmake_remediable")
+    @heartbeating
+    def unmake_remediable(self, request: ClusterRequest) -> StepResult:
+        return self._run(request, lambda b: b.unmake_remediable(request.spec))
+
+    @activity.defn(name="cluster_notify")
+    def notify(self, request: ClusterRequest) -> StepResult:
+        spec = request.spec
+        parts = ", ".join(f"{p.name} ({p.nodes} nodes)" for p in spec.partitions)
+        text = f"cluster {spec.name} is ready on {request.backend}: partitions {parts}; users {len(spec.users)}."
+        with client_errors():
+            sent = self._notifier.send(Notification(kind="cluster_ready", text=text))
+        return StepResult(detail=text if sent else f"{text} (no webhook configured: logged only)")
+
+    def all(self) -> list[Callable[..., StepResult]]:
+        return [
+            self.validate,
+            self.reserve,
+            self.release,
+            self.render,
+            self.create_objects,
+            self.delete_objects,
+            self.bring_up,
+            self.tear_down,
+            self.add_users,
+            self.remove_users,
+            self.smoke_test,
+            self.make_remediable,
+            self.unmake_remediable,
+            self.notify,
+        ]

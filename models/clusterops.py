@@ -1,0 +1,98 @@
+"""Cluster creation as Temporal sees it: the steps, what each activity is asked, the status."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+from models.cluster import ClusterSpec
+
+CLUSTER_TASK_QUEUE = "gpufleet-clusters"
+CLUSTER_CREATION_WORKFLOW = "ClusterCreation"
+RESUME_SIGNAL = "resume"
+ROLL_BACK_SIGNAL = "roll_back"
+BACKENDS = ("lab", "slinky")
+
+
+def cluster_workflow_id(name: str) -> str:
+    return f"cluster-{name}"
+
+
+class ClusterStep(StrEnum):
+    VALIDATE = "validate"
+    RESERVE = "reserve_nodes"
+    RENDER = "render_slurm_conf"
+    OBJECTS = "kubernetes_objects"
+    BRING_UP = "bring_up"
+    USERS = "accounts_and_users"
+    SMOKE = "smoke_test"
+    REMEDIABLE = "make_remediable"
+    NOTIFY = "notify"
+
+
+STEPS: tuple[ClusterStep, ...] = tuple(ClusterStep)
+# Steps that leave something behind, and so are undone (in reverse) when a later one fails.
+UNDOABLE = frozenset(
+    {ClusterStep.RESERVE, ClusterStep.OBJECTS, ClusterStep.BRING_UP, ClusterStep.USERS, ClusterStep.REMEDIABLE}
+)
+
+
+class ClusterOutcome(StrEnum):
+    CREATING = "creating"
+    READY = "ready"
+    FAILED_KEPT = "failed_kept"  # kept as it was at the failure: resume or roll back
+    ROLLED_BACK = "rolled_back"  # failed; everything done was undone
+    ROLLBACK_INCOMPLETE = "rollback_incomplete"  # failed; an undo failed too (said which)
+
+
+class ClusterCreateInput(BaseModel):
+    spec: ClusterSpec
+    backend: str = "lab"
+    keep_on_failure: bool = False
+    requested_by: str = ""
+
+
+class ClusterRequest(BaseModel):
+    """What every step's activity is given: the spec, the backend, and what earlier steps made."""
+
+    spec: ClusterSpec
+    backend: str
+    placement: dict[str, list[str]] = Field(default_factory=dict)
+    slurm_conf: str = ""
+
+
+class StepResult(BaseModel):
+    detail: str = ""
+    placement: dict[str, list[str]] = Field(default_factory=dict)
+    slurm_conf: str = ""
+
+
+class StepEvent(BaseModel):
+    step: ClusterStep
+    event: str  # started | done | failed | undone | undo_failed | resumed
+    at: datetime
+    detail: str = ""
+
+
+class ClusterStatus(BaseModel):
+    name: str
+    backend: str
+    outcome: ClusterOutcome = ClusterOutcome.CREATING
+    step: ClusterStep | None = None
+    done: list[ClusterStep] = Field(default_factory=list)
+    failed_step: ClusterStep | None = None
+    error: str = ""
+    placement: dict[str, list[str]] = Field(default_factory=dict)
+    partitions: dict[str, int] = Field(default_factory=dict)
+    users: list[str] = Field(default_factory=list)
+    timeline: list[StepEvent] = Field(default_factory=list)
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return (self.finished_at - self.started_at).total_seconds()

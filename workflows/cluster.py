@@ -1,0 +1,192 @@
+"""ClusterCreationWorkflow: a Slurm cluster from a spec, one idempotent activity per step.
+
+validate -> reserve nodes -> render slurm.conf -> Kubernetes objects -> bring up -> accounts and
+users -> smoke test -> make remediable -> notify. On a failure the steps done so far are undone
+in reverse (each undo an idempotent activity too), unless the creation keeps what it made: it
+then waits, as ``failed_kept``, for ``resume`` (the failed step again, after a fix) or
+``roll_back``. A step's activity retries only what may pass on its own (a lost connection) and
+only briefly, so the real cause shows in the status within a minute; a wrong spec or an empty
+pool fails at once.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from models.clusterops import (
+        CLUSTER_CREATION_WORKFLOW,
+        RESUME_SIGNAL,
+        ROLL_BACK_SIGNAL,
+        STEPS,
+        UNDOABLE,
+        ClusterCreateInput,
+        ClusterOutcome,
+        ClusterRequest,
+        ClusterStatus,
+        ClusterStep,
+        StepEvent,
+        StepResult,
+    )
+
+# The activity of each step, and of its undo.
+DO = {
+    ClusterStep.VALIDATE: "cluster_validate",
+    ClusterStep.RESERVE: "cluster_reserve",
+    ClusterStep.RENDER: "cluster_render",
+    ClusterStep.OBJECTS: "cluster_create_objects",
+    ClusterStep.BRING_UP: "cluster_bring_up",
+    ClusterStep.USERS: "cluster_add_users",
+    ClusterStep.SMOKE: "cluster_smoke_test",
+    ClusterStep.REMEDIABLE: "cluster_make_remediable",
+    ClusterStep.NOTIFY: "cluster_notify",
+}
+UNDO = {
+    ClusterStep.RESERVE: "cluster_release",
+    ClusterStep.OBJECTS: "cluster_delete_objects",
+    ClusterStep.BRING_UP: "cluster_tear_down",
+    ClusterStep.USERS: "cluster_remove_users",
+    ClusterStep.REMEDIABLE: "cluster_unmake_remediable",
+}
+# Daemons starting and smoke jobs running take longest; the rest are API calls.
+TIMEOUTS = {ClusterStep.BRING_UP: timedelta(minutes=10), ClusterStep.SMOKE: timedelta(minutes=10)}
+DEFAULT_TIMEOUT = timedelta(minutes=2)
+RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=10),
+    maximum_attempts=4,
+    non_retryable_error_types=["InvalidInput", "NotFound", "PoolExhausted", "SpecInvalid", "StepFailed"],
+)
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost message: what actually went wrong."""
+    while isinstance(exc, ActivityError) and exc.cause is not None:
+        exc = exc.cause
+    return exc.message if isinstance(exc, ApplicationError) else str(exc)
+
+
+@workflow.defn(name=CLUSTER_CREATION_WORKFLOW)
+class ClusterCreationWorkflow:
+    def __init__(self) -> None:
+        self._status: ClusterStatus | None = None
+        self._answer: str | None = None  # resume | roll_back, while failed_kept
+
+    @workflow.run
+    async def run(self, request: ClusterCreateInput) -> ClusterStatus:
+        spec = request.spec
+        status = self._status = ClusterStatus(
+            name=spec.name,
+            backend=request.backend,
+            partitions={p.name: p.nodes for p in spec.partitions},
+            users=[u.name for u in spec.users],
+            started_at=workflow.now(),
+        )
+        work = ClusterRequest(spec=spec, backend=request.backend)
+        index = 0
+        while index < len(STEPS):
+            step = STEPS[index]
+            try:
+                result = await self._step(step, work)
+            except ActivityError as exc:
+                cause = _cause(exc)
+                status.failed_step, status.error = step, cause
+                self._event(step, "failed", cause)
+                if request.keep_on_failure and await self._kept():
+                    status.failed_step, status.error = None, ""
+                    self._event(step, "resumed", "resumed after a fix")
+                    continue  # the failed step again
+                await self._undo(work)
+                return self._finish()
+            status.done.append(step)
+            if result.placement:
+                work.placement = status.placement = result.placement
+            if result.slurm_conf:
+                work.slurm_conf = result.slurm_conf
+            self._event(step, "done", result.detail)
+            index += 1
+        status.outcome = ClusterOutcome.READY
+        status.step = None
+        return self._finish()
+
+    @workflow.query
+    def status(self) -> ClusterStatus | None:
+        return self._status
+
+    @workflow.signal(name=RESUME_SIGNAL)
+    def resume(self) -> None:
+        self._answer = "resume"
+
+    @workflow.signal(name=ROLL_BACK_SIGNAL)
+    def roll_back(self) -> None:
+        self._answer = "roll_back"
+
+    async def _step(self, step: ClusterStep, work: ClusterRequest) -> StepResult:
+        assert self._status is not None
+        self._status.step = step
+        self._event(step, "started")
+        result: StepResult = await workflow.execute_activity(
+            DO[step],
+            work,
+            result_type=StepResult,
+            start_to_close_timeout=TIMEOUTS.get(step, DEFAULT_TIMEOUT),
+            heartbeat_timeout=timedelta(seconds=30),
+            retry_policy=RETRY,
+            summary=f"{step} {work.spec.name}",
+        )
+        return result
+
+    async def _kept(self) -> bool:
+        """Wait, keeping everything, for ``resume`` (True) or ``roll_back`` (False)."""
+        assert self._status is not None
+        self._status.outcome = ClusterOutcome.FAILED_KEPT
+        self._answer = None
+        await workflow.wait_condition(lambda: self._answer is not None)
+        self._status.outcome = ClusterOutcome.CREATING
+        return self._answer == "resume"
+
+    async def _undo(self, work: ClusterRequest) -> None:
+        """Undo, in reverse, exactly the steps that were done (and the failed one, in part:
+        a reservation that failed midway gave back its nodes itself; objects or daemons
+        half-made are found and removed by their undo)."""
+        status = self._status
+        assert status is not None
+        attempted = [*status.done, *([status.failed_step] if status.failed_step else [])]
+        failed_undo = False
+        for step in reversed(attempted):
+            if step not in UNDOABLE:
+                continue
+            status.step = step
+            try:
+                result: StepResult = await workflow.execute_activity(
+                    UNDO[step],
+                    work,
+                    result_type=StepResult,
+                    start_to_close_timeout=TIMEOUTS.get(step, DEFAULT_TIMEOUT),
+                    heartbeat_timeout=timedelta(seconds=30),
+                    retry_policy=RETRY,
+                    summary=f"undo {step} {work.spec.name}",
+                )
+            except ActivityError as exc:
+                failed_undo = True
+                self._event(step, "undo_failed", _cause(exc))
+                continue
+            if step in status.done:
+                status.done.remove(step)
+            self._event(step, "undone", result.detail)
+        status.outcome = ClusterOutcome.ROLLBACK_INCOMPLETE if failed_undo else ClusterOutcome.ROLLED_BACK
+        status.step = None
+
+    def _event(self, step: ClusterStep, event: str, detail: str = "") -> None:
+        assert self._status is not None
+        self._status.timeline.append(StepEvent(step=step, event=event, at=workflow.now(), detail=detail))
+
+    def _finish(self) -> ClusterStatus:
+        assert self._status is not None
+        self._status.finished_at = workflow.now()
+        return self._status
