@@ -69,6 +69,9 @@ class ClusterActivities:
             held = pool.holdings(self._kube, request.spec.name)
             free = pool.free_nodes(self._kube)
             existing = backend.exists(request.spec)
+        refused = backend.unsupported(request.spec)
+        if refused:
+            raise ApplicationError(f"the {backend.name} backend: {refused}", type="InvalidInput", non_retryable=True)
         if held or existing:
             what = existing or f"nodes {', '.join(n for ns in held.values() for n in ns)}"
             raise ApplicationError(

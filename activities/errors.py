@@ -9,7 +9,7 @@ from temporalio.exceptions import ApplicationError
 
 from clients.errors import ClientError
 
-NON_RETRYABLE = ("NotFound", "InvalidInput", "NotOwned")
+NON_RETRYABLE = ("NotFound", "InvalidInput", "NotOwned", "Forbidden")
 
 
 @contextmanager

@@ -4,6 +4,11 @@ check that the GPU answers through another.
 What counts as done differs. A reset is done when its Job completes. A reboot is done when the
 node comes back Ready with a new boot ID: the reboot Job's pod dies with the node, so its own
 outcome says nothing. Either way the check Job must then complete (the GPU answers).
+
+A Job is its attempt's record and is never deleted by gpufleet: one that overruns is stopped
+(suspended) and annotated with why, so that a retry of the attempt reads the verdict instead
+of starting the reset or reboot again. Deadlines count from the Job's creation, not from the
+activity's try.
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ from temporalio import activity
 from activities.errors import client_errors
 from activities.heartbeat import heartbeating
 from clients.dryrun import dry_run
-from clients.errors import InvalidInput, NotFound
+from clients.errors import ClientError, InvalidInput, NotFound
 from clients.kube import KubeClient
-from models.constants import BOOT_ID_ANNOTATION, INCIDENT_ANNOTATION, REPAIR_LABEL
+from models.constants import BOOT_ID_ANNOTATION, INCIDENT_ANNOTATION, REPAIR_LABEL, VERDICT_ANNOTATION
 from models.names import InvalidName, validate_node_name
 from models.policy import Action
 from models.requests import RepairRequest, RepairResult
@@ -44,7 +49,9 @@ def _command(request: RepairRequest, kind: str) -> tuple[str, list[str]]:
         return settings.reset_image, settings.reset_command
     if kind == "reboot":
         return settings.reboot_image, settings.reboot_command
-    return settings.check_image, (settings.check_command if request.gpu else settings.node_check_command)
+    # A GPU name unfit for a command line cannot be checked by name: check the node's GPUs.
+    named = bool(request.gpu) and bool(_GPU.match(request.gpu))
+    return settings.check_image, (settings.check_command if named else settings.node_check_command)
 
 
 def repair_job(request: RepairRequest, kind: str | None = None, *, boot_id: str = "") -> dict[str, Any]:
@@ -65,7 +72,9 @@ def repair_job(request: RepairRequest, kind: str | None = None, *, boot_id: str 
     image, command = _command(request, kind)
     if any("{gpu}" in part for part in command) and not _GPU.match(request.gpu or ""):
         raise InvalidInput(f"a GPU {kind} needs the GPU's UUID or PCI address; the event gave {request.gpu!r}")
-    argv = [part.replace("{gpu}", request.gpu).replace("{node}", node) for part in command]
+    argv = [
+        part.replace("{gpu}", request.gpu).replace("{node}", node).replace("{boot_id}", boot_id) for part in command
+    ]
     digest = hashlib.sha256(f"{request.incident_id}/{request.attempt}".encode()).hexdigest()[:8]
     name = f"gpufleet-{kind}-{node}"[:52].rstrip("-.") + f"-{digest}"
     annotations = {INCIDENT_ANNOTATION: request.incident_id}
@@ -136,7 +145,8 @@ class RepairActivities:
                     job=job["metadata"]["name"],
                     detail=f"dry run: would run Job {job['metadata']['name']}: {_argv(job)}{then}",
                 )
-            done = self._reboot(request) if kind == "reboot" else self._run(job, request.settings.job_timeout_seconds)
+            timeout = request.settings.job_timeout_seconds
+            done = self._reboot(request) if kind == "reboot" else self._run(job, timeout)
             if not done.succeeded:
                 return done
             if check is None:
@@ -151,8 +161,10 @@ class RepairActivities:
     def _run(self, job: dict[str, Any], timeout: float) -> RepairResult:
         """Create the Job (or find it again) and wait for it to complete or fail."""
         name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
-        self._kube.create_job(namespace, job)
-        deadline = time.monotonic() + timeout
+        if not self._kube.create_job(namespace, job):
+            stopped = self._verdict(namespace, name)
+            if stopped is not None:
+                return stopped
         while True:
             state = self._kube.job_state(namespace, name)
             if state.finished:
@@ -160,10 +172,15 @@ class RepairActivities:
                 return RepairResult(
                     succeeded=state.succeeded, job=name, detail=f"Job {name} {verdict}: {state.message}"
                 )
-            if time.monotonic() > deadline:
+            if state.age_seconds > timeout:
                 return self._overdue(namespace, name, f"Job {name} did not finish within {timeout:g}s")
             activity.heartbeat(f"Job {name}: {state.message}")
             time.sleep(self._poll)
+
+    def _verdict(self, namespace: str, name: str) -> RepairResult | None:
+        """The failure recorded on a Job that an earlier try stopped, if it was."""
+        why = self._kube.job_annotations(namespace, name).get(VERDICT_ANNOTATION)
+        return None if why is None else RepairResult(succeeded=False, job=name, detail=why)
 
     def _reboot(self, request: RepairRequest) -> RepairResult:
         """Create the reboot Job with the node's boot ID of now (a retry reads the one its Job
@@ -173,16 +190,18 @@ class RepairActivities:
         job = repair_job(request, "reboot", boot_id=before)
         name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
         if not before or not self._kube.create_job(namespace, job):
-            try:  # a retry: its Job kept the boot ID from before
-                before = self._kube.job_annotations(namespace, name).get(BOOT_ID_ANNOTATION, "")
+            try:  # a retry: its Job kept the boot ID from before, or the verdict of a stop
+                annotations = self._kube.job_annotations(namespace, name)
             except NotFound:
-                before = ""
+                annotations = {}
+            if VERDICT_ANNOTATION in annotations:
+                return RepairResult(succeeded=False, job=name, detail=annotations[VERDICT_ANNOTATION])
+            before = annotations.get(BOOT_ID_ANNOTATION, "")
         if not before:  # nothing was created
             raise InvalidInput(
                 f"node {request.node} reports no boot ID (status.nodeInfo.bootID), so a reboot could not be "
                 "told from none; map this event to RESET_GPU or REPLACE_NODE in the policy instead"
             )
-        deadline = time.monotonic() + settings.job_timeout_seconds
         failed_at: float | None = None
         while True:
             node = self._kube.get_node(request.node)
@@ -205,18 +224,22 @@ class RepairActivities:
                         f"Job {name} failed ({state.message}) and {request.node} is still up on boot ID "
                         f"{_short(before)} after {settings.reboot_grace_seconds:g}s: it did not reboot",
                     )
-            if time.monotonic() > deadline:
+            if state.age_seconds > settings.reboot_timeout_seconds:
                 return self._overdue(
                     namespace,
                     name,
                     f"{request.node} did not come back Ready on a new boot ID within "
-                    f"{settings.job_timeout_seconds:g}s (boot ID {_short(node.boot_id)}, Ready={node.ready}; "
+                    f"{settings.reboot_timeout_seconds:g}s (boot ID {_short(node.boot_id)}, Ready={node.ready}; "
                     f"Job {name}: {state.message})",
                 )
             activity.heartbeat(f"waiting for {request.node} to reboot: Ready={node.ready}, Job {state.message}")
             time.sleep(self._poll)
 
     def _overdue(self, namespace: str, name: str, why: str) -> RepairResult:
-        """The attempt failed: its Job goes, so that it cannot act late."""
-        self._kube.delete_job(namespace, name)
-        return RepairResult(succeeded=False, job=name, detail=f"{why}; Job deleted")
+        """The attempt failed: its Job is stopped, so that it cannot act late, and keeps the
+        verdict for a retry. Stopping is best effort: the failure stands either way."""
+        try:
+            self._kube.stop_job(namespace, name, annotations={VERDICT_ANNOTATION: f"{why}; Job stopped"})
+        except ClientError as exc:
+            return RepairResult(succeeded=False, job=name, detail=f"{why}; could not stop the Job: {exc}")
+        return RepairResult(succeeded=False, job=name, detail=f"{why}; Job stopped")

@@ -17,6 +17,10 @@ class StepFailed(Exception):
 class ClusterBackend(Protocol):
     name: str
 
+    def unsupported(self, spec: ClusterSpec) -> str:
+        """What of the spec this backend cannot do ('' when it can do it all)."""
+        ...
+
     def exists(self, spec: ClusterSpec) -> str:
         """What of a cluster by this name exists already ('' when nothing)."""
         ...

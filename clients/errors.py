@@ -23,6 +23,12 @@ class InvalidInput(ClientError):
     retryable = False
 
 
+class Forbidden(ClientError):
+    """The API refused our credentials or permissions (401/403): a person must fix the RBAC."""
+
+    retryable = False
+
+
 class NotOwned(ClientError):
     """The object is held by someone else (a node drained by an operator, a spare claimed elsewhere)."""
 

@@ -25,6 +25,7 @@ from clients.dryrun import refuse_writes
 from clients.errors import (
     ClientError,
     Conflict,
+    Forbidden,
     InvalidInput,
     NotFound,
     TooManyRequests,
@@ -86,7 +87,7 @@ class KubeClient(Protocol):
     def create_job(self, namespace: str, body: dict[str, Any]) -> bool: ...
     def job_state(self, namespace: str, name: str) -> JobState: ...
     def job_annotations(self, namespace: str, name: str) -> dict[str, str]: ...
-    def delete_job(self, namespace: str, name: str) -> None: ...
+    def stop_job(self, namespace: str, name: str, *, annotations: dict[str, str]) -> None: ...
     def lease(self, name: str, *, namespace: str, holder: str) -> AbstractContextManager[object]: ...
 
 
@@ -102,6 +103,8 @@ def _translate(exc: Exception, what: str) -> ClientError:
             return TooManyRequests(detail)
         if status in (400, 422):
             return InvalidInput(detail)
+        if status in (401, 403):
+            return Forbidden(f"{detail} (check gpufleet's RBAC: deploy/worker-deployment.yaml)")
         if status >= 500 or status == 0:
             return Unavailable(detail)
         return ClientError(detail)
@@ -163,6 +166,7 @@ class JobState:
     finished: bool
     succeeded: bool
     message: str = ""
+    age_seconds: float = 0.0  # since the Job was created (deadlines count from there, retries or not)
 
 
 class _Blank:
@@ -188,6 +192,7 @@ class KubernetesApi:
         self._api = k8s.CoreV1Api(api_client)
         self._coordination = k8s.CoordinationV1Api(api_client)
         self._batch = k8s.BatchV1Api(api_client)
+        self._custom = k8s.CustomObjectsApi(api_client)
         self._poll = poll_seconds
         self.host: str = configuration.host
 
@@ -327,14 +332,18 @@ class KubernetesApi:
             f"read job {namespace}/{name}", self._batch.read_namespaced_job, name, checked_namespace(namespace)
         )
         status = job.status
+        created = job.metadata.creation_timestamp if job.metadata else None
+        age = (datetime.datetime.now(datetime.UTC) - created).total_seconds() if created else 0.0
         conditions = list(status.conditions or []) if status else []
         done = {c.type: c for c in conditions if c.status == "True"}
         if "Complete" in done or (status and (status.succeeded or 0) > 0):
-            return JobState(finished=True, succeeded=True, message=(done.get("Complete") or _Blank()).message or "")
+            message = (done.get("Complete") or _Blank()).message or ""
+            return JobState(finished=True, succeeded=True, message=message, age_seconds=age)
         if "Failed" in done or (status and (status.failed or 0) > 0):
             failed = done.get("Failed") or _Blank()
-            return JobState(finished=True, succeeded=False, message=failed.message or failed.reason or "failed")
-        return JobState(finished=False, succeeded=False, message="running")
+            message = failed.message or failed.reason or "failed"
+            return JobState(finished=True, succeeded=False, message=message, age_seconds=age)
+        return JobState(finished=False, succeeded=False, message="running", age_seconds=age)
 
     def job_annotations(self, namespace: str, name: str) -> dict[str, str]:
         job = self._call(
@@ -342,18 +351,87 @@ class KubernetesApi:
         )
         return dict(job.metadata.annotations or {})
 
-    def delete_job(self, namespace: str, name: str) -> None:
-        """Delete the Job and its pods (gone already is fine)."""
-        try:
-            self._call(
-                f"delete job {namespace}/{name}",
-                self._batch.delete_namespaced_job,
-                name,
-                checked_namespace(namespace),
-                propagation_policy="Background",
+    def stop_job(self, namespace: str, name: str, *, annotations: dict[str, str]) -> None:
+        """Suspend the Job (its running pods are stopped) and annotate it; the Job itself stays,
+        as the record of its attempt."""
+        body = {"metadata": {"annotations": annotations}, "spec": {"suspend": True}}
+        self._call(
+            f"stop job {namespace}/{name}",
+            self._batch.patch_namespaced_job,
+            name,
+            checked_namespace(namespace),
+            body,
+        )
+
+    def _object_calls(
+        self, obj: dict[str, Any]
+    ) -> tuple[str, Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+        """What the object is called, and how to create, delete and read it."""
+        kind, meta = obj["kind"], obj["metadata"]
+        name, namespace = meta["name"], meta.get("namespace", "")
+        what = f"{kind} {namespace + '/' if namespace else ''}{name}"
+        if kind == "Namespace":
+            return (
+                what,
+                (lambda **kw: self._api.create_namespace(obj, **kw)),  # type: ignore[arg-type]
+                (lambda **kw: self._api.delete_namespace(name, **kw)),
+                (lambda **kw: self._api.read_namespace(name, **kw)),
             )
+        core = {
+            "Secret": "secret",
+            "ConfigMap": "config_map",
+            "PersistentVolumeClaim": "persistent_volume_claim",
+        }
+        if kind in core:
+            create, delete, read = (
+                getattr(self._api, f"{verb}_namespaced_{core[kind]}") for verb in ("create", "delete", "read")
+            )
+            ns = checked_namespace(namespace)
+            return (
+                what,
+                (lambda **kw: create(ns, obj, **kw)),
+                (lambda **kw: delete(name, ns, **kw)),
+                (lambda **kw: read(name, ns, **kw)),
+            )
+        group, _, version = obj["apiVersion"].partition("/")
+        if not version:
+            raise InvalidInput(f"{what}: gpufleet does not create {obj['apiVersion']} objects")
+        plural = kind.lower() + ("es" if kind.endswith("s") else "s")
+        ns = checked_namespace(namespace)
+        custom = self._custom
+        return (
+            what,
+            lambda **kw: custom.create_namespaced_custom_object(group, version, ns, plural, obj, **kw),
+            lambda **kw: custom.delete_namespaced_custom_object(group, version, ns, plural, name, **kw),
+            lambda **kw: custom.get_namespaced_custom_object(group, version, ns, plural, name, **kw),
+        )
+
+    def create_object(self, obj: dict[str, Any]) -> bool:
+        """Create a Namespace, Secret, ConfigMap, PersistentVolumeClaim or namespaced custom
+        object; False when it exists already (a retry finds its own)."""
+        what, create, _, _ = self._object_calls(obj)
+        try:
+            self._call(f"create {what}", create)
+        except Conflict:
+            return False
+        return True
+
+    def object_exists(self, obj: dict[str, Any]) -> bool:
+        what, _, _, read = self._object_calls(obj)
+        try:
+            self._call(f"read {what}", read)
         except NotFound:
-            return
+            return False
+        return True
+
+    def delete_object(self, obj: dict[str, Any]) -> bool:
+        """Delete it; False when it was gone already."""
+        what, _, delete, _ = self._object_calls(obj)
+        try:
+            self._call(f"delete {what}", delete)
+        except NotFound:
+            return False
+        return True
 
     def delete_node(self, name: str) -> None:
         name = checked_node_name(name)

@@ -267,7 +267,7 @@ class FleetLab:
             "# for its node (lab/jobrunner.py); lab/repair.py says what a real node would do.\n"
             "repair:\n"
             f"  reset_command: [{python}, -m, lab.repair, reset, --gpu, '{{gpu}}', --node, '{{node}}']\n"
-            f"  reboot_command: [{python}, -m, lab.repair, reboot, --node, '{{node}}']\n"
+            f"  reboot_command: [{python}, -m, lab.repair, reboot, --node, '{{node}}', --boot-id, '{{boot_id}}']\n"
             "  # Does the GPU answer afterwards? (nvidia-smi on a real node)\n"
             f"  check_command: [{python}, -m, lab.repair, check, --gpu, '{{gpu}}', --node, '{{node}}']\n"
             f"  node_check_command: [{python}, -m, lab.repair, check, --node, '{{node}}']\n"

@@ -3,16 +3,17 @@
 The lab's nodes are names, so there is nothing to reset: each says what a real node would do.
 
 - ``reset`` succeeds.
-- ``reboot`` does what a real reboot shows the API: the node goes NotReady, then Ready again on
-  a new boot ID (``status.nodeInfo.bootID``, written as its kubelet would), and the Job's pod
-  dies with it (exit status 143, so the Job fails, as a real reboot Job's does).
+- ``reboot`` (of a node still on ``--boot-id``, when given) does what a real reboot shows the
+  API: the node goes NotReady, then Ready again on a new boot ID (``status.nodeInfo.bootID``,
+  written as its kubelet would), and the Job's pod dies with it (exit status 143, so the Job
+  fails, as a real reboot Job's does).
 - ``check`` (does the GPU answer?) succeeds.
 
 Each fails instead when the lab is told so by a file in ``$GPUFLEET_HOME``: ``repair-fails``
 (the reset or reboot fails; a reboot then leaves the node up on its old boot ID) or
 ``check-fails`` (the GPU does not answer), to watch an incident escalate.
 
-Run as ``python -m lab.repair reset|reboot|check --node NODE [--gpu GPU]``, with
+Run as ``python -m lab.repair reset|reboot|check --node NODE [--gpu GPU] [--boot-id ID]``, with
 ``GPUFLEET_LAB_API`` set to the emulated API's URL for a reboot (the lab's Job runner sets it).
 """
 
@@ -46,11 +47,18 @@ def _set_node(api: str, node: str, *, ready: bool, boot_id: str | None = None) -
     ).raise_for_status()
 
 
+def _boot_id(api: str, node: str) -> str:
+    answer = httpx.get(f"{api}/api/v1/nodes/{node}", timeout=10)
+    answer.raise_for_status()
+    return str(answer.json().get("status", {}).get("nodeInfo", {}).get("bootID", ""))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m lab.repair", description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["reset", "reboot", "check"])
     parser.add_argument("--node", required=True)
     parser.add_argument("--gpu", default="")
+    parser.add_argument("--boot-id", default="", help="reboot only a node still on this boot")
     args = parser.parse_args()
     if args.what == "check":
         if _told_to_fail("check-fails"):
@@ -68,6 +76,11 @@ def main() -> None:
     if not api:
         print("GPUFLEET_LAB_API is not set: the lab's Job runner sets it to the emulated API", flush=True)
         sys.exit(2)
+    now = _boot_id(api, args.node)
+    if args.boot_id and now != args.boot_id:
+        # As the real command's test: this pod outlived the reboot it was made for.
+        print(f"{args.node} runs boot {now[:8]}, not {args.boot_id[:8]}: already rebooted, nothing done", flush=True)
+        sys.exit(1)
     boot_id = str(uuid.uuid4())
     _set_node(api, args.node, ready=False)
     _set_node(api, args.node, ready=True, boot_id=boot_id)

@@ -32,9 +32,15 @@ class SlurmLabSpec:
 class SlurmLab:
     """Start and stop the daemons under ``root``; every PID is recorded in ``root/pids.json``."""
 
-    def __init__(self, root: Path, spec: SlurmLabSpec | None = None) -> None:
+    def __init__(
+        self, root: Path, spec: SlurmLabSpec | None = None, *, conf: str | None = None, nodes: list[str] | None = None
+    ) -> None:
+        """``conf`` (with ``nodes``, the slurmd to start): run from that slurm.conf instead of
+        the lab's own; it must use this lab's munge socket and paths (``site_lines``)."""
         self.root = root.resolve()
         self.spec = spec or SlurmLabSpec()
+        self._conf_text = conf
+        self._nodes = nodes
         self.conf = self.root / "slurm.conf"
         self.munge_socket = self.root / "munge" / "munge.socket"
         self.logs = self.root / "log"
@@ -85,7 +91,52 @@ class SlurmLab:
 
     @property
     def all_nodes(self) -> list[str]:
+        if self._nodes is not None:
+            return list(self._nodes)
         return [*self.spec.nodes, *self.spec.spares]
+
+    def site_lines(self) -> list[str]:
+        """What a slurm.conf needs to run here: this lab's host, users, free ports, munge
+        socket and paths, and plugins that need nothing from the machine."""
+        user = getpass.getuser()
+        return [
+            "SlurmctldHost=localhost",
+            f"SlurmUser={user}",
+            f"SlurmdUser={user}",
+            f"SlurmctldPort={free_port()}",
+            f"SlurmdPort={free_port()}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={self.munge_socket},cred_expire={self.spec.requeue_delay_seconds}",
+            f"StateSaveLocation={self.root / 'state'}",
+            f"SlurmdSpoolDir={self.root / 'spool'}/%n",
+            f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
+            f"SlurmdPidFile={self.root / 'spool'}/slurmd-%n.pid",
+            f"SlurmctldLogFile={self.logs / 'slurmctld.log'}",
+            f"SlurmdLogFile={self.logs}/slurmd-%n.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "SchedulerType=sched/backfill",
+            # A scheduling pass every second, so a requeued job starts as soon as it may.
+            "SchedulerParameters=sched_interval=1,bf_interval=1,sched_min_interval=100000",
+            "ReturnToService=2",
+            "MpiDefault=none",
+            "JobCompType=jobcomp/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "SlurmdParameters=config_overrides",
+            "SlurmctldTimeout=10",
+            "MessageTimeout=5",
+            "SlurmdTimeout=30",
+            "MinJobAge=600",
+            "PlugStackConfig=/dev/null",
+        ]
+
+    @staticmethod
+    def node_options(cpus: int = 1) -> str:
+        """A slurmd of this lab on its own port, as one NodeName line's options."""
+        return f"NodeHostname=localhost NodeAddr=127.0.0.1 Port={free_port()} CPUs={cpus} RealMemory=256"
 
     def _start_munge(self) -> None:
         key = self.root / "munge" / "munge.key"
@@ -106,49 +157,18 @@ class SlurmLab:
         wait_for(self.munge_socket.exists, timeout=10, what="munged to create its socket")
 
     def _write_conf(self) -> None:
-        user = getpass.getuser()
+        if self._conf_text is not None:
+            self.conf.write_text(self._conf_text)
+            return
         spec = self.spec
         lines = [
             "ClusterName=gpufleetlab",
-            "SlurmctldHost=localhost",
-            f"SlurmUser={user}",
-            f"SlurmdUser={user}",
-            f"SlurmctldPort={free_port()}",
-            f"SlurmdPort={free_port()}",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket},cred_expire={spec.requeue_delay_seconds}",
-            f"StateSaveLocation={self.root / 'state'}",
-            f"SlurmdSpoolDir={self.root / 'spool'}/%n",
-            f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
-            f"SlurmdPidFile={self.root / 'spool'}/slurmd-%n.pid",
-            f"SlurmctldLogFile={self.logs / 'slurmctld.log'}",
-            f"SlurmdLogFile={self.logs}/slurmd-%n.log",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_CPU",
-            "SchedulerType=sched/backfill",
-            # A scheduling pass every second, so a requeued job starts as soon as it may.
-            "SchedulerParameters=sched_interval=1,bf_interval=1,sched_min_interval=100000",
-            "ReturnToService=2",
-            "MpiDefault=none",
-            "JobCompType=jobcomp/none",
+            *self.site_lines(),
             "AccountingStorageType=accounting_storage/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "SlurmdParameters=config_overrides",
-            "SlurmctldTimeout=10",
-            "MessageTimeout=5",
-            "SlurmdTimeout=30",
             "KillWait=10",
-            "MinJobAge=600",
-            "PlugStackConfig=/dev/null",
         ]
         for node in self.all_nodes:
-            lines.append(
-                f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={free_port()} "
-                f"CPUs={spec.cpus_per_node} RealMemory=256 State=UNKNOWN"
-            )
+            lines.append(f"NodeName={node} {self.node_options(spec.cpus_per_node)} State=UNKNOWN")
         lines.append(
             f"PartitionName={spec.partition} Nodes={','.join(spec.nodes)} Default=YES MaxTime=INFINITE State=UP"
         )

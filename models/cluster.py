@@ -296,6 +296,8 @@ def render_slurm_conf(
     *,
     site: list[str] | None = None,
     node_options: dict[str, str] | None = None,
+    spares: list[str] | None = None,
+    gres: bool = True,
 ) -> str:
     """``slurm.conf`` for the spec with its nodes placed (partition name: node names).
 
@@ -303,12 +305,13 @@ def render_slurm_conf(
     ``node_options`` adds per-node options (``NodeAddr=... Port=...``). gpufleet's own
     defaults come first: jobs requeue (``JobRequeue=1``) and get the checkpoint grace between
     SIGTERM and SIGKILL (``KillWait``). The spec's extra lines come last but for the nodes
-    and partitions.
+    and partitions. ``spares`` are Slurm nodes outside every partition (a claim moves one in);
+    ``gres=False`` leaves GPUs out, for nodes that have none (the lab's).
     """
     missing = [p.name for p in spec.partitions if len(placement.get(p.name, [])) != p.nodes]
     if missing:
         raise ValueError(f"placement does not match the spec's node counts for: {', '.join(missing)}")
-    gpus = any(p.gpus_per_node for p in spec.partitions)
+    gpus = gres and any(p.gpus_per_node for p in spec.partitions)
     accounting = "accounting_storage/slurmdbd" if spec.accounting else "accounting_storage/none"
     lines = [
         f"# slurm.conf for cluster {spec.name}, written by gpufleet from its spec.",
@@ -324,11 +327,16 @@ def render_slurm_conf(
     if spec.slurm_conf:
         lines += ["# From the spec:", *spec.slurm_conf]
     lines.append("# Nodes and partitions.")
+    def node_line(node: str, gpus_per_node: int) -> str:
+        gpu = f" Gres=gpu:{gpus_per_node}" if gpus and gpus_per_node else ""
+        extra = f" {node_options[node]}" if node_options and node in node_options else ""
+        return f"NodeName={node}{gpu}{extra} State=UNKNOWN"
+
     for partition in spec.partitions:
-        for node in placement[partition.name]:
-            gres = f" Gres=gpu:{partition.gpus_per_node}" if partition.gpus_per_node else ""
-            extra = f" {node_options[node]}" if node_options and node in node_options else ""
-            lines.append(f"NodeName={node}{gres}{extra} State=UNKNOWN")
+        lines += [node_line(node, partition.gpus_per_node) for node in placement[partition.name]]
+    if spares:
+        lines.append("# Spares: in no partition until an incident claims one.")
+        lines += [node_line(node, max(p.gpus_per_node for p in spec.partitions)) for node in spares]
     default = spec.default_partition
     for partition in spec.partitions:
         options = "".join(f" {key}={value}" for key, value in sorted(partition.options.items()))

@@ -112,6 +112,8 @@ QUARANTINE_LABEL = "gpufleet.io/quarantine"
 REPAIR_LABEL = "gpufleet.io/repair"
 # On a reboot Job: the node's boot ID when the Job was made (a retry compares with this one).
 BOOT_ID_ANNOTATION = "gpufleet.io/boot-id-before"
+# On a repair Job stopped at its deadline: why the attempt failed (a retry reads it, runs nothing).
+VERDICT_ANNOTATION = "gpufleet.io/verdict"
 QUARANTINE_REASON_ANNOTATION = "gpufleet.io/quarantine-reason"
 # Label values (short, label-safe) for why a node was quarantined.
 QUARANTINE_REPEAT = "repeat-failures"

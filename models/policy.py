@@ -144,12 +144,13 @@ class GuardSettings(BaseModel):
 class RepairSettings(BaseModel):
     """How RESET_GPU and REBOOT_NODE are done: a Kubernetes Job pinned to the node.
 
-    Commands are argv lists (no shell of ours); ``{gpu}`` (the event's GPU UUID or PCI address)
-    and ``{node}`` are filled in, each checked first. A repair holds when:
+    Commands are argv lists (no shell of ours); ``{gpu}`` (the event's GPU UUID or PCI address),
+    ``{node}`` and, in the reboot command, ``{boot_id}`` (the node's boot before the reboot) are
+    filled in, each checked first. A repair holds when:
 
     - a reset: its Job completes;
     - a reboot: the node comes back Ready with a new boot ID (``status.nodeInfo.bootID``), within
-      ``job_timeout_seconds``. The reboot Job's own outcome does not count: its pod dies with the
+      ``reboot_timeout_seconds``. The reboot Job's own outcome does not count: its pod dies with the
       node. A Job that failed while the node stayed up on its old boot ID fails the repair after
       ``reboot_grace_seconds``;
     - then the GPU answers: a check Job (``check_command`` with the event's GPU, or
@@ -164,23 +165,40 @@ class RepairSettings(BaseModel):
     namespace: str = "gpufleet"
     reset_image: str = "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04"
     reset_command: list[str] = Field(default_factory=lambda: ["nvidia-smi", "--gpu-reset", "-i", "{gpu}"])
-    # Privileged, in the host's PID namespace: the kernel's emergency reboot.
+    # Privileged, in the host's PID namespace: the kernel's emergency reboot, only while the node
+    # still runs the boot it had when the Job was made ({boot_id}): a pod the kubelet starts again
+    # after the reboot (restartPolicy Never is at-least-once across a crash) reboots nothing.
     reboot_image: str = "busybox:1.36"
-    reboot_command: list[str] = Field(default_factory=lambda: ["sh", "-c", "echo b > /proc/sysrq-trigger"])
+    reboot_command: list[str] = Field(
+        default_factory=lambda: [
+            "sh",
+            "-c",
+            'test "$(cat /proc/sys/kernel/random/boot_id)" = "$0" && echo b > /proc/sysrq-trigger',
+            "{boot_id}",
+        ]
+    )
+    # How long a node may take to come back Ready on a new boot (bare-metal POST included).
+    reboot_timeout_seconds: float = Field(default=1800.0, gt=0, le=86400)
+    # A reboot Job that failed with the node still up on its old boot fails the repair after this
+    # (at least the time the control plane takes to see a node go: ~40 s).
     reboot_grace_seconds: float = Field(default=120.0, ge=0, le=3600)
-    # After the repair: does the GPU answer? Same image as the reset.
+    # After the repair: does the GPU answer? Same image as the reset. Asked again every 10 s until
+    # the Job's deadline: drivers and persistence daemons come up after the kubelet says Ready.
     check_image: str = "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04"
     check_command: list[str] = Field(
         default_factory=lambda: [
-            "nvidia-smi",
-            "--query-gpu=uuid,pci.bus_id,name",
-            "--format=csv,noheader",
-            "-i",
+            "sh",
+            "-c",
+            'until nvidia-smi --query-gpu=uuid,pci.bus_id,name --format=csv,noheader -i "$0"; do sleep 10; done',
             "{gpu}",
         ]
     )
     node_check_command: list[str] = Field(
-        default_factory=lambda: ["nvidia-smi", "--query-gpu=uuid,pci.bus_id,name", "--format=csv,noheader"]
+        default_factory=lambda: [
+            "sh",
+            "-c",
+            "until nvidia-smi --query-gpu=uuid,pci.bus_id,name --format=csv,noheader; do sleep 10; done",
+        ]
     )
     job_timeout_seconds: float = Field(default=600.0, gt=0, le=86400)
     settle_seconds: float = Field(default=120.0, ge=0, le=86400)

@@ -41,6 +41,15 @@ def test_worker_may_evict_but_not_create_pods() -> None:
     assert "create" not in rules["pods"] and "create" not in rules["nodes"]
 
 
+def test_worker_may_run_repair_jobs_in_its_namespace_only() -> None:
+    role = next(d for d in documents("deploy/worker-deployment.yaml") if d["kind"] == "Role")
+    assert role["metadata"]["namespace"] == "gpufleet"
+    rules = {resource: set(rule["verbs"]) for rule in role["rules"] for resource in rule["resources"]}
+    assert rules["jobs"] == {"get", "create", "patch"}  # never delete: a Job is its attempt's record
+    cluster_role = next(d for d in documents("deploy/worker-deployment.yaml") if d["kind"] == "ClusterRole")
+    assert all("jobs" not in rule["resources"] for rule in cluster_role["rules"])
+
+
 def test_compose_registers_every_search_attribute() -> None:
     compose = documents("docker-compose.temporal.yml")[0]
     command = " ".join(compose["services"]["register-search-attributes"]["command"])

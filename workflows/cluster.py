@@ -60,7 +60,7 @@ RETRY = RetryPolicy(
     backoff_coefficient=2.0,
     maximum_interval=timedelta(seconds=10),
     maximum_attempts=4,
-    non_retryable_error_types=["InvalidInput", "NotFound", "PoolExhausted", "SpecInvalid", "StepFailed"],
+    non_retryable_error_types=["InvalidInput", "NotFound", "Forbidden", "PoolExhausted", "SpecInvalid", "StepFailed"],
 )
 
 

@@ -919,8 +919,16 @@ class NodeRemediationWorkflow:
                     RepairActivities.repair,
                     request,
                     summary=f"{status.action} {self._input.node} (Job)",
-                    # The repair's Job, then the check's, each up to the Job timeout.
-                    timeout=timedelta(seconds=2 * settings.job_timeout_seconds) + SHORT,
+                    # The reset's Job or the reboot, then the check's Job.
+                    timeout=timedelta(
+                        seconds=settings.job_timeout_seconds
+                        + (
+                            settings.reboot_timeout_seconds
+                            if status.action == Action.REBOOT_NODE
+                            else settings.job_timeout_seconds
+                        )
+                    )
+                    + SHORT,
                 )
             except ActivityError as exc:
                 # The event named no usable GPU: a reboot needs none. Anything else (no such

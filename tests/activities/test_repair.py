@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities.repair import RepairActivities, repair_job
@@ -29,7 +31,7 @@ from tests.conftest import REPO, KubeApiProcess
 STAND_IN = [sys.executable, "-m", "lab.repair"]
 LAB_REPAIRS = RepairSettings(
     reset_command=[*STAND_IN, "reset", "--gpu", "{gpu}", "--node", "{node}"],
-    reboot_command=[*STAND_IN, "reboot", "--node", "{node}"],
+    reboot_command=[*STAND_IN, "reboot", "--node", "{node}", "--boot-id", "{boot_id}"],
     check_command=[*STAND_IN, "check", "--gpu", "{gpu}", "--node", "{node}"],
     node_check_command=[*STAND_IN, "check", "--node", "{node}"],
     job_timeout_seconds=60,
@@ -127,12 +129,69 @@ def test_a_gpu_that_does_not_answer_after_the_reset_fails_the_repair(kube: Kuber
     assert result.job.startswith("gpufleet-check-gpu1-")
 
 
-def test_a_job_past_its_deadline_is_deleted(kube: KubernetesApi) -> None:
+def test_a_job_past_its_deadline_is_stopped_and_a_retry_reads_its_verdict(kube: KubernetesApi) -> None:
     # No Job runner: the reset Job never starts, as on a node whose kubelet is gone.
     result = repair(kube, Action.RESET_GPU, job_timeout_seconds=1)
-    assert not result.succeeded and "did not finish within 1s; Job deleted" in result.detail
-    with pytest.raises(NotFound):
-        kube.job_state("gpufleet", result.job)
+    assert not result.succeeded and "did not finish within 1s; Job stopped" in result.detail
+    assert kube.job_annotations("gpufleet", result.job)["gpufleet.io/verdict"] == result.detail
+    # The worker died after the stop: the retry runs nothing and says the same.
+    again = repair(kube, Action.RESET_GPU, job_timeout_seconds=1)
+    assert not again.succeeded and again.detail == result.detail and again.job == result.job
+
+
+@pytest.mark.usefixtures("runner")
+def test_a_reboot_job_started_again_after_its_reboot_reboots_nothing(kube: KubernetesApi, home: Path) -> None:
+    first = repair(kube, Action.REBOOT_NODE, gpu="")
+    after = kube.get_node("gpu1").boot_id
+    # The kubelet runs the pod again after the crash (restartPolicy Never is at-least-once):
+    # the command is given the boot it was made for, and this node has moved on.
+    done = subprocess.run(
+        [
+            *STAND_IN,
+            "reboot",
+            "--node",
+            "gpu1",
+            "--boot-id",
+            kube.job_annotations("gpufleet", first.job)[BOOT_ID_ANNOTATION],
+        ],
+        env={**os.environ, "GPUFLEET_HOME": str(home), "GPUFLEET_LAB_API": kube.host},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 1 and "already rebooted, nothing done" in done.stdout
+    assert kube.get_node("gpu1").boot_id == after
+
+
+def test_a_node_back_on_a_new_boot_but_not_ready_is_not_repaired_yet(
+    kube: KubernetesApi, kube_api: KubeApiProcess
+) -> None:
+    # No Job runner: the test plays the node. It comes back on a new boot but NotReady, and
+    # stays so: the reboot times out, and its Job is stopped.
+    def come_back_not_ready() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                kube.job_annotations("gpufleet", job_name)
+                break
+            except NotFound:
+                time.sleep(0.05)
+        httpx.patch(
+            f"{kube_api.url}/api/v1/nodes/gpu1/status",
+            json={"status": {"conditions": [{"type": "Ready", "status": "False"}], "nodeInfo": {"bootID": "new-boot"}}},
+            headers={"Content-Type": "application/strategic-merge-patch+json"},
+        ).raise_for_status()
+
+    request = RepairRequest(node="gpu1", action=Action.REBOOT_NODE, incident_id="lab-gpu1-1")
+    job_name = repair_job(request)["metadata"]["name"]
+    player = threading.Thread(target=come_back_not_ready)
+    player.start()
+    result = repair(kube, Action.REBOOT_NODE, reboot_timeout_seconds=3)
+    player.join()
+    assert kube.get_node("gpu1").boot_id == "new-boot"
+    assert not result.succeeded and "did not come back Ready on a new boot ID within 3s" in result.detail
+    assert "Ready=False" in result.detail
 
 
 def test_a_node_that_reports_no_boot_id_is_not_rebooted(kube: KubernetesApi, kube_api: KubeApiProcess) -> None:
@@ -141,8 +200,9 @@ def test_a_node_that_reports_no_boot_id_is_not_rebooted(kube: KubernetesApi, kub
         json=[{"op": "remove", "path": "/status/nodeInfo"}],
         headers={"Content-Type": "application/json-patch+json"},
     ).raise_for_status()
-    with pytest.raises(Exception, match="reports no boot ID"):
+    with pytest.raises(ApplicationError, match="reports no boot ID") as caught:
         repair(kube, Action.REBOOT_NODE)
+    assert caught.value.type == "InvalidInput" and caught.value.non_retryable  # escalates, never loops
     name = repair_job(RepairRequest(node="gpu1", action=Action.REBOOT_NODE, incident_id="lab-gpu1-1"))["metadata"]
     with pytest.raises(NotFound):  # nothing was created
         kube.job_state("gpufleet", name["name"])

@@ -1,0 +1,191 @@
+"""The lab's cluster backend: a new Slurm cluster as real daemons on this machine.
+
+Each cluster lives under ``$GPUFLEET_HOME/clusters/<name>``: its own munged, slurmctld and one
+``slurmd -N`` per reserved node, on free ports, sharing nothing with the lab's own cluster. Its
+Kubernetes objects (Namespace, Secrets, storage claim, remediation ConfigMap) go to the lab's
+emulated API. The lab's nodes have no GPUs, so its slurm.conf leaves Gres out (said in a
+comment there). Linux users are not created on this machine: the smoke jobs run as whoever runs
+the worker. Accounting (slurmdbd on MariaDB) is not run by the lab yet: a spec asking for it is
+refused before anything is made.
+"""
+
+from __future__ import annotations
+
+import getpass
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from clients.clusters import StepFailed
+from clients.kube import KubernetesApi
+from clients.pool import SPARES
+from clients.slinky import core_objects, create_all, delete_all
+from lab.procs import alive, spawn, stop
+from lab.slurm import SlurmLab
+from models.cluster import ClusterSpec, render_slurm_conf
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SMOKE_TIMEOUT = 120.0
+
+
+class LabClusterBackend:
+    name = "lab"
+
+    def __init__(self, home: Path, kube: KubernetesApi, *, worker_env: dict[str, str] | None = None) -> None:
+        self._home = home.resolve()
+        self._kube = kube
+        self._worker_env = worker_env or {}
+
+    def root(self, spec: ClusterSpec) -> Path:
+        return self._home / "clusters" / spec.name
+
+    def _slurm(self, spec: ClusterSpec, conf: str | None = None, nodes: list[str] | None = None) -> SlurmLab:
+        return SlurmLab(self.root(spec), conf=conf, nodes=nodes)
+
+    def unsupported(self, spec: ClusterSpec) -> str:
+        if spec.accounting:
+            return "accounting (slurmdbd on MariaDB) is not run by the lab yet; set accounting: false"
+        return ""
+
+    def exists(self, spec: ClusterSpec) -> str:
+        pids = self._slurm(spec).pids()
+        if any(alive(pid) for pid in pids.values()):
+            return f"Slurm daemons running under {self.root(spec)}"
+        namespace = core_objects(spec, {})[0]
+        if self._kube.object_exists(namespace):
+            return f"Namespace {namespace['metadata']['name']}"
+        return ""
+
+    def render_conf(self, spec: ClusterSpec, placement: dict[str, list[str]]) -> str:
+        slurm = self._slurm(spec)
+        nodes = sorted(n for names in placement.values() for n in names)
+        site = [
+            "# The lab: local daemons on free ports. Its nodes have no GPUs, so Gres is left out.",
+            *slurm.site_lines(),
+        ]
+        return render_slurm_conf(
+            spec,
+            {p.name: placement.get(p.name, []) for p in spec.partitions},
+            site=site,
+            node_options={node: slurm.node_options() for node in nodes},
+            spares=placement.get(SPARES, []),
+            gres=False,
+        )
+
+    def create_objects(self, spec: ClusterSpec, placement: dict[str, list[str]], conf: str) -> str:
+        return create_all(self._kube, core_objects(spec, placement))
+
+    def delete_objects(self, spec: ClusterSpec) -> str:
+        return delete_all(self._kube, core_objects(spec, {}))
+
+    def bring_up(self, spec: ClusterSpec, placement: dict[str, list[str]], conf: str) -> str:
+        nodes = sorted(n for names in placement.values() for n in names)
+        slurm = self._slurm(spec, conf=conf, nodes=nodes)
+        pids = slurm.pids()
+        if pids and all(alive(pid) for pid in pids.values()):
+            return f"already up: slurmctld and {len(nodes)} slurmd (SLURM_CONF={slurm.conf})"
+        if pids:
+            slurm.stop()  # a half-started cluster from a crashed attempt
+        try:
+            slurm.start(timeout=60)
+        except (TimeoutError, RuntimeError, subprocess.CalledProcessError, OSError) as exc:
+            raise StepFailed(f"Slurm did not come up: {exc}; logs in {slurm.logs}") from None
+        return f"slurmctld and {len(nodes)} slurmd up (SLURM_CONF={slurm.conf})"
+
+    def tear_down(self, spec: ClusterSpec) -> str:
+        root = self.root(spec)
+        if not root.exists():
+            return "nothing was running"
+        self._slurm(spec).stop()
+        shutil.rmtree(root, ignore_errors=True)
+        return f"daemons stopped, {root} removed"
+
+    def add_users(self, spec: ClusterSpec) -> str:
+        return (
+            f"accounting is off: {len(spec.users)} user(s) are in the user database Secret; the lab creates no "
+            f"Linux users (its smoke jobs run as {getpass.getuser()})"
+        )
+
+    def remove_users(self, spec: ClusterSpec) -> str:
+        return "no accounts to remove"
+
+    def smoke_test(self, spec: ClusterSpec) -> str:
+        """A hello-world batch job on every partition; each must complete."""
+        slurm = self._slurm(spec)
+        if not slurm.conf.exists():
+            raise StepFailed(f"no slurm.conf at {slurm.conf}: the cluster is not up")
+        ran = []
+        for partition in spec.partitions:
+            output = slurm.root / f"smoke-{partition.name}.out"
+            output.unlink(missing_ok=True)
+            script = slurm.root / "smoke.sh"
+            script.write_text('#!/bin/sh\necho "hello from $SLURMD_NODENAME"\n')
+            try:
+                job = slurm.sbatch(script, "-p", partition.name, "-N", "1", "-J", "gpufleet-smoke", "-o", str(output))
+            except subprocess.CalledProcessError as exc:
+                raise StepFailed(f"sbatch on partition {partition.name} refused: {exc.stderr.strip()}") from None
+            state = self._wait_job(slurm, job)
+            if state != "COMPLETED":
+                said = output.read_text().strip() if output.exists() else "(no output)"
+                raise StepFailed(f"smoke job {job} on partition {partition.name} ended {state}: {said}")
+            ran.append(f"{partition.name}: job {job} {output.read_text().strip()}")
+        return "; ".join(ran)
+
+    @staticmethod
+    def _wait_job(slurm: SlurmLab, job: int) -> str:
+        deadline = time.monotonic() + SMOKE_TIMEOUT
+        state = "PENDING"
+        while time.monotonic() < deadline:
+            fields = dict(
+                part.split("=", 1) for part in slurm.scontrol("show", "-o", "job", str(job)).split() if "=" in part
+            )
+            state = fields.get("JobState", "?")
+            if state in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}:
+                return state
+            time.sleep(0.5)
+        return f"{state} after {SMOKE_TIMEOUT:g}s"
+
+    def make_remediable(self, spec: ClusterSpec) -> str:
+        """A gpufleet worker for the cluster, on task queue gpufleet-<name>."""
+        root = self.root(spec)
+        pid_file = root / "worker.pid"
+        if pid_file.exists() and alive(int(pid_file.read_text())):
+            return f"worker already running (pid {pid_file.read_text()})"
+        slurm = self._slurm(spec)
+        env = {
+            **self._worker_env,
+            "GPUFLEET_CLUSTER": spec.name,
+            "GPUFLEET_PARTITION": spec.default_partition,
+            "GPUFLEET_SLURM_CONF": str(slurm.conf),
+            "SLURM_CONF": str(slurm.conf),
+            "GPUFLEET_GRACE_SECONDS": f"{spec.remediation.grace_seconds:g}",
+            "GPUFLEET_CLUSTER_BACKENDS": "",  # only the lab's own worker creates clusters
+            "PYTHONPATH": str(REPO_ROOT),
+        }
+        pid = spawn(
+            [sys.executable, "-m", "workers.entry", "worker"], log=root / "log" / "worker.log", env=env, cwd=REPO_ROOT
+        )
+        pid_file.write_text(str(pid))
+        return f"worker on task queue gpufleet-{spec.name} (pid {pid}); remediation defaults in its ConfigMap"
+
+    def unmake_remediable(self, spec: ClusterSpec) -> str:
+        pid_file = self.root(spec) / "worker.pid"
+        if not pid_file.exists():
+            return "no worker was running"
+        stop([int(pid_file.read_text())])
+        pid_file.unlink()
+        return "worker stopped"
+
+
+def stop_all(home: Path) -> list[Path]:
+    """Stop every lab-made cluster under ``home`` (for ``lab down``); returns their folders."""
+    stopped = []
+    for root in sorted((home / "clusters").glob("*")):
+        pid_file = root / "worker.pid"
+        if pid_file.exists():
+            stop([int(pid_file.read_text())])
+        SlurmLab(root).stop()
+        stopped.append(root)
+    return stopped
