@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lab.cluster import stop_all
 from lab.kubeapi import lab_workloads, node_object
 from lab.procs import alive, free_port, port_in_use, spawn, stop, wait_for
 from lab.slurm import SlurmLab, SlurmLabSpec
@@ -31,6 +32,9 @@ Say = Callable[[str], None]
 class LabConfig:
     training: list[str] = field(default_factory=lambda: ["gpu1", "gpu2", "gpu3", "gpu4"])
     spares: list[str] = field(default_factory=lambda: ["spare1", "spare2"])
+    # The free pool new clusters are made from (`gpufleet cluster create`): Kubernetes nodes only,
+    # until a creation gives them Slurm daemons of their own.
+    free: list[str] = field(default_factory=lambda: ["free1", "free2", "free3", "free4"])
     partition: str = "train"
     cluster: str = "lab"
     temporal_port: int = 7233
@@ -101,6 +105,8 @@ class FleetLab:
             # A local controller answers in milliseconds; give up on a silent one sooner.
             "GPUFLEET_SLURM_TIMEOUT_SECONDS": "10",
             "GPUFLEET_POLL_SECONDS": LAB_POLL_SECONDS,
+            # The lab's worker creates clusters from the free pool, as local Slurm daemons.
+            "GPUFLEET_CLUSTER_BACKENDS": "lab",
             "SLURM_CONF": str(self.slurm.conf),
             "PYTHONPATH": str(REPO_ROOT),
         }
@@ -316,6 +322,7 @@ class FleetLab:
     def _kube_seed(self) -> dict[str, Any]:
         nodes = [node_object(n, pool="training") for n in self.config.training]
         nodes += [node_object(n, pool="spare") for n in self.config.spares]
+        nodes += [node_object(n, pool="free") for n in self.config.free]
         return {"nodes": nodes, **lab_workloads(self.config.training, [*self.config.training, *self.config.spares])}
 
     # -- down -------------------------------------------------------------------------------------
@@ -333,6 +340,8 @@ class FleetLab:
             if name in services:
                 say(f"stopping {name}")
                 stop([services[name]["pid"]])
+        for root in stop_all(self.home):
+            say(f"stopped cluster {root.name} (its Slurm daemons and worker)")
         say("stopping Slurm")
         self.slurm.stop()
         if "temporal" in services:

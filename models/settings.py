@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from models.clusterops import BACKENDS
 from models.names import InvalidName, validate_cluster_name
 from models.policy import OwnerDrained, RemediationSettings, load_policy
 from models.requests import WorkerConfig
@@ -42,6 +43,21 @@ class Settings(BaseSettings):
     # Every incident the detectors and `gpufleet remediate` open is a dry run: each step recorded
     # as it would be done, nothing changed, nobody notified (workflow ID dryrun-{cluster}-{node}).
     dry_run: bool = False
+    # Where this worker may create Slurm clusters (comma-separated: lab, slinky); empty: it does
+    # not serve cluster creation (task queue gpufleet-clusters) at all.
+    cluster_backends: str = ""
+
+    @field_validator("cluster_backends")
+    @classmethod
+    def _backends(cls, value: str) -> str:
+        unknown = sorted({b.strip() for b in value.split(",") if b.strip()} - set(BACKENDS))
+        if unknown:
+            raise ValueError(f"unknown backend(s) {', '.join(unknown)}: use {', '.join(BACKENDS)}")
+        return value
+
+    @property
+    def backends(self) -> list[str]:
+        return sorted({b.strip() for b in self.cluster_backends.split(",") if b.strip()})
 
     @field_validator("cluster")
     @classmethod

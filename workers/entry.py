@@ -47,8 +47,10 @@ def worker() -> None:
 
 def main() -> None:
     from detector.cli import detect
+    from starters.cluster import cluster_app
 
     app.command()(detect)
+    app.add_typer(cluster_app, name="cluster")
     try:
         from lab.cli import lab_app
     except ImportError:  # the lab extra (kmock) is not installed: no lab commands

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -12,6 +14,7 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.worker import Worker
 
+from activities.cluster import ClusterActivities
 from activities.guard import GuardActivities
 from activities.kube import KubeActivities
 from activities.notify import NotifyActivities
@@ -19,14 +22,18 @@ from activities.policy import PolicyActivities
 from activities.repair import RepairActivities
 from activities.slurm import SlurmActivities
 from activities.spares import SpareActivities
+from clients.clusters import ClusterBackend
 from clients.kube import KubernetesApi
 from clients.notify import WebhookNotifier
+from clients.slinky import SlinkyBackend
 from clients.slurm import SlurmCli
 from clients.spares import SparePool
+from models.clusterops import CLUSTER_TASK_QUEUE
 from models.constants import task_queue
 from models.policy import PolicyError
 from models.requests import WorkerConfig
 from models.settings import Settings
+from workflows.cluster import ClusterCreationWorkflow
 from workflows.guard import FleetGuardWorkflow
 from workflows.nodes import QuarantinedNodesWorkflow, ReleaseNodeWorkflow, ReturnNodeWorkflow
 from workflows.remediation import NodeRemediationWorkflow
@@ -106,6 +113,22 @@ def build_activities(settings: Settings) -> list[Any]:
     ]
 
 
+def cluster_activities(settings: Settings) -> list[Any]:
+    """The cluster-creation activities over the backends the settings name (none: [])."""
+    if not settings.backends:
+        return []
+    kube = KubernetesApi(kubeconfig=settings.kubeconfig, poll_seconds=settings.poll_seconds)
+    backends: dict[str, ClusterBackend] = {}
+    if "slinky" in settings.backends:
+        backends["slinky"] = SlinkyBackend(kube)
+    if "lab" in settings.backends:
+        from lab.cluster import LabClusterBackend  # the lab's own daemons: only where the lab runs
+
+        backends["lab"] = LabClusterBackend(settings.home, kube, worker_env=dict(os.environ))
+    acts = ClusterActivities(kube, backends, WebhookNotifier(url=settings.webhook_url), namespace=settings.namespace)
+    return acts.all()
+
+
 async def run_worker(client: Client, settings: Settings, *, stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` is set, or SIGTERM/SIGINT (finishing what is in flight, up to a bound)."""
     activities = build_activities(settings)
@@ -134,6 +157,20 @@ async def run_worker(client: Client, settings: Settings, *, stop: asyncio.Event 
             sticky_queue_schedule_to_start_timeout=timedelta(seconds=3),
         )
         log.info("worker on task queue %s (cluster %s, partition %s)", queue, settings.cluster, settings.partition)
-        async with worker:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(worker)
+            creations = cluster_activities(settings)
+            if creations:
+                await stack.enter_async_context(
+                    Worker(
+                        client,
+                        task_queue=CLUSTER_TASK_QUEUE,
+                        workflows=[ClusterCreationWorkflow],
+                        activities=creations,
+                        activity_executor=executor,
+                        graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+                    )
+                )
+                log.info("creating clusters on %s (task queue %s)", ", ".join(settings.backends), CLUSTER_TASK_QUEUE)
             await stop.wait()
             log.info("stopping: finishing activities in flight (at most %ss)", GRACEFUL_SHUTDOWN.seconds)

@@ -1,0 +1,291 @@
+"""``gpufleet cluster``: create Slurm clusters from a spec, follow them, list and show them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from temporalio.client import Client, WorkflowHandle
+from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
+from temporalio.service import RPCError, RPCStatusCode
+
+from models.cluster import ClusterSpec, SpecError, load_spec, render_slurm_conf
+from models.clusterops import (
+    CLUSTER_CREATION_WORKFLOW,
+    CLUSTER_TASK_QUEUE,
+    RESUME_SIGNAL,
+    ClusterCreateInput,
+    ClusterOutcome,
+    ClusterStatus,
+    StepEvent,
+    cluster_workflow_id,
+)
+from models.names import InvalidName, validate_cluster_name
+from models.slinky import SLURM_VERSION, slinky_objects
+from starters.cli import _who, console, err, fail, run_async
+from starters.temporal import connect
+from workflows.cluster import ClusterCreationWorkflow
+
+cluster_app = typer.Typer(help="Slurm clusters made from a spec (one command each).", no_args_is_help=True)
+
+
+class Backend(StrEnum):
+    LAB = "lab"
+    SLINKY = "slinky"
+
+
+class Output(StrEnum):
+    YAML = "yaml"
+    JSON = "json"
+
+
+def _spec(path: Path) -> ClusterSpec:
+    """The spec from its file, or exit 2 listing every problem in it by field."""
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror or exc}", code=2)
+    except yaml.YAMLError as exc:
+        fail(f"{path} is not valid YAML: {exc}", code=2)
+    try:
+        return load_spec(raw)
+    except SpecError as exc:
+        lines = "\n".join(f"  {where}: {what}" for where, what in exc.problems)
+        fail(f"{path}: {len(exc.problems)} problem(s); nothing was created:\n{lines}", code=2)
+
+
+def planned_objects(spec: ClusterSpec, backend: Backend) -> list[dict[str, Any]]:
+    """What a creation would make, with the nodes still unknown (the reservation picks them)."""
+    placement = {p.name: [f"<{p.name} node {i + 1}>" for i in range(p.nodes)] for p in spec.partitions}
+    objects = slinky_objects(spec, placement)
+    if backend == Backend.SLINKY:
+        return objects
+    conf = render_slurm_conf(spec, placement, gres=False)
+    slurm = {"kind": "slurm.conf", "note": "the lab adds its hosts, ports and paths when it runs", "text": conf}
+    return [o for o in objects if o["apiVersion"] == "v1"] + [slurm]
+
+
+def summary(status: ClusterStatus) -> dict[str, Any]:
+    return {
+        "name": status.name,
+        "backend": status.backend,
+        "partitions": [{"name": name, "nodes": nodes} for name, nodes in status.partitions.items()],
+        "users": status.users,
+        "outcome": str(status.outcome),
+        "seconds": status.seconds,
+        "failed_step": str(status.failed_step) if status.failed_step else None,
+        "error": status.error or None,
+        "placement": status.placement,
+    }
+
+
+def _say(event: StepEvent) -> None:
+    marks = {"done": "[green]✓[/]", "failed": "[red]✗[/]", "undone": "[yellow]↺[/]", "undo_failed": "[red]↺✗[/]"}
+    if event.event == "started":
+        console.print(f"  … {event.step}")
+        return
+    detail = f": {event.detail}" if event.detail else ""
+    console.print(f"  {marks.get(event.event, '•')} {event.step} {event.event}{detail}", highlight=False)
+
+
+async def _follow(handle: WorkflowHandle[Any, Any], *, quiet: bool) -> ClusterStatus:
+    """Print each step as it happens, until the creation is over or waits to be resumed."""
+    shown = 0
+    while True:
+        try:
+            status: ClusterStatus | None = await handle.query(ClusterCreationWorkflow.status)
+        except RPCError:
+            status = None  # not started by a worker yet
+        if status is not None:
+            if not quiet:
+                for event in status.timeline[shown:]:
+                    _say(event)
+            shown = len(status.timeline)
+            if status.outcome != ClusterOutcome.CREATING:
+                return status
+        await asyncio.sleep(0.5)
+
+
+def _report(status: ClusterStatus, *, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary(status)))
+    elif status.outcome == ClusterOutcome.READY:
+        console.print(f"cluster {status.name} is ready ({status.seconds:.1f}s)")
+    elif status.outcome == ClusterOutcome.FAILED_KEPT:
+        console.print(
+            f"cluster {status.name} failed at {status.failed_step}: {status.error}\n"
+            f"everything made is kept; fix the cause, then `gpufleet cluster create --resume {status.name}`"
+        )
+    else:
+        console.print(f"cluster {status.name}: {status.outcome} after failing at {status.failed_step}: {status.error}")
+    if status.outcome not in (ClusterOutcome.READY, ClusterOutcome.CREATING):
+        raise typer.Exit(1)
+
+
+@cluster_app.command()
+def create(
+    spec_file: Annotated[Path | None, typer.Argument(metavar="[SPEC.yaml]", help="The cluster spec.")] = None,
+    backend: Annotated[Backend, typer.Option(help="Where the cluster runs.")] = Backend.LAB,
+    wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Follow the steps until it is over.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object at the end.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be made; change nothing.")] = False,
+    output: Annotated[Output, typer.Option(help="With --dry-run: yaml (one document each) or json.")] = Output.YAML,
+    keep_on_failure: Annotated[
+        bool, typer.Option("--keep-on-failure", help="On a failure keep what was made, to resume after a fix.")
+    ] = False,
+    resume: Annotated[
+        str | None, typer.Option(metavar="NAME", help="Resume a creation kept on failure, from its failed step.")
+    ] = None,
+) -> None:
+    """Create a Slurm cluster from SPEC: validate, reserve nodes, render slurm.conf, make its
+    Kubernetes objects, bring up Slurm, add users, run a smoke job per partition, make it
+    remediable, notify. A failure undoes what was done, unless --keep-on-failure."""
+    if resume is not None:
+        if spec_file is not None:
+            fail("give SPEC or --resume NAME, not both", code=2)
+        _resume(resume, wait=wait, as_json=as_json)
+        return
+    if spec_file is None:
+        fail("a SPEC file is needed (or --resume NAME); see examples/cluster.yaml", code=2)
+    spec = _spec(spec_file)
+    if dry_run:
+        objects = planned_objects(spec, backend)
+        if output == Output.JSON:
+            print(json.dumps(objects, indent=2))
+        else:
+            header = f"# gpufleet cluster create --dry-run: {spec.name} on {backend}"
+            if backend == Backend.SLINKY:
+                header += f" (slurm-operator v1beta1 objects, Slurm {SLURM_VERSION})"
+            print(header)
+            print(yaml.safe_dump_all(objects, sort_keys=False), end="")
+        return
+
+    async def go() -> None:
+        client = await connect()
+        handle = await _start(client, spec, backend, keep_on_failure=keep_on_failure)
+        if not as_json:
+            console.print(f"creating cluster {spec.name} on {backend} (workflow {handle.id})")
+        if not wait:
+            return
+        _report(await _follow(handle, quiet=as_json), as_json=as_json)
+
+    run_async(go())
+
+
+async def _start(
+    client: Client, spec: ClusterSpec, backend: Backend, *, keep_on_failure: bool
+) -> WorkflowHandle[Any, Any]:
+    try:
+        return await client.start_workflow(
+            CLUSTER_CREATION_WORKFLOW,
+            ClusterCreateInput(spec=spec, backend=backend, keep_on_failure=keep_on_failure, requested_by=_who()),
+            id=cluster_workflow_id(spec.name),
+            task_queue=CLUSTER_TASK_QUEUE,
+            id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+            id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+        )
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.ALREADY_EXISTS:
+            fail(f"a creation of {spec.name} is under way: gpufleet cluster show {spec.name}")
+        raise
+
+
+def _resume(name: str, *, wait: bool, as_json: bool) -> None:
+    try:
+        validate_cluster_name(name)
+    except InvalidName as exc:
+        fail(str(exc), code=2)
+
+    async def go() -> None:
+        client = await connect()
+        handle = client.get_workflow_handle(cluster_workflow_id(name))
+        try:
+            status: ClusterStatus | None = await handle.query(ClusterCreationWorkflow.status)
+        except RPCError:
+            fail(f"no creation of {name} is open (gpufleet cluster list)")
+        if status is None or status.outcome != ClusterOutcome.FAILED_KEPT:
+            fail(f"{name} is not waiting to be resumed (it is {status.outcome if status else 'starting'})")
+        await handle.signal(RESUME_SIGNAL)
+        if not as_json:
+            console.print(f"resuming {name} from {status.failed_step}")
+        if wait:
+            seen = len(status.timeline)
+            handle_status = await _follow_from(handle, seen, quiet=as_json)
+            _report(handle_status, as_json=as_json)
+
+    run_async(go())
+
+
+async def _follow_from(handle: WorkflowHandle[Any, Any], seen: int, *, quiet: bool) -> ClusterStatus:
+    """Follow, once the resume is taken (the status leaves failed_kept)."""
+    while True:
+        status: ClusterStatus | None = await handle.query(ClusterCreationWorkflow.status)
+        if status is not None and len(status.timeline) > seen:
+            break
+        await asyncio.sleep(0.2)
+    return await _follow(handle, quiet=quiet)
+
+
+@cluster_app.command("list")
+def list_clusters(as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Every cluster creation, newest first, with its outcome."""
+
+    async def go() -> list[dict[str, Any]]:
+        client = await connect()
+        rows = []
+        async for execution in client.list_workflows(f"WorkflowType='{CLUSTER_CREATION_WORKFLOW}'"):
+            try:
+                status = await client.get_workflow_handle(execution.id, run_id=execution.run_id).query(
+                    ClusterCreationWorkflow.status
+                )
+            except RPCError:
+                continue
+            if status is not None:
+                rows.append(summary(status))
+        return rows
+
+    rows: list[dict[str, Any]] = run_async(go())
+    if as_json:
+        print(json.dumps(rows))
+        return
+    if not rows:
+        console.print("no clusters created yet (gpufleet cluster create SPEC)")
+    for row in rows:
+        parts = ", ".join(f"{p['name']} x{p['nodes']}" for p in row["partitions"])
+        console.print(f"{row['name']:<20} {row['backend']:<7} {row['outcome']:<20} {parts}", highlight=False)
+
+
+@cluster_app.command()
+def show(name: str, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """One creation: its steps, what each did, where it stands."""
+    try:
+        validate_cluster_name(name)
+    except InvalidName as exc:
+        fail(str(exc), code=2)
+
+    async def go() -> ClusterStatus | None:
+        client = await connect()
+        try:
+            result: ClusterStatus | None = await client.get_workflow_handle(cluster_workflow_id(name)).query(
+                ClusterCreationWorkflow.status
+            )
+        except RPCError:
+            return None
+        return result
+
+    status = run_async(go())
+    if status is None:
+        fail(f"no cluster named {name} (gpufleet cluster list)")
+    if as_json:
+        print(json.dumps({**summary(status), "timeline": [e.model_dump(mode="json") for e in status.timeline]}))
+        return
+    console.print(f"cluster {status.name} on {status.backend}: {status.outcome}", highlight=False)
+    for event in status.timeline:
+        _say(event)
+    if status.error:
+        err.print(f"failed at {status.failed_step}: {status.error}")
