@@ -180,6 +180,16 @@ def create(
 async def _start(
     client: Client, spec: ClusterSpec, backend: Backend, *, keep_on_failure: bool
 ) -> WorkflowHandle[Any, Any]:
+    # A name is taken while its last creation stands (ready, or kept on failure); one that was
+    # rolled back leaves it free. The workflow checks again (the nodes, the backend).
+    try:
+        last: ClusterStatus | None = await client.get_workflow_handle(cluster_workflow_id(spec.name)).query(
+            ClusterCreationWorkflow.status
+        )
+    except RPCError:
+        last = None
+    if last is not None and last.outcome == ClusterOutcome.READY:
+        fail(f"cluster {spec.name} exists already (gpufleet cluster show {spec.name}): choose another name")
     try:
         return await client.start_workflow(
             CLUSTER_CREATION_WORKFLOW,

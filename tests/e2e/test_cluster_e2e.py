@@ -1,0 +1,127 @@
+"""Cluster creation end to end in the lab: a spec with two partitions and two users becomes a
+running Slurm cluster of its own (real slurmctld and slurmd), made from the lab's free pool; a
+spec the pool cannot hold fails at once with nothing made; a smoke job that fails is kept, and
+resumed after the fix; lab down leaves nothing of either running."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from clients.kube import KubernetesApi
+from clients.pool import free_nodes, holdings
+from lab.fleet import FleetLab, LabConfig
+from lab.procs import alive, pids_with_env
+from tests.conftest import gpufleet_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
+
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGbRLO3ZFsuyq0E7A3y5lV8Kfy2kOQH9S+8q0q3JmfpH"
+
+
+def spec(name: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "partitions": [
+            {"name": "train", "nodes": 2, "default": True},
+            {"name": "debug", "nodes": 1, "max_time": "30"},
+        ],
+        "users": [
+            {"name": "alice", "uid": 20001, "account": "vision", "admin": True, "ssh_keys": [f"{KEY} alice"]},
+            {"name": "bob", "uid": 20002, "account": "language", "ssh_keys": [f"{KEY} bob"]},
+        ],
+        "spares": 1,
+        "remediation": {"grace_seconds": 30},
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
+    config = LabConfig(
+        training=["gpu1"], spares=["spare1"], free=["free1", "free2", "free3", "free4"], temporal_port=0, ui_port=0
+    )
+    fleet = FleetLab(tmp_path_factory.mktemp("clusters"), config)
+    fleet.up()
+    yield fleet
+    pids = fleet.down()
+    assert not [pid for pid in pids if alive(pid)]
+    # Nothing of the clusters it made is left running either.
+    for root in (fleet.home / "clusters").glob("*"):
+        assert not pids_with_env("SLURM_CONF", str(root / "slurm.conf"))
+
+
+def write(tmp: Path, body: dict[str, Any]) -> Path:
+    path = tmp / f"{body['name']}.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def create(lab: FleetLab, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    done = gpufleet_cli("cluster", "create", *args, "--json", env=lab.env(), timeout=300)
+    return done, json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {}
+
+
+def kube(lab: FleetLab) -> KubernetesApi:
+    return KubernetesApi(kubeconfig=lab.home / "kubeconfig")
+
+
+def test_a_spec_the_pool_cannot_hold_fails_at_once_with_nothing_made(lab: FleetLab, tmp_path: Path) -> None:
+    big = spec("huge")
+    big["partitions"][0]["nodes"] = 9
+    done, result = create(lab, str(write(tmp_path, big)))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert result["outcome"] == "rolled_back" and result["failed_step"] == "validate"
+    assert "12 nodes asked (spares included) but the free pool holds 4" in result["error"]
+    assert free_nodes(kube(lab)) == 4 and holdings(kube(lab), "huge") == {}
+
+
+def test_a_spec_becomes_a_running_slurm_cluster(lab: FleetLab, tmp_path: Path) -> None:
+    done, result = create(lab, str(write(tmp_path, spec("research"))))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert result["outcome"] == "ready" and result["users"] == ["alice", "bob"]
+    assert result["partitions"] == [{"name": "train", "nodes": 2}, {"name": "debug", "nodes": 1}]
+    # Its own Slurm: sinfo on its slurm.conf shows both partitions with their node counts.
+    conf = lab.home / "clusters" / "research" / "slurm.conf"
+    sinfo = subprocess.run(
+        ["sinfo", "-h", "-o", "%R %D"],
+        env={**lab.env(), "SLURM_CONF": str(conf)},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    assert sorted(sinfo.stdout.split("\n")[:-1]) == ["debug 1", "train 2"]
+    text = conf.read_text()
+    assert "JobRequeue=1" in text and "KillWait=30" in text  # gpufleet's defaults, the spec's grace
+    # The smoke jobs ran, one per partition.
+    shown = json.loads(gpufleet_cli("cluster", "show", "research", "--json", env=lab.env()).stdout)
+    smoke = next(e["detail"] for e in shown["timeline"] if e["step"] == "smoke_test" and e["event"] == "done")
+    assert "train: job" in smoke and "debug: job" in smoke and "hello from free" in smoke
+    # Its nodes came from the free pool; its objects exist.
+    api = kube(lab)
+    placed = holdings(api, "research")
+    assert sorted(len(nodes) for nodes in placed.values()) == [1, 1, 2] and free_nodes(api) == 0
+    for kind, name in [
+        ("Namespace", "slurm-research"),
+        ("Secret", "research-users"),
+        ("ConfigMap", "gpufleet-remediation"),
+    ]:
+        obj = {"apiVersion": "v1", "kind": kind, "metadata": {"name": name, "namespace": "slurm-research"}}
+        assert api.object_exists(obj), (kind, name)
+    # And it is remediable: a worker on its own task queue.
+    assert alive(int((lab.home / "clusters" / "research" / "worker.pid").read_text()))
+
+
+def test_an_existing_name_is_refused_and_nothing_changes(lab: FleetLab, tmp_path: Path) -> None:
+    done = gpufleet_cli("cluster", "create", str(write(tmp_path, spec("research"))), env=lab.env(), timeout=120)
+    assert done.returncode == 1 and "cluster research exists already" in done.stderr
+    assert sorted(len(n) for n in holdings(kube(lab), "research").values()) == [1, 1, 2]
+    shown = json.loads(gpufleet_cli("cluster", "show", "research", "--json", env=lab.env()).stdout)
+    assert shown["outcome"] == "ready"  # still the one that was made
