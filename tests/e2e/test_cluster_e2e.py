@@ -78,7 +78,7 @@ def test_a_spec_the_pool_cannot_hold_fails_at_once_with_nothing_made(lab: FleetL
     done, result = create(lab, str(write(tmp_path, big)))
     assert done.returncode == 1, done.stdout + done.stderr
     assert result["outcome"] == "rolled_back" and result["failed_step"] == "validate"
-    assert "12 nodes asked (spares included) but the free pool holds 4" in result["error"]
+    assert "11 nodes asked (spares included) but the free pool holds 4" in result["error"]
     assert free_nodes(kube(lab)) == 4 and holdings(kube(lab), "huge") == {}
 
 
