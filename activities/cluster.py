@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -14,7 +15,7 @@ from clients.clusters import ClusterBackend, StepFailed
 from clients.kube import KubeClient
 from clients.notify import Notifier
 from models.cluster import SpecError, load_spec
-from models.clusterops import ClusterRequest, StepResult
+from models.clusterops import ClusterRequest, JobsResult, StepResult
 from models.incident import Notification
 
 
@@ -162,7 +163,32 @@ class ClusterActivities:
             sent = self._notifier.send(Notification(kind="cluster_ready", text=text))
         return StepResult(detail=text if sent else f"{text} (no webhook configured: logged only)")
 
-    def all(self) -> list[Callable[..., StepResult]]:
+    @activity.defn(name="cluster_drain")
+    @heartbeating
+    def drain(self, request: ClusterRequest) -> StepResult:
+        return self._run(request, lambda b: b.drain(request.spec))
+
+    @activity.defn(name="cluster_running_jobs")
+    @heartbeating
+    def running_jobs(self, request: ClusterRequest) -> JobsResult:
+        running = self._run(request, lambda b: str(b.running_jobs(request.spec)))
+        count = int(running.detail)
+        return JobsResult(running=count, detail=f"{count} job(s) running")
+
+    @activity.defn(name="cluster_cancel_jobs")
+    @heartbeating
+    def cancel_jobs(self, request: ClusterRequest) -> JobsResult:
+        cancelled = self._run(request, lambda b: str(b.cancel_jobs(request.spec)))
+        return JobsResult(running=int(cancelled.detail))
+
+    @activity.defn(name="cluster_notify_deleted")
+    def notify_deleted(self, request: ClusterRequest) -> StepResult:
+        text = f"cluster {request.spec.name} on {request.backend} is deleted; its nodes are back in the free pool."
+        with client_errors():
+            sent = self._notifier.send(Notification(kind="cluster_deleted", text=text))
+        return StepResult(detail=text if sent else f"{text} (no webhook configured: logged only)")
+
+    def all(self) -> list[Callable[..., Any]]:
         return [
             self.validate,
             self.reserve,
@@ -178,4 +204,8 @@ class ClusterActivities:
             self.make_remediable,
             self.unmake_remediable,
             self.notify,
+            self.drain,
+            self.running_jobs,
+            self.cancel_jobs,
+            self.notify_deleted,
         ]

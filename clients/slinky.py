@@ -98,6 +98,18 @@ class SlinkyBackend:
             f"check by hand: kubectl -n slurm-{spec.name} exec deploy/{spec.name}-login -- sbatch --wrap hostname"
         )
 
+    def drain(self, spec: ClusterSpec) -> str:
+        return "left to the operator, which drains a NodeSet's nodes before deleting its pods"
+
+    def running_jobs(self, spec: ClusterSpec) -> int:
+        raise StepFailed(
+            "gpufleet cannot see a Slinky cluster's jobs yet (no slurmrestd client): delete with --force, "
+            "which leaves draining and the jobs to the operator"
+        )
+
+    def cancel_jobs(self, spec: ClusterSpec) -> int:
+        return 0  # the operator's: it drains before deleting pods
+
     def make_remediable(self, spec: ClusterSpec) -> str:
         return f"remediation defaults in ConfigMap gpufleet-remediation; run a worker with GPUFLEET_CLUSTER={spec.name}"
 

@@ -3,6 +3,9 @@
 First the detector's figures: parse throughput over a large mixed kernel log (one core) and
 a real detector's idle CPU (lab/parse_bench.py), and the line-to-incident latency.
 
+Last, cluster creation and deletion of examples/cluster.yaml on the lab's free pool
+(``cluster_create_seconds``: spec to smoke test passed; ``cluster_delete_seconds``).
+
 Besides each drill's timings and their medians, it splits every incident's time using the
 workflow history: the control-plane overhead (activities and workflow tasks waiting to be
 picked up, and workflow tasks being decided) apart from the time spent in Slurm, Kubernetes
@@ -16,6 +19,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -167,6 +171,47 @@ async def bench(drills: int, *, home: Path, job_kind: str | None, say: Any) -> d
     }
 
 
+def cluster_bench(rounds: int, *, home: Path, say: Any) -> dict[str, Any]:
+    """Create and delete the example cluster (examples/cluster.yaml) on the lab's free pool,
+    ``rounds`` times, through the CLI as a user would: spec to smoke test passed, and back."""
+    lab = FleetLab(home, LabConfig(training=["gpu1"], spares=["spare1"], temporal_port=0, ui_port=0))
+    lab.up(say=say)
+    spec = REPO_ROOT / "examples" / "cluster.yaml"
+    creates: list[float | None] = []
+    deletes: list[float | None] = []
+
+    def cli(*args: str) -> dict[str, Any]:
+        done = subprocess.run(
+            [sys.executable, "-m", "workers.entry", "cluster", *args, "--json"],
+            env=lab.env(),
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"gpufleet cluster {' '.join(args)} failed: {done.stdout}{done.stderr}")
+        answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return answer
+
+    try:
+        for index in range(rounds):
+            say(f"cluster create and delete, round {index + 1} of {rounds}")
+            creates.append(cli("create", str(spec))["seconds"])
+            deletes.append(cli("delete", "research")["seconds"])
+    finally:
+        lab.down(say=say)
+    return {
+        "spec": "examples/cluster.yaml",
+        "rounds": rounds,
+        "cluster_create_seconds": _median(creates),
+        "cluster_delete_seconds": _median(deletes),
+        "create_s": creates,
+        "delete_s": deletes,
+    }
+
+
 async def detector_latency(samples: int, *, home: Path, say: Any) -> dict[str, Any]:
     """Kernel-log line written -> Xid signalled into the incident, through a real detector process.
 
@@ -252,6 +297,7 @@ def main() -> None:
         "--parse-lines", type=int, default=1_000_000, help="lines for the parse-throughput figure (0: skip)"
     )
     parser.add_argument("--idle-seconds", type=float, default=10, help="detector idle-CPU sample (0: skip)")
+    parser.add_argument("--clusters", type=int, default=1, help="cluster create/delete rounds (0: skip)")
     parser.add_argument("--output", type=Path, help="also write the JSON here")
     args = parser.parse_args()
 
@@ -271,6 +317,10 @@ def main() -> None:
             result["detector"] = asyncio.run(detector_latency(args.detector_samples, home=Path(tmp), say=say))
         if args.drills:
             result.update(asyncio.run(bench(args.drills, home=Path(tmp) / "lab", job_kind=args.job, say=say)))
+        if args.clusters:
+            result["clusters"] = cluster_bench(args.clusters, home=Path(tmp) / "clusters", say=say)
+            result["cluster_create_seconds"] = result["clusters"]["cluster_create_seconds"]
+            result["cluster_delete_seconds"] = result["clusters"]["cluster_delete_seconds"]
     text = json.dumps(result, indent=2)
     if args.output:
         args.output.write_text(text)

@@ -147,6 +147,45 @@ class LabClusterBackend:
             time.sleep(0.5)
         return f"{state} after {SMOKE_TIMEOUT:g}s"
 
+    def _up(self, spec: ClusterSpec) -> SlurmLab | None:
+        """The cluster's Slurm when its controller answers (None: not running)."""
+        slurm = self._slurm(spec)
+        if not slurm.conf.exists() or not alive(slurm.pids().get("slurmctld", 0)):
+            return None
+        return slurm
+
+    def _slurm_cmd(self, slurm: SlurmLab, *argv: str) -> str:
+        done = subprocess.run(list(argv), env=slurm.env, capture_output=True, text=True, timeout=30, check=False)
+        if done.returncode != 0:
+            raise StepFailed(f"{' '.join(argv[:2])} failed: {done.stderr.strip() or done.stdout.strip()}")
+        return done.stdout
+
+    def drain(self, spec: ClusterSpec) -> str:
+        slurm = self._up(spec)
+        if slurm is None:
+            return "Slurm is not running: nothing to drain"
+        nodes = sorted(set(self._slurm_cmd(slurm, "sinfo", "-h", "-N", "-o", "%N").split()))
+        self._slurm_cmd(
+            slurm, "scontrol", "update", f"nodename={','.join(nodes)}", "state=drain", "reason=gpufleet: cluster delete"
+        )
+        return f"drained {', '.join(nodes)}"
+
+    def _jobs(self, slurm: SlurmLab, states: str) -> list[str]:
+        return self._slurm_cmd(slurm, "squeue", "-h", "-t", states, "-o", "%i").split()
+
+    def running_jobs(self, spec: ClusterSpec) -> int:
+        slurm = self._up(spec)
+        return 0 if slurm is None else len(self._jobs(slurm, "RUNNING,COMPLETING,CONFIGURING"))
+
+    def cancel_jobs(self, spec: ClusterSpec) -> int:
+        slurm = self._up(spec)
+        if slurm is None:
+            return 0
+        jobs = self._jobs(slurm, "all")
+        if jobs:
+            self._slurm_cmd(slurm, "scancel", *jobs)
+        return len(jobs)
+
     def make_remediable(self, spec: ClusterSpec) -> str:
         """A gpufleet worker for the cluster, on task queue gpufleet-<name>."""
         root = self.root(spec)

@@ -11,6 +11,7 @@ from models.cluster import ClusterSpec
 
 CLUSTER_TASK_QUEUE = "gpufleet-clusters"
 CLUSTER_CREATION_WORKFLOW = "ClusterCreation"
+CLUSTER_DELETION_WORKFLOW = "ClusterDeletion"
 RESUME_SIGNAL = "resume"
 ROLL_BACK_SIGNAL = "roll_back"
 BACKENDS = ("lab", "slinky")
@@ -18,6 +19,10 @@ BACKENDS = ("lab", "slinky")
 
 def cluster_workflow_id(name: str) -> str:
     return f"cluster-{name}"
+
+
+def deletion_workflow_id(name: str) -> str:
+    return f"cluster-{name}-delete"
 
 
 class ClusterStep(StrEnum):
@@ -79,6 +84,7 @@ class StepEvent(BaseModel):
 class ClusterStatus(BaseModel):
     name: str
     backend: str
+    spec: ClusterSpec | None = None  # what it was made from (a deletion needs it)
     outcome: ClusterOutcome = ClusterOutcome.CREATING
     step: ClusterStep | None = None
     done: list[ClusterStep] = Field(default_factory=list)
@@ -96,3 +102,52 @@ class ClusterStatus(BaseModel):
         if self.started_at is None or self.finished_at is None:
             return None
         return (self.finished_at - self.started_at).total_seconds()
+
+
+class DeleteStep(StrEnum):
+    DRAIN = "drain"
+    WAIT_JOBS = "wait_for_jobs"
+    UNMAKE_REMEDIABLE = "stop_remediation"
+    TEAR_DOWN = "tear_down"
+    RELEASE = "release_nodes"
+    OBJECTS = "delete_objects"
+    NOTIFY = "notify"
+
+
+class ClusterDeleteInput(BaseModel):
+    spec: ClusterSpec
+    backend: str
+    force: bool = False  # cancel running jobs instead of waiting for them
+    deadline_seconds: float = Field(default=3600.0, gt=0, le=7 * 86400)
+    requested_by: str = ""
+
+
+class DeleteEvent(BaseModel):
+    step: DeleteStep
+    event: str  # started | done | failed | waiting
+    at: datetime
+    detail: str = ""
+
+
+class DeletionStatus(BaseModel):
+    name: str
+    backend: str
+    outcome: str = "deleting"  # deleting | deleted | failed
+    step: DeleteStep | None = None
+    running_jobs: int | None = None
+    cancelled_jobs: int = 0
+    error: str = ""
+    timeline: list[DeleteEvent] = Field(default_factory=list)
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return (self.finished_at - self.started_at).total_seconds()
+
+
+class JobsResult(BaseModel):
+    running: int
+    detail: str = ""

@@ -17,19 +17,23 @@ from temporalio.service import RPCError, RPCStatusCode
 from models.cluster import ClusterSpec, SpecError, load_spec, render_slurm_conf
 from models.clusterops import (
     CLUSTER_CREATION_WORKFLOW,
+    CLUSTER_DELETION_WORKFLOW,
     CLUSTER_TASK_QUEUE,
     RESUME_SIGNAL,
     ClusterCreateInput,
+    ClusterDeleteInput,
     ClusterOutcome,
     ClusterStatus,
+    DeletionStatus,
     StepEvent,
     cluster_workflow_id,
+    deletion_workflow_id,
 )
 from models.names import InvalidName, validate_cluster_name
 from models.slinky import SLURM_VERSION, slinky_objects
 from starters.cli import _who, console, err, fail, run_async
 from starters.temporal import connect
-from workflows.cluster import ClusterCreationWorkflow
+from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
 
 cluster_app = typer.Typer(help="Slurm clusters made from a spec (one command each).", no_args_is_help=True)
 
@@ -188,7 +192,7 @@ async def _start(
         )
     except RPCError:
         last = None
-    if last is not None and last.outcome == ClusterOutcome.READY:
+    if last is not None and last.outcome == ClusterOutcome.READY and not await _deleted(client, last):
         fail(f"cluster {spec.name} exists already (gpufleet cluster show {spec.name}): choose another name")
     try:
         return await client.start_workflow(
@@ -256,7 +260,10 @@ def list_clusters(as_json: Annotated[bool, typer.Option("--json")] = False) -> N
             except RPCError:
                 continue
             if status is not None:
-                rows.append(summary(status))
+                row = summary(status)
+                if await _deleted(client, status):
+                    row["outcome"] = "deleted"
+                rows.append(row)
         return rows
 
     rows: list[dict[str, Any]] = run_async(go())
@@ -278,24 +285,136 @@ def show(name: str, as_json: Annotated[bool, typer.Option("--json")] = False) ->
     except InvalidName as exc:
         fail(str(exc), code=2)
 
-    async def go() -> ClusterStatus | None:
+    async def go() -> tuple[ClusterStatus | None, DeletionStatus | None]:
         client = await connect()
         try:
             result: ClusterStatus | None = await client.get_workflow_handle(cluster_workflow_id(name)).query(
                 ClusterCreationWorkflow.status
             )
         except RPCError:
-            return None
-        return result
+            return None, None
+        gone = await _deletion(client, name) if result is not None and await _deleted(client, result) else None
+        return result, gone
 
-    status = run_async(go())
+    status, gone = run_async(go())
     if status is None:
         fail(f"no cluster named {name} (gpufleet cluster list)")
+    outcome = "deleted" if gone is not None else str(status.outcome)
     if as_json:
-        print(json.dumps({**summary(status), "timeline": [e.model_dump(mode="json") for e in status.timeline]}))
+        timeline = [e.model_dump(mode="json") for e in status.timeline]
+        print(json.dumps({**summary(status), "outcome": outcome, "timeline": timeline}))
         return
-    console.print(f"cluster {status.name} on {status.backend}: {status.outcome}", highlight=False)
+    console.print(f"cluster {status.name} on {status.backend}: {outcome}", highlight=False)
     for event in status.timeline:
         _say(event)
     if status.error:
         err.print(f"failed at {status.failed_step}: {status.error}")
+
+
+async def _deleted(client: Client, made: ClusterStatus) -> bool:
+    """Whether a deletion finished after this creation."""
+    gone = await _deletion(client, made.name)
+    return (
+        gone is not None
+        and gone.outcome == "deleted"
+        and gone.started_at is not None
+        and made.started_at is not None
+        and gone.started_at > made.started_at
+    )
+
+
+async def _deletion(client: Client, name: str) -> DeletionStatus | None:
+    try:
+        result: DeletionStatus | None = await client.get_workflow_handle(deletion_workflow_id(name)).query(
+            ClusterDeletionWorkflow.status
+        )
+    except RPCError:
+        return None
+    return result
+
+
+@cluster_app.command()
+def delete(
+    name: str,
+    force: Annotated[
+        bool, typer.Option("--force", help="Cancel running jobs (not requeued: the cluster goes) instead of waiting.")
+    ] = False,
+    deadline: Annotated[float, typer.Option(help="Seconds to wait for running jobs before giving up.")] = 3600.0,
+    wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Follow the steps until it is over.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object at the end.")] = False,
+) -> None:
+    """Delete a cluster: drain it, wait for its running jobs (or --force: cancel them), stop its
+    remediation, tear Slurm down, give every node back to the free pool, delete its objects."""
+    try:
+        validate_cluster_name(name)
+    except InvalidName as exc:
+        fail(str(exc), code=2)
+
+    async def go() -> None:
+        client = await connect()
+        try:
+            made: ClusterStatus | None = await client.get_workflow_handle(cluster_workflow_id(name)).query(
+                ClusterCreationWorkflow.status
+            )
+        except RPCError:
+            made = None
+        if made is None or made.spec is None:
+            fail(f"no cluster named {name} (gpufleet cluster list)")
+        if made.outcome == ClusterOutcome.CREATING:
+            fail(f"{name} is still being created: wait for it (gpufleet cluster show {name})")
+        if made.outcome == ClusterOutcome.ROLLED_BACK:
+            fail(f"{name} was rolled back when its creation failed: nothing to delete")
+        if await _deleted(client, made):
+            fail(f"{name} is deleted already")
+        request = ClusterDeleteInput(
+            spec=made.spec, backend=made.backend, force=force, deadline_seconds=deadline, requested_by=_who()
+        )
+        try:
+            handle = await client.start_workflow(
+                CLUSTER_DELETION_WORKFLOW,
+                request,
+                id=deletion_workflow_id(name),
+                task_queue=CLUSTER_TASK_QUEUE,
+                id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+                id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+            )
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.ALREADY_EXISTS:
+                fail(f"a deletion of {name} is under way: gpufleet cluster show {name}")
+            raise
+        if not as_json:
+            console.print(f"deleting cluster {name} (workflow {handle.id})")
+        if not wait:
+            return
+        shown = 0
+        while True:
+            status: DeletionStatus | None = await _deletion(client, name)
+            if status is not None:
+                if not as_json:
+                    for event in status.timeline[shown:]:
+                        detail = f": {event.detail}" if event.detail else ""
+                        console.print(f"  {event.step} {event.event}{detail}", highlight=False)
+                    shown = len(status.timeline)
+                if status.outcome != "deleting":
+                    break
+            await asyncio.sleep(0.5)
+        if as_json:
+            print(
+                json.dumps(
+                    {
+                        "name": name,
+                        "outcome": status.outcome,
+                        "seconds": status.seconds,
+                        "cancelled_jobs": status.cancelled_jobs,
+                        "error": status.error or None,
+                    }
+                )
+            )
+        elif status.outcome == "deleted":
+            console.print(f"cluster {name} is deleted ({status.seconds:.1f}s); its nodes are back in the free pool")
+        else:
+            err.print(f"cluster {name} not deleted: {status.error}")
+        if status.outcome != "deleted":
+            raise typer.Exit(1)
+
+    run_async(go())

@@ -33,7 +33,7 @@ from models.constants import task_queue
 from models.policy import PolicyError
 from models.requests import WorkerConfig
 from models.settings import Settings
-from workflows.cluster import ClusterCreationWorkflow
+from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
 from workflows.guard import FleetGuardWorkflow
 from workflows.nodes import QuarantinedNodesWorkflow, ReleaseNodeWorkflow, ReturnNodeWorkflow
 from workflows.remediation import NodeRemediationWorkflow
@@ -165,7 +165,7 @@ async def run_worker(client: Client, settings: Settings, *, stop: asyncio.Event 
                     Worker(
                         client,
                         task_queue=CLUSTER_TASK_QUEUE,
-                        workflows=[ClusterCreationWorkflow],
+                        workflows=[ClusterCreationWorkflow, ClusterDeletionWorkflow],
                         activities=creations,
                         activity_executor=executor,
                         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,

@@ -12,6 +12,7 @@ pool fails at once.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -20,15 +21,21 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from models.clusterops import (
         CLUSTER_CREATION_WORKFLOW,
+        CLUSTER_DELETION_WORKFLOW,
         RESUME_SIGNAL,
         ROLL_BACK_SIGNAL,
         STEPS,
         UNDOABLE,
         ClusterCreateInput,
+        ClusterDeleteInput,
         ClusterOutcome,
         ClusterRequest,
         ClusterStatus,
         ClusterStep,
+        DeleteEvent,
+        DeleteStep,
+        DeletionStatus,
+        JobsResult,
         StepEvent,
         StepResult,
     )
@@ -83,6 +90,7 @@ class ClusterCreationWorkflow:
         status = self._status = ClusterStatus(
             name=spec.name,
             backend=request.backend,
+            spec=spec,
             partitions={p.name: p.nodes for p in spec.partitions},
             users=[u.name for u in spec.users],
             started_at=workflow.now(),
@@ -190,3 +198,96 @@ class ClusterCreationWorkflow:
         assert self._status is not None
         self._status.finished_at = workflow.now()
         return self._status
+
+
+DELETE_POLL = timedelta(seconds=10)
+
+
+@workflow.defn(name=CLUSTER_DELETION_WORKFLOW)
+class ClusterDeletionWorkflow:
+    """Delete a cluster: drain, wait for its running jobs up to a deadline (or, forced, cancel
+    them), stop its remediation, tear Slurm down, give its nodes back to the free pool, delete
+    its objects, notify. Jobs still running at the deadline fail the deletion with the cluster
+    drained and otherwise whole: nothing is torn down under a running job unless forced."""
+
+    def __init__(self) -> None:
+        self._status: DeletionStatus | None = None
+
+    @workflow.run
+    async def run(self, request: ClusterDeleteInput) -> DeletionStatus:
+        status = self._status = DeletionStatus(
+            name=request.spec.name, backend=request.backend, started_at=workflow.now()
+        )
+        work = ClusterRequest(spec=request.spec, backend=request.backend)
+        try:
+            await self._step(DeleteStep.DRAIN, "cluster_drain", work)
+            await self._wait_for_jobs(request, work)
+            await self._step(DeleteStep.UNMAKE_REMEDIABLE, "cluster_unmake_remediable", work)
+            await self._step(DeleteStep.TEAR_DOWN, "cluster_tear_down", work)
+            await self._step(DeleteStep.RELEASE, "cluster_release", work)
+            await self._step(DeleteStep.OBJECTS, "cluster_delete_objects", work)
+            await self._step(DeleteStep.NOTIFY, "cluster_notify_deleted", work)
+        except (ActivityError, ApplicationError) as exc:
+            assert status.step is not None
+            status.outcome, status.error = "failed", _cause(exc)
+            self._event(status.step, "failed", status.error)
+            status.finished_at = workflow.now()
+            return status
+        status.outcome, status.step = "deleted", None
+        status.finished_at = workflow.now()
+        return status
+
+    @workflow.query
+    def status(self) -> DeletionStatus | None:
+        return self._status
+
+    async def _wait_for_jobs(self, request: ClusterDeleteInput, work: ClusterRequest) -> None:
+        status = self._status
+        assert status is not None
+        status.step = DeleteStep.WAIT_JOBS
+        self._event(DeleteStep.WAIT_JOBS, "started")
+        deadline = workflow.now() + timedelta(seconds=request.deadline_seconds)
+        if request.force:
+            cancelled: JobsResult = await self._call("cluster_cancel_jobs", work, JobsResult)
+            status.cancelled_jobs = cancelled.running
+            self._event(DeleteStep.WAIT_JOBS, "done", f"--force: cancelled {cancelled.running} job(s), not requeued")
+            return
+        while True:
+            jobs: JobsResult = await self._call("cluster_running_jobs", work, JobsResult)
+            status.running_jobs = jobs.running
+            if jobs.running == 0:
+                self._event(DeleteStep.WAIT_JOBS, "done", "no job running")
+                return
+            if workflow.now() >= deadline:
+                raise ApplicationError(
+                    f"{jobs.running} job(s) still running after {request.deadline_seconds:g}s; the cluster is "
+                    f"drained and kept. Wait, or delete with --force to cancel them",
+                    type="StepFailed",
+                )
+            self._event(DeleteStep.WAIT_JOBS, "waiting", jobs.detail)
+            await workflow.sleep(min(DELETE_POLL, deadline - workflow.now()))
+
+    async def _step(self, step: DeleteStep, activity: str, work: ClusterRequest) -> None:
+        assert self._status is not None
+        self._status.step = step
+        self._event(step, "started")
+        result: StepResult = await self._call(activity, work, StepResult)
+        self._event(step, "done", result.detail)
+
+    async def _call(self, activity: str, work: ClusterRequest, result_type: type[Any]) -> Any:
+        return await workflow.execute_activity(
+            activity,
+            work,
+            result_type=result_type,
+            start_to_close_timeout=timedelta(minutes=5),
+            heartbeat_timeout=timedelta(seconds=30),
+            retry_policy=RETRY,
+            summary=f"{activity} {work.spec.name}",
+        )
+
+    def _event(self, step: DeleteStep, event: str, detail: str = "") -> None:
+        assert self._status is not None
+        if event == "waiting" and self._status.timeline and self._status.timeline[-1].event == "waiting":
+            self._status.timeline[-1] = DeleteEvent(step=step, event=event, at=workflow.now(), detail=detail)
+            return  # one line for a long wait, kept current
+        self._status.timeline.append(DeleteEvent(step=step, event=event, at=workflow.now(), detail=detail))

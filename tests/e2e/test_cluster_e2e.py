@@ -125,3 +125,29 @@ def test_an_existing_name_is_refused_and_nothing_changes(lab: FleetLab, tmp_path
     assert sorted(len(n) for n in holdings(kube(lab), "research").values()) == [1, 1, 2]
     shown = json.loads(gpufleet_cli("cluster", "show", "research", "--json", env=lab.env()).stdout)
     assert shown["outcome"] == "ready"  # still the one that was made
+
+
+def test_delete_waits_for_a_running_job_or_cancels_it_when_forced(lab: FleetLab, tmp_path: Path) -> None:
+    root = lab.home / "clusters" / "research"
+    script = tmp_path / "long.sh"
+    script.write_text("#!/bin/sh\nsleep 300\n")
+    env = {**lab.env(), "SLURM_CONF": str(root / "slurm.conf")}
+    subprocess.run(["sbatch", "-p", "train", "-o", "/dev/null", str(script)], env=env, check=True, timeout=30)
+    # Not forced: the job runs past the deadline, so the cluster stays, drained, whole.
+    done = gpufleet_cli("cluster", "delete", "research", "--deadline", "3", "--json", env=lab.env(), timeout=120)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 1 and result["outcome"] == "failed"
+    assert "1 job(s) still running after 3s" in result["error"]
+    assert alive(int((root / "worker.pid").read_text())) and free_nodes(kube(lab)) == 0
+    # Forced: the job is cancelled (and said so); everything goes; the nodes are free again.
+    done = gpufleet_cli("cluster", "delete", "research", "--force", "--json", env=lab.env(), timeout=180)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert result["outcome"] == "deleted" and result["cancelled_jobs"] == 1
+    api = kube(lab)
+    assert free_nodes(api) == 4 and holdings(api, "research") == {}
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "slurm-research"}}
+    assert not api.object_exists(namespace)
+    assert not root.exists() and not pids_with_env("SLURM_CONF", str(root / "slurm.conf"))
+    shown = json.loads(gpufleet_cli("cluster", "show", "research", "--json", env=lab.env()).stdout)
+    assert shown["outcome"] == "deleted"

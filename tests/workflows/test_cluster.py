@@ -25,14 +25,18 @@ from models.clusterops import (
     STEPS,
     UNDOABLE,
     ClusterCreateInput,
+    ClusterDeleteInput,
     ClusterOutcome,
     ClusterRequest,
     ClusterStatus,
     ClusterStep,
+    DeleteStep,
+    DeletionStatus,
+    JobsResult,
     StepResult,
 )
 from tests.models.test_cluster_spec import EXAMPLE
-from workflows.cluster import DO, UNDO, ClusterCreationWorkflow
+from workflows.cluster import DO, UNDO, ClusterCreationWorkflow, ClusterDeletionWorkflow
 
 PLACEMENT = {"train": ["free1", "free2"], "debug": ["free3"], "(spares)": ["free4"]}
 
@@ -178,3 +182,86 @@ async def test_an_undo_that_fails_is_said_and_the_others_still_run(env: Workflow
     [failed] = [e for e in status.timeline if e.event == "undo_failed"]
     assert failed.step == ClusterStep.BRING_UP and "tear_down broke" in failed.detail
     assert ClusterStep.BRING_UP in status.done  # still there: a person must look
+
+
+@dataclass
+class Cluster:
+    """Stand-ins for the deletion's activities: jobs that end as told."""
+
+    running: list[int] = field(default_factory=lambda: [0])  # what each look finds; the last repeats
+    calls: list[str] = field(default_factory=list)
+    task_queue: str = field(default_factory=lambda: f"delete-{uuid.uuid4().hex[:8]}")
+
+    def activities(self) -> list[Callable[..., Any]]:
+        def make(name: str) -> Callable[..., Any]:
+            @activity.defn(name=name)
+            async def run(request: ClusterRequest) -> Any:
+                self.calls.append(name)
+                if name == "cluster_running_jobs":
+                    count = self.running.pop(0) if len(self.running) > 1 else self.running[0]
+                    return JobsResult(running=count, detail=f"{count} job(s) running")
+                if name == "cluster_cancel_jobs":
+                    return JobsResult(running=self.running[0])
+                return StepResult(detail=f"{name} ok")
+
+            return run
+
+        names = [
+            "cluster_drain",
+            "cluster_running_jobs",
+            "cluster_cancel_jobs",
+            "cluster_unmake_remediable",
+            "cluster_tear_down",
+            "cluster_release",
+            "cluster_delete_objects",
+            "cluster_notify_deleted",
+        ]
+        return [make(name) for name in names]
+
+
+async def delete(env: WorkflowEnvironment, cluster: Cluster, **options: Any) -> DeletionStatus:
+    spec = spec_input().spec
+    async with Worker(
+        env.client, task_queue=cluster.task_queue, workflows=[ClusterDeletionWorkflow], activities=cluster.activities()
+    ):
+        result: DeletionStatus = await env.client.execute_workflow(
+            ClusterDeletionWorkflow.run,
+            ClusterDeleteInput(spec=spec, backend="lab", **options),
+            id=f"cluster-research-delete-{uuid.uuid4().hex[:6]}",
+            task_queue=cluster.task_queue,
+            result_type=DeletionStatus,
+        )
+    return result
+
+
+TEARDOWN = [
+    "cluster_unmake_remediable",
+    "cluster_tear_down",
+    "cluster_release",
+    "cluster_delete_objects",
+    "cluster_notify_deleted",
+]
+
+
+async def test_a_deletion_waits_for_running_jobs_then_takes_everything_down(env: WorkflowEnvironment) -> None:
+    cluster = Cluster(running=[2, 1, 0])
+    status = await delete(env, cluster)
+    assert status.outcome == "deleted"
+    assert cluster.calls == ["cluster_drain", *["cluster_running_jobs"] * 3, *TEARDOWN]
+    assert "cluster_cancel_jobs" not in cluster.calls
+
+
+async def test_jobs_still_running_at_the_deadline_keep_the_cluster_drained(env: WorkflowEnvironment) -> None:
+    cluster = Cluster(running=[1])
+    status = await delete(env, cluster, deadline_seconds=60)
+    assert status.outcome == "failed" and status.step == DeleteStep.WAIT_JOBS
+    assert "1 job(s) still running after 60s" in status.error and "--force" in status.error
+    assert cluster.calls[0] == "cluster_drain" and not set(TEARDOWN) & set(cluster.calls)  # nothing torn down
+
+
+async def test_force_cancels_the_jobs_and_says_so(env: WorkflowEnvironment) -> None:
+    cluster = Cluster(running=[3])
+    status = await delete(env, cluster, force=True)
+    assert status.outcome == "deleted" and status.cancelled_jobs == 3
+    assert cluster.calls == ["cluster_drain", "cluster_cancel_jobs", *TEARDOWN]
+    assert any("cancelled 3 job(s), not requeued" in e.detail for e in status.timeline)
