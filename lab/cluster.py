@@ -181,7 +181,7 @@ class LabClusterBackend:
         slurm = self._up(spec)
         if slurm is None:
             return 0
-        jobs = self._jobs(slurm, "all")
+        jobs = self._jobs(slurm, "PENDING,RUNNING,SUSPENDED,COMPLETING,CONFIGURING")
         if jobs:
             self._slurm_cmd(slurm, "scancel", *jobs)
         return len(jobs)
