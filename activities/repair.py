@@ -80,6 +80,15 @@ def repair_job(request: RepairRequest, kind: str | None = None, *, boot_id: str 
     annotations = {INCIDENT_ANNOTATION: request.incident_id}
     if kind == "reboot":
         annotations[BOOT_ID_ANNOTATION] = boot_id
+    pod: dict[str, Any] = {
+        "nodeName": node,
+        "restartPolicy": "Never",
+        "hostPID": kind == "reboot",
+        # The node is drained, cordoned and tainted by now: the repair runs there anyway.
+        "tolerations": [{"operator": "Exists"}],
+    }
+    if settings.runtime_class:
+        pod["runtimeClassName"] = settings.runtime_class
     container: dict[str, Any] = {
         "name": kind,
         "image": image,
@@ -101,14 +110,7 @@ def repair_job(request: RepairRequest, kind: str | None = None, *, boot_id: str 
             "ttlSecondsAfterFinished": 86400,
             "template": {
                 "metadata": {"labels": {REPAIR_LABEL: kind}},
-                "spec": {
-                    "nodeName": node,
-                    "restartPolicy": "Never",
-                    "hostPID": kind == "reboot",
-                    # The node is drained, cordoned and tainted by now: the repair runs there anyway.
-                    "tolerations": [{"operator": "Exists"}],
-                    "containers": [container],
-                },
+                "spec": {**pod, "containers": [container]},
             },
         },
     }

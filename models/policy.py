@@ -202,6 +202,8 @@ class RepairSettings(BaseModel):
     )
     job_timeout_seconds: float = Field(default=600.0, gt=0, le=86400)
     settle_seconds: float = Field(default=120.0, ge=0, le=86400)
+    # The RuntimeClass that gives a pod the GPUs (e.g. "nvidia") where it is not the default.
+    runtime_class: str | None = None
 
     @field_validator("reset_command", "reboot_command")
     @classmethod

@@ -214,3 +214,14 @@ def test_without_a_check_the_result_says_so(kube: KubernetesApi) -> None:
     assert result.succeeded and result.detail.endswith("; no GPU check is configured")
     with pytest.raises(ValueError, match="cannot use"):
         RepairSettings(node_check_command=["nvidia-smi", "-i", "{gpu}"])
+
+
+def test_a_runtime_class_reaches_every_repair_pod() -> None:
+    settings = LAB_REPAIRS.model_copy(update={"runtime_class": "nvidia"})
+    request = RepairRequest(node="gpu1", action=Action.RESET_GPU, incident_id="i", gpu="GPU-1", settings=settings)
+    for kind in ("reset", "check"):
+        assert repair_job(request, kind)["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
+    assert (
+        "runtimeClassName"
+        not in repair_job(request.model_copy(update={"settings": LAB_REPAIRS}))["spec"]["template"]["spec"]
+    )
