@@ -5,8 +5,9 @@ Each cluster lives under ``$GPUFLEET_HOME/clusters/<name>``: its own munged, slu
 Kubernetes objects (Namespace, Secrets, storage claim, remediation ConfigMap) go to the lab's
 emulated API. The lab's nodes have no GPUs, so its slurm.conf leaves Gres out (said in a
 comment there). Linux users are not created on this machine: the smoke jobs run as whoever runs
-the worker. Accounting (slurmdbd on MariaDB) is not run by the lab yet: a spec asking for it is
-refused before anything is made.
+the worker. A file ``smoke-fails`` in ``$GPUFLEET_HOME`` makes smoke tests fail, to watch a
+creation kept on failure and resumed. Accounting (slurmdbd on MariaDB) is not run by the lab
+yet: a spec asking for it is refused before anything is made.
 """
 
 from __future__ import annotations
@@ -116,6 +117,9 @@ class LabClusterBackend:
         slurm = self._slurm(spec)
         if not slurm.conf.exists():
             raise StepFailed(f"no slurm.conf at {slurm.conf}: the cluster is not up")
+        told = self._home / "smoke-fails"
+        if told.exists():  # the lab's knob, to watch a creation kept on failure and resumed
+            raise StepFailed(f"the lab was told to fail smoke tests: remove {told}, then resume")
         ran = []
         for partition in spec.partitions:
             output = slurm.root / f"smoke-{partition.name}.out"

@@ -151,3 +151,22 @@ def test_delete_waits_for_a_running_job_or_cancels_it_when_forced(lab: FleetLab,
     assert not root.exists() and not pids_with_env("SLURM_CONF", str(root / "slurm.conf"))
     shown = json.loads(gpufleet_cli("cluster", "show", "research", "--json", env=lab.env()).stdout)
     assert shown["outcome"] == "deleted"
+
+
+def test_kept_on_failure_then_resumed_after_the_fix(lab: FleetLab, tmp_path: Path) -> None:
+    told = lab.home / "smoke-fails"
+    told.touch()
+    done, result = create(lab, str(write(tmp_path, spec("kept"))), "--keep-on-failure")
+    assert done.returncode == 1 and result["outcome"] == "failed_kept", done.stdout + done.stderr
+    assert result["failed_step"] == "smoke_test" and "remove" in result["error"]
+    root = lab.home / "clusters" / "kept"
+    assert pids_with_env("SLURM_CONF", str(root / "slurm.conf")) or (root / "slurm.conf").exists()
+    assert sorted(len(n) for n in holdings(kube(lab), "kept").values()) == [1, 1, 2]  # all kept
+    told.unlink()  # the fix
+    done, result = create(lab, "--resume", "kept")
+    assert done.returncode == 0 and result["outcome"] == "ready", done.stdout + done.stderr
+    shown = json.loads(gpufleet_cli("cluster", "show", "kept", "--json", env=lab.env()).stdout)
+    events = [(e["step"], e["event"]) for e in shown["timeline"]]
+    assert ("smoke_test", "resumed") in events and events.count(("bring_up", "done")) == 1  # not redone
+    done = gpufleet_cli("cluster", "delete", "kept", "--force", env=lab.env(), timeout=180)
+    assert done.returncode == 0 and free_nodes(kube(lab)) == 4
