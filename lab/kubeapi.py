@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextvars
 import copy
 import datetime
@@ -51,6 +52,7 @@ LEASES = kmock.resource("coordination.k8s.io", "v1", "leases")
 DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")
 REPLICASETS = kmock.resource("apps", "v1", "replicasets")
 DAEMONSETS = kmock.resource("apps", "v1", "daemonsets")
+SECRETS = kmock.resource("", "v1", "secrets")
 VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
 # resource: (kind, short names, namespaced, subresources)
 RESOURCE_INFO: dict[kmock.resource, tuple[str, list[str], bool, list[str]]] = {
@@ -66,12 +68,29 @@ RESOURCE_INFO: dict[kmock.resource, tuple[str, list[str], bool, list[str]]] = {
     DEPLOYMENTS: ("Deployment", ["deploy"], True, []),
     REPLICASETS: ("ReplicaSet", ["rs"], True, []),
     DAEMONSETS: ("DaemonSet", ["ds"], True, []),
+    SECRETS: ("Secret", [], True, []),
+    kmock.resource("", "v1", "persistentvolumeclaims"): ("PersistentVolumeClaim", ["pvc"], True, []),
     kmock.resource("batch", "v1", "jobs"): ("Job", [], True, []),
+    # Slinky's slurm-operator kinds (gpufleet cluster create --backend slinky): stored as given,
+    # with no schema (no `kubectl explain`) and no operator acting on them.
+    kmock.resource("slinky.slurm.net", "v1beta1", "controllers"): ("Controller", [], True, []),
+    kmock.resource("slinky.slurm.net", "v1beta1", "nodesets"): ("NodeSet", ["nss"], True, []),
+    kmock.resource("slinky.slurm.net", "v1beta1", "loginsets"): ("LoginSet", ["lss"], True, []),
+    kmock.resource("slinky.slurm.net", "v1beta1", "accountings"): ("Accounting", [], True, []),
     kmock.resource("rbac.authorization.k8s.io", "v1", "roles"): ("Role", [], True, []),
     kmock.resource("rbac.authorization.k8s.io", "v1", "rolebindings"): ("RoleBinding", [], True, []),
     kmock.resource("rbac.authorization.k8s.io", "v1", "clusterroles"): ("ClusterRole", [], False, []),
     kmock.resource("rbac.authorization.k8s.io", "v1", "clusterrolebindings"): ("ClusterRoleBinding", [], False, []),
 }
+
+
+def _string_data(secret: dict[str, Any]) -> None:
+    """A Secret's ``stringData`` as the API server stores it: base64 in ``data``, write-only."""
+    plain = secret.pop("stringData", None) or {}
+    if plain:
+        data = secret.setdefault("data", {})
+        for key, value in plain.items():
+            data[key] = base64.b64encode(str(value).encode()).decode()
 
 
 def _selector(pdb: dict[str, Any]) -> dict[str, str]:
@@ -308,6 +327,8 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         refused, warnings = self._validate_fields(request, request.data)
         if refused is not None:
             return refused
+        if request.resource == SECRETS:
+            _string_data(request.data)
         self._stamp_new(meta)
         if _dry_run(request):
             created: aiohttp.web.StreamResponse = aiohttp.web.json_response(request.data, status=201)

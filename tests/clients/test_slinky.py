@@ -1,0 +1,95 @@
+"""Slinky's objects made with the official client (CustomObjectsApi for slurm-operator's kinds)
+against the emulated API: in order, once (a retry keeps each generated key), deleted in reverse;
+`gpufleet cluster create --dry-run` prints them and contacts nothing."""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from clients.kube import KubernetesApi
+from clients.slinky import SlinkyBackend, create_all, delete_all
+from models.cluster import load_spec
+from models.slinky import API, GENERATED, slinky_objects
+from tests.conftest import KubeApiProcess, gpufleet_cli, lab_seed
+from tests.models.test_cluster_spec import EXAMPLE
+
+PLACEMENT = {"train": ["free1", "free2"], "debug": ["free3"]}
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> Iterator[KubeApiProcess]:
+    process = KubeApiProcess(tmp_path / "kube", lab_seed(["gpu1"], []))
+    yield process
+    process.stop()
+
+
+def test_the_objects_are_made_once_and_deleted_in_reverse(api: KubeApiProcess) -> None:
+    kube = KubernetesApi(kubeconfig=api.kubeconfig)
+    spec = load_spec(yaml.safe_load(EXAMPLE.read_text()))
+    objects = slinky_objects(spec, PLACEMENT)
+    assert [o["kind"] for o in objects] == [
+        "Namespace",
+        "Secret",
+        "Secret",
+        "Secret",
+        "Secret",
+        "PersistentVolumeClaim",
+        "ConfigMap",
+        "Controller",
+        "NodeSet",
+        "NodeSet",
+        "LoginSet",
+    ]
+    assert create_all(kube, objects).startswith("created 11 object(s)")
+    key = kube._api.read_namespaced_secret("research-slurm-key", "slurm-research").data["slurm.key"]
+    assert len(base64.b64decode(base64.b64decode(key))) == 1024  # generated (base64 of 1024 bytes), stored base64
+    assert create_all(kube, objects) == "created 0 object(s) (all there already)"  # a retry
+    assert kube._api.read_namespaced_secret("research-slurm-key", "slurm-research").data["slurm.key"] == key
+    nodeset = kube._custom.get_namespaced_custom_object(
+        API.split("/")[0], "v1beta1", "slurm-research", "nodesets", "research-train"
+    )
+    assert nodeset["spec"]["replicas"] == 2 and nodeset["spec"]["extraConf"] == "Gres=gpu:8"
+    assert nodeset["spec"]["partition"]["config"].startswith("Default=YES MaxTime=2-00:00:00")
+    assert SlinkyBackend(kube).exists(spec) == "Controller research in slurm-research"
+    if shutil.which("kubectl"):
+        listed = subprocess.run(
+            ["kubectl", "get", "nodesets", "-n", "slurm-research", "-o", "name"],
+            env={"KUBECONFIG": str(api.kubeconfig), "PATH": "/usr/bin:/bin:/usr/local/bin"},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert listed.stdout.split() == [
+            "nodeset.slinky.slurm.net/research-train",
+            "nodeset.slinky.slurm.net/research-debug",
+        ]
+    assert delete_all(kube, objects).startswith("deleted 11 object(s): LoginSet/research-login")
+    assert (
+        SlinkyBackend(kube).exists(spec) == "" and delete_all(kube, objects) == "deleted 0 object(s) (none were there)"
+    )
+
+
+def test_the_dry_run_prints_every_object_and_contacts_nothing() -> None:
+    # No Temporal and no Kubernetes here: an address nothing listens on.
+    done = gpufleet_cli(
+        "cluster", "create", str(EXAMPLE), "--backend", "slinky", "--dry-run", env={"TEMPORAL_ADDRESS": "127.0.0.1:9"}
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("# gpufleet cluster create --dry-run: research on slinky")
+    documents = list(yaml.safe_load_all(done.stdout))
+    assert [d["kind"] for d in documents][-4:] == ["Controller", "NodeSet", "NodeSet", "LoginSet"]
+    controller = next(d for d in documents if d["kind"] == "Controller")
+    assert "JobRequeue=1" in controller["spec"]["extraConf"] and "KillWait=120" in controller["spec"]["extraConf"]
+    assert all(
+        v == GENERATED
+        for d in documents
+        if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-key")
+        for v in d["stringData"].values()
+    )
