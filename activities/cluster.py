@@ -12,6 +12,7 @@ from activities.errors import client_errors
 from activities.heartbeat import heartbeating
 from clients import pool
 from clients.clusters import ClusterBackend, StepFailed
+from clients.errors import ClientError
 from clients.kube import KubeClient
 from clients.notify import Notifier
 from models.cluster import SpecError, load_spec
@@ -35,12 +36,14 @@ class ClusterActivities:
         *,
         namespace: str = "gpufleet",
         uid_range: tuple[int, int] = (2000, 59999),
+        own_cluster: str = "",
     ) -> None:
         self._kube = kube
         self._backends = backends
         self._notifier = notifier
         self._namespace = namespace
         self._uid_range = uid_range
+        self._own_cluster = own_cluster
 
     def _backend(self, request: ClusterRequest) -> ClusterBackend:
         backend = self._backends.get(request.backend)
@@ -70,6 +73,13 @@ class ClusterActivities:
             held = pool.holdings(self._kube, request.spec.name)
             free = pool.free_nodes(self._kube)
             existing = backend.exists(request.spec)
+        if request.spec.name == self._own_cluster:
+            raise ApplicationError(
+                f"{request.spec.name} is the cluster this worker remediates (task queue gpufleet-{self._own_cluster}): "
+                "choose another name",
+                type="InvalidInput",
+                non_retryable=True,
+            )
         refused = backend.unsupported(request.spec)
         if refused:
             raise ApplicationError(f"the {backend.name} backend: {refused}", type="InvalidInput", non_retryable=True)
@@ -99,8 +109,11 @@ class ClusterActivities:
     @heartbeating
     def release(self, request: ClusterRequest) -> StepResult:
         with client_errors():
-            nodes = pool.release(self._kube, request.spec.name)
-        return StepResult(detail=f"back to the free pool: {', '.join(nodes) or 'nothing held'}")
+            freed, kept = pool.release(self._kube, request.spec.name)
+        detail = f"back to the free pool: {', '.join(freed) or 'nothing held'}"
+        if kept:
+            detail += "; kept out of it: " + ", ".join(f"{node} ({why})" for node, why in kept.items())
+        return StepResult(detail=detail)
 
     @activity.defn(name="cluster_render")
     def render(self, request: ClusterRequest) -> StepResult:
@@ -159,9 +172,15 @@ class ClusterActivities:
         spec = request.spec
         parts = ", ".join(f"{p.name} ({p.nodes} nodes)" for p in spec.partitions)
         text = f"cluster {spec.name} is ready on {request.backend}: partitions {parts}; users {len(spec.users)}."
-        with client_errors():
-            sent = self._notifier.send(Notification(kind="cluster_ready", text=text))
-        return StepResult(detail=text if sent else f"{text} (no webhook configured: logged only)")
+        return StepResult(detail=self._tell("cluster_ready", text))
+
+    def _tell(self, kind: str, text: str) -> str:
+        """Best effort: a webhook that is down does not undo a cluster; the status says so."""
+        try:
+            sent = self._notifier.send(Notification(kind=kind, text=text))
+        except ClientError as exc:
+            return f"{text} (not sent: {exc})"
+        return text if sent else f"{text} (no webhook configured: logged only)"
 
     @activity.defn(name="cluster_drain")
     @heartbeating
@@ -183,10 +202,8 @@ class ClusterActivities:
 
     @activity.defn(name="cluster_notify_deleted")
     def notify_deleted(self, request: ClusterRequest) -> StepResult:
-        text = f"cluster {request.spec.name} on {request.backend} is deleted; its nodes are back in the free pool."
-        with client_errors():
-            sent = self._notifier.send(Notification(kind="cluster_deleted", text=text))
-        return StepResult(detail=text if sent else f"{text} (no webhook configured: logged only)")
+        text = f"cluster {request.spec.name} on {request.backend} is deleted; its nodes left it."
+        return StepResult(detail=self._tell("cluster_deleted", text))
 
     def all(self) -> list[Callable[..., Any]]:
         return [

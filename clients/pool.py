@@ -10,11 +10,13 @@ the reservation gives back what it took in that call and fails, naming how many 
 
 from __future__ import annotations
 
+import os
+import uuid
 from collections.abc import Callable
 
 from clients.errors import Conflict, InvalidInput
 from clients.kube import KubeClient, KubeNode
-from models.constants import CLUSTER_LABEL, POOL_LABEL
+from models.constants import CLAIMED_BY_ANNOTATION, CLUSTER_LABEL, POOL_LABEL, QUARANTINE_LABEL, RETIRED_TAINT
 
 PARTITION_LABEL = "gpufleet.io/partition"
 FREE = "free"
@@ -28,8 +30,26 @@ class PoolExhausted(InvalidInput):
     """The free pool holds fewer nodes than the spec asks for."""
 
 
+def _marks(node: KubeNode) -> str:
+    """Why a node may not serve a new cluster ('' when it may): quarantined, retired, claimed,
+    cordoned or not Ready."""
+    if node.labels.get(QUARANTINE_LABEL):
+        return f"quarantined ({node.labels[QUARANTINE_LABEL]})"
+    if any(t.get("key") == RETIRED_TAINT for t in node.taints):
+        return "retired"
+    if node.annotations.get(CLAIMED_BY_ANNOTATION):
+        return f"claimed by {node.annotations[CLAIMED_BY_ANNOTATION]}"
+    if node.unschedulable:
+        return "cordoned"
+    if not node.ready:
+        return "not Ready"
+    return ""
+
+
 def _free(kube: KubeClient) -> list[KubeNode]:
-    return sorted(kube.list_nodes(label_selector=f"{POOL_LABEL}={FREE}"), key=lambda n: n.name)
+    """The free pool: labelled free, and fit (no quarantine, retirement, claim or cordon; Ready)."""
+    nodes = kube.list_nodes(label_selector=f"{POOL_LABEL}={FREE}")
+    return sorted((n for n in nodes if not _marks(n)), key=lambda n: n.name)
 
 
 def free_nodes(kube: KubeClient) -> int:
@@ -61,7 +81,10 @@ def reserve(
     creations racing for the last nodes would otherwise each take some and both fail; in turn,
     the first gets all it asks for and the second fails cleanly.
     """
-    with kube.lease(POOL_LEASE, namespace=namespace, holder=f"cluster-{cluster}"):
+    # A holder of its own for each try: two tries of one reservation (a retry while the first
+    # still runs elsewhere) take turns too, and the second finds what the first took.
+    holder = f"cluster-{cluster}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with kube.lease(POOL_LEASE, namespace=namespace, holder=holder):
         return _reserve(kube, cluster, wanted, progress)
 
 
@@ -113,14 +136,34 @@ def _take_one(kube: KubeClient, cluster: str, where: str) -> str | None:
             return node.name
 
 
-def release_node(kube: KubeClient, node: str) -> None:
-    """Back to the free pool: the cluster's labels off."""
-    kube.update_metadata(node, labels={CLUSTER_LABEL: None, PARTITION_LABEL: None, POOL_LABEL: FREE})
+def release_node(kube: KubeClient, node: str) -> str:
+    """Back to the free pool, the cluster's labels off, if fit: a node that is quarantined,
+    retired, claimed by an incident, cordoned or not Ready leaves the cluster but not for the
+    free pool (its pool label stays, for a person or its incident). Returns why it was kept
+    out ('' when freed). Written at the version read, so a change meanwhile is not lost."""
+    current = kube.get_node(node)
+    why = _marks(current)
+    labels: dict[str, str | None] = {CLUSTER_LABEL: None, PARTITION_LABEL: None}
+    if not why:
+        labels[POOL_LABEL] = FREE
+    kube.update_metadata(node, labels=labels, resource_version=current.resource_version)
+    return why
 
 
-def release(kube: KubeClient, cluster: str) -> list[str]:
-    """Every node the cluster holds back to the free pool; returns their names."""
-    nodes = [name for names in holdings(kube, cluster).values() for name in names]
-    for node in nodes:
-        release_node(kube, node)
-    return sorted(nodes)
+def release(kube: KubeClient, cluster: str) -> tuple[list[str], dict[str, str]]:
+    """Every node the cluster holds leaves it; returns those back in the free pool, and those
+    kept out of it with why."""
+    freed: list[str] = []
+    kept: dict[str, str] = {}
+    for node in sorted(name for names in holdings(kube, cluster).values() for name in names):
+        while True:
+            try:
+                why = release_node(kube, node)
+                break
+            except Conflict:
+                continue  # changed since we read it: read again
+        if why:
+            kept[node] = why
+        else:
+            freed.append(node)
+    return freed, kept

@@ -18,8 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from models.names import InvalidName, validate_cluster_name
 
-# Slurm partition, account and Linux user names: what every tool on a login node accepts.
-_PARTITION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,31}$")
+# Partition names are also label values and parts of object names (NodeSet <cluster>-<partition>):
+# a DNS label. Account and Linux user names: what every tool on a login node accepts.
+_PARTITION = re.compile(r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")
 _USER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 _ACCOUNT = re.compile(r"^[a-z0-9_][a-z0-9_-]{0,31}$")
 # Slurm's time limits: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
@@ -38,10 +39,41 @@ _SSH_TYPES = {
     "sk-ssh-ed25519@openssh.com",
     "sk-ecdsa-sha2-nistp256@openssh.com",
 }
-# slurm.conf keys gpufleet writes itself: an extra line may not set them again.
+# slurm.conf keys gpufleet or the backend writes (hosts, ports, users, authentication, paths):
+# an extra line may not set them again (Slurm reads keys in any case, the last one winning).
 OWNED_CONF_KEYS = frozenset(
-    {"ClusterName", "SlurmctldHost", "NodeName", "PartitionName", "JobRequeue", "KillWait", "AccountingStorageType"}
+    key.lower()
+    for key in (
+        "ClusterName",
+        "SlurmctldHost",
+        "ControlMachine",
+        "NodeName",
+        "PartitionName",
+        "JobRequeue",
+        "KillWait",
+        "AccountingStorageType",
+        "AccountingStorageHost",
+        "SlurmUser",
+        "SlurmdUser",
+        "SlurmctldPort",
+        "SlurmdPort",
+        "AuthType",
+        "AuthInfo",
+        "CredType",
+        "AuthAltTypes",
+        "AuthAltParameters",
+        "StateSaveLocation",
+        "SlurmdSpoolDir",
+        "SlurmctldPidFile",
+        "SlurmdPidFile",
+        "SlurmctldLogFile",
+        "SlurmdLogFile",
+        "GresTypes",
+        "Include",
+    )
 )
+# A cluster may not take a name that is already a task queue's or a workflow's own.
+RESERVED_NAMES = frozenset({"clusters"})
 OWNED_PARTITION_KEYS = frozenset({"PartitionName", "Nodes", "Default", "MaxTime"})
 DEFAULT_UID_RANGE = (2000, 59999)
 
@@ -81,7 +113,7 @@ class PartitionSpec(BaseModel):
     @classmethod
     def _name(cls, name: str) -> str:
         if not _PARTITION.fullmatch(name):
-            raise ValueError("letters, digits, '_' and '-', at most 32 characters, not starting with '-'")
+            raise ValueError("lowercase letters, digits and '-', at most 32 characters, a letter or digit at each end")
         return name
 
     @field_validator("max_time")
@@ -187,19 +219,27 @@ class ClusterSpec(BaseModel):
     @classmethod
     def _name(cls, name: str) -> str:
         try:
-            return validate_cluster_name(name)
+            validate_cluster_name(name)
         except InvalidName as exc:
             raise ValueError(str(exc).removeprefix(f"invalid cluster name {name!r}: ")) from None
+        if name in RESERVED_NAMES:
+            raise ValueError(f"{name!r} is reserved (gpufleet's own task queue gpufleet-{name})")
+        return name
 
     @field_validator("slurm_conf")
     @classmethod
     def _extra(cls, lines: list[str]) -> list[str]:
         for line in lines:
-            key, sep, value = line.partition("=")
-            if not sep or not _CONF_KEY.fullmatch(key) or not value.strip() or "\n" in line:
+            if "\n" in line or "#" in line or not line.strip():
                 raise ValueError(f"{line!r} is not one 'Key=Value' slurm.conf line")
-            if key in OWNED_CONF_KEYS:
-                raise ValueError(f"{key} is set by gpufleet from the spec; remove {line!r}")
+            for pair in line.split():
+                key, sep, value = pair.partition("=")
+                if not sep or not _CONF_KEY.fullmatch(key) or not value:
+                    raise ValueError(f"{line!r} is not one 'Key=Value' slurm.conf line")
+                if key.lower() in OWNED_CONF_KEYS:
+                    raise ValueError(f"{key} is set by gpufleet or its backend; remove it from {line!r}")
+                if key.lower().endswith("pass"):
+                    raise ValueError(f"{key} holds a password: it would be in the workflow's history; use a file")
         return lines
 
     @property
@@ -327,6 +367,7 @@ def render_slurm_conf(
     if spec.slurm_conf:
         lines += ["# From the spec:", *spec.slurm_conf]
     lines.append("# Nodes and partitions.")
+
     def node_line(node: str, gpus_per_node: int) -> str:
         gpu = f" Gres=gpu:{gpus_per_node}" if gpus and gpus_per_node else ""
         extra = f" {node_options[node]}" if node_options and node in node_options else ""

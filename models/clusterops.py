@@ -22,7 +22,8 @@ def cluster_workflow_id(name: str) -> str:
 
 
 def deletion_workflow_id(name: str) -> str:
-    return f"cluster-{name}-delete"
+    # Its own prefix: no cluster's creation ID (cluster-...) is ever a deletion's.
+    return f"delete-cluster-{name}"
 
 
 class ClusterStep(StrEnum):

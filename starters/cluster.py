@@ -20,6 +20,7 @@ from models.clusterops import (
     CLUSTER_DELETION_WORKFLOW,
     CLUSTER_TASK_QUEUE,
     RESUME_SIGNAL,
+    ROLL_BACK_SIGNAL,
     ClusterCreateInput,
     ClusterDeleteInput,
     ClusterOutcome,
@@ -145,14 +146,19 @@ def create(
     resume: Annotated[
         str | None, typer.Option(metavar="NAME", help="Resume a creation kept on failure, from its failed step.")
     ] = None,
+    roll_back: Annotated[
+        str | None, typer.Option(metavar="NAME", help="Undo what a creation kept on failure made.")
+    ] = None,
 ) -> None:
     """Create a Slurm cluster from SPEC: validate, reserve nodes, render slurm.conf, make its
     Kubernetes objects, bring up Slurm, add users, run a smoke job per partition, make it
     remediable, notify. A failure undoes what was done, unless --keep-on-failure."""
-    if resume is not None:
-        if spec_file is not None:
-            fail("give SPEC or --resume NAME, not both", code=2)
-        _resume(resume, wait=wait, as_json=as_json)
+    if resume is not None or roll_back is not None:
+        if spec_file is not None or (resume is not None and roll_back is not None):
+            fail("give one of SPEC, --resume NAME or --roll-back NAME", code=2)
+        _answer(
+            resume or roll_back or "", signal=RESUME_SIGNAL if resume else ROLL_BACK_SIGNAL, wait=wait, as_json=as_json
+        )
         return
     if spec_file is None:
         fail("a SPEC file is needed (or --resume NAME); see examples/cluster.yaml", code=2)
@@ -209,7 +215,8 @@ async def _start(
         raise
 
 
-def _resume(name: str, *, wait: bool, as_json: bool) -> None:
+def _answer(name: str, *, signal: str, wait: bool, as_json: bool) -> None:
+    """Resume (the failed step again) or roll back a creation that waits, kept on failure."""
     try:
         validate_cluster_name(name)
     except InvalidName as exc:
@@ -224,9 +231,10 @@ def _resume(name: str, *, wait: bool, as_json: bool) -> None:
             fail(f"no creation of {name} is open (gpufleet cluster list)")
         if status is None or status.outcome != ClusterOutcome.FAILED_KEPT:
             fail(f"{name} is not waiting to be resumed (it is {status.outcome if status else 'starting'})")
-        await handle.signal(RESUME_SIGNAL)
+        await handle.signal(signal)
         if not as_json:
-            console.print(f"resuming {name} from {status.failed_step}")
+            doing = f"resuming {name} from" if signal == RESUME_SIGNAL else f"rolling {name} back after"
+            console.print(f"{doing} {status.failed_step}")
         if wait:
             seen = len(status.timeline)
             handle_status = await _follow_from(handle, seen, quiet=as_json)
@@ -364,6 +372,11 @@ def delete(
             fail(f"{name} is still being created: wait for it (gpufleet cluster show {name})")
         if made.outcome == ClusterOutcome.ROLLED_BACK:
             fail(f"{name} was rolled back when its creation failed: nothing to delete")
+        if made.outcome == ClusterOutcome.FAILED_KEPT:
+            fail(
+                f"{name}'s creation failed and waits, kept: `gpufleet cluster create --resume {name}` after a fix, "
+                f"or `gpufleet cluster create --roll-back {name}` to undo what it made"
+            )
         if await _deleted(client, made):
             fail(f"{name} is deleted already")
         request = ClusterDeleteInput(

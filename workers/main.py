@@ -125,7 +125,13 @@ def cluster_activities(settings: Settings) -> list[Any]:
         from lab.cluster import LabClusterBackend  # the lab's own daemons: only where the lab runs
 
         backends["lab"] = LabClusterBackend(settings.home, kube, worker_env=dict(os.environ))
-    acts = ClusterActivities(kube, backends, WebhookNotifier(url=settings.webhook_url), namespace=settings.namespace)
+    acts = ClusterActivities(
+        kube,
+        backends,
+        WebhookNotifier(url=settings.webhook_url),
+        namespace=settings.namespace,
+        own_cluster=settings.cluster,
+    )
     return acts.all()
 
 

@@ -69,9 +69,37 @@ def test_two_creations_racing_for_the_last_nodes_never_share_one(kube: Kubernete
     assert free_nodes(kube) == 1
 
 
-def test_release_returns_every_node_to_the_free_pool(kube: KubernetesApi) -> None:
-    reserve(kube, "research", {"train": 2, SPARES: 1})
-    assert len(release(kube, "research")) == 3
-    assert free_nodes(kube) == 4 and holdings(kube, "research") == {}
-    node = kube.get_node("free1")
+def test_release_returns_every_fit_node_to_the_free_pool_and_keeps_lemons_out(kube: KubernetesApi) -> None:
+    placement = reserve(kube, "research", {"train": 2, SPARES: 1})
+    lemon = placement["train"][0]
+    kube.update_metadata(lemon, labels={"gpufleet.io/quarantine": "repeat-failures"})  # an incident's verdict
+    freed, kept = release(kube, "research")
+    assert kept == {lemon: "quarantined (repeat-failures)"} and len(freed) == 2
+    assert free_nodes(kube) == 3 and holdings(kube, "research") == {}
+    node = kube.get_node(freed[0])
     assert "gpufleet.io/partition" not in node.labels and "gpufleet.io/cluster" not in node.labels
+    assert kube.get_node(lemon).labels["gpufleet.io/pool"] == "training"  # not free: a person decides
+    # Nor is a quarantined node that is labelled free ever reserved.
+    kube.update_metadata(lemon, labels={"gpufleet.io/pool": "free"})
+    with pytest.raises(PoolExhausted):
+        reserve(kube, "next", {"train": 4})
+    assert holdings(kube, "next") == {}
+
+
+def test_two_tries_of_one_reservation_take_turns_and_take_no_more(kube: KubernetesApi) -> None:
+    # A retry while the first try still runs (its worker looked dead): each try holds the Lease
+    # under its own name, so the second waits, then finds what the first took.
+    start = threading.Barrier(2)
+    placements: list[dict[str, list[str]]] = []
+
+    def attempt() -> None:
+        start.wait()
+        placements.append(reserve(kube, "research", {"train": 2}))
+
+    threads = [threading.Thread(target=attempt) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(placements) == 2 and placements[0] == placements[1]
+    assert len(holdings(kube, "research")["train"]) == 2 and free_nodes(kube) == 2

@@ -128,3 +128,28 @@ def test_a_placement_that_does_not_match_the_spec_is_refused() -> None:
     wrong["train"].pop()
     with pytest.raises(ValueError, match="train"):
         render_slurm_conf(spec, wrong)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [
+        ("slurm_conf", ["jobrequeue=0"], "jobrequeue is set by gpufleet or its backend"),
+        ("slurm_conf", ["SchedulerParameters=bf_continue KillWait=0"], "KillWait is set by gpufleet"),
+        ("slurm_conf", ["SlurmUser=root"], "SlurmUser is set by gpufleet or its backend"),
+        ("slurm_conf", ["AccountingStoragePass=hunter2"], "holds a password"),
+        ("name", "clusters", "reserved"),
+    ],
+)
+def test_what_would_override_gpufleet_or_leak_a_secret_is_refused(field: str, value: Any, problem: str) -> None:
+    raw = example()
+    raw[field] = value
+    with pytest.raises(SpecError, match=problem):
+        load_spec(raw)
+
+
+@pytest.mark.parametrize("name", ["Train", "gpu_a", "x-", "-x"])
+def test_a_partition_name_must_also_be_a_label_value_and_an_object_name(name: str) -> None:
+    raw = example()
+    raw["partitions"][0]["name"] = name
+    with pytest.raises(SpecError, match=r"partitions\[0\]\.name"):
+        load_spec(raw)
