@@ -4,8 +4,9 @@ Inference demand is a number of nodes: the load a PromQL query measures, divided
 node carries (``per_node``). The split follows it within each side's minimum and maximum, with
 two brakes against flapping:
 
-- **hysteresis**: one more node only when demand is above the current count by more than
-  ``hysteresis`` nodes, one fewer only when it is below the count minus one by more than that;
+- **hysteresis**: more nodes only when demand is above the current count by more than
+  ``hysteresis`` nodes; fewer only down to the count that still leaves ``hysteresis`` to spare
+  (or none, when there is no demand at all);
 - **cooldown**: no move within ``cooldown_seconds`` of the last one.
 
 A move is at most ``batch`` nodes. Missing data (Prometheus down, an empty answer) holds the
@@ -101,10 +102,12 @@ def decide(
     if demand.inference is None:
         return Decision(inference=inference, move=0, why=f"holding: no inference demand ({demand.error or 'no data'})")
     wanted = demand.inference
+    # Fewest nodes that serve the demand with ``hysteresis`` to spare (none for no demand at all).
+    enough = 0 if wanted <= 0 else math.ceil(wanted + limits.hysteresis)
     if wanted > inference + limits.hysteresis:
         goal = min(math.ceil(wanted - limits.hysteresis), high)
-    elif wanted < inference - 1 - limits.hysteresis:
-        goal = max(math.ceil(wanted + limits.hysteresis), low)
+    elif enough < inference:
+        goal = max(enough, low)
     else:
         return Decision(inference=inference, move=0, why=f"steady: demand {wanted:.2f} nodes for {inference}")
     if goal == inference:

@@ -29,7 +29,7 @@ def pools(draw: st.DrawFn) -> tuple[int, PoolLimits]:
         max_training=max_training,
         batch=draw(st.integers(1, 5)),
         hysteresis=draw(st.floats(0, 2)),
-        cooldown_seconds=draw(st.floats(0, 600)),
+        cooldown_seconds=draw(st.just(0.0) | st.floats(1, 600)),
     )
     return total, limits
 
@@ -96,10 +96,11 @@ def test_steady_demand_settles_and_stays(pool: tuple[int, PoolLimits], data: st.
 @pytest.mark.parametrize(
     ("inference", "wanted", "move"),
     [
-        (2, 2.5, 0),  # inside the band: c-1-h <= d <= c+h
-        (2, 0.5, 0),
+        (2, 2.5, 0),  # inside the band: c-1-h < d <= c+h
+        (2, 0.6, 0),
         (2, 2.6, 1),  # above it: one more
-        (2, 0.4, -1),  # below it: one fewer
+        (2, 0.5, -1),  # one node still leaves h to spare: one fewer
+        (2, 0.0, -2),  # no demand at all: none
         (2, 9.0, 2),  # a batch at most
     ],
 )

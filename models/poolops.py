@@ -1,0 +1,83 @@
+"""Pool rebalancing as Temporal sees it: what the workflow carries, observes, and reports."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, Field
+
+from models.rebalance import Decision, Demand, PoolLimits
+
+POOL_WORKFLOW = "PoolRebalance"
+SET_DEMAND_SIGNAL = "set_demand"
+POOL_PAUSE_SIGNAL = "pause"
+POOL_RESUME_SIGNAL = "resume"
+REBALANCE_SIGNAL = "rebalance"
+# Iterations per run before continuing as new (each is a handful of events).
+ITERATIONS_PER_RUN = 200
+
+
+def pool_workflow_id(name: str) -> str:
+    return f"pool-{name}"
+
+
+class PoolSettings(BaseModel):
+    name: str
+    cluster: str
+    partition: str
+    limits: PoolLimits = Field(default_factory=PoolLimits)
+    query: str = ""  # PromQL measuring inference load ('' : demand from the override only)
+    per_node: float = Field(default=32.0, gt=0)  # the load one inference node carries
+    interval_seconds: float = Field(default=30.0, gt=0, le=3600)
+
+
+class Move(BaseModel):
+    node: str
+    to: str  # inference | training
+    at: datetime
+    outcome: str = ""  # moved | skipped: ... | failed: ...
+    seconds: float | None = None
+
+
+class PoolState(BaseModel):
+    """What a run hands the next (continue-as-new) and what `pool status` shows."""
+
+    settings: PoolSettings
+    override: float | None = None  # nodes inference wants, set by a person; None: measured
+    override_by: str = ""
+    paused: bool = False
+    last_move: datetime | None = None
+    moves: list[Move] = Field(default_factory=list)  # the latest, newest last
+    manual: int = 0  # nodes a person asked to move now (+ to inference, - to training)
+
+
+class PoolView(BaseModel):
+    """One look at the pool: who is where, who must not be moved, and the demand."""
+
+    training: list[str] = Field(default_factory=list)
+    inference: list[str] = Field(default_factory=list)
+    busy: dict[str, str] = Field(default_factory=dict)  # node: why it may not move now
+    demand: Demand = Field(default_factory=Demand)
+
+
+class PoolStatus(BaseModel):
+    state: PoolState
+    view: PoolView | None = None
+    decision: Decision | None = None
+    observed_at: datetime | None = None
+
+
+class PoolRequest(BaseModel):
+    settings: PoolSettings
+
+
+class MoveRequest(BaseModel):
+    settings: PoolSettings
+    node: str
+    to: str  # inference | training
+    workflow_id: str
+
+
+class MoveResult(BaseModel):
+    moved: bool
+    detail: str = ""

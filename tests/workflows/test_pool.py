@@ -1,0 +1,159 @@
+"""Pool rebalancing on the time-skipping server, its look at the pool and its moves stood in for:
+demand up moves nodes to inference one at a time, demand down brings them back; Prometheus down
+moves nothing; a node with an open incident is skipped; an override moves on it, pause holds;
+a run continues as new with its state."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from temporalio import activity
+from temporalio.client import WorkflowHandle
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from models.poolops import MoveRequest, MoveResult, PoolRequest, PoolSettings, PoolState, PoolStatus, PoolView
+from models.rebalance import Demand, PoolLimits
+from workflows.pool import PoolRebalanceWorkflow
+
+INTERVAL = 60.0
+
+
+@dataclass
+class Pool:
+    training: list[str] = field(default_factory=lambda: ["gpu1", "gpu2", "gpu3", "gpu4"])
+    inference: list[str] = field(default_factory=list)
+    demand: float | None = 0.0  # nodes inference wants; None: Prometheus down
+    busy: dict[str, str] = field(default_factory=dict)
+    moves: list[tuple[str, str]] = field(default_factory=list)
+    looks: int = 0
+    task_queue: str = field(default_factory=lambda: f"pool-{uuid.uuid4().hex[:8]}")
+
+    def activities(self) -> list[Callable[..., Any]]:
+        @activity.defn(name="pool_observe")
+        async def observe(request: PoolRequest) -> PoolView:
+            self.looks += 1
+            demand = (
+                Demand(inference=self.demand, source="test")
+                if self.demand is not None
+                else Demand(error="Prometheus at http://prometheus:9090 unreachable")
+            )
+            return PoolView(
+                training=list(self.training), inference=list(self.inference), busy=dict(self.busy), demand=demand
+            )
+
+        @activity.defn(name="pool_move_node")
+        async def move(request: MoveRequest) -> MoveResult:
+            self.moves.append((request.node, request.to))
+            source, target = (
+                (self.training, self.inference) if request.to == "inference" else (self.inference, self.training)
+            )
+            source.remove(request.node)
+            target.append(request.node)
+            return MoveResult(moved=True, detail=f"{request.node} serves {request.to}")
+
+        return [observe, move]
+
+
+def state(pool: Pool, **limits: Any) -> PoolState:
+    settings = PoolSettings(
+        name="shared",
+        cluster="lab",
+        partition="train",
+        limits=PoolLimits(cooldown_seconds=0, **limits),
+        interval_seconds=INTERVAL,
+    )
+    return PoolState(settings=settings)
+
+
+async def start(env: WorkflowEnvironment, pool: Pool, **limits: Any) -> WorkflowHandle[Any, Any]:
+    return await env.client.start_workflow(
+        PoolRebalanceWorkflow.run,
+        state(pool, **limits),
+        id=f"pool-shared-{uuid.uuid4().hex[:6]}",
+        task_queue=pool.task_queue,
+    )
+
+
+async def intervals(env: WorkflowEnvironment, handle: WorkflowHandle[Any, Any], count: int) -> PoolStatus:
+    """Let ``count`` intervals pass on the server's clock; the status after them."""
+    for _ in range(count):
+        await env.sleep(timedelta(seconds=INTERVAL + 1))
+    status: PoolStatus = await handle.query(PoolRebalanceWorkflow.status)
+    return status
+
+
+def worker(env: WorkflowEnvironment, pool: Pool) -> Worker:
+    return Worker(
+        env.client, task_queue=pool.task_queue, workflows=[PoolRebalanceWorkflow], activities=pool.activities()
+    )
+
+
+async def test_demand_up_moves_nodes_to_inference_one_at_a_time_and_down_brings_them_back(
+    env: WorkflowEnvironment,
+) -> None:
+    pool = Pool(demand=2.0)
+    async with worker(env, pool):
+        handle = await start(env, pool, hysteresis=0.5)
+        status = await intervals(env, handle, 3)
+        assert pool.moves == [("gpu1", "inference"), ("gpu2", "inference")]  # idle first, one at a time
+        assert status.decision is not None and status.decision.move == 0  # settled at 2
+        pool.demand = 0.0
+        status = await intervals(env, handle, 3)
+        await handle.terminate("test over")
+    assert pool.moves[2:] == [("gpu2", "training"), ("gpu1", "training")]  # the last to come leaves first
+    assert sorted(pool.training) == ["gpu1", "gpu2", "gpu3", "gpu4"] and not pool.inference
+    assert [m.outcome for m in status.state.moves] == ["moved"] * 4
+
+
+async def test_prometheus_down_moves_nothing_and_says_so(env: WorkflowEnvironment) -> None:
+    pool = Pool(demand=None)
+    async with worker(env, pool):
+        handle = await start(env, pool)
+        status = await intervals(env, handle, 3)
+        await handle.terminate("test over")
+    assert pool.looks >= 3 and pool.moves == []
+    assert status.decision is not None and "holding" in status.decision.why and "unreachable" in status.decision.why
+
+
+async def test_a_node_with_an_open_incident_is_skipped(env: WorkflowEnvironment) -> None:
+    pool = Pool(demand=1.0, busy={"gpu1": "open incident remediate-lab-gpu1"})
+    async with worker(env, pool):
+        handle = await start(env, pool)
+        status = await intervals(env, handle, 2)
+        await handle.terminate("test over")
+    assert pool.moves == [("gpu2", "inference")]
+    assert "gpu1" in pool.training
+    assert any(
+        m.node == "gpu1" and m.outcome == "skipped: open incident remediate-lab-gpu1" for m in status.state.moves
+    )
+
+
+async def test_an_override_moves_without_data_and_pause_holds(env: WorkflowEnvironment) -> None:
+    pool = Pool(demand=None)
+    async with worker(env, pool):
+        handle = await start(env, pool)
+        await handle.signal(PoolRebalanceWorkflow.pause)
+        await handle.signal(PoolRebalanceWorkflow.set_demand, args=[1.0, "ops"])
+        status = await intervals(env, handle, 2)
+        assert pool.moves == [] and status.decision is not None and "paused" in status.decision.why
+        await handle.signal(PoolRebalanceWorkflow.resume)
+        status = await intervals(env, handle, 2)
+        await handle.terminate("test over")
+    assert pool.moves == [("gpu1", "inference")]
+    assert status.view is not None and status.view.demand.source == "override by ops"
+
+
+async def test_asked_moves_go_now_cooldown_or_not(env: WorkflowEnvironment) -> None:
+    pool = Pool(demand=0.0)
+    async with worker(env, pool):
+        handle = await start(env, pool, batch=1)
+        await handle.signal(PoolRebalanceWorkflow.rebalance, 2)
+        status = await intervals(env, handle, 1)
+        await handle.terminate("test over")
+    assert pool.moves[:2] == [("gpu1", "inference"), ("gpu2", "inference")]
+    assert status.state.manual == 0
