@@ -1,0 +1,122 @@
+"""Pool rebalancing's activities: one look at the pool, and one node's move."""
+
+from __future__ import annotations
+
+from temporalio import activity
+
+from activities.errors import client_errors
+from activities.heartbeat import heartbeating
+from clients.errors import ClientError, NotOwned
+from clients.kube import KubeClient, KubeNode
+from clients.poolmoves import INFERENCE, LEASE_ANNOTATION, TO_INFERENCE_REASON, TRAINING, PoolMover
+from clients.prometheus import PrometheusApi
+from clients.slurm import SlurmClient
+from models.constants import CLUSTER_LABEL, POOL_LABEL, QUARANTINE_LABEL, RETIRED_TAINT
+from models.poolops import MoveRequest, MoveResult, PoolRequest, PoolView
+from models.rebalance import Demand, inference_nodes
+
+
+def _why_busy(node: KubeNode, holder: str, slurm_reason: str) -> str:
+    held = node.annotations.get(LEASE_ANNOTATION)
+    if held and held != holder:
+        return f"held by {held}"
+    if node.labels.get(QUARANTINE_LABEL):
+        return f"quarantined ({node.labels[QUARANTINE_LABEL]})"
+    if any(t.get("key") == RETIRED_TAINT for t in node.taints):
+        return "retired"
+    if slurm_reason and slurm_reason != TO_INFERENCE_REASON:
+        return f"drained in Slurm ({slurm_reason})"  # an incident's, or a person's
+    if not node.ready:
+        return "not Ready"
+    return ""
+
+
+class PoolActivities:
+    def __init__(
+        self,
+        kube: KubeClient,
+        slurm: SlurmClient,
+        mover: PoolMover,
+        prometheus: PrometheusApi | None,
+        *,
+        grace_seconds: float = 120.0,
+        eviction_timeout_seconds: float = 3600.0,
+        drain_deadline_seconds: float = 600.0,
+    ) -> None:
+        self._kube = kube
+        self._slurm = slurm
+        self._mover = mover
+        self._prometheus = prometheus
+        self._grace = grace_seconds
+        self._eviction_timeout = eviction_timeout_seconds
+        self._drain_deadline = drain_deadline_seconds
+
+    @activity.defn(name="pool_observe")
+    @heartbeating
+    def observe(self, request: PoolRequest) -> PoolView:
+        """Who serves training and inference (Kubernetes' pool labels, this cluster's nodes),
+        who may not move now and why, and the inference demand (None when unknown)."""
+        settings = request.settings
+        holder = activity.info().workflow_id or ""
+        with client_errors():
+            nodes = [
+                n
+                for n in self._kube.list_nodes(label_selector=f"{POOL_LABEL} in ({TRAINING},{INFERENCE})")
+                if n.labels.get(CLUSTER_LABEL, settings.cluster) == settings.cluster
+            ]
+            reasons = {n.name: (n.reason if n.drained else "") for n in self._slurm.nodes()}
+        view = PoolView(
+            training=sorted(n.name for n in nodes if n.labels[POOL_LABEL] == TRAINING),
+            inference=sorted(n.name for n in nodes if n.labels[POOL_LABEL] == INFERENCE),
+        )
+        for node in nodes:
+            why = _why_busy(node, holder, reasons.get(node.name, ""))
+            if why:
+                view.busy[node.name] = why
+        view.demand = self._demand(settings.query, settings.per_node)
+        return view
+
+    def _demand(self, query: str, per_node: float) -> Demand:
+        if not query:
+            return Demand(error="no query set: demand comes from `gpufleet pool set-demand` only")
+        if self._prometheus is None:
+            return Demand(error="no Prometheus configured (GPUFLEET_PROMETHEUS_URL)")
+        try:
+            load = self._prometheus.query(query)
+        except ClientError as exc:
+            return Demand(error=str(exc))
+        if load is None:
+            return Demand(error=f"the query returned nothing: {query}")
+        return Demand(inference=inference_nodes(load, per_node), source=f"{query} = {load:g} ({per_node:g} per node)")
+
+    @activity.defn(name="pool_move_node")
+    @heartbeating
+    def move(self, request: MoveRequest) -> MoveResult:
+        """Move one node; a node someone else holds or drained is skipped, not failed."""
+        settings = request.settings
+
+        def say(text: str) -> None:
+            activity.heartbeat(text)
+
+        with client_errors():
+            try:
+                if request.to == INFERENCE:
+                    detail = self._mover.to_inference(
+                        request.node,
+                        holder=request.workflow_id,
+                        partition=settings.partition,
+                        grace_seconds=self._grace,
+                        deadline_seconds=self._drain_deadline,
+                        say=say,
+                    )
+                else:
+                    detail = self._mover.to_training(
+                        request.node,
+                        holder=request.workflow_id,
+                        partition=settings.partition,
+                        eviction_timeout_seconds=self._eviction_timeout,
+                        say=say,
+                    )
+            except NotOwned as exc:
+                return MoveResult(moved=False, detail=str(exc))
+        return MoveResult(moved=True, detail=detail)

@@ -1,0 +1,166 @@
+"""Moving one node between training (Slurm) and inference (Kubernetes), step by step.
+
+Every step looks before it acts, so a move run again after a crash goes on from where it was:
+
+- **training -> inference**: drain in Slurm (reason ``gpufleet: rebalance to inference``); wait
+  for the running jobs up to a deadline, then SIGTERM them, give them the grace to checkpoint,
+  and requeue what is left; out of the partition (under the partition's Lease, as remediation
+  edits it); ``gpufleet.io/pool=inference``, the training taint off, uncordoned.
+- **inference -> training**: cordoned, the training taint on; its pods evicted through the
+  eviction API (a PodDisruptionBudget makes the move wait, never break it; DaemonSet pods stay);
+  ``gpufleet.io/pool=training``; into the partition; resumed in Slurm; uncordoned (the taint keeps
+  inference pods away).
+
+The node is held for the whole move by the annotation ``gpufleet.io/lease=<holder>``, written with
+a resourceVersion precondition: a node leased by someone else (an incident, another move) is
+not moved (NotOwned), and a node drained in Slurm by someone else is left to them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from clients.errors import Conflict, NotOwned
+from clients.kube import KubeClient
+from clients.slurm import SlurmClient
+from clients.spares import SparePool
+from models.constants import POOL_LABEL
+
+LEASE_ANNOTATION = "gpufleet.io/lease"
+TRAINING_TAINT = "gpufleet.io/pool"
+TO_INFERENCE_REASON = "gpufleet: rebalance to inference"
+INFERENCE = "inference"
+TRAINING = "training"
+FINISHED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
+
+Say = Callable[[str], None]
+
+
+class PoolMover:
+    def __init__(
+        self,
+        kube: KubeClient,
+        slurm: SlurmClient,
+        spares: SparePool,
+        *,
+        poll_seconds: float = 0.5,
+    ) -> None:
+        self._kube = kube
+        self._slurm = slurm
+        self._spares = spares
+        self._poll = poll_seconds
+
+    # -- the per-node lease -----------------------------------------------------------------------
+
+    def take(self, node: str, holder: str) -> None:
+        """Hold the node (again, if ours already); NotOwned when someone else holds it."""
+        while True:
+            current = self._kube.get_node(node)
+            held = current.annotations.get(LEASE_ANNOTATION)
+            if held == holder:
+                return
+            if held:
+                raise NotOwned(f"{node} is held by {held}")
+            try:
+                self._kube.update_metadata(
+                    node, annotations={LEASE_ANNOTATION: holder}, resource_version=current.resource_version
+                )
+                return
+            except Conflict:
+                continue  # changed since we read it: look again
+
+    def give_back(self, node: str, holder: str) -> None:
+        current = self._kube.get_node(node)
+        if current.annotations.get(LEASE_ANNOTATION) == holder:
+            self._kube.update_metadata(
+                node, annotations={LEASE_ANNOTATION: None}, resource_version=current.resource_version
+            )
+
+    # -- training -> inference --------------------------------------------------------------------
+
+    def to_inference(
+        self,
+        node: str,
+        *,
+        holder: str,
+        partition: str,
+        grace_seconds: float,
+        deadline_seconds: float,
+        say: Say = lambda _: None,
+    ) -> str:
+        self.take(node, holder)
+        info = self._slurm.node(node)
+        if info.drained and info.reason and info.reason != TO_INFERENCE_REASON:
+            self.give_back(node, holder)
+            raise NotOwned(f"{node} is drained by someone else ({info.reason!r}): left to them")
+        if partition in info.partitions:
+            if not info.drained:
+                self._slurm.drain(node, reason=TO_INFERENCE_REASON)
+                say(f"{node} drained in Slurm")
+            requeued = self._empty(node, grace_seconds=grace_seconds, deadline_seconds=deadline_seconds, say=say)
+            self._spares.remove_from_partition(node, partition=partition)
+            say(f"{node} out of partition {partition}")
+        else:
+            requeued = []
+        self._kube.update_metadata(node, labels={POOL_LABEL: INFERENCE})
+        self._kube.remove_taint(node, key=TRAINING_TAINT)
+        self._kube.set_unschedulable(node, False)
+        self.give_back(node, holder)
+        jobs = f"; requeued {', '.join(map(str, requeued))}" if requeued else ""
+        return f"{node} serves inference{jobs}"
+
+    def _running(self, node: str) -> list[int]:
+        return [job.job_id for job in self._slurm.jobs_on_node(node) if job.state not in FINISHED]
+
+    def _empty(self, node: str, *, grace_seconds: float, deadline_seconds: float, say: Say) -> list[int]:
+        """Wait for the node's jobs to end, up to the deadline; then SIGTERM, grace, requeue."""
+        deadline = time.monotonic() + deadline_seconds
+        while (running := self._running(node)) and time.monotonic() < deadline:
+            say(f"{node}: waiting for job(s) {', '.join(map(str, running))}")
+            time.sleep(self._poll)
+        if not running:
+            return []
+        for job in running:
+            self._slurm.signal_job(job, signal="TERM")
+        say(f"{node}: SIGTERM to {', '.join(map(str, running))}; {grace_seconds:g}s to checkpoint")
+        ends = time.monotonic() + grace_seconds
+        while (left := [j for j in self._running(node) if j in running]) and time.monotonic() < ends:
+            time.sleep(self._poll)
+        for job in running:
+            self._slurm.requeue(job)
+        say(f"{node}: requeued {', '.join(map(str, running))} ({len(left)} had not exited)")
+        return running
+
+    # -- inference -> training --------------------------------------------------------------------
+
+    def to_training(
+        self,
+        node: str,
+        *,
+        holder: str,
+        partition: str,
+        eviction_timeout_seconds: float,
+        say: Say = lambda _: None,
+    ) -> str:
+        self.take(node, holder)
+        self._kube.set_unschedulable(node, True)
+        self._kube.add_taint(node, key=TRAINING_TAINT, value=TRAINING, effect="NoSchedule")
+        evicted = []
+        for pod in self._kube.pods_on_node(node):
+            if pod.owner_kind == "DaemonSet":
+                continue
+            outcome = self._kube.evict(pod, timeout_seconds=eviction_timeout_seconds, progress=say)
+            evicted.append(f"{pod.key} {outcome}")
+        self._kube.update_metadata(node, labels={POOL_LABEL: TRAINING})
+        info = self._slurm.node(node)
+        if partition not in info.partitions:
+            self._spares.add_to_partition(node, partition=partition)
+            say(f"{node} in partition {partition}")
+        info = self._slurm.node(node)
+        if info.drained and info.reason == TO_INFERENCE_REASON:
+            self._slurm.resume(node)
+        self._kube.set_unschedulable(node, False)
+        self.give_back(node, holder)
+        pods = f"; {len(evicted)} pod(s) moved away" if evicted else ""
+        return f"{node} serves training{pods}"

@@ -1,0 +1,78 @@
+"""One node's move between training and inference over real Slurm and the emulated Kubernetes
+API: a running job is given its deadline, then SIGTERM, grace and requeue; the node leaves the
+partition and serves inference, then comes back and runs jobs again. A node leased or drained by
+someone else is not touched."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from clients.errors import NotOwned
+from clients.kube import KubernetesApi
+from clients.poolmoves import LEASE_ANNOTATION, TRAINING_TAINT, PoolMover
+from clients.slurm import SlurmCli
+from lab.procs import wait_for
+from lab.slurm import SlurmLab
+from tests.clients.test_spares import Pool, pool  # noqa: F401 - the fixture, reused
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture
+def mover(pool: Pool) -> Iterator[tuple[PoolMover, KubernetesApi, SlurmCli]]:  # noqa: F811
+    spares, kube, slurm = pool
+    yield PoolMover(kube, slurm, spares, poll_seconds=0.1), kube, slurm
+
+
+def test_a_node_goes_to_inference_with_its_job_requeued_and_comes_back(
+    mover: tuple[PoolMover, KubernetesApi, SlurmCli], slurm_lab: SlurmLab, tmp_path: Path
+) -> None:
+    move, kube, slurm = mover
+    script = tmp_path / "long.sh"
+    script.write_text("#!/bin/sh\nsleep 300\n")
+    job = slurm_lab.sbatch(script, "-p", "train", "-w", "gpu3", "--requeue", "-o", "/dev/null")
+    try:
+        slurm_wait_running(slurm, job)
+        said: list[str] = []
+        detail = move.to_inference(
+            "gpu3", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1, say=said.append
+        )
+        assert detail == f"gpu3 serves inference; requeued {job}"
+        assert any("SIGTERM" in line for line in said)
+        assert "gpu3" not in slurm.partition_nodes("train")
+        node = kube.get_node("gpu3")
+        assert node.labels["gpufleet.io/pool"] == "inference" and not node.unschedulable
+        assert LEASE_ANNOTATION not in node.annotations and not any(t["key"] == TRAINING_TAINT for t in node.taints)
+        assert slurm.job(job).state in {"PENDING", "REQUEUED", "RUNNING"}  # requeued, not lost
+        # And back: in the partition, resumed, labelled training, tainted against inference pods.
+        assert move.to_training("gpu3", holder="pool-shared", partition="train", eviction_timeout_seconds=5) == (
+            "gpu3 serves training"
+        )
+        assert "gpu3" in slurm.partition_nodes("train") and not slurm.node("gpu3").drained
+        node = kube.get_node("gpu3")
+        assert node.labels["gpufleet.io/pool"] == "training"
+        assert any(t["key"] == TRAINING_TAINT and t["effect"] == "NoSchedule" for t in node.taints)
+    finally:
+        subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)
+
+
+def test_a_node_held_or_drained_by_someone_else_is_not_moved(mover: tuple[PoolMover, KubernetesApi, SlurmCli]) -> None:
+    move, kube, slurm = mover
+    kube.update_metadata("gpu1", annotations={LEASE_ANNOTATION: "remediate-lab-gpu1"})
+    with pytest.raises(NotOwned, match="held by remediate-lab-gpu1"):
+        move.to_inference("gpu1", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1)
+    assert "gpu1" in slurm.partition_nodes("train") and not slurm.node("gpu1").drained
+    kube.update_metadata("gpu1", annotations={LEASE_ANNOTATION: None})
+    slurm.drain("gpu2", reason="dimm swap by ops")
+    with pytest.raises(NotOwned, match="drained by someone else"):
+        move.to_inference("gpu2", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1)
+    assert slurm.node("gpu2").reason == "dimm swap by ops" and "gpu2" in slurm.partition_nodes("train")
+    assert LEASE_ANNOTATION not in kube.get_node("gpu2").annotations  # given back
+
+
+def slurm_wait_running(slurm: SlurmCli, job: int) -> None:
+    wait_for(lambda: slurm.job(job).state == "RUNNING", timeout=30, what=f"job {job} running")
