@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     # Where this worker may create Slurm clusters (comma-separated: lab, slinky); empty: it does
     # not serve cluster creation (task queue gpufleet-clusters) at all.
     cluster_backends: str = ""
+    # Where pool rebalancing reads inference demand (the Prometheus HTTP API); unset: demand
+    # comes from `gpufleet pool set-demand` only.
+    prometheus_url: str | None = None
 
     @field_validator("cluster_backends")
     @classmethod

@@ -48,9 +48,11 @@ def worker() -> None:
 def main() -> None:
     from detector.cli import detect
     from starters.cluster import cluster_app
+    from starters.pool import pool_app
 
     app.command()(detect)
     app.add_typer(cluster_app, name="cluster")
+    app.add_typer(pool_app, name="pool")
     try:
         from lab.cli import lab_app
     except ImportError:  # the lab extra (kmock) is not installed: no lab commands

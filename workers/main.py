@@ -19,12 +19,15 @@ from activities.guard import GuardActivities
 from activities.kube import KubeActivities
 from activities.notify import NotifyActivities
 from activities.policy import PolicyActivities
+from activities.pool import PoolActivities
 from activities.repair import RepairActivities
 from activities.slurm import SlurmActivities
 from activities.spares import SpareActivities
 from clients.clusters import ClusterBackend
 from clients.kube import KubernetesApi
 from clients.notify import WebhookNotifier
+from clients.poolmoves import PoolMover
+from clients.prometheus import PrometheusApi
 from clients.slinky import SlinkyBackend
 from clients.slurm import SlurmCli
 from clients.spares import SparePool
@@ -36,6 +39,7 @@ from models.settings import Settings
 from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
 from workflows.guard import FleetGuardWorkflow
 from workflows.nodes import QuarantinedNodesWorkflow, ReleaseNodeWorkflow, ReturnNodeWorkflow
+from workflows.pool import PoolRebalanceWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
 log = logging.getLogger("gpufleet.worker")
@@ -83,7 +87,19 @@ def build_activities(settings: Settings) -> list[Any]:
     policy_acts = PolicyActivities(config)
     guard_acts = GuardActivities(slurm, cluster=settings.cluster, partition=settings.partition)
     repair_acts = RepairActivities(kube, poll_seconds=settings.poll_seconds)
+    mover = PoolMover(kube, slurm, pool, poll_seconds=settings.poll_seconds)
+    prometheus = PrometheusApi(settings.prometheus_url) if settings.prometheus_url else None
+    pool_acts = PoolActivities(
+        kube,
+        slurm,
+        mover,
+        prometheus,
+        grace_seconds=config().settings.grace_seconds,
+        eviction_timeout_seconds=3600.0,
+    )
     return [
+        pool_acts.observe,
+        pool_acts.move,
         slurm_acts.node_state,
         slurm_acts.drain_node,
         slurm_acts.jobs_on_node,
@@ -154,6 +170,7 @@ async def run_worker(client: Client, settings: Settings, *, stop: asyncio.Event 
                 ReturnNodeWorkflow,
                 QuarantinedNodesWorkflow,
                 ReleaseNodeWorkflow,
+                PoolRebalanceWorkflow,
             ],
             activities=activities,
             activity_executor=executor,

@@ -1,0 +1,245 @@
+"""``gpufleet pool``: the shared GPU pool between training (Slurm) and inference (Kubernetes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Annotated, Any
+
+import typer
+from temporalio.client import Client, WorkflowHandle
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError, RPCStatusCode
+
+from models.constants import task_queue
+from models.names import InvalidName, validate_cluster_name
+from models.poolops import (
+    POOL_PAUSE_SIGNAL,
+    POOL_RESUME_SIGNAL,
+    POOL_WORKFLOW,
+    REBALANCE_SIGNAL,
+    SET_DEMAND_SIGNAL,
+    PoolSettings,
+    PoolState,
+    PoolStatus,
+    pool_workflow_id,
+)
+from models.rebalance import PRESETS, PoolLimits
+from models.settings import Settings
+from starters.cli import _who, console, fail, run_async
+from starters.temporal import connect
+from workflows.pool import PoolRebalanceWorkflow
+
+pool_app = typer.Typer(
+    help="The GPU pool shared by training (Slurm) and inference (Kubernetes): its split follows demand.",
+    no_args_is_help=True,
+)
+
+NameOption = Annotated[str | None, typer.Option("--name", help="The pool (default: the cluster's name).")]
+
+
+def _name(name: str | None) -> str:
+    chosen = name or Settings().cluster
+    try:
+        return validate_cluster_name(chosen)
+    except InvalidName as exc:
+        fail(str(exc).replace("cluster name", "pool name"), code=2)
+
+
+async def _handle(client: Client, name: str) -> WorkflowHandle[Any, Any]:
+    handle = client.get_workflow_handle(pool_workflow_id(name))
+    try:
+        await handle.describe()
+    except RPCError:
+        fail(f"no pool {name}: start it with `gpufleet pool start --name {name}`")
+    return handle
+
+
+@pool_app.command()
+def start(
+    name: NameOption = None,
+    preset: Annotated[
+        str | None, typer.Option(help=f"Inference server whose load to follow: {', '.join(PRESETS)}.")
+    ] = None,
+    query: Annotated[
+        str | None, typer.Option(help="PromQL measuring the inference load (instead of a preset).")
+    ] = None,
+    per_node: Annotated[float | None, typer.Option(help="The load one inference node carries.")] = None,
+    interval: Annotated[float, typer.Option(help="Seconds between looks at the pool.")] = 30.0,
+    min_training: Annotated[int, typer.Option(help="Nodes training always keeps.")] = 0,
+    min_inference: Annotated[int, typer.Option(help="Nodes inference always keeps.")] = 0,
+    max_inference: Annotated[int | None, typer.Option(help="Nodes inference may have at most.")] = None,
+    batch: Annotated[int, typer.Option(help="Nodes moved per decision at most.")] = 1,
+    cooldown: Annotated[float, typer.Option(help="Seconds after a move before the next.")] = 300.0,
+    hysteresis: Annotated[float, typer.Option(help="Nodes of demand to spare before a move.")] = 0.5,
+) -> None:
+    """Start rebalancing the cluster's pool: nodes labelled gpufleet.io/pool=training|inference,
+    the training ones in the worker's partition (GPUFLEET_PARTITION)."""
+    if preset is not None and query is not None:
+        fail("give --preset or --query, not both", code=2)
+    if preset is not None and preset not in PRESETS:
+        fail(f"unknown preset {preset!r}: one of {', '.join(PRESETS)}", code=2)
+    promql, default_per_node = PRESETS[preset] if preset else (query or "", 32.0)
+    settings = Settings()
+    pool = _name(name)
+    try:
+        limits = PoolLimits(
+            min_training=min_training,
+            min_inference=min_inference,
+            max_inference=max_inference,
+            batch=batch,
+            cooldown_seconds=cooldown,
+            hysteresis=hysteresis,
+        )
+        pool_settings = PoolSettings(
+            name=pool,
+            cluster=settings.cluster,
+            partition=settings.partition,
+            limits=limits,
+            query=promql,
+            per_node=per_node or default_per_node,
+            interval_seconds=interval,
+        )
+    except ValueError as exc:
+        fail(str(exc), code=2)
+
+    async def go() -> None:
+        client = await connect()
+        try:
+            await client.start_workflow(
+                POOL_WORKFLOW,
+                PoolState(settings=pool_settings),
+                id=pool_workflow_id(pool),
+                task_queue=task_queue(settings.cluster),
+                id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+            )
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.ALREADY_EXISTS:
+                fail(f"pool {pool} is running already (gpufleet pool status --name {pool})")
+            raise
+        source = promql or "`gpufleet pool set-demand` only"
+        console.print(f"pool {pool} rebalancing every {interval:g}s; demand from {source}", highlight=False)
+
+    run_async(go())
+
+
+def status_json(status: PoolStatus) -> dict[str, Any]:
+    view, decision, state = status.view, status.decision, status.state
+    return {
+        "name": state.settings.name,
+        "training": view.training if view else [],
+        "inference": view.inference if view else [],
+        "busy": view.busy if view else {},
+        "demand": view.demand.model_dump(mode="json") if view else None,
+        "target": decision.inference if decision else None,
+        "decision": decision.why if decision else None,
+        "paused": state.paused,
+        "override": state.override,
+        "last_moves": [m.model_dump(mode="json") for m in state.moves],
+        "observed_at": status.observed_at.isoformat() if status.observed_at else None,
+    }
+
+
+@pool_app.command()
+def status(name: NameOption = None, as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Who serves training and inference, the demand, the target and the last moves."""
+    pool = _name(name)
+
+    async def go() -> PoolStatus:
+        client = await connect()
+        result: PoolStatus = await (await _handle(client, pool)).query(PoolRebalanceWorkflow.status)
+        return result
+
+    found = status_json(run_async(go()))
+    if as_json:
+        print(json.dumps(found))
+        return
+    console.print(f"pool {pool}{' (paused)' if found['paused'] else ''}", highlight=False)
+    console.print(f"  training:  {', '.join(found['training']) or '-'}", highlight=False)
+    console.print(f"  inference: {', '.join(found['inference']) or '-'}", highlight=False)
+    for node, why in found["busy"].items():
+        console.print(f"  not movable: {node} ({why})", highlight=False)
+    console.print(f"  decision:  {found['decision']}", highlight=False)
+    for move in found["last_moves"][-5:]:
+        console.print(f"  {move['at']} {move['node']} -> {move['to']}: {move['outcome']}", highlight=False)
+
+
+@pool_app.command()
+def rebalance(
+    name: NameOption = None,
+    to_inference: Annotated[int, typer.Option(min=0, help="Nodes to move to inference now.")] = 0,
+    to_training: Annotated[int, typer.Option(min=0, help="Nodes to move to training now.")] = 0,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until the moves are done.")] = False,
+) -> None:
+    """Move nodes now, whatever the demand says (cooldown and hysteresis aside)."""
+    if bool(to_inference) == bool(to_training):
+        fail("give one of --to-inference N or --to-training N", code=2)
+    count = to_inference or -to_training
+    pool = _name(name)
+
+    async def go() -> None:
+        client = await connect()
+        handle = await _handle(client, pool)
+        before: PoolStatus = await handle.query(PoolRebalanceWorkflow.status)
+        seen = len(before.state.moves)
+        await handle.signal(REBALANCE_SIGNAL, count)
+        console.print(f"asked pool {pool} to move {abs(count)} node(s) to {'inference' if count > 0 else 'training'}")
+        while wait:
+            now: PoolStatus = await handle.query(PoolRebalanceWorkflow.status)
+            done = now.state.moves[seen:] if len(now.state.moves) >= seen else now.state.moves
+            for move in done:
+                console.print(f"  {move.node} -> {move.to}: {move.outcome}", highlight=False)
+            seen = len(now.state.moves)
+            if now.state.manual == 0 and now.decision is not None and done:
+                return
+            await asyncio.sleep(1)
+
+    run_async(go())
+
+
+@pool_app.command("set-demand")
+def set_demand(
+    value: Annotated[str, typer.Argument(help="Nodes inference wants, or 'clear' to measure again.")],
+    name: NameOption = None,
+) -> None:
+    """Override the measured inference demand (a number of nodes) until cleared."""
+    if value == "clear":
+        nodes: float | None = None
+    else:
+        try:
+            nodes = float(value)
+        except ValueError:
+            fail(f"{value!r} is not a number of nodes (or 'clear')", code=2)
+        if nodes < 0:
+            fail("demand is a number of nodes, 0 or more", code=2)
+    pool = _name(name)
+
+    async def go() -> None:
+        client = await connect()
+        await (await _handle(client, pool)).signal(SET_DEMAND_SIGNAL, args=[nodes, _who()])
+
+    run_async(go())
+    console.print(f"pool {pool}: demand {'measured again' if nodes is None else f'set to {nodes:g} node(s)'}")
+
+
+def _tell(name: str | None, signal: str, said: str) -> None:
+    pool = _name(name)
+
+    async def go() -> None:
+        client = await connect()
+        await (await _handle(client, pool)).signal(signal)
+
+    run_async(go())
+    console.print(f"pool {pool}: {said}")
+
+
+@pool_app.command()
+def pause(name: NameOption = None) -> None:
+    """No more moves until resumed (a move under way finishes)."""
+    _tell(name, POOL_PAUSE_SIGNAL, "paused")
+
+
+@pool_app.command()
+def resume(name: NameOption = None) -> None:
+    """Moves follow demand again."""
+    _tell(name, POOL_RESUME_SIGNAL, "resumed")
