@@ -181,17 +181,19 @@ def rebalance(
         client = await connect()
         handle = await _handle(client, pool)
         before: PoolStatus = await handle.query(PoolRebalanceWorkflow.status)
-        seen = len(before.state.moves)
+        seen, looked = len(before.state.moves), before.observed_at
         await handle.signal(REBALANCE_SIGNAL, count)
         console.print(f"asked pool {pool} to move {abs(count)} node(s) to {'inference' if count > 0 else 'training'}")
+        taken_at = None  # the look that took the request; its moves follow it
         while wait:
             now: PoolStatus = await handle.query(PoolRebalanceWorkflow.status)
-            done = now.state.moves[seen:] if len(now.state.moves) >= seen else now.state.moves
-            for move in done:
+            for move in now.state.moves[seen:]:
                 console.print(f"  {move.node} -> {move.to}: {move.outcome}", highlight=False)
-            seen = len(now.state.moves)
-            if now.state.manual == 0 and now.decision is not None and done:
-                return
+            seen = max(seen, len(now.state.moves))
+            if taken_at is None and now.state.manual == 0 and now.observed_at != looked:
+                taken_at = now.observed_at
+            elif taken_at is not None and now.observed_at != taken_at:
+                return  # the next look has come: every move asked was tried
             await asyncio.sleep(1)
 
     run_async(go())

@@ -103,7 +103,8 @@ class PoolRebalanceWorkflow:
         except ActivityError as exc:
             view = PoolView(demand=Demand(error=f"could not look at the pool: {exc.cause or exc}"))
             status.view, status.observed_at = view, workflow.now()
-            status.decision = Decision(inference=0, move=0, why=f"holding: {view.demand.error}")
+            known = status.decision.inference if status.decision else 0
+            status.decision = Decision(inference=known, move=0, why=f"holding: {view.demand.error}")
             return
         status.view, status.observed_at = view, workflow.now()
         if state.override is not None:
