@@ -6,7 +6,7 @@ someone else is not touched."""
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -76,3 +76,39 @@ def test_a_node_held_or_drained_by_someone_else_is_not_moved(mover: tuple[PoolMo
 
 def slurm_wait_running(slurm: SlurmCli, job: int) -> None:
     wait_for(lambda: slurm.job(job).state == "RUNNING", timeout=30, what=f"job {job} running")
+
+
+class Crash(Exception):
+    """The worker dies here."""
+
+
+def crash_after(step: str) -> Callable[[str], None]:
+    def say(text: str) -> None:
+        if step in text:
+            raise Crash(text)
+
+    return say
+
+
+@pytest.mark.parametrize("step", ["drained in Slurm", "out of partition"])
+def test_a_move_cut_short_by_a_crash_resumes_into_one_pool(
+    mover: tuple[PoolMover, KubernetesApi, SlurmCli], step: str
+) -> None:
+    move, kube, slurm = mover
+    with pytest.raises(Crash):
+        move.to_inference(
+            "gpu1", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1, say=crash_after(step)
+        )
+    assert kube.get_node("gpu1").annotations[LEASE_ANNOTATION] == "pool-shared"  # still held: nobody else takes it
+    # The retry (same holder) goes on from where it was and ends in one pool.
+    assert move.to_inference(
+        "gpu1", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1
+    ).startswith("gpu1 serves inference")
+    assert (
+        "gpu1" not in slurm.partition_nodes("train") and kube.get_node("gpu1").labels["gpufleet.io/pool"] == "inference"
+    )
+    # Or, cut short again, rolled back the other way: back in one pool, training.
+    move.to_training("gpu1", holder="pool-shared", partition="train", eviction_timeout_seconds=5)
+    assert "gpu1" in slurm.partition_nodes("train") and not slurm.node("gpu1").drained
+    assert kube.get_node("gpu1").labels["gpufleet.io/pool"] == "training"
+    assert LEASE_ANNOTATION not in kube.get_node("gpu1").annotations
