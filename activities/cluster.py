@@ -125,12 +125,14 @@ class ClusterActivities:
     @activity.defn(name="cluster_create_objects")
     @heartbeating
     def create_objects(self, request: ClusterRequest) -> StepResult:
-        return self._run(request, lambda b: b.create_objects(request.spec, request.placement, request.slurm_conf))
+        return self._run(
+            request, lambda b: b.create_objects(request.spec, request.placement, request.slurm_conf, request.creation)
+        )
 
     @activity.defn(name="cluster_delete_objects")
     @heartbeating
     def delete_objects(self, request: ClusterRequest) -> StepResult:
-        return self._run(request, lambda b: b.delete_objects(request.spec))
+        return self._run(request, lambda b: b.delete_objects(request.spec, request.creation))
 
     @activity.defn(name="cluster_bring_up")
     @heartbeating

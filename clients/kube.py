@@ -417,12 +417,18 @@ class KubernetesApi:
         return True
 
     def object_exists(self, obj: dict[str, Any]) -> bool:
+        return self.object_annotations(obj) is not None
+
+    def object_annotations(self, obj: dict[str, Any]) -> dict[str, str] | None:
+        """The object's annotations as stored; None when it does not exist."""
         what, _, _, read = self._object_calls(obj)
         try:
-            self._call(f"read {what}", read)
+            found = self._call(f"read {what}", read)
         except NotFound:
-            return False
-        return True
+            return None
+        if isinstance(found, dict):  # a custom object
+            return dict((found.get("metadata") or {}).get("annotations") or {})
+        return dict(found.metadata.annotations or {}) if found.metadata else {}
 
     def delete_object(self, obj: dict[str, Any]) -> bool:
         """Delete it; False when it was gone already."""

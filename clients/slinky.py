@@ -17,6 +17,8 @@ from clients.kube import KubernetesApi
 from models.cluster import ClusterSpec, render_slurm_conf
 from models.slinky import API, GENERATED, slinky_objects
 
+CREATION_ANNOTATION = "gpufleet.io/creation"
+
 
 def with_keys(obj: dict[str, Any]) -> dict[str, Any]:
     """The object with each generated key filled in (1024 random bytes, base64)."""
@@ -32,14 +34,43 @@ def core_objects(spec: ClusterSpec, placement: dict[str, list[str]]) -> list[dic
     return [o for o in slinky_objects(spec, placement) if o["apiVersion"] == "v1"]
 
 
-def create_all(kube: KubernetesApi, objects: list[dict[str, Any]]) -> str:
-    made = [f"{o['kind']}/{o['metadata']['name']}" for o in objects if kube.create_object(with_keys(o))]
+def _owned(obj: dict[str, Any], creation: str) -> dict[str, Any]:
+    meta = obj["metadata"]
+    return {
+        **obj,
+        "metadata": {**meta, "annotations": {**(meta.get("annotations") or {}), CREATION_ANNOTATION: creation}},
+    }
+
+
+def create_all(kube: KubernetesApi, objects: list[dict[str, Any]], creation: str) -> str:
+    """Create each object marked with the creation that made it. One that exists already is
+    this creation's (a retry) or refused: gpufleet never adopts what it did not make."""
+    made = []
+    for obj in objects:
+        name = f"{obj['kind']}/{obj['metadata']['name']}"
+        if kube.create_object(with_keys(_owned(obj, creation))):
+            made.append(name)
+            continue
+        annotations = kube.object_annotations(obj) or {}
+        if annotations.get(CREATION_ANNOTATION) != creation:
+            raise StepFailed(f"{name} exists and was not made by this creation: remove it, or choose another name")
     return f"created {len(made)} object(s)" + (f": {', '.join(made)}" if made else " (all there already)")
 
 
-def delete_all(kube: KubernetesApi, objects: list[dict[str, Any]]) -> str:
-    gone = [f"{o['kind']}/{o['metadata']['name']}" for o in reversed(objects) if kube.delete_object(o)]
-    return f"deleted {len(gone)} object(s)" + (f": {', '.join(gone)}" if gone else " (none were there)")
+def delete_all(kube: KubernetesApi, objects: list[dict[str, Any]], creation: str) -> str:
+    """Delete, in reverse, the objects this creation made; others of the same names stay."""
+    gone, kept = [], []
+    for obj in reversed(objects):
+        name = f"{obj['kind']}/{obj['metadata']['name']}"
+        annotations = kube.object_annotations(obj)
+        if annotations is None:
+            continue
+        if annotations.get(CREATION_ANNOTATION) != creation:
+            kept.append(name)
+        elif kube.delete_object(obj):
+            gone.append(name)
+    said = f"deleted {len(gone)} object(s)" + (f": {', '.join(gone)}" if gone else " (none were there)")
+    return said + (f"; left alone, not made by this creation: {', '.join(kept)}" if kept else "")
 
 
 class SlinkyBackend:
@@ -63,22 +94,22 @@ class SlinkyBackend:
         return ""
 
     def exists(self, spec: ClusterSpec) -> str:
-        controller = next(o for o in self._objects(spec) if o["kind"] == "Controller")
-        return (
-            f"Controller {spec.name} in {controller['metadata']['namespace']}"
-            if self._kube.object_exists(controller)
-            else ""
-        )
+        for kind in ("Namespace", "Controller"):
+            obj = next(o for o in self._objects(spec) if o["kind"] == kind)
+            if self._kube.object_exists(obj):
+                where = obj["metadata"].get("namespace")
+                return f"{kind} {obj['metadata']['name']}" + (f" in {where}" if where else "")
+        return ""
 
     def render_conf(self, spec: ClusterSpec, placement: dict[str, list[str]]) -> str:
         # The operator writes slurm.conf itself; this is what gpufleet asks of it, for the record.
         return render_slurm_conf(spec, {p.name: placement.get(p.name, []) for p in spec.partitions})
 
-    def create_objects(self, spec: ClusterSpec, placement: dict[str, list[str]], conf: str) -> str:
-        return create_all(self._kube, self._objects(spec, placement))
+    def create_objects(self, spec: ClusterSpec, placement: dict[str, list[str]], conf: str, creation: str) -> str:
+        return create_all(self._kube, self._objects(spec, placement), creation)
 
-    def delete_objects(self, spec: ClusterSpec) -> str:
-        return delete_all(self._kube, self._objects(spec))
+    def delete_objects(self, spec: ClusterSpec, creation: str) -> str:
+        return delete_all(self._kube, self._objects(spec), creation)
 
     def bring_up(self, spec: ClusterSpec, placement: dict[str, list[str]], conf: str) -> str:
         return f"the operator brings up {spec.name} from its {API} objects"

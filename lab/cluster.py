@@ -75,11 +75,11 @@ class LabClusterBackend:
             gres=False,
         )
 
-    def create_objects(self, spec: ClusterSpec, placement: dict[str, list[str]], conf: str) -> str:
-        return create_all(self._kube, core_objects(spec, placement))
+    def create_objects(self, spec: ClusterSpec, placement: dict[str, list[str]], conf: str, creation: str) -> str:
+        return create_all(self._kube, core_objects(spec, placement), creation)
 
-    def delete_objects(self, spec: ClusterSpec) -> str:
-        return delete_all(self._kube, core_objects(spec, {}))
+    def delete_objects(self, spec: ClusterSpec, creation: str) -> str:
+        return delete_all(self._kube, core_objects(spec, {}), creation)
 
     def bring_up(self, spec: ClusterSpec, placement: dict[str, list[str]], conf: str) -> str:
         nodes = sorted(n for names in placement.values() for n in names)

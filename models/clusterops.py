@@ -67,6 +67,7 @@ class ClusterRequest(BaseModel):
     backend: str
     placement: dict[str, list[str]] = Field(default_factory=dict)
     slurm_conf: str = ""
+    creation: str = ""  # the creation's run ID: marks what it made, so undo and delete touch nothing else
 
 
 class StepResult(BaseModel):
@@ -86,6 +87,7 @@ class ClusterStatus(BaseModel):
     name: str
     backend: str
     spec: ClusterSpec | None = None  # what it was made from (a deletion needs it)
+    creation: str = ""  # its run ID, on every object it made
     outcome: ClusterOutcome = ClusterOutcome.CREATING
     step: ClusterStep | None = None
     done: list[ClusterStep] = Field(default_factory=list)
@@ -118,6 +120,7 @@ class DeleteStep(StrEnum):
 class ClusterDeleteInput(BaseModel):
     spec: ClusterSpec
     backend: str
+    creation: str = ""  # the creation whose objects to delete
     force: bool = False  # cancel running jobs instead of waiting for them
     deadline_seconds: float = Field(default=3600.0, gt=0, le=7 * 86400)
     requested_by: str = ""

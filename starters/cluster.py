@@ -380,7 +380,12 @@ def delete(
         if await _deleted(client, made):
             fail(f"{name} is deleted already")
         request = ClusterDeleteInput(
-            spec=made.spec, backend=made.backend, force=force, deadline_seconds=deadline, requested_by=_who()
+            spec=made.spec,
+            backend=made.backend,
+            creation=made.creation,
+            force=force,
+            deadline_seconds=deadline,
+            requested_by=_who(),
         )
         try:
             handle = await client.start_workflow(

@@ -91,11 +91,12 @@ class ClusterCreationWorkflow:
             name=spec.name,
             backend=request.backend,
             spec=spec,
+            creation=workflow.info().run_id,
             partitions={p.name: p.nodes for p in spec.partitions},
             users=[u.name for u in spec.users],
             started_at=workflow.now(),
         )
-        work = ClusterRequest(spec=spec, backend=request.backend)
+        work = ClusterRequest(spec=spec, backend=request.backend, creation=workflow.info().run_id)
         index = 0
         while index < len(STEPS):
             step = STEPS[index]
@@ -218,7 +219,7 @@ class ClusterDeletionWorkflow:
         status = self._status = DeletionStatus(
             name=request.spec.name, backend=request.backend, started_at=workflow.now()
         )
-        work = ClusterRequest(spec=request.spec, backend=request.backend)
+        work = ClusterRequest(spec=request.spec, backend=request.backend, creation=request.creation)
         try:
             await self._step(DeleteStep.DRAIN, "cluster_drain", work)
             await self._wait_for_jobs(request, work)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from clients.clusters import StepFailed
 from clients.kube import KubernetesApi
 from clients.slinky import SlinkyBackend, create_all, delete_all
 from models.cluster import load_spec
@@ -47,17 +48,17 @@ def test_the_objects_are_made_once_and_deleted_in_reverse(api: KubeApiProcess) -
         "NodeSet",
         "LoginSet",
     ]
-    assert create_all(kube, objects).startswith("created 11 object(s)")
+    assert create_all(kube, objects, "run-1").startswith("created 11 object(s)")
     key = kube._api.read_namespaced_secret("research-slurm-key", "slurm-research").data["slurm.key"]
     assert len(base64.b64decode(base64.b64decode(key))) == 1024  # generated (base64 of 1024 bytes), stored base64
-    assert create_all(kube, objects) == "created 0 object(s) (all there already)"  # a retry
+    assert create_all(kube, objects, "run-1") == "created 0 object(s) (all there already)"  # a retry
     assert kube._api.read_namespaced_secret("research-slurm-key", "slurm-research").data["slurm.key"] == key
     nodeset = kube._custom.get_namespaced_custom_object(
         API.split("/")[0], "v1beta1", "slurm-research", "nodesets", "research-train"
     )
     assert nodeset["spec"]["replicas"] == 2 and nodeset["spec"]["extraConf"] == "Gres=gpu:8"
     assert nodeset["spec"]["partition"]["config"].startswith("Default=YES MaxTime=2-00:00:00")
-    assert SlinkyBackend(kube).exists(spec) == "Controller research in slurm-research"
+    assert SlinkyBackend(kube).exists(spec) == "Namespace slurm-research"
     if shutil.which("kubectl"):
         listed = subprocess.run(
             ["kubectl", "get", "nodesets", "-n", "slurm-research", "-o", "name"],
@@ -70,10 +71,13 @@ def test_the_objects_are_made_once_and_deleted_in_reverse(api: KubeApiProcess) -
             "nodeset.slinky.slurm.net/research-train",
             "nodeset.slinky.slurm.net/research-debug",
         ]
-    assert delete_all(kube, objects).startswith("deleted 11 object(s): LoginSet/research-login")
-    assert (
-        SlinkyBackend(kube).exists(spec) == "" and delete_all(kube, objects) == "deleted 0 object(s) (none were there)"
-    )
+    # Another creation of the same name never adopts these, nor deletes them.
+    with pytest.raises(StepFailed, match="Namespace/slurm-research exists and was not made by this creation"):
+        create_all(kube, objects, "run-2")
+    assert delete_all(kube, objects, "run-2").startswith("deleted 0 object(s) (none were there); left alone")
+    assert delete_all(kube, objects, "run-1").startswith("deleted 11 object(s): LoginSet/research-login")
+    assert SlinkyBackend(kube).exists(spec) == ""
+    assert delete_all(kube, objects, "run-1") == "deleted 0 object(s) (none were there)"
 
 
 def test_the_dry_run_prints_every_object_and_contacts_nothing() -> None:
