@@ -416,6 +416,19 @@ class KubernetesApi:
             return False
         return True
 
+    def config_map_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        """A ConfigMap's data; None when there is no such ConfigMap."""
+        try:
+            found = self._call(
+                f"read configmap {namespace}/{name}",
+                self._api.read_namespaced_config_map,
+                name,
+                checked_namespace(namespace),
+            )
+        except NotFound:
+            return None
+        return dict(found.data or {})
+
     def object_exists(self, obj: dict[str, Any]) -> bool:
         return self.object_annotations(obj) is not None
 

@@ -203,7 +203,6 @@ class LabClusterBackend:
             "GPUFLEET_PARTITION": spec.default_partition,
             "GPUFLEET_SLURM_CONF": str(slurm.conf),
             "SLURM_CONF": str(slurm.conf),
-            "GPUFLEET_GRACE_SECONDS": f"{spec.remediation.grace_seconds:g}",
             "GPUFLEET_CLUSTER_BACKENDS": "",  # only the lab's own worker creates clusters
             "PYTHONPATH": str(REPO_ROOT),
         }
@@ -211,7 +210,7 @@ class LabClusterBackend:
             [sys.executable, "-m", "workers.entry", "worker"], log=root / "log" / "worker.log", env=env, cwd=REPO_ROOT
         )
         pid_file.write_text(str(pid))
-        return f"worker on task queue gpufleet-{spec.name} (pid {pid}); remediation defaults in its ConfigMap"
+        return f"worker on task queue gpufleet-{spec.name} (pid {pid}); it reads its grace from the cluster's ConfigMap"
 
     def unmake_remediable(self, spec: ClusterSpec) -> str:
         pid_file = self.root(spec) / "worker.pid"

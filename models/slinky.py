@@ -37,8 +37,13 @@ REMEDIATION_CONFIGMAP = "gpufleet-remediation"
 USERS_MOUNT = "/etc/gpufleet/users"
 
 
+def cluster_namespace(name: str) -> str:
+    """Where a cluster made by gpufleet keeps its objects."""
+    return f"slurm-{name}"
+
+
 def namespace(spec: ClusterSpec) -> str:
-    return f"slurm-{spec.name}"
+    return cluster_namespace(spec.name)
 
 
 def _meta(spec: ClusterSpec, name: str, **extra: Any) -> dict[str, Any]:

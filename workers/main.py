@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -24,6 +25,7 @@ from activities.repair import RepairActivities
 from activities.slurm import SlurmActivities
 from activities.spares import SpareActivities
 from clients.clusters import ClusterBackend
+from clients.errors import ClientError
 from clients.kube import KubernetesApi
 from clients.notify import WebhookNotifier
 from clients.poolmoves import PoolMover
@@ -36,6 +38,7 @@ from models.constants import task_queue
 from models.policy import PolicyError
 from models.requests import WorkerConfig
 from models.settings import Settings
+from models.slinky import REMEDIATION_CONFIGMAP, cluster_namespace
 from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
 from workflows.guard import FleetGuardWorkflow
 from workflows.nodes import QuarantinedNodesWorkflow, ReleaseNodeWorkflow, ReturnNodeWorkflow
@@ -56,27 +59,49 @@ class LastGoodConfig:
     file: it goes on with what the worker had, and the log says loudly what is wrong.
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, cluster_defaults: Callable[[], dict[str, str] | None] | None = None) -> None:
         self._settings = settings
+        self._defaults = cluster_defaults
         self._last: WorkerConfig = settings.worker_config()  # broken at start: the worker stops
 
     def __call__(self) -> WorkerConfig:
         try:
-            self._last = self._settings.worker_config()
+            self._last = self._with_cluster_defaults(self._settings.worker_config())
         except PolicyError as exc:
             log.error("policy file not reloaded, incidents use the last good one: %s", exc)
         return self._last
 
+    def _with_cluster_defaults(self, config: WorkerConfig) -> WorkerConfig:
+        """The cluster's own defaults (its ConfigMap, written by `gpufleet cluster create`) over
+        the policy file's; a GPUFLEET_* variable set explicitly still wins."""
+        if self._defaults is None or "grace_seconds" in self._settings.model_fields_set:
+            return config
+        try:
+            data = self._defaults()
+            grace = float(data["grace_seconds"]) if data and "grace_seconds" in data else None
+        except (ClientError, ValueError) as exc:
+            log.error("the cluster's remediation ConfigMap was not read, the policy file's grace holds: %s", exc)
+            return config
+        if grace is None:
+            return config
+        remediation = config.settings.model_copy(update={"grace_seconds": grace})
+        return config.model_copy(
+            update={"settings": remediation, "policy": config.policy.model_copy(update={"remediation": remediation})}
+        )
+
 
 def build_activities(settings: Settings) -> list[Any]:
     """Every activity, bound to clients built from the settings."""
-    config = LastGoodConfig(settings)  # a broken policy file stops the worker now, not the first incident
+    kube = KubernetesApi(kubeconfig=settings.kubeconfig, poll_seconds=settings.poll_seconds)
+    # A broken policy file stops the worker now, not the first incident.
+    config = LastGoodConfig(
+        settings, lambda: kube.config_map_data(cluster_namespace(settings.cluster), REMEDIATION_CONFIGMAP)
+    )
     slurm = SlurmCli(
         slurm_conf=settings.slurm_conf,
         bin_dir=settings.slurm_bin_dir,
         timeout_seconds=settings.slurm_timeout_seconds,
     )
-    kube = KubernetesApi(kubeconfig=settings.kubeconfig, poll_seconds=settings.poll_seconds)
     pool = SparePool(
         kube=kube, slurm=slurm, partition=settings.partition, cluster=settings.cluster, namespace=settings.namespace
     )
