@@ -11,15 +11,35 @@ from clients.kube import KubeClient, KubeNode
 from clients.poolmoves import INFERENCE, LEASE_ANNOTATION, TO_INFERENCE_REASON, TRAINING, PoolMover
 from clients.prometheus import PrometheusApi
 from clients.slurm import SlurmClient
-from models.constants import CLUSTER_LABEL, POOL_LABEL, QUARANTINE_LABEL, RETIRED_TAINT
+from models.constants import (
+    CLUSTER_LABEL,
+    INCIDENT_ANNOTATION,
+    POOL_LABEL,
+    QUARANTINE_LABEL,
+    REMEDIATION_DISABLED,
+    REMEDIATION_LABEL,
+    RETIRED_TAINT,
+    UNHEALTHY_TAINT,
+)
+from models.incident import NodeInfo
 from models.poolops import MoveRequest, MoveResult, PoolRequest, PoolView
 from models.rebalance import Demand, inference_nodes
+
+_NONE = NodeInfo(name="", state="unknown")
 
 
 def _why_busy(node: KubeNode, holder: str, slurm_reason: str) -> str:
     held = node.annotations.get(LEASE_ANNOTATION)
     if held and held != holder:
         return f"held by {held}"
+    if node.annotations.get(INCIDENT_ANNOTATION):
+        return f"open incident {node.annotations[INCIDENT_ANNOTATION]}"
+    if any(t.get("key") == UNHEALTHY_TAINT for t in node.taints):
+        return "tainted unhealthy (an incident)"
+    if node.labels.get(REMEDIATION_LABEL) == REMEDIATION_DISABLED:
+        return "opted out of gpufleet"
+    if node.unschedulable and not held:
+        return "cordoned by someone else"
     if node.labels.get(QUARANTINE_LABEL):
         return f"quarantined ({node.labels[QUARANTINE_LABEL]})"
     if any(t.get("key") == RETIRED_TAINT for t in node.taints):
@@ -64,10 +84,22 @@ class PoolActivities:
                 for n in self._kube.list_nodes(label_selector=f"{POOL_LABEL} in ({TRAINING},{INFERENCE})")
                 if n.labels.get(CLUSTER_LABEL, settings.cluster) == settings.cluster
             ]
-            reasons = {n.name: (n.reason if n.drained else "") for n in self._slurm.nodes()}
+            slurm_nodes = {n.name: n for n in self._slurm.nodes()}
+        reasons = {name: (n.reason if n.drained else "") for name, n in slurm_nodes.items()}
+
+        def idle_first(name: str) -> tuple[bool, str]:
+            info = slurm_nodes.get(name)
+            return (not (info is not None and info.state.startswith("idle")), name)
+
+        labelled_training = [n.name for n in nodes if n.labels[POOL_LABEL] == TRAINING]
         view = PoolView(
-            training=sorted(n.name for n in nodes if n.labels[POOL_LABEL] == TRAINING),
-            inference=sorted(n.name for n in nodes if n.labels[POOL_LABEL] == INFERENCE),
+            # Training is what Slurm's partition holds, too: a node labelled training elsewhere
+            # serves other jobs and is not this pool's to move.
+            training=sorted(
+                (name for name in labelled_training if settings.partition in slurm_nodes.get(name, _NONE).partitions),
+                key=idle_first,
+            ),
+            inference=sorted((n.name for n in nodes if n.labels[POOL_LABEL] == INFERENCE), reverse=True),
         )
         for node in nodes:
             why = _why_busy(node, holder, reasons.get(node.name, ""))

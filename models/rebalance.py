@@ -59,6 +59,8 @@ class PoolLimits(BaseModel):
 class Demand(BaseModel):
     """What each side wants, in nodes (None: not known, and so no move)."""
 
+    model_config = ConfigDict(allow_inf_nan=False)
+
     inference: float | None = None
     training: float | None = None
     source: str = ""  # where it came from: the query, or "override by ..."
@@ -104,14 +106,15 @@ def decide(
     wanted = demand.inference
     # Fewest nodes that serve the demand with ``hysteresis`` to spare (none for no demand at all).
     enough = 0 if wanted <= 0 else math.ceil(wanted + limits.hysteresis)
-    if wanted > inference + limits.hysteresis:
-        goal = min(math.ceil(wanted - limits.hysteresis), high)
+    if wanted > inference + limits.hysteresis or (inference == 0 and wanted > 0):
+        # From none, any demand at all calls for a node: nothing serves it otherwise.
+        goal = min(max(math.ceil(wanted - limits.hysteresis), 1), high)
     elif enough < inference:
         goal = max(enough, low)
     else:
         return Decision(inference=inference, move=0, why=f"steady: demand {wanted:.2f} nodes for {inference}")
     if goal == inference:
-        side = "maximum" if goal == high else "minimum"
+        side = "maximum" if goal == high and wanted > inference else "minimum"
         return Decision(inference=inference, move=0, why=f"at the {side}: demand {wanted:.2f} nodes, {inference} serve")
     if last_move is not None and now - last_move < timedelta(seconds=limits.cooldown_seconds):
         left = limits.cooldown_seconds - (now - last_move).total_seconds()

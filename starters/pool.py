@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import Annotated, Any
 
 import typer
@@ -171,7 +172,8 @@ def rebalance(
     to_training: Annotated[int, typer.Option(min=0, help="Nodes to move to training now.")] = 0,
     wait: Annotated[bool, typer.Option("--wait", help="Wait until the moves are done.")] = False,
 ) -> None:
-    """Move nodes now, whatever the demand says (cooldown and hysteresis aside)."""
+    """Move nodes now, whatever the demand says (cooldown, hysteresis and pause aside). A one-off:
+    once the cooldown after it ends, demand decides again; `set-demand` keeps a split."""
     if bool(to_inference) == bool(to_training):
         fail("give one of --to-inference N or --to-training N", code=2)
     count = to_inference or -to_training
@@ -212,8 +214,8 @@ def set_demand(
             nodes = float(value)
         except ValueError:
             fail(f"{value!r} is not a number of nodes (or 'clear')", code=2)
-        if nodes < 0:
-            fail("demand is a number of nodes, 0 or more", code=2)
+        if not math.isfinite(nodes) or nodes < 0:
+            fail("demand is a finite number of nodes, 0 or more", code=2)
     pool = _name(name)
 
     async def go() -> None:

@@ -10,6 +10,7 @@ override the demand, pause the moves, or ask for N nodes to move now.
 from __future__ import annotations
 
 import contextlib
+import math
 from datetime import timedelta
 
 from temporalio import workflow
@@ -68,7 +69,11 @@ class PoolRebalanceWorkflow:
 
     @workflow.signal(name=SET_DEMAND_SIGNAL)
     def set_demand(self, nodes: float | None, by: str = "") -> None:
-        """Inference wants this many nodes, whatever is measured (None: measure again)."""
+        """Inference wants this many nodes, whatever is measured (None: measure again). A value
+        that is not a finite number of nodes, 0 or more, is ignored (and logged)."""
+        if nodes is not None and not (math.isfinite(nodes) and nodes >= 0):
+            workflow.logger.warning("set_demand ignored: %r is not a number of nodes", nodes)
+            return
         self._status.state.override = nodes
         self._status.state.override_by = by if nodes is not None else ""
         self._woken = True
@@ -84,7 +89,9 @@ class PoolRebalanceWorkflow:
 
     @workflow.signal(name=REBALANCE_SIGNAL)
     def rebalance(self, nodes: int) -> None:
-        """Move ``nodes`` now (+ to inference, - to training), cooldown and hysteresis aside."""
+        """Move ``nodes`` now (+ to inference, - to training), cooldown, hysteresis and pause
+        aside. It is a one-off: once the cooldown after it ends, demand decides again (set an
+        override with ``set_demand`` to keep a split)."""
         self._status.state.manual = nodes
         self._woken = True
 
@@ -128,8 +135,8 @@ class PoolRebalanceWorkflow:
             await self._move(view, decision.move)
 
     async def _move(self, view: PoolView, count: int) -> None:
-        """Move ``|count|`` nodes, one at a time: from training, idle ones first as the view
-        orders them; from inference, the last to have come."""
+        """Move ``|count|`` nodes, one at a time, in the order the view gives: from training,
+        idle nodes first (then by name); from inference, in reverse name order."""
         status = self._status
         state = status.state
         to = "inference" if count > 0 else "training"

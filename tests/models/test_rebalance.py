@@ -116,3 +116,14 @@ def test_load_becomes_nodes() -> None:
 def test_limits_that_contradict_each_other_are_refused() -> None:
     with pytest.raises(ValueError, match="max_inference is below min_inference"):
         PoolLimits(min_inference=3, max_inference=2)
+
+
+def test_from_none_any_demand_calls_for_a_node() -> None:
+    # Nothing serves inference, so its own metrics cannot grow past the hysteresis: any load moves one.
+    assert decide(4, 0, Demand(inference=0.2), PoolLimits(hysteresis=0.5), now=NOW).move == 1
+    assert decide(4, 0, Demand(inference=0.0), PoolLimits(hysteresis=0.5), now=NOW).move == 0
+
+
+def test_a_demand_that_is_not_a_number_is_refused() -> None:
+    with pytest.raises(ValueError):
+        Demand(inference=float("nan"))

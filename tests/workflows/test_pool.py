@@ -157,3 +157,14 @@ async def test_asked_moves_go_now_cooldown_or_not(env: WorkflowEnvironment) -> N
         await handle.terminate("test over")
     assert pool.moves[:2] == [("gpu1", "inference"), ("gpu2", "inference")]
     assert status.state.manual == 0
+
+
+async def test_an_override_that_is_not_a_number_is_ignored(env: WorkflowEnvironment) -> None:
+    pool = Pool(demand=None)
+    async with worker(env, pool):
+        handle = await start(env, pool)
+        await handle.signal(PoolRebalanceWorkflow.set_demand, args=[float("inf"), "ops"])
+        await handle.signal(PoolRebalanceWorkflow.set_demand, args=[-1.0, "ops"])
+        status = await intervals(env, handle, 1)  # the workflow still answers: nothing jammed it
+        await handle.terminate("test over")
+    assert status.state.override is None and pool.moves == []
