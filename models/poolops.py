@@ -49,6 +49,7 @@ class PoolState(BaseModel):
     last_move: datetime | None = None
     moves: list[Move] = Field(default_factory=list)  # the latest, newest last
     manual: int = 0  # nodes a person asked to move now (+ to inference, - to training)
+    in_flight: Move | None = None  # a move started and not known to have ended in one pool
 
 
 class PoolView(BaseModel):

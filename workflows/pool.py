@@ -131,36 +131,69 @@ class PoolRebalanceWorkflow:
                 total, inference, view.demand, state.settings.limits, now=workflow.now(), last_move=state.last_move
             )
         status.decision = decision
+        if state.in_flight is not None and not await self._settle(state.in_flight):
+            status.decision = Decision(
+                inference=inference,
+                move=0,
+                why=f"holding: {state.in_flight.node} is between pools after a failed move; a person must look",
+            )
+            return
         if decision.move:
             await self._move(view, decision.move)
 
+    async def _settle(self, move: Move) -> bool:
+        """A move that failed halfway: finish it, else roll it back. True once the node is in
+        one pool again."""
+        state = self._status.state
+        back = "training" if move.to == "inference" else "inference"
+        for to, what in ((move.to, "finished"), (back, "rolled back")):
+            outcome = await self._one(move.node, to)
+            state.moves = [*state.moves, Move(node=move.node, to=to, at=workflow.now(), outcome=f"{what}: {outcome}")][
+                -KEEP_MOVES:
+            ]
+            if outcome == "moved":
+                state.in_flight = None
+                return True
+        return False
+
+    async def _one(self, node: str, to: str) -> str:
+        """One move by the activity: moved | skipped: why | failed: why."""
+        state = self._status.state
+        try:
+            result: MoveResult = await workflow.execute_activity(
+                "pool_move_node",
+                MoveRequest(settings=state.settings, node=node, to=to, workflow_id=workflow.info().workflow_id),
+                result_type=MoveResult,
+                start_to_close_timeout=timedelta(hours=2),
+                heartbeat_timeout=timedelta(seconds=30),
+                retry_policy=RETRY,
+                summary=f"move {node} to {to}",
+            )
+        except ActivityError as exc:
+            return f"failed: {exc.cause or exc}"
+        return "moved" if result.moved else f"skipped: {result.detail}"
+
     async def _move(self, view: PoolView, count: int) -> None:
         """Move ``|count|`` nodes, one at a time, in the order the view gives: from training,
-        idle nodes first (then by name); from inference, in reverse name order."""
+        idle nodes first (then by name); from inference, in reverse name order. A move that
+        fails stops the batch and stays in flight until settled."""
         status = self._status
         state = status.state
         to = "inference" if count > 0 else "training"
-        source = view.training if count > 0 else list(reversed(view.inference))
+        source = view.training if count > 0 else view.inference
         candidates = [node for node in source if node not in view.busy]
         for node in candidates[: abs(count)]:
             started = workflow.now()
-            try:
-                result: MoveResult = await workflow.execute_activity(
-                    "pool_move_node",
-                    MoveRequest(settings=state.settings, node=node, to=to, workflow_id=workflow.info().workflow_id),
-                    result_type=MoveResult,
-                    start_to_close_timeout=timedelta(hours=2),
-                    heartbeat_timeout=timedelta(seconds=30),
-                    retry_policy=RETRY,
-                    summary=f"move {node} to {to}",
-                )
-                outcome = "moved" if result.moved else f"skipped: {result.detail}"
-            except ActivityError as exc:
-                outcome = f"failed: {exc.cause or exc}"
+            # Recorded before it starts: a move that fails halfway is settled before anything else.
+            state.in_flight = Move(node=node, to=to, at=started)
+            outcome = await self._one(node, to)
             seconds = (workflow.now() - started).total_seconds()
             state.moves = [*state.moves, Move(node=node, to=to, at=started, outcome=outcome, seconds=seconds)][
                 -KEEP_MOVES:
             ]
+            if outcome.startswith("failed"):
+                return  # the node may be between pools: the next look settles it first
+            state.in_flight = None  # moved, or skipped before anything changed
             if outcome == "moved":
                 state.last_move = workflow.now()
         for node in source[: abs(count)]:

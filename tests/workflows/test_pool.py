@@ -13,6 +13,7 @@ from typing import Any
 
 from temporalio import activity
 from temporalio.client import WorkflowHandle
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -30,6 +31,7 @@ class Pool:
     demand: float | None = 0.0  # nodes inference wants; None: Prometheus down
     busy: dict[str, str] = field(default_factory=dict)
     moves: list[tuple[str, str]] = field(default_factory=list)
+    fail: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, to): failures before it works
     looks: int = 0
     task_queue: str = field(default_factory=lambda: f"pool-{uuid.uuid4().hex[:8]}")
 
@@ -43,12 +45,25 @@ class Pool:
                 else Demand(error="Prometheus at http://prometheus:9090 unreachable")
             )
             return PoolView(
-                training=list(self.training), inference=list(self.inference), busy=dict(self.busy), demand=demand
+                training=list(self.training),
+                inference=sorted(self.inference, reverse=True),  # as the real look orders them
+                busy=dict(self.busy),
+                demand=demand,
             )
 
         @activity.defn(name="pool_move_node")
         async def move(request: MoveRequest) -> MoveResult:
             self.moves.append((request.node, request.to))
+            if self.fail.get((request.node, request.to), 0) > 0:
+                self.fail[(request.node, request.to)] -= 1
+                # Halfway: out of the partition, not yet labelled (neither pool, as a crash leaves it).
+                if request.node in self.training:
+                    self.training.remove(request.node)
+                raise ApplicationError(f"{request.node}: broke halfway", type="StepFailed", non_retryable=True)
+            if request.node not in self.training and request.node not in self.inference:
+                # From halfway (in neither pool): the move finishes, or rolls back, into its target.
+                (self.inference if request.to == "inference" else self.training).append(request.node)
+                return MoveResult(moved=True, detail=f"{request.node} serves {request.to}")
             source, target = (
                 (self.training, self.inference) if request.to == "inference" else (self.inference, self.training)
             )
@@ -64,7 +79,7 @@ def state(pool: Pool, **limits: Any) -> PoolState:
         name="shared",
         cluster="lab",
         partition="train",
-        limits=PoolLimits(cooldown_seconds=0, **limits),
+        limits=PoolLimits(**{"cooldown_seconds": 0, **limits}),
         interval_seconds=INTERVAL,
     )
     return PoolState(settings=settings)
@@ -168,3 +183,34 @@ async def test_an_override_that_is_not_a_number_is_ignored(env: WorkflowEnvironm
         status = await intervals(env, handle, 1)  # the workflow still answers: nothing jammed it
         await handle.terminate("test over")
     assert status.state.override is None and pool.moves == []
+
+
+async def test_a_move_that_fails_halfway_is_finished_before_anything_else(env: WorkflowEnvironment) -> None:
+    pool = Pool(demand=2.0, fail={("gpu1", "inference"): 1})
+    async with worker(env, pool):
+        handle = await start(env, pool)
+        status = await intervals(env, handle, 3)
+        await handle.terminate("test over")
+    assert pool.moves[:2] == [("gpu1", "inference"), ("gpu1", "inference")]  # failed, then finished
+    assert status.state.in_flight is None and sorted(pool.inference) == ["gpu1", "gpu2"]
+    assert [m.outcome.split(":")[0] for m in status.state.moves][:2] == ["failed", "finished"]
+
+
+async def test_a_move_that_cannot_be_finished_is_rolled_back_and_one_that_cannot_be_either_holds(
+    env: WorkflowEnvironment,
+) -> None:
+    pool = Pool(demand=1.0, fail={("gpu1", "inference"): 2})
+    async with worker(env, pool):
+        handle = await start(env, pool, cooldown_seconds=3600)
+        status = await intervals(env, handle, 2)
+        assert pool.moves[:3] == [("gpu1", "inference"), ("gpu1", "inference"), ("gpu1", "training")]
+        assert status.state.in_flight is None and "gpu1" in pool.training  # one pool again: training
+        await handle.terminate("test over")
+    stuck = Pool(demand=1.0, fail={("gpu1", "inference"): 10, ("gpu1", "training"): 10})
+    async with worker(env, stuck):
+        handle = await start(env, stuck)
+        status = await intervals(env, handle, 3)
+        await handle.terminate("test over")
+    assert status.state.in_flight is not None and status.state.in_flight.node == "gpu1"
+    assert status.decision is not None and "between pools" in status.decision.why
+    assert all(node == "gpu1" for node, _ in stuck.moves)  # no other node moved meanwhile
