@@ -56,8 +56,9 @@ class PoolRebalanceWorkflow:
     async def run(self, state: PoolState) -> None:
         every = timedelta(seconds=state.settings.interval_seconds)
         for _ in range(ITERATIONS_PER_RUN):
-            await self._iteration()
+            # Cleared before the look, so a signal during a long move wakes the next one at once.
             self._woken = False
+            await self._iteration()
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(lambda: self._woken, timeout=every)
         await workflow.wait_condition(workflow.all_handlers_finished)

@@ -17,7 +17,16 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from models.poolops import MoveRequest, MoveResult, PoolRequest, PoolSettings, PoolState, PoolStatus, PoolView
+from models.poolops import (
+    ITERATIONS_PER_RUN,
+    MoveRequest,
+    MoveResult,
+    PoolRequest,
+    PoolSettings,
+    PoolState,
+    PoolStatus,
+    PoolView,
+)
 from models.rebalance import Demand, PoolLimits
 from workflows.pool import PoolRebalanceWorkflow
 
@@ -214,3 +223,32 @@ async def test_a_move_that_cannot_be_finished_is_rolled_back_and_one_that_cannot
     assert status.state.in_flight is not None and status.state.in_flight.node == "gpu1"
     assert status.decision is not None and "between pools" in status.decision.why
     assert all(node == "gpu1" for node, _ in stuck.moves)  # no other node moved meanwhile
+
+
+async def test_a_signal_sent_with_the_start_is_kept(env: WorkflowEnvironment) -> None:
+    pool = Pool(demand=2.0)
+    async with worker(env, pool):
+        handle = await env.client.start_workflow(
+            PoolRebalanceWorkflow.run,
+            state(pool),
+            id=f"pool-shared-{uuid.uuid4().hex[:6]}",
+            task_queue=pool.task_queue,
+            start_signal="pause",
+        )
+        status = await intervals(env, handle, 2)
+        await handle.terminate("test over")
+    assert status.state.paused and pool.moves == []
+
+
+async def test_a_run_continues_as_new_with_its_state(env: WorkflowEnvironment) -> None:
+    pool = Pool(demand=None)
+    async with worker(env, pool):
+        handle = await start(env, pool)
+        first_run = (await handle.describe()).run_id
+        await handle.signal(PoolRebalanceWorkflow.set_demand, args=[1.0, "ops"])
+        status = await intervals(env, handle, ITERATIONS_PER_RUN + 2)
+        later_run = (await env.client.get_workflow_handle(handle.id).describe()).run_id
+        await env.client.get_workflow_handle(handle.id).terminate("test over")
+    assert later_run != first_run  # continued as new
+    assert status.state.override == 1.0 and status.state.override_by == "ops"  # carried over
+    assert pool.moves == [("gpu1", "inference")]  # and not redone
