@@ -17,6 +17,11 @@ ROLL_BACK_SIGNAL = "roll_back"
 BACKENDS = ("lab", "slinky")
 
 
+def _span(started: datetime | None, finished: datetime | None) -> float | None:
+    """Seconds from start to finish; None until both are known."""
+    return None if started is None or finished is None else (finished - started).total_seconds()
+
+
 def cluster_workflow_id(name: str) -> str:
     return f"cluster-{name}"
 
@@ -102,9 +107,7 @@ class ClusterStatus(BaseModel):
 
     @property
     def seconds(self) -> float | None:
-        if self.started_at is None or self.finished_at is None:
-            return None
-        return (self.finished_at - self.started_at).total_seconds()
+        return _span(self.started_at, self.finished_at)
 
 
 class DeleteStep(StrEnum):
@@ -147,9 +150,7 @@ class DeletionStatus(BaseModel):
 
     @property
     def seconds(self) -> float | None:
-        if self.started_at is None or self.finished_at is None:
-            return None
-        return (self.finished_at - self.started_at).total_seconds()
+        return _span(self.started_at, self.finished_at)
 
 
 class JobsResult(BaseModel):

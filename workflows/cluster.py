@@ -71,6 +71,21 @@ RETRY = RetryPolicy(
 )
 
 
+async def _activity(
+    name: str, work: ClusterRequest, result_type: type[Any], *, timeout: timedelta, summary: str
+) -> Any:
+    """One step's (or undo's) activity, with the options every cluster step shares."""
+    return await workflow.execute_activity(
+        name,
+        work,
+        result_type=result_type,
+        start_to_close_timeout=timeout,
+        heartbeat_timeout=timedelta(seconds=30),
+        retry_policy=RETRY,
+        summary=summary,
+    )
+
+
 def _cause(exc: BaseException) -> str:
     """The innermost message: what actually went wrong."""
     while isinstance(exc, ActivityError) and exc.cause is not None:
@@ -139,14 +154,8 @@ class ClusterCreationWorkflow:
         assert self._status is not None
         self._status.step = step
         self._event(step, "started")
-        result: StepResult = await workflow.execute_activity(
-            DO[step],
-            work,
-            result_type=StepResult,
-            start_to_close_timeout=TIMEOUTS.get(step, DEFAULT_TIMEOUT),
-            heartbeat_timeout=timedelta(seconds=30),
-            retry_policy=RETRY,
-            summary=f"{step} {work.spec.name}",
+        result: StepResult = await _activity(
+            DO[step], work, StepResult, timeout=TIMEOUTS.get(step, DEFAULT_TIMEOUT), summary=f"{step} {work.spec.name}"
         )
         return result
 
@@ -172,13 +181,11 @@ class ClusterCreationWorkflow:
                 continue
             status.step = step
             try:
-                result: StepResult = await workflow.execute_activity(
+                result: StepResult = await _activity(
                     UNDO[step],
                     work,
-                    result_type=StepResult,
-                    start_to_close_timeout=TIMEOUTS.get(step, DEFAULT_TIMEOUT),
-                    heartbeat_timeout=timedelta(seconds=30),
-                    retry_policy=RETRY,
+                    StepResult,
+                    timeout=TIMEOUTS.get(step, DEFAULT_TIMEOUT),
                     summary=f"undo {step} {work.spec.name}",
                 )
             except ActivityError as exc:
@@ -276,14 +283,8 @@ class ClusterDeletionWorkflow:
         self._event(step, "done", result.detail)
 
     async def _call(self, activity: str, work: ClusterRequest, result_type: type[Any]) -> Any:
-        return await workflow.execute_activity(
-            activity,
-            work,
-            result_type=result_type,
-            start_to_close_timeout=timedelta(minutes=5),
-            heartbeat_timeout=timedelta(seconds=30),
-            retry_policy=RETRY,
-            summary=f"{activity} {work.spec.name}",
+        return await _activity(
+            activity, work, result_type, timeout=timedelta(minutes=5), summary=f"{activity} {work.spec.name}"
         )
 
     def _event(self, step: DeleteStep, event: str, detail: str = "") -> None:
