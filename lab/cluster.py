@@ -6,8 +6,9 @@ Kubernetes objects (Namespace, Secrets, storage claim, remediation ConfigMap) go
 emulated API. The lab's nodes have no GPUs, so its slurm.conf leaves Gres out (said in a
 comment there). Linux users are not created on this machine: the smoke jobs run as whoever runs
 the worker. A file ``smoke-fails`` in ``$GPUFLEET_HOME`` makes smoke tests fail, to watch a
-creation kept on failure and resumed. Accounting (slurmdbd on MariaDB) is not run by the lab
-yet: a spec asking for it is refused before anything is made.
+creation kept on failure and resumed. With accounting on, the cluster also gets its own
+MariaDB server and slurmdbd (``lab/accounting.py``), and its users go into them with
+``sacctmgr`` as accounts and associations.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from clients.clusters import StepFailed
 from clients.kube import KubernetesApi
 from clients.pool import SPARES
 from clients.slinky import core_objects, create_all, delete_all
+from lab.accounting import Accounting, accounting_installed
 from lab.procs import alive, spawn, stop
 from lab.slurm import SlurmLab
 from models.cluster import ClusterSpec, render_slurm_conf
@@ -46,9 +48,8 @@ class LabClusterBackend:
         return SlurmLab(self.root(spec), conf=conf, nodes=nodes)
 
     def unsupported(self, spec: ClusterSpec) -> str:
-        if spec.accounting:
-            return "accounting (slurmdbd on MariaDB) is not run by the lab yet; set accounting: false"
-        return ""
+        missing = accounting_installed() if spec.accounting else ""
+        return f"accounting needs MariaDB and slurmdbd on this machine: {missing}" if missing else ""
 
     def exists(self, spec: ClusterSpec) -> str:
         pids = self._slurm(spec).pids()
@@ -65,6 +66,7 @@ class LabClusterBackend:
         site = [
             "# The lab: local daemons on free ports. Its nodes have no GPUs, so Gres is left out.",
             *slurm.site_lines(),
+            *(Accounting.site_lines(slurm.munge_socket) if spec.accounting else []),
         ]
         return render_slurm_conf(
             spec,
@@ -104,13 +106,79 @@ class LabClusterBackend:
         return f"daemons stopped, {root} removed"
 
     def add_users(self, spec: ClusterSpec) -> str:
-        return (
-            f"accounting is off: {len(spec.users)} user(s) are in the user database Secret; the lab creates no "
-            f"Linux users (its smoke jobs run as {getpass.getuser()})"
+        no_linux = f"the lab creates no Linux users (its smoke jobs run as {getpass.getuser()})"
+        if not spec.accounting:
+            return f"accounting is off: {len(spec.users)} user(s) are in the user database Secret; {no_linux}"
+        slurm = self._up(spec)
+        if slurm is None:
+            raise StepFailed(f"the controller of {spec.name} is not running: bring it up first")
+        have = self._associations(slurm, spec)
+        added = []
+        for account in sorted({user.account for user in spec.users}):
+            if (account, "") not in have:
+                self._slurm_cmd(
+                    slurm,
+                    "sacctmgr",
+                    "-i",
+                    "add",
+                    "account",
+                    account,
+                    f"cluster={spec.name}",
+                    f"description={account}",
+                    f"organization={account}",
+                )
+                added.append(f"account {account}")
+        for user in spec.users:
+            if (user.account, user.name) not in have:
+                level = "Administrator" if user.admin else "None"
+                self._slurm_cmd(
+                    slurm,
+                    "sacctmgr",
+                    "-i",
+                    "add",
+                    "user",
+                    user.name,
+                    f"account={user.account}",
+                    f"cluster={spec.name}",
+                    f"adminlevel={level}",
+                )
+                added.append(f"user {user.name} in {user.account}")
+        done = ", ".join(added) if added else "every account and user was there already"
+        return f"sacctmgr: {done}; {no_linux}"
+
+    def _associations(self, slurm: SlurmLab, spec: ClusterSpec) -> set[tuple[str, str]]:
+        """(account, user) for each association of the cluster ('' for an account's own)."""
+        out = self._slurm_cmd(
+            slurm, "sacctmgr", "-n", "-P", "show", "assoc", f"cluster={spec.name}", "format=account,user"
         )
+        return {(account, user) for account, _, user in (line.partition("|") for line in out.splitlines()) if account}
 
     def remove_users(self, spec: ClusterSpec) -> str:
-        return "no accounts to remove"
+        if not spec.accounting:
+            return "no accounts to remove"
+        slurm = self._up(spec)
+        if slurm is None:
+            return "the controller is not running: its accounts go with its database"
+        have = self._associations(slurm, spec)
+        removed = []
+        for user in spec.users:
+            if (user.account, user.name) in have:
+                self._slurm_cmd(
+                    slurm,
+                    "sacctmgr",
+                    "-i",
+                    "delete",
+                    "user",
+                    user.name,
+                    f"account={user.account}",
+                    f"cluster={spec.name}",
+                )
+                removed.append(f"user {user.name}")
+        for account in sorted({user.account for user in spec.users}):
+            if (account, "") in have:
+                self._slurm_cmd(slurm, "sacctmgr", "-i", "delete", "account", account, f"cluster={spec.name}")
+                removed.append(f"account {account}")
+        return f"sacctmgr: removed {', '.join(removed)}" if removed else "no accounts to remove"
 
     def smoke_test(self, spec: ClusterSpec) -> str:
         """A hello-world batch job on every partition; each must complete."""

@@ -12,6 +12,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lab.accounting import Accounting, accounting_installed, conf_value
 from lab.procs import alive, free_port, pids_with_env, spawn, stop, wait_for
 
 
@@ -72,6 +73,8 @@ class SlurmLab:
         os.chmod(self.root / "munge", 0o700)
         self._start_munge()
         self._write_conf()
+        if self.accounting is not None:
+            self._start_accounting(self.accounting, timeout=timeout)
         self._record(
             "slurmctld",
             spawn(["slurmctld", "-D", "-c", "-i", "-f", str(self.conf)], log=self.logs / "slurmctld.out", env=self.env),
@@ -88,6 +91,22 @@ class SlurmLab:
                 ),
             )
         wait_for(self._nodes_up, timeout=timeout, what="every slurmd to register")
+
+    @property
+    def accounting(self) -> Accounting | None:
+        """The cluster's slurmdbd and database when its slurm.conf asks for them."""
+        text = self._conf_text if self._conf_text is not None else (self.conf.read_text() if self.conf.exists() else "")
+        if conf_value(text, "AccountingStorageType") != "accounting_storage/slurmdbd":
+            return None
+        return Accounting(self.root, self.munge_socket)
+
+    def _start_accounting(self, accounting: Accounting, *, timeout: float) -> None:
+        missing = accounting_installed()
+        if missing:
+            raise RuntimeError(f"accounting needs MariaDB and slurmdbd: {missing}")
+        self._record("mariadbd", accounting.start_database(timeout=timeout))
+        self._record("slurmdbd", accounting.start_dbd(self.env, timeout=timeout))
+        accounting.add_cluster(self.env, conf_value(self.conf.read_text(), "ClusterName"))
 
     @property
     def all_nodes(self) -> list[str]:
@@ -217,6 +236,8 @@ class SlurmLab:
         daemons = [pid for name, pid in pids.items() if name.startswith("slurmd")]
         stop(daemons)
         stop([pid for name, pid in pids.items() if name == "slurmctld"])
+        stop([pid for name, pid in pids.items() if name == "slurmdbd"])
+        stop([pid for name, pid in pids.items() if name == "mariadbd"], timeout=30)
         # slurmstepd and the job processes carry the lab's SLURM_CONF in their environment.
         stop(pids_with_env("SLURM_CONF", str(self.conf)), timeout=3)
         stop([pid for name, pid in pids.items() if name == "munged"])

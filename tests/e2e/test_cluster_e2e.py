@@ -16,6 +16,7 @@ import yaml
 
 from clients.kube import KubernetesApi
 from clients.pool import free_nodes, holdings
+from lab.accounting import accounting_installed
 from lab.fleet import FleetLab, LabConfig
 from lab.procs import alive, pids_with_env
 from tests.conftest import gpufleet_cli
@@ -170,3 +171,64 @@ def test_kept_on_failure_then_resumed_after_the_fix(lab: FleetLab, tmp_path: Pat
     assert ("smoke_test", "resumed") in events and events.count(("bring_up", "done")) == 1  # not redone
     done = gpufleet_cli("cluster", "delete", "kept", "--force", env=lab.env(), timeout=180)
     assert done.returncode == 0 and free_nodes(kube(lab)) == 4
+
+
+def running_under(root: Path) -> list[str]:
+    """Command lines of the processes that name ``root`` (the cluster's daemons, its database)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(str(root).encode() in arg for arg in argv):
+            found.append(" ".join(a.decode(errors="replace") for a in argv))
+    return found
+
+
+@pytest.mark.skipif(bool(accounting_installed()), reason=accounting_installed() or "installed")
+def test_accounting_puts_the_users_in_their_accounts_on_a_real_slurmdbd(lab: FleetLab, tmp_path: Path) -> None:
+    done, result = create(lab, str(write(tmp_path, spec("ledger", accounting=True))))
+    assert done.returncode == 0 and result["outcome"] == "ready", done.stdout + done.stderr
+    root = lab.home / "clusters" / "ledger"
+    env = {**lab.env(), "SLURM_CONF": str(root / "slurm.conf")}
+
+    def sacctmgr(*args: str) -> list[str]:
+        out = subprocess.run(["sacctmgr", "-n", "-P", *args], env=env, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return sorted(out.stdout.split())
+
+    # Each user in its account, on this cluster; alice an administrator.
+    assert "ledger|language|bob" in sacctmgr("show", "assoc", "cluster=ledger", "format=cluster,account,user")
+    assert "ledger|vision|alice" in sacctmgr("show", "assoc", "cluster=ledger", "format=cluster,account,user")
+    assert sacctmgr("show", "user", "alice,bob", "format=user,admin") == ["alice|Administrator", "bob|None"]
+    # The smoke jobs are in the accounting database: slurmctld reports to this slurmdbd.
+    sacct = subprocess.run(
+        ["sacct", "-n", "-P", "-X", "-a", "-S", "now-1hour", "-o", "jobname,partition,state"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert sorted(sacct.stdout.split()) == ["gpufleet-smoke|debug|COMPLETED", "gpufleet-smoke|train|COMPLETED"]
+    assert (root / "slurmdbd.conf").stat().st_mode & 0o077 == 0  # it holds the database password
+    done = gpufleet_cli("cluster", "delete", "ledger", "--json", env=lab.env(), timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert free_nodes(kube(lab)) == 4 and not running_under(root)  # MariaDB and slurmdbd went too
+
+
+@pytest.mark.skipif(bool(accounting_installed()), reason=accounting_installed() or "installed")
+def test_a_failed_creation_with_accounting_leaves_no_database_running(lab: FleetLab, tmp_path: Path) -> None:
+    told = lab.home / "smoke-fails"
+    told.touch()
+    try:
+        done, result = create(lab, str(write(tmp_path, spec("ledger2", accounting=True))))
+    finally:
+        told.unlink()
+    assert done.returncode == 1 and result["outcome"] == "rolled_back", done.stdout + done.stderr
+    shown = json.loads(gpufleet_cli("cluster", "show", "ledger2", "--json", env=lab.env()).stdout)
+    undone = {e["step"]: e["detail"] for e in shown["timeline"] if e["event"] == "undone"}
+    assert "user bob" in undone["accounts_and_users"] and "account vision" in undone["accounts_and_users"]
+    root = lab.home / "clusters" / "ledger2"
+    assert free_nodes(kube(lab)) == 4 and not running_under(root) and not root.exists()

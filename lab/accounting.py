@@ -1,0 +1,193 @@
+"""Slurm accounting on one machine: a private MariaDB server and a ``slurmdbd`` on it.
+
+Both belong to one lab cluster and live in its folder (``db/``): MariaDB listens on
+127.0.0.1 on a free port with its own data directory and socket, and takes a ``slurm`` user
+with a password made for this cluster; ``slurmdbd`` reads ``slurmdbd.conf`` next to the
+cluster's ``slurm.conf`` (Slurm finds it there through ``SLURM_CONF``) and talks to the
+cluster's own munged. Accounts and users go in with ``sacctmgr``, through the controller's
+``slurm.conf`` (``AccountingStoragePass`` names the munge socket for that connection).
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import secrets
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from lab.procs import free_port, port_in_use, spawn, wait_for
+
+DATABASE = "slurm_acct_db"
+
+
+def accounting_installed() -> str:
+    """'' when MariaDB and slurmdbd are installed, else what to install."""
+    tools = ("mariadbd", "mariadb-install-db", "mariadb", "slurmdbd", "sacctmgr")
+    missing = [tool for tool in tools if not shutil.which(tool)]
+    if not missing:
+        return ""
+    return f"missing {', '.join(missing)}: apt-get install mariadb-server slurmdbd (or run make test as root)"
+
+
+def conf_value(conf: str, key: str) -> str:
+    """The value of ``key`` in a slurm.conf text ('' when absent; keys in any case, last wins)."""
+    value = ""
+    for line in conf.splitlines():
+        name, sep, rest = line.strip().partition("=")
+        if sep and name.lower() == key.lower():
+            value = rest.split()[0] if rest.split() else ""
+    return value
+
+
+@dataclass
+class Accounting:
+    """The accounting daemons of the cluster whose folder is ``root``."""
+
+    root: Path
+    munge_socket: Path
+
+    @property
+    def folder(self) -> Path:
+        return self.root / "db"
+
+    @property
+    def socket(self) -> Path:
+        return self.folder / "mariadb.sock"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "log"
+
+    @staticmethod
+    def site_lines(munge_socket: Path) -> list[str]:
+        """The slurm.conf lines that point the controller and sacctmgr at this slurmdbd."""
+        return [
+            "AccountingStorageHost=localhost",
+            f"AccountingStoragePort={free_port()}",
+            # For the slurmdbd connection, Slurm takes the munge socket from here, not AuthInfo.
+            f"AccountingStoragePass={munge_socket}",
+        ]
+
+    def start_database(self, *, timeout: float) -> int:
+        """MariaDB with the ``slurm`` user and its database, and slurmdbd.conf; returns its PID."""
+        data = self.folder / "data"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.chmod(0o700)
+        root_user = os.geteuid() == 0
+        as_user = ["--user=root"] if root_user else []
+        if not (data / "mysql").exists():
+            shutil.rmtree(data, ignore_errors=True)
+            subprocess.run(
+                [
+                    "mariadb-install-db",
+                    "--no-defaults",
+                    f"--datadir={data}",
+                    "--auth-root-authentication-method=normal",
+                    "--skip-test-db",
+                    *as_user,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=True,
+            )
+        port = free_port()
+        argv = [
+            "mariadbd",
+            "--no-defaults",
+            f"--datadir={data}",
+            f"--socket={self.socket}",
+            f"--port={port}",
+            "--bind-address=127.0.0.1",
+            f"--pid-file={self.folder / 'mariadb.pid'}",
+            f"--log-error={self.logs / 'mariadb.log'}",
+            "--skip-name-resolve",
+            # What slurmdbd asks of its database (it warns otherwise).
+            "--innodb-buffer-pool-size=1024M",
+            "--innodb-lock-wait-timeout=900",
+            *as_user,
+        ]
+        pid = spawn(argv, log=self.logs / "mariadb.out")
+        wait_for(lambda: port_in_use(port) and self.socket.exists(), timeout=timeout, what="MariaDB to listen")
+        password = secrets.token_hex(16)
+        self._sql(
+            f"CREATE DATABASE IF NOT EXISTS {DATABASE};"
+            f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
+            f"ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
+            f"GRANT ALL ON {DATABASE}.* TO 'slurm'@'127.0.0.1';"
+        )
+        self._write_dbd_conf(port, password)
+        return pid
+
+    def _sql(self, statements: str) -> None:
+        subprocess.run(
+            ["mariadb", "--no-defaults", f"--socket={self.socket}", "-uroot", "-e", statements],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+
+    def _write_dbd_conf(self, db_port: int, password: str) -> None:
+        conf = (self.root / "slurm.conf").read_text()
+        lines = [
+            "# slurmdbd.conf for this lab cluster, written by gpufleet (mode 600: it holds a password).",
+            "AuthType=auth/munge",
+            f"AuthInfo=socket={self.munge_socket}",
+            "DbdHost=localhost",
+            f"DbdPort={conf_value(conf, 'AccountingStoragePort')}",
+            f"SlurmUser={getpass.getuser()}",
+            f"PidFile={self.folder / 'slurmdbd.pid'}",
+            f"LogFile={self.logs / 'slurmdbd.log'}",
+            "StorageType=accounting_storage/mysql",
+            "StorageHost=127.0.0.1",
+            f"StoragePort={db_port}",
+            "StorageUser=slurm",
+            f"StoragePass={password}",
+            f"StorageLoc={DATABASE}",
+        ]
+        path = self.root / "slurmdbd.conf"
+        path.touch(mode=0o600)
+        path.chmod(0o600)
+        path.write_text("\n".join(lines) + "\n")
+
+    def start_dbd(self, env: dict[str, str], *, timeout: float) -> int:
+        """slurmdbd, waited for until sacctmgr gets an answer from it; returns its PID."""
+        pid = spawn(["slurmdbd", "-D"], log=self.logs / "slurmdbd.out", env=env)
+        wait_for(lambda: self._answers(env), timeout=timeout, what="slurmdbd to answer sacctmgr")
+        return pid
+
+    @staticmethod
+    def _answers(env: dict[str, str]) -> bool:
+        done = subprocess.run(
+            ["sacctmgr", "-n", "-P", "show", "cluster", "format=cluster"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=15,
+            check=False,
+        )
+        return done.returncode == 0
+
+    def add_cluster(self, env: dict[str, str], name: str) -> None:
+        """Register the cluster with slurmdbd (once: its controller needs it there)."""
+        shown = subprocess.run(
+            ["sacctmgr", "-n", "-P", "show", "cluster", "format=cluster"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=15,
+            check=True,
+        ).stdout.split()
+        if name.lower() not in shown:
+            subprocess.run(
+                ["sacctmgr", "-i", "add", "cluster", name],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=15,
+                check=True,
+            )
