@@ -54,7 +54,6 @@ OWNED_CONF_KEYS = frozenset(
         "AccountingStorageType",
         "AccountingStorageHost",
         "AccountingStoragePort",
-        "AccountingStoragePass",
         "AccountingStorageUser",
         "SlurmUser",
         "SlurmdUser",
@@ -239,10 +238,10 @@ class ClusterSpec(BaseModel):
                 key, sep, value = pair.partition("=")
                 if not sep or not _CONF_KEY.fullmatch(key) or not value:
                     raise ValueError(f"{line!r} is not one 'Key=Value' slurm.conf line")
+                if key.lower().endswith("pass"):  # first: the message must not repeat the password
+                    raise ValueError(f"{key} holds a password: it would be in the workflow's history; use a file")
                 if key.lower() in OWNED_CONF_KEYS:
                     raise ValueError(f"{key} is set by gpufleet or its backend; remove it from {line!r}")
-                if key.lower().endswith("pass"):
-                    raise ValueError(f"{key} holds a password: it would be in the workflow's history; use a file")
         return lines
 
     @property
