@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import datetime
 import hashlib
 import logging
@@ -428,6 +429,19 @@ class KubernetesApi:
         except NotFound:
             return None
         return dict(found.data or {})
+
+    def secret_data(self, namespace: str, name: str) -> dict[str, bytes] | None:
+        """A Secret's data, decoded; None when there is no such Secret."""
+        try:
+            found = self._call(
+                f"read secret {namespace}/{name}",
+                self._api.read_namespaced_secret,
+                name,
+                checked_namespace(namespace),
+            )
+        except NotFound:
+            return None
+        return {key: base64.b64decode(value) for key, value in (found.data or {}).items()}
 
     def object_exists(self, obj: dict[str, Any]) -> bool:
         return self.object_annotations(obj) is not None

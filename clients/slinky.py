@@ -10,14 +10,30 @@ from __future__ import annotations
 
 import base64
 import os
+import time
 from typing import Any
 
 from clients.clusters import StepFailed
 from clients.kube import KubernetesApi
+from clients.slurmrest import TERMINAL, SlurmRestClient, SlurmRestError
 from models.cluster import ClusterSpec, render_slurm_conf
-from models.slinky import API, GENERATED, slinky_objects
+from models.slinky import GENERATED, cluster_namespace, restapi_url, slinky_objects
 
 CREATION_ANNOTATION = "gpufleet.io/creation"
+JWT_KEY = "jwt_hs256.key"
+SMOKE_TIMEOUT = 120.0
+ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED"}
+DOWN = {"DOWN", "FUTURE", "NOT_RESPONDING", "UNKNOWN", "FAIL", "DRAIN", "INVAL"}
+
+
+def _short_partitions(spec: ClusterSpec, nodes: dict[str, tuple[str, list[str]]]) -> list[str]:
+    """Each partition with fewer nodes up than the spec asks, said as 'train: 1 of 2 up'."""
+    short = []
+    for partition in spec.partitions:
+        up = [n for n, (state, parts) in nodes.items() if partition.name in parts and not set(state.split("+")) & DOWN]
+        if len(up) < partition.nodes:
+            short.append(f"{partition.name}: {len(up)} of {partition.nodes} node(s) up")
+    return short
 
 
 def with_keys(obj: dict[str, Any]) -> dict[str, Any]:
@@ -77,18 +93,42 @@ class SlinkyBackend:
     """Slurm run by Slinky's slurm-operator in the cluster the kubeconfig names.
 
     Creating and deleting its objects is done here; bringing the cluster up is the operator's
-    work, which this backend waits for. The smoke test needs a shell in the login pod
-    (``kubectl exec``), which gpufleet does not do yet: a creation on Slinky stops there, with
-    the objects kept or undone as asked.
+    work, which this backend waits for through the cluster's slurmrestd (its ``RestApi``), signing
+    its tokens with the JWT key it generated; the smoke jobs and the job counts of a deletion go
+    the same way.
     """
 
     name = "slinky"
 
-    def __init__(self, kube: KubernetesApi) -> None:
+    def __init__(
+        self, kube: KubernetesApi, *, restapi: str = "", wait_seconds: float = 540.0, poll_seconds: float = 5.0
+    ) -> None:
+        """``restapi``: where slurmrestd answers, ``{name}`` standing for the cluster's name
+        (default: the operator's Service, reached from inside the Kubernetes cluster)."""
         self._kube = kube
+        self._restapi = restapi
+        self._wait = wait_seconds
+        self._poll = poll_seconds
 
     def _objects(self, spec: ClusterSpec, placement: dict[str, list[str]] | None = None) -> list[dict[str, Any]]:
         return slinky_objects(spec, placement or {p.name: [""] * p.nodes for p in spec.partitions})
+
+    def _rest(self, spec: ClusterSpec) -> SlurmRestClient:
+        """A slurmrestd client signing with the JWT key this creation generated."""
+        name = spec.name
+        secret = self._kube.secret_data(cluster_namespace(name), f"{name}-jwt-key") or {}
+        key = secret.get(JWT_KEY)
+        if not key:
+            where = f"Secret {name}-jwt-key of {cluster_namespace(name)}"
+            raise StepFailed(f"no JWT key in {where}: were the cluster's objects made?")
+        url = self._restapi.format(name=name) if self._restapi else restapi_url(name)
+        client = SlurmRestClient(url, key)
+        try:
+            client.detect_version()
+        except SlurmRestError:
+            client.close()
+            raise
+        return client
 
     def unsupported(self, spec: ClusterSpec) -> str:
         return ""
@@ -112,7 +152,27 @@ class SlinkyBackend:
         return delete_all(self._kube, self._objects(spec), creation)
 
     def bring_up(self, spec: ClusterSpec, placement: dict[str, list[str]], conf: str) -> str:
-        return f"the operator brings up {spec.name} from its {API} objects"
+        """The operator starts Slurm from the objects; this waits until slurmrestd answers and
+        every partition has its nodes up, and names what it saw last if they never do."""
+        deadline = time.monotonic() + self._wait
+        seen = "nothing yet"
+        while True:
+            try:
+                client = self._rest(spec)
+                try:
+                    release = client.ping()
+                    nodes = client.nodes()
+                finally:
+                    client.close()
+                short = _short_partitions(spec, nodes)
+                if not short:
+                    return f"Slurm {release} up through slurmrestd ({client.version}): {len(nodes)} node(s) ready"
+                seen = "; ".join(short)
+            except SlurmRestError as exc:
+                seen = str(exc)
+            if time.monotonic() >= deadline:
+                raise StepFailed(f"the cluster was not up after {self._wait:g}s: {seen}")
+            time.sleep(self._poll)
 
     def tear_down(self, spec: ClusterSpec) -> str:
         return "the operator tears down what its objects' deletion removes"
@@ -124,22 +184,58 @@ class SlinkyBackend:
         return "users leave with the user database Secret"
 
     def smoke_test(self, spec: ClusterSpec) -> str:
-        raise StepFailed(
-            "the smoke test on Slinky needs a shell in the login pod, which gpufleet does not run yet; "
-            f"check by hand: kubectl -n slurm-{spec.name} exec deploy/{spec.name}-login -- sbatch --wrap hostname"
-        )
+        """A hello-world batch job on every partition, as the spec's first user; each must complete."""
+        user = spec.users[0].name if spec.users else "root"
+        try:
+            client = self._rest(spec)
+        except SlurmRestError as exc:
+            raise StepFailed(str(exc)) from None
+        ran = []
+        try:
+            for partition in spec.partitions:
+                script = '#!/bin/sh\necho "hello from $SLURMD_NODENAME"\n'
+                try:
+                    job = client.submit(script, user=user, partition=partition.name, name="gpufleet-smoke")
+                    state = client.wait_job(job, user=user, timeout=SMOKE_TIMEOUT)
+                except SlurmRestError as exc:
+                    raise StepFailed(f"smoke job on partition {partition.name}: {exc}") from None
+                if state != "COMPLETED":
+                    raise StepFailed(f"smoke job {job} on partition {partition.name}, as {user}, ended {state}")
+                ran.append(f"{partition.name}: job {job} as {user} COMPLETED")
+        finally:
+            client.close()
+        return "; ".join(ran)
 
     def drain(self, spec: ClusterSpec) -> str:
         return "left to the operator, which drains a NodeSet's nodes before deleting its pods"
 
     def running_jobs(self, spec: ClusterSpec) -> int:
-        raise StepFailed(
-            "gpufleet cannot see a Slinky cluster's jobs yet (no slurmrestd client): delete with --force, "
-            "which leaves draining and the jobs to the operator"
-        )
+        try:
+            client = self._rest(spec)
+            try:
+                jobs = client.jobs()
+            finally:
+                client.close()
+        except SlurmRestError as exc:
+            raise StepFailed(f"{exc}; delete with --force to leave the jobs to the operator") from None
+        return sum(1 for state in jobs.values() if state.split("+")[0] in ACTIVE)
 
     def cancel_jobs(self, spec: ClusterSpec) -> int:
-        return 0  # the operator's: it drains before deleting pods
+        """Cancel every job still held; a cluster whose slurmrestd is gone has none to cancel here
+        (the operator drains before it deletes the pods)."""
+        try:
+            client = self._rest(spec)
+        except SlurmRestError:
+            return 0
+        try:
+            live = [job for job, state in client.jobs().items() if state.split("+")[0] not in TERMINAL]
+            for job in live:
+                client.cancel(job)
+        except SlurmRestError as exc:
+            raise StepFailed(f"cancelling the jobs: {exc}") from None
+        finally:
+            client.close()
+        return len(live)
 
     def make_remediable(self, spec: ClusterSpec) -> str:
         return f"remediation defaults in ConfigMap gpufleet-remediation; run a worker with GPUFLEET_CLUSTER={spec.name}"

@@ -77,6 +77,7 @@ RESOURCE_INFO: dict[kmock.resource, tuple[str, list[str], bool, list[str]]] = {
     kmock.resource("slinky.slurm.net", "v1beta1", "nodesets"): ("NodeSet", ["nss"], True, []),
     kmock.resource("slinky.slurm.net", "v1beta1", "loginsets"): ("LoginSet", ["lss"], True, []),
     kmock.resource("slinky.slurm.net", "v1beta1", "accountings"): ("Accounting", [], True, []),
+    kmock.resource("slinky.slurm.net", "v1beta1", "restapis"): ("RestApi", [], True, []),
     kmock.resource("rbac.authorization.k8s.io", "v1", "roles"): ("Role", [], True, []),
     kmock.resource("rbac.authorization.k8s.io", "v1", "rolebindings"): ("RoleBinding", [], True, []),
     kmock.resource("rbac.authorization.k8s.io", "v1", "clusterroles"): ("ClusterRole", [], False, []),

@@ -49,6 +49,22 @@ class Settings(BaseSettings):
     # Where pool rebalancing reads inference demand (the Prometheus HTTP API); unset: demand
     # comes from `gpufleet pool set-demand` only.
     prometheus_url: str | None = None
+    # Where a Slinky cluster's slurmrestd answers, `{name}` standing for the cluster's name;
+    # empty: the operator's Service <name>-restapi, for a worker inside the Kubernetes cluster.
+    slinky_restapi_url: str = ""
+
+    @field_validator("slinky_restapi_url")
+    @classmethod
+    def _restapi(cls, value: str) -> str:
+        if not value:
+            return value
+        try:
+            filled = value.format(name="x")
+        except (KeyError, IndexError, ValueError):
+            raise ValueError("only {name} may stand in it (the cluster's name)") from None
+        if not filled.startswith(("http://", "https://")):
+            raise ValueError("an http:// or https:// URL, e.g. http://{name}-restapi.slurm-{name}:6820")
+        return value
 
     @field_validator("cluster_backends")
     @classmethod

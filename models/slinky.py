@@ -12,7 +12,8 @@ created (and deleted in reverse):
 - a PersistentVolumeClaim for the shared storage, when the spec asks for it;
 - a ConfigMap with the cluster's remediation defaults (read by its gpufleet worker);
 - ``Accounting`` when accounting is on, the ``Controller``, one ``NodeSet`` per partition (its
-  pods pinned to the reserved nodes by the labels the reservation wrote) and a ``LoginSet``.
+  pods pinned to the reserved nodes by the labels the reservation wrote), a ``LoginSet``, and a
+  ``RestApi`` (slurmrestd), through which gpufleet waits for the cluster and smoke-tests it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ IMAGES = {
     "slurmd": f"ghcr.io/slinkyproject/slurmd:{IMAGE_TAG}",
     "login": f"ghcr.io/slinkyproject/login:{IMAGE_TAG}",
     "slurmdbd": f"ghcr.io/slinkyproject/slurmdbd:{IMAGE_TAG}",
+    "slurmrestd": f"ghcr.io/slinkyproject/slurmrestd:{IMAGE_TAG}",
 }
+RESTAPI_PORT = 6820  # the operator's Service <name>-restapi listens here
 GENERATED = "<generated when the Secret is first created>"
 CLUSTER_LABEL = "gpufleet.io/cluster"
 PARTITION_LABEL = "gpufleet.io/partition"
@@ -224,4 +227,12 @@ def slinky_objects(spec: ClusterSpec, placement: dict[str, list[str]]) -> list[d
     if admins:
         login["rootSshAuthorizedKeys"] = admins + "\n"
     objects.append({"apiVersion": API, "kind": "LoginSet", "metadata": _meta(spec, f"{name}-login"), "spec": login})
+    # slurmrestd, through which gpufleet waits for the cluster, runs its smoke jobs and counts jobs.
+    restapi = {"controllerRef": {"name": name}, "replicas": 1, "slurmrestd": _container(IMAGES["slurmrestd"])}
+    objects.append({"apiVersion": API, "kind": "RestApi", "metadata": _meta(spec, name), "spec": restapi})
     return objects
+
+
+def restapi_url(name: str) -> str:
+    """Where a worker in the Kubernetes cluster reaches the cluster's slurmrestd."""
+    return f"http://{name}-restapi.{cluster_namespace(name)}.svc.cluster.local:{RESTAPI_PORT}"

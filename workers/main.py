@@ -161,7 +161,7 @@ def cluster_activities(settings: Settings) -> list[Any]:
     kube = KubernetesApi(kubeconfig=settings.kubeconfig, poll_seconds=settings.poll_seconds)
     backends: dict[str, ClusterBackend] = {}
     if "slinky" in settings.backends:
-        backends["slinky"] = SlinkyBackend(kube)
+        backends["slinky"] = SlinkyBackend(kube, restapi=settings.slinky_restapi_url)
     if "lab" in settings.backends:
         from lab.cluster import LabClusterBackend  # the lab's own daemons: only where the lab runs
 

@@ -47,8 +47,9 @@ def test_the_objects_are_made_once_and_deleted_in_reverse(api: KubeApiProcess) -
         "NodeSet",
         "NodeSet",
         "LoginSet",
+        "RestApi",
     ]
-    assert create_all(kube, objects, "run-1").startswith("created 11 object(s)")
+    assert create_all(kube, objects, "run-1").startswith("created 12 object(s)")
     key = kube._api.read_namespaced_secret("research-slurm-key", "slurm-research").data["slurm.key"]
     assert len(base64.b64decode(base64.b64decode(key))) == 1024  # generated (base64 of 1024 bytes), stored base64
     assert create_all(kube, objects, "run-1") == "created 0 object(s) (all there already)"  # a retry
@@ -75,7 +76,9 @@ def test_the_objects_are_made_once_and_deleted_in_reverse(api: KubeApiProcess) -
     with pytest.raises(StepFailed, match="Namespace/slurm-research exists and was not made by this creation"):
         create_all(kube, objects, "run-2")
     assert delete_all(kube, objects, "run-2").startswith("deleted 0 object(s) (none were there); left alone")
-    assert delete_all(kube, objects, "run-1").startswith("deleted 11 object(s): LoginSet/research-login")
+    assert delete_all(kube, objects, "run-1").startswith(
+        "deleted 12 object(s): RestApi/research, LoginSet/research-login"
+    )
     assert SlinkyBackend(kube).exists(spec) == ""
     assert delete_all(kube, objects, "run-1") == "deleted 0 object(s) (none were there)"
 
@@ -88,7 +91,7 @@ def test_the_dry_run_prints_every_object_and_contacts_nothing() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("# gpufleet cluster create --dry-run: research on slinky")
     documents = list(yaml.safe_load_all(done.stdout))
-    assert [d["kind"] for d in documents][-4:] == ["Controller", "NodeSet", "NodeSet", "LoginSet"]
+    assert [d["kind"] for d in documents][-5:] == ["Controller", "NodeSet", "NodeSet", "LoginSet", "RestApi"]
     controller = next(d for d in documents if d["kind"] == "Controller")
     assert "JobRequeue=1" in controller["spec"]["extraConf"] and "KillWait=120" in controller["spec"]["extraConf"]
     assert all(

@@ -1,0 +1,202 @@
+"""Slurm's REST API (``slurmrestd``) over httpx, for clusters gpufleet reaches only that way
+(a Slinky cluster's ``RestApi``).
+
+Each request carries a JSON Web Token that gpufleet signs itself with the cluster's HS256 key
+(the file behind ``AuthAltParameters=jwt_key=``; on Slinky the Secret ``<name>-jwt-key``), for
+the user the request acts as: Slurm's ``auth/jwt`` trusts the token's ``sun`` claim, so a job
+submitted for ``alice`` runs as ``alice``. Tokens live five minutes and are never logged.
+
+Two shapes of the API are spoken, chosen by the version in the path:
+
+- ``v0.0.38`` (Slurm 22.05 and 23.02): the script beside the job, the environment an object,
+  states plain strings. Tested against Debian's ``slurmrestd`` 22.05.
+- ``v0.0.40`` to ``v0.0.44`` (Slurm 23.11 to 25.11, what Slinky runs): the script inside the
+  job, the environment a list of ``KEY=value``, states lists of flags.
+
+``detect_version`` asks the server, newest first, which one it serves.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import time
+from typing import Any
+
+import httpx
+
+VERSIONS = ("v0.0.44", "v0.0.43", "v0.0.42", "v0.0.41", "v0.0.40", "v0.0.38")
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"}
+TOKEN_SECONDS = 300
+
+
+class SlurmRestError(Exception):
+    """slurmrestd refused or could not be reached; the message says which and what to check."""
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def jwt_token(key: bytes, user: str, *, lifetime: int = TOKEN_SECONDS, now: float | None = None) -> str:
+    """An HS256 token for ``user``, as ``scontrol token`` makes them."""
+    issued = int(time.time() if now is None else now)
+    header = _b64(json.dumps({"alg": "HS256", "typ": "JWT"}, separators=(",", ":")).encode())
+    claims = _b64(json.dumps({"iat": issued, "exp": issued + lifetime, "sun": user}, separators=(",", ":")).encode())
+    signature = hmac.new(key, f"{header}.{claims}".encode(), hashlib.sha256).digest()
+    return f"{header}.{claims}.{_b64(signature)}"
+
+
+def _state(value: Any) -> str:
+    """A job or node state in either shape: ``"idle"`` or ``["IDLE", "DRAIN"]``."""
+    if isinstance(value, list):
+        return "+".join(str(v).upper() for v in value) or "?"
+    return str(value).upper() if value else "?"
+
+
+def _error(entry: Any) -> str:
+    """One entry of a reply's ``errors``, as Slurm words it (description, then where)."""
+    if not isinstance(entry, dict):
+        return str(entry)
+    said = str(entry.get("description") or entry.get("error") or entry)
+    return f"{said} ({entry['source']})" if entry.get("source") else said
+
+
+class SlurmRestClient:
+    def __init__(
+        self,
+        base_url: str,
+        key: bytes,
+        *,
+        version: str = "v0.0.38",
+        timeout: float = 10.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if version not in VERSIONS:
+            raise ValueError(f"unknown slurmrestd API version {version!r}; gpufleet speaks {', '.join(VERSIONS)}")
+        self.base_url = base_url.rstrip("/")
+        self.version = version
+        self._key = key
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    @property
+    def _old(self) -> bool:
+        return self.version == "v0.0.38"
+
+    def _request(self, method: str, path: str, *, user: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        headers = {"X-SLURM-USER-NAME": user, "X-SLURM-USER-TOKEN": jwt_token(self._key, user)}
+        what = f"{method} {path}"
+        try:
+            reply = self._http.request(method, path, headers=headers, json=body)
+        except httpx.HTTPError as exc:
+            raise SlurmRestError(
+                f"slurmrestd at {self.base_url} did not answer {what}: {type(exc).__name__} {exc}; "
+                "is the cluster's RestApi up, and is its address right?"
+            ) from None
+        if reply.status_code in (401, 403):
+            raise SlurmRestError(
+                f"slurmrestd at {self.base_url} refused the token for {user!r} ({reply.status_code}): the key "
+                "gpufleet signs with must be the cluster's jwt_key, and the user must exist on the controller"
+            )
+        try:
+            data: dict[str, Any] = reply.json()
+        except ValueError:
+            data = {}
+        errors = [_error(e) for e in data.get("errors") or []]
+        if reply.status_code >= 400 or errors:
+            said = "; ".join(errors) or reply.text.strip()[:300]
+            hint = ""
+            if reply.status_code >= 500:
+                # What Slurm 22.05 answers when the controller refuses the token.
+                hint = (
+                    f"; if every call fails so, the controller refuses the token for {user!r}: the key gpufleet "
+                    "signs with must be the cluster's jwt_key, and the user must exist on the controller"
+                )
+            raise SlurmRestError(f"slurmrestd refused {what} ({reply.status_code}): {said}{hint}")
+        return data
+
+    def detect_version(self, *, user: str = "root") -> str:
+        """The newest API version the server serves; this client uses it from now on."""
+        for version in VERSIONS:
+            try:
+                reply = self._http.get(
+                    f"/slurm/{version}/ping",
+                    headers={"X-SLURM-USER-NAME": user, "X-SLURM-USER-TOKEN": jwt_token(self._key, user)},
+                )
+            except httpx.HTTPError as exc:
+                raise SlurmRestError(f"slurmrestd at {self.base_url} did not answer: {exc}") from None
+            if reply.status_code != 404:
+                self.version = version
+                return version
+        raise SlurmRestError(f"slurmrestd at {self.base_url} serves none of {', '.join(VERSIONS)}")
+
+    def ping(self, *, user: str = "root") -> str:
+        """The controller's Slurm release, once it answers through slurmrestd."""
+        data = self._request("GET", f"/slurm/{self.version}/ping", user=user)
+        pings = data.get("pings") or []
+        if not pings or not all(str(p.get("ping", p.get("pinged", ""))).upper() == "UP" for p in pings):
+            raise SlurmRestError(f"slurmrestd answers but the controller does not: {pings}")
+        release = (data.get("meta") or {}).get("Slurm", (data.get("meta") or {}).get("slurm", {})).get("release", "?")
+        return str(release)
+
+    def nodes(self, *, user: str = "root") -> dict[str, tuple[str, list[str]]]:
+        """Each node's state and partitions."""
+        data = self._request("GET", f"/slurm/{self.version}/nodes", user=user)
+        return {
+            str(n["name"]): (_state(n.get("state")), [str(p) for p in n.get("partitions") or []])
+            for n in data.get("nodes") or []
+        }
+
+    def submit(
+        self, script: str, *, user: str, partition: str, name: str, cwd: str = "/tmp", output: str = "/dev/null"
+    ) -> int:
+        """Submit a batch script as ``user``; returns the job ID."""
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
+        job: dict[str, Any] = {
+            "partition": partition,
+            "name": name,
+            "current_working_directory": cwd,
+            "standard_output": output,
+            "nodes": "1",
+        }
+        if self._old:
+            job["nodes"] = 1
+            body: dict[str, Any] = {"script": script, "job": {**job, "environment": env}}
+        else:
+            body = {"job": {**job, "script": script, "environment": [f"{k}={v}" for k, v in env.items()]}}
+        data = self._request("POST", f"/slurm/{self.version}/job/submit", user=user, body=body)
+        job_id = data.get("job_id")
+        if not isinstance(job_id, int):
+            raise SlurmRestError(f"slurmrestd accepted the job but named no job ID: {data}")
+        return job_id
+
+    def job_state(self, job_id: int, *, user: str = "root") -> str:
+        data = self._request("GET", f"/slurm/{self.version}/job/{int(job_id)}", user=user)
+        jobs = data.get("jobs") or []
+        if not jobs:
+            raise SlurmRestError(f"slurmrestd knows no job {job_id}")
+        return _state(jobs[0].get("job_state"))
+
+    def jobs(self, *, user: str = "root") -> dict[int, str]:
+        """Every job the controller still holds, with its state."""
+        data = self._request("GET", f"/slurm/{self.version}/jobs", user=user)
+        return {int(j["job_id"]): _state(j.get("job_state")) for j in data.get("jobs") or []}
+
+    def cancel(self, job_id: int, *, user: str = "root") -> None:
+        self._request("DELETE", f"/slurm/{self.version}/job/{int(job_id)}", user=user)
+
+    def wait_job(self, job_id: int, *, user: str, timeout: float, interval: float = 1.0) -> str:
+        """The job's state once it ends (or ``"<state> after <timeout>s"``)."""
+        deadline = time.monotonic() + timeout
+        state = "PENDING"
+        while time.monotonic() < deadline:
+            state = self.job_state(job_id, user=user)
+            if state.split("+")[0] in TERMINAL:
+                return state.split("+")[0]
+            time.sleep(interval)
+        return f"{state} after {timeout:g}s"

@@ -1,0 +1,133 @@
+"""The request and reply shapes of slurmrestd's API v0.0.40 to v0.0.44 (Slurm 23.11 to 25.11,
+what Slinky runs), where no server of those versions can run: what the client sends and how it
+reads what comes back, and the token it signs. v0.0.38 runs against a real server in
+test_slurmrest.py."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from clients.slurmrest import VERSIONS, SlurmRestClient, SlurmRestError, jwt_token
+
+KEY = b"k" * 32
+
+
+def _claims(token: str) -> dict[str, Any]:
+    part = token.split(".")[1]
+    claims: dict[str, Any] = json.loads(base64.urlsafe_b64decode(part + "=" * (-len(part) % 4)))
+    return claims
+
+
+def test_the_token_is_hs256_for_the_user_and_short_lived() -> None:
+    token = jwt_token(KEY, "alice", lifetime=300, now=1_700_000_000)
+    header, claims, signature = token.split(".")
+    assert json.loads(base64.urlsafe_b64decode(header + "==")) == {"alg": "HS256", "typ": "JWT"}
+    assert _claims(token) == {"iat": 1_700_000_000, "exp": 1_700_000_300, "sun": "alice"}
+    expected = hmac.new(KEY, f"{header}.{claims}".encode(), hashlib.sha256).digest()
+    assert base64.urlsafe_b64decode(signature + "=") == expected
+
+
+class Recorder:
+    """A server of one API version, answering as Slurm's OpenAPI documents describe."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        path = request.url.path
+        if not path.startswith(f"/slurm/{self.version}/"):
+            return httpx.Response(404, text="Not Found")
+        if path.endswith("/ping"):
+            return httpx.Response(
+                200,
+                json={
+                    "meta": {"slurm": {"release": "25.11.0"}},
+                    "pings": [{"hostname": "ctld", "pinged": "UP", "responding": True, "mode": "primary"}],
+                    "errors": [],
+                },
+            )
+        if path.endswith("/job/submit"):
+            return httpx.Response(200, json={"job_id": 42, "step_id": "batch", "errors": [], "warnings": []})
+        if path.endswith("/job/42"):
+            return httpx.Response(200, json={"jobs": [{"job_id": 42, "job_state": ["COMPLETED"]}], "errors": []})
+        if path.endswith("/nodes"):
+            return httpx.Response(
+                200,
+                json={
+                    "nodes": [
+                        {"name": "research-train-0", "state": ["IDLE"], "partitions": ["train"]},
+                        {"name": "research-train-1", "state": ["IDLE", "DRAIN"], "partitions": ["train"]},
+                    ],
+                    "errors": [],
+                },
+            )
+        return httpx.Response(500, json={"errors": [{"description": "Nothing found", "source": "test"}]})
+
+
+@pytest.mark.parametrize("version", [v for v in VERSIONS if v != "v0.0.38"])
+def test_a_newer_server_is_spoken_to_in_its_own_shape(version: str) -> None:
+    server = Recorder(version)
+    client = SlurmRestClient("http://restapi:6820", KEY, transport=httpx.MockTransport(server))
+    assert client.detect_version() == version  # newest first: the versions above it are 404
+    assert client.ping() == "25.11.0"
+    job = client.submit("#!/bin/sh\nhostname\n", user="alice", partition="train", name="gpufleet-smoke")
+    assert job == 42
+    submitted = server.requests[-1]
+    body = json.loads(submitted.content)
+    assert set(body) == {"job"}  # the script inside the job, not beside it
+    assert body["job"]["script"] == "#!/bin/sh\nhostname\n"
+    assert body["job"]["environment"] == ["PATH=/usr/local/bin:/usr/bin:/bin"]
+    assert body["job"]["partition"] == "train" and body["job"]["standard_output"] == "/dev/null"
+    assert submitted.headers["X-SLURM-USER-NAME"] == "alice"
+    assert _claims(submitted.headers["X-SLURM-USER-TOKEN"])["sun"] == "alice"
+    assert client.wait_job(42, user="alice", timeout=5) == "COMPLETED"
+    assert client.nodes() == {
+        "research-train-0": ("IDLE", ["train"]),
+        "research-train-1": ("IDLE+DRAIN", ["train"]),
+    }
+
+
+def test_the_oldest_shape_puts_the_script_beside_the_job() -> None:
+    server = Recorder("v0.0.38")
+
+    def old(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/job/submit"):
+            server.requests.append(request)
+            return httpx.Response(200, json={"job_id": 7, "errors": []})
+        return server(request)
+
+    client = SlurmRestClient("http://restapi:6820", KEY, transport=httpx.MockTransport(old))
+    assert client.detect_version() == "v0.0.38"
+    client.submit("#!/bin/sh\ntrue\n", user="bob", partition="debug", name="x")
+    body = json.loads(server.requests[-1].content)
+    assert body["script"] == "#!/bin/sh\ntrue\n" and body["job"]["environment"] == {
+        "PATH": "/usr/local/bin:/usr/bin:/bin"
+    }
+
+
+def test_a_server_that_serves_no_known_version_is_named() -> None:
+    client = SlurmRestClient("http://restapi:6820", KEY, transport=httpx.MockTransport(Recorder("v0.0.36")))
+    with pytest.raises(SlurmRestError, match=r"serves none of v0\.0\.44"):
+        client.detect_version()
+
+
+def test_an_unknown_version_is_refused_before_any_call() -> None:
+    with pytest.raises(ValueError, match=r"unknown slurmrestd API version .v0\.0\.39."):
+        SlurmRestClient("http://restapi:6820", KEY, version="v0.0.39")
+
+
+def test_slurms_errors_are_quoted_with_their_source() -> None:
+    client = SlurmRestClient(
+        "http://restapi:6820", KEY, version="v0.0.42", transport=httpx.MockTransport(Recorder("v0.0.42"))
+    )
+    with pytest.raises(SlurmRestError, match=r"refused GET /slurm/v0.0.42/jobs \(500\): Nothing found \(test\)"):
+        client.jobs()
