@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs Debian's slurm-wlm and munge, slurmdbd and mariadb-server (for clusters with accounting),
-# and kubectl (Debian's kubernetes-client) when missing (as root), else says what to install.
+# slurmrestd and its JWT plugin (Slurm's REST API), and kubectl (Debian's kubernetes-client) when missing (as root), else says what to install.
 # A kubectl already on PATH (e.g. 1.32) is used as it is.
 set -euo pipefail
 if ! command -v kubectl >/dev/null 2>&1; then
@@ -12,13 +12,15 @@ if ! command -v kubectl >/dev/null 2>&1; then
     echo "kubectl is missing: the kubectl tests are skipped (install kubectl, or apt-get install kubernetes-client)" >&2
   fi
 fi
-if ! command -v slurmdbd >/dev/null 2>&1 || ! command -v mariadbd >/dev/null 2>&1; then
+extras=(slurmdbd mariadb-server slurmrestd slurm-wlm-jwt-plugin)
+if ! command -v slurmdbd >/dev/null 2>&1 || ! command -v mariadbd >/dev/null 2>&1 \
+  || ! command -v slurmrestd >/dev/null 2>&1 || ! dpkg -s slurm-wlm-jwt-plugin >/dev/null 2>&1; then
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "installing slurmdbd and mariadb-server (clusters with accounting)"
+    echo "installing ${extras[*]} (accounting, Slurm's REST API)"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurmdbd mariadb-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${extras[@]}" >/dev/null
   else
-    echo "slurmdbd or mariadbd is missing: the accounting tests are skipped (apt-get install slurmdbd mariadb-server)" >&2
+    echo "some of ${extras[*]} are missing: the tests that need them are skipped (apt-get install them)" >&2
   fi
 fi
 missing=()
