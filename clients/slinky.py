@@ -178,10 +178,52 @@ class SlinkyBackend:
         return "the operator tears down what its objects' deletion removes"
 
     def add_users(self, spec: ClusterSpec) -> str:
-        return f"{len(spec.users)} user(s) in the sssd user database Secret"
+        """Linux users come from the sssd user database Secret; with accounting, each account and
+        each user in its account go into slurmdbd through slurmrestd."""
+        in_secret = f"{len(spec.users)} user(s) in the sssd user database Secret"
+        if not spec.accounting:
+            return in_secret
+        added = []
+        try:
+            client = self._rest(spec)
+            try:
+                have = client.associations(spec.name)
+                accounts = {account for account, _ in have}
+                for account in sorted({user.account for user in spec.users} - accounts):
+                    client.add_account(account, cluster=spec.name)
+                    added.append(f"account {account}")
+                for user in spec.users:
+                    if (user.account, user.name) not in have:
+                        client.add_user(user.name, account=user.account, cluster=spec.name, admin=user.admin)
+                        added.append(f"user {user.name} in {user.account}")
+            finally:
+                client.close()
+        except SlurmRestError as exc:
+            raise StepFailed(f"adding accounts through slurmrestd: {exc}") from None
+        return f"{in_secret}; slurmdbd: {', '.join(added) or 'every account and user was there already'}"
 
     def remove_users(self, spec: ClusterSpec) -> str:
-        return "users leave with the user database Secret"
+        if not spec.accounting:
+            return "users leave with the user database Secret"
+        removed = []
+        try:
+            client = self._rest(spec)
+        except SlurmRestError:
+            return "slurmrestd does not answer: the accounts go with the cluster's accounting database"
+        try:
+            have = client.associations(spec.name)
+            for user in spec.users:
+                if (user.account, user.name) in have:
+                    client.remove_user(user.name)
+                    removed.append(f"user {user.name}")
+            for account in sorted({user.account for user in spec.users} & {a for a, _ in have}):
+                client.remove_account(account)
+                removed.append(f"account {account}")
+        except SlurmRestError as exc:
+            raise StepFailed(f"removing accounts through slurmrestd: {exc}") from None
+        finally:
+            client.close()
+        return f"slurmdbd: removed {', '.join(removed)}" if removed else "no accounts to remove"
 
     def smoke_test(self, spec: ClusterSpec) -> str:
         """A hello-world batch job on every partition, as the spec's first user; each must complete."""

@@ -190,6 +190,53 @@ class SlurmRestClient:
     def cancel(self, job_id: int, *, user: str = "root") -> None:
         self._request("DELETE", f"/slurm/{self.version}/job/{int(job_id)}", user=user)
 
+    # -- accounting (the slurmdb API: where the cluster has slurmdbd) ------------------------------
+
+    def associations(self, cluster: str, *, user: str = "root") -> set[tuple[str, str]]:
+        """(account, user) of each association on ``cluster`` ('' for an account's own)."""
+        data = self._request("GET", f"/slurmdb/{self.version}/associations", user=user)
+        return {
+            (str(a.get("account") or ""), str(a.get("user") or ""))
+            for a in data.get("associations") or []
+            if a.get("cluster") == cluster
+        }
+
+    def add_account(self, account: str, *, cluster: str, user: str = "root") -> None:
+        """The account, and its association on ``cluster`` (under ``root``), which a user's
+        association needs first."""
+        body = {"accounts": [{"name": account, "description": account, "organization": account}]}
+        self._request("POST", f"/slurmdb/{self.version}/accounts", user=user, body=body)
+        association = {"account": account, "cluster": cluster, "parent_account": "root"}
+        try:
+            self._request(
+                "POST", f"/slurmdb/{self.version}/associations", user=user, body={"associations": [association]}
+            )
+        except SlurmRestError as exc:
+            # Slurm 22.05 adds an account's association yet complains that it names no user;
+            # what counts is whether the association is there.
+            if "Missing required field 'user'" not in str(exc):
+                raise
+        if (account, "") not in self.associations(cluster, user=user):
+            raise SlurmRestError(f"slurmrestd took account {account} but it has no association on {cluster}")
+
+    def add_user(self, name: str, *, account: str, cluster: str, admin: bool, user: str = "root") -> None:
+        """The user, with ``account`` as default, and its association on ``cluster``."""
+        level = "Administrator" if admin else "None"
+        entry = {
+            "name": name,
+            "default": {"account": account},
+            "administrator_level": level if self._old else [level],
+        }
+        self._request("POST", f"/slurmdb/{self.version}/users", user=user, body={"users": [entry]})
+        association = {"account": account, "cluster": cluster, "user": name}
+        self._request("POST", f"/slurmdb/{self.version}/associations", user=user, body={"associations": [association]})
+
+    def remove_user(self, name: str, *, user: str = "root") -> None:
+        self._request("DELETE", f"/slurmdb/{self.version}/user/{name}", user=user)
+
+    def remove_account(self, account: str, *, user: str = "root") -> None:
+        self._request("DELETE", f"/slurmdb/{self.version}/account/{account}", user=user)
+
     def wait_job(self, job_id: int, *, user: str, timeout: float, interval: float = 1.0) -> str:
         """The job's state once it ends (or ``"<state> after <timeout>s"``)."""
         deadline = time.monotonic() + timeout

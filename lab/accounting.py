@@ -149,6 +149,10 @@ class Accounting:
             f"StoragePass={password}",
             f"StorageLoc={DATABASE}",
         ]
+        # Tokens (slurmrestd's accounting calls) are checked by slurmdbd too, with the same key.
+        lines += [
+            f"{key}={conf_value(conf, key)}" for key in ("AuthAltTypes", "AuthAltParameters") if conf_value(conf, key)
+        ]
         path = self.root / "slurmdbd.conf"
         path.touch(mode=0o600)
         path.chmod(0o600)

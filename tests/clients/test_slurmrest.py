@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from clients.clusters import StepFailed
 from clients.kube import KubernetesApi
 from clients.slinky import SlinkyBackend
 from clients.slurmrest import SlurmRestClient, SlurmRestError, jwt_token
+from lab.accounting import Accounting, accounting_installed
 from lab.procs import free_port, wait_for
 from lab.slurm import SlurmLab, slurm_installed
 from lab.slurmrest import jwt_lines, slurmrestd_installed, start_slurmrestd
@@ -35,14 +37,21 @@ KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGbRLO3ZFsuyq0E7A3y5lV8Kfy2kOQH9S+8q0
 PLACEMENT = {"train": ["free1", "free2"], "debug": ["free3"]}
 
 
+ACCOUNTING = not accounting_installed()
+
+
 def spec(train_nodes: int = 2) -> ClusterSpec:
     return load_spec(
         {
             "name": "rest",
             "partitions": [{"name": "train", "nodes": train_nodes, "default": True}, {"name": "debug", "nodes": 1}],
-            # A user this machine has, so that the smoke job can run as the spec's first user.
-            "users": [{"name": "nobody", "uid": 20001, "ssh_keys": [KEY]}],
+            # Users this machine has, so that the smoke job can run as the spec's first user.
+            "users": [
+                {"name": "nobody", "uid": 20001, "account": "research", "ssh_keys": [KEY]},
+                {"name": "daemon", "uid": 20002, "account": "ops", "admin": True, "ssh_keys": [KEY]},
+            ],
             "spares": 0,
+            "accounting": ACCOUNTING,
         }
     )
 
@@ -82,7 +91,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestCluster]:
         "ClusterName=rest",
         *slurm.site_lines(),
         *jwt_lines(key_file),
-        "AccountingStorageType=accounting_storage/none",
+        # With slurmdbd where the machine has it (its own MariaDB), for the accounting calls.
+        *(Accounting.site_lines(slurm.munge_socket) if ACCOUNTING else []),
+        f"AccountingStorageType=accounting_storage/{'slurmdbd' if ACCOUNTING else 'none'}",
         *(f"NodeName={node} {slurm.node_options()} State=UNKNOWN" for node in nodes),
         "PartitionName=train Nodes=rest-train-0,rest-train-1 Default=YES MaxTime=INFINITE State=UP",
         "PartitionName=debug Nodes=rest-debug-0 MaxTime=INFINITE State=UP",
@@ -91,7 +102,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestCluster]:
     restd = None
     try:
         slurm.start()
-        restd = start_slurmrestd(slurm)
+        restd = start_slurmrestd(
+            slurm, plugins="openapi/v0.0.38,openapi/dbv0.0.38" if ACCOUNTING else "openapi/v0.0.38"
+        )
         yield RestCluster(kube, slurm, restd.url, key)
     finally:
         if restd is not None:
@@ -184,3 +197,32 @@ def test_without_slurmrestd_a_deletion_is_told_to_force(cluster: RestCluster) ->
     with pytest.raises(StepFailed, match=r"did not answer.*delete with --force"):
         gone.running_jobs(spec())
     assert gone.cancel_jobs(spec()) == 0  # nothing this backend can reach; the operator drains
+
+
+@pytest.mark.skipif(not ACCOUNTING, reason=accounting_installed() or "installed")
+def test_accounts_and_users_go_into_slurmdbd_and_come_out_again(cluster: RestCluster) -> None:
+    backend = cluster.backend()
+    detail = backend.add_users(spec())
+    assert "account ops" in detail and "user nobody in research" in detail and "user daemon in ops" in detail
+    assert "was there already" in backend.add_users(spec())  # a retry adds nothing
+    out = subprocess.run(
+        ["sacctmgr", "-n", "-P", "show", "assoc", "cluster=rest", "format=account,user"],
+        env=cluster.slurm.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert {"research|nobody", "ops|daemon"} <= set(out.stdout.split())
+    admins = subprocess.run(
+        ["sacctmgr", "-n", "-P", "show", "user", "daemon,nobody", "format=user,admin"],
+        env=cluster.slurm.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert sorted(admins.stdout.split()) == ["daemon|Administrator", "nobody|None"]
+    assert backend.remove_users(spec()) == "slurmdbd: removed user nobody, user daemon, account ops, account research"
+    assert backend.remove_users(spec()) == "no accounts to remove"
+    assert cluster.client().associations("rest") == {("root", ""), ("root", "root")}

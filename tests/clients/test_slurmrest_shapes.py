@@ -131,3 +131,24 @@ def test_slurms_errors_are_quoted_with_their_source() -> None:
     )
     with pytest.raises(SlurmRestError, match=r"refused GET /slurm/v0.0.42/jobs \(500\): Nothing found \(test\)"):
         client.jobs()
+
+
+def test_a_newer_server_gets_the_administrator_level_as_a_list() -> None:
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        sent.append((request.url.path, json.loads(request.content or b"{}")))
+        return httpx.Response(200, json={"errors": []})
+
+    client = SlurmRestClient("http://restapi:6820", KEY, version="v0.0.42", transport=httpx.MockTransport(server))
+    client.add_user("alice", account="vision", cluster="research", admin=True)
+    assert sent == [
+        (
+            "/slurmdb/v0.0.42/users",
+            {"users": [{"name": "alice", "default": {"account": "vision"}, "administrator_level": ["Administrator"]}]},
+        ),
+        (
+            "/slurmdb/v0.0.42/associations",
+            {"associations": [{"account": "vision", "cluster": "research", "user": "alice"}]},
+        ),
+    ]
