@@ -332,6 +332,13 @@ def kill_wait(spec: ClusterSpec) -> int:
     return max(1, min(65533, round(spec.remediation.grace_seconds)))
 
 
+def job_requeue(spec: ClusterSpec) -> int:
+    """Slurm's default for batch jobs: requeued on a node failure (1), or only those that ask
+    with ``--requeue`` (0). gpufleet's remediation requeues what Slurm lets it, and names each
+    job that refuses."""
+    return 1 if spec.remediation.requeue else 0
+
+
 def render_slurm_conf(
     spec: ClusterSpec,
     placement: dict[str, list[str]],
@@ -345,7 +352,8 @@ def render_slurm_conf(
 
     ``site`` holds what the backend decides (hosts, ports, paths, authentication);
     ``node_options`` adds per-node options (``NodeAddr=... Port=...``). gpufleet's own
-    defaults come first: jobs requeue (``JobRequeue=1``) and get the checkpoint grace between
+    defaults come first: jobs requeue (``JobRequeue=1``, ``0`` when the spec's remediation says
+    ``requeue: false``) and get the checkpoint grace between
     SIGTERM and SIGKILL (``KillWait``). The spec's extra lines come last but for the nodes
     and partitions. ``spares`` are Slurm nodes outside every partition (a claim moves one in);
     ``gres=False`` leaves GPUs out, for nodes that have none (the lab's).
@@ -360,7 +368,7 @@ def render_slurm_conf(
         f"ClusterName={spec.name}",
         *(site or []),
         "# gpufleet's defaults: requeue, and the checkpoint grace between SIGTERM and SIGKILL.",
-        "JobRequeue=1",
+        f"JobRequeue={job_requeue(spec)}",
         f"KillWait={kill_wait(spec)}",
         f"AccountingStorageType={accounting}",
     ]

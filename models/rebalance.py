@@ -18,7 +18,7 @@ between 0 and the pool's size, never more or less.
 from __future__ import annotations
 
 import math
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -116,7 +116,8 @@ def decide(
     if goal == inference:
         side = "maximum" if goal == high and wanted > inference else "minimum"
         return Decision(inference=inference, move=0, why=f"at the {side}: demand {wanted:.2f} nodes, {inference} serve")
-    if last_move is not None and now - last_move < timedelta(seconds=limits.cooldown_seconds):
+    # In float seconds: a timedelta would round the cooldown to microseconds, ending it early.
+    if last_move is not None and (now - last_move).total_seconds() < limits.cooldown_seconds:
         left = limits.cooldown_seconds - (now - last_move).total_seconds()
         return Decision(inference=inference, move=0, why=f"cooling down ({left:.0f}s left): demand {wanted:.2f} nodes")
     step = max(-limits.batch, min(limits.batch, goal - inference))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.cluster import ClusterSpec, kill_wait
+from models.cluster import ClusterSpec, job_requeue, kill_wait
 
 API = "slinky.slurm.net/v1beta1"
 SLURM_VERSION = "25.11"
@@ -170,7 +170,7 @@ def slinky_objects(spec: ClusterSpec, placement: dict[str, list[str]]) -> list[d
             }
         )
     extra = [
-        "JobRequeue=1",
+        f"JobRequeue={job_requeue(spec)}",
         f"KillWait={kill_wait(spec)}",
         *(["GresTypes=gpu"] if any(p.gpus_per_node for p in spec.partitions) else []),
         *spec.slurm_conf,

@@ -122,6 +122,13 @@ def test_slurm_conf_matches_the_golden_file_and_parses_back_to_the_spec() -> Non
     assert partitions[1]["OverSubscribe"] == "NO"
 
 
+def test_requeue_off_makes_jobs_requeue_only_when_they_ask() -> None:
+    body = example()
+    body["remediation"] = {"grace_seconds": 30, "requeue": False}
+    plain, _, _ = parse_conf(render_slurm_conf(load_spec(body), PLACEMENT))
+    assert plain["JobRequeue"] == "0" and plain["KillWait"] == "30"
+
+
 def test_a_placement_that_does_not_match_the_spec_is_refused() -> None:
     spec = ClusterSpec.model_validate(example())
     wrong = copy.deepcopy(PLACEMENT)
