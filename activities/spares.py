@@ -27,7 +27,7 @@ class SpareActivities:
         with activity.shield_thread_cancel_exception(), client_errors(), dry_run(request.dry_run):
             if request.dry_run:
                 return self._provider.candidate()
-            return self._provider.claim(request.incident_id)
+            return self._provider.claim(request.incident_id, partitions=request.partitions)
 
     @activity.defn(name="release_spare")
     @heartbeating

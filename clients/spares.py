@@ -25,6 +25,7 @@ from models.constants import (
     POOL_TRAINING,
     QUARANTINE_LABEL,
     QUARANTINE_REASON_ANNOTATION,
+    RETIRED_FROM_ANNOTATION,
     RETIRED_TAINT,
     UNHEALTHY_TAINT,
 )
@@ -47,7 +48,7 @@ _UNFIT_ERRORS = (NotOwned, NotFound, InvalidInput)
 class NodeProvider(Protocol):
     """Where replacement nodes come from, and where failed and repaired nodes go."""
 
-    def claim(self, incident_id: str) -> str | None: ...
+    def claim(self, incident_id: str, *, partitions: list[str] | None = None) -> str | None: ...
     def candidate(self) -> str | None: ...
     def release(self, incident_id: str) -> str | None: ...
     def retire(self, node: str, incident_id: str = "") -> None: ...
@@ -200,8 +201,15 @@ class SparePool:
 
     # -- claim and release --------------------------------------------------------------------------
 
-    def _bring_in(self, spare: KubeNode) -> None:
-        """Resume the claimed spare in Slurm, put it in the partition and the training pool."""
+    def _joins(self, partitions: list[str] | None) -> str:
+        """The partition a spare replacing a node of ``partitions`` joins: ours when the failed
+        node was in it (or its partitions are unknown), else the first of them."""
+        if not partitions or self._partition in partitions:
+            return self._partition
+        return partitions[0]
+
+    def _bring_in(self, spare: KubeNode, partition: str) -> None:
+        """Resume the claimed spare in Slurm, put it in ``partition`` and the training pool."""
         name = spare.name
         if QUARANTINE_LABEL in spare.labels:
             raise NotOwned(f"{name} was quarantined after it was claimed")
@@ -209,11 +217,12 @@ class SparePool:
         info = self._slurm.node(name)
         if info.drained or info.state in _OUT_OF_SERVICE:
             raise NotOwned(f"{name} is out of service in Slurm ({info.state}, {info.reason!r})")
-        if self._partition not in info.partitions:
+        partition = spare.annotations.get(CLAIM_PARTITION_ANNOTATION) or partition  # a retry keeps its first
+        if partition not in info.partitions:
             if CLAIM_PARTITION_ANNOTATION not in spare.annotations:
                 # Recorded before the change, so that a release knows to undo it.
-                spare = self._kube.update_metadata(name, annotations={CLAIM_PARTITION_ANNOTATION: self._partition})
-            self.add_to_partition(name)
+                spare = self._kube.update_metadata(name, annotations={CLAIM_PARTITION_ANNOTATION: partition})
+            self.add_to_partition(name, partition=partition)
         if spare.labels.get(POOL_LABEL) != POOL_TRAINING:
             self._kube.update_metadata(name, labels={POOL_LABEL: POOL_TRAINING})
 
@@ -224,8 +233,11 @@ class SparePool:
                 return node.name
         return None
 
-    def claim(self, incident_id: str) -> str | None:
+    def claim(self, incident_id: str, *, partitions: list[str] | None = None) -> str | None:
         """Claim a spare for the incident and bring it into the partition and the training pool.
+
+        ``partitions``: the failed node's; the spare joins ours when the node was in it, else
+        the first of them (a cluster with several partitions).
 
         Returns:
             The spare's name (the same one on every retry), or None when no spare is free.
@@ -238,7 +250,7 @@ class SparePool:
             if spare.name in tried:
                 raise Conflict(f"the claim of {spare.name} for {incident_id} could not be released; retry")
             try:
-                self._bring_in(spare)
+                self._bring_in(spare, self._joins(partitions))
             except _UNFIT_ERRORS as exc:
                 log.warning("spare %s did not come in for %s (%s); releasing it", spare.name, incident_id, exc)
                 tried.add(spare.name)
@@ -294,7 +306,8 @@ class SparePool:
         The Node is not deleted: a kubelet restart would register a deleted node again, clean and
         schedulable. A node Kubernetes does not know is still taken out of the partition.
         """
-        self.remove_from_partition(node)
+        for partition in self._retired_from(node):
+            self.remove_from_partition(node, partition=partition)
         with contextlib.suppress(NotFound):
             self._kube.set_unschedulable(node, True)
             _retry_conflicts(lambda: self._kube.add_taint(node, key=RETIRED_TAINT, value=incident_id or POOL_RETIRED))
@@ -304,6 +317,27 @@ class SparePool:
                 self._kube.update_metadata(
                     node, labels={POOL_LABEL: POOL_RETIRED}, annotations={CLAIMED_BY_ANNOTATION: None}
                 )
+
+    def _retired_from(self, node: str) -> list[str]:
+        """The partitions the failed node leaves: those Slurm has it in, recorded on the Node the
+        first time (a retry finds it out of them already and keeps the record), else ours."""
+        try:
+            recorded = self._kube.get_node(node).annotations.get(RETIRED_FROM_ANNOTATION)
+        except NotFound:
+            recorded, known = None, False
+        else:
+            known = True
+        try:
+            current = self._slurm.node(node).partitions
+        except NotFound:
+            current = []
+        if recorded:
+            return sorted(set(recorded.split(",")) | set(current))
+        partitions = sorted(set(current)) or [self._partition]
+        if known:
+            with contextlib.suppress(NotFound):
+                self._kube.update_metadata(node, annotations={RETIRED_FROM_ANNOTATION: ",".join(partitions)})
+        return partitions
 
     def quarantine(self, node: str, *, code: str, reason: str, incident_id: str) -> None:
         """Label the node ``gpufleet.io/quarantine=<code>`` (never a spare, never returned until
@@ -353,18 +387,30 @@ class SparePool:
                 f"{node} was taken out of Slurm by someone else ({info.state}, reason {info.reason!r}); "
                 "not returning it: resume it by hand once its owner is done"
             )
+        try:
+            recorded = self._kube.get_node(node).annotations.get(RETIRED_FROM_ANNOTATION)
+        except NotFound:
+            recorded = None
+        partitions = recorded.split(",") if recorded else [self._partition]
         if as_ == POOL_SPARE:
-            self.remove_from_partition(node)
+            for partition in sorted(set(partitions) | set(info.partitions)):
+                self.remove_from_partition(node, partition=partition)
             self._slurm.resume(node)
         else:
             self._slurm.resume(node)
-            self.add_to_partition(node)
+            for partition in partitions:  # back where it was taken out of
+                self.add_to_partition(node, partition=partition)
         with contextlib.suppress(NotFound):
             for taint in (RETIRED_TAINT, UNHEALTHY_TAINT):
                 _retry_conflicts(functools.partial(self._kube.remove_taint, node, key=taint))
             self._kube.update_metadata(
                 node,
                 labels={POOL_LABEL: as_},
-                annotations={INCIDENT_ANNOTATION: None, CLAIMED_BY_ANNOTATION: None, CLAIM_PARTITION_ANNOTATION: None},
+                annotations={
+                    INCIDENT_ANNOTATION: None,
+                    CLAIMED_BY_ANNOTATION: None,
+                    CLAIM_PARTITION_ANNOTATION: None,
+                    RETIRED_FROM_ANNOTATION: None,
+                },
             )
             self._kube.set_unschedulable(node, False)

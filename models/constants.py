@@ -121,3 +121,5 @@ QUARANTINE_COOLDOWN = "failed-in-cooldown"
 RETIRED_TAINT = "gpufleet.io/retired"
 # Set on a claimed spare when the claim itself put it into this Slurm partition (release takes it out).
 CLAIM_PARTITION_ANNOTATION = "gpufleet.io/claim-partition"
+# The Slurm partitions a retired node was taken out of (comma-separated): it returns to them.
+RETIRED_FROM_ANNOTATION = "gpufleet.io/retired-from"

@@ -151,6 +151,9 @@ class IncidentStatus(BaseModel):
     skipped: dict[int, str] = Field(default_factory=dict)
     unrequeued: dict[int, str] = Field(default_factory=dict)
     spare: str | None = None
+    # The failed node's Slurm partitions, as the incident found them: the spare joins the first
+    # (the worker's own when it is one of them).
+    partitions: list[str] = Field(default_factory=list)
     waiting_for_spare: bool = False
     waiting_for_approval: str | None = None
     # Counts the incident's waits for approval, so that an answer meets only the wait it was for.

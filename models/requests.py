@@ -115,6 +115,9 @@ class NodeFacts(BaseModel):
 class ClaimRequest(BaseModel):
     incident_id: str
     dry_run: bool = False
+    # The failed node's partitions (empty: the worker's own): the spare joins the first of them,
+    # or the worker's own partition when it is one of them.
+    partitions: list[str] = Field(default_factory=list)
 
 
 class RetireRequest(BaseModel):

@@ -301,6 +301,7 @@ class NodeRemediationWorkflow:
         self._settings = status.settings = config.settings
         self._policy = config.policy
         node = await self._activity(SlurmActivities.node_state, params.node, summary=f"look up {params.node} in Slurm")
+        status.partitions = list(node.partitions)
         self._guarded = workflow.patched(GUARD_PATCH)
         if self._guarded:
             facts: NodeFacts = await self._activity(
@@ -591,7 +592,7 @@ class NodeRemediationWorkflow:
             self._claim_attempted = True
             spare: str | None = await self._activity(
                 SpareActivities.claim_spare,
-                ClaimRequest(incident_id=status.incident_id, dry_run=self._dry),
+                ClaimRequest(incident_id=status.incident_id, dry_run=self._dry, partitions=status.partitions),
                 summary="claim a spare",
                 timeout=SPARE_STEP,
             )

@@ -310,3 +310,44 @@ def test_a_spare_that_fails_in_service_is_retired_without_its_old_claim(pool: Po
     assert "gpufleet.io/claimed-by" not in node.annotations
     assert "spare1" not in slurm.partition_nodes("train")
     assert spares.release("incident-a") is None  # nothing left to give back
+
+
+@pytest.fixture
+def debug_partition(slurm_lab: SlurmLab) -> Iterator[str]:
+    """A second partition, ``debug``, holding gpu2 and gpu3 (taken out of ``train``), as a
+    cluster made from a spec with two partitions has."""
+
+    def scontrol(*args: str) -> None:
+        subprocess.run(["scontrol", *args], env=slurm_lab.env, capture_output=True, text=True, check=True, timeout=30)
+
+    others = [n for n in slurm_lab.spec.nodes if n not in ("gpu2", "gpu3")]
+    scontrol("update", "PartitionName=train", f"Nodes={','.join(others)}")
+    scontrol("create", "PartitionName=debug", "Nodes=gpu2,gpu3", "State=UP")
+    yield "debug"
+    scontrol("delete", "PartitionName=debug")  # the pool fixture puts train back as it was
+
+
+def test_a_spare_for_a_node_of_another_partition_joins_that_partition(pool: Pool, debug_partition: str) -> None:
+    spares, kube, slurm = pool
+    spare = spares.claim("incident-a", partitions=["debug"])
+    assert spare == "spare1" and spares.claim("incident-a", partitions=["debug"]) == "spare1"  # a retry
+    assert "spare1" in slurm.partition_nodes("debug") and "spare1" not in slurm.partition_nodes("train")
+    assert kube.get_node("spare1").annotations["gpufleet.io/claim-partition"] == "debug"
+    # A node in ours among others: the spare joins ours.
+    assert spares.claim("incident-b", partitions=["debug", "train"]) == "spare2"
+    assert "spare2" in slurm.partition_nodes("train")
+    assert spares.release("incident-a") == "spare1"
+    assert "spare1" not in slurm.partition_nodes("debug")
+    assert_untouched_spare(kube, slurm, "spare1")
+
+
+def test_a_retired_node_leaves_every_partition_and_returns_to_them(pool: Pool, debug_partition: str) -> None:
+    spares, kube, slurm = pool
+    slurm.drain("gpu3", reason=OUR_REASON)
+    spares.retire("gpu3", "remediate-lab-gpu3")
+    spares.retire("gpu3", "remediate-lab-gpu3")  # a retry finds it out already and keeps the record
+    assert "gpu3" not in slurm.partition_nodes("debug") and "gpu3" not in slurm.partition_nodes("train")
+    assert kube.get_node("gpu3").annotations["gpufleet.io/retired-from"] == "debug"
+    spares.return_node("gpu3", as_="training")
+    assert "gpu3" in slurm.partition_nodes("debug") and "gpu3" not in slurm.partition_nodes("train")
+    assert "gpufleet.io/retired-from" not in kube.get_node("gpu3").annotations

@@ -324,6 +324,9 @@ async def test_happy_path_runs_the_steps_in_order(env: WorkflowEnvironment) -> N
     assert status.outcome == Outcome.RESOLVED
     assert status.action == Action.REPLACE_NODE
     assert status.spare == "spare1"
+    # The claim names the failed node's partitions, so that the spare joins the right one.
+    claims = [w for w in fleet.writes if isinstance(w, ClaimRequest)]
+    assert claims and all(c.partitions == ["train"] for c in claims) and status.partitions == ["train"]
     branches = {"cordon_and_drain_node", "retire_node", "claim_spare", "jobs_resumed"}
     # Notifications run beside the flow: their place among the steps is not fixed.
     sequential = [c for c in fleet.calls if c not in branches and not c.startswith(("notify:", "guard:"))]
