@@ -6,11 +6,12 @@ from temporalio import activity
 
 from activities.errors import client_errors
 from activities.heartbeat import heartbeating
+from clients import nodelease
 from clients.dryrun import dry_run
 from clients.errors import NotFound
 from clients.kube import KubeClient
 from models.constants import INCIDENT_ANNOTATION, POOL_LABEL, QUARANTINE_LABEL, REMEDIATION_LABEL, UNHEALTHY_TAINT
-from models.requests import KubeDrainRequest, KubeDrainResult, NodeFacts
+from models.requests import KubeDrainRequest, KubeDrainResult, NodeFacts, NodeLeaseRequest
 
 
 class KubeActivities:
@@ -41,6 +42,22 @@ class KubeActivities:
             remediation=labels.get(REMEDIATION_LABEL, ""),
             quarantine=labels.get(QUARANTINE_LABEL, ""),
         )
+
+    @activity.defn(name="take_node_lease")
+    @heartbeating
+    def take_node_lease(self, request: NodeLeaseRequest) -> str:
+        """Hold the node for the incident, whoever held it: a pool move that held it stops at
+        its next step. Returns who held it before ('' when nobody or no Kubernetes node)."""
+        with client_errors():
+            held = nodelease.take_over(self._kube, request.node, request.holder)
+        return "" if held == request.holder else held
+
+    @activity.defn(name="give_back_node_lease")
+    @heartbeating
+    def give_back_node_lease(self, request: NodeLeaseRequest) -> bool:
+        """Let go of the node if the incident holds it (a node back in service)."""
+        with client_errors():
+            return nodelease.give_back(self._kube, request.node, request.holder)
 
     @activity.defn(name="cordon_and_drain_node")
     @heartbeating

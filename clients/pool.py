@@ -16,7 +16,14 @@ from collections.abc import Callable
 
 from clients.errors import Conflict, InvalidInput
 from clients.kube import KubeClient, KubeNode
-from models.constants import CLAIMED_BY_ANNOTATION, CLUSTER_LABEL, POOL_LABEL, QUARANTINE_LABEL, RETIRED_TAINT
+from models.constants import (
+    CLAIMED_BY_ANNOTATION,
+    CLUSTER_LABEL,
+    NODE_LEASE_ANNOTATION,
+    POOL_LABEL,
+    QUARANTINE_LABEL,
+    RETIRED_TAINT,
+)
 
 PARTITION_LABEL = "gpufleet.io/partition"
 FREE = "free"
@@ -32,13 +39,15 @@ class PoolExhausted(InvalidInput):
 
 def _marks(node: KubeNode) -> str:
     """Why a node may not serve a new cluster ('' when it may): quarantined, retired, claimed,
-    cordoned or not Ready."""
+    held by someone's lease, cordoned or not Ready."""
     if node.labels.get(QUARANTINE_LABEL):
         return f"quarantined ({node.labels[QUARANTINE_LABEL]})"
     if any(t.get("key") == RETIRED_TAINT for t in node.taints):
         return "retired"
     if node.annotations.get(CLAIMED_BY_ANNOTATION):
         return f"claimed by {node.annotations[CLAIMED_BY_ANNOTATION]}"
+    if node.annotations.get(NODE_LEASE_ANNOTATION):
+        return f"held by {node.annotations[NODE_LEASE_ANNOTATION]}"
     if node.unschedulable:
         return "cordoned"
     if not node.ready:

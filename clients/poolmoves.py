@@ -21,13 +21,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from clients.errors import Conflict, NotOwned
+from clients import nodelease
+from clients.errors import NotOwned
 from clients.kube import KubeClient
 from clients.slurm import SlurmClient
 from clients.spares import SparePool
-from models.constants import POOL_LABEL
+from models.constants import NODE_LEASE_ANNOTATION, POOL_LABEL
 
-LEASE_ANNOTATION = "gpufleet.io/lease"
+LEASE_ANNOTATION = NODE_LEASE_ANNOTATION
 TRAINING_TAINT = "gpufleet.io/pool"
 TO_INFERENCE_REASON = "gpufleet: rebalance to inference"
 INFERENCE = "inference"
@@ -51,31 +52,17 @@ class PoolMover:
         self._spares = spares
         self._poll = poll_seconds
 
-    # -- the per-node lease -----------------------------------------------------------------------
+    # -- the per-node lease (clients/nodelease.py) --------------------------------------------------
 
     def take(self, node: str, holder: str) -> None:
-        """Hold the node (again, if ours already); NotOwned when someone else holds it."""
-        while True:
-            current = self._kube.get_node(node)
-            held = current.annotations.get(LEASE_ANNOTATION)
-            if held == holder:
-                return
-            if held:
-                raise NotOwned(f"{node} is held by {held}")
-            try:
-                self._kube.update_metadata(
-                    node, annotations={LEASE_ANNOTATION: holder}, resource_version=current.resource_version
-                )
-                return
-            except Conflict:
-                continue  # changed since we read it: look again
+        nodelease.take(self._kube, node, holder)
 
     def give_back(self, node: str, holder: str) -> None:
-        current = self._kube.get_node(node)
-        if current.annotations.get(LEASE_ANNOTATION) == holder:
-            self._kube.update_metadata(
-                node, annotations={LEASE_ANNOTATION: None}, resource_version=current.resource_version
-            )
+        nodelease.give_back(self._kube, node, holder)
+
+    def _ours(self, node: str, holder: str) -> None:
+        """Between steps: NotOwned once an incident took the node over (the move stops there)."""
+        nodelease.still_held(self._kube, node, holder)
 
     # -- training -> inference --------------------------------------------------------------------
 
@@ -98,11 +85,15 @@ class PoolMover:
             if not info.drained:
                 self._slurm.drain(node, reason=TO_INFERENCE_REASON)
                 say(f"{node} drained in Slurm")
-            requeued = self._empty(node, grace_seconds=grace_seconds, deadline_seconds=deadline_seconds, say=say)
+            requeued = self._empty(
+                node, holder=holder, grace_seconds=grace_seconds, deadline_seconds=deadline_seconds, say=say
+            )
+            self._ours(node, holder)
             self._spares.remove_from_partition(node, partition=partition)
             say(f"{node} out of partition {partition}")
         else:
             requeued = []
+        self._ours(node, holder)
         self._kube.update_metadata(node, labels={POOL_LABEL: INFERENCE})
         self._kube.remove_taint(node, key=TRAINING_TAINT)
         self._kube.set_unschedulable(node, False)
@@ -113,20 +104,27 @@ class PoolMover:
     def _running(self, node: str) -> list[int]:
         return [job.job_id for job in self._slurm.jobs_on_node(node) if job.state not in FINISHED]
 
-    def _empty(self, node: str, *, grace_seconds: float, deadline_seconds: float, say: Say) -> list[int]:
-        """Wait for the node's jobs to end, up to the deadline; then SIGTERM, grace, requeue."""
+    def _empty(
+        self, node: str, *, holder: str, grace_seconds: float, deadline_seconds: float, say: Say
+    ) -> list[int]:
+        """Wait for the node's jobs to end, up to the deadline; then SIGTERM, grace, requeue.
+        An incident taking the node over meanwhile stops this (its own requeue then runs)."""
         deadline = time.monotonic() + deadline_seconds
         while (running := self._running(node)) and time.monotonic() < deadline:
+            self._ours(node, holder)
             say(f"{node}: waiting for job(s) {', '.join(map(str, running))}")
             time.sleep(self._poll)
         if not running:
             return []
+        self._ours(node, holder)
         for job in running:
             self._slurm.signal_job(job, signal="TERM")
         say(f"{node}: SIGTERM to {', '.join(map(str, running))}; {grace_seconds:g}s to checkpoint")
         ends = time.monotonic() + grace_seconds
         while (left := [j for j in self._running(node) if j in running]) and time.monotonic() < ends:
+            self._ours(node, holder)
             time.sleep(self._poll)
+        self._ours(node, holder)
         for job in running:
             self._slurm.requeue(job)
         say(f"{node}: requeued {', '.join(map(str, running))} ({len(left)} had not exited)")
@@ -150,14 +148,17 @@ class PoolMover:
         for pod in self._kube.pods_on_node(node):
             if pod.owner_kind == "DaemonSet":
                 continue
+            self._ours(node, holder)
             outcome = self._kube.evict(pod, timeout_seconds=eviction_timeout_seconds, progress=say)
             evicted.append(f"{pod.key} {outcome}")
+        self._ours(node, holder)
         self._kube.update_metadata(node, labels={POOL_LABEL: TRAINING})
         info = self._slurm.node(node)
         if partition not in info.partitions:
             self._spares.add_to_partition(node, partition=partition)
             say(f"{node} in partition {partition}")
         info = self._slurm.node(node)
+        self._ours(node, holder)
         if info.drained and info.reason == TO_INFERENCE_REASON:
             self._slurm.resume(node)
         self._kube.set_unschedulable(node, False)

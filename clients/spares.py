@@ -19,6 +19,7 @@ from models.constants import (
     CLAIMED_BY_ANNOTATION,
     CLUSTER_LABEL,
     INCIDENT_ANNOTATION,
+    NODE_LEASE_ANNOTATION,
     POOL_LABEL,
     POOL_RETIRED,
     POOL_SPARE,
@@ -411,6 +412,7 @@ class SparePool:
                     CLAIMED_BY_ANNOTATION: None,
                     CLAIM_PARTITION_ANNOTATION: None,
                     RETIRED_FROM_ANNOTATION: None,
+                    NODE_LEASE_ANNOTATION: None,  # an incident that ended without letting go
                 },
             )
             self._kube.set_unschedulable(node, False)

@@ -121,5 +121,8 @@ QUARANTINE_COOLDOWN = "failed-in-cooldown"
 RETIRED_TAINT = "gpufleet.io/retired"
 # Set on a claimed spare when the claim itself put it into this Slurm partition (release takes it out).
 CLAIM_PARTITION_ANNOTATION = "gpufleet.io/claim-partition"
+# The per-node lease: who holds the node for a multi-step change (an incident's workflow ID, a
+# pool move's). An incident takes it from a move (an Xid wins); a move never takes it from anyone.
+NODE_LEASE_ANNOTATION = "gpufleet.io/lease"
 # The Slurm partitions a retired node was taken out of (comma-separated): it returns to them.
 RETIRED_FROM_ANNOTATION = "gpufleet.io/retired-from"

@@ -154,6 +154,9 @@ class IncidentStatus(BaseModel):
     # The failed node's Slurm partitions, as the incident found them: the spare joins the first
     # (the worker's own when it is one of them).
     partitions: list[str] = Field(default_factory=list)
+    # Set while the incident holds the node's lease (gpufleet.io/lease), carried across
+    # continue-as-new; let go when the incident closes.
+    node_leased: bool = False
     waiting_for_spare: bool = False
     waiting_for_approval: str | None = None
     # Counts the incident's waits for approval, so that an answer meets only the wait it was for.

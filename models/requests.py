@@ -151,6 +151,13 @@ class RepairResult(BaseModel):
     detail: str = ""
 
 
+class NodeLeaseRequest(BaseModel):
+    """An incident taking (or letting go of) its node's lease (``gpufleet.io/lease``)."""
+
+    node: str
+    holder: str
+
+
 class ResumeNodeRequest(BaseModel):
     """Back into service in Slurm after a repair in place, only if this incident drained it."""
 

@@ -137,6 +137,8 @@ def build_activities(settings: Settings) -> list[Any]:
         kube_acts.node_pool,
         kube_acts.node_facts,
         kube_acts.cordon_and_drain,
+        kube_acts.take_node_lease,
+        kube_acts.give_back_node_lease,
         spare_acts.claim_spare,
         spare_acts.release_spare,
         spare_acts.retire_node,

@@ -149,10 +149,14 @@ class PoolRebalanceWorkflow:
         back = "training" if move.to == "inference" else "inference"
         for to, what in ((move.to, "finished"), (back, "rolled back")):
             outcome = await self._one(move.node, to)
+            if outcome.startswith("skipped"):
+                # Someone else holds the node now (an incident took it over): it is theirs to
+                # finish, and this workflow lets it be.
+                what, outcome = "left", outcome.removeprefix("skipped: ")
             state.moves = [*state.moves, Move(node=move.node, to=to, at=workflow.now(), outcome=f"{what}: {outcome}")][
                 -KEEP_MOVES:
             ]
-            if outcome == "moved":
+            if what == "left" or outcome == "moved":
                 state.in_flight = None
                 return True
         return False

@@ -78,6 +78,7 @@ with workflow.unsafe.imports_passed_through():
         DrainRequest,
         KubeDrainRequest,
         NodeFacts,
+        NodeLeaseRequest,
         NotifyRequest,
         QuarantineRequest,
         RepairRequest,
@@ -132,6 +133,8 @@ HISTORY_SOFT_LIMIT = 400
 # Incidents started before the fleet guard (recorded histories, runs in flight at an upgrade)
 # go on without it; new ones read the node's labels, ask the guard and honour approval gates.
 GUARD_PATCH = "fleet-guard"
+# Incidents take their node's lease before the drain (histories from before replay without it).
+NODE_LEASE_PATCH = "node-lease"
 # Ask the fleet guard again when it has not answered within this (it may have been terminated),
 # and, while waiting at a tripped breaker, this often.
 GUARD_ASK_AGAIN = timedelta(minutes=1)
@@ -367,6 +370,16 @@ class NodeRemediationWorkflow:
 
         # 3. drain in Slurm
         self._enter(Step.DRAIN_SLURM)
+        if not self._dry and workflow.patched(NODE_LEASE_PATCH):
+            # The node is this incident's now: a pool move that held it stops at its next step.
+            taken_from: str = await self._activity(
+                KubeActivities.take_node_lease,
+                NodeLeaseRequest(node=params.node, holder=status.incident_id),
+                summary=f"hold {params.node} (gpufleet.io/lease)",
+            )
+            status.node_leased = True
+            if taken_from:
+                self._mark(Step.DRAIN_SLURM, "took the node", f"from {taken_from}, which stops where it is")
         node = await self._activity(
             SlurmActivities.drain_node,
             DrainRequest(
@@ -1144,6 +1157,7 @@ class NodeRemediationWorkflow:
     async def _close(self) -> None:
         await self._quarantine()
         await self._release_slot(self._status.outcome.value)
+        await self._give_back_node()
         self._enter(Step.CLOSED)
         self._mark(Step.CLOSED, self._status.outcome.value)
         await self._flush_notifications()
@@ -1160,6 +1174,19 @@ class NodeRemediationWorkflow:
                     dry_run=self._dry,
                 )
             )
+
+    async def _give_back_node(self) -> None:
+        """Let go of the node's lease: nothing of this incident changes it any more (a retired or
+        quarantined node stays out of every pool by its labels, not by the lease)."""
+        if not self._status.node_leased:
+            return
+        with contextlib.suppress(ActivityError):
+            await self._activity(
+                KubeActivities.give_back_node_lease,
+                NodeLeaseRequest(node=self._input.node, holder=self._status.incident_id),
+                summary=f"let go of {self._input.node}",
+            )
+            self._status.node_leased = False
 
     def _who(self) -> str:
         return f"[{self._status.incident_id}] {self._input.node}"

@@ -103,3 +103,10 @@ def test_two_tries_of_one_reservation_take_turns_and_take_no_more(kube: Kubernet
         thread.join(timeout=60)
     assert len(placements) == 2 and placements[0] == placements[1]
     assert len(holdings(kube, "research")["train"]) == 2 and free_nodes(kube) == 2
+
+
+def test_a_node_someone_holds_is_not_free(kube: KubernetesApi) -> None:
+    kube.update_metadata("free1", annotations={"gpufleet.io/lease": "pool-shared"})  # mid-move
+    assert free_nodes(kube) == 3
+    placement = reserve(kube, "research", {"train": 3})
+    assert "free1" not in placement["train"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from clients import nodelease
 from clients.errors import NotOwned
 from clients.kube import KubernetesApi
 from clients.poolmoves import LEASE_ANNOTATION, TRAINING_TAINT, PoolMover
@@ -112,3 +113,36 @@ def test_a_move_cut_short_by_a_crash_resumes_into_one_pool(
     assert "gpu1" in slurm.partition_nodes("train") and not slurm.node("gpu1").drained
     assert kube.get_node("gpu1").labels["gpufleet.io/pool"] == "training"
     assert LEASE_ANNOTATION not in kube.get_node("gpu1").annotations
+
+
+def test_an_incident_taking_the_node_mid_move_stops_the_move_where_it_is(
+    mover: tuple[PoolMover, KubernetesApi, SlurmCli], slurm_lab: SlurmLab, tmp_path: Path
+) -> None:
+    move, kube, slurm = mover
+    script = tmp_path / "long.sh"
+    script.write_text("#!/bin/sh\nsleep 300\n")
+    job = slurm_lab.sbatch(script, "-p", "train", "-w", "gpu3", "--requeue", "-o", "/dev/null")
+    try:
+        slurm_wait_running(slurm, job)
+
+        def xid_arrives(text: str) -> None:
+            # While the move waits for the job, an Xid opens an incident that takes the node.
+            if "waiting for job" in text:
+                nodelease.take_over(kube, "gpu3", "remediate-lab-gpu3")
+
+        with pytest.raises(NotOwned, match="taken over by remediate-lab-gpu3"):
+            move.to_inference(
+                "gpu3", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=30, say=xid_arrives
+            )
+        # The move stopped: the job was neither signalled nor requeued by it, the node is still in
+        # the partition and not labelled inference; the incident holds it.
+        assert slurm.job(job).state == "RUNNING" and slurm.job(job).restarts == 0
+        assert "gpu3" in slurm.partition_nodes("train")
+        node = kube.get_node("gpu3")
+        assert node.labels.get("gpufleet.io/pool") != "inference"
+        assert node.annotations[LEASE_ANNOTATION] == "remediate-lab-gpu3"
+        # And a new move does not take it from the incident.
+        with pytest.raises(NotOwned, match="held by remediate-lab-gpu3"):
+            move.to_inference("gpu3", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1)
+    finally:
+        subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)

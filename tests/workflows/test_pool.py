@@ -41,6 +41,9 @@ class Pool:
     busy: dict[str, str] = field(default_factory=dict)
     moves: list[tuple[str, str]] = field(default_factory=list)
     fail: dict[tuple[str, str], int] = field(default_factory=dict)  # (node, to): failures before it works
+    taken: dict[str, str] = field(default_factory=dict)  # node: the incident that took it over
+    # node: the incident that takes it over when its move breaks halfway (an Xid mid-move)
+    taken_when_broken: dict[str, str] = field(default_factory=dict)
     looks: int = 0
     task_queue: str = field(default_factory=lambda: f"pool-{uuid.uuid4().hex[:8]}")
 
@@ -63,8 +66,12 @@ class Pool:
         @activity.defn(name="pool_move_node")
         async def move(request: MoveRequest) -> MoveResult:
             self.moves.append((request.node, request.to))
+            if request.node in self.taken:
+                return MoveResult(moved=False, detail=f"{request.node} was taken over by {self.taken[request.node]}")
             if self.fail.get((request.node, request.to), 0) > 0:
                 self.fail[(request.node, request.to)] -= 1
+                if request.node in self.taken_when_broken:
+                    self.taken[request.node] = self.taken_when_broken[request.node]
                 # Halfway: out of the partition, not yet labelled (neither pool, as a crash leaves it).
                 if request.node in self.training:
                     self.training.remove(request.node)
@@ -223,6 +230,20 @@ async def test_a_move_that_cannot_be_finished_is_rolled_back_and_one_that_cannot
     assert status.state.in_flight is not None and status.state.in_flight.node == "gpu1"
     assert status.decision is not None and "between pools" in status.decision.why
     assert all(node == "gpu1" for node, _ in stuck.moves)  # no other node moved meanwhile
+
+
+async def test_a_node_an_incident_took_over_halfway_is_left_to_it(env: WorkflowEnvironment) -> None:
+    # Its GPU fails mid-move: the move breaks halfway and the incident holds the node.
+    pool = Pool(demand=2.0, fail={("gpu1", "inference"): 1}, taken_when_broken={"gpu1": "remediate-lab-gpu1"})
+    async with worker(env, pool):
+        handle = await start(env, pool)
+        status = await intervals(env, handle, 3)
+        await handle.terminate("test over")
+    assert pool.moves[:2] == [("gpu1", "inference"), ("gpu1", "inference")]  # failed, then found taken
+    outcomes = [m.outcome for m in status.state.moves]
+    assert outcomes[1] == "left: gpu1 was taken over by remediate-lab-gpu1"
+    assert status.state.in_flight is None  # not held between pools: the incident finishes it
+    assert sorted(pool.inference) == ["gpu2", "gpu3"]  # the next moves went on with other nodes
 
 
 async def test_a_signal_sent_with_the_start_is_kept(env: WorkflowEnvironment) -> None:

@@ -40,6 +40,7 @@ from models.requests import (
     KubeDrainRequest,
     KubeDrainResult,
     NodeFacts,
+    NodeLeaseRequest,
     NotifyRequest,
     QuarantineRequest,
     RepairRequest,
@@ -83,6 +84,7 @@ class Fleet:
     drained: list[str] = field(default_factory=list)  # nodes drained in Slurm, in order
     writes: list[Any] = field(default_factory=list)  # every request of an activity that changes the fleet
     quarantined: dict[str, str] = field(default_factory=dict)  # node: gpufleet.io/quarantine value
+    leases: dict[str, str] = field(default_factory=dict)  # node: who holds it (gpufleet.io/lease)
     # Repairs in place: whether each attempt's Job succeeds (default: yes), and what ran.
     repair_succeeds: list[bool] = field(default_factory=list)
     repairs: list[RepairRequest] = field(default_factory=list)
@@ -196,6 +198,20 @@ class Fleet:
                 return JobRequeue(job_id=request.job_id, outcome=RequeueOutcome.SKIPPED, why="cancelled by its owner")
             return JobRequeue(job_id=request.job_id, outcome=RequeueOutcome.REQUEUED)
 
+        @activity.defn(name="take_node_lease")
+        async def take_lease(request: NodeLeaseRequest) -> str:
+            fleet.writes.append(request)
+            fleet.calls.append("take_node_lease")
+            held = fleet.leases.get(request.node, "")
+            fleet.leases[request.node] = request.holder
+            return "" if held == request.holder else held
+
+        @activity.defn(name="give_back_node_lease")
+        async def give_back_lease(request: NodeLeaseRequest) -> bool:
+            fleet.writes.append(request)
+            fleet.calls.append("give_back_node_lease")
+            return fleet.leases.pop(request.node, None) == request.holder
+
         @activity.defn(name="cordon_and_drain_node")
         async def cordon(request: KubeDrainRequest) -> KubeDrainResult:
             fleet.writes.append(request)
@@ -283,6 +299,8 @@ class Fleet:
             quarantine,
             repair,
             resume_node,
+            take_lease,
+            give_back_lease,
         ]
 
 
@@ -335,19 +353,26 @@ async def test_happy_path_runs_the_steps_in_order(env: WorkflowEnvironment) -> N
         "slurm_node_state",
         "kube_node_facts",
         "classify_xids",
+        "take_node_lease",  # the node is the incident's before anything changes it
         "drain_slurm_node",
         "jobs_on_node",
         "signal_job:7",
         "jobs_still_running",
         "requeue_job:7",
         "classify_xids",
+        "give_back_node_lease",  # once the incident closes
     ]
+    assert fleet.leases == {}
     assert [c for c in fleet.calls if c.startswith("notify:")] == ["notify:opened", "notify:resolved"]
     granted = [e for e in status.timeline if e.step == Step.GUARD and e.event == "finished"]
     assert [e.detail for e in granted] == ["slot granted: slot 1 of 2"]  # before the drain, in the timeline
     assert not status.guard_slot  # given back at the close
     # After approve: the failed node's branch and the spare's branch, then resolved.
-    middle = [c for c in fleet.calls[fleet.calls.index("requeue_job:7") + 2 :] if not c.startswith("notify:")]
+    middle = [
+        c
+        for c in fleet.calls[fleet.calls.index("requeue_job:7") + 2 : fleet.calls.index("give_back_node_lease")]
+        if not c.startswith("notify:")
+    ]
     assert sorted(middle) == sorted(branches)
     assert middle.index("cordon_and_drain_node") < middle.index("retire_node")
     assert middle.index("claim_spare") < middle.index("jobs_resumed")
@@ -367,6 +392,18 @@ async def test_happy_path_runs_the_steps_in_order(env: WorkflowEnvironment) -> N
         Step.APPROVE,
     ]
     assert steps[-1] == Step.CLOSED
+
+
+async def test_an_incident_takes_its_node_from_a_pool_move_and_says_so(env: WorkflowEnvironment) -> None:
+    fleet = Fleet()
+    fleet.leases["gpu1"] = "pool-shared"  # a rebalance was moving the node when its GPU failed
+    async with worker(env, fleet):
+        status: IncidentStatus = await (await start(env.client, fleet)).result()
+    assert status.outcome == Outcome.RESOLVED
+    took = [e.detail for e in status.timeline if e.event == "took the node"]
+    assert took == ["from pool-shared, which stops where it is"]
+    assert fleet.calls.index("take_node_lease") < fleet.calls.index("drain_slurm_node")
+    assert fleet.leases == {}  # let go at the close: nothing holds the retired node
 
 
 async def test_grace_period_is_honoured_when_jobs_ignore_sigterm(env: WorkflowEnvironment) -> None:
