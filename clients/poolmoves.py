@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from clients import nodelease
-from clients.errors import NotOwned
+from clients.errors import InvalidInput, NotFound, NotOwned
 from clients.kube import KubeClient
 from clients.slurm import SlurmClient
 from clients.spares import SparePool
@@ -125,10 +125,29 @@ class PoolMover:
             self._ours(node, holder)
             time.sleep(self._poll)
         self._ours(node, holder)
+        requeued = []
         for job in running:
+            why = self._requeue(job)
+            if why:
+                say(f"{node}: job {job} not requeued: {why}")
+            else:
+                requeued.append(job)
+        say(f"{node}: requeued {', '.join(map(str, requeued)) or 'none'} ({len(left)} had not exited)")
+        return requeued
+
+    def _requeue(self, job: int) -> str:
+        """Requeue one signalled job, as remediation does: '' when it is back in the queue, else
+        why not (cancelled by its owner meanwhile, or refusing requeue). Never a failure of the
+        move: the node leaves training either way."""
+        try:
+            if self._slurm.job(job).state == "CANCELLED":
+                return "cancelled by its owner"
             self._slurm.requeue(job)
-        say(f"{node}: requeued {', '.join(map(str, running))} ({len(left)} had not exited)")
-        return running
+        except NotFound:
+            return "Slurm no longer knows it"
+        except InvalidInput as exc:
+            return str(exc)
+        return ""
 
     # -- inference -> training --------------------------------------------------------------------
 

@@ -146,3 +146,24 @@ def test_an_incident_taking_the_node_mid_move_stops_the_move_where_it_is(
             move.to_inference("gpu3", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1)
     finally:
         subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)
+
+
+def test_a_job_that_refuses_requeue_does_not_fail_the_move_and_is_named(
+    mover: tuple[PoolMover, KubernetesApi, SlurmCli], slurm_lab: SlurmLab, tmp_path: Path
+) -> None:
+    move, kube, slurm = mover
+    script = tmp_path / "long.sh"
+    script.write_text("#!/bin/sh\nsleep 300\n")
+    job = slurm_lab.sbatch(script, "-p", "train", "-w", "gpu2", "--no-requeue", "-o", "/dev/null")
+    try:
+        slurm_wait_running(slurm, job)
+        said: list[str] = []
+        detail = move.to_inference(
+            "gpu2", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1, say=said.append
+        )
+        assert detail == "gpu2 serves inference"  # nothing requeued, and the node moved all the same
+        assert any(f"job {job} not requeued" in line and "--no-requeue" in line for line in said), said
+        assert "gpu2" not in slurm.partition_nodes("train")
+        move.to_training("gpu2", holder="pool-shared", partition="train", eviction_timeout_seconds=5)
+    finally:
+        subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)
