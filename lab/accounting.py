@@ -15,6 +15,7 @@ import os
 import secrets
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,16 +72,17 @@ class Accounting:
             f"AccountingStoragePass={munge_socket}",
         ]
 
-    def start_database(self, *, timeout: float) -> int:
-        """MariaDB with the ``slurm`` user and its database, and slurmdbd.conf; returns its PID."""
+    def start_database(self, record: Callable[[str, int], None], env: dict[str, str], *, timeout: float) -> None:
+        """MariaDB with the ``slurm`` user and its database, and slurmdbd.conf. Its PID goes to
+        ``record`` as soon as it runs, so that a failure after that still stops it."""
         data = self.folder / "data"
         self.folder.mkdir(parents=True, exist_ok=True)
         self.folder.chmod(0o700)
-        root_user = os.geteuid() == 0
-        as_user = ["--user=root"] if root_user else []
-        if not (data / "mysql").exists():
+        as_user = ["--user=root"] if os.geteuid() == 0 else []
+        installed = self.folder / "installed"
+        if not installed.exists():  # an install cut short starts over
             shutil.rmtree(data, ignore_errors=True)
-            subprocess.run(
+            done = subprocess.run(
                 [
                     "mariadb-install-db",
                     "--no-defaults",
@@ -92,8 +94,11 @@ class Accounting:
                 capture_output=True,
                 text=True,
                 timeout=120,
-                check=True,
+                check=False,
             )
+            if done.returncode != 0:
+                raise RuntimeError(f"mariadb-install-db failed: {done.stderr.strip()[-500:]}")
+            installed.touch()
         port = free_port()
         argv = [
             "mariadbd",
@@ -102,7 +107,7 @@ class Accounting:
             f"--socket={self.socket}",
             f"--port={port}",
             "--bind-address=127.0.0.1",
-            f"--pid-file={self.folder / 'mariadb.pid'}",
+            f"--pid-file={self.pid_file}",
             f"--log-error={self.logs / 'mariadb.log'}",
             "--skip-name-resolve",
             # What slurmdbd asks of its database (it warns otherwise).
@@ -110,26 +115,36 @@ class Accounting:
             "--innodb-lock-wait-timeout=900",
             *as_user,
         ]
-        pid = spawn(argv, log=self.logs / "mariadb.out")
+        record("mariadbd", spawn(argv, log=self.logs / "mariadb.out", env=env))
         wait_for(lambda: port_in_use(port) and self.socket.exists(), timeout=timeout, what="MariaDB to listen")
         password = secrets.token_hex(16)
         self._sql(
+            # Only root on the socket (in a 0700 folder) and slurm with its password get in.
+            "DROP USER IF EXISTS 'root'@'127.0.0.1', 'root'@'::1';"
             f"CREATE DATABASE IF NOT EXISTS {DATABASE};"
             f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
             f"ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
             f"GRANT ALL ON {DATABASE}.* TO 'slurm'@'127.0.0.1';"
         )
         self._write_dbd_conf(port, password)
-        return pid
+
+    @property
+    def pid_file(self) -> Path:
+        return self.folder / "mariadb.pid"
 
     def _sql(self, statements: str) -> None:
-        subprocess.run(
-            ["mariadb", "--no-defaults", f"--socket={self.socket}", "-uroot", "-e", statements],
+        """Run SQL as root over the socket. The statements go on standard input (never on a
+        command line, where a password would show), and a failure says only MariaDB's words."""
+        done = subprocess.run(
+            ["mariadb", "--no-defaults", f"--socket={self.socket}", "-uroot"],
+            input=statements,
             capture_output=True,
             text=True,
             timeout=30,
-            check=True,
+            check=False,
         )
+        if done.returncode != 0:
+            raise RuntimeError(f"MariaDB refused the set-up: {done.stderr.strip()[-300:]}")
 
     def _write_dbd_conf(self, db_port: int, password: str) -> None:
         conf = (self.root / "slurm.conf").read_text()
@@ -158,11 +173,10 @@ class Accounting:
         path.chmod(0o600)
         path.write_text("\n".join(lines) + "\n")
 
-    def start_dbd(self, env: dict[str, str], *, timeout: float) -> int:
-        """slurmdbd, waited for until sacctmgr gets an answer from it; returns its PID."""
-        pid = spawn(["slurmdbd", "-D"], log=self.logs / "slurmdbd.out", env=env)
+    def start_dbd(self, record: Callable[[str, int], None], env: dict[str, str], *, timeout: float) -> None:
+        """slurmdbd, waited for until sacctmgr gets an answer from it."""
+        record("slurmdbd", spawn(["slurmdbd", "-D"], log=self.logs / "slurmdbd.out", env=env))
         wait_for(lambda: self._answers(env), timeout=timeout, what="slurmdbd to answer sacctmgr")
-        return pid
 
     @staticmethod
     def _answers(env: dict[str, str]) -> bool:

@@ -86,10 +86,9 @@ class LabClusterBackend:
     def bring_up(self, spec: ClusterSpec, placement: dict[str, list[str]], conf: str) -> str:
         nodes = sorted(n for names in placement.values() for n in names)
         slurm = self._slurm(spec, conf=conf, nodes=nodes)
-        pids = slurm.pids()
-        if pids and all(alive(pid) for pid in pids.values()):
+        if slurm.whole():
             return f"already up: slurmctld and {len(nodes)} slurmd (SLURM_CONF={slurm.conf})"
-        if pids:
+        if slurm.pids():
             slurm.stop()  # a half-started cluster from a crashed attempt
         try:
             slurm.start(timeout=60)

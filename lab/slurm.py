@@ -92,6 +92,16 @@ class SlurmLab:
             )
         wait_for(self._nodes_up, timeout=timeout, what="every slurmd to register")
 
+    def expected(self) -> set[str]:
+        """The names under which a whole cluster's daemons are recorded."""
+        names = {"munged", "slurmctld", *(f"slurmd-{node}" for node in self.all_nodes)}
+        return names | ({"mariadbd", "slurmdbd"} if self.accounting is not None else set())
+
+    def whole(self) -> bool:
+        """Every daemon of the cluster recorded and running (a start cut short is not)."""
+        pids = self.pids()
+        return self.expected() <= set(pids) and all(alive(pid) for pid in pids.values())
+
     @property
     def accounting(self) -> Accounting | None:
         """The cluster's slurmdbd and database when its slurm.conf asks for them."""
@@ -104,8 +114,8 @@ class SlurmLab:
         missing = accounting_installed()
         if missing:
             raise RuntimeError(f"accounting needs MariaDB and slurmdbd: {missing}")
-        self._record("mariadbd", accounting.start_database(timeout=timeout))
-        self._record("slurmdbd", accounting.start_dbd(self.env, timeout=timeout))
+        accounting.start_database(self._record, self.env, timeout=timeout)
+        accounting.start_dbd(self._record, self.env, timeout=timeout)
         accounting.add_cluster(self.env, conf_value(self.conf.read_text(), "ClusterName"))
 
     @property
@@ -237,7 +247,12 @@ class SlurmLab:
         stop(daemons)
         stop([pid for name, pid in pids.items() if name == "slurmctld"])
         stop([pid for name, pid in pids.items() if name == "slurmdbd"])
-        stop([pid for name, pid in pids.items() if name == "mariadbd"], timeout=30)
+        database = [pid for name, pid in pids.items() if name == "mariadbd"]
+        with contextlib.suppress(OSError, ValueError):  # one started but not recorded, by its own file
+            pid = int((self.root / "db" / "mariadb.pid").read_text())
+            if b"mariadbd" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                database.append(pid)
+        stop([pid for pid in set(database) if alive(pid)], timeout=30)
         # slurmstepd and the job processes carry the lab's SLURM_CONF in their environment.
         stop(pids_with_env("SLURM_CONF", str(self.conf)), timeout=3)
         stop([pid for name, pid in pids.items() if name == "munged"])

@@ -29,6 +29,8 @@ _TIME = re.compile(r"^(INFINITE|UNLIMITED|\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2
 # A Kubernetes resource quantity for storage (binary or decimal suffix).
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 _CONF_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9]*$")
+# A key ending in "pass" anywhere in a line (StoragePass, AccountingStoragePass...), in any case.
+_PASS_KEY = re.compile(r"(?:^|[\s#])([A-Za-z][A-Za-z0-9]*pass)\s*=", re.IGNORECASE)
 _STORAGE_CLASS = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _SSH_TYPES = {
     "ssh-ed25519",
@@ -231,15 +233,20 @@ class ClusterSpec(BaseModel):
     @field_validator("slurm_conf")
     @classmethod
     def _extra(cls, lines: list[str]) -> list[str]:
-        for line in lines:
+        for number, line in enumerate(lines, 1):
+            # First, before any message that could quote the line: no password in it at all.
+            secret = _PASS_KEY.search(line)
+            if secret:
+                raise ValueError(
+                    f"line {number}: {secret.group(1)} holds a password: it would be in the workflow's history; "
+                    "use a file"
+                )
             if "\n" in line or "#" in line or not line.strip():
                 raise ValueError(f"{line!r} is not one 'Key=Value' slurm.conf line")
             for pair in line.split():
                 key, sep, value = pair.partition("=")
                 if not sep or not _CONF_KEY.fullmatch(key) or not value:
                     raise ValueError(f"{line!r} is not one 'Key=Value' slurm.conf line")
-                if key.lower().endswith("pass"):  # first: the message must not repeat the password
-                    raise ValueError(f"{key} holds a password: it would be in the workflow's history; use a file")
                 if key.lower() in OWNED_CONF_KEYS:
                     raise ValueError(f"{key} is set by gpufleet or its backend; remove it from {line!r}")
         return lines

@@ -216,6 +216,7 @@ def test_accounting_puts_the_users_in_their_accounts_on_a_real_slurmdbd(lab: Fle
     done = gpufleet_cli("cluster", "delete", "ledger", "--json", env=lab.env(), timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     assert free_nodes(kube(lab)) == 4 and not running_under(root)  # MariaDB and slurmdbd went too
+    assert not pids_with_env("SLURM_CONF", str(root / "slurm.conf"))
 
 
 @pytest.mark.skipif(bool(accounting_installed()), reason=accounting_installed() or "installed")
@@ -232,3 +233,4 @@ def test_a_failed_creation_with_accounting_leaves_no_database_running(lab: Fleet
     assert "user bob" in undone["accounts_and_users"] and "account vision" in undone["accounts_and_users"]
     root = lab.home / "clusters" / "ledger2"
     assert free_nodes(kube(lab)) == 4 and not running_under(root) and not root.exists()
+    assert not pids_with_env("SLURM_CONF", str(root / "slurm.conf"))

@@ -144,14 +144,20 @@ def test_a_placement_that_does_not_match_the_spec_is_refused() -> None:
         ("slurm_conf", ["SchedulerParameters=bf_continue KillWait=0"], "KillWait is set by gpufleet"),
         ("slurm_conf", ["SlurmUser=root"], "SlurmUser is set by gpufleet or its backend"),
         ("slurm_conf", ["AccountingStoragePass=hunter2"], "holds a password"),
+        # Wherever the key stands in the line, and whatever else is wrong with it, the
+        # message never repeats the password.
+        ("slurm_conf", ["SlurmUser=x AccountingStoragePass=hunter2"], "AccountingStoragePass holds a password"),
+        ("slurm_conf", ["Bad StoragePass=hunter2"], "StoragePass holds a password"),
+        ("slurm_conf", ["accountingstoragepass=hunter2#x"], "accountingstoragepass holds a password"),
         ("name", "clusters", "reserved"),
     ],
 )
 def test_what_would_override_gpufleet_or_leak_a_secret_is_refused(field: str, value: Any, problem: str) -> None:
     raw = example()
     raw[field] = value
-    with pytest.raises(SpecError, match=problem):
+    with pytest.raises(SpecError, match=problem) as refused:
         load_spec(raw)
+    assert "hunter2" not in str(refused.value)
 
 
 @pytest.mark.parametrize("name", ["Train", "gpu_a", "x-", "-x"])
