@@ -203,27 +203,28 @@ class SlinkyBackend:
         return f"{in_secret}; slurmdbd: {', '.join(added) or 'every account and user was there already'}"
 
     def remove_users(self, spec: ClusterSpec) -> str:
+        """The cluster's associations out of slurmdbd (its users and accounts stay, as other
+        clusters may share the database). slurmrestd not answering fails the step: the
+        database outlives the cluster, so nothing may be assumed gone."""
         if not spec.accounting:
             return "users leave with the user database Secret"
         removed = []
         try:
             client = self._rest(spec)
-        except SlurmRestError:
-            return "slurmrestd does not answer: the accounts go with the cluster's accounting database"
-        try:
-            have = client.associations(spec.name)
-            for user in spec.users:
-                if (user.account, user.name) in have:
-                    client.remove_user(user.name)
-                    removed.append(f"user {user.name}")
-            for account in sorted({user.account for user in spec.users} & {a for a, _ in have}):
-                client.remove_account(account)
-                removed.append(f"account {account}")
+            try:
+                have = client.associations(spec.name)
+                for user in spec.users:
+                    if (user.account, user.name) in have:
+                        client.remove_association(spec.name, user.account, user.name)
+                        removed.append(f"user {user.name} from {user.account}")
+                for account in sorted({user.account for user in spec.users} & {a for a, _ in have}):
+                    client.remove_association(spec.name, account)
+                    removed.append(f"account {account}")
+            finally:
+                client.close()
         except SlurmRestError as exc:
-            raise StepFailed(f"removing accounts through slurmrestd: {exc}") from None
-        finally:
-            client.close()
-        return f"slurmdbd: removed {', '.join(removed)}" if removed else "no accounts to remove"
+            raise StepFailed(f"removing the accounts through slurmrestd: {exc}") from None
+        return f"slurmdbd: removed {', '.join(removed)} on {spec.name}" if removed else "no accounts to remove"
 
     def smoke_test(self, spec: ClusterSpec) -> str:
         """A hello-world batch job on every partition, as the spec's first user; each must complete."""

@@ -88,11 +88,19 @@ class SlurmRestClient:
     def _old(self) -> bool:
         return self.version == "v0.0.38"
 
-    def _request(self, method: str, path: str, *, user: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        user: str,
+        body: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
         headers = {"X-SLURM-USER-NAME": user, "X-SLURM-USER-TOKEN": jwt_token(self._key, user)}
         what = f"{method} {path}"
         try:
-            reply = self._http.request(method, path, headers=headers, json=body)
+            reply = self._http.request(method, path, headers=headers, json=body, params=params)
         except httpx.HTTPError as exc:
             raise SlurmRestError(
                 f"slurmrestd at {self.base_url} did not answer {what}: {type(exc).__name__} {exc}; "
@@ -231,11 +239,11 @@ class SlurmRestClient:
         association = {"account": account, "cluster": cluster, "user": name}
         self._request("POST", f"/slurmdb/{self.version}/associations", user=user, body={"associations": [association]})
 
-    def remove_user(self, name: str, *, user: str = "root") -> None:
-        self._request("DELETE", f"/slurmdb/{self.version}/user/{name}", user=user)
-
-    def remove_account(self, account: str, *, user: str = "root") -> None:
-        self._request("DELETE", f"/slurmdb/{self.version}/account/{account}", user=user)
+    def remove_association(self, cluster: str, account: str, name: str = "", *, user: str = "root") -> None:
+        """Remove ``name``'s association with ``account`` on ``cluster`` (no name: the account's
+        own). Users and accounts themselves stay: other clusters may know them."""
+        params = {"cluster": cluster, "account": account, **({"user": name} if name else {})}
+        self._request("DELETE", f"/slurmdb/{self.version}/association", user=user, params=params)
 
     def wait_job(self, job_id: int, *, user: str, timeout: float, interval: float = 1.0) -> str:
         """The job's state once it ends (or ``"<state> after <timeout>s"``)."""

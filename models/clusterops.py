@@ -114,6 +114,7 @@ class DeleteStep(StrEnum):
     DRAIN = "drain"
     WAIT_JOBS = "wait_for_jobs"
     UNMAKE_REMEDIABLE = "stop_remediation"
+    ACCOUNTS = "remove_accounts"
     TEAR_DOWN = "tear_down"
     RELEASE = "release_nodes"
     OBJECTS = "delete_objects"

@@ -209,12 +209,13 @@ class ClusterCreationWorkflow:
 
 
 DELETE_POLL = timedelta(seconds=10)
+DELETE_ACCOUNTS_PATCH = "delete-accounts"
 
 
 @workflow.defn(name=CLUSTER_DELETION_WORKFLOW)
 class ClusterDeletionWorkflow:
     """Delete a cluster: drain, wait for its running jobs up to a deadline (or, forced, cancel
-    them), stop its remediation, tear Slurm down, give its nodes back to the free pool, delete
+    them), stop its remediation, remove its accounts, tear Slurm down, give its nodes back to the free pool, delete
     its objects, notify. Jobs still running at the deadline fail the deletion with the cluster
     drained and otherwise whole: nothing is torn down under a running job unless forced."""
 
@@ -231,6 +232,9 @@ class ClusterDeletionWorkflow:
             await self._step(DeleteStep.DRAIN, "cluster_drain", work)
             await self._wait_for_jobs(request, work)
             await self._step(DeleteStep.UNMAKE_REMEDIABLE, "cluster_unmake_remediable", work)
+            if workflow.patched(DELETE_ACCOUNTS_PATCH):
+                # Its associations leave the accounting database, which may outlive the cluster.
+                await self._step(DeleteStep.ACCOUNTS, "cluster_remove_users", work)
             await self._step(DeleteStep.TEAR_DOWN, "cluster_tear_down", work)
             await self._step(DeleteStep.RELEASE, "cluster_release", work)
             await self._step(DeleteStep.OBJECTS, "cluster_delete_objects", work)

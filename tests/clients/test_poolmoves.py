@@ -151,7 +151,7 @@ def test_an_incident_taking_the_node_mid_move_stops_the_move_where_it_is(
 def test_a_job_that_refuses_requeue_does_not_fail_the_move_and_is_named(
     mover: tuple[PoolMover, KubernetesApi, SlurmCli], slurm_lab: SlurmLab, tmp_path: Path
 ) -> None:
-    move, kube, slurm = mover
+    move, _, slurm = mover
     script = tmp_path / "long.sh"
     script.write_text("#!/bin/sh\nsleep 300\n")
     job = slurm_lab.sbatch(script, "-p", "train", "-w", "gpu2", "--no-requeue", "-o", "/dev/null")

@@ -223,6 +223,25 @@ def test_accounts_and_users_go_into_slurmdbd_and_come_out_again(cluster: RestClu
         check=True,
     )
     assert sorted(admins.stdout.split()) == ["daemon|Administrator", "nobody|None"]
-    assert backend.remove_users(spec()) == "slurmdbd: removed user nobody, user daemon, account ops, account research"
+    assert backend.remove_users(spec()) == (
+        "slurmdbd: removed user nobody from research, user daemon from ops, account ops, account research on rest"
+    )
     assert backend.remove_users(spec()) == "no accounts to remove"
     assert cluster.client().associations("rest") == {("root", ""), ("root", "root")}
+    # The users themselves stay: the database may serve other clusters.
+    users = subprocess.run(
+        ["sacctmgr", "-n", "-P", "show", "user", "format=user"],
+        env=cluster.slurm.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert {"nobody", "daemon"} <= set(users.stdout.split())
+
+
+@pytest.mark.skipif(not ACCOUNTING, reason=accounting_installed() or "installed")
+def test_accounts_cannot_be_assumed_gone_when_slurmrestd_does_not_answer(cluster: RestCluster) -> None:
+    gone = SlinkyBackend(cluster.kube, restapi=f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(StepFailed, match=r"removing the accounts through slurmrestd: .*did not answer"):
+        gone.remove_users(spec())

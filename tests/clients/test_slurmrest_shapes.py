@@ -152,3 +152,39 @@ def test_a_newer_server_gets_the_administrator_level_as_a_list() -> None:
             {"associations": [{"account": "vision", "cluster": "research", "user": "alice"}]},
         ),
     ]
+
+
+def test_accounts_on_a_newer_server_are_checked_by_their_association_and_removed_per_cluster() -> None:
+    sent: list[tuple[str, str, dict[str, Any], dict[str, str]]] = []
+    associations = [{"cluster": "research", "account": "root", "user": ""}]
+
+    def server(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content or b"{}")
+        sent.append((request.method, request.url.path, body, dict(request.url.params)))
+        if request.method == "GET":
+            return httpx.Response(200, json={"associations": associations, "errors": []})
+        if request.url.path.endswith("/associations"):
+            associations.extend({**a, "user": a.get("user", "")} for a in body["associations"])
+        return httpx.Response(200, json={"errors": []})
+
+    client = SlurmRestClient("http://restapi:6820", KEY, version="v0.0.43", transport=httpx.MockTransport(server))
+    client.add_account("vision", cluster="research")
+    assert client.associations("research") == {("root", ""), ("vision", "")}
+    assert sent[1][1:3] == (
+        "/slurmdb/v0.0.43/associations",
+        {"associations": [{"account": "vision", "cluster": "research", "parent_account": "root"}]},
+    )
+    client.remove_association("research", "vision", "alice")
+    assert sent[-1][:2] == ("DELETE", "/slurmdb/v0.0.43/association")
+    assert sent[-1][3] == {"cluster": "research", "account": "vision", "user": "alice"}
+
+
+def test_an_account_whose_association_never_appears_is_an_error() -> None:
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return httpx.Response(200, json={"associations": [], "errors": []})
+        return httpx.Response(200, json={"errors": []})
+
+    client = SlurmRestClient("http://restapi:6820", KEY, version="v0.0.42", transport=httpx.MockTransport(server))
+    with pytest.raises(SlurmRestError, match="took account vision but it has no association on research"):
+        client.add_account("vision", cluster="research")

@@ -211,6 +211,7 @@ class Cluster:
             "cluster_running_jobs",
             "cluster_cancel_jobs",
             "cluster_unmake_remediable",
+            "cluster_remove_users",
             "cluster_tear_down",
             "cluster_release",
             "cluster_delete_objects",
@@ -236,6 +237,7 @@ async def delete(env: WorkflowEnvironment, cluster: Cluster, **options: Any) -> 
 
 TEARDOWN = [
     "cluster_unmake_remediable",
+    "cluster_remove_users",  # the accounts leave the database, which may outlive the cluster
     "cluster_tear_down",
     "cluster_release",
     "cluster_delete_objects",
