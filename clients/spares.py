@@ -308,7 +308,11 @@ class SparePool:
         schedulable. A node Kubernetes does not know is still taken out of the partition.
         """
         for partition in self._retired_from(node):
-            self.remove_from_partition(node, partition=partition)
+            try:
+                self.remove_from_partition(node, partition=partition)
+            except InvalidInput as exc:
+                # Slurm keeps a partition's last node; drained, it runs nothing there.
+                log.warning("%s stays in partition %s, drained: %s", node, partition, exc)
         with contextlib.suppress(NotFound):
             self._kube.set_unschedulable(node, True)
             _retry_conflicts(lambda: self._kube.add_taint(node, key=RETIRED_TAINT, value=incident_id or POOL_RETIRED))

@@ -314,13 +314,13 @@ def test_a_spare_that_fails_in_service_is_retired_without_its_old_claim(pool: Po
 
 @pytest.fixture
 def debug_partition(slurm_lab: SlurmLab) -> Iterator[str]:
-    """A second partition, ``debug``, holding gpu2 and gpu3 (taken out of ``train``), as a
-    cluster made from a spec with two partitions has."""
+    """A second partition, ``debug``, holding gpu2 and gpu3, as a cluster made from a spec with
+    two partitions has; gpu3 stays in ``train`` too, gpu2 leaves it."""
 
     def scontrol(*args: str) -> None:
         subprocess.run(["scontrol", *args], env=slurm_lab.env, capture_output=True, text=True, check=True, timeout=30)
 
-    others = [n for n in slurm_lab.spec.nodes if n not in ("gpu2", "gpu3")]
+    others = [n for n in slurm_lab.spec.nodes if n != "gpu2"]
     scontrol("update", "PartitionName=train", f"Nodes={','.join(others)}")
     scontrol("create", "PartitionName=debug", "Nodes=gpu2,gpu3", "State=UP")
     yield "debug"
@@ -347,7 +347,17 @@ def test_a_retired_node_leaves_every_partition_and_returns_to_them(pool: Pool, d
     spares.retire("gpu3", "remediate-lab-gpu3")
     spares.retire("gpu3", "remediate-lab-gpu3")  # a retry finds it out already and keeps the record
     assert "gpu3" not in slurm.partition_nodes("debug") and "gpu3" not in slurm.partition_nodes("train")
-    assert kube.get_node("gpu3").annotations["gpufleet.io/retired-from"] == "debug"
+    assert kube.get_node("gpu3").annotations["gpufleet.io/retired-from"] == "debug,train"
     spares.return_node("gpu3", as_="training")
-    assert "gpu3" in slurm.partition_nodes("debug") and "gpu3" not in slurm.partition_nodes("train")
+    assert "gpu3" in slurm.partition_nodes("debug") and "gpu3" in slurm.partition_nodes("train")
     assert "gpufleet.io/retired-from" not in kube.get_node("gpu3").annotations
+
+
+def test_a_retired_partitions_last_node_stays_in_it_drained(pool: Pool, debug_partition: str) -> None:
+    spares, kube, slurm = pool
+    slurm.drain("gpu3", reason=OUR_REASON)
+    spares.retire("gpu3", "remediate-lab-gpu3")
+    slurm.drain("gpu2", reason=OUR_REASON)
+    spares.retire("gpu2", "remediate-lab-gpu2")  # debug's last node: Slurm keeps it there
+    assert slurm.partition_nodes("debug") == ["gpu2"] and slurm.node("gpu2").drained
+    assert kube.get_node("gpu2").labels["gpufleet.io/pool"] == "retired"  # retired all the same

@@ -6,6 +6,7 @@ whose first try dies after taking its nodes takes no more when it is retried."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -69,10 +70,23 @@ async def start(env: WorkflowEnvironment, queue: str, name: str, nodes: int) -> 
     )
 
 
-def activities(kube: KubernetesApi, *, tries: dict[str, int] | None = None) -> list[Any]:
-    """gpufleet's cluster activities; with ``tries``, a reservation whose first try dies."""
+def activities(
+    kube: KubernetesApi, *, tries: dict[str, int] | None = None, together: threading.Barrier | None = None
+) -> list[Any]:
+    """gpufleet's cluster activities; with ``tries``, a reservation whose first try dies; with
+    ``together``, reservations that start only once all of them have (so they truly race, and
+    each creation has passed validation first)."""
     acts = ClusterActivities(kube, {"lab": StandIn()}, WebhookNotifier(url=None))
     made = acts.all()
+    if together is not None:
+
+        @activity.defn(name="cluster_reserve")
+        def racing(request: ClusterRequest) -> StepResult:
+            together.wait()
+            return acts.reserve(request)
+
+        made = [a for a in made if getattr(a, "__temporal_activity_definition").name != "cluster_reserve"]
+        made.append(racing)
     if tries is not None:
 
         @activity.defn(name="cluster_reserve")
@@ -97,7 +111,7 @@ async def test_two_creations_racing_for_the_last_nodes_one_wins_the_other_leaves
             env.client,
             task_queue=queue,
             workflows=[ClusterCreationWorkflow],
-            activities=activities(kube),
+            activities=activities(kube, together=threading.Barrier(2, timeout=60)),
             activity_executor=pool,
         ):
             # Each asks 3 of the 4 free nodes: both pass validation, only one can be reserved.
