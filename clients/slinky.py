@@ -17,7 +17,7 @@ from clients.clusters import StepFailed
 from clients.kube import KubernetesApi
 from clients.slurmrest import TERMINAL, SlurmRestClient, SlurmRestError
 from models.cluster import ClusterSpec, render_slurm_conf
-from models.slinky import GENERATED, cluster_namespace, restapi_url, slinky_objects
+from models.slinky import COPIED, GENERATED, cluster_namespace, restapi_url, slinky_objects
 
 CREATION_ANNOTATION = "gpufleet.io/creation"
 JWT_KEY = "jwt_hs256.key"
@@ -45,9 +45,32 @@ def with_keys(obj: dict[str, Any]) -> dict[str, Any]:
     return {**obj, "stringData": filled}
 
 
+def with_copies(kube: KubernetesApi, obj: dict[str, Any]) -> dict[str, Any]:
+    """The object with each value copied from another Secret filled in (read only here, in the
+    activity: never in the workflow's history)."""
+    data = obj.get("stringData") or {}
+    filled = {}
+    for key, value in data.items():
+        match = COPIED.match(value) if isinstance(value, str) else None
+        if match is None:
+            filled[key] = value
+            continue
+        namespace, name, source_key = match.groups()
+        source = (kube.secret_data(namespace, name) or {}).get(source_key)
+        if source is None:
+            raise StepFailed(f"Secret {namespace}/{name} has no key {source_key!r} (the database password to copy)")
+        filled[key] = source.decode()
+    return {**obj, "stringData": filled} if data else obj
+
+
 def core_objects(spec: ClusterSpec, placement: dict[str, list[str]]) -> list[dict[str, Any]]:
-    """The objects every backend makes: all but slurm-operator's own kinds."""
-    return [o for o in slinky_objects(spec, placement) if o["apiVersion"] == "v1"]
+    """The objects every backend makes: all but slurm-operator's own kinds (and the database
+    password its Accounting reads: a backend with its own database needs none)."""
+    return [
+        o
+        for o in slinky_objects(spec, placement)
+        if o["apiVersion"] == "v1" and o["metadata"]["name"] != f"{spec.name}-db-password"
+    ]
 
 
 def _owned(obj: dict[str, Any], creation: str) -> dict[str, Any]:
@@ -64,7 +87,7 @@ def create_all(kube: KubernetesApi, objects: list[dict[str, Any]], creation: str
     made = []
     for obj in objects:
         name = f"{obj['kind']}/{obj['metadata']['name']}"
-        if kube.create_object(with_keys(_owned(obj, creation))):
+        if not kube.object_exists(obj) and kube.create_object(with_copies(kube, with_keys(_owned(obj, creation)))):
             made.append(name)
             continue
         annotations = kube.object_annotations(obj) or {}
@@ -131,6 +154,11 @@ class SlinkyBackend:
         return client
 
     def unsupported(self, spec: ClusterSpec) -> str:
+        if spec.accounting and spec.accounting_storage is None:
+            return (
+                "accounting on Slinky needs the database slurmdbd keeps its records in: set accounting_storage "
+                "(host, and password_secret naming the Secret that holds its password)"
+            )
         return ""
 
     def exists(self, spec: ClusterSpec) -> str:

@@ -198,6 +198,58 @@ class StorageSpec(BaseModel):
         return path
 
 
+class SecretRef(BaseModel):
+    """A key of a Kubernetes Secret that exists already (gpufleet copies it, never shows it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    namespace: str
+    name: str
+    key: str = "password"
+
+    @field_validator("namespace", "name")
+    @classmethod
+    def _object_name(cls, name: str) -> str:
+        if not _STORAGE_CLASS.fullmatch(name):
+            raise ValueError(f"{name!r} is not a Kubernetes object name")
+        return name
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, key: str) -> str:
+        if not re.fullmatch(r"[-._a-zA-Z0-9]{1,253}", key):
+            raise ValueError(f"{key!r} is not a Secret key")
+        return key
+
+
+class AccountingStorage(BaseModel):
+    """The MariaDB/MySQL database slurmdbd keeps its records in, where the backend does not run
+    one itself (Slinky: the ``Accounting`` object's ``storageConfig``). The password stays in
+    its Secret: gpufleet copies it into the cluster's namespace, never into the workflow."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str
+    port: int = Field(default=3306, ge=1, le=65535)
+    database: str = "slurm_acct_db"
+    username: str = "slurm"
+    password_secret: SecretRef
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, host: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?", host):
+            raise ValueError(f"{host!r} is not a host name or address")
+        return host
+
+    @field_validator("database", "username")
+    @classmethod
+    def _identifier(cls, name: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_]{1,64}", name):
+            raise ValueError(f"{name!r}: letters, digits and '_' only, at most 64")
+        return name
+
+
 class RemediationDefaults(BaseModel):
     """What the cluster's incidents start from (the worker's settings for this cluster)."""
 
@@ -216,6 +268,8 @@ class ClusterSpec(BaseModel):
     storage: StorageSpec | None = None
     spares: int = Field(default=1, ge=0, le=1024)
     accounting: bool = False
+    # Where slurmdbd keeps its records, for backends that do not run a database (Slinky).
+    accounting_storage: AccountingStorage | None = None
     slurm_conf: list[str] = Field(default_factory=list)  # extra slurm.conf lines
     remediation: RemediationDefaults = Field(default_factory=RemediationDefaults)
 

@@ -18,9 +18,10 @@ created (and deleted in reverse):
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from models.cluster import ClusterSpec, job_requeue, kill_wait
+from models.cluster import ClusterSpec, SecretRef, job_requeue, kill_wait
 
 API = "slinky.slurm.net/v1beta1"
 SLURM_VERSION = "25.11"
@@ -34,6 +35,13 @@ IMAGES = {
 }
 RESTAPI_PORT = 6820  # the operator's Service <name>-restapi listens here
 GENERATED = "<generated when the Secret is first created>"
+_COPIED = "<copied from Secret {namespace}/{name}, key {key}, when first created>"
+COPIED = re.compile(r"^<copied from Secret ([a-z0-9.-]+)/([a-z0-9.-]+), key ([-._a-zA-Z0-9]+), when first created>$")
+
+
+def copied(ref: SecretRef) -> str:
+    """The placeholder for a value copied from another Secret when the object is created."""
+    return _COPIED.format(namespace=ref.namespace, name=ref.name, key=ref.key)
 CLUSTER_LABEL = "gpufleet.io/cluster"
 PARTITION_LABEL = "gpufleet.io/partition"
 REMEDIATION_CONFIGMAP = "gpufleet-remediation"
@@ -161,14 +169,26 @@ def slinky_objects(spec: ClusterSpec, placement: dict[str, list[str]]) -> list[d
         "jwtKeyRef": {"name": f"{name}-jwt-key", "key": "jwt_hs256.key"},
     }
     if spec.accounting:
-        objects.append(
-            {
-                "apiVersion": API,
-                "kind": "Accounting",
-                "metadata": _meta(spec, name),
-                "spec": {**keys, "slurmdbd": _container(IMAGES["slurmdbd"])},
+        accounting: dict[str, Any] = {**keys, "slurmdbd": _container(IMAGES["slurmdbd"])}
+        storage = spec.accounting_storage
+        if storage is not None:
+            objects.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Secret",
+                    "metadata": _meta(spec, f"{name}-db-password"),
+                    "type": "Opaque",
+                    "stringData": {"password": copied(storage.password_secret)},
+                }
+            )
+            accounting["storageConfig"] = {
+                "host": storage.host,
+                "port": storage.port,
+                "database": storage.database,
+                "username": storage.username,
+                "passwordKeyRef": {"name": f"{name}-db-password", "key": "password"},
             }
-        )
+        objects.append({"apiVersion": API, "kind": "Accounting", "metadata": _meta(spec, name), "spec": accounting})
     extra = [
         f"JobRequeue={job_requeue(spec)}",
         f"KillWait={kill_wait(spec)}",

@@ -100,3 +100,44 @@ def test_the_dry_run_prints_every_object_and_contacts_nothing() -> None:
         if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-key")
         for v in d["stringData"].values()
     )
+
+
+def test_accounting_on_slinky_reads_its_database_password_from_a_secret_and_never_shows_it(
+    api: KubeApiProcess,
+) -> None:
+    kube = KubernetesApi(kubeconfig=api.kubeconfig)
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    raw["accounting"] = True
+    assert "needs the database" in SlinkyBackend(kube).unsupported(load_spec(raw))  # no database: refused
+    raw["accounting_storage"] = {
+        "host": "mariadb.db.svc",
+        "password_secret": {"namespace": "db", "name": "slurm-db", "key": "password"},
+    }
+    spec = load_spec(raw)
+    assert SlinkyBackend(kube).unsupported(spec) == ""
+    # The dry run shows where the password comes from, not the password.
+    objects = slinky_objects(spec, PLACEMENT)
+    secret = next(o for o in objects if o["metadata"]["name"] == "research-db-password")
+    assert secret["stringData"] == {"password": "<copied from Secret db/slurm-db, key password, when first created>"}
+    accounting = next(o for o in objects if o["kind"] == "Accounting")
+    assert accounting["spec"]["storageConfig"] == {
+        "host": "mariadb.db.svc",
+        "port": 3306,
+        "database": "slurm_acct_db",
+        "username": "slurm",
+        "passwordKeyRef": {"name": "research-db-password", "key": "password"},
+    }
+    # Its source missing: the step fails naming it, and says nothing of any value.
+    with pytest.raises(StepFailed, match="Secret db/slurm-db has no key 'password'"):
+        SlinkyBackend(kube).create_objects(spec, PLACEMENT, "", "run-1")
+    kube.create_object({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "db"}})
+    kube.create_object(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "slurm-db", "namespace": "db"},
+            "stringData": {"password": "s3cret-db"},
+        }
+    )
+    SlinkyBackend(kube).create_objects(spec, PLACEMENT, "", "run-1")  # a retry after the fix
+    assert kube.secret_data("slurm-research", "research-db-password") == {"password": b"s3cret-db"}

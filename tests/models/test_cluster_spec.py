@@ -166,3 +166,15 @@ def test_a_partition_name_must_also_be_a_label_value_and_an_object_name(name: st
     raw["partitions"][0]["name"] = name
     with pytest.raises(SpecError, match=r"partitions\[0\]\.name"):
         load_spec(raw)
+
+
+def test_accounting_storage_is_checked_field_by_field() -> None:
+    raw = example()
+    raw["accounting"] = True
+    raw["accounting_storage"] = {"host": "db host", "port": 0, "database": "acct;drop", "password_secret": {}}
+    with pytest.raises(SpecError) as refused:
+        load_spec(raw)
+    said = str(refused.value)
+    for field in ("accounting_storage.host", "accounting_storage.port", "accounting_storage.database"):
+        assert field in said, said
+    assert "accounting_storage.password_secret.namespace" in said and "accounting_storage.password_secret.name" in said
