@@ -21,7 +21,8 @@ from models.slinky import COPIED, GENERATED, cluster_namespace, restapi_url, sli
 
 CREATION_ANNOTATION = "gpufleet.io/creation"
 JWT_KEY = "jwt_hs256.key"
-SMOKE_TIMEOUT = 120.0
+SMOKE_TIMEOUT = 120.0  # per partition
+SMOKE_TOTAL = 540.0  # in all: the step's limit is 10 minutes
 ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED"}
 DOWN = {"DOWN", "FUTURE", "NOT_RESPONDING", "UNKNOWN", "FAIL", "DRAIN", "INVAL"}
 
@@ -136,7 +137,7 @@ class SlinkyBackend:
     def _objects(self, spec: ClusterSpec, placement: dict[str, list[str]] | None = None) -> list[dict[str, Any]]:
         return slinky_objects(spec, placement or {p.name: [""] * p.nodes for p in spec.partitions})
 
-    def _rest(self, spec: ClusterSpec) -> SlurmRestClient:
+    def _rest(self, spec: ClusterSpec, *, timeout: float = 10.0) -> SlurmRestClient:
         """A slurmrestd client signing with the JWT key this creation generated."""
         name = spec.name
         secret = self._kube.secret_data(cluster_namespace(name), f"{name}-jwt-key") or {}
@@ -145,7 +146,7 @@ class SlinkyBackend:
             where = f"Secret {name}-jwt-key of {cluster_namespace(name)}"
             raise StepFailed(f"no JWT key in {where}: were the cluster's objects made?")
         url = self._restapi.format(name=name) if self._restapi else restapi_url(name)
-        client = SlurmRestClient(url, key)
+        client = SlurmRestClient(url, key, timeout=timeout)
         try:
             client.detect_version()
         except SlurmRestError:
@@ -186,7 +187,8 @@ class SlinkyBackend:
         seen = "nothing yet"
         while True:
             try:
-                client = self._rest(spec)
+                # Each call bounded by what is left, so the step ends in time to say why.
+                client = self._rest(spec, timeout=max(1.0, min(10.0, (deadline - time.monotonic()) / 8)))
                 try:
                     release = client.ping()
                     nodes = client.nodes()
@@ -261,13 +263,17 @@ class SlinkyBackend:
             client = self._rest(spec)
         except SlurmRestError as exc:
             raise StepFailed(str(exc)) from None
-        ran = []
+        ran: list[str] = []
+        deadline = time.monotonic() + SMOKE_TOTAL
         try:
             for partition in spec.partitions:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StepFailed(f"smoke jobs took over {SMOKE_TOTAL:g}s in all; done so far: {'; '.join(ran)}")
                 script = '#!/bin/sh\necho "hello from $SLURMD_NODENAME"\n'
                 try:
                     job = client.submit(script, user=user, partition=partition.name, name="gpufleet-smoke")
-                    state = client.wait_job(job, user=user, timeout=SMOKE_TIMEOUT)
+                    state = client.wait_job(job, user=user, timeout=min(SMOKE_TIMEOUT, left))
                 except SlurmRestError as exc:
                     raise StepFailed(f"smoke job on partition {partition.name}: {exc}") from None
                 if state != "COMPLETED":
