@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from activities.errors import client_errors
 from activities.heartbeat import heartbeating
@@ -106,6 +107,12 @@ class PoolActivities:
             if why:
                 view.busy[node.name] = why
         view.demand = self._demand(settings.query, settings.per_node)
+        try:
+            with client_errors():
+                view.demand.training = float(self._slurm.pending_nodes(settings.partition))
+        except ApplicationError as exc:
+            # Unknown training demand only means inference keeps its spare: no move hangs on it.
+            activity.logger.warning("training demand unknown: %s", exc)
         return view
 
     def _demand(self, query: str, per_node: float) -> Demand:

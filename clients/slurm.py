@@ -37,6 +37,17 @@ _UNREACHABLE = (
     "munge",
 )
 _NOT_FOUND = ("invalid node name", "invalid job id", "does not exist", "invalid partition name", "not found")
+# Pending reasons of jobs that would not start on a free node now (held, waiting for another job
+# or a time, over a limit).
+_NOT_WAITING_FOR_NODES = (
+    "Dependency",
+    "BeginTime",
+    "JobHeld",
+    "DependencyNeverSatisfied",
+    "AssocGrp",
+    "AssocMax",
+    "QOS",
+)
 _REFUSED = ("presently disabled", "only batch jobs", "not requeueable", "access/permission denied")
 
 
@@ -49,6 +60,7 @@ class SlurmClient(Protocol):
     def down(self, name: str, *, reason: str) -> None: ...
     def resume(self, name: str) -> None: ...
     def jobs_on_node(self, name: str) -> list[JobInfo]: ...
+    def pending_nodes(self, partition: str) -> int: ...
     def jobs_by_id(self, job_ids: list[int]) -> dict[int, JobInfo]: ...
     def job(self, job_id: int) -> JobInfo: ...
     def signal_job(self, job_id: int, *, signal: str = "TERM") -> None: ...
@@ -186,6 +198,19 @@ class SlurmCli:
         except NotFound:
             raise NotFound(f"Slurm has no node named {name!r}") from None
         return [job for job in jobs if job.state in _ACTIVE_STATES]
+
+    def pending_nodes(self, partition: str) -> int:
+        """How many nodes the partition's pending jobs ask for, in all (training's demand).
+        Jobs held, or waiting on a dependency or a begin time, ask for nothing yet."""
+        partition = checked_node_name(partition)  # a partition name has a node name's shape
+        out = self._run(["squeue", "--noheader", f"--partition={partition}", "--states=PENDING", "--format=%D|%r"])
+        total = 0
+        for line in out.splitlines():
+            nodes, _, reason = line.strip().partition("|")
+            if not nodes.isdigit() or reason.startswith(_NOT_WAITING_FOR_NODES):
+                continue
+            total += int(nodes)
+        return total
 
     def jobs_by_id(self, job_ids: list[int]) -> dict[int, JobInfo]:
         """The given jobs from ONE squeue, finished ones included (within MinJobAge).

@@ -9,6 +9,10 @@ two brakes against flapping:
   (or none, when there is no demand at all);
 - **cooldown**: no move within ``cooldown_seconds`` of the last one.
 
+Training's demand is the nodes its pending jobs ask for (from Slurm). Inference's demand comes
+first; while training jobs wait, inference gives back the spare that hysteresis keeps (down to
+the nodes its demand needs), and it never keeps more.
+
 A move is at most ``batch`` nodes. Missing data (Prometheus down, an empty answer) holds the
 split: nothing ever moves on a guess. A manual override replaces the measured demand until it
 is cleared. Every node is in exactly one pool: the decision is a count of inference nodes
@@ -104,6 +108,8 @@ def decide(
     if demand.inference is None:
         return Decision(inference=inference, move=0, why=f"holding: no inference demand ({demand.error or 'no data'})")
     wanted = demand.inference
+    pending = demand.training or 0.0  # nodes training's pending jobs ask for
+    why_more = ""
     # Fewest nodes that serve the demand with ``hysteresis`` to spare (none for no demand at all).
     enough = 0 if wanted <= 0 else math.ceil(wanted + limits.hysteresis)
     if wanted > inference + limits.hysteresis or (inference == 0 and wanted > 0):
@@ -111,8 +117,13 @@ def decide(
         goal = min(max(math.ceil(wanted - limits.hysteresis), 1), high)
     elif enough < inference:
         goal = max(enough, low)
+    elif pending > 0 and (needed := 0 if wanted <= 0 else math.ceil(wanted)) < inference:
+        # Training jobs wait for nodes: inference gives back the spare it keeps against flapping.
+        goal = max(needed, low)
+        why_more = f"; training waits for {pending:g} node(s)"
     else:
-        return Decision(inference=inference, move=0, why=f"steady: demand {wanted:.2f} nodes for {inference}")
+        waiting = f"; training waits for {pending:g} node(s)" if pending > 0 else ""
+        return Decision(inference=inference, move=0, why=f"steady: demand {wanted:.2f} nodes for {inference}{waiting}")
     if goal == inference:
         side = "maximum" if goal == high and wanted > inference else "minimum"
         return Decision(inference=inference, move=0, why=f"at the {side}: demand {wanted:.2f} nodes, {inference} serve")
@@ -125,7 +136,7 @@ def decide(
     return Decision(
         inference=inference + step,
         move=step,
-        why=f"demand {wanted:.2f} nodes for {inference}: {abs(step)} {direction} (goal {goal})",
+        why=f"demand {wanted:.2f} nodes for {inference}: {abs(step)} {direction} (goal {goal}){why_more}",
     )
 
 

@@ -423,3 +423,15 @@ def test_marks_are_kept_on_the_job_beside_what_the_site_wrote(
     subprocess.run(["scancel", str(job_id)], env=slurm_lab.env, check=True)
     wait_for(lambda: slurm.job(job_id).state == "CANCELLED", timeout=30, what="the cancel")
     assert slurm.mark_job(job_id, "gpufleet:requeued:lab-gpu2-20261202T000000Z:0") is False  # finished: refused
+
+
+@slurm_daemons
+def test_pending_nodes_counts_what_waiting_jobs_ask_for(slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path) -> None:
+    assert slurm.pending_nodes("train") == 0
+    whole = submit(slurm_lab, tmp_path, "sleep 300\n", "-p", "train", "-N", "3", "--exclusive")
+    wait_for(lambda: slurm.job(whole).state == "RUNNING", timeout=30, what="the first job to hold every node")
+    submit(slurm_lab, tmp_path, "sleep 1\n", "-p", "train", "-N", "2", "--exclusive")  # waits for nodes
+    submit(slurm_lab, tmp_path, "sleep 1\n", "-p", "train", "-N", "1", "--hold")  # held: asks for nothing yet
+    wait_for(lambda: slurm.pending_nodes("train") == 2, timeout=30, what="the waiting job to be counted")
+    with pytest.raises(InvalidInput):
+        slurm.pending_nodes("train;rm")  # checked before any command runs

@@ -4,6 +4,7 @@ a batch per move; and with steady demand the split settles and stays (no flappin
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -127,3 +128,29 @@ def test_from_none_any_demand_calls_for_a_node() -> None:
 def test_a_demand_that_is_not_a_number_is_refused() -> None:
     with pytest.raises(ValueError):
         Demand(inference=float("nan"))
+
+
+@given(pools(), st.data(), st.floats(0, 60, allow_nan=False), st.floats(0.5, 40, allow_nan=False))
+def test_waiting_training_jobs_take_back_only_inferences_spare(
+    pool: tuple[int, PoolLimits], data: st.DataObject, wanted: float, pending: float
+) -> None:
+    total, limits = pool
+    low, high = bounds(total, limits)
+    inference = data.draw(st.integers(low, high))
+    alone = decide(total, inference, Demand(inference=wanted), limits, now=NOW)
+    both = decide(total, inference, Demand(inference=wanted, training=pending), limits, now=NOW)
+    # Training waiting never gives inference more, and never takes from it what its demand needs.
+    assert both.inference <= alone.inference
+    needed = 0 if wanted <= 0 else math.ceil(wanted)
+    assert both.inference >= min(inference, max(needed, low))
+
+
+def test_waiting_training_jobs_take_the_spare_that_hysteresis_keeps() -> None:
+    limits = PoolLimits(hysteresis=0.5, cooldown_seconds=0)
+    # 3 nodes serve a demand of 1.8: enough with the spare (ceil(1.8 + 0.5) = 3), so it holds...
+    assert decide(6, 3, Demand(inference=1.8), limits, now=NOW).move == 0
+    # ...until training jobs wait for nodes: the spare goes back, down to what the demand needs.
+    decision = decide(6, 3, Demand(inference=1.8, training=2), limits, now=NOW)
+    assert decision.move == -1 and "training waits for 2 node(s)" in decision.why
+    # What the demand needs stays: 2 nodes for 1.8.
+    assert decide(6, 2, Demand(inference=1.8, training=2), limits, now=NOW).move == 0
