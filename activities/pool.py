@@ -9,7 +9,7 @@ from activities.errors import client_errors
 from activities.heartbeat import heartbeating
 from clients.errors import ClientError, NotOwned
 from clients.kube import KubeClient, KubeNode
-from clients.poolmoves import INFERENCE, LEASE_ANNOTATION, TO_INFERENCE_REASON, TRAINING, PoolMover
+from clients.poolmoves import INFERENCE, LEASE_ANNOTATION, TO_INFERENCE_REASON, TRAINING, BudgetKept, PoolMover
 from clients.prometheus import PrometheusApi
 from clients.slurm import SlurmClient
 from models.constants import (
@@ -61,7 +61,7 @@ class PoolActivities:
         prometheus: PrometheusApi | None,
         *,
         grace_seconds: float = 120.0,
-        eviction_timeout_seconds: float = 3600.0,
+        eviction_timeout_seconds: float = 600.0,
         drain_deadline_seconds: float = 600.0,
     ) -> None:
         self._kube = kube
@@ -156,6 +156,6 @@ class PoolActivities:
                         eviction_timeout_seconds=self._eviction_timeout,
                         say=say,
                     )
-            except NotOwned as exc:
+            except (NotOwned, BudgetKept) as exc:
                 return MoveResult(moved=False, detail=str(exc))
         return MoveResult(moved=True, detail=detail)

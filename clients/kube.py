@@ -83,7 +83,9 @@ class KubeClient(Protocol):
         resource_version: str | None = None,
     ) -> KubeNode: ...
     def pods_on_node(self, name: str) -> list[PodRef]: ...
-    def evict(self, pod: PodRef, *, timeout_seconds: float, progress: Progress | None = None) -> str: ...
+    def evict(
+        self, pod: PodRef, *, timeout_seconds: float, progress: Progress | None = None, force: bool = True
+    ) -> str: ...
     def delete_node(self, name: str) -> None: ...
     def create_job(self, namespace: str, body: dict[str, Any]) -> bool: ...
     def job_state(self, namespace: str, name: str) -> JobState: ...
@@ -279,8 +281,11 @@ class KubernetesApi:
             )
         return pods
 
-    def evict(self, pod: PodRef, *, timeout_seconds: float, progress: Progress | None = None) -> str:
-        """Evict through the eviction API; past the deadline, delete the pod.
+    def evict(
+        self, pod: PodRef, *, timeout_seconds: float, progress: Progress | None = None, force: bool = True
+    ) -> str:
+        """Evict through the eviction API; past the deadline, delete the pod (``force``), or
+        raise TooManyRequests: the PodDisruptionBudget is kept.
 
         Returns:
             ``"evicted"``, ``"deleted"`` (forced after the deadline) or ``"gone"``.
@@ -301,6 +306,11 @@ class KubernetesApi:
                 return "gone"
             except TooManyRequests:
                 if time.monotonic() >= deadline:
+                    if not force:
+                        raise TooManyRequests(
+                            f"evicting {pod.key} would break its PodDisruptionBudget, still after "
+                            f"{timeout_seconds:g}s"
+                        ) from None
                     break
                 if progress:
                     progress(f"eviction of {pod.key} refused by a PodDisruptionBudget; retrying")

@@ -7,7 +7,8 @@ Every step looks before it acts, so a move run again after a crash goes on from 
   and requeue what is left; out of the partition (under the partition's Lease, as remediation
   edits it); ``gpufleet.io/pool=inference``, the training taint off, uncordoned.
 - **inference -> training**: cordoned, the training taint on; its pods evicted through the
-  eviction API (a PodDisruptionBudget makes the move wait, never break it; DaemonSet pods stay);
+  eviction API (a PodDisruptionBudget makes the move wait, never break it: past one deadline
+  for all of the node's pods the move is undone and the node serves on; DaemonSet pods stay);
   ``gpufleet.io/pool=training``; into the partition; resumed in Slurm; uncordoned (the taint keeps
   inference pods away).
 
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable
 
 from clients import nodelease
-from clients.errors import InvalidInput, NotFound, NotOwned
+from clients.errors import ClientError, InvalidInput, NotFound, NotOwned, TooManyRequests
 from clients.kube import KubeClient
 from clients.slurm import SlurmClient
 from clients.spares import SparePool
@@ -36,6 +37,11 @@ TRAINING = "training"
 FINISHED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
 
 Say = Callable[[str], None]
+
+
+class BudgetKept(ClientError):
+    """A move to training that would break a PodDisruptionBudget: it is undone, and the node
+    goes on serving inference until a later look tries again."""
 
 
 class PoolMover:
@@ -151,6 +157,13 @@ class PoolMover:
 
     # -- inference -> training --------------------------------------------------------------------
 
+    def _stay_inference(self, node: str, holder: str) -> None:
+        """Undo the start of a move to training: the taint off, uncordoned, let go."""
+        self._ours(node, holder)
+        self._kube.remove_taint(node, key=TRAINING_TAINT)
+        self._kube.set_unschedulable(node, False)
+        self.give_back(node, holder)
+
     def to_training(
         self,
         node: str,
@@ -163,12 +176,22 @@ class PoolMover:
         self.take(node, holder)
         self._kube.set_unschedulable(node, True)
         self._kube.add_taint(node, key=TRAINING_TAINT, value=TRAINING, effect="NoSchedule")
-        evicted = []
+        evicted: list[str] = []
+        # One deadline for all of the node's evictions; a budget that still refuses then is kept.
+        deadline = time.monotonic() + eviction_timeout_seconds
         for pod in self._kube.pods_on_node(node):
             if pod.owner_kind == "DaemonSet":
                 continue
             self._ours(node, holder)
-            outcome = self._kube.evict(pod, timeout_seconds=eviction_timeout_seconds, progress=say)
+            try:
+                outcome = self._kube.evict(
+                    pod, timeout_seconds=max(0.0, deadline - time.monotonic()), progress=say, force=False
+                )
+            except TooManyRequests as exc:
+                self._stay_inference(node, holder)
+                raise BudgetKept(
+                    f"{node} stays in inference: {exc}; {len(evicted)} pod(s) had moved away, the rest serve on"
+                ) from None
             evicted.append(f"{pod.key} {outcome}")
         self._ours(node, holder)
         self._kube.update_metadata(node, labels={POOL_LABEL: TRAINING})

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from clients.errors import Conflict, InvalidInput, NotFound, Unavailable
+from clients.errors import Conflict, InvalidInput, NotFound, TooManyRequests, Unavailable
 from clients.kube import KubernetesApi, PodRef, checked_lease_name, checked_namespace, lease_name
 from lab.kubeapi import node_object
 from lab.procs import free_port
@@ -99,7 +99,12 @@ def test_eviction_refused_by_a_budget_then_allowed(kube: KubernetesApi) -> None:
     progress: list[str] = []
     # Two web pods, minAvailable 1: the first eviction goes through...
     assert kube.evict(web_a, timeout_seconds=1, progress=progress.append) == "evicted"
-    # ...the second would break the budget: 429 until the deadline, then a forced delete.
+    # ...the second would break the budget: 429 until the deadline; then, not forced, the
+    # budget is kept and the pod stays...
+    with pytest.raises(TooManyRequests, match="would break its PodDisruptionBudget"):
+        kube.evict(web_b, timeout_seconds=0.3, force=False)
+    assert [p.name for p in kube.pods_on_node("gpu2")] == ["web-b"]
+    # ...and forced, it is deleted.
     assert kube.evict(web_b, timeout_seconds=0.5, progress=progress.append) == "deleted"
     assert any("PodDisruptionBudget" in line for line in progress)
     assert kube.pods_on_node("gpu2") == []

@@ -10,11 +10,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from kubernetes import client as k8s
 
 from clients import nodelease
 from clients.errors import NotOwned
 from clients.kube import KubernetesApi
-from clients.poolmoves import LEASE_ANNOTATION, TRAINING_TAINT, PoolMover
+from clients.poolmoves import LEASE_ANNOTATION, TRAINING_TAINT, BudgetKept, PoolMover
 from clients.slurm import SlurmCli
 from lab.procs import wait_for
 from lab.slurm import SlurmLab
@@ -167,3 +168,46 @@ def test_a_job_that_refuses_requeue_does_not_fail_the_move_and_is_named(
         move.to_training("gpu2", holder="pool-shared", partition="train", eviction_timeout_seconds=5)
     finally:
         subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)
+
+
+def test_a_move_to_training_that_would_break_a_budget_is_undone_and_the_node_serves_on(
+    mover: tuple[PoolMover, KubernetesApi, SlurmCli],
+) -> None:
+    move, kube, slurm = mover
+    move.to_inference("gpu3", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1)
+    # Two inference replicas, one on gpu3, and a budget that keeps both (made with the official
+    # client: gpufleet itself creates no pods nor budgets).
+    core = kube._api
+    policy = k8s.PolicyV1Api(core.api_client)
+    for name, node in (("web-a", "gpu3"), ("web-b", "spare1")):
+        core.create_namespaced_pod(
+            "default",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "namespace": "default", "labels": {"app": "web"}},
+                "spec": {"nodeName": node, "containers": [{"name": "c", "image": "vllm"}]},
+                "status": {"phase": "Running"},
+            },
+        )
+    policy.create_namespaced_pod_disruption_budget(
+        "default",
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": {"name": "web", "namespace": "default"},
+            "spec": {"minAvailable": 2, "selector": {"matchLabels": {"app": "web"}}},
+        },
+    )
+    with pytest.raises(BudgetKept, match="gpu3 stays in inference: evicting default/web-a would break"):
+        move.to_training("gpu3", holder="pool-shared", partition="train", eviction_timeout_seconds=0.5)
+    node = kube.get_node("gpu3")
+    assert node.labels["gpufleet.io/pool"] == "inference" and not node.unschedulable
+    assert not any(t["key"] == TRAINING_TAINT for t in node.taints) and LEASE_ANNOTATION not in node.annotations
+    assert [p.name for p in kube.pods_on_node("gpu3")] == ["web-a"]  # still serving
+    assert "gpu3" not in slurm.partition_nodes("train")
+    # Once the budget allows it, the move goes through.
+    policy.delete_namespaced_pod_disruption_budget("web", "default")
+    assert move.to_training("gpu3", holder="pool-shared", partition="train", eviction_timeout_seconds=5) == (
+        "gpu3 serves training; 1 pod(s) moved away"
+    )
