@@ -32,6 +32,7 @@ class PoolSettings(BaseModel):
 
 
 class Move(BaseModel):
+    seq: int = 0  # its number in the pool's life (1, 2, ...): `rebalance --wait` follows these
     node: str
     to: str  # inference | training
     at: datetime
@@ -48,6 +49,7 @@ class PoolState(BaseModel):
     paused: bool = False
     last_move: datetime | None = None
     moves: list[Move] = Field(default_factory=list)  # the latest, newest last
+    seq: int = 0  # the last move's number
     manual: int = 0  # nodes a person asked to move now (+ to inference, - to training)
     in_flight: Move | None = None  # a move started and not known to have ended in one pool
 

@@ -183,15 +183,16 @@ def rebalance(
         client = await connect()
         handle = await _handle(client, pool)
         before: PoolStatus = await handle.query(PoolRebalanceWorkflow.status)
-        seen, looked = len(before.state.moves), before.observed_at
+        seen, looked = before.state.seq, before.observed_at
         await handle.signal(REBALANCE_SIGNAL, count)
         console.print(f"asked pool {pool} to move {abs(count)} node(s) to {'inference' if count > 0 else 'training'}")
         taken_at = None  # the look that took the request; its moves follow it
         while wait:
             now: PoolStatus = await handle.query(PoolRebalanceWorkflow.status)
-            for move in now.state.moves[seen:]:
+            # By number, not by place: the list keeps only the latest moves.
+            for move in (m for m in now.state.moves if m.seq > seen):
                 console.print(f"  {move.node} -> {move.to}: {move.outcome}", highlight=False)
-            seen = max(seen, len(now.state.moves))
+            seen = max(seen, now.state.seq)
             if taken_at is None and now.state.manual == 0 and now.observed_at != looked:
                 taken_at = now.observed_at
             elif taken_at is not None and now.observed_at != taken_at:

@@ -153,13 +153,17 @@ class PoolRebalanceWorkflow:
                 # Someone else holds the node now (an incident took it over): it is theirs to
                 # finish, and this workflow lets it be.
                 what, outcome = "left", outcome.removeprefix("skipped: ")
-            state.moves = [*state.moves, Move(node=move.node, to=to, at=workflow.now(), outcome=f"{what}: {outcome}")][
-                -KEEP_MOVES:
-            ]
+            self._record(Move(node=move.node, to=to, at=workflow.now(), outcome=f"{what}: {outcome}"))
             if what == "left" or outcome == "moved":
                 state.in_flight = None
                 return True
         return False
+
+    def _record(self, move: Move) -> None:
+        """Keep the move (numbered) among the latest."""
+        state = self._status.state
+        state.seq += 1
+        state.moves = [*state.moves, move.model_copy(update={"seq": state.seq})][-KEEP_MOVES:]
 
     async def _one(self, node: str, to: str) -> str:
         """One move by the activity: moved | skipped: why | failed: why."""
@@ -193,9 +197,7 @@ class PoolRebalanceWorkflow:
             state.in_flight = Move(node=node, to=to, at=started)
             outcome = await self._one(node, to)
             seconds = (workflow.now() - started).total_seconds()
-            state.moves = [*state.moves, Move(node=node, to=to, at=started, outcome=outcome, seconds=seconds)][
-                -KEEP_MOVES:
-            ]
+            self._record(Move(node=node, to=to, at=started, outcome=outcome, seconds=seconds))
             if outcome.startswith("failed"):
                 return  # the node may be between pools: the next look settles it first
             state.in_flight = None  # moved, or skipped before anything changed
@@ -203,7 +205,7 @@ class PoolRebalanceWorkflow:
                 state.last_move = workflow.now()
         for node in source[: abs(count)]:
             if node in view.busy:
-                state.moves = [
-                    *state.moves,
-                    Move(node=node, to=to, at=workflow.now(), outcome=f"skipped: {view.busy[node]}"),
-                ][-KEEP_MOVES:]
+                outcome = f"skipped: {view.busy[node]}"
+                last = next((m for m in reversed(state.moves) if m.node == node), None)
+                if last is None or last.outcome != outcome:  # said once, not at every look
+                    self._record(Move(node=node, to=to, at=workflow.now(), outcome=outcome))

@@ -273,3 +273,15 @@ async def test_a_run_continues_as_new_with_its_state(env: WorkflowEnvironment) -
     assert later_run != first_run  # continued as new
     assert status.state.override == 1.0 and status.state.override_by == "ops"  # carried over
     assert pool.moves == [("gpu1", "inference")]  # and not redone
+
+
+async def test_moves_are_numbered_and_a_busy_node_is_said_once(env: WorkflowEnvironment) -> None:
+    pool = Pool(demand=2.0, busy={"gpu1": "open incident remediate-lab-gpu1"})
+    async with worker(env, pool):
+        handle = await start(env, pool)
+        status = await intervals(env, handle, 4)
+        await handle.terminate("test over")
+    numbers = [m.seq for m in status.state.moves]
+    assert numbers == list(range(1, len(numbers) + 1)) and status.state.seq == numbers[-1]
+    skipped = [m for m in status.state.moves if m.node == "gpu1"]
+    assert len(skipped) == 1  # said once, not one line per look
