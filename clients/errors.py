@@ -29,6 +29,10 @@ class Forbidden(ClientError):
     retryable = False
 
 
+class LastNodeOfPartition(InvalidInput):
+    """Slurm refuses a partition with no node: its last node stays in it."""
+
+
 class NotOwned(ClientError):
     """The object is held by someone else (a node drained by an operator, a spare claimed elsewhere)."""
 

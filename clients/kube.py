@@ -440,8 +440,8 @@ class KubernetesApi:
             return None
         return dict(found.data or {})
 
-    def secret_data(self, namespace: str, name: str) -> dict[str, bytes] | None:
-        """A Secret's data, decoded; None when there is no such Secret."""
+    def secret(self, namespace: str, name: str) -> tuple[dict[str, bytes], dict[str, str]] | None:
+        """A Secret's data (decoded) and labels; None when there is no such Secret."""
         try:
             found = self._call(
                 f"read secret {namespace}/{name}",
@@ -451,7 +451,13 @@ class KubernetesApi:
             )
         except NotFound:
             return None
-        return {key: base64.b64decode(value) for key, value in (found.data or {}).items()}
+        data = {key: base64.b64decode(value) for key, value in (found.data or {}).items()}
+        return data, dict(found.metadata.labels or {})
+
+    def secret_data(self, namespace: str, name: str) -> dict[str, bytes] | None:
+        """A Secret's data, decoded; None when there is no such Secret."""
+        found = self.secret(namespace, name)
+        return None if found is None else found[0]
 
     def object_exists(self, obj: dict[str, Any]) -> bool:
         return self.object_annotations(obj) is not None

@@ -17,7 +17,7 @@ from clients.clusters import StepFailed
 from clients.kube import KubernetesApi
 from clients.slurmrest import TERMINAL, SlurmRestClient, SlurmRestError
 from models.cluster import ClusterSpec, render_slurm_conf
-from models.slinky import COPIED, GENERATED, cluster_namespace, restapi_url, slinky_objects
+from models.slinky import COPIED, COPY_LABEL, GENERATED, cluster_namespace, restapi_url, slinky_objects
 
 CREATION_ANNOTATION = "gpufleet.io/creation"
 JWT_KEY = "jwt_hs256.key"
@@ -46,22 +46,38 @@ def with_keys(obj: dict[str, Any]) -> dict[str, Any]:
     return {**obj, "stringData": filled}
 
 
+def copy_source(kube: KubernetesApi, namespace: str, name: str, key: str) -> bytes:
+    """The value to copy; StepFailed naming what is wrong (never the value)."""
+    found = kube.secret(namespace, name)
+    if found is None:
+        raise StepFailed(f"no Secret {namespace}/{name} (the database password to copy)")
+    data, labels = found
+    if labels.get(COPY_LABEL) != "true":
+        raise StepFailed(
+            f"Secret {namespace}/{name} is not labelled {COPY_LABEL}=true: gpufleet copies only Secrets "
+            "labelled so by whoever owns them"
+        )
+    if key not in data:
+        raise StepFailed(f"Secret {namespace}/{name} has no key {key!r} (the database password to copy)")
+    return data[key]
+
+
 def with_copies(kube: KubernetesApi, obj: dict[str, Any]) -> dict[str, Any]:
     """The object with each value copied from another Secret filled in (read only here, in the
-    activity: never in the workflow's history)."""
-    data = obj.get("stringData") or {}
-    filled = {}
-    for key, value in data.items():
-        match = COPIED.match(value) if isinstance(value, str) else None
-        if match is None:
-            filled[key] = value
+    activity: never in the workflow's history), as raw bytes in ``data``."""
+    strings = dict(obj.get("stringData") or {})
+    copies = {}
+    for key, value in list(strings.items()):
+        if not (isinstance(value, str) and value.startswith("<copied from")):
             continue
-        namespace, name, source_key = match.groups()
-        source = (kube.secret_data(namespace, name) or {}).get(source_key)
-        if source is None:
-            raise StepFailed(f"Secret {namespace}/{name} has no key {source_key!r} (the database password to copy)")
-        filled[key] = source.decode()
-    return {**obj, "stringData": filled} if data else obj
+        match = COPIED.match(value)
+        if match is None:
+            raise StepFailed(f"{obj['kind']}/{obj['metadata']['name']}: {key} names no Secret gpufleet can copy")
+        copies[key] = base64.b64encode(copy_source(kube, *match.groups())).decode()
+        del strings[key]
+    if not copies:
+        return obj
+    return {**obj, "stringData": strings, "data": {**(obj.get("data") or {}), **copies}}
 
 
 def core_objects(spec: ClusterSpec, placement: dict[str, list[str]]) -> list[dict[str, Any]]:
@@ -155,11 +171,18 @@ class SlinkyBackend:
         return client
 
     def unsupported(self, spec: ClusterSpec) -> str:
-        if spec.accounting and spec.accounting_storage is None:
+        if not spec.accounting:
+            return ""
+        if spec.accounting_storage is None:
             return (
                 "accounting on Slinky needs the database slurmdbd keeps its records in: set accounting_storage "
                 "(host, and password_secret naming the Secret that holds its password)"
             )
+        ref = spec.accounting_storage.password_secret
+        try:
+            copy_source(self._kube, ref.namespace, ref.name, ref.key)  # there and allowed: yes or no only
+        except StepFailed as exc:
+            return str(exc)
         return ""
 
     def exists(self, spec: ClusterSpec) -> str:
@@ -238,6 +261,13 @@ class SlinkyBackend:
         database outlives the cluster, so nothing may be assumed gone."""
         if not spec.accounting:
             return "users leave with the user database Secret"
+        restapi = next(o for o in self._objects(spec) if o["kind"] == "RestApi")
+        if not self._kube.object_exists(restapi):
+            # Its objects were deleted already (a deletion run again): nothing left to ask.
+            return (
+                f"the cluster's slurmrestd is gone: associations of {spec.name} still in slurmdbd stay there "
+                f"(sacctmgr delete cluster {spec.name} removes them)"
+            )
         removed = []
         try:
             client = self._rest(spec)

@@ -24,7 +24,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from clients.dryrun import refuse_writes
-from clients.errors import ClientError, InvalidInput, NotFound, NotOwned, Unavailable, checked_node_name
+from clients.errors import (
+    ClientError,
+    InvalidInput,
+    LastNodeOfPartition,
+    NotFound,
+    NotOwned,
+    Unavailable,
+    checked_node_name,
+)
 from models.constants import owned_reason as owned_reason  # re-exported for the spare pool
 from models.incident import JobInfo, NodeInfo
 
@@ -358,7 +366,7 @@ class SlurmCli:
                 # Slurm refuses an empty node list; such a partition keeps its last node.
                 remaining = [member for member in members if member != node]
                 if not remaining:
-                    raise InvalidInput(f"{node} is the last node of partition {partition}")
+                    raise LastNodeOfPartition(f"{node} is the last node of partition {partition}")
                 self._set_partition(partition, remaining)
 
 

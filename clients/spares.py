@@ -11,7 +11,7 @@ import socket
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from clients.errors import Conflict, InvalidInput, NotFound, NotOwned
+from clients.errors import Conflict, InvalidInput, LastNodeOfPartition, NotFound, NotOwned
 from clients.kube import KubeClient, KubeNode, checked_namespace, lease_name
 from clients.slurm import SlurmClient, owned_reason
 from models.constants import (
@@ -310,9 +310,10 @@ class SparePool:
         for partition in self._retired_from(node):
             try:
                 self.remove_from_partition(node, partition=partition)
-            except InvalidInput as exc:
-                # Slurm keeps a partition's last node; drained, it runs nothing there.
-                log.warning("%s stays in partition %s, drained: %s", node, partition, exc)
+            except LastNodeOfPartition as exc:
+                # Slurm keeps a partition's last node; drained (by the incident), it runs nothing there.
+                state = self._slurm.node(node)
+                log.warning("%s stays in partition %s (%s; drained: %s)", node, partition, exc, state.drained)
         with contextlib.suppress(NotFound):
             self._kube.set_unschedulable(node, True)
             _retry_conflicts(lambda: self._kube.add_taint(node, key=RETIRED_TAINT, value=incident_id or POOL_RETIRED))
@@ -399,7 +400,15 @@ class SparePool:
         partitions = recorded.split(",") if recorded else [self._partition]
         if as_ == POOL_SPARE:
             for partition in sorted(set(partitions) | set(info.partitions)):
-                self.remove_from_partition(node, partition=partition)
+                try:
+                    self.remove_from_partition(node, partition=partition)
+                except LastNodeOfPartition:
+                    # A spare belongs to no partition, but Slurm keeps a partition's last node:
+                    # it stays drained there, and is no spare until the partition has another.
+                    raise NotOwned(
+                        f"{node} is the last node of partition {partition}: it cannot leave it to be a spare; "
+                        "return it for training instead"
+                    ) from None
             self._slurm.resume(node)
         else:
             self._slurm.resume(node)

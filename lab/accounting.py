@@ -87,7 +87,9 @@ class Accounting:
                     "mariadb-install-db",
                     "--no-defaults",
                     f"--datadir={data}",
-                    "--auth-root-authentication-method=normal",
+                    # root only on the socket, as this user: no root account over TCP, ever.
+                    "--auth-root-authentication-method=socket",
+                    f"--auth-root-socket-user={getpass.getuser()}",
                     "--skip-test-db",
                     *as_user,
                 ],
@@ -119,12 +121,11 @@ class Accounting:
         wait_for(lambda: port_in_use(port) and self.socket.exists(), timeout=timeout, what="MariaDB to listen")
         password = secrets.token_hex(16)
         self._sql(
-            # Only root on the socket (in a 0700 folder) and slurm with its password get in.
-            "DROP USER IF EXISTS 'root'@'127.0.0.1', 'root'@'::1';"
             f"CREATE DATABASE IF NOT EXISTS {DATABASE};"
             f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
             f"ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
-            f"GRANT ALL ON {DATABASE}.* TO 'slurm'@'127.0.0.1';"
+            f"GRANT ALL ON {DATABASE}.* TO 'slurm'@'127.0.0.1';",
+            secret=password,
         )
         self._write_dbd_conf(port, password)
 
@@ -132,7 +133,7 @@ class Accounting:
     def pid_file(self) -> Path:
         return self.folder / "mariadb.pid"
 
-    def _sql(self, statements: str) -> None:
+    def _sql(self, statements: str, *, secret: str = "") -> None:
         """Run SQL as root over the socket. The statements go on standard input (never on a
         command line, where a password would show), and a failure says only MariaDB's words."""
         done = subprocess.run(
@@ -144,7 +145,10 @@ class Accounting:
             check=False,
         )
         if done.returncode != 0:
-            raise RuntimeError(f"MariaDB refused the set-up: {done.stderr.strip()[-300:]}")
+            said = done.stderr.strip()[-300:]
+            if secret:  # a syntax error quotes the SQL near it
+                said = said.replace(secret, "***")
+            raise RuntimeError(f"MariaDB refused the set-up: {said}")
 
     def _write_dbd_conf(self, db_port: int, password: str) -> None:
         conf = (self.root / "slurm.conf").read_text()

@@ -98,9 +98,15 @@ class SlurmLab:
         return names | ({"mariadbd", "slurmdbd"} if self.accounting is not None else set())
 
     def whole(self) -> bool:
-        """Every daemon of the cluster recorded and running (a start cut short is not)."""
+        """Every daemon of the cluster recorded and running, the controller answering and every
+        node registered (a start cut short is not)."""
         pids = self.pids()
-        return self.expected() <= set(pids) and all(alive(pid) for pid in pids.values())
+        if not (self.expected() <= set(pids) and all(alive(pid) for pid in pids.values())):
+            return False
+        try:
+            return self._controller_up() and self._nodes_up()
+        except (subprocess.SubprocessError, OSError):
+            return False
 
     @property
     def accounting(self) -> Accounting | None:
@@ -249,8 +255,10 @@ class SlurmLab:
         stop([pid for name, pid in pids.items() if name == "slurmdbd"])
         database = [pid for name, pid in pids.items() if name == "mariadbd"]
         with contextlib.suppress(OSError, ValueError):  # one started but not recorded, by its own file
-            pid = int((self.root / "db" / "mariadb.pid").read_text())
-            if b"mariadbd" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            pid_file = self.root / "db" / "mariadb.pid"
+            pid = int(pid_file.read_text())
+            # Only the MariaDB of this cluster: a reused PID is someone else's process.
+            if f"--pid-file={pid_file}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
                 database.append(pid)
         stop([pid for pid in set(database) if alive(pid)], timeout=30)
         # slurmstepd and the job processes carry the lab's SLURM_CONF in their environment.

@@ -199,7 +199,8 @@ class StorageSpec(BaseModel):
 
 
 class SecretRef(BaseModel):
-    """A key of a Kubernetes Secret that exists already (gpufleet copies it, never shows it)."""
+    """A key of a Kubernetes Secret that exists already and is labelled
+    ``gpufleet.io/copy-to-clusters=true`` (gpufleet copies it, never shows it)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -207,7 +208,14 @@ class SecretRef(BaseModel):
     name: str
     key: str = "password"
 
-    @field_validator("namespace", "name")
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, name: str) -> str:
+        if not re.fullmatch(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?", name):
+            raise ValueError(f"{name!r} is not a namespace name (a DNS label)")
+        return name
+
+    @field_validator("name")
     @classmethod
     def _object_name(cls, name: str) -> str:
         if not _STORAGE_CLASS.fullmatch(name):

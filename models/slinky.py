@@ -39,9 +39,16 @@ _COPIED = "<copied from Secret {namespace}/{name}, key {key}, when first created
 COPIED = re.compile(r"^<copied from Secret ([a-z0-9.-]+)/([a-z0-9.-]+), key ([-._a-zA-Z0-9]+), when first created>$")
 
 
+# A Secret gpufleet may copy from carries this label: a spec cannot name just any Secret.
+COPY_LABEL = "gpufleet.io/copy-to-clusters"
+
+
 def copied(ref: SecretRef) -> str:
     """The placeholder for a value copied from another Secret when the object is created."""
-    return _COPIED.format(namespace=ref.namespace, name=ref.name, key=ref.key)
+    placeholder = _COPIED.format(namespace=ref.namespace, name=ref.name, key=ref.key)
+    if not COPIED.match(placeholder):  # the validators and the pattern must agree
+        raise ValueError(f"cannot copy from Secret {ref.namespace}/{ref.name} key {ref.key}")
+    return placeholder
 CLUSTER_LABEL = "gpufleet.io/cluster"
 PARTITION_LABEL = "gpufleet.io/partition"
 REMEDIATION_CONFIGMAP = "gpufleet-remediation"

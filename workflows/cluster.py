@@ -234,7 +234,7 @@ class ClusterDeletionWorkflow:
             await self._step(DeleteStep.UNMAKE_REMEDIABLE, "cluster_unmake_remediable", work)
             if workflow.patched(DELETE_ACCOUNTS_PATCH):
                 # Its associations leave the accounting database, which may outlive the cluster.
-                await self._step(DeleteStep.ACCOUNTS, "cluster_remove_users", work)
+                await self._accounts(request, work)
             await self._step(DeleteStep.TEAR_DOWN, "cluster_tear_down", work)
             await self._step(DeleteStep.RELEASE, "cluster_release", work)
             await self._step(DeleteStep.OBJECTS, "cluster_delete_objects", work)
@@ -278,6 +278,19 @@ class ClusterDeletionWorkflow:
                 )
             self._event(DeleteStep.WAIT_JOBS, "waiting", jobs.detail)
             await workflow.sleep(min(DELETE_POLL, deadline - workflow.now()))
+
+    async def _accounts(self, request: ClusterDeleteInput, work: ClusterRequest) -> None:
+        """Remove the cluster's accounts; forced, a failure is said and the deletion goes on
+        (the accounts stay in the database), else it stops the deletion with the cluster whole."""
+        try:
+            await self._step(DeleteStep.ACCOUNTS, "cluster_remove_users", work)
+        except (ActivityError, ApplicationError) as exc:
+            if not request.force:
+                raise ApplicationError(
+                    f"{_cause(exc)}; fix it and delete again, or delete with --force to leave the accounts",
+                    type="StepFailed",
+                ) from None
+            self._event(DeleteStep.ACCOUNTS, "left", f"--force: accounts left in the database: {_cause(exc)}")
 
     async def _step(self, step: DeleteStep, activity: str, work: ClusterRequest) -> None:
         assert self._status is not None

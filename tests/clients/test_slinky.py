@@ -114,7 +114,6 @@ def test_accounting_on_slinky_reads_its_database_password_from_a_secret_and_neve
         "password_secret": {"namespace": "db", "name": "slurm-db", "key": "password"},
     }
     spec = load_spec(raw)
-    assert SlinkyBackend(kube).unsupported(spec) == ""
     # The dry run shows where the password comes from, not the password.
     objects = slinky_objects(spec, PLACEMENT)
     secret = next(o for o in objects if o["metadata"]["name"] == "research-db-password")
@@ -127,17 +126,26 @@ def test_accounting_on_slinky_reads_its_database_password_from_a_secret_and_neve
         "username": "slurm",
         "passwordKeyRef": {"name": "research-db-password", "key": "password"},
     }
-    # Its source missing: the step fails naming it, and says nothing of any value.
-    with pytest.raises(StepFailed, match="Secret db/slurm-db has no key 'password'"):
+    # Its source missing, or not labelled for copying: refused at validate, and the step fails
+    # naming it, saying nothing of any value.
+    assert SlinkyBackend(kube).unsupported(spec) == "no Secret db/slurm-db (the database password to copy)"
+    with pytest.raises(StepFailed, match="no Secret db/slurm-db"):
         SlinkyBackend(kube).create_objects(spec, PLACEMENT, "", "run-1")
     kube.create_object({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "db"}})
-    kube.create_object(
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {"name": "slurm-db", "namespace": "db"},
-            "stringData": {"password": "s3cret-db"},
-        }
+    source = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "slurm-db", "namespace": "db"},
+        "stringData": {"password": "s3cret-db"},
+    }
+    kube.create_object(source)
+    assert "not labelled gpufleet.io/copy-to-clusters=true" in SlinkyBackend(kube).unsupported(spec)
+    kube._api.patch_namespaced_secret(
+        "slurm-db", "db", {"metadata": {"labels": {"gpufleet.io/copy-to-clusters": "true"}}}
     )
+    assert SlinkyBackend(kube).unsupported(spec) == ""
     SlinkyBackend(kube).create_objects(spec, PLACEMENT, "", "run-1")  # a retry after the fix
     assert kube.secret_data("slurm-research", "research-db-password") == {"password": b"s3cret-db"}
+    # Once its objects are gone (a deletion run again), removing accounts has nothing to ask.
+    SlinkyBackend(kube).delete_objects(spec, "run-1")
+    assert "slurmrestd is gone" in SlinkyBackend(kube).remove_users(spec)

@@ -190,6 +190,7 @@ class Cluster:
 
     running: list[int] = field(default_factory=lambda: [0])  # what each look finds; the last repeats
     calls: list[str] = field(default_factory=list)
+    accounts_fail: bool = False  # slurmrestd does not answer: the accounts cannot be removed
     task_queue: str = field(default_factory=lambda: f"delete-{uuid.uuid4().hex[:8]}")
 
     def activities(self) -> list[Callable[..., Any]]:
@@ -197,6 +198,8 @@ class Cluster:
             @activity.defn(name=name)
             async def run(request: ClusterRequest) -> Any:
                 self.calls.append(name)
+                if name == "cluster_remove_users" and self.accounts_fail:
+                    raise ApplicationError("slurmrestd did not answer", type="StepFailed", non_retryable=True)
                 if name == "cluster_running_jobs":
                     count = self.running.pop(0) if len(self.running) > 1 else self.running[0]
                     return JobsResult(running=count, detail=f"{count} job(s) running")
@@ -267,3 +270,16 @@ async def test_force_cancels_the_jobs_and_says_so(env: WorkflowEnvironment) -> N
     assert status.outcome == "deleted" and status.cancelled_jobs == 3
     assert cluster.calls == ["cluster_drain", "cluster_cancel_jobs", *TEARDOWN]
     assert any("cancelled 3 job(s), not requeued" in e.detail for e in status.timeline)
+
+
+async def test_accounts_that_cannot_be_removed_stop_a_deletion_unless_forced(env: WorkflowEnvironment) -> None:
+    cluster = Cluster(accounts_fail=True)
+    status = await delete(env, cluster)
+    assert status.outcome == "failed" and status.step == DeleteStep.ACCOUNTS
+    assert "slurmrestd did not answer" in status.error and "--force to leave the accounts" in status.error
+    assert "cluster_tear_down" not in cluster.calls and "cluster_release" not in cluster.calls  # kept whole
+    forced = Cluster(accounts_fail=True)
+    status = await delete(env, forced, force=True)
+    assert status.outcome == "deleted" and "cluster_release" in forced.calls
+    left = [e.detail for e in status.timeline if e.event == "left"]
+    assert left == ["--force: accounts left in the database: slurmrestd did not answer"]
