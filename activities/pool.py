@@ -62,7 +62,6 @@ class PoolActivities:
         *,
         grace_seconds: float = 120.0,
         eviction_timeout_seconds: float = 600.0,
-        drain_deadline_seconds: float = 600.0,
     ) -> None:
         self._kube = kube
         self._slurm = slurm
@@ -70,7 +69,6 @@ class PoolActivities:
         self._prometheus = prometheus
         self._grace = grace_seconds
         self._eviction_timeout = eviction_timeout_seconds
-        self._drain_deadline = drain_deadline_seconds
 
     @activity.defn(name="pool_observe")
     @heartbeating
@@ -145,7 +143,7 @@ class PoolActivities:
                         holder=request.workflow_id,
                         partition=settings.partition,
                         grace_seconds=self._grace,
-                        deadline_seconds=self._drain_deadline,
+                        deadline_seconds=settings.drain_deadline_seconds,
                         say=say,
                     )
                 else:

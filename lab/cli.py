@@ -138,3 +138,23 @@ def inject_xid(
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(1) from None
     console.print(f"{node}: {line}")
+
+
+@lab_app.command()
+def demand(
+    requests: Annotated[float, typer.Argument(min=0, help="Requests in flight on the inference servers, e.g. 64.")],
+    home: Annotated[Path | None, typer.Option(help="State folder.")] = None,
+) -> None:
+    """Set the inference load the lab's servers report (vLLM's metrics, scraped by Prometheus).
+    With the vllm preset's 32 requests a node, 64 asks for two inference nodes."""
+    from lab.loadgen import RUNNING_PER_REPLICA, write_load
+
+    lab = _lab(home)
+    if not lab.running():
+        console.print("[red]error:[/] the lab is not running (start it with `gpufleet lab up`)")
+        raise typer.Exit(1)
+    write_load(lab.load_file, requests)
+    console.print(
+        f"inference load: {requests:g} request(s) in flight "
+        f"({requests / RUNNING_PER_REPLICA:g} node(s) at {RUNNING_PER_REPLICA} a node, the vllm preset's figure)"
+    )

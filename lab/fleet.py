@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from lab.cluster import stop_all
-from lab.kubeapi import lab_workloads, node_object
+from lab.kubeapi import inference_workloads, lab_workloads, merge_seeds, node_object, training_node
 from lab.procs import alive, free_port, port_in_use, spawn, stop, wait_for
+from lab.prometheus import prometheus_installed, start_prometheus
 from lab.slurm import SlurmLab, SlurmLabSpec
 from models.xid import xid_catalog
 from starters.server import dev_server_argv
@@ -35,12 +36,20 @@ class LabConfig:
     # The free pool new clusters are made from (`gpufleet cluster create`): Kubernetes nodes only,
     # until a creation gives them Slurm daemons of their own.
     free: list[str] = field(default_factory=lambda: ["free1", "free2", "free3", "free4"])
+    # The shared pool's inference side: Kubernetes nodes serving the vLLM Deployment, and Slurm
+    # nodes outside every partition, so that a rebalance can move them to training and back.
+    inference: list[str] = field(default_factory=lambda: ["inf1", "inf2"])
     partition: str = "train"
     cluster: str = "lab"
     temporal_port: int = 7233
     ui_port: int = 8233
     grace_seconds: float = 120.0
     requeue_delay_seconds: int = 5
+
+
+def _runs(services: dict[str, Any], name: str) -> bool:
+    """Whether the lab's service ``name`` was started and still runs."""
+    return name in services and alive(services[name]["pid"])
 
 
 class LabError(RuntimeError):
@@ -59,7 +68,8 @@ class FleetLab:
             self.home / "slurm",
             SlurmLabSpec(
                 nodes=list(self.config.training),
-                spares=list(self.config.spares),
+                # Spares and inference nodes alike: Slurm nodes in no partition.
+                spares=[*self.config.spares, *self.config.inference],
                 partition=self.config.partition,
                 requeue_delay_seconds=self.config.requeue_delay_seconds,
             ),
@@ -116,6 +126,8 @@ class FleetLab:
             env["GPUFLEET_KUBECONFIG"] = services["kubeapi"]["kubeconfig"]
         if "webhook" in services:
             env["GPUFLEET_WEBHOOK_URL"] = services["webhook"]["url"]
+        if "prometheus" in services:
+            env["GPUFLEET_PROMETHEUS_URL"] = services["prometheus"]["url"]
         return env
 
     # -- up ---------------------------------------------------------------------------------------
@@ -188,6 +200,8 @@ class FleetLab:
             say("repair Jobs (GPU reset, reboot) run as local processes standing for their node")
             self._save({**state, "services": services})
 
+        self._start_shared_pool(state, services, say)
+
         started: list[Path] = []
         for node in self.all_nodes:
             name = f"detector-{node}"
@@ -237,6 +251,36 @@ class FleetLab:
         state = {**state, "services": services}
         self._save(state)
         return state
+
+    def _start_shared_pool(self, state: dict[str, Any], services: dict[str, Any], say: Say) -> None:
+        """What a shared training/inference pool needs around the API: the ReplicaSet controller
+        and scheduler, the inference load (vLLM's metrics) and a Prometheus scraping it."""
+        if not _runs(services, "scheduler"):
+            pid, _ = self._start_module(
+                "scheduler", ["--api", services["kubeapi"]["url"]], what="the lab's ReplicaSet controller"
+            )
+            services["scheduler"] = {"pid": pid}
+            self._save({**state, "services": services})
+        if not _runs(services, "loadgen"):
+            pid, address = self._start_module(
+                "loadgen", ["--load-file", str(self.load_file)], what="the lab's inference load"
+            )
+            services["loadgen"] = {"pid": pid, "address": address}
+            self._save({**state, "services": services})
+        if _runs(services, "prometheus"):
+            say(f"Prometheus already running at {services['prometheus']['url']}")
+        elif prometheus_installed():
+            say(f"no Prometheus: {prometheus_installed()}; pool rebalancing works from `gpufleet pool set-demand`")
+        else:
+            server = start_prometheus(self.home / "prometheus", [services["loadgen"]["address"]])
+            services["prometheus"] = {"pid": server.pid, "url": server.url}
+            self._save({**state, "services": services})
+            say(f"Prometheus on {server.url}, scraping the inference load (`gpufleet lab demand N` sets it)")
+
+    @property
+    def load_file(self) -> Path:
+        """The inference load the lab's load generator reports (``gpufleet lab demand``)."""
+        return self.home / "demand.json"
 
     def _start_module(self, name: str, args: list[str], *, what: str) -> tuple[int, str]:
         """Start ``python -m lab.NAME ARGS --ready-file F``; returns its PID and the URL it wrote to F."""
@@ -320,10 +364,17 @@ class FleetLab:
         return port
 
     def _kube_seed(self) -> dict[str, Any]:
-        nodes = [node_object(n, pool="training") for n in self.config.training]
+        nodes = [training_node(n) for n in self.config.training]
         nodes += [node_object(n, pool="spare") for n in self.config.spares]
+        nodes += [node_object(n, pool="inference") for n in self.config.inference]
         nodes += [node_object(n, pool="free") for n in self.config.free]
-        return {"nodes": nodes, **lab_workloads(self.config.training, [*self.config.training, *self.config.spares])}
+        every = [*self.config.training, *self.config.spares, *self.config.inference]
+        # The training nodes' own PodDisruptionBudget-protected workload (what remediation's drain
+        # evicts), and the inference servers on the inference nodes.
+        workloads = lab_workloads(
+            self.config.training, every, name="checkpoint-sync", namespace="training", image="busybox"
+        )
+        return {"nodes": nodes, **merge_seeds(workloads, inference_workloads(len(self.config.inference)))}
 
     # -- down -------------------------------------------------------------------------------------
 
@@ -336,7 +387,7 @@ class FleetLab:
         if detectors:
             say("stopping the detectors")
             stop(detectors)
-        for name in ("worker", "webhook", "kubeapi"):
+        for name in ("worker", "prometheus", "loadgen", "scheduler", "jobrunner", "webhook", "kubeapi"):
             if name in services:
                 say(f"stopping {name}")
                 stop([services[name]["pid"]])

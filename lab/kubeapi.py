@@ -700,24 +700,106 @@ def _running(containers: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def lab_workloads(serving: list[str], every: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """What runs on the lab's nodes, owned as a real cluster owns it: an inference Deployment
+TRAINING_TAINT = {"key": "gpufleet.io/pool", "value": "training", "effect": "NoSchedule"}
+
+
+def training_node(name: str) -> dict[str, Any]:
+    """A training node of the shared pool: tainted so that inference pods stay off it."""
+    node = node_object(name, pool="training")
+    node["spec"]["taints"] = [dict(TRAINING_TAINT)]
+    return node
+
+
+def merge_seeds(*seeds: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """Seeds put together (a Namespace named twice is made once)."""
+    merged: dict[str, list[dict[str, Any]]] = {}
+    for seed in seeds:
+        for key, objects in seed.items():
+            have = merged.setdefault(key, [])
+            names = {(o["metadata"].get("namespace"), o["metadata"]["name"]) for o in have}
+            have += [o for o in objects if (o["metadata"].get("namespace"), o["metadata"]["name"]) not in names]
+    return merged
+
+
+def inference_workloads(replicas: int) -> dict[str, list[dict[str, Any]]]:
+    """The shared pool's inference servers: a vLLM Deployment whose ReplicaSet carries a pod
+    template (placed by the lab's scheduler on nodes labelled ``gpufleet.io/pool=inference``, one
+    per such node, as an autoscaler would size it) and a PodDisruptionBudget allowing one down."""
+    labels = {"app": "vllm"}
+    deployment_uid, replicaset_uid = str(uuid.uuid4()), str(uuid.uuid4())
+    template = {
+        "metadata": {"labels": labels},
+        "spec": {
+            "nodeSelector": {"gpufleet.io/pool": "inference"},
+            "containers": [{"name": "server", "image": "vllm/vllm-openai", "ports": [{"containerPort": 8000}]}],
+        },
+    }
+    return {
+        "namespaces": [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "serving"}}],
+        "deployments": [
+            {
+                "apiVersion": "apps/v1",
+                "kind": "Deployment",
+                "metadata": {"name": "vllm", "namespace": "serving", "uid": deployment_uid, "labels": labels},
+                "spec": {"replicas": replicas, "selector": {"matchLabels": labels}, "template": template},
+            }
+        ],
+        "replicasets": [
+            {
+                "apiVersion": "apps/v1",
+                "kind": "ReplicaSet",
+                "metadata": {
+                    "name": "vllm-6f8d9c7b5",
+                    "namespace": "serving",
+                    "uid": replicaset_uid,
+                    "labels": labels,
+                    "annotations": {PER_NODE_ANNOTATION: "true"},
+                    "ownerReferences": _owned("Deployment", "vllm", deployment_uid),
+                },
+                "spec": {"replicas": replicas, "selector": {"matchLabels": labels}, "template": template},
+            }
+        ],
+        "pdbs": [
+            {
+                "apiVersion": "policy/v1",
+                "kind": "PodDisruptionBudget",
+                "metadata": {"name": "vllm", "namespace": "serving"},
+                "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}},
+            }
+        ],
+    }
+
+
+# On a lab ReplicaSet: one replica per node its template fits (the lab's stand-in for an
+# autoscaler sizing the inference servers to the nodes that serve inference).
+PER_NODE_ANNOTATION = "lab.gpufleet.io/replicas-per-node"
+
+
+def lab_workloads(
+    serving: list[str],
+    every: list[str],
+    *,
+    name: str = "inference",
+    namespace: str = "serving",
+    image: str = "vllm/vllm-openai",
+) -> dict[str, list[dict[str, Any]]]:
+    """What runs on the lab's nodes, owned as a real cluster owns it: a Deployment ``name``
     (its ReplicaSet's pods on the ``serving`` nodes, a PodDisruptionBudget allowing one down) and
     a node-exporter DaemonSet with a pod on ``every`` node."""
-    labels = {"app": "inference"}
+    labels = {"app": name}
     deployment_uid, replicaset_uid, daemonset_uid = (str(uuid.uuid4()) for _ in range(3))
-    replicaset = "inference-5c9f7d6b8"
-    container = [{"name": "server", "image": "vllm/vllm-openai"}]
+    replicaset = f"{name}-5c9f7d6b8"
+    container = [{"name": "server", "image": image}]
     exporter = [{"name": "exporter", "image": "prom/node-exporter"}]
     return {
         "namespaces": [
-            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": n}} for n in ("serving", "monitoring")
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": n}} for n in (namespace, "monitoring")
         ],
         "deployments": [
             {
                 "apiVersion": "apps/v1",
                 "kind": "Deployment",
-                "metadata": {"name": "inference", "namespace": "serving", "uid": deployment_uid, "labels": labels},
+                "metadata": {"name": name, "namespace": namespace, "uid": deployment_uid, "labels": labels},
                 "spec": {
                     "replicas": len(serving),
                     "selector": {"matchLabels": labels},
@@ -731,10 +813,10 @@ def lab_workloads(serving: list[str], every: list[str]) -> dict[str, list[dict[s
                 "kind": "ReplicaSet",
                 "metadata": {
                     "name": replicaset,
-                    "namespace": "serving",
+                    "namespace": namespace,
                     "uid": replicaset_uid,
                     "labels": labels,
-                    "ownerReferences": _owned("Deployment", "inference", deployment_uid),
+                    "ownerReferences": _owned("Deployment", name, deployment_uid),
                 },
                 "spec": {"replicas": len(serving), "selector": {"matchLabels": labels}},
             }
@@ -753,11 +835,16 @@ def lab_workloads(serving: list[str], every: list[str]) -> dict[str, list[dict[s
                 "kind": "Pod",
                 "metadata": {
                     "name": f"{replicaset}-{node}",
-                    "namespace": "serving",
+                    "namespace": namespace,
                     "labels": labels,
                     "ownerReferences": _owned("ReplicaSet", replicaset, replicaset_uid),
                 },
-                "spec": {"nodeName": node, "containers": container},
+                # Placed by hand on the training nodes, whose taint they tolerate.
+                "spec": {
+                    "nodeName": node,
+                    "containers": container,
+                    "tolerations": [{"key": "gpufleet.io/pool", "operator": "Exists"}],
+                },
                 "status": _running(container),
             }
             for node in serving
@@ -781,7 +868,7 @@ def lab_workloads(serving: list[str], every: list[str]) -> dict[str, list[dict[s
             {
                 "apiVersion": "policy/v1",
                 "kind": "PodDisruptionBudget",
-                "metadata": {"name": "inference", "namespace": "serving"},
+                "metadata": {"name": name, "namespace": namespace},
                 "spec": {"minAvailable": max(len(serving) - 1, 0), "selector": {"matchLabels": labels}},
             }
         ],

@@ -7,9 +7,11 @@ would place it: on a node that is Ready, not cordoned, matches the template's ``
 and has no ``NoSchedule``/``NoExecute`` taint the template does not tolerate, the node with the
 fewest of the set's pods first. A pod with nowhere to go is created Pending (no node) and bound
 once a node fits: when a rebalance moves a node to inference, the inference pods land on it.
-Pods are Running and Ready as soon as they are placed (the lab runs no containers).
+Pods are Running and Ready as soon as they are placed (the lab runs no containers). A ReplicaSet
+annotated ``lab.gpufleet.io/replicas-per-node=true`` wants one pod per node its template fits,
+as an autoscaler would size the inference servers to the nodes that serve inference.
 
-Run it as ``python -m lab.scheduler --api URL``; ``reconcile(api)`` is one pass.
+Run it as ``python -m lab.scheduler --api URL [--ready-file F]``; ``reconcile(api)`` is one pass.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ import argparse
 import secrets
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
 import httpx
+
+from lab.kubeapi import PER_NODE_ANNOTATION
 
 POLL_SECONDS = 0.5
 
@@ -93,6 +98,15 @@ def reconcile(http: httpx.Client) -> list[str]:
             and not p["metadata"].get("deletionTimestamp")
         ]
         pod_spec = template.get("spec") or {}
+        wanted = int(spec.get("replicas") or 0)
+        if (meta.get("annotations") or {}).get(PER_NODE_ANNOTATION) == "true":
+            wanted = sum(1 for node in nodes if fits(node, pod_spec))  # one per node that serves
+        pending = [p for p in pods if not (p.get("spec") or {}).get("nodeName")]
+        for pod in pending[: max(0, len(pods) - wanted)]:  # fewer wanted: the waiting ones go first
+            pod_name = pod["metadata"]["name"]
+            http.delete(f"/api/v1/namespaces/{namespace}/pods/{pod_name}").raise_for_status()
+            pods.remove(pod)
+            did.append(f"deleted {namespace}/{pod_name} (Pending, no longer wanted)")
         load: dict[str, int] = {}
         for pod in pods:
             node = (pod.get("spec") or {}).get("nodeName")
@@ -113,7 +127,7 @@ def reconcile(http: httpx.Client) -> list[str]:
             ).raise_for_status()
             load[node] = load.get(node, 0) + 1
             did.append(f"bound {namespace}/{pod_name} to {node}")
-        for _ in range(int(spec.get("replicas") or 0) - len(pods)):
+        for _ in range(wanted - len(pods)):
             node = _place(nodes, pod_spec, load)
             pod_name = f"{name}-{secrets.token_hex(3)}"
             body: dict[str, Any] = {
@@ -140,7 +154,10 @@ def reconcile(http: httpx.Client) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m lab.scheduler", description=__doc__.splitlines()[0])
     parser.add_argument("--api", required=True, help="the emulated Kubernetes API's URL")
+    parser.add_argument("--ready-file", type=Path, help="written once it polls")
     args = parser.parse_args()
+    if args.ready_file is not None:
+        args.ready_file.write_text(args.api, encoding="utf-8")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with httpx.Client(base_url=args.api, timeout=10) as http:

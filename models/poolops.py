@@ -29,6 +29,9 @@ class PoolSettings(BaseModel):
     query: str = ""  # PromQL measuring inference load ('' : demand from the override only)
     per_node: float = Field(default=32.0, gt=0)  # the load one inference node carries
     interval_seconds: float = Field(default=30.0, gt=0, le=3600)
+    # How long a move to inference waits for the node's running jobs before it checkpoints
+    # (SIGTERM, the grace) and requeues them.
+    drain_deadline_seconds: float = Field(default=600.0, ge=0, le=86400)
 
 
 class Move(BaseModel):

@@ -73,6 +73,9 @@ def start(
     batch: Annotated[int, typer.Option(help="Nodes moved per decision at most.")] = 1,
     cooldown: Annotated[float, typer.Option(help="Seconds after a move before the next.")] = 300.0,
     hysteresis: Annotated[float, typer.Option(help="Nodes of demand to spare before a move.")] = 0.5,
+    drain_deadline: Annotated[
+        float, typer.Option(help="Seconds a move to inference waits for running jobs before it requeues them.")
+    ] = 600.0,
 ) -> None:
     """Start rebalancing the cluster's pool: nodes labelled gpufleet.io/pool=training|inference,
     the training ones in the worker's partition (GPUFLEET_PARTITION)."""
@@ -100,6 +103,7 @@ def start(
             query=promql,
             per_node=per_node or default_per_node,
             interval_seconds=interval,
+            drain_deadline_seconds=drain_deadline,
         )
     except ValueError as exc:
         fail(str(exc), code=2)

@@ -111,3 +111,18 @@ def test_taints_and_tolerations() -> None:
     assert tolerated({"key": "x", "effect": "PreferNoSchedule"}, [])
     node = node_object("n", pool="inference", ready=False)
     assert not fits(node, {"nodeSelector": {"gpufleet.io/pool": "inference"}})  # not Ready
+
+
+def test_a_set_sized_per_node_follows_the_nodes_that_serve(api: tuple[httpx.Client, KubernetesApi]) -> None:
+    http, kube = api
+    http.patch(
+        "/apis/apps/v1/namespaces/serving/replicasets/vllm-7d9",
+        json={"metadata": {"annotations": {"lab.gpufleet.io/replicas-per-node": "true"}}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    ).raise_for_status()
+    reconcile(http)
+    assert placed(kube) == {"gpu1": 0, "inf1": 1, "inf2": 1}  # one per inference node
+    kube.update_metadata("gpu1", labels={"gpufleet.io/pool": "inference"})  # a rebalance moved it
+    kube.remove_taint("gpu1", key="gpufleet.io/pool")
+    [said] = reconcile(http)
+    assert said.endswith(" on gpu1") and placed(kube) == {"gpu1": 1, "inf1": 1, "inf2": 1}
