@@ -104,6 +104,10 @@ class PoolActivities:
             why = _why_busy(node, holder, reasons.get(node.name, ""))
             if why:
                 view.busy[node.name] = why
+        members = [name for name, info in slurm_nodes.items() if settings.partition in info.partitions]
+        if len(members) == 1 and members[0] not in view.busy:
+            # Slurm refuses a partition with no node: its last one stays in training.
+            view.busy[members[0]] = f"the last node of partition {settings.partition} (Slurm keeps one)"
         view.demand = self._demand(settings.query, settings.per_node)
         try:
             with client_errors():

@@ -308,8 +308,7 @@ class KubernetesApi:
                 if time.monotonic() >= deadline:
                     if not force:
                         raise TooManyRequests(
-                            f"evicting {pod.key} would break its PodDisruptionBudget, still after "
-                            f"{timeout_seconds:g}s"
+                            f"evicting {pod.key} would break its PodDisruptionBudget, still after {timeout_seconds:g}s"
                         ) from None
                     break
                 if progress:

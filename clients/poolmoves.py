@@ -88,6 +88,9 @@ class PoolMover:
             self.give_back(node, holder)
             raise NotOwned(f"{node} is drained by someone else ({info.reason!r}): left to them")
         if partition in info.partitions:
+            if self._slurm.partition_nodes(partition) == [node]:
+                self.give_back(node, holder)
+                raise NotOwned(f"{node} is the last node of partition {partition}: Slurm keeps a partition's last node")
             if not info.drained:
                 self._slurm.drain(node, reason=TO_INFERENCE_REASON)
                 say(f"{node} drained in Slurm")
@@ -110,9 +113,7 @@ class PoolMover:
     def _running(self, node: str) -> list[int]:
         return [job.job_id for job in self._slurm.jobs_on_node(node) if job.state not in FINISHED]
 
-    def _empty(
-        self, node: str, *, holder: str, grace_seconds: float, deadline_seconds: float, say: Say
-    ) -> list[int]:
+    def _empty(self, node: str, *, holder: str, grace_seconds: float, deadline_seconds: float, say: Say) -> list[int]:
         """Wait for the node's jobs to end, up to the deadline; then SIGTERM, grace, requeue.
         An incident taking the node over meanwhile stops this (its own requeue then runs)."""
         deadline = time.monotonic() + deadline_seconds

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs Debian's slurm-wlm and munge, slurmdbd and mariadb-server (for clusters with accounting),
-# slurmrestd and its JWT plugin (Slurm's REST API), and kubectl (Debian's kubernetes-client) when missing (as root), else says what to install.
+# slurmrestd and its JWT plugin (Slurm's REST API), prometheus (the lab's shared pool), and kubectl (Debian's kubernetes-client) when missing (as root), else says what to install.
 # A kubectl already on PATH (e.g. 1.32) is used as it is.
 set -euo pipefail
 if ! command -v kubectl >/dev/null 2>&1; then
@@ -12,11 +12,12 @@ if ! command -v kubectl >/dev/null 2>&1; then
     echo "kubectl is missing: the kubectl tests are skipped (install kubectl, or apt-get install kubernetes-client)" >&2
   fi
 fi
-extras=(slurmdbd mariadb-server slurmrestd slurm-wlm-jwt-plugin)
+extras=(slurmdbd mariadb-server slurmrestd slurm-wlm-jwt-plugin prometheus)
 if ! command -v slurmdbd >/dev/null 2>&1 || ! command -v mariadbd >/dev/null 2>&1 \
-  || ! command -v slurmrestd >/dev/null 2>&1 || ! dpkg -s slurm-wlm-jwt-plugin >/dev/null 2>&1; then
+  || ! command -v slurmrestd >/dev/null 2>&1 || ! dpkg -s slurm-wlm-jwt-plugin >/dev/null 2>&1 \
+  || ! command -v prometheus >/dev/null 2>&1; then
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "installing ${extras[*]} (accounting, Slurm's REST API)"
+    echo "installing ${extras[*]} (accounting, Slurm's REST API, the lab's Prometheus)"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${extras[@]}" >/dev/null
   else

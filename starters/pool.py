@@ -67,7 +67,9 @@ def start(
     ] = None,
     per_node: Annotated[float | None, typer.Option(help="The load one inference node carries.")] = None,
     interval: Annotated[float, typer.Option(help="Seconds between looks at the pool.")] = 30.0,
-    min_training: Annotated[int, typer.Option(help="Nodes training always keeps.")] = 0,
+    min_training: Annotated[
+        int, typer.Option(help="Nodes training always keeps (Slurm keeps a partition's last node in any case).")
+    ] = 1,
     min_inference: Annotated[int, typer.Option(help="Nodes inference always keeps.")] = 0,
     max_inference: Annotated[int | None, typer.Option(help="Nodes inference may have at most.")] = None,
     batch: Annotated[int, typer.Option(help="Nodes moved per decision at most.")] = 1,
