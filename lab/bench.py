@@ -3,8 +3,11 @@
 First the detector's figures: parse throughput over a large mixed kernel log (one core) and
 a real detector's idle CPU (lab/parse_bench.py), and the line-to-incident latency.
 
-Last, cluster creation and deletion of examples/cluster.yaml on the lab's free pool
-(``cluster_create_seconds``: spec to smoke test passed; ``cluster_delete_seconds``).
+Then cluster creation and deletion of examples/cluster.yaml on the lab's free pool
+(``cluster_create_seconds``: spec to smoke test passed; ``cluster_delete_seconds``). Last, a
+shared-pool node moved to inference and back with a checkpointing job on it
+(``pool_move_to_inference_seconds`` and ``pool_move_to_training_seconds``: decision to serving
+on the other side; ``training_steps_lost_per_move``).
 
 Besides each drill's timings and their medians, it splits every incident's time using the
 workflow history: the control-plane overhead (activities and workflow tasks waiting to be
@@ -18,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -32,7 +36,9 @@ from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client
 from temporalio.service import RPCError
 
-from lab.drill import reset_breaker, run_drill
+from clients.kube import KubernetesApi
+from clients.slurm import SlurmCli
+from lab.drill import log_path, reset_breaker, run_drill, training_job
 from lab.fleet import LAB_POLL_SECONDS, REPO_ROOT, FleetLab, LabConfig
 from lab.parse_bench import detector_idle_cpu, parse_throughput, source_throughput
 from lab.procs import free_port, port_in_use, spawn, stop, wait_for
@@ -212,6 +218,95 @@ def cluster_bench(rounds: int, *, home: Path, say: Any) -> dict[str, Any]:
     }
 
 
+def pool_bench(rounds: int, *, home: Path, say: Any) -> dict[str, Any]:
+    """Move a node from training to inference and back, ``rounds`` times, through the CLI as a
+    person would (``pool rebalance``), with the checkpointing counter job running on it: each move
+    from the decision to the node serving on the other side (inference: labelled and a vLLM pod
+    running on it; training: in the partition and resumed), and the training steps lost."""
+    config = LabConfig(
+        training=["gpu1", "gpu2"], spares=[], inference=["inf1"], free=[], temporal_port=0, ui_port=0, grace_seconds=5
+    )
+    lab = FleetLab(home, config)
+    lab.up(say=say)
+    to_inference: list[float | None] = []
+    to_training: list[float | None] = []
+    lost: list[float | None] = []
+
+    def cli(*args: str) -> None:
+        done = subprocess.run(
+            [sys.executable, "-m", "workers.entry", *args],
+            env=lab.env(),
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"gpufleet {' '.join(args)} failed: {done.stdout}{done.stderr}")
+
+    try:
+        kube = KubernetesApi(kubeconfig=lab.home / "kubeconfig")
+        slurm = SlurmCli(slurm_conf=lab.slurm.conf)
+        job = training_job(lab, slurm, job_kind="counter", say=say)  # on both training nodes
+        log = log_path(job)
+        # No query: demand comes from a person alone, so only the asked moves happen.
+        cli("pool", "start", "--interval", "1", "--cooldown", "0", "--min-training", "1", "--drain-deadline", "1")
+        for index in range(rounds):
+            say(f"pool move to inference and back, round {index + 1} of {rounds}")
+            training_before = set(slurm.partition_nodes("train"))
+            began = time.monotonic()
+            cli("pool", "rebalance", "--to-inference", "1")
+
+            def serving_inference(training_before: set[str] = training_before) -> str | None:
+                for name in training_before:
+                    node = kube.get_node(name)
+                    if node.labels.get("gpufleet.io/pool") == "inference" and any(
+                        p.namespace == "serving" for p in kube.pods_on_node(name)
+                    ):
+                        return name
+                return None
+
+            moved = wait_for(serving_inference, timeout=300, what="a training node serving inference")
+            to_inference.append(round(time.monotonic() - began, 3))
+            say(f"{moved} serves inference")
+            stopped = re.findall(r"SIGTERM: checkpoint saved at step (\d+)", log.read_text())
+            training_now = set(slurm.partition_nodes("train"))
+            began = time.monotonic()
+            cli("pool", "rebalance", "--to-training", "1")
+
+            def back_in_training(training_now: set[str] = training_now) -> str | None:
+                for name in set(slurm.partition_nodes("train")) - training_now:
+                    if not slurm.node(name).drained:
+                        return name
+                return None
+
+            back = wait_for(back_in_training, timeout=300, what="an inference node back in training")
+            say(f"{back} serves training")
+            to_training.append(round(time.monotonic() - began, 3))
+            seen = log.read_text().count("resumed from step")
+            wait_for(
+                lambda seen=seen: log.read_text().count("resumed from step") > seen,  # type: ignore[misc]
+                timeout=300,
+                what="the job to resume",
+            )
+            resumed = re.findall(r"resumed from step (\d+)", log.read_text())
+            lost.append(float(int(stopped[-1]) - int(resumed[-1])) if stopped and resumed else None)
+    finally:
+        lab.down(say=say)
+    return {
+        "rounds": rounds,
+        "pool_move_to_inference_seconds": _median(to_inference),
+        "pool_move_to_training_seconds": _median(to_training),
+        "training_steps_lost_per_move": _median(lost),
+        "to_inference_s": to_inference,
+        "to_training_s": to_training,
+        "steps_lost": lost,
+        "note": "decision (pool rebalance) to the node serving the other side; steps lost: the step the job "
+        "reached when SIGTERMed minus the step it resumed from",
+    }
+
+
 async def detector_latency(samples: int, *, home: Path, say: Any) -> dict[str, Any]:
     """Kernel-log line written -> Xid signalled into the incident, through a real detector process.
 
@@ -298,6 +393,7 @@ def main() -> None:
     )
     parser.add_argument("--idle-seconds", type=float, default=10, help="detector idle-CPU sample (0: skip)")
     parser.add_argument("--clusters", type=int, default=1, help="cluster create/delete rounds (0: skip)")
+    parser.add_argument("--pool-moves", type=int, default=1, help="pool move rounds, there and back (0: skip)")
     parser.add_argument("--output", type=Path, help="also write the JSON here")
     args = parser.parse_args()
 
@@ -321,6 +417,11 @@ def main() -> None:
             result["clusters"] = cluster_bench(args.clusters, home=Path(tmp) / "clusters", say=say)
             result["cluster_create_seconds"] = result["clusters"]["cluster_create_seconds"]
             result["cluster_delete_seconds"] = result["clusters"]["cluster_delete_seconds"]
+        if args.pool_moves:
+            result["pool"] = pool_bench(args.pool_moves, home=Path(tmp) / "pool", say=say)
+            for key in ("pool_move_to_inference_seconds", "pool_move_to_training_seconds"):
+                result[key] = result["pool"][key]
+            result["training_steps_lost_per_move"] = result["pool"]["training_steps_lost_per_move"]
     text = json.dumps(result, indent=2)
     if args.output:
         args.output.write_text(text)
