@@ -129,9 +129,9 @@ class PoolMover:
         say(f"{node}: SIGTERM to {', '.join(map(str, running))}; {grace_seconds:g}s to checkpoint")
         ends = time.monotonic() + grace_seconds
         while (left := [j for j in self._running(node) if j in running]) and time.monotonic() < ends:
-            self._ours(node, holder)
             time.sleep(self._poll)
-        self._ours(node, holder)
+        # Once signalled, a job is requeued whatever happens to the node meanwhile: an incident
+        # taking it over would no longer see a job that checkpointed and exited.
         requeued = []
         for job in running:
             why = self._requeue(job)

@@ -258,6 +258,7 @@ class NodeRemediationWorkflow:
             self._mark(self._status.step, "cancelled")
             await self._release_unused_claim()
             await self._release_slot("cancelled")
+            await self._give_back_node()
             self._notify("cancelled", f"{self._who()}: the incident was cancelled at {self._status.step}.")
             await self._flush_notifications()
             raise
@@ -269,6 +270,7 @@ class NodeRemediationWorkflow:
             self._mark(self._status.step, "failed", message)
             await self._release_unused_claim()
             await self._release_slot(f"failed: {message}")
+            await self._give_back_node()
             # Never fail silently: tell the owner (beside the flow; bounded).
             self._notify("failed", f"{self._who()}: gpufleet stopped at {self._status.step}: {message}")
             await self._flush_notifications()
@@ -344,6 +346,18 @@ class NodeRemediationWorkflow:
             )
             return
 
+        # The node is this incident's from now on, before any wait (an owner's approval, the
+        # fleet guard): a pool move that held it stops at its next step, and none starts.
+        if not self._dry and workflow.patched(NODE_LEASE_PATCH):
+            taken_from: str = await self._activity(
+                KubeActivities.take_node_lease,
+                NodeLeaseRequest(node=params.node, holder=status.incident_id),
+                summary=f"hold {params.node} (gpufleet.io/lease)",
+            )
+            status.node_leased = True
+            if taken_from:
+                self._mark(Step.CLASSIFY, "took the node", f"from {taken_from}, which stops where it is")
+
         # 2. notify, beside the flow: the drain never waits for the webhook
         self._enter(Step.NOTIFY)
         self._notify(
@@ -370,16 +384,6 @@ class NodeRemediationWorkflow:
 
         # 3. drain in Slurm
         self._enter(Step.DRAIN_SLURM)
-        if not self._dry and workflow.patched(NODE_LEASE_PATCH):
-            # The node is this incident's now: a pool move that held it stops at its next step.
-            taken_from: str = await self._activity(
-                KubeActivities.take_node_lease,
-                NodeLeaseRequest(node=params.node, holder=status.incident_id),
-                summary=f"hold {params.node} (gpufleet.io/lease)",
-            )
-            status.node_leased = True
-            if taken_from:
-                self._mark(Step.DRAIN_SLURM, "took the node", f"from {taken_from}, which stops where it is")
         node = await self._activity(
             SlurmActivities.drain_node,
             DrainRequest(

@@ -2,7 +2,9 @@
 metrics, scraped by a real Prometheus) and training nodes leave the Slurm partition one by one,
 labelled inference and schedulable, the vLLM pods landing on them; the checkpointing training job
 on them is requeued. The load falls and they come back to Slurm, where the job runs on from its
-checkpoint. Throughout, the inference PodDisruptionBudget is never broken."""
+checkpoint. Throughout, the nodes inference keeps go on serving. (A budget refusing a move's
+eviction is tested in tests/clients/test_poolmoves.py: the lab sizes its vLLM set to the nodes
+that serve, so its budget always allows one down.)"""
 
 from __future__ import annotations
 
@@ -44,11 +46,12 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
     assert not [pid for pid in pids if alive(pid)]
 
 
-class BudgetWatch:
-    """Reads the inference PodDisruptionBudget every 100 ms, noting any moment it is broken."""
+class ServingWatch:
+    """Counts the vLLM pods serving (Running, on a node) every 100 ms: the fewest seen is what
+    inference never went below while nodes moved."""
 
     def __init__(self, api: str) -> None:
-        self.broken: list[dict[str, Any]] = []
+        self.fewest: int | None = None
         self.looks = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(api,), daemon=True)
@@ -56,12 +59,12 @@ class BudgetWatch:
     def _run(self, api: str) -> None:
         with httpx.Client(base_url=api, timeout=5) as http:
             while not self._stop.wait(0.1):
-                status = http.get("/apis/policy/v1/namespaces/serving/poddisruptionbudgets/vllm").json()["status"]
+                pods = http.get("/api/v1/namespaces/serving/pods").json()["items"]
+                serving = sum(1 for p in pods if p["status"].get("phase") == "Running" and p["spec"].get("nodeName"))
                 self.looks += 1
-                if status["currentHealthy"] < status["desiredHealthy"]:
-                    self.broken.append(status)
+                self.fewest = serving if self.fewest is None else min(self.fewest, serving)
 
-    def __enter__(self) -> BudgetWatch:
+    def __enter__(self) -> ServingWatch:
         self._thread.start()
         return self
 
@@ -101,7 +104,7 @@ def test_demand_moves_nodes_to_inference_and_back_and_the_job_runs_on(lab: Fleet
     )  # fmt: skip
     assert started.returncode == 0, started.stdout + started.stderr
     api = json.loads((lab.home / "lab.json").read_text())["services"]["kubeapi"]["url"]
-    with BudgetWatch(api) as budget:
+    with ServingWatch(api) as watch:
         # Six nodes' worth of requests: training nodes go to inference one at a time, all but
         # the partition's last (Slurm keeps one), which the pool says.
         assert gpufleet_cli("lab", "demand", "192", env=lab.env()).returncode == 0
@@ -124,7 +127,8 @@ def test_demand_moves_nodes_to_inference_and_back_and_the_job_runs_on(lab: Fleet
         wait_for(lambda: slurm.job(job.job_id).state == "RUNNING", timeout=120, what="the job to run again")
         log = log_path(slurm.job(job.job_id))
         wait_for(lambda: "resumed from step" in log.read_text(), timeout=120, what="the job to resume")
-    assert budget.looks > 10 and budget.broken == [], budget.broken
+    # The two nodes inference keeps served throughout: a move evicts only the pod of its node.
+    assert watch.looks > 10 and watch.fewest is not None and watch.fewest >= 2, watch.fewest
     view = pool_view(lab)
     assert not [m for m in view["last_moves"] if m["outcome"].startswith("failed")], view["last_moves"]
     for node in view["training"]:

@@ -582,6 +582,8 @@ async def test_a_node_drained_by_its_owner_waits_for_approval(env: WorkflowEnvir
         assert waiting.step == Step.AWAITING_APPROVAL
         assert "swapping the NIC" in (waiting.waiting_for_approval or "")
         assert "drain_slurm_node" not in fleet.calls and not fleet.signalled.is_set()
+        # Held while it waits: no pool move may take the node meanwhile.
+        assert fleet.leases == {"gpu1": waiting.incident_id}
         await handle.signal(NodeRemediationWorkflow.decide, Approval(approved=True, by="ops", reason="go"))
         status: IncidentStatus = await handle.result()
     assert status.outcome == Outcome.RESOLVED
@@ -599,6 +601,7 @@ async def test_a_rejected_incident_changes_nothing(env: WorkflowEnvironment) -> 
     assert status.outcome == Outcome.REJECTED
     changing = {"drain_slurm_node", "signal_job:7", "requeue_job:7", "cordon_and_drain_node", "claim_spare"}
     assert not changing & set(fleet.calls)
+    assert fleet.leases == {}  # let go with the rejection
 
 
 async def test_a_node_slurm_marked_not_responding_needs_no_approval(env: WorkflowEnvironment) -> None:
