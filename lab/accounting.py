@@ -183,7 +183,8 @@ class Accounting:
         wait_for(lambda: self._answers(env), timeout=timeout, what="slurmdbd to answer sacctmgr")
 
     @staticmethod
-    def _answers(env: dict[str, str]) -> bool:
+    def _clusters(env: dict[str, str]) -> list[str] | None:
+        """The clusters slurmdbd knows (None: it does not answer sacctmgr)."""
         done = subprocess.run(
             ["sacctmgr", "-n", "-P", "show", "cluster", "format=cluster"],
             env=env,
@@ -192,18 +193,17 @@ class Accounting:
             timeout=15,
             check=False,
         )
-        return done.returncode == 0
+        return done.stdout.split() if done.returncode == 0 else None
+
+    @classmethod
+    def _answers(cls, env: dict[str, str]) -> bool:
+        return cls._clusters(env) is not None
 
     def add_cluster(self, env: dict[str, str], name: str) -> None:
         """Register the cluster with slurmdbd (once: its controller needs it there)."""
-        shown = subprocess.run(
-            ["sacctmgr", "-n", "-P", "show", "cluster", "format=cluster"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=15,
-            check=True,
-        ).stdout.split()
+        shown = self._clusters(env)
+        if shown is None:
+            raise RuntimeError("slurmdbd stopped answering sacctmgr")
         if name.lower() not in shown:
             subprocess.run(
                 ["sacctmgr", "-i", "add", "cluster", name],
