@@ -9,21 +9,31 @@ from activities.errors import client_errors
 from activities.heartbeat import heartbeating
 from clients.errors import ClientError, NotOwned
 from clients.kube import KubeClient, KubeNode
-from clients.poolmoves import INFERENCE, LEASE_ANNOTATION, TO_INFERENCE_REASON, TRAINING, BudgetKept, PoolMover
+from clients.poolmoves import (
+    INFERENCE,
+    LEASE_ANNOTATION,
+    TO_INFERENCE_REASON,
+    TRAINING,
+    BudgetKept,
+    HandedOver,
+    OutOfPool,
+    PoolMover,
+)
 from clients.prometheus import PrometheusApi
 from clients.slurm import SlurmClient
 from models.constants import (
     CLUSTER_LABEL,
     INCIDENT_ANNOTATION,
     POOL_LABEL,
+    POOL_SINCE_ANNOTATION,
     QUARANTINE_LABEL,
     REMEDIATION_DISABLED,
     REMEDIATION_LABEL,
     RETIRED_TAINT,
     UNHEALTHY_TAINT,
 )
-from models.incident import NodeInfo
-from models.poolops import MoveRequest, MoveResult, PoolRequest, PoolView
+from models.incident import JobInfo, NodeInfo
+from models.poolops import MoveRequest, MoveResult, PoolRequest, PoolView, Stopped
 from models.rebalance import Demand, inference_nodes
 
 _NONE = NodeInfo(name="", state="unknown")
@@ -85,20 +95,21 @@ class PoolActivities:
             ]
             slurm_nodes = {n.name: n for n in self._slurm.nodes()}
         reasons = {name: (n.reason if n.drained else "") for name, n in slurm_nodes.items()}
-
-        def idle_first(name: str) -> tuple[bool, str]:
-            info = slurm_nodes.get(name)
-            return (not (info is not None and info.state.startswith("idle")), name)
-
         labelled_training = [n.name for n in nodes if n.labels[POOL_LABEL] == TRAINING]
+        # Training is what Slurm's partition holds, too: a node labelled training elsewhere
+        # serves other jobs and is not this pool's to move.
+        training = [name for name in labelled_training if settings.partition in slurm_nodes.get(name, _NONE).partitions]
         view = PoolView(
-            # Training is what Slurm's partition holds, too: a node labelled training elsewhere
-            # serves other jobs and is not this pool's to move.
-            training=sorted(
-                (name for name in labelled_training if settings.partition in slurm_nodes.get(name, _NONE).partitions),
-                key=idle_first,
-            ),
-            inference=sorted((n.name for n in nodes if n.labels[POOL_LABEL] == INFERENCE), reverse=True),
+            training=self._least_loss_first(training, slurm_nodes, settings.partition),
+            # The last to go to inference comes back first; those that always served, last.
+            inference=[
+                n.name
+                for n in sorted(
+                    (n for n in nodes if n.labels[POOL_LABEL] == INFERENCE),
+                    key=lambda n: (n.annotations.get(POOL_SINCE_ANNOTATION, ""), n.name),
+                    reverse=True,
+                )
+            ],
         )
         for node in nodes:
             why = _why_busy(node, holder, reasons.get(node.name, ""))
@@ -111,11 +122,40 @@ class PoolActivities:
         view.demand = self._demand(settings.query, settings.per_node)
         try:
             with client_errors():
-                view.demand.training = float(self._slurm.pending_nodes(settings.partition))
+                pending = self._slurm.pending(settings.partition)
+            view.demand.training = float(pending.nodes)
+            view.demand.training_jobs, view.demand.training_gpus = pending.jobs, pending.gpus
         except ApplicationError as exc:
             # Unknown training demand only means inference keeps its spare: no move hangs on it.
             activity.logger.warning("training demand unknown: %s", exc)
         return view
+
+    def _least_loss_first(self, training: list[str], slurm_nodes: dict[str, NodeInfo], partition: str) -> list[str]:
+        """The training nodes in the order they should leave: idle ones first; then the one
+        whose jobs lose least: fewest running jobs, then the most recent checkpoint (what a job
+        said in its Comment, else its start: the work since then is what a requeue loses)."""
+        jobs_on: dict[str, list[JobInfo]] = {name: [] for name in training}
+        if any(not slurm_nodes[name].state.startswith("idle") for name in training):
+            try:
+                with client_errors():
+                    for job in self._slurm.partition_jobs(partition):
+                        for host in self._slurm.hostnames(job.nodes):
+                            jobs_on.get(host, []).append(job)
+            except ApplicationError as exc:
+                activity.logger.warning("running jobs unknown, nodes ordered by name: %s", exc)
+
+        def at_risk_since(job: JobInfo) -> float:
+            saved = job.checkpointed_at or job.start_time
+            return saved.timestamp() if saved else 0.0  # unknown: as if nothing were saved
+
+        def loss(name: str) -> tuple[bool, int, float, str]:
+            idle = slurm_nodes[name].state.startswith("idle")
+            jobs = jobs_on[name]
+            # The job with the oldest checkpoint is the one that loses most.
+            oldest = min((at_risk_since(job) for job in jobs), default=float("inf"))
+            return (not idle, len(jobs), -oldest, name)
+
+        return sorted(training, key=loss)
 
     def _demand(self, query: str, per_node: float) -> Demand:
         if not query:
@@ -141,7 +181,18 @@ class PoolActivities:
 
         with client_errors():
             try:
-                if request.to == INFERENCE:
+                if request.settle:
+                    detail = self._mover.settle(
+                        request.node,
+                        to=request.to,
+                        holder=request.workflow_id,
+                        partition=settings.partition,
+                        grace_seconds=self._grace,
+                        deadline_seconds=settings.drain_deadline_seconds,
+                        eviction_timeout_seconds=self._eviction_timeout,
+                        say=say,
+                    )
+                elif request.to == INFERENCE:
                     detail = self._mover.to_inference(
                         request.node,
                         holder=request.workflow_id,
@@ -158,6 +209,12 @@ class PoolActivities:
                         eviction_timeout_seconds=self._eviction_timeout,
                         say=say,
                     )
-            except (NotOwned, BudgetKept) as exc:
-                return MoveResult(moved=False, detail=str(exc))
+            except BudgetKept as exc:
+                return MoveResult(moved=False, detail=str(exc), stopped=Stopped.BUDGET)
+            except HandedOver as exc:
+                return MoveResult(moved=False, detail=str(exc), stopped=Stopped.HANDED_OVER)
+            except OutOfPool as exc:
+                return MoveResult(moved=False, detail=str(exc), stopped=Stopped.OUT_OF_POOL)
+            except NotOwned as exc:
+                return MoveResult(moved=False, detail=str(exc), stopped=Stopped.HELD)
         return MoveResult(moved=True, detail=detail)

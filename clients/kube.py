@@ -60,6 +60,13 @@ class PodRef(BaseModel):
     namespace: str
     name: str
     owner_kind: str = ""
+    phase: str = ""  # Pending, Running, Succeeded, Failed
+    terminating: bool = False  # deleted (or evicted), and not gone yet
+
+    @property
+    def holds_node(self) -> bool:
+        """Whether the pod still runs (or is about to) on its node: not finished."""
+        return self.phase not in ("Succeeded", "Failed")
 
     @property
     def key(self) -> str:
@@ -277,6 +284,8 @@ class KubernetesApi:
                     namespace=item.metadata.namespace,
                     name=item.metadata.name,
                     owner_kind=owners[0].kind if owners else "",
+                    phase=(item.status.phase if item.status else "") or "",
+                    terminating=item.metadata.deletion_timestamp is not None,
                 )
             )
         return pods

@@ -14,20 +14,33 @@ Every step looks before it acts, so a move run again after a crash goes on from 
 
 The node is held for the whole move by the annotation ``gpufleet.io/lease=<holder>``, written with
 a resourceVersion precondition: a node leased by someone else (an incident, another move) is
-not moved (NotOwned), and a node drained in Slurm by someone else is left to them.
+not moved (NotOwned), and a node drained in Slurm by someone else is left to them. A move that
+loses the lease once it has changed something (an incident took the node over) stops with
+HandedOver: the pool settles the node (``settle``) once the incident has let go of it.
+
+Each move writes ``gpufleet.io/pool-since`` beside the pool label: the nodes that went to
+inference last are the first to come back.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 
 from clients import nodelease
 from clients.errors import ClientError, InvalidInput, NotFound, NotOwned, TooManyRequests
-from clients.kube import KubeClient
+from clients.kube import KubeClient, KubeNode, PodRef
 from clients.slurm import SlurmClient
 from clients.spares import SparePool
-from models.constants import NODE_LEASE_ANNOTATION, POOL_LABEL
+from models.constants import (
+    INCIDENT_ANNOTATION,
+    NODE_LEASE_ANNOTATION,
+    POOL_LABEL,
+    POOL_SINCE_ANNOTATION,
+    QUARANTINE_LABEL,
+    UNHEALTHY_TAINT,
+)
 
 LEASE_ANNOTATION = NODE_LEASE_ANNOTATION
 TRAINING_TAINT = "gpufleet.io/pool"
@@ -42,6 +55,24 @@ Say = Callable[[str], None]
 class BudgetKept(ClientError):
     """A move to training that would break a PodDisruptionBudget: it is undone, and the node
     goes on serving inference until a later look tries again."""
+
+
+class HandedOver(NotOwned):
+    """Someone (an incident) took the node over after the move had begun to change it: the move
+    stops where it is, and the node is settled into one pool once they let go (``settle``)."""
+
+
+class OutOfPool(NotOwned):
+    """The node no longer belongs to the shared pool (retired by an incident, made a spare):
+    nothing of the move is left to do."""
+
+
+def _pool_of(node: KubeNode) -> str:
+    return node.labels.get(POOL_LABEL, "")
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class PoolMover:
@@ -67,8 +98,23 @@ class PoolMover:
         nodelease.give_back(self._kube, node, holder)
 
     def _ours(self, node: str, holder: str) -> None:
-        """Between steps: NotOwned once an incident took the node over (the move stops there)."""
-        nodelease.still_held(self._kube, node, holder)
+        """Between steps: HandedOver once an incident took the node over (the move stops there)."""
+        try:
+            nodelease.still_held(self._kube, node, holder)
+        except NotOwned as exc:
+            raise HandedOver(str(exc)) from None
+
+    def _take_pool_node(self, node: str, holder: str) -> KubeNode:
+        """Take the lease of a node of the shared pool; OutOfPool (let go again) when it is not one."""
+        self.take(node, holder)
+        current = self._kube.get_node(node)
+        if _pool_of(current) not in (TRAINING, INFERENCE):
+            self.give_back(node, holder)
+            raise OutOfPool(f"{node} is no longer in the shared pool ({POOL_LABEL}={_pool_of(current) or 'none'})")
+        return current
+
+    def _label(self, node: str, pool: str) -> None:
+        self._kube.update_metadata(node, labels={POOL_LABEL: pool}, annotations={POOL_SINCE_ANNOTATION: _now()})
 
     # -- training -> inference --------------------------------------------------------------------
 
@@ -82,7 +128,7 @@ class PoolMover:
         deadline_seconds: float,
         say: Say = lambda _: None,
     ) -> str:
-        self.take(node, holder)
+        self._take_pool_node(node, holder)
         info = self._slurm.node(node)
         if info.drained and info.reason and info.reason != TO_INFERENCE_REASON:
             self.give_back(node, holder)
@@ -97,13 +143,14 @@ class PoolMover:
             requeued = self._empty(
                 node, holder=holder, grace_seconds=grace_seconds, deadline_seconds=deadline_seconds, say=say
             )
+            self._left(node, holder=holder, seconds=max(grace_seconds, 60.0), say=say)
             self._ours(node, holder)
             self._spares.remove_from_partition(node, partition=partition)
             say(f"{node} out of partition {partition}")
         else:
             requeued = []
         self._ours(node, holder)
-        self._kube.update_metadata(node, labels={POOL_LABEL: INFERENCE})
+        self._label(node, INFERENCE)
         self._kube.remove_taint(node, key=TRAINING_TAINT)
         self._kube.set_unschedulable(node, False)
         self.give_back(node, holder)
@@ -142,6 +189,21 @@ class PoolMover:
         say(f"{node}: requeued {', '.join(map(str, requeued)) or 'none'} ({len(left)} had not exited)")
         return requeued
 
+    def _left(self, node: str, *, holder: str, seconds: float, say: Say) -> None:
+        """Wait until no job holds the node any more (a requeued job is COMPLETING there while its
+        processes end and its epilog runs): inference must not start on GPUs a job still uses.
+        Past ``seconds`` this raises, and the move is retried from where it is."""
+        ends = time.monotonic() + seconds
+        while running := self._running(node):
+            if time.monotonic() >= ends:
+                raise ClientError(
+                    f"{node}: job(s) {', '.join(map(str, running))} still on the node {seconds:g}s after the "
+                    "requeue (completing); the move waits for them"
+                )
+            self._ours(node, holder)
+            say(f"{node}: waiting for job(s) {', '.join(map(str, running))} to leave the node")
+            time.sleep(self._poll)
+
     def _requeue(self, job: int) -> str:
         """Requeue one signalled job, as remediation does: '' when it is back in the queue, else
         why not (cancelled by its owner meanwhile, or refusing requeue). Never a failure of the
@@ -174,28 +236,12 @@ class PoolMover:
         eviction_timeout_seconds: float,
         say: Say = lambda _: None,
     ) -> str:
-        self.take(node, holder)
+        self._take_pool_node(node, holder)
         self._kube.set_unschedulable(node, True)
         self._kube.add_taint(node, key=TRAINING_TAINT, value=TRAINING, effect="NoSchedule")
-        evicted: list[str] = []
-        # One deadline for all of the node's evictions; a budget that still refuses then is kept.
-        deadline = time.monotonic() + eviction_timeout_seconds
-        for pod in self._kube.pods_on_node(node):
-            if pod.owner_kind == "DaemonSet":
-                continue
-            self._ours(node, holder)
-            try:
-                outcome = self._kube.evict(
-                    pod, timeout_seconds=max(0.0, deadline - time.monotonic()), progress=say, force=False
-                )
-            except TooManyRequests as exc:
-                self._stay_inference(node, holder)
-                raise BudgetKept(
-                    f"{node} stays in inference: {exc}; {len(evicted)} pod(s) had moved away, the rest serve on"
-                ) from None
-            evicted.append(f"{pod.key} {outcome}")
+        moved = self._vacate(node, holder=holder, deadline=time.monotonic() + eviction_timeout_seconds, say=say)
         self._ours(node, holder)
-        self._kube.update_metadata(node, labels={POOL_LABEL: TRAINING})
+        self._label(node, TRAINING)
         info = self._slurm.node(node)
         if partition not in info.partitions:
             self._spares.add_to_partition(node, partition=partition)
@@ -206,5 +252,97 @@ class PoolMover:
             self._slurm.resume(node)
         self._kube.set_unschedulable(node, False)
         self.give_back(node, holder)
-        pods = f"; {len(evicted)} pod(s) moved away" if evicted else ""
+        pods = f"; {moved} pod(s) moved away" if moved else ""
         return f"{node} serves training{pods}"
+
+    def _inference_pods(self, node: str) -> list[PodRef]:
+        """The pods that keep the node from training: every one still running there but the
+        DaemonSets' (which run on every node, training ones too)."""
+        return [p for p in self._kube.pods_on_node(node) if p.owner_kind != "DaemonSet" and p.holds_node]
+
+    def _vacate(self, node: str, *, holder: str, deadline: float, say: Say) -> int:
+        """Evict the node's pods through the eviction API and wait until they are gone: a pod
+        evicted is still there while it shuts down, and training must not start on GPUs it
+        uses. One deadline for all of it; a budget still refusing then is kept (BudgetKept, the
+        move undone), and pods still shutting down then fail the move (retried from here)."""
+        evicted = 0
+        while pods := self._inference_pods(node):
+            self._ours(node, holder)
+            for pod in (p for p in pods if not p.terminating):
+                try:
+                    self._kube.evict(
+                        pod, timeout_seconds=max(0.0, deadline - time.monotonic()), progress=say, force=False
+                    )
+                except TooManyRequests as exc:
+                    self._stay_inference(node, holder)
+                    raise BudgetKept(
+                        f"{node} stays in inference: {exc}; {evicted} pod(s) had moved away, the rest serve on"
+                    ) from None
+                evicted += 1
+            if not (left := self._inference_pods(node)):
+                break
+            if time.monotonic() >= deadline:
+                raise ClientError(
+                    f"{node}: pod(s) {', '.join(p.key for p in left)} still shutting down after the eviction "
+                    "deadline; the move waits for them"
+                )
+            say(f"{node}: waiting for {len(left)} pod(s) to shut down")
+            time.sleep(self._poll)
+        return evicted
+
+    # -- after a hand-over --------------------------------------------------------------------------
+
+    def settle(
+        self,
+        node: str,
+        *,
+        to: str,
+        holder: str,
+        partition: str,
+        grace_seconds: float,
+        deadline_seconds: float,
+        eviction_timeout_seconds: float,
+        say: Say = lambda _: None,
+    ) -> str:
+        """A node whose move an incident took over halfway, once the incident let go of it: left
+        as it is when it is wholly in one pool (the incident may have put it back), else the
+        move toward ``to`` is finished. OutOfPool when it left the shared pool (retired)."""
+        current = self._take_pool_node(node, holder)
+        waiting = (
+            f"its incident {current.annotations[INCIDENT_ANNOTATION]}"
+            if current.annotations.get(INCIDENT_ANNOTATION)
+            else "its incident (tainted unhealthy)"
+            if any(t.get("key") == UNHEALTHY_TAINT for t in current.taints)
+            else f"its quarantine ({current.labels[QUARANTINE_LABEL]}) to be released"
+            if current.labels.get(QUARANTINE_LABEL)
+            else ""
+        )
+        if waiting:
+            self.give_back(node, holder)
+            raise NotOwned(f"{node} waits for {waiting}")
+        info = self._slurm.node(node)
+        in_partition = partition in info.partitions
+        tainted = any(t.get("key") == TRAINING_TAINT for t in current.taints)
+        whole = {
+            TRAINING: _pool_of(current) == TRAINING and in_partition and info.reason != TO_INFERENCE_REASON,
+            INFERENCE: _pool_of(current) == INFERENCE
+            and not in_partition
+            and not tainted
+            and not current.unschedulable,
+        }
+        for pool, is_whole in whole.items():
+            if is_whole:
+                self.give_back(node, holder)
+                return f"{node} is wholly in {pool} already"
+        if to == INFERENCE:
+            return self.to_inference(
+                node,
+                holder=holder,
+                partition=partition,
+                grace_seconds=grace_seconds,
+                deadline_seconds=deadline_seconds,
+                say=say,
+            )
+        return self.to_training(
+            node, holder=holder, partition=partition, eviction_timeout_seconds=eviction_timeout_seconds, say=say
+        )

@@ -20,8 +20,11 @@ import secrets
 import subprocess
 import threading
 from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
+
+from pydantic import BaseModel
 
 from clients.dryrun import refuse_writes
 from clients.errors import (
@@ -45,8 +48,27 @@ _UNREACHABLE = (
     "munge",
 )
 _NOT_FOUND = ("invalid node name", "invalid job id", "does not exist", "invalid partition name", "not found")
+
+
 # Pending reasons of jobs that would not start on a free node now (held, waiting for another job
 # or a time, over a limit).
+class Pending(BaseModel):
+    """What a partition's pending jobs ask for."""
+
+    jobs: int = 0
+    nodes: int = 0
+    gpus: int = 0  # from their per-node GPU requests (``--gres=gpu:N``); 0 where they ask none
+
+
+_GPU_GRES = re.compile(r"gpu(?::[A-Za-z0-9_.-]+)?[:=](\d+)")
+
+
+def gpus_in(gres: str) -> int:
+    """GPUs per node in a job's gres as squeue prints it (``gres:gpu:2``, ``gres/gpu:a100:4``,
+    ``gpu:8``; ``N/A`` or none: 0)."""
+    return sum(int(count) for count in _GPU_GRES.findall(gres))
+
+
 _NOT_WAITING_FOR_NODES = (
     "Dependency",
     "BeginTime",
@@ -68,7 +90,9 @@ class SlurmClient(Protocol):
     def down(self, name: str, *, reason: str) -> None: ...
     def resume(self, name: str) -> None: ...
     def jobs_on_node(self, name: str) -> list[JobInfo]: ...
-    def pending_nodes(self, partition: str) -> int: ...
+    def pending(self, partition: str) -> Pending: ...
+    def partition_jobs(self, partition: str) -> list[JobInfo]: ...
+    def hostnames(self, hostlist: str) -> list[str]: ...
     def jobs_by_id(self, job_ids: list[int]) -> dict[int, JobInfo]: ...
     def job(self, job_id: int) -> JobInfo: ...
     def signal_job(self, job_id: int, *, signal: str = "TERM") -> None: ...
@@ -207,18 +231,26 @@ class SlurmCli:
             raise NotFound(f"Slurm has no node named {name!r}") from None
         return [job for job in jobs if job.state in _ACTIVE_STATES]
 
-    def pending_nodes(self, partition: str) -> int:
-        """How many nodes the partition's pending jobs ask for, in all (training's demand).
+    def pending(self, partition: str) -> Pending:
+        """What the partition's pending jobs ask for (training's demand): jobs, nodes and GPUs.
         Jobs held, or waiting on a dependency or a begin time, ask for nothing yet."""
         partition = checked_node_name(partition)  # a partition name has a node name's shape
-        out = self._run(["squeue", "--noheader", f"--partition={partition}", "--states=PENDING", "--format=%D|%r"])
-        total = 0
+        out = self._run(["squeue", "--noheader", f"--partition={partition}", "--states=PENDING", "--format=%D|%r|%b"])
+        demand = Pending()
         for line in out.splitlines():
-            nodes, _, reason = line.strip().partition("|")
+            nodes, _, rest = line.strip().partition("|")
+            reason, _, gres = rest.partition("|")
             if not nodes.isdigit() or reason.startswith(_NOT_WAITING_FOR_NODES):
                 continue
-            total += int(nodes)
-        return total
+            demand.jobs += 1
+            demand.nodes += int(nodes)
+            demand.gpus += int(nodes) * gpus_in(gres)
+        return demand
+
+    def partition_jobs(self, partition: str) -> list[JobInfo]:
+        """The partition's jobs that hold nodes now (running, completing, suspended...), from one squeue."""
+        partition = checked_node_name(partition)
+        return [job for job in self._squeue(f"--partition={partition}") if job.state in _ACTIVE_STATES]
 
     def jobs_by_id(self, job_ids: list[int]) -> dict[int, JobInfo]:
         """The given jobs from ONE squeue, finished ones included (within MinJobAge).
@@ -402,7 +434,18 @@ def checked_job_id(job_id: object) -> int:
 
 # Fields of ``squeue --Format``, in JobInfo's order. JobID is the job's own ID (an array task's
 # too, never ``123_4``); State is job_state_string(): the same single word as 22.05's JSON.
-_SQUEUE_FIELDS = ("JobID", "Name", "UserName", "State", "RestartCnt", "NodeList", "Requeue", "STDOUT")
+_SQUEUE_FIELDS = (
+    "JobID",
+    "Name",
+    "UserName",
+    "State",
+    "RestartCnt",
+    "NodeList",
+    "Requeue",
+    "StartTime",
+    "Comment",
+    "STDOUT",
+)
 
 
 def parse_squeue_format(out: str, *, separator: str, terminator: str) -> list[JobInfo]:
@@ -416,7 +459,7 @@ def parse_squeue_format(out: str, *, separator: str, terminator: str) -> list[Jo
         fields = (record.removeprefix("\n") if index else record).split(separator)
         if len(fields) != len(_SQUEUE_FIELDS):
             raise ClientError(f"squeue printed {len(fields)} fields where {len(_SQUEUE_FIELDS)} were asked for")
-        job_id, name, user, state, restarts, nodes, requeue, stdout = fields
+        job_id, name, user, state, restarts, nodes, requeue, started, comment, stdout = fields
         if not job_id.strip().isdigit() or not restarts.strip().isdigit():
             raise ClientError(f"squeue printed a malformed job record: {record[:200]!r}")
         nodes = nodes.strip()
@@ -430,9 +473,20 @@ def parse_squeue_format(out: str, *, separator: str, terminator: str) -> list[Jo
                 nodes="" if nodes == "(null)" else nodes,
                 requeue=_flag(requeue, default=True),
                 stdout=stdout,
+                start_time=_slurm_time(started),
+                comment="" if comment.strip() == "(null)" else comment,
             )
         )
     return jobs
+
+
+def _slurm_time(text: str) -> datetime | None:
+    """A time as Slurm prints it (``2026-12-03T19:20:00``, the controller's local time), in UTC;
+    None for ``N/A``, ``Unknown`` or anything else that is not a time."""
+    try:
+        return datetime.fromisoformat(text.strip()).astimezone(UTC)
+    except ValueError:
+        return None
 
 
 # job_state_string() of Slurm: a flag, when the job carries one of these, names the state
@@ -541,7 +595,13 @@ def job_from_json(raw: Mapping[str, Any]) -> JobInfo:
         nodes=_text(raw.get("nodes")),
         requeue=_flag(raw.get("requeue"), default=True),
         stdout=_text(raw.get("standard_output")),
+        start_time=_epoch(_number(raw.get("start_time"), default=0)),
+        comment=_text(raw.get("comment")),
     )
+
+
+def _epoch(seconds: int) -> datetime | None:
+    return datetime.fromtimestamp(seconds, tz=UTC) if seconds > 0 else None
 
 
 def parse_squeue_json(data: Mapping[str, Any]) -> list[JobInfo]:

@@ -625,7 +625,21 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
                     "TooManyRequests",
                     "Cannot evict pod as it would violate the pod's disruption budget.",
                 )
-        if not _dry_run(request):
+        if _dry_run(request):
+            return _status(201, "", "")
+        if (pod.raw.get("metadata") or {}).get("finalizers"):
+            # Graceful deletion: the pod stays, terminating, until its finalizers are gone (the
+            # lab's stand-in for a kubelet that has not yet stopped its containers).
+            if not pod.raw["metadata"].get("deletionTimestamp"):
+                obj = dict(pod.raw)
+                obj["metadata"] = {
+                    **obj["metadata"],
+                    "deletionTimestamp": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "resourceVersion": self.next_version(),
+                }
+                self.objects[PODS, request.namespace, request.name] = obj
+                await self._buses[PODS].put({"type": "MODIFIED", "object": obj})
+        else:
             await self._remove(PODS, request.namespace, request.name)
         return _status(201, "", "")
 
@@ -634,7 +648,12 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         selector = _selector(pdb)
         namespace = pdb.get("metadata", {}).get("namespace")
         matching = [pod for pod in self._live(PODS, namespace) if selector and _matches(pod, selector)]
-        healthy = sum(1 for pod in matching if (pod.get("status") or {}).get("phase", "Running") == "Running")
+        healthy = sum(
+            1
+            for pod in matching
+            if (pod.get("status") or {}).get("phase", "Running") == "Running"
+            and not pod["metadata"].get("deletionTimestamp")  # terminating: no longer serving
+        )
         spec = pdb.get("spec", {})
         if "minAvailable" in spec:
             return len(matching), healthy, healthy - int(spec["minAvailable"])

@@ -33,6 +33,9 @@ POOL_LABEL = "gpufleet.io/pool"
 POOL_SPARE = "spare"
 POOL_TRAINING = "training"
 POOL_RETIRED = "retired"
+# When a node of a shared pool took its pool label (RFC 3339, UTC): the last to go to inference
+# is the first to come back.
+POOL_SINCE_ANNOTATION = "gpufleet.io/pool-since"
 CLAIMED_BY_ANNOTATION = "gpufleet.io/claimed-by"
 INCIDENT_ANNOTATION = "gpufleet.io/incident"
 UNHEALTHY_TAINT = "gpufleet.io/unhealthy"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+import re
+from datetime import UTC, datetime
 from enum import StrEnum
 
 from pydantic import BaseModel, Field
@@ -59,6 +60,11 @@ class NodeInfo(BaseModel):
         return "DRAIN" in self.flags or self.state in {"DRAINED", "DRAINING"}
 
 
+# In a job's Comment (``scontrol update JobId=$SLURM_JOB_ID Comment=gpufleet:checkpoint:$(date +%s)``,
+# which a job's owner may run): the job saved a checkpoint at that time.
+CHECKPOINT_MARK = re.compile(r"gpufleet:checkpoint:(\d{1,12})\b")
+
+
 class JobInfo(BaseModel):
     """A Slurm job as ``squeue`` reports it."""
 
@@ -70,6 +76,15 @@ class JobInfo(BaseModel):
     nodes: str = ""
     requeue: bool = True
     stdout: str = ""
+    start_time: datetime | None = None  # when it (last) started running
+    comment: str = ""  # the job's own Comment: a job says when it last checkpointed here
+
+    @property
+    def checkpointed_at(self) -> datetime | None:
+        """When the job last saved a checkpoint, as it said in its Comment
+        (``gpufleet:checkpoint:<unix seconds>``, the latest one), else None."""
+        stamps = [int(s) for s in CHECKPOINT_MARK.findall(self.comment)]
+        return datetime.fromtimestamp(max(stamps), tz=UTC) if stamps else None
 
 
 class RequeueOutcome(StrEnum):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
@@ -55,6 +56,10 @@ class PoolState(BaseModel):
     seq: int = 0  # the last move's number
     manual: int = 0  # nodes a person asked to move now (+ to inference, - to training)
     in_flight: Move | None = None  # a move started and not known to have ended in one pool
+    # Moves an incident took over halfway: each node is settled into one pool once it is free.
+    handed_over: list[Move] = Field(default_factory=list)
+    # Nodes whose PodDisruptionBudget kept them serving inference, and until when they are left be.
+    kept: dict[str, datetime] = Field(default_factory=dict)
 
 
 class PoolView(BaseModel):
@@ -82,8 +87,21 @@ class MoveRequest(BaseModel):
     node: str
     to: str  # inference | training
     workflow_id: str
+    # A node an incident took over mid-move, now free: leave it if it is wholly in one pool,
+    # else finish the move.
+    settle: bool = False
+
+
+class Stopped(StrEnum):
+    """Why a move did not end with the node in its new pool."""
+
+    HELD = "held"  # someone else holds or drained the node: nothing was changed
+    HANDED_OVER = "handed-over"  # an incident took it over after the move had changed it
+    BUDGET = "budget"  # a PodDisruptionBudget kept it serving inference: the move was undone
+    OUT_OF_POOL = "out-of-pool"  # it left the shared pool (retired): nothing left to do
 
 
 class MoveResult(BaseModel):
     moved: bool
     detail: str = ""
+    stopped: Stopped | None = None  # set when not moved

@@ -67,6 +67,8 @@ class Demand(BaseModel):
 
     inference: float | None = None
     training: float | None = None
+    training_jobs: int = 0  # the pending jobs behind ``training`` (nodes)
+    training_gpus: int = 0  # and the GPUs they ask for
     source: str = ""  # where it came from: the query, or "override by ..."
     error: str = ""  # why a figure is missing
 

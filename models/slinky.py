@@ -49,6 +49,8 @@ def copied(ref: SecretRef) -> str:
     if not COPIED.match(placeholder):  # the validators and the pattern must agree
         raise ValueError(f"cannot copy from Secret {ref.namespace}/{ref.name} key {ref.key}")
     return placeholder
+
+
 CLUSTER_LABEL = "gpufleet.io/cluster"
 PARTITION_LABEL = "gpufleet.io/partition"
 REMEDIATION_CONFIGMAP = "gpufleet-remediation"

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from models.poolops import (
@@ -32,8 +32,9 @@ with workflow.unsafe.imports_passed_through():
         PoolState,
         PoolStatus,
         PoolView,
+        Stopped,
     )
-    from models.rebalance import Decision, Demand, decide
+    from models.rebalance import Decision, Demand, bounds, decide
 
 KEEP_MOVES = 20
 RETRY = RetryPolicy(
@@ -122,9 +123,25 @@ class PoolRebalanceWorkflow:
                 source=f"override by {state.override_by or '?'}",
             )
         total, inference = len(view.training) + len(view.inference), len(view.inference)
+        if state.in_flight is not None:
+            if not await self._settle(state.in_flight):
+                status.decision = Decision(
+                    inference=inference,
+                    move=0,
+                    why=f"holding: {state.in_flight.node} is between pools after a failed move; a person must look",
+                )
+                return
+            self._woken = True  # the look predates the settle: look again before deciding
+            return
+        if state.handed_over and await self._settle_handed_over():
+            self._woken = True
+            return
         if state.manual:
-            wanted, state.manual = state.manual, 0
-            decision = Decision(inference=inference + wanted, move=wanted, why=f"asked: {wanted:+d} node(s)")
+            asked, state.manual = state.manual, 0
+            low, high = bounds(total, state.settings.limits)
+            wanted = min(max(inference + asked, low), high) - inference
+            limited = "" if wanted == asked else f"; the limits (inference {low}-{high}) allow {wanted:+d}"
+            decision = Decision(inference=inference + wanted, move=wanted, why=f"asked: {asked:+d} node(s){limited}")
         elif state.paused:
             decision = Decision(inference=inference, move=0, why="paused: no moves until `gpufleet pool resume`")
         else:
@@ -132,32 +149,52 @@ class PoolRebalanceWorkflow:
                 total, inference, view.demand, state.settings.limits, now=workflow.now(), last_move=state.last_move
             )
         status.decision = decision
-        if state.in_flight is not None and not await self._settle(state.in_flight):
-            status.decision = Decision(
-                inference=inference,
-                move=0,
-                why=f"holding: {state.in_flight.node} is between pools after a failed move; a person must look",
-            )
-            return
         if decision.move:
             await self._move(view, decision.move)
 
     async def _settle(self, move: Move) -> bool:
         """A move that failed halfway: finish it, else roll it back. True once the node is in
-        one pool again."""
+        one pool again (or someone else holds it now: an incident finishes it, and the node is
+        settled once it lets go)."""
         state = self._status.state
         back = "training" if move.to == "inference" else "inference"
         for to, what in ((move.to, "finished"), (back, "rolled back")):
-            outcome = await self._one(move.node, to)
-            if outcome.startswith("skipped"):
-                # Someone else holds the node now (an incident took it over): it is theirs to
-                # finish, and this workflow lets it be.
-                what, outcome = "left", outcome.removeprefix("skipped: ")
-            self._record(Move(node=move.node, to=to, at=workflow.now(), outcome=f"{what}: {outcome}"))
-            if what == "left" or outcome == "moved":
+            result = await self._one(move.node, to)
+            if result.stopped in (Stopped.HELD, Stopped.HANDED_OVER):
+                self._record(Move(node=move.node, to=to, at=workflow.now(), outcome=f"handed over: {result.detail}"))
+                self._hand_over(move)
+                state.in_flight = None
+                return True
+            if result.stopped is Stopped.OUT_OF_POOL:
+                self._record(Move(node=move.node, to=to, at=workflow.now(), outcome=f"left: {result.detail}"))
+                state.in_flight = None
+                return True
+            self._record(Move(node=move.node, to=to, at=workflow.now(), outcome=f"{what}: {self._outcome(result)}"))
+            if result.moved or result.stopped is Stopped.BUDGET:  # a budget's undo leaves it serving inference
                 state.in_flight = None
                 return True
         return False
+
+    def _hand_over(self, move: Move) -> None:
+        state = self._status.state
+        if all(m.node != move.node for m in state.handed_over):
+            state.handed_over = [*state.handed_over, move]
+
+    async def _settle_handed_over(self) -> bool:
+        """Nodes an incident took over mid-move, once it has let go: each is left as it is when
+        wholly in one pool, else its move is finished. True when one changed (or left the pool)."""
+        state = self._status.state
+        changed = False
+        for move in list(state.handed_over):
+            result = await self._one(move.node, move.to, settle=True)
+            if result.moved or result.stopped in (Stopped.OUT_OF_POOL, Stopped.BUDGET):
+                state.handed_over = [m for m in state.handed_over if m.node != move.node]
+                what = "settled" if result.stopped is not Stopped.OUT_OF_POOL else "left"
+                self._record(Move(node=move.node, to=move.to, at=workflow.now(), outcome=f"{what}: {result.detail}"))
+                changed = True
+            else:
+                self._say_once(Move(node=move.node, to=move.to, at=workflow.now(), outcome=f"waiting: {result.detail}"))
+        return changed
 
     def _record(self, move: Move) -> None:
         """Keep the move (numbered) among the latest."""
@@ -165,47 +202,84 @@ class PoolRebalanceWorkflow:
         state.seq += 1
         state.moves = [*state.moves, move.model_copy(update={"seq": state.seq})][-KEEP_MOVES:]
 
-    async def _one(self, node: str, to: str) -> str:
-        """One move by the activity: moved | skipped: why | failed: why."""
+    def _say_once(self, move: Move) -> None:
+        """Record a move's outcome unless it is what was said last about that node."""
+        last = next((m for m in reversed(self._status.state.moves) if m.node == move.node), None)
+        if last is None or last.outcome != move.outcome:
+            self._record(move)
+
+    @staticmethod
+    def _outcome(result: MoveResult) -> str:
+        """A move's outcome in words: moved | skipped: why | stays in inference: why | failed: why."""
+        if result.moved:
+            return "moved"
+        if result.stopped is Stopped.BUDGET:
+            return f"kept: {result.detail}"
+        if result.stopped is Stopped.HANDED_OVER:
+            return f"handed over: {result.detail}"
+        if result.stopped is None:
+            return f"failed: {result.detail}"
+        return f"skipped: {result.detail}"
+
+    async def _one(self, node: str, to: str, *, settle: bool = False) -> MoveResult:
+        """One move (or one settle) by the activity; a failure comes back as a MoveResult with
+        no ``stopped``, and a node that is gone as OUT_OF_POOL."""
         state = self._status.state
+        request = MoveRequest(
+            settings=state.settings, node=node, to=to, workflow_id=workflow.info().workflow_id, settle=settle
+        )
         try:
             result: MoveResult = await workflow.execute_activity(
                 "pool_move_node",
-                MoveRequest(settings=state.settings, node=node, to=to, workflow_id=workflow.info().workflow_id),
+                request,
                 result_type=MoveResult,
                 start_to_close_timeout=timedelta(hours=2),
                 heartbeat_timeout=timedelta(seconds=30),
                 retry_policy=RETRY,
-                summary=f"move {node} to {to}",
+                summary=f"{'settle' if settle else 'move'} {node} to {to}",
             )
         except ActivityError as exc:
-            return f"failed: {exc.cause or exc}"
-        return "moved" if result.moved else f"skipped: {result.detail}"
+            cause = exc.cause
+            if isinstance(cause, ApplicationError) and cause.type == "NotFound":
+                return MoveResult(moved=False, detail=f"{node} is gone: {cause}", stopped=Stopped.OUT_OF_POOL)
+            return MoveResult(moved=False, detail=str(cause or exc))
+        return result
 
     async def _move(self, view: PoolView, count: int) -> None:
-        """Move ``|count|`` nodes, one at a time, in the order the view gives: from training,
-        idle nodes first (then by name); from inference, in reverse name order. A move that
-        fails stops the batch and stays in flight until settled."""
-        status = self._status
-        state = status.state
+        """Move ``|count|`` nodes, one at a time, in the order the view gives (from training,
+        the node that loses least first; from inference, the last to come first), leaving out
+        the nodes that may not move now. A move that fails stops the batch and stays in flight
+        until settled; one an incident takes over is settled once the incident lets go."""
+        state = self._status.state
+        now = workflow.now()
+        state.kept = {node: until for node, until in state.kept.items() if until > now}
         to = "inference" if count > 0 else "training"
         source = view.training if count > 0 else view.inference
-        candidates = [node for node in source if node not in view.busy]
+        waiting = {m.node for m in state.handed_over}
+        busy = {
+            **view.busy,
+            **{node: f"its budget kept it serving until {until:%H:%M:%S}" for node, until in state.kept.items()},
+            **{node: "handed over to an incident mid-move; settled once it lets go" for node in waiting},
+        }
+        candidates = [node for node in source if node not in busy]
         for node in candidates[: abs(count)]:
             started = workflow.now()
             # Recorded before it starts: a move that fails halfway is settled before anything else.
             state.in_flight = Move(node=node, to=to, at=started)
-            outcome = await self._one(node, to)
+            result = await self._one(node, to)
             seconds = (workflow.now() - started).total_seconds()
-            self._record(Move(node=node, to=to, at=started, outcome=outcome, seconds=seconds))
-            if outcome.startswith("failed"):
+            self._record(Move(node=node, to=to, at=started, outcome=self._outcome(result), seconds=seconds))
+            if not result.moved and result.stopped is None:
                 return  # the node may be between pools: the next look settles it first
-            state.in_flight = None  # moved, or skipped before anything changed
-            if outcome == "moved":
+            state.in_flight = None
+            if result.stopped is Stopped.HANDED_OVER:
+                self._hand_over(Move(node=node, to=to, at=started))
+            elif result.stopped is Stopped.BUDGET:
+                # Left be for a while: trying again at every look would cordon and uncordon it.
+                backoff = max(state.settings.limits.cooldown_seconds, 5 * state.settings.interval_seconds)
+                state.kept = {**state.kept, node: workflow.now() + timedelta(seconds=backoff)}
+            elif result.moved:
                 state.last_move = workflow.now()
         for node in source[: abs(count)]:
-            if node in view.busy:
-                outcome = f"skipped: {view.busy[node]}"
-                last = next((m for m in reversed(state.moves) if m.node == node), None)
-                if last is None or last.outcome != outcome:  # said once, not at every look
-                    self._record(Move(node=node, to=to, at=workflow.now(), outcome=outcome))
+            if node in busy:
+                self._say_once(Move(node=node, to=to, at=workflow.now(), outcome=f"skipped: {busy[node]}"))

@@ -13,9 +13,9 @@ import pytest
 from kubernetes import client as k8s
 
 from clients import nodelease
-from clients.errors import NotOwned
+from clients.errors import ClientError, NotOwned
 from clients.kube import KubernetesApi
-from clients.poolmoves import LEASE_ANNOTATION, TRAINING_TAINT, BudgetKept, PoolMover
+from clients.poolmoves import LEASE_ANNOTATION, TRAINING_TAINT, BudgetKept, HandedOver, OutOfPool, PoolMover
 from clients.slurm import SlurmCli
 from lab.procs import wait_for
 from lab.slurm import SlurmLab
@@ -131,7 +131,7 @@ def test_an_incident_taking_the_node_mid_move_stops_the_move_where_it_is(
             if "waiting for job" in text:
                 nodelease.take_over(kube, "gpu3", "remediate-lab-gpu3")
 
-        with pytest.raises(NotOwned, match="taken over by remediate-lab-gpu3"):
+        with pytest.raises(HandedOver, match="taken over by remediate-lab-gpu3"):
             move.to_inference(
                 "gpu3", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=30, say=xid_arrives
             )
@@ -210,4 +210,112 @@ def test_a_move_to_training_that_would_break_a_budget_is_undone_and_the_node_ser
     policy.delete_namespaced_pod_disruption_budget("web", "default")
     assert move.to_training("gpu3", holder="pool-shared", partition="train", eviction_timeout_seconds=5) == (
         "gpu3 serves training; 1 pod(s) moved away"
+    )
+
+
+def settle(move: PoolMover, node: str, to: str) -> str:
+    return move.settle(
+        node,
+        to=to,
+        holder="pool-shared",
+        partition="train",
+        grace_seconds=1,
+        deadline_seconds=1,
+        eviction_timeout_seconds=5,
+    )
+
+
+def test_a_node_handed_over_halfway_is_settled_into_one_pool_once_the_incident_lets_go(
+    mover: tuple[PoolMover, KubernetesApi, SlurmCli],
+) -> None:
+    move, kube, slurm = mover
+
+    def xid_arrives(text: str) -> None:
+        if "out of partition" in text:  # out of Slurm, not yet labelled inference: in neither pool
+            nodelease.take_over(kube, "gpu1", "remediate-lab-gpu1")
+
+    with pytest.raises(HandedOver):
+        move.to_inference(
+            "gpu1", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1, say=xid_arrives
+        )
+    assert (
+        "gpu1" not in slurm.partition_nodes("train") and kube.get_node("gpu1").labels["gpufleet.io/pool"] == "training"
+    )
+    # While the incident holds it, or keeps its annotation, the settle waits.
+    with pytest.raises(NotOwned, match="held by remediate-lab-gpu1"):
+        settle(move, "gpu1", "inference")
+    nodelease.give_back(kube, "gpu1", "remediate-lab-gpu1")
+    kube.update_metadata("gpu1", annotations={"gpufleet.io/incident": "remediate-lab-gpu1"})
+    with pytest.raises(NotOwned, match="waits for its incident remediate-lab-gpu1"):
+        settle(move, "gpu1", "inference")
+    kube.update_metadata("gpu1", annotations={"gpufleet.io/incident": None})
+    # Repaired in place and let go: the move is finished, the node wholly in inference.
+    assert settle(move, "gpu1", "inference") == "gpu1 serves inference"
+    node = kube.get_node("gpu1")
+    assert node.labels["gpufleet.io/pool"] == "inference" and not node.unschedulable
+    assert LEASE_ANNOTATION not in node.annotations and "gpu1" not in slurm.partition_nodes("train")
+    # Settled again (a retry), it is left as it is.
+    assert settle(move, "gpu1", "inference") == "gpu1 is wholly in inference already"
+    move.to_training("gpu1", holder="pool-shared", partition="train", eviction_timeout_seconds=5)
+    # A node its incident put back wholly in training is left there, whatever the move wanted.
+    assert settle(move, "gpu1", "inference") == "gpu1 is wholly in training already"
+    assert "gpu1" in slurm.partition_nodes("train")
+    # One the incident retired is out of the pool: nothing left to do.
+    kube.update_metadata("gpu1", labels={"gpufleet.io/pool": "retired"})
+    with pytest.raises(OutOfPool, match="no longer in the shared pool"):
+        settle(move, "gpu1", "training")
+    assert LEASE_ANNOTATION not in kube.get_node("gpu1").annotations
+    kube.update_metadata("gpu1", labels={"gpufleet.io/pool": "training"})
+
+
+def test_a_move_to_training_waits_for_evicted_pods_to_shut_down(
+    mover: tuple[PoolMover, KubernetesApi, SlurmCli],
+) -> None:
+    move, kube, slurm = mover
+    move.to_inference("gpu2", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1)
+    core = kube._api
+    for name in ("slow", "done"):
+        core.create_namespaced_pod(
+            "default",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                # A finalizer keeps the evicted pod there, terminating, as a container slow to stop would.
+                "metadata": {"name": name, "namespace": "default", "finalizers": ["lab.gpufleet.io/stopping"]},
+                "spec": {"nodeName": "gpu2", "containers": [{"name": "c", "image": "vllm"}]},
+                "status": {"phase": "Running" if name == "slow" else "Succeeded"},
+            },
+        )
+    said: list[str] = []
+
+    def stops(text: str) -> None:
+        said.append(text)
+        if "shut down" in text:
+            assert "gpu2" not in slurm.partition_nodes("train")  # training waits for the GPUs
+            core.patch_namespaced_pod("slow", "default", {"metadata": {"finalizers": None}})
+
+    assert move.to_training(
+        "gpu2", holder="pool-shared", partition="train", eviction_timeout_seconds=30, say=stops
+    ) == ("gpu2 serves training; 1 pod(s) moved away")
+    assert any("waiting for 1 pod(s) to shut down" in line for line in said), said
+    assert [p.name for p in kube.pods_on_node("gpu2")] == ["done"]  # a finished pod holds nothing
+    # Past the deadline with a pod still stopping, the move fails (and is retried) rather than
+    # put training on GPUs in use.
+    move.to_inference("gpu2", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1)
+    core.create_namespaced_pod(
+        "default",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "stuck", "namespace": "default", "finalizers": ["lab.gpufleet.io/stopping"]},
+            "spec": {"nodeName": "gpu2", "containers": [{"name": "c", "image": "vllm"}]},
+            "status": {"phase": "Running"},
+        },
+    )
+    with pytest.raises(ClientError, match="still shutting down"):
+        move.to_training("gpu2", holder="pool-shared", partition="train", eviction_timeout_seconds=1)
+    assert "gpu2" not in slurm.partition_nodes("train")
+    core.patch_namespaced_pod("stuck", "default", {"metadata": {"finalizers": None}})
+    assert move.to_training("gpu2", holder="pool-shared", partition="train", eviction_timeout_seconds=5).startswith(
+        "gpu2 serves training"
     )

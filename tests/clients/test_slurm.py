@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,9 @@ import pytest
 
 from clients.errors import ClientError, InvalidInput, NotFound, NotOwned, Unavailable
 from clients.slurm import (
+    Pending,
     SlurmCli,
+    gpus_in,
     job_from_json,
     parse_node_record,
     parse_squeue_format,
@@ -272,7 +275,10 @@ def _sample(name: str) -> dict[str, Any]:
 
 
 def test_parse_squeue_json_of_slurm_22_05() -> None:
-    jobs = {job.job_id: job for job in parse_squeue_json(_sample("squeue_22.05.json"))}
+    parsed = {job.job_id: job for job in parse_squeue_json(_sample("squeue_22.05.json"))}
+    assert parsed[2].start_time == datetime.fromtimestamp(1796235842, tz=UTC)
+    # A pending job's start_time is when Slurm expects it to start: kept as it says.
+    jobs = {job_id: job.model_copy(update={"start_time": None}) for job_id, job in parsed.items()}
     assert jobs == {
         1: JobInfo(job_id=1, name="prep", user="root", state="COMPLETED", nodes="gpu3", stdout="/srv/runs/prep-%j.out"),
         2: JobInfo(
@@ -319,7 +325,9 @@ def test_parse_squeue_json_of_slurm_23_11() -> None:
         nodes="gpu[1-2]",
         requeue=True,
         stdout="/home/alice/runs/ddp-%j.out",
+        start_time=datetime.fromtimestamp(1733141400, tz=UTC),
     )
+    assert jobs[1002].start_time is None  # requeued: not started again
 
 
 @pytest.mark.parametrize(
@@ -368,8 +376,19 @@ def test_a_json_job_without_an_id_is_an_error() -> None:
 def test_parse_squeue_format_splits_on_the_call_token_only() -> None:
     sep, end = "\x1fabc123\x1f", "\x1eabc123\x1e"
     rows = [
-        ["12", "a|b\x1fc\nd", "alice", "RUNNING", "2", "gpu[1-2]", "1", "/out|x/%j.out"],
-        ["13", "plain", "bob", "PENDING", "0", "", "0", "/dev/null"],
+        [
+            "12",
+            "a|b\x1fc\nd",
+            "alice",
+            "RUNNING",
+            "2",
+            "gpu[1-2]",
+            "1",
+            "2026-12-03T10:00:00",
+            "(null)",
+            "/out|x/%j.out",
+        ],
+        ["13", "plain", "bob", "PENDING", "0", "", "0", "N/A", "gpufleet:checkpoint:1764756000 ok", "/dev/null"],
     ]
     out = "".join(sep.join(row) + end + "\n" for row in rows)
     assert parse_squeue_format(out, separator=sep, terminator=end) == [
@@ -382,6 +401,7 @@ def test_parse_squeue_format_splits_on_the_call_token_only() -> None:
             nodes="gpu[1-2]",
             requeue=True,
             stdout="/out|x/%j.out",
+            start_time=datetime.fromisoformat("2026-12-03T10:00:00").astimezone(UTC),
         ),
         JobInfo(
             job_id=13,
@@ -392,8 +412,12 @@ def test_parse_squeue_format_splits_on_the_call_token_only() -> None:
             nodes="",
             requeue=False,
             stdout="/dev/null",
+            comment="gpufleet:checkpoint:1764756000 ok",
         ),
     ]
+    assert parse_squeue_format(out, separator=sep, terminator=end)[1].checkpointed_at == datetime(
+        2025, 12, 3, 10, 0, tzinfo=UTC
+    )
     assert parse_squeue_format("", separator=sep, terminator=end) == []
     with pytest.raises(ClientError):
         parse_squeue_format(sep.join(rows[0][:5]) + end + "\n", separator=sep, terminator=end)
@@ -425,13 +449,35 @@ def test_marks_are_kept_on_the_job_beside_what_the_site_wrote(
     assert slurm.mark_job(job_id, "gpufleet:requeued:lab-gpu2-20261202T000000Z:0") is False  # finished: refused
 
 
+def test_gpus_are_read_from_the_gres_squeue_prints() -> None:
+    assert [gpus_in(g) for g in ("gres:gpu:2", "gres/gpu:a100:4", "gpu:8,gres/shard:2", "N/A", "")] == [2, 4, 8, 0, 0]
+
+
 @slurm_daemons
-def test_pending_nodes_counts_what_waiting_jobs_ask_for(slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path) -> None:
-    assert slurm.pending_nodes("train") == 0
+def test_pending_counts_what_waiting_jobs_ask_for(slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path) -> None:
+    assert slurm.pending("train") == Pending()
     whole = submit(slurm_lab, tmp_path, "sleep 300\n", "-p", "train", "-N", "3", "--exclusive")
     wait_for(lambda: slurm.job(whole).state == "RUNNING", timeout=30, what="the first job to hold every node")
     submit(slurm_lab, tmp_path, "sleep 1\n", "-p", "train", "-N", "2", "--exclusive")  # waits for nodes
     submit(slurm_lab, tmp_path, "sleep 1\n", "-p", "train", "-N", "1", "--hold")  # held: asks for nothing yet
-    wait_for(lambda: slurm.pending_nodes("train") == 2, timeout=30, what="the waiting job to be counted")
+    # The lab's nodes have no GPUs for Slurm (no gres.conf): the jobs ask for none.
+    wait_for(lambda: slurm.pending("train") == Pending(jobs=1, nodes=2), timeout=30, what="the waiting job counted")
     with pytest.raises(InvalidInput):
-        slurm.pending_nodes("train;rm")  # checked before any command runs
+        slurm.pending("train;rm")  # checked before any command runs
+
+
+@slurm_daemons
+def test_a_job_says_when_it_checkpointed_in_its_comment(slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path) -> None:
+    job_id = submit(slurm_lab, tmp_path, "sleep 300\n", "-p", "train", "-w", "gpu2")
+    wait_for(lambda: slurm.job(job_id).state == "RUNNING", timeout=30, what="the job to run")
+    [job] = [j for j in slurm.partition_jobs("train") if j.job_id == job_id]
+    assert job.start_time is not None and job.checkpointed_at is None
+    # What a training script runs after each save (its owner may update its own job's Comment).
+    subprocess.run(
+        ["scontrol", "update", f"JobId={job_id}", "Comment=gpufleet:checkpoint:1764756000"],
+        env=slurm_lab.env,
+        check=True,
+    )
+    [job] = [j for j in slurm.partition_jobs("train") if j.job_id == job_id]
+    assert job.checkpointed_at == datetime(2025, 12, 3, 10, 0, tzinfo=UTC)
+    assert slurm.hostnames(job.nodes) == ["gpu2"]

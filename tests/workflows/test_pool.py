@@ -26,6 +26,7 @@ from models.poolops import (
     PoolState,
     PoolStatus,
     PoolView,
+    Stopped,
 )
 from models.rebalance import Demand, PoolLimits
 from workflows.pool import PoolRebalanceWorkflow
@@ -44,6 +45,11 @@ class Pool:
     taken: dict[str, str] = field(default_factory=dict)  # node: the incident that took it over
     # node: the incident that takes it over when its move breaks halfway (an Xid mid-move)
     taken_when_broken: dict[str, str] = field(default_factory=dict)
+    # node: the incident that takes it over once its move has changed it (the move stops there)
+    taken_mid_move: dict[str, str] = field(default_factory=dict)
+    kept: set[str] = field(default_factory=set)  # nodes whose budget refuses their move to training
+    retired: set[str] = field(default_factory=set)  # nodes an incident retired (out of the pool)
+    settles: list[str] = field(default_factory=list)
     looks: int = 0
     task_queue: str = field(default_factory=lambda: f"pool-{uuid.uuid4().hex[:8]}")
 
@@ -65,9 +71,24 @@ class Pool:
 
         @activity.defn(name="pool_move_node")
         async def move(request: MoveRequest) -> MoveResult:
+            if request.settle:
+                return settle(request)
             self.moves.append((request.node, request.to))
             if request.node in self.taken:
-                return MoveResult(moved=False, detail=f"{request.node} was taken over by {self.taken[request.node]}")
+                return MoveResult(
+                    moved=False, detail=f"{request.node} is held by {self.taken[request.node]}", stopped=Stopped.HELD
+                )
+            if request.node in self.kept and request.to == "training":
+                return MoveResult(moved=False, detail=f"{request.node} stays in inference", stopped=Stopped.BUDGET)
+            if request.node in self.taken_mid_move:
+                # Out of the partition, not yet labelled: the incident holds it from here.
+                self.taken[request.node] = self.taken_mid_move.pop(request.node)
+                self.training.remove(request.node)
+                return MoveResult(
+                    moved=False,
+                    detail=f"{request.node} was taken over by {self.taken[request.node]}",
+                    stopped=Stopped.HANDED_OVER,
+                )
             if self.fail.get((request.node, request.to), 0) > 0:
                 self.fail[(request.node, request.to)] -= 1
                 if request.node in self.taken_when_broken:
@@ -85,6 +106,20 @@ class Pool:
             )
             source.remove(request.node)
             target.append(request.node)
+            return MoveResult(moved=True, detail=f"{request.node} serves {request.to}")
+
+        def settle(request: MoveRequest) -> MoveResult:
+            self.settles.append(request.node)
+            if request.node in self.retired:
+                return MoveResult(moved=False, detail=f"{request.node} is retired", stopped=Stopped.OUT_OF_POOL)
+            if request.node in self.taken:
+                return MoveResult(
+                    moved=False, detail=f"{request.node} is held by {self.taken[request.node]}", stopped=Stopped.HELD
+                )
+            for name, side in (("training", self.training), ("inference", self.inference)):
+                if request.node in side:
+                    return MoveResult(moved=True, detail=f"{request.node} is wholly in {name} already")
+            (self.inference if request.to == "inference" else self.training).append(request.node)
             return MoveResult(moved=True, detail=f"{request.node} serves {request.to}")
 
         return [observe, move]
@@ -232,18 +267,68 @@ async def test_a_move_that_cannot_be_finished_is_rolled_back_and_one_that_cannot
     assert all(node == "gpu1" for node, _ in stuck.moves)  # no other node moved meanwhile
 
 
-async def test_a_node_an_incident_took_over_halfway_is_left_to_it(env: WorkflowEnvironment) -> None:
+async def test_a_node_an_incident_took_over_halfway_is_settled_once_it_lets_go(env: WorkflowEnvironment) -> None:
     # Its GPU fails mid-move: the move breaks halfway and the incident holds the node.
     pool = Pool(demand=2.0, fail={("gpu1", "inference"): 1}, taken_when_broken={"gpu1": "remediate-lab-gpu1"})
     async with worker(env, pool):
         handle = await start(env, pool)
         status = await intervals(env, handle, 3)
+        assert pool.moves[:2] == [("gpu1", "inference"), ("gpu1", "inference")]  # failed, then found taken
+        outcomes = [m.outcome for m in status.state.moves]
+        assert outcomes[1] == "handed over: gpu1 is held by remediate-lab-gpu1"
+        assert status.state.in_flight is None  # not holding the pool: the next moves go on
+        assert sorted(pool.inference) == ["gpu2", "gpu3"]
+        assert [m.node for m in status.state.handed_over] == ["gpu1"]  # in neither pool: not forgotten
+        del pool.taken["gpu1"]  # the incident repaired it in place and let go
+        status = await intervals(env, handle, 2)
         await handle.terminate("test over")
-    assert pool.moves[:2] == [("gpu1", "inference"), ("gpu1", "inference")]  # failed, then found taken
-    outcomes = [m.outcome for m in status.state.moves]
-    assert outcomes[1] == "left: gpu1 was taken over by remediate-lab-gpu1"
-    assert status.state.in_flight is None  # not held between pools: the incident finishes it
-    assert sorted(pool.inference) == ["gpu2", "gpu3"]  # the next moves went on with other nodes
+    assert "gpu1" in pool.inference and not status.state.handed_over  # the move finished: one pool
+    assert any(m.node == "gpu1" and m.outcome == "settled: gpu1 serves inference" for m in status.state.moves)
+
+
+async def test_a_move_an_incident_stops_midway_waits_for_it_then_settles_or_lets_go(env: WorkflowEnvironment) -> None:
+    pool = Pool(demand=1.0, taken_mid_move={"gpu1": "remediate-lab-gpu1", "gpu2": "remediate-lab-gpu2"})
+    async with worker(env, pool):
+        handle = await start(env, pool)
+        status = await intervals(env, handle, 4)
+        # Both were taken mid-move, and wait; gpu3 went instead, and the pool holds at one.
+        assert {m.node for m in status.state.handed_over} == {"gpu1", "gpu2"}
+        assert pool.inference == ["gpu3"] and "gpu1" not in pool.training
+        waits = [m for m in status.state.moves if m.outcome.startswith("waiting")]
+        assert len([m for m in waits if m.node == "gpu1"]) == 1  # said once, not at every look
+        pool.retired.add("gpu2")  # its incident retired it: out of the pool, nothing to settle
+        pool.taken.clear()
+        status = await intervals(env, handle, 2)
+        await handle.terminate("test over")
+    assert not status.state.handed_over
+    assert "gpu1" in pool.inference  # its move finished
+    outcomes = {m.node: m.outcome for m in status.state.moves}
+    assert outcomes["gpu2"] == "left: gpu2 is retired"
+
+
+async def test_a_budget_that_keeps_a_node_serving_is_left_be_for_a_while(env: WorkflowEnvironment) -> None:
+    pool = Pool(training=["gpu1"], inference=["inf1", "inf2"], demand=0.0, kept={"inf1", "inf2"})
+    async with worker(env, pool):
+        handle = await start(env, pool, cooldown_seconds=0)
+        status = await intervals(env, handle, 3)
+        await handle.terminate("test over")
+    # Each tried once: after a refusal the node is left be (five intervals), not cordoned again at every look.
+    assert sorted(pool.moves) == [("inf1", "training"), ("inf2", "training")]
+    assert sorted(pool.inference) == ["inf1", "inf2"] and set(status.state.kept) == {"inf1", "inf2"}
+    assert all(m.outcome.startswith("kept: ") for m in status.state.moves if m.outcome.startswith("kept"))
+
+
+async def test_an_asked_move_stays_within_the_limits_and_says_so(env: WorkflowEnvironment) -> None:
+    pool = Pool(demand=None)  # nothing measured: only the asked move moves anything
+    async with worker(env, pool):
+        handle = await start(env, pool, max_inference=1)
+        await handle.signal(PoolRebalanceWorkflow.rebalance, 3)
+        await intervals(env, handle, 1)
+        await handle.signal(PoolRebalanceWorkflow.rebalance, -9)
+        await intervals(env, handle, 1)
+        await handle.terminate("test over")
+    # +3 asked, the maximum of one allows +1; then -9 asked, all of one allowed back.
+    assert pool.moves == [("gpu1", "inference"), ("gpu1", "training")]
 
 
 async def test_a_signal_sent_with_the_start_is_kept(env: WorkflowEnvironment) -> None:
