@@ -71,14 +71,12 @@ class PoolActivities:
         prometheus: PrometheusApi | None,
         *,
         grace_seconds: float = 120.0,
-        eviction_timeout_seconds: float = 600.0,
     ) -> None:
         self._kube = kube
         self._slurm = slurm
         self._mover = mover
         self._prometheus = prometheus
         self._grace = grace_seconds
-        self._eviction_timeout = eviction_timeout_seconds
 
     @activity.defn(name="pool_observe")
     @heartbeating
@@ -189,7 +187,7 @@ class PoolActivities:
                         partition=settings.partition,
                         grace_seconds=self._grace,
                         deadline_seconds=settings.drain_deadline_seconds,
-                        eviction_timeout_seconds=self._eviction_timeout,
+                        eviction_timeout_seconds=settings.eviction_deadline_seconds,
                         say=say,
                     )
                 elif request.to == INFERENCE:
@@ -206,7 +204,7 @@ class PoolActivities:
                         request.node,
                         holder=request.workflow_id,
                         partition=settings.partition,
-                        eviction_timeout_seconds=self._eviction_timeout,
+                        eviction_timeout_seconds=settings.eviction_deadline_seconds,
                         say=say,
                     )
             except BudgetKept as exc:

@@ -743,7 +743,8 @@ def merge_seeds(*seeds: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[
 def inference_workloads(replicas: int) -> dict[str, list[dict[str, Any]]]:
     """The shared pool's inference servers: a vLLM Deployment whose ReplicaSet carries a pod
     template (placed by the lab's scheduler on nodes labelled ``gpufleet.io/pool=inference``, one
-    per such node, as an autoscaler would size it) and a PodDisruptionBudget allowing one down."""
+    per such node, as an autoscaler would size it) and a PodDisruptionBudget that keeps the
+    replicas it starts with serving: nodes beyond them may go back to training, those may not."""
     labels = {"app": "vllm"}
     deployment_uid, replicaset_uid = str(uuid.uuid4()), str(uuid.uuid4())
     template = {
@@ -783,7 +784,7 @@ def inference_workloads(replicas: int) -> dict[str, list[dict[str, Any]]]:
                 "apiVersion": "policy/v1",
                 "kind": "PodDisruptionBudget",
                 "metadata": {"name": "vllm", "namespace": "serving"},
-                "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}},
+                "spec": {"minAvailable": replicas, "selector": {"matchLabels": labels}},
             }
         ],
     }

@@ -33,6 +33,9 @@ class PoolSettings(BaseModel):
     # How long a move to inference waits for the node's running jobs before it checkpoints
     # (SIGTERM, the grace) and requeues them.
     drain_deadline_seconds: float = Field(default=600.0, ge=0, le=86400)
+    # How long a move to training waits for its evictions (PodDisruptionBudgets) before it is
+    # undone and the node serves inference on.
+    eviction_deadline_seconds: float = Field(default=600.0, ge=0, le=86400)
 
 
 class Move(BaseModel):

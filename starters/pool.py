@@ -78,6 +78,13 @@ def start(
     drain_deadline: Annotated[
         float, typer.Option(help="Seconds a move to inference waits for running jobs before it requeues them.")
     ] = 600.0,
+    eviction_deadline: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a move to training waits for PodDisruptionBudgets to allow its evictions; "
+            "then it is undone and the node serves inference on."
+        ),
+    ] = 600.0,
 ) -> None:
     """Start rebalancing the cluster's pool: nodes labelled gpufleet.io/pool=training|inference,
     the training ones in the worker's partition (GPUFLEET_PARTITION)."""
@@ -106,6 +113,7 @@ def start(
             per_node=per_node or default_per_node,
             interval_seconds=interval,
             drain_deadline_seconds=drain_deadline,
+            eviction_deadline_seconds=eviction_deadline,
         )
     except ValueError as exc:
         fail(str(exc), code=2)
@@ -143,6 +151,10 @@ def status_json(status: PoolStatus) -> dict[str, Any]:
         "paused": state.paused,
         "override": state.override,
         "last_moves": [m.model_dump(mode="json") for m in state.moves],
+        # Moves an incident took over halfway: settled once it lets go of the node.
+        "handed_over": [m.node for m in state.handed_over],
+        # Nodes a PodDisruptionBudget kept serving inference, left be until then.
+        "kept_until": {node: until.isoformat() for node, until in state.kept.items()},
         "observed_at": status.observed_at.isoformat() if status.observed_at else None,
     }
 
@@ -166,6 +178,10 @@ def status(name: NameOption = None, as_json: Annotated[bool, typer.Option("--jso
     console.print(f"  inference: {', '.join(found['inference']) or '-'}", highlight=False)
     for node, why in found["busy"].items():
         console.print(f"  not movable: {node} ({why})", highlight=False)
+    for node in found["handed_over"]:
+        console.print(f"  handed over: {node} (an incident took it mid-move; settled once it lets go)", highlight=False)
+    for node, until in found["kept_until"].items():
+        console.print(f"  kept serving by its budget: {node} (tried again after {until})", highlight=False)
     console.print(f"  decision:  {found['decision']}", highlight=False)
     for move in found["last_moves"][-5:]:
         console.print(f"  {move['at']} {move['node']} -> {move['to']}: {move['outcome']}", highlight=False)

@@ -120,8 +120,6 @@ def build_activities(settings: Settings) -> list[Any]:
         mover,
         prometheus,
         grace_seconds=config().settings.grace_seconds,
-        # One deadline for all of a move's evictions, well inside the move's own limit.
-        eviction_timeout_seconds=600.0,
     )
     return [
         pool_acts.observe,

@@ -2,9 +2,9 @@
 metrics, scraped by a real Prometheus) and training nodes leave the Slurm partition one by one,
 labelled inference and schedulable, the vLLM pods landing on them; the checkpointing training job
 on them is requeued. The load falls and they come back to Slurm, where the job runs on from its
-checkpoint. Throughout, the nodes inference keeps go on serving. (A budget refusing a move's
-eviction is tested in tests/clients/test_poolmoves.py: the lab sizes its vLLM set to the nodes
-that serve, so its budget always allows one down.)"""
+checkpoint; the last nodes to come are the first to go. The nodes inference started with stay:
+the vLLM PodDisruptionBudget keeps that many replicas serving, and a move that would break it is
+undone, the node serving on. Throughout, inference never served on fewer."""
 
 from __future__ import annotations
 
@@ -99,8 +99,8 @@ def test_demand_moves_nodes_to_inference_and_back_and_the_job_runs_on(lab: Fleet
     slurm = SlurmCli(slurm_conf=lab.slurm.conf)
     job = training_job(lab, slurm, job_kind="counter", say=lambda _: None)  # on two training nodes
     started = gpufleet_cli(
-        "pool", "start", "--preset", "vllm", "--interval", "2", "--cooldown", "0", "--min-inference", "2",
-        "--drain-deadline", "2", env=lab.env(), timeout=60,
+        "pool", "start", "--preset", "vllm", "--interval", "2", "--cooldown", "0", "--min-inference", "0",
+        "--drain-deadline", "2", "--eviction-deadline", "2", env=lab.env(), timeout=60,
     )  # fmt: skip
     assert started.returncode == 0, started.stdout + started.stderr
     api = json.loads((lab.home / "lab.json").read_text())["services"]["kubeapi"]["url"]
@@ -121,15 +121,32 @@ def test_demand_moves_nodes_to_inference_and_back_and_the_job_runs_on(lab: Fleet
         requeued = slurm.job(job.job_id)
         # Checkpointed and requeued, not lost; one training node left cannot hold its two.
         assert requeued.restarts >= 1 and requeued.state == "PENDING"
-        # The load falls: nodes go back to training (two stay, the minimum), the job runs on.
+        # The load falls: nodes go back to training, the last to come first; the job runs on.
         assert gpufleet_cli("lab", "demand", "0", env=lab.env()).returncode == 0
         wait_for(lambda: len(pool_view(lab)["training"]) == 4, timeout=240, what="four nodes back in training")
         wait_for(lambda: slurm.job(job.job_id).state == "RUNNING", timeout=120, what="the job to run again")
         log = log_path(slurm.job(job.job_id))
         wait_for(lambda: "resumed from step" in log.read_text(), timeout=120, what="the job to resume")
-    # The two nodes inference keeps served throughout: a move evicts only the pod of its node.
+        # The pool would give inference's own two back too (no minimum), but their budget keeps
+        # two replicas: each move is undone, the node serving on, and left be for a while.
+        wait_for(
+            lambda: (
+                {m["node"] for m in pool_view(lab)["last_moves"] if m["outcome"].startswith("kept:")} == set(INFERENCE)
+            ),
+            timeout=120,
+            what="the budget to keep both inference nodes serving",
+        )
     assert watch.looks > 10 and watch.fewest is not None and watch.fewest >= 2, watch.fewest
     view = pool_view(lab)
+    assert sorted(view["inference"]) == INFERENCE and set(view["kept_until"]) == set(INFERENCE)
+    for node in INFERENCE:
+        kept = kube.get_node(node)
+        assert kept.labels["gpufleet.io/pool"] == "inference" and not kept.unschedulable
+        assert not any(t["key"] == "gpufleet.io/pool" for t in kept.taints) and serving(kube, node)
+    moved = [m for m in view["last_moves"] if m["outcome"] == "moved"]
+    there = [m["node"] for m in moved if m["to"] == "inference"]
+    back = [m["node"] for m in moved if m["to"] == "training"]
+    assert back == there[::-1], view["last_moves"]  # last in, first out
     assert not [m for m in view["last_moves"] if m["outcome"].startswith("failed")], view["last_moves"]
     for node in view["training"]:
         assert node in slurm.partition_nodes("train") and not serving(kube, node)
