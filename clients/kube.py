@@ -62,6 +62,18 @@ class PodRef(BaseModel):
     owner_kind: str = ""
     phase: str = ""  # Pending, Running, Succeeded, Failed
     terminating: bool = False  # deleted (or evicted), and not gone yet
+    tolerations: list[dict[str, str]] = Field(default_factory=list)  # key, operator, value, effect
+
+    def tolerates(self, *, key: str, value: str, effect: str) -> bool:
+        """Whether the pod may stay on (or be placed on) a node with this taint, as the scheduler judges."""
+        for toleration in self.tolerations:
+            if toleration.get("effect") not in (None, "", effect):
+                continue
+            if toleration.get("operator") == "Exists" and toleration.get("key") in (None, "", key):
+                return True
+            if toleration.get("key") == key and toleration.get("value", "") == value:
+                return True
+        return False
 
     @property
     def holds_node(self) -> bool:
@@ -286,6 +298,15 @@ class KubernetesApi:
                     owner_kind=owners[0].kind if owners else "",
                     phase=(item.status.phase if item.status else "") or "",
                     terminating=item.metadata.deletion_timestamp is not None,
+                    tolerations=[
+                        {
+                            "key": t.key or "",
+                            "operator": t.operator or "Equal",
+                            "value": t.value or "",
+                            "effect": t.effect or "",
+                        }
+                        for t in ((item.spec.tolerations if item.spec else None) or [])
+                    ],
                 )
             )
         return pods

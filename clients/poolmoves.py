@@ -8,7 +8,8 @@ Every step looks before it acts, so a move run again after a crash goes on from 
   edits it); ``gpufleet.io/pool=inference``, the training taint off, uncordoned.
 - **inference -> training**: cordoned, the training taint on; its pods evicted through the
   eviction API (a PodDisruptionBudget makes the move wait, never break it: past one deadline
-  for all of the node's pods the move is undone and the node serves on; DaemonSet pods stay);
+  for all of the node's pods the move is undone and the node serves on; DaemonSet pods stay, and
+  so do pods that tolerate the training taint: training's own);
   ``gpufleet.io/pool=training``; into the partition; resumed in Slurm; uncordoned (the taint keeps
   inference pods away).
 
@@ -257,8 +258,15 @@ class PoolMover:
 
     def _inference_pods(self, node: str) -> list[PodRef]:
         """The pods that keep the node from training: every one still running there but the
-        DaemonSets' (which run on every node, training ones too)."""
-        return [p for p in self._kube.pods_on_node(node) if p.owner_kind != "DaemonSet" and p.holds_node]
+        DaemonSets' (which run on every node) and those that tolerate the training taint
+        (training's own workloads, which stay)."""
+        return [
+            p
+            for p in self._kube.pods_on_node(node)
+            if p.owner_kind != "DaemonSet"
+            and p.holds_node
+            and not p.tolerates(key=TRAINING_TAINT, value=TRAINING, effect="NoSchedule")
+        ]
 
     def _vacate(self, node: str, *, holder: str, deadline: float, say: Say) -> int:
         """Evict the node's pods through the eviction API and wait until they are gone: a pod

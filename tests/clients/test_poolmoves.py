@@ -274,7 +274,7 @@ def test_a_move_to_training_waits_for_evicted_pods_to_shut_down(
     move, kube, slurm = mover
     move.to_inference("gpu2", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1)
     core = kube._api
-    for name in ("slow", "done"):
+    for name in ("slow", "done", "sync"):
         core.create_namespaced_pod(
             "default",
             {
@@ -282,8 +282,13 @@ def test_a_move_to_training_waits_for_evicted_pods_to_shut_down(
                 "kind": "Pod",
                 # A finalizer keeps the evicted pod there, terminating, as a container slow to stop would.
                 "metadata": {"name": name, "namespace": "default", "finalizers": ["lab.gpufleet.io/stopping"]},
-                "spec": {"nodeName": "gpu2", "containers": [{"name": "c", "image": "vllm"}]},
-                "status": {"phase": "Running" if name == "slow" else "Succeeded"},
+                "spec": {
+                    "nodeName": "gpu2",
+                    "containers": [{"name": "c", "image": "vllm"}],
+                    # Training's own workload tolerates the training taint: it stays.
+                    "tolerations": [{"key": TRAINING_TAINT, "operator": "Exists"}] if name == "sync" else [],
+                },
+                "status": {"phase": "Running" if name != "done" else "Succeeded"},
             },
         )
     said: list[str] = []
@@ -298,7 +303,8 @@ def test_a_move_to_training_waits_for_evicted_pods_to_shut_down(
         "gpu2", holder="pool-shared", partition="train", eviction_timeout_seconds=30, say=stops
     ) == ("gpu2 serves training; 1 pod(s) moved away")
     assert any("waiting for 1 pod(s) to shut down" in line for line in said), said
-    assert [p.name for p in kube.pods_on_node("gpu2")] == ["done"]  # a finished pod holds nothing
+    # A finished pod holds nothing; training's own stays.
+    assert sorted(p.name for p in kube.pods_on_node("gpu2")) == ["done", "sync"]
     # Past the deadline with a pod still stopping, the move fails (and is retried) rather than
     # put training on GPUs in use.
     move.to_inference("gpu2", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1)

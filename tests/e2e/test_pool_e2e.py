@@ -127,15 +127,18 @@ def test_demand_moves_nodes_to_inference_and_back_and_the_job_runs_on(lab: Fleet
         wait_for(lambda: slurm.job(job.job_id).state == "RUNNING", timeout=120, what="the job to run again")
         log = log_path(slurm.job(job.job_id))
         wait_for(lambda: "resumed from step" in log.read_text(), timeout=120, what="the job to resume")
+
         # The pool would give inference's own two back too (no minimum), but their budget keeps
         # two replicas: each move is undone, the node serving on, and left be for a while.
-        wait_for(
-            lambda: (
-                {m["node"] for m in pool_view(lab)["last_moves"] if m["outcome"].startswith("kept:")} == set(INFERENCE)
-            ),
-            timeout=120,
-            what="the budget to keep both inference nodes serving",
-        )
+        def both_kept() -> bool:
+            return {m["node"] for m in pool_view(lab)["last_moves"] if m["outcome"].startswith("kept:")} == set(
+                INFERENCE
+            )
+
+        try:
+            wait_for(both_kept, timeout=120, what="the budget to keep both inference nodes serving")
+        except TimeoutError:
+            raise AssertionError(json.dumps(pool_view(lab), indent=1)) from None
     assert watch.looks > 10 and watch.fewest is not None and watch.fewest >= 2, watch.fewest
     view = pool_view(lab)
     assert sorted(view["inference"]) == INFERENCE and set(view["kept_until"]) == set(INFERENCE)
