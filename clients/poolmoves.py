@@ -30,7 +30,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from clients import nodelease
-from clients.errors import ClientError, InvalidInput, NotFound, NotOwned, TooManyRequests
+from clients.errors import ClientError, Conflict, InvalidInput, NotFound, NotOwned, TooManyRequests
 from clients.kube import KubeClient, KubeNode, PodRef
 from clients.slurm import SlurmClient
 from clients.spares import SparePool
@@ -114,8 +114,25 @@ class PoolMover:
             raise OutOfPool(f"{node} is no longer in the shared pool ({POOL_LABEL}={_pool_of(current) or 'none'})")
         return current
 
-    def _label(self, node: str, pool: str) -> None:
-        self._kube.update_metadata(node, labels={POOL_LABEL: pool}, annotations={POOL_SINCE_ANNOTATION: _now()})
+    def _label(self, node: str, pool: str, holder: str) -> None:
+        """The pool label, the write that makes the node a member of the other side: written
+        only while the lease is still ours (a resourceVersion precondition on the Node we read
+        it from), so an incident taking the node at that instant is never overwritten."""
+        while True:
+            current = self._kube.get_node(node)
+            if current.annotations.get(LEASE_ANNOTATION) != holder:
+                held = current.annotations.get(LEASE_ANNOTATION) or "nobody"
+                raise HandedOver(f"{node} was taken over by {held}: {holder} stops here and leaves it to them")
+            try:
+                self._kube.update_metadata(
+                    node,
+                    labels={POOL_LABEL: pool},
+                    annotations={POOL_SINCE_ANNOTATION: _now()},
+                    resource_version=current.resource_version,
+                )
+                return
+            except Conflict:
+                continue  # the Node changed since we read it: look again
 
     # -- training -> inference --------------------------------------------------------------------
 
@@ -151,7 +168,7 @@ class PoolMover:
         else:
             requeued = []
         self._ours(node, holder)
-        self._label(node, INFERENCE)
+        self._label(node, INFERENCE, holder)
         self._kube.remove_taint(node, key=TRAINING_TAINT)
         self._kube.set_unschedulable(node, False)
         self.give_back(node, holder)
@@ -242,7 +259,7 @@ class PoolMover:
         self._kube.add_taint(node, key=TRAINING_TAINT, value=TRAINING, effect="NoSchedule")
         moved = self._vacate(node, holder=holder, deadline=time.monotonic() + eviction_timeout_seconds, say=say)
         self._ours(node, holder)
-        self._label(node, TRAINING)
+        self._label(node, TRAINING, holder)
         info = self._slurm.node(node)
         if partition not in info.partitions:
             self._spares.add_to_partition(node, partition=partition)

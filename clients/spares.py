@@ -149,6 +149,7 @@ class SparePool:
             and not node.unschedulable
             and CLAIMED_BY_ANNOTATION not in node.annotations
             and INCIDENT_ANNOTATION not in node.annotations
+            and NODE_LEASE_ANNOTATION not in node.annotations  # held by a pool move or a reservation
             and QUARANTINE_LABEL not in node.labels
             and not any(t["key"] in (RETIRED_TAINT, UNHEALTHY_TAINT) for t in node.taints)
         )

@@ -23,6 +23,7 @@ from lab.fleet import FleetLab, LabConfig
 from lab.procs import alive, wait_for
 from lab.prometheus import prometheus_installed
 from tests.conftest import gpufleet_cli
+from tests.replay.record import record_histories
 
 pytestmark = [
     pytest.mark.e2e,
@@ -42,6 +43,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
     fleet = FleetLab(tmp_path_factory.mktemp("pool"), config)
     fleet.up()
     yield fleet
+    record_histories(fleet.env()["TEMPORAL_ADDRESS"])  # with GPUFLEET_RECORD_HISTORIES set: tests/replay
     pids = fleet.down()
     assert not [pid for pid in pids if alive(pid)]
 

@@ -5,7 +5,8 @@ A change that would break incidents in flight (a step added, removed or reordere
 Record new ones with ``GPUFLEET_RECORD_HISTORIES=DIR`` (see record.py) and keep them here named after
 what they show (resolved, awaiting-repair, no-spare-then-returned, unknown-node, and, since the fleet
 guard, guarded-resolved, guarded-no-spare-then-returned, rebooted-in-place, dry-run, the guard's own
-history so far and a node return); the ``operator-drained`` and ``worker-killed`` ones come from a
+history so far and a node return, and the shared pool's, moving nodes both ways with a budget
+refusing); the ``operator-drained`` and ``worker-killed`` ones come from a
 `make chaos` run's Temporal database.
 """
 
@@ -21,6 +22,7 @@ from temporalio.worker import Replayer
 
 from workflows.guard import FleetGuardWorkflow
 from workflows.nodes import ReturnNodeWorkflow
+from workflows.pool import PoolRebalanceWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
 HISTORIES = sorted(Path(__file__).parent.glob("*.json"))
@@ -36,7 +38,7 @@ async def test_recorded_history_replays(path: Path) -> None:
     # The workflow's code never reads its own ID: the file's name stands in for it.
     history = WorkflowHistory.from_json(path.stem.rsplit("-", 1)[0], json.loads(path.read_text()))
     replayer = Replayer(
-        workflows=[NodeRemediationWorkflow, FleetGuardWorkflow, ReturnNodeWorkflow],
+        workflows=[NodeRemediationWorkflow, FleetGuardWorkflow, ReturnNodeWorkflow, PoolRebalanceWorkflow],
         data_converter=pydantic_data_converter,
     )
     result = await replayer.replay_workflow(history, raise_on_replay_failure=True)
