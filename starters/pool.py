@@ -127,6 +127,7 @@ def start(
                 id=pool_workflow_id(pool),
                 task_queue=task_queue(settings.cluster),
                 id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+                static_summary=f"shared GPU pool {pool}: training (partition {settings.partition}) and inference",
             )
         except RPCError as exc:
             if exc.status == RPCStatusCode.ALREADY_EXISTS:

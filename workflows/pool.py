@@ -60,10 +60,22 @@ class PoolRebalanceWorkflow:
             # Cleared before the look, so a signal during a long move wakes the next one at once.
             self._woken = False
             await self._iteration()
+            self._describe()
             with contextlib.suppress(TimeoutError):
                 await workflow.wait_condition(lambda: self._woken, timeout=every)
         await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(self._status.state)
+
+    def _describe(self) -> None:
+        """What the Temporal UI shows for the pool: the split, the decision, the last move."""
+        status = self._status
+        view, state = status.view, status.state
+        split = f"training {len(view.training)}, inference {len(view.inference)}" if view else "not looked yet"
+        last = state.moves[-1] if state.moves else None
+        moved = f"; last move #{last.seq}: {last.node} to {last.to}, {last.outcome}" if last else ""
+        waiting = f"; handed over: {', '.join(m.node for m in state.handed_over)}" if state.handed_over else ""
+        why = status.decision.why if status.decision else "-"
+        workflow.set_current_details(f"{split}; {why}{moved}{waiting}")
 
     @workflow.query
     def status(self) -> PoolStatus:

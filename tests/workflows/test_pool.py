@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import activity
+from temporalio.api.sdk.v1 import WorkflowMetadata
 from temporalio.client import WorkflowHandle
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
@@ -170,7 +171,11 @@ async def test_demand_up_moves_nodes_to_inference_one_at_a_time_and_down_brings_
         assert status.decision is not None and status.decision.move == 0  # settled at 2
         pool.demand = 0.0
         status = await intervals(env, handle, 3)
+        # What the Temporal UI shows for the pool.
+        metadata = await handle.query("__temporal_workflow_metadata", result_type=WorkflowMetadata)
         await handle.terminate("test over")
+    assert metadata.current_details.startswith("training 4, inference 0; steady"), metadata.current_details
+    assert "last move #4: gpu1 to training, moved" in metadata.current_details
     assert pool.moves[2:] == [("gpu2", "training"), ("gpu1", "training")]  # the last to come leaves first
     assert sorted(pool.training) == ["gpu1", "gpu2", "gpu3", "gpu4"] and not pool.inference
     assert [m.outcome for m in status.state.moves] == ["moved"] * 4
