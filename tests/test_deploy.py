@@ -7,7 +7,6 @@ from typing import Any
 
 import yaml
 
-from models.constants import SEARCH_ATTRIBUTES
 from models.policy import policy_from_mapping
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,13 +47,6 @@ def test_worker_may_run_repair_jobs_in_its_namespace_only() -> None:
     assert rules["jobs"] == {"get", "create", "patch"}  # never delete: a Job is its attempt's record
     cluster_role = next(d for d in documents("deploy/worker-deployment.yaml") if d["kind"] == "ClusterRole")
     assert all("jobs" not in rule["resources"] for rule in cluster_role["rules"])
-
-
-def test_compose_registers_every_search_attribute() -> None:
-    compose = documents("docker-compose.temporal.yml")[0]
-    command = " ".join(compose["services"]["register-search-attributes"]["command"])
-    for key in SEARCH_ATTRIBUTES:
-        assert f"--name {key.name} --type" in command
 
 
 def test_the_detector_and_the_worker_mount_one_policy() -> None:
