@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -142,9 +144,12 @@ class PoolActivities:
             except ApplicationError as exc:
                 activity.logger.warning("running jobs unknown, nodes ordered by name: %s", exc)
 
+        now = time.time()
+
         def at_risk_since(job: JobInfo) -> float:
             saved = job.checkpointed_at or job.start_time
-            return saved.timestamp() if saved else 0.0  # unknown: as if nothing were saved
+            # Unknown: as if nothing were saved; a time to come (a clock off, a made-up Comment): now.
+            return min(saved.timestamp(), now) if saved else 0.0
 
         def loss(name: str) -> tuple[bool, int, float, str]:
             idle = slurm_nodes[name].state.startswith("idle")
@@ -188,6 +193,7 @@ class PoolActivities:
                         grace_seconds=self._grace,
                         deadline_seconds=settings.drain_deadline_seconds,
                         eviction_timeout_seconds=settings.eviction_deadline_seconds,
+                        move=request.move_id,
                         say=say,
                     )
                 elif request.to == INFERENCE:
@@ -197,6 +203,7 @@ class PoolActivities:
                         partition=settings.partition,
                         grace_seconds=self._grace,
                         deadline_seconds=settings.drain_deadline_seconds,
+                        move=request.move_id,
                         say=say,
                     )
                 else:
@@ -214,5 +221,9 @@ class PoolActivities:
             except OutOfPool as exc:
                 return MoveResult(moved=False, detail=str(exc), stopped=Stopped.OUT_OF_POOL)
             except NotOwned as exc:
+                if activity.info().attempt > 1 and not request.settle:
+                    # An earlier attempt may have changed the node before the worker died: the
+                    # pool must settle it once its holder lets go, not take it as untouched.
+                    return MoveResult(moved=False, detail=str(exc), stopped=Stopped.HANDED_OVER)
                 return MoveResult(moved=False, detail=str(exc), stopped=Stopped.HELD)
         return MoveResult(moved=True, detail=detail)

@@ -64,10 +64,14 @@ class PodRef(BaseModel):
     terminating: bool = False  # deleted (or evicted), and not gone yet
     tolerations: list[dict[str, str]] = Field(default_factory=list)  # key, operator, value, effect
 
-    def tolerates(self, *, key: str, value: str, effect: str) -> bool:
-        """Whether the pod may stay on (or be placed on) a node with this taint, as the scheduler judges."""
+    def tolerates(self, *, key: str, value: str, effect: str, by_name: bool = False) -> bool:
+        """Whether the pod may stay on (or be placed on) a node with this taint, as the scheduler
+        judges. ``by_name``: only a toleration that names the taint's key counts, not one that
+        tolerates every taint (what system agents carry)."""
         for toleration in self.tolerations:
             if toleration.get("effect") not in (None, "", effect):
+                continue
+            if by_name and toleration.get("key") != key:
                 continue
             if toleration.get("operator") == "Exists" and toleration.get("key") in (None, "", key):
                 return True

@@ -106,9 +106,13 @@ class PoolMover:
             raise HandedOver(str(exc)) from None
 
     def _take_pool_node(self, node: str, holder: str) -> KubeNode:
-        """Take the lease of a node of the shared pool; OutOfPool (let go again) when it is not one."""
-        self.take(node, holder)
-        current = self._kube.get_node(node)
+        """Take the lease of a node of the shared pool; OutOfPool (let go again) when it is not
+        one, or Kubernetes no longer has it."""
+        try:
+            self.take(node, holder)
+            current = self._kube.get_node(node)
+        except NotFound:
+            raise OutOfPool(f"{node} is no longer a Kubernetes node: it has left the shared pool") from None
         if _pool_of(current) not in (TRAINING, INFERENCE):
             self.give_back(node, holder)
             raise OutOfPool(f"{node} is no longer in the shared pool ({POOL_LABEL}={_pool_of(current) or 'none'})")
@@ -144,8 +148,10 @@ class PoolMover:
         partition: str,
         grace_seconds: float,
         deadline_seconds: float,
+        move: str = "",
         say: Say = lambda _: None,
     ) -> str:
+        """``move``: this move's ID (the same on every retry), in the marks its jobs carry."""
         self._take_pool_node(node, holder)
         info = self._slurm.node(node)
         if info.drained and info.reason and info.reason != TO_INFERENCE_REASON:
@@ -159,7 +165,12 @@ class PoolMover:
                 self._slurm.drain(node, reason=TO_INFERENCE_REASON)
                 say(f"{node} drained in Slurm")
             requeued = self._empty(
-                node, holder=holder, grace_seconds=grace_seconds, deadline_seconds=deadline_seconds, say=say
+                node,
+                move=move or f"{holder}:{node}",
+                holder=holder,
+                grace_seconds=grace_seconds,
+                deadline_seconds=deadline_seconds,
+                say=say,
             )
             self._left(node, holder=holder, seconds=max(grace_seconds, 60.0), say=say)
             self._ours(node, holder)
@@ -170,6 +181,7 @@ class PoolMover:
         self._ours(node, holder)
         self._label(node, INFERENCE, holder)
         self._kube.remove_taint(node, key=TRAINING_TAINT)
+        self._ours(node, holder)  # an incident that took it now has cordoned it: left so
         self._kube.set_unschedulable(node, False)
         self.give_back(node, holder)
         jobs = f"; requeued {', '.join(map(str, requeued))}" if requeued else ""
@@ -178,31 +190,55 @@ class PoolMover:
     def _running(self, node: str) -> list[int]:
         return [job.job_id for job in self._slurm.jobs_on_node(node) if job.state not in FINISHED]
 
-    def _empty(self, node: str, *, holder: str, grace_seconds: float, deadline_seconds: float, say: Say) -> list[int]:
+    def _empty(
+        self, node: str, *, move: str, holder: str, grace_seconds: float, deadline_seconds: float, say: Say
+    ) -> list[int]:
         """Wait for the node's jobs to end, up to the deadline; then SIGTERM, grace, requeue.
-        An incident taking the node over meanwhile stops this (its own requeue then runs)."""
-        deadline = time.monotonic() + deadline_seconds
-        while (running := self._running(node)) and time.monotonic() < deadline:
+        An incident taking the node over meanwhile stops this (its own requeue then runs).
+
+        Each job is marked ``gpufleet:signalled:<move>`` in Slurm before its SIGTERM and
+        ``gpufleet:requeued:<move>`` once requeued: a retry after the worker died in the grace
+        signals nobody twice and requeues every job the move signalled, those that have
+        checkpointed and exited since included (no longer running, they would be lost)."""
+        signalled_mark, requeued_mark = f"gpufleet:signalled:{move}", f"gpufleet:requeued:{move}"
+        earlier = [
+            job.job_id
+            for job in self._slurm.recent_jobs_on_node(node)
+            if signalled_mark in self._slurm.job_marks(job.job_id)
+        ]
+        if earlier:
+            signalled = earlier
+            say(f"{node}: job(s) {', '.join(map(str, signalled))} signalled before a restart; no second SIGTERM")
+        else:
+            deadline = time.monotonic() + deadline_seconds
+            while (running := self._running(node)) and time.monotonic() < deadline:
+                self._ours(node, holder)
+                say(f"{node}: waiting for job(s) {', '.join(map(str, running))}")
+                time.sleep(self._poll)
+            if not running:
+                return []
             self._ours(node, holder)
-            say(f"{node}: waiting for job(s) {', '.join(map(str, running))}")
-            time.sleep(self._poll)
-        if not running:
-            return []
-        self._ours(node, holder)
-        for job in running:
-            self._slurm.signal_job(job, signal="TERM")
-        say(f"{node}: SIGTERM to {', '.join(map(str, running))}; {grace_seconds:g}s to checkpoint")
+            signalled = []
+            for job in running:
+                if self._slurm.mark_job(job, signalled_mark):  # False: it has just finished
+                    self._slurm.signal_job(job, signal="TERM")
+                    signalled.append(job)
+            say(f"{node}: SIGTERM to {', '.join(map(str, signalled))}; {grace_seconds:g}s to checkpoint")
         ends = time.monotonic() + grace_seconds
-        while (left := [j for j in self._running(node) if j in running]) and time.monotonic() < ends:
+        while (left := [j for j in self._running(node) if j in signalled]) and time.monotonic() < ends:
             time.sleep(self._poll)
         # Once signalled, a job is requeued whatever happens to the node meanwhile: an incident
         # taking it over would no longer see a job that checkpointed and exited.
         requeued = []
-        for job in running:
+        for job in signalled:
+            if requeued_mark in self._slurm.job_marks(job):
+                requeued.append(job)  # by the attempt before a restart
+                continue
             why = self._requeue(job)
             if why:
                 say(f"{node}: job {job} not requeued: {why}")
             else:
+                self._slurm.mark_job(job, requeued_mark)
                 requeued.append(job)
         say(f"{node}: requeued {', '.join(map(str, requeued)) or 'none'} ({len(left)} had not exited)")
         return requeued
@@ -282,7 +318,7 @@ class PoolMover:
             for p in self._kube.pods_on_node(node)
             if p.owner_kind != "DaemonSet"
             and p.holds_node
-            and not p.tolerates(key=TRAINING_TAINT, value=TRAINING, effect="NoSchedule")
+            and not p.tolerates(key=TRAINING_TAINT, value=TRAINING, effect="NoSchedule", by_name=True)
         ]
 
     def _vacate(self, node: str, *, holder: str, deadline: float, say: Say) -> int:
@@ -327,38 +363,59 @@ class PoolMover:
         grace_seconds: float,
         deadline_seconds: float,
         eviction_timeout_seconds: float,
+        move: str = "",
         say: Say = lambda _: None,
     ) -> str:
-        """A node whose move an incident took over halfway, once the incident let go of it: left
-        as it is when it is wholly in one pool (the incident may have put it back), else the
-        move toward ``to`` is finished. OutOfPool when it left the shared pool (retired)."""
-        current = self._take_pool_node(node, holder)
+        """A node whose move an incident took over halfway, once the incident has let go of it:
+        into one pool at the least cost. Still in the pool it was leaving (a move to inference
+        that had not left the partition, a move to training that had not relabelled it), it goes
+        back there; out of one and not yet in the other, the move toward ``to`` is finished.
+        NotOwned while someone holds it or its incident, a quarantine, a cordon or a drain of
+        someone else's is still on it (nothing is written then); OutOfPool once it has left the
+        shared pool (retired, or gone from Kubernetes)."""
+        try:
+            current = self._kube.get_node(node)
+        except NotFound:
+            raise OutOfPool(f"{node} is no longer a Kubernetes node: it has left the shared pool") from None
+        pool = _pool_of(current)
+        if pool not in (TRAINING, INFERENCE):
+            raise OutOfPool(f"{node} is no longer in the shared pool ({POOL_LABEL}={pool or 'none'})")
+        tainted = any(t.get("key") == TRAINING_TAINT for t in current.taints)
+        held = current.annotations.get(LEASE_ANNOTATION)
         waiting = (
-            f"its incident {current.annotations[INCIDENT_ANNOTATION]}"
+            f"{held} to let go of it"
+            if held and held != holder
+            else f"its incident {current.annotations[INCIDENT_ANNOTATION]}"
             if current.annotations.get(INCIDENT_ANNOTATION)
             else "its incident (tainted unhealthy)"
             if any(t.get("key") == UNHEALTHY_TAINT for t in current.taints)
             else f"its quarantine ({current.labels[QUARANTINE_LABEL]}) to be released"
             if current.labels.get(QUARANTINE_LABEL)
+            else "whoever cordoned it"  # a move's cordon comes with the training taint
+            if current.unschedulable and not tainted
             else ""
         )
         if waiting:
-            self.give_back(node, holder)
             raise NotOwned(f"{node} waits for {waiting}")
         info = self._slurm.node(node)
+        if info.drained and info.reason and info.reason != TO_INFERENCE_REASON:
+            raise NotOwned(f"{node} waits for whoever drained it in Slurm ({info.reason!r})")
         in_partition = partition in info.partitions
-        tainted = any(t.get("key") == TRAINING_TAINT for t in current.taints)
-        whole = {
-            TRAINING: _pool_of(current) == TRAINING and in_partition and info.reason != TO_INFERENCE_REASON,
-            INFERENCE: _pool_of(current) == INFERENCE
-            and not in_partition
-            and not tainted
-            and not current.unschedulable,
-        }
-        for pool, is_whole in whole.items():
-            if is_whole:
-                self.give_back(node, holder)
-                return f"{node} is wholly in {pool} already"
+        self._take_pool_node(node, holder)
+        if pool == TRAINING and in_partition:
+            if info.drained:  # with our reason: the move to inference had drained it
+                self._slurm.resume(node)
+            if current.unschedulable:  # with the training taint: a move to training's cordon
+                self._kube.set_unschedulable(node, False)
+            self.give_back(node, holder)
+            return f"{node} is wholly in training"
+        if pool == INFERENCE and not in_partition:
+            if tainted:  # a move to training had begun: its taint and cordon come off
+                self._kube.remove_taint(node, key=TRAINING_TAINT)
+                self._kube.set_unschedulable(node, False)
+            self.give_back(node, holder)
+            return f"{node} is wholly in inference"
+        say(f"{node} is between pools: its move to {to} is finished")
         if to == INFERENCE:
             return self.to_inference(
                 node,
@@ -366,6 +423,7 @@ class PoolMover:
                 partition=partition,
                 grace_seconds=grace_seconds,
                 deadline_seconds=deadline_seconds,
+                move=move,
                 say=say,
             )
         return self.to_training(

@@ -50,8 +50,6 @@ _UNREACHABLE = (
 _NOT_FOUND = ("invalid node name", "invalid job id", "does not exist", "invalid partition name", "not found")
 
 
-# Pending reasons of jobs that would not start on a free node now (held, waiting for another job
-# or a time, over a limit).
 class Pending(BaseModel):
     """What a partition's pending jobs ask for."""
 
@@ -69,6 +67,8 @@ def gpus_in(gres: str) -> int:
     return sum(int(count) for count in _GPU_GRES.findall(gres))
 
 
+# Pending reasons of jobs that would not start on a free node now (held, waiting for another job
+# or a time, over a limit).
 _NOT_WAITING_FOR_NODES = (
     "Dependency",
     "BeginTime",
@@ -90,6 +90,7 @@ class SlurmClient(Protocol):
     def down(self, name: str, *, reason: str) -> None: ...
     def resume(self, name: str) -> None: ...
     def jobs_on_node(self, name: str) -> list[JobInfo]: ...
+    def recent_jobs_on_node(self, name: str) -> list[JobInfo]: ...
     def pending(self, partition: str) -> Pending: ...
     def partition_jobs(self, partition: str) -> list[JobInfo]: ...
     def hostnames(self, hostlist: str) -> list[str]: ...
@@ -230,6 +231,14 @@ class SlurmCli:
         except NotFound:
             raise NotFound(f"Slurm has no node named {name!r}") from None
         return [job for job in jobs if job.state in _ACTIVE_STATES]
+
+    def recent_jobs_on_node(self, name: str) -> list[JobInfo]:
+        """The jobs on the node, finished ones too (those slurmctld still keeps: MinJobAge)."""
+        name = checked_node_name(name)
+        try:
+            return self._squeue("--states=all", f"--nodelist={name}")
+        except NotFound:
+            raise NotFound(f"Slurm has no node named {name!r}") from None
 
     def pending(self, partition: str) -> Pending:
         """What the partition's pending jobs ask for (training's demand): jobs, nodes and GPUs.

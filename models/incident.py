@@ -83,8 +83,13 @@ class JobInfo(BaseModel):
     def checkpointed_at(self) -> datetime | None:
         """When the job last saved a checkpoint, as it said in its Comment
         (``gpufleet:checkpoint:<unix seconds>``, the latest one), else None."""
-        stamps = [int(s) for s in CHECKPOINT_MARK.findall(self.comment)]
-        return datetime.fromtimestamp(max(stamps), tz=UTC) if stamps else None
+        times = []
+        for stamp in CHECKPOINT_MARK.findall(self.comment):
+            try:
+                times.append(datetime.fromtimestamp(int(stamp), tz=UTC))
+            except (ValueError, OverflowError, OSError):
+                continue  # not a time (year 33658, say): as if the job had not said
+        return max(times, default=None)
 
 
 class RequeueOutcome(StrEnum):

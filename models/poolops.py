@@ -63,6 +63,7 @@ class PoolState(BaseModel):
     handed_over: list[Move] = Field(default_factory=list)
     # Nodes whose PodDisruptionBudget kept them serving inference, and until when they are left be.
     kept: dict[str, datetime] = Field(default_factory=dict)
+    refusals: dict[str, int] = Field(default_factory=dict)  # budget refusals in a row, per node
 
 
 class PoolView(BaseModel):
@@ -93,6 +94,8 @@ class MoveRequest(BaseModel):
     # A node an incident took over mid-move, now free: leave it if it is wholly in one pool,
     # else finish the move.
     settle: bool = False
+    # The move's ID, the same on every retry and settle of it: the marks its jobs carry in Slurm.
+    move_id: str = ""
 
 
 class Stopped(StrEnum):
@@ -101,7 +104,8 @@ class Stopped(StrEnum):
     HELD = "held"  # someone else holds or drained the node: nothing was changed
     HANDED_OVER = "handed-over"  # an incident took it over after the move had changed it
     BUDGET = "budget"  # a PodDisruptionBudget kept it serving inference: the move was undone
-    OUT_OF_POOL = "out-of-pool"  # it left the shared pool (retired): nothing left to do
+    OUT_OF_POOL = "out-of-pool"  # it left the shared pool (retired, gone): nothing left to do
+    FAILED = "failed"  # the move failed (after its retries): the node may be between pools
 
 
 class MoveResult(BaseModel):

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from models.poolops import (
@@ -37,6 +37,7 @@ with workflow.unsafe.imports_passed_through():
     from models.rebalance import Decision, Demand, bounds, decide
 
 KEEP_MOVES = 20
+MAX_BACKOFF_SECONDS = 6 * 3600.0  # the longest a budget's refusal leaves a node be
 RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
     maximum_interval=timedelta(seconds=30),
@@ -135,6 +136,8 @@ class PoolRebalanceWorkflow:
                 source=f"override by {state.override_by or '?'}",
             )
         total, inference = len(view.training) + len(view.inference), len(view.inference)
+        now = workflow.now()
+        state.kept = {node: until for node, until in state.kept.items() if until > now}
         if state.in_flight is not None:
             if not await self._settle(state.in_flight):
                 status.decision = Decision(
@@ -151,7 +154,8 @@ class PoolRebalanceWorkflow:
         if state.manual:
             asked, state.manual = state.manual, 0
             low, high = bounds(total, state.settings.limits)
-            wanted = min(max(inference + asked, low), high) - inference
+            # As many as asked, in the direction asked, as far as the limits allow.
+            wanted = max(0, min(asked, high - inference)) if asked > 0 else min(0, max(asked, low - inference))
             limited = "" if wanted == asked else f"; the limits (inference {low}-{high}) allow {wanted:+d}"
             decision = Decision(inference=inference + wanted, move=wanted, why=f"asked: {asked:+d} node(s){limited}")
         elif state.paused:
@@ -171,7 +175,7 @@ class PoolRebalanceWorkflow:
         state = self._status.state
         back = "training" if move.to == "inference" else "inference"
         for to, what in ((move.to, "finished"), (back, "rolled back")):
-            result = await self._one(move.node, to)
+            result = await self._one(move.node, to, move_id=self._move_id(move))
             if result.stopped in (Stopped.HELD, Stopped.HANDED_OVER):
                 self._record(Move(node=move.node, to=to, at=workflow.now(), outcome=f"handed over: {result.detail}"))
                 self._hand_over(move)
@@ -182,27 +186,45 @@ class PoolRebalanceWorkflow:
                 state.in_flight = None
                 return True
             self._record(Move(node=move.node, to=to, at=workflow.now(), outcome=f"{what}: {self._outcome(result)}"))
-            if result.moved or result.stopped is Stopped.BUDGET:  # a budget's undo leaves it serving inference
+            if result.stopped is Stopped.BUDGET:  # undone: the node serves inference on
+                self._keep(move.node)
+            if result.moved or result.stopped is Stopped.BUDGET:
                 state.in_flight = None
                 return True
         return False
+
+    def _move_id(self, move: Move) -> str:
+        """The move's ID, the same on its every retry and settle: the pool, the node, its start."""
+        return f"{workflow.info().workflow_id}:{move.node}:{int(move.at.timestamp())}"
 
     def _hand_over(self, move: Move) -> None:
         state = self._status.state
         if all(m.node != move.node for m in state.handed_over):
             state.handed_over = [*state.handed_over, move]
 
+    def _keep(self, node: str) -> None:
+        """A budget kept the node serving inference: leave it be for a while, twice as long at
+        each refusal in a row (up to six hours), rather than cordon it again at every look."""
+        state = self._status.state
+        refusals = state.refusals.get(node, 0) + 1
+        base = max(state.settings.limits.cooldown_seconds, 5 * state.settings.interval_seconds)
+        backoff = min(base * 2 ** min(refusals - 1, 20), MAX_BACKOFF_SECONDS)
+        state.refusals = {**state.refusals, node: refusals}
+        state.kept = {**state.kept, node: workflow.now() + timedelta(seconds=backoff)}
+
     async def _settle_handed_over(self) -> bool:
-        """Nodes an incident took over mid-move, once it has let go: each is left as it is when
-        wholly in one pool, else its move is finished. True when one changed (or left the pool)."""
+        """Nodes an incident took over mid-move, once it has let go: each goes into one pool at
+        the least cost (clients/poolmoves.py, ``settle``). True when one changed (or left)."""
         state = self._status.state
         changed = False
         for move in list(state.handed_over):
-            result = await self._one(move.node, move.to, settle=True)
+            result = await self._one(move.node, move.to, settle=True, move_id=self._move_id(move))
             if result.moved or result.stopped in (Stopped.OUT_OF_POOL, Stopped.BUDGET):
                 state.handed_over = [m for m in state.handed_over if m.node != move.node]
-                what = "settled" if result.stopped is not Stopped.OUT_OF_POOL else "left"
+                what = "left" if result.stopped is Stopped.OUT_OF_POOL else "settled"
                 self._record(Move(node=move.node, to=move.to, at=workflow.now(), outcome=f"{what}: {result.detail}"))
+                if result.stopped is Stopped.BUDGET:
+                    self._keep(move.node)
                 changed = True
             else:
                 self._say_once(Move(node=move.node, to=move.to, at=workflow.now(), outcome=f"waiting: {result.detail}"))
@@ -222,23 +244,27 @@ class PoolRebalanceWorkflow:
 
     @staticmethod
     def _outcome(result: MoveResult) -> str:
-        """A move's outcome in words: moved | skipped: why | stays in inference: why | failed: why."""
+        """A move's outcome in words: moved | skipped: why | kept: why | handed over: why | failed: why."""
         if result.moved:
             return "moved"
         if result.stopped is Stopped.BUDGET:
             return f"kept: {result.detail}"
         if result.stopped is Stopped.HANDED_OVER:
             return f"handed over: {result.detail}"
-        if result.stopped is None:
+        if result.stopped is Stopped.FAILED:
             return f"failed: {result.detail}"
         return f"skipped: {result.detail}"
 
-    async def _one(self, node: str, to: str, *, settle: bool = False) -> MoveResult:
-        """One move (or one settle) by the activity; a failure comes back as a MoveResult with
-        no ``stopped``, and a node that is gone as OUT_OF_POOL."""
+    async def _one(self, node: str, to: str, *, settle: bool = False, move_id: str = "") -> MoveResult:
+        """One move (or one settle) by the activity; a failure comes back as Stopped.FAILED."""
         state = self._status.state
         request = MoveRequest(
-            settings=state.settings, node=node, to=to, workflow_id=workflow.info().workflow_id, settle=settle
+            settings=state.settings,
+            node=node,
+            to=to,
+            workflow_id=workflow.info().workflow_id,
+            settle=settle,
+            move_id=move_id,
         )
         try:
             result: MoveResult = await workflow.execute_activity(
@@ -251,10 +277,10 @@ class PoolRebalanceWorkflow:
                 summary=f"{'settle' if settle else 'move'} {node} to {to}",
             )
         except ActivityError as exc:
-            cause = exc.cause
-            if isinstance(cause, ApplicationError) and cause.type == "NotFound":
-                return MoveResult(moved=False, detail=f"{node} is gone: {cause}", stopped=Stopped.OUT_OF_POOL)
-            return MoveResult(moved=False, detail=str(cause or exc))
+            return MoveResult(moved=False, detail=str(exc.cause or exc), stopped=Stopped.FAILED)
+        if not result.moved and result.stopped is None:
+            # From a worker older than ``stopped``: it said so only for a node it left untouched.
+            result.stopped = Stopped.HELD
         return result
 
     async def _move(self, view: PoolView, count: int) -> None:
@@ -263,8 +289,6 @@ class PoolRebalanceWorkflow:
         the nodes that may not move now. A move that fails stops the batch and stays in flight
         until settled; one an incident takes over is settled once the incident lets go."""
         state = self._status.state
-        now = workflow.now()
-        state.kept = {node: until for node, until in state.kept.items() if until > now}
         to = "inference" if count > 0 else "training"
         source = view.training if count > 0 else view.inference
         waiting = {m.node for m in state.handed_over}
@@ -278,20 +302,19 @@ class PoolRebalanceWorkflow:
             started = workflow.now()
             # Recorded before it starts: a move that fails halfway is settled before anything else.
             state.in_flight = Move(node=node, to=to, at=started)
-            result = await self._one(node, to)
+            result = await self._one(node, to, move_id=self._move_id(state.in_flight))
             seconds = (workflow.now() - started).total_seconds()
             self._record(Move(node=node, to=to, at=started, outcome=self._outcome(result), seconds=seconds))
-            if not result.moved and result.stopped is None:
+            if result.stopped is Stopped.FAILED:
                 return  # the node may be between pools: the next look settles it first
             state.in_flight = None
             if result.stopped is Stopped.HANDED_OVER:
                 self._hand_over(Move(node=node, to=to, at=started))
             elif result.stopped is Stopped.BUDGET:
-                # Left be for a while: trying again at every look would cordon and uncordon it.
-                backoff = max(state.settings.limits.cooldown_seconds, 5 * state.settings.interval_seconds)
-                state.kept = {**state.kept, node: workflow.now() + timedelta(seconds=backoff)}
+                self._keep(node)
             elif result.moved:
                 state.last_move = workflow.now()
+                state.refusals = {n: c for n, c in state.refusals.items() if n != node}
         for node in source[: abs(count)]:
             if node in busy:
                 self._say_once(Move(node=node, to=to, at=workflow.now(), outcome=f"skipped: {busy[node]}"))

@@ -4,6 +4,7 @@ come, first), and training's demand from the pending jobs."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from activities.pool import PoolActivities
 from clients.poolmoves import PoolMover
 from lab.procs import wait_for
 from lab.slurm import SlurmLab
-from models.poolops import PoolRequest, PoolSettings, PoolView
+from models.poolops import MoveRequest, MoveResult, PoolRequest, PoolSettings, PoolView, Stopped
 from tests.clients.test_spares import Pool, pool  # noqa: F401 - the fixture, reused
 
 pytestmark = pytest.mark.slurm
@@ -72,3 +73,20 @@ def test_the_look_orders_nodes_by_what_a_move_costs_and_counts_training_demand(
     finally:
         for job in jobs:
             subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)
+
+
+def test_a_retry_that_finds_the_node_taken_hands_it_over(pool: Pool) -> None:  # noqa: F811
+    spares, kube, slurm = pool
+    activities = PoolActivities(kube, slurm, PoolMover(kube, slurm, spares), None)
+    settings = PoolSettings(name="shared", cluster="lab", partition="train")
+    kube.update_metadata("gpu1", annotations={"gpufleet.io/lease": "remediate-lab-gpu1"})
+    request = MoveRequest(settings=settings, node="gpu1", to="inference", workflow_id="pool-shared")
+    first = ActivityEnvironment()
+    result: MoveResult = first.run(activities.move, request)
+    assert result.stopped is Stopped.HELD  # a first attempt changed nothing: simply skipped
+    retry = ActivityEnvironment()
+    retry.info = dataclasses.replace(retry.info, attempt=2)
+    result = retry.run(activities.move, request)
+    # An earlier attempt may have changed the node before its worker died: settled later, not forgotten.
+    assert result.stopped is Stopped.HANDED_OVER and "held by remediate-lab-gpu1" in result.detail
+    assert "gpu1" in slurm.partition_nodes("train") and not slurm.node("gpu1").drained

@@ -242,7 +242,7 @@ def test_a_node_handed_over_halfway_is_settled_into_one_pool_once_the_incident_l
         "gpu1" not in slurm.partition_nodes("train") and kube.get_node("gpu1").labels["gpufleet.io/pool"] == "training"
     )
     # While the incident holds it, or keeps its annotation, the settle waits.
-    with pytest.raises(NotOwned, match="held by remediate-lab-gpu1"):
+    with pytest.raises(NotOwned, match="waits for remediate-lab-gpu1 to let go"):
         settle(move, "gpu1", "inference")
     nodelease.give_back(kube, "gpu1", "remediate-lab-gpu1")
     kube.update_metadata("gpu1", annotations={"gpufleet.io/incident": "remediate-lab-gpu1"})
@@ -255,10 +255,10 @@ def test_a_node_handed_over_halfway_is_settled_into_one_pool_once_the_incident_l
     assert node.labels["gpufleet.io/pool"] == "inference" and not node.unschedulable
     assert LEASE_ANNOTATION not in node.annotations and "gpu1" not in slurm.partition_nodes("train")
     # Settled again (a retry), it is left as it is.
-    assert settle(move, "gpu1", "inference") == "gpu1 is wholly in inference already"
+    assert settle(move, "gpu1", "inference") == "gpu1 is wholly in inference"
     move.to_training("gpu1", holder="pool-shared", partition="train", eviction_timeout_seconds=5)
     # A node its incident put back wholly in training is left there, whatever the move wanted.
-    assert settle(move, "gpu1", "inference") == "gpu1 is wholly in training already"
+    assert settle(move, "gpu1", "inference") == "gpu1 is wholly in training"
     assert "gpu1" in slurm.partition_nodes("train")
     # One the incident retired is out of the pool: nothing left to do.
     kube.update_metadata("gpu1", labels={"gpufleet.io/pool": "retired"})
@@ -325,3 +325,84 @@ def test_a_move_to_training_waits_for_evicted_pods_to_shut_down(
     assert move.to_training("gpu2", holder="pool-shared", partition="train", eviction_timeout_seconds=5).startswith(
         "gpu2 serves training"
     )
+
+
+def test_a_node_taken_while_its_jobs_drained_goes_back_to_training_and_a_cordon_not_ours_waits(
+    mover: tuple[PoolMover, KubernetesApi, SlurmCli], slurm_lab: SlurmLab, tmp_path: Path
+) -> None:
+    move, kube, slurm = mover
+    script = tmp_path / "long.sh"
+    script.write_text("#!/bin/sh\nsleep 300\n")
+    job = slurm_lab.sbatch(script, "-p", "train", "-w", "gpu3", "--requeue", "-o", "/dev/null")
+    try:
+        slurm_wait_running(slurm, job)
+
+        def xid_arrives(text: str) -> None:
+            if "waiting for job" in text:
+                nodelease.take_over(kube, "gpu3", "remediate-lab-gpu3")
+
+        with pytest.raises(HandedOver):
+            move.to_inference(
+                "gpu3", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=30, say=xid_arrives
+            )
+        nodelease.give_back(kube, "gpu3", "remediate-lab-gpu3")
+        kube.set_unschedulable("gpu3", True)  # an operator's cordon, after the incident
+        with pytest.raises(NotOwned, match="waits for whoever cordoned it"):
+            settle(move, "gpu3", "inference")
+        assert LEASE_ANNOTATION not in kube.get_node("gpu3").annotations  # nothing written
+        kube.set_unschedulable("gpu3", False)
+        # Still in the partition, drained with the move's reason: back to training, the job untouched.
+        assert settle(move, "gpu3", "inference") == "gpu3 is wholly in training"
+        assert not slurm.node("gpu3").drained and "gpu3" in slurm.partition_nodes("train")
+        assert slurm.job(job).state == "RUNNING" and slurm.job(job).restarts == 0
+    finally:
+        subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)
+
+
+def test_a_job_that_checkpointed_and_exited_while_the_worker_was_down_is_still_requeued(
+    mover: tuple[PoolMover, KubernetesApi, SlurmCli], slurm_lab: SlurmLab, tmp_path: Path
+) -> None:
+    move, _, slurm = mover
+    script = tmp_path / "checkpoints.sh"
+    # Saves its checkpoint on SIGTERM and exits cleanly, as a training job does.
+    script.write_text("#!/bin/sh\ntrap 'echo saved; exit 0' TERM\nwhile true; do sleep 1; done\n")
+    job = slurm_lab.sbatch(script, "-p", "train", "-w", "gpu2", "--requeue", "-o", "/dev/null")
+    try:
+        slurm_wait_running(slurm, job)
+        with pytest.raises(Crash):  # the worker dies right after the SIGTERM
+            move.to_inference(
+                "gpu2",
+                holder="pool-shared",
+                partition="train",
+                grace_seconds=30,
+                deadline_seconds=1,
+                move="pool-shared:gpu2:1",
+                say=crash_after("SIGTERM to"),
+            )
+        wait_for(lambda: slurm.job(job).state == "COMPLETED", timeout=30, what="the job to checkpoint and exit")
+        # The retry (same move) signals nobody again and requeues the job it had signalled.
+        said: list[str] = []
+        detail = move.to_inference(
+            "gpu2",
+            holder="pool-shared",
+            partition="train",
+            grace_seconds=30,
+            deadline_seconds=1,
+            move="pool-shared:gpu2:1",
+            say=said.append,
+        )
+        assert detail == f"gpu2 serves inference; requeued {job}", said
+        assert any("no second SIGTERM" in line for line in said), said
+        assert slurm.job(job).restarts >= 1 and slurm.job(job).state in {"PENDING", "REQUEUED", "RUNNING"}
+        # A third run (say, the settle) requeues it no second time.
+        assert move.to_inference(
+            "gpu2",
+            holder="pool-shared",
+            partition="train",
+            grace_seconds=1,
+            deadline_seconds=1,
+            move="pool-shared:gpu2:1",
+        ).startswith("gpu2 serves inference")
+        move.to_training("gpu2", holder="pool-shared", partition="train", eviction_timeout_seconds=5)
+    finally:
+        subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)

@@ -415,6 +415,8 @@ def test_parse_squeue_format_splits_on_the_call_token_only() -> None:
             comment="gpufleet:checkpoint:1764756000 ok",
         ),
     ]
+    # A stamp that is no time at all is as if the job had said nothing.
+    assert JobInfo(job_id=1, comment="gpufleet:checkpoint:999999999999").checkpointed_at is None
     assert parse_squeue_format(out, separator=sep, terminator=end)[1].checkpointed_at == datetime(
         2025, 12, 3, 10, 0, tzinfo=UTC
     )

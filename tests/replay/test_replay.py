@@ -35,7 +35,8 @@ def test_there_are_recorded_histories_of_each_outcome() -> None:
 
 @pytest.mark.parametrize("path", HISTORIES, ids=[path.stem for path in HISTORIES])
 async def test_recorded_history_replays(path: Path) -> None:
-    # The workflow's code never reads its own ID: the file's name stands in for it.
+    # The file's name stands in for the workflow's ID: the code reads it only into activity
+    # inputs (a pool's move IDs), which a replay does not compare.
     history = WorkflowHistory.from_json(path.stem.rsplit("-", 1)[0], json.loads(path.read_text()))
     replayer = Replayer(
         workflows=[NodeRemediationWorkflow, FleetGuardWorkflow, ReturnNodeWorkflow, PoolRebalanceWorkflow],

@@ -311,16 +311,39 @@ async def test_a_move_an_incident_stops_midway_waits_for_it_then_settles_or_lets
     assert outcomes["gpu2"] == "left: gpu2 is retired"
 
 
-async def test_a_budget_that_keeps_a_node_serving_is_left_be_for_a_while(env: WorkflowEnvironment) -> None:
-    pool = Pool(training=["gpu1"], inference=["inf1", "inf2"], demand=0.0, kept={"inf1", "inf2"})
+async def test_a_budget_that_keeps_a_node_serving_is_left_be_longer_at_each_refusal(
+    env: WorkflowEnvironment,
+) -> None:
+    pool = Pool(training=["gpu1"], inference=["inf1"], demand=0.0, kept={"inf1"})
     async with worker(env, pool):
         handle = await start(env, pool, cooldown_seconds=0)
         status = await intervals(env, handle, 3)
+        # Tried once, then left be for five looks rather than cordoned again at every one.
+        assert pool.moves == [("inf1", "training")] and set(status.state.kept) == {"inf1"}
+        status = await intervals(env, handle, 8)
+        # Tried again once the five looks had passed, refused again: left be twice as long.
+        assert pool.moves == [("inf1", "training")] * 2 and status.state.refusals == {"inf1": 2}
+        status = await intervals(env, handle, 6)
         await handle.terminate("test over")
-    # Each tried once: after a refusal the node is left be (five intervals), not cordoned again at every look.
-    assert sorted(pool.moves) == [("inf1", "training"), ("inf2", "training")]
-    assert sorted(pool.inference) == ["inf1", "inf2"] and set(status.state.kept) == {"inf1", "inf2"}
-    assert all(m.outcome.startswith("kept: ") for m in status.state.moves if m.outcome.startswith("kept"))
+    # The third try came ten looks after the second, and the next is twenty looks after it.
+    tries = [m.at for m in status.state.moves if m.node == "inf1" and m.outcome.startswith("kept")]
+    assert len(tries) == len(pool.moves) == 3 and status.state.refusals == {"inf1": 3}
+    assert round((tries[2] - tries[1]).total_seconds() / INTERVAL) == 10
+    assert round((status.state.kept["inf1"] - tries[2]).total_seconds() / INTERVAL) == 20
+    assert pool.inference == ["inf1"]
+
+
+async def test_an_asked_move_goes_only_the_way_asked(env: WorkflowEnvironment) -> None:
+    pool = Pool(demand=None)
+    async with worker(env, pool):
+        # Paused, and inference below its minimum: asked for training, nothing goes to inference.
+        handle = await start(env, pool, min_inference=1)
+        await handle.signal(PoolRebalanceWorkflow.pause)
+        await handle.signal(PoolRebalanceWorkflow.rebalance, -1)
+        status = await intervals(env, handle, 1)
+        await handle.terminate("test over")
+    assert pool.moves == []
+    assert status.decision is not None and "paused" in status.decision.why
 
 
 async def test_an_asked_move_stays_within_the_limits_and_says_so(env: WorkflowEnvironment) -> None:
