@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs Debian's slurm-wlm and munge, slurmdbd and mariadb-server (for clusters with accounting),
-# slurmrestd and its JWT plugin (Slurm's REST API), prometheus (the lab's shared pool), and kubectl (Debian's kubernetes-client) when missing (as root), else says what to install.
+# slurmrestd and its JWT plugin (Slurm's REST API), prometheus (the lab's shared pool), kubectl (Debian's kubernetes-client) and docker-compose when missing (as root), else says what to install.
 # A kubectl already on PATH (e.g. 1.32) is used as it is.
 set -euo pipefail
 if ! command -v kubectl >/dev/null 2>&1; then
@@ -10,6 +10,15 @@ if ! command -v kubectl >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends kubernetes-client >/dev/null
   else
     echo "kubectl is missing: the kubectl tests are skipped (install kubectl, or apt-get install kubernetes-client)" >&2
+  fi
+fi
+if ! command -v docker-compose >/dev/null 2>&1; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing docker-compose (Debian's, to validate docker-compose.temporal.yml)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null
+  else
+    echo "docker-compose is missing: the compose file's validation is skipped (apt-get install docker-compose)" >&2
   fi
 fi
 extras=(slurmdbd mariadb-server slurmrestd slurm-wlm-jwt-plugin prometheus)
