@@ -130,7 +130,7 @@ def _translate(exc: Exception, what: str) -> ClientError:
         if status in (400, 422):
             return InvalidInput(detail)
         if status in (401, 403):
-            return Forbidden(f"{detail} (check gpufleet's RBAC: deploy/worker-deployment.yaml)")
+            return Forbidden(f"{detail} (check gpufleet's RBAC: deploy/base/worker-rbac.yaml)")
         if status >= 500 or status == 0:
             return Unavailable(detail)
         return ClientError(detail)

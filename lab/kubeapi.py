@@ -17,7 +17,12 @@ For bad days on purpose (chaos runs and tests): ``PUT /_faults`` with
 ``{"status": 500, "count": N, "retry_after": S}`` makes the next N API requests answer that
 status (429 with a Retry-After when given); ``{"count": 0}`` clears it.
 
-Run it as ``python -m lab.kubeapi --port N --seed FILE --kubeconfig FILE``.
+For RBAC (tests/test_rbac.py): ``--audit-log FILE`` (off by default) appends one JSON line per
+request for a resource, with the verb as Kubernetes RBAC names it (``rbac_verb``), the API group,
+resource, subresource, namespace and name, so that what a client really asks for can be compared
+with what a Role grants.
+
+Run it as ``python -m lab.kubeapi --port N --seed FILE --kubeconfig FILE [--audit-log FILE]``.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ RESOURCE_INFO: dict[kmock.resource, tuple[str, list[str], bool, list[str]]] = {
     NODES: ("Node", ["no"], False, []),
     PDBS: ("PodDisruptionBudget", ["pdb"], True, []),
     LEASES: ("Lease", [], True, []),
-    # Stored as given, so that `kubectl apply -f deploy/` and `kubectl get` work on the lab.
+    # Stored as given, so that `kubectl apply -k deploy/base` and `kubectl get` work on the lab.
     kmock.resource("", "v1", "namespaces"): ("Namespace", ["ns"], False, []),
     kmock.resource("", "v1", "configmaps"): ("ConfigMap", ["cm"], True, []),
     kmock.resource("", "v1", "serviceaccounts"): ("ServiceAccount", ["sa"], True, []),
@@ -148,6 +153,34 @@ parsing.parse_path = _parse_path
 _REQUEST: contextvars.ContextVar[rendering.Request] = contextvars.ContextVar("request")
 
 
+def rbac_verb(request: rendering.Request) -> str:
+    """The request's verb as Kubernetes authorizes it: GET (or HEAD) of one object is ``get``, of
+    a collection ``list``, either with ``?watch=true`` ``watch``; POST ``create``, PUT ``update``,
+    PATCH ``patch``, DELETE of one object ``delete``, of a collection ``deletecollection``."""
+    method = request.method
+    if method in (enums.method.GET, enums.method.HEAD):
+        if request.action == enums.action.WATCH or request.params.get("watch") in ("true", "1"):
+            return "watch"
+        return "get" if request.name is not None else "list"
+    if method == enums.method.DELETE:
+        return "delete" if request.name is not None else "deletecollection"
+    verbs = {enums.method.POST: "create", enums.method.PUT: "update", enums.method.PATCH: "patch"}
+    return verbs.get(method, str(method.value if method is not None else "").lower())
+
+
+def audit_record(request: rendering.Request) -> dict[str, str | None]:
+    """What RBAC decides a resource request on: verb, API group, resource, subresource, namespace, name."""
+    assert request.resource is not None
+    return {
+        "verb": rbac_verb(request),
+        "apiGroup": str(request.resource.group or ""),
+        "resource": str(request.resource.plural),
+        "subresource": request.subresource,
+        "namespace": request.namespace,
+        "name": request.name,
+    }
+
+
 def _status(code: int, reason: str, message: str, details: dict[str, Any] | None = None) -> aiohttp.web.Response:
     body: dict[str, Any] = {
         "apiVersion": "v1",
@@ -174,6 +207,8 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
     faults_served: int = attrs.field(default=0, init=False)
     _write_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
     _documents: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)
+    # Where each resource request is recorded (audit_record, one JSON line each); None: nowhere.
+    audit_log: Path | None = attrs.field(default=None)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -270,6 +305,9 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
             return self._set_faults(request)
         if request.url.path.startswith("/openapi/"):
             return self._serve_openapi(request.url.path)
+        if self.audit_log is not None and request.resource is not None:
+            with self.audit_log.open("a", encoding="utf-8") as audit:
+                audit.write(json.dumps(audit_record(request)) + "\n")
         if self._fault_count > 0:
             self._fault_count -= 1
             self.faults_served += 1
@@ -910,8 +948,15 @@ def write_kubeconfig(path: Path, *, server: str) -> Path:
     return path
 
 
-async def serve(*, port: int, seed: Path | None, kubeconfig: Path | None, ready_file: Path | None) -> None:
-    emulator = KubeApiEmulator()
+async def serve(
+    *,
+    port: int,
+    seed: Path | None,
+    kubeconfig: Path | None,
+    ready_file: Path | None,
+    audit_log: Path | None = None,
+) -> None:
+    emulator = KubeApiEmulator(audit_log=audit_log)
     if seed is not None:
         data = json.loads(seed.read_text(encoding="utf-8"))
         plurals = {str(res.plural): res for res in RESOURCE_INFO} | {"pdbs": PDBS}
@@ -942,8 +987,22 @@ def main() -> None:
     )
     parser.add_argument("--kubeconfig", type=Path, help="write a kubeconfig for the server here")
     parser.add_argument("--ready-file", type=Path, help="write the server URL here once it listens")
+    parser.add_argument(
+        "--audit-log",
+        type=Path,
+        help="append one JSON line per resource request here (verb as RBAC names it, apiGroup, resource, "
+        "subresource, namespace, name)",
+    )
     args = parser.parse_args()
-    asyncio.run(serve(port=args.port, seed=args.seed, kubeconfig=args.kubeconfig, ready_file=args.ready_file))
+    asyncio.run(
+        serve(
+            port=args.port,
+            seed=args.seed,
+            kubeconfig=args.kubeconfig,
+            ready_file=args.ready_file,
+            audit_log=args.audit_log,
+        )
+    )
 
 
 if __name__ == "__main__":

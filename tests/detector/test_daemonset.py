@@ -9,7 +9,7 @@ import yaml
 
 from tests.conftest import gpufleet_cli
 
-MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "detector-daemonset.yaml"
+MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "base" / "detector-daemonset.yaml"
 
 
 def pod() -> dict[str, Any]:

@@ -136,9 +136,9 @@ def test_drain_respects_the_budget_then_goes_on(api: KubeApiProcess) -> None:
 def test_delete_pod_and_apply_the_deploy_manifests(api: KubeApiProcess) -> None:
     kubectl(api, "delete", "pod", "-n", "monitoring", "node-exporter-spare1")
     assert "node-exporter-spare1" not in kubectl(api, "get", "pods", "-n", "monitoring")
-    first = kubectl(api, "apply", *VALIDATE, "-f", str(REPO / "deploy"))
+    first = kubectl(api, "apply", *VALIDATE, "-k", str(REPO / "deploy" / "base"))
     assert "daemonset.apps/gpufleet-detector created" in first and "Warning" not in first
-    again = kubectl(api, "apply", *VALIDATE, "-f", str(REPO / "deploy"))
+    again = kubectl(api, "apply", *VALIDATE, "-k", str(REPO / "deploy" / "base"))
     assert "daemonset.apps/gpufleet-detector unchanged" in again
     assert "gpufleet-worker" in kubectl(api, "get", "deploy", "-n", "gpufleet")
 
