@@ -35,6 +35,7 @@ from models.constants import (
     UNHEALTHY_TAINT,
 )
 from models.incident import JobInfo, NodeInfo
+from models.names import safe_mark_part
 from models.poolops import MoveRequest, MoveResult, PoolRequest, PoolView, Stopped
 from models.rebalance import Demand, inference_nodes
 
@@ -182,6 +183,13 @@ class PoolActivities:
         def say(text: str) -> None:
             activity.heartbeat(text)
 
+        info = activity.info()
+        # One ID per move, the same on its retries: the marks its jobs carry. A request from an
+        # older workflow has none: this scheduled activity's own identity stands in.
+        move_id = request.move_id or safe_mark_part(
+            f"{request.workflow_id}:{request.node}:{(info.workflow_run_id or '')[:8]}:{info.activity_id}"
+        )
+
         with client_errors():
             try:
                 if request.settle:
@@ -193,7 +201,7 @@ class PoolActivities:
                         grace_seconds=self._grace,
                         deadline_seconds=settings.drain_deadline_seconds,
                         eviction_timeout_seconds=settings.eviction_deadline_seconds,
-                        move=request.move_id,
+                        move=move_id,
                         say=say,
                     )
                 elif request.to == INFERENCE:
@@ -203,7 +211,7 @@ class PoolActivities:
                         partition=settings.partition,
                         grace_seconds=self._grace,
                         deadline_seconds=settings.drain_deadline_seconds,
-                        move=request.move_id,
+                        move=move_id,
                         say=say,
                     )
                 else:
@@ -221,7 +229,7 @@ class PoolActivities:
             except OutOfPool as exc:
                 return MoveResult(moved=False, detail=str(exc), stopped=Stopped.OUT_OF_POOL)
             except NotOwned as exc:
-                if activity.info().attempt > 1 and not request.settle:
+                if info.attempt > 1 and not request.settle:
                     # An earlier attempt may have changed the node before the worker died: the
                     # pool must settle it once its holder lets go, not take it as untouched.
                     return MoveResult(moved=False, detail=str(exc), stopped=Stopped.HANDED_OVER)

@@ -166,7 +166,7 @@ class PoolMover:
                 say(f"{node} drained in Slurm")
             requeued = self._empty(
                 node,
-                move=move or f"{holder}:{node}",
+                move=move or f"{holder}:{node}",  # the activity passes one; this is for direct calls
                 holder=holder,
                 grace_seconds=grace_seconds,
                 deadline_seconds=deadline_seconds,
@@ -196,19 +196,23 @@ class PoolMover:
         """Wait for the node's jobs to end, up to the deadline; then SIGTERM, grace, requeue.
         An incident taking the node over meanwhile stops this (its own requeue then runs).
 
-        Each job is marked ``gpufleet:signalled:<move>`` in Slurm before its SIGTERM and
-        ``gpufleet:requeued:<move>`` once requeued: a retry after the worker died in the grace
-        signals nobody twice and requeues every job the move signalled, those that have
-        checkpointed and exited since included (no longer running, they would be lost)."""
-        signalled_mark, requeued_mark = f"gpufleet:signalled:{move}", f"gpufleet:requeued:{move}"
-        earlier = [
-            job.job_id
-            for job in self._slurm.recent_jobs_on_node(node)
-            if signalled_mark in self._slurm.job_marks(job.job_id)
-        ]
+        Each job carries marks in Slurm (its AdminComment): ``gpufleet:signalling:<move>``
+        before its SIGTERM, ``gpufleet:signalled:<move>`` once it went out,
+        ``gpufleet:requeued:<move>`` once requeued. A retry after the worker died reads them:
+        nobody is signalled twice; a job marked but not signalled that still runs gets its
+        SIGTERM now (else a requeue would kill it with no checkpoint); and every job the move
+        marked is requeued, one that checkpointed and exited meanwhile too (finished, it would
+        be lost; one that ended on its own is run again, from its checkpoint). Finished jobs
+        are found while slurmctld keeps them (MinJobAge, 300 s by default)."""
+        signalling, signalled_mark, requeued_mark = (
+            f"gpufleet:signalling:{move}",
+            f"gpufleet:signalled:{move}",
+            f"gpufleet:requeued:{move}",
+        )
+        marks = {job.job_id: self._slurm.job_marks(job.job_id) for job in self._slurm.recent_jobs_on_node(node)}
+        earlier = sorted(job for job, found in marks.items() if signalling in found)
         if earlier:
-            signalled = earlier
-            say(f"{node}: job(s) {', '.join(map(str, signalled))} signalled before a restart; no second SIGTERM")
+            say(f"{node}: job(s) {', '.join(map(str, earlier))} marked before a restart")
         else:
             deadline = time.monotonic() + deadline_seconds
             while (running := self._running(node)) and time.monotonic() < deadline:
@@ -217,13 +221,20 @@ class PoolMover:
                 time.sleep(self._poll)
             if not running:
                 return []
-            self._ours(node, holder)
-            signalled = []
-            for job in running:
-                if self._slurm.mark_job(job, signalled_mark):  # False: it has just finished
-                    self._slurm.signal_job(job, signal="TERM")
-                    signalled.append(job)
-            say(f"{node}: SIGTERM to {', '.join(map(str, signalled))}; {grace_seconds:g}s to checkpoint")
+        running_now = self._running(node)
+        self._ours(node, holder)
+        signalled: list[int] = []
+        for job in sorted(set(earlier) | set(running_now)):
+            found = marks.get(job, [])
+            if signalled_mark in found or job not in running_now:
+                signalled.append(job)  # signalled before, or ended since it was marked: requeued all the same
+                continue
+            if not self._slurm.mark_job(job, signalling):
+                continue  # it has just finished, on its own
+            self._slurm.signal_job(job, signal="TERM")
+            self._slurm.mark_job(job, signalled_mark)
+            signalled.append(job)
+        say(f"{node}: SIGTERM to {', '.join(map(str, signalled))}; {grace_seconds:g}s to checkpoint")
         ends = time.monotonic() + grace_seconds
         while (left := [j for j in self._running(node) if j in signalled]) and time.monotonic() < ends:
             time.sleep(self._poll)
@@ -291,8 +302,9 @@ class PoolMover:
         say: Say = lambda _: None,
     ) -> str:
         self._take_pool_node(node, holder)
-        self._kube.set_unschedulable(node, True)
+        # The taint first: a cordon without it would read as someone else's if the move stopped here.
         self._kube.add_taint(node, key=TRAINING_TAINT, value=TRAINING, effect="NoSchedule")
+        self._kube.set_unschedulable(node, True)
         moved = self._vacate(node, holder=holder, deadline=time.monotonic() + eviction_timeout_seconds, say=say)
         self._ours(node, holder)
         self._label(node, TRAINING, holder)
@@ -311,12 +323,12 @@ class PoolMover:
 
     def _inference_pods(self, node: str) -> list[PodRef]:
         """The pods that keep the node from training: every one still running there but the
-        DaemonSets' (which run on every node) and those that tolerate the training taint
+        DaemonSets' (which run on every node), the kubelet's static pods, and those that tolerate the training taint
         (training's own workloads, which stay)."""
         return [
             p
             for p in self._kube.pods_on_node(node)
-            if p.owner_kind != "DaemonSet"
+            if p.owner_kind not in ("DaemonSet", "Node")  # the Node's own: static (mirror) pods
             and p.holds_node
             and not p.tolerates(key=TRAINING_TAINT, value=TRAINING, effect="NoSchedule", by_name=True)
         ]

@@ -34,3 +34,12 @@ def validate_cluster_name(name: str) -> str:
             f"invalid cluster name {name!r}: use lowercase letters, digits and '-' (at most 40 characters)"
         )
     return name
+
+
+_NOT_IN_A_MARK = re.compile(r"[^A-Za-z0-9._:-]+")
+
+
+def safe_mark_part(text: str) -> str:
+    """``text`` with every character a Slurm job mark may not carry (``gpufleet:<kind>:<this>``)
+    made ``-``: a workflow ID may hold any character, a mark only ``[A-Za-z0-9._:-]``."""
+    return _NOT_IN_A_MARK.sub("-", text)

@@ -17,7 +17,10 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
+from workflows.pool_v1 import PoolV1
+
 with workflow.unsafe.imports_passed_through():
+    from models.names import safe_mark_part
     from models.poolops import (
         ITERATIONS_PER_RUN,
         POOL_PAUSE_SIGNAL,
@@ -37,6 +40,10 @@ with workflow.unsafe.imports_passed_through():
     from models.rebalance import Decision, Demand, bounds, decide
 
 KEEP_MOVES = 20
+# Hand-overs settled, budget refusals backed off, asked moves kept within the limits, a settle
+# followed by a fresh look, and a failure told from a node that left the pool: a run started
+# before it decides as it did (workflows/pool_v1.py).
+SETTLE_PATCH = "pool-settle"
 MAX_BACKOFF_SECONDS = 6 * 3600.0  # the longest a budget's refusal leaves a node be
 RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
@@ -47,7 +54,9 @@ RETRY = RetryPolicy(
 
 
 @workflow.defn(name=POOL_WORKFLOW)
-class PoolRebalanceWorkflow:
+class PoolRebalanceWorkflow(PoolV1):
+    _RETRY = RETRY
+
     @workflow.init
     def __init__(self, state: PoolState) -> None:
         # Set before any signal is handled: a signal may come with the start itself.
@@ -136,6 +145,10 @@ class PoolRebalanceWorkflow:
                 source=f"override by {state.override_by or '?'}",
             )
         total, inference = len(view.training) + len(view.inference), len(view.inference)
+        if not workflow.patched(SETTLE_PATCH):
+            # A run started before hand-overs were settled goes on deciding as it did.
+            await self._v1_decide_and_move(view, total, inference)
+            return
         now = workflow.now()
         state.kept = {node: until for node, until in state.kept.items() if until > now}
         if state.in_flight is not None:
@@ -188,14 +201,21 @@ class PoolRebalanceWorkflow:
             self._record(Move(node=move.node, to=to, at=workflow.now(), outcome=f"{what}: {self._outcome(result)}"))
             if result.stopped is Stopped.BUDGET:  # undone: the node serves inference on
                 self._keep(move.node)
+            if result.moved:
+                self._forget_refusals(move.node)
             if result.moved or result.stopped is Stopped.BUDGET:
                 state.in_flight = None
                 return True
         return False
 
+    def _forget_refusals(self, node: str) -> None:
+        """The node moved (or settled): its budget's refusals in a row start again from none."""
+        state = self._status.state
+        state.refusals = {n: c for n, c in state.refusals.items() if n != node}
+
     def _move_id(self, move: Move) -> str:
         """The move's ID, the same on its every retry and settle: the pool, the node, its start."""
-        return f"{workflow.info().workflow_id}:{move.node}:{int(move.at.timestamp())}"
+        return safe_mark_part(f"{workflow.info().workflow_id}:{move.node}:{int(move.at.timestamp())}")
 
     def _hand_over(self, move: Move) -> None:
         state = self._status.state
@@ -225,6 +245,8 @@ class PoolRebalanceWorkflow:
                 self._record(Move(node=move.node, to=move.to, at=workflow.now(), outcome=f"{what}: {result.detail}"))
                 if result.stopped is Stopped.BUDGET:
                     self._keep(move.node)
+                else:
+                    self._forget_refusals(move.node)
                 changed = True
             else:
                 self._say_once(Move(node=move.node, to=move.to, at=workflow.now(), outcome=f"waiting: {result.detail}"))
@@ -314,7 +336,7 @@ class PoolRebalanceWorkflow:
                 self._keep(node)
             elif result.moved:
                 state.last_move = workflow.now()
-                state.refusals = {n: c for n, c in state.refusals.items() if n != node}
+                self._forget_refusals(node)
         for node in source[: abs(count)]:
             if node in busy:
                 self._say_once(Move(node=node, to=to, at=workflow.now(), outcome=f"skipped: {busy[node]}"))

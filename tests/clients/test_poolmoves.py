@@ -13,10 +13,11 @@ import pytest
 from kubernetes import client as k8s
 
 from clients import nodelease
-from clients.errors import ClientError, NotOwned
+from clients.errors import ClientError, NotOwned, Unavailable
 from clients.kube import KubernetesApi
 from clients.poolmoves import LEASE_ANNOTATION, TRAINING_TAINT, BudgetKept, HandedOver, OutOfPool, PoolMover
 from clients.slurm import SlurmCli
+from clients.spares import SparePool
 from lab.procs import wait_for
 from lab.slurm import SlurmLab
 from tests.clients.test_spares import Pool, pool  # noqa: F401 - the fixture, reused
@@ -392,17 +393,61 @@ def test_a_job_that_checkpointed_and_exited_while_the_worker_was_down_is_still_r
             say=said.append,
         )
         assert detail == f"gpu2 serves inference; requeued {job}", said
-        assert any("no second SIGTERM" in line for line in said), said
-        assert slurm.job(job).restarts >= 1 and slurm.job(job).state in {"PENDING", "REQUEUED", "RUNNING"}
-        # A third run (say, the settle) requeues it no second time.
-        assert move.to_inference(
+        assert any("marked before a restart" in line for line in said), said
+        assert slurm.job(job).restarts == 1 and slurm.job(job).state in {"PENDING", "REQUEUED", "RUNNING"}
+        # The marks make it idempotent: run again, the move requeues nobody a second time.
+        assert move._empty(
             "gpu2",
+            move="pool-shared:gpu2:1",
             holder="pool-shared",
-            partition="train",
             grace_seconds=1,
             deadline_seconds=1,
-            move="pool-shared:gpu2:1",
-        ).startswith("gpu2 serves inference")
+            say=said.append,
+        ) in ([], [job])
+        assert slurm.job(job).restarts == 1
         move.to_training("gpu2", holder="pool-shared", partition="train", eviction_timeout_seconds=5)
+    finally:
+        subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)
+
+
+class SignalFails(SlurmCli):
+    """Slurm whose first signal times out, as scancel can: the job is marked, not signalled."""
+
+    def __init__(self, slurm_conf: Path) -> None:
+        super().__init__(slurm_conf=slurm_conf)
+        self.failed = False
+
+    def signal_job(self, job_id: int, *, signal: str = "TERM") -> None:
+        if not self.failed:
+            self.failed = True
+            raise Unavailable("scancel: timed out")
+        super().signal_job(job_id, signal=signal)
+
+
+def test_a_job_marked_but_never_signalled_gets_its_sigterm_on_the_retry(
+    mover: tuple[PoolMover, KubernetesApi, SlurmCli], slurm_lab: SlurmLab, tmp_path: Path
+) -> None:
+    move, kube, slurm = mover
+    out = tmp_path / "job.out"
+    script = tmp_path / "checkpoints.sh"
+    script.write_text("#!/bin/sh\ntrap 'echo saved; exit 0' TERM\nwhile true; do sleep 1; done\n")
+    job = slurm_lab.sbatch(script, "-p", "train", "-w", "gpu3", "--requeue", "-o", str(out))
+    try:
+        slurm_wait_running(slurm, job)
+        flaky = SignalFails(slurm_lab.conf)
+        spares = SparePool(kube=kube, slurm=flaky, partition="train", cluster="lab")
+        with pytest.raises(Unavailable):
+            PoolMover(kube, flaky, spares, poll_seconds=0.1).to_inference(
+                "gpu3", holder="pool-shared", partition="train", grace_seconds=30, deadline_seconds=1, move="m:gpu3:7"
+            )
+        assert "gpufleet:signalling:m:gpu3:7" in slurm.job_marks(job)
+        assert "gpufleet:signalled:m:gpu3:7" not in slurm.job_marks(job) and slurm.job(job).state == "RUNNING"
+        # The retry sends the SIGTERM that never went out: the job saves before it is requeued.
+        detail = move.to_inference(
+            "gpu3", holder="pool-shared", partition="train", grace_seconds=30, deadline_seconds=1, move="m:gpu3:7"
+        )
+        assert detail == f"gpu3 serves inference; requeued {job}"
+        assert "saved" in out.read_text() and slurm.job(job).restarts == 1
+        move.to_training("gpu3", holder="pool-shared", partition="train", eviction_timeout_seconds=5)
     finally:
         subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)
