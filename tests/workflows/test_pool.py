@@ -51,6 +51,8 @@ class Pool:
     kept: set[str] = field(default_factory=set)  # nodes whose budget refuses their move to training
     retired: set[str] = field(default_factory=set)  # nodes an incident retired (out of the pool)
     settles: list[str] = field(default_factory=list)
+    move_ids: list[tuple[str, str]] = field(default_factory=list)  # (node, move_id) of every request
+    not_found: set[str] = field(default_factory=set)  # nodes Slurm does not know (a NotFound mid-move)
     looks: int = 0
     task_queue: str = field(default_factory=lambda: f"pool-{uuid.uuid4().hex[:8]}")
 
@@ -72,9 +74,12 @@ class Pool:
 
         @activity.defn(name="pool_move_node")
         async def move(request: MoveRequest) -> MoveResult:
+            self.move_ids.append((request.node, request.move_id))
             if request.settle:
                 return settle(request)
             self.moves.append((request.node, request.to))
+            if request.node in self.not_found:
+                raise ApplicationError(f"Slurm has no node named {request.node!r}", type="NotFound", non_retryable=True)
             if request.node in self.taken:
                 return MoveResult(
                     moved=False, detail=f"{request.node} is held by {self.taken[request.node]}", stopped=Stopped.HELD
@@ -398,3 +403,18 @@ async def test_moves_are_numbered_and_a_busy_node_is_said_once(env: WorkflowEnvi
     assert numbers == list(range(1, len(numbers) + 1)) and status.state.seq == numbers[-1]
     skipped = [m for m in status.state.moves if m.node == "gpu1"]
     assert len(skipped) == 1  # said once, not one line per look
+
+
+async def test_a_move_failing_on_something_not_found_stays_in_flight_with_one_move_id(env: WorkflowEnvironment) -> None:
+    # Kubernetes has the node, Slurm does not: the move fails, it did not leave the pool.
+    pool = Pool(demand=1.0, not_found={"gpu1"})
+    async with worker(env, pool):
+        handle = await start(env, pool)
+        status = await intervals(env, handle, 2)
+        await handle.terminate("test over")
+    assert status.state.in_flight is not None and status.state.in_flight.node == "gpu1"
+    assert status.decision is not None and "between pools" in status.decision.why
+    assert [m.outcome.split(":")[0] for m in status.state.moves][:3] == ["failed", "finished", "rolled back"]
+    # The move, its finishing and its rolling back all carry the one ID its jobs' marks use.
+    ids = {move_id for node, move_id in pool.move_ids if node == "gpu1"}
+    assert len(ids) == 1 and next(iter(ids)).endswith(f":gpu1:{int(status.state.in_flight.at.timestamp())}")
