@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from detector.daemon import Detector
@@ -33,6 +34,9 @@ def render_metrics(detector: Detector) -> str:
     events = sorted(detector.events_reported().items())
     delivery = detector.delivery
     sources = sorted(detector.stats.items())
+    tick = detector.last_tick
+    # The main loop comes round every 50 ms or so while the detector listens, events or not.
+    heartbeat = time.time() - (time.monotonic() - tick) if tick is not None else 0
     lines = [
         *_family(
             "gpufleet_detector_events_total",
@@ -51,6 +55,12 @@ def render_metrics(detector: Detector) -> str:
             "gauge",
             "Unix time of the last event reported; 0 before the first.",
             [({}, detector.last_event_at or 0)],
+        ),
+        *_family(
+            "gpufleet_detector_heartbeat_timestamp_seconds",
+            "gauge",
+            "Unix time the detector's main loop last came round (a quiet node still beats); 0 before it starts.",
+            [({}, heartbeat)],
         ),
         *_family(
             "gpufleet_detector_delivered_total",

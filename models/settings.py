@@ -52,6 +52,15 @@ class Settings(BaseSettings):
     # Where a Slinky cluster's slurmrestd answers, `{name}` standing for the cluster's name;
     # empty: the operator's Service <name>-restapi, for a worker inside the Kubernetes cluster.
     slinky_restapi_url: str = ""
+    # The worker's Prometheus endpoint (GET /metrics): the Temporal SDK's temporal_* metrics and
+    # gpufleet's own (models/metrics.py). 0 or empty turns it off; the address it listens on.
+    metrics_port: int = Field(default=9464, ge=0, le=65535)
+    metrics_bind: str = "0.0.0.0"  # noqa: S104 (a pod's own address: Prometheus scrapes it from outside)
+
+    @field_validator("metrics_port", mode="before")
+    @classmethod
+    def _metrics_port(cls, value: object) -> object:
+        return 0 if isinstance(value, str) and not value.strip() else value
 
     @field_validator("slinky_restapi_url")
     @classmethod

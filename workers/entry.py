@@ -25,6 +25,7 @@ def worker() -> None:
     namespace and TLS from Temporal's env-config (TEMPORAL_ADDRESS, profiles).
     """
     from workers.main import run_worker
+    from workers.metrics import install_metrics
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings()
@@ -32,10 +33,12 @@ def worker() -> None:
         settings.worker_config()  # a wrong policy file is named before anything is contacted
     except PolicyError as exc:
         fail(f"policy file: {exc}", code=2)
+    # Before the client connects: it takes the runtime that serves GET /metrics (GPUFLEET_METRICS_PORT).
+    runtime = install_metrics(settings)
 
     async def go() -> None:
         client = await connect()
-        await run_worker(client, settings)
+        await run_worker(client, settings, metrics=runtime.metric_meter if runtime else None)
 
     try:
         run_async(go())

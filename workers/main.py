@@ -9,10 +9,12 @@ import os
 import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from temporalio.client import Client
+from temporalio.common import MetricMeter
 from temporalio.worker import Worker
 
 from activities.cluster import ClusterActivities
@@ -39,6 +41,7 @@ from models.policy import PolicyError
 from models.requests import WorkerConfig
 from models.settings import Settings
 from models.slinky import REMEDIATION_CONFIGMAP, cluster_namespace
+from workers.metrics import report_spares
 from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
 from workflows.guard import FleetGuardWorkflow
 from workflows.nodes import QuarantinedNodesWorkflow, ReleaseNodeWorkflow, ReturnNodeWorkflow
@@ -90,13 +93,17 @@ class LastGoodConfig:
         )
 
 
-def build_activities(settings: Settings) -> list[Any]:
-    """Every activity, bound to clients built from the settings."""
+@dataclass(frozen=True)
+class Clients:
+    """The worker's Kubernetes, Slurm and spare-pool clients, shared by its activities and its metrics."""
+
+    kube: KubernetesApi
+    slurm: SlurmCli
+    pool: SparePool
+
+
+def build_clients(settings: Settings) -> Clients:
     kube = KubernetesApi(kubeconfig=settings.kubeconfig, poll_seconds=settings.poll_seconds)
-    # A broken policy file stops the worker now, not the first incident.
-    config = LastGoodConfig(
-        settings, lambda: kube.config_map_data(cluster_namespace(settings.cluster), REMEDIATION_CONFIGMAP)
-    )
     slurm = SlurmCli(
         slurm_conf=settings.slurm_conf,
         bin_dir=settings.slurm_bin_dir,
@@ -104,6 +111,17 @@ def build_activities(settings: Settings) -> list[Any]:
     )
     pool = SparePool(
         kube=kube, slurm=slurm, partition=settings.partition, cluster=settings.cluster, namespace=settings.namespace
+    )
+    return Clients(kube=kube, slurm=slurm, pool=pool)
+
+
+def build_activities(settings: Settings, clients: Clients | None = None) -> list[Any]:
+    """Every activity, bound to clients built from the settings (or to ``clients``)."""
+    clients = clients or build_clients(settings)
+    kube, slurm, pool = clients.kube, clients.slurm, clients.pool
+    # A broken policy file stops the worker now, not the first incident.
+    config = LastGoodConfig(
+        settings, lambda: kube.config_map_data(cluster_namespace(settings.cluster), REMEDIATION_CONFIGMAP)
     )
     slurm_acts = SlurmActivities(slurm, poll_seconds=settings.poll_seconds)
     kube_acts = KubeActivities(kube)
@@ -177,9 +195,22 @@ def cluster_activities(settings: Settings) -> list[Any]:
     return acts.all()
 
 
-async def run_worker(client: Client, settings: Settings, *, stop: asyncio.Event | None = None) -> None:
-    """Run until ``stop`` is set, or SIGTERM/SIGINT (finishing what is in flight, up to a bound)."""
-    activities = build_activities(settings)
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def run_worker(
+    client: Client, settings: Settings, *, stop: asyncio.Event | None = None, metrics: MetricMeter | None = None
+) -> None:
+    """Run until ``stop`` is set, or SIGTERM/SIGINT (finishing what is in flight, up to a bound).
+
+    ``metrics``: the meter of the runtime that serves the worker's Prometheus endpoint
+    (workers/metrics.py); the free spares are then counted every minute beside the worker.
+    """
+    clients = build_clients(settings)
+    activities = build_activities(settings, clients)
     queue = task_queue(settings.cluster)
     if stop is None:
         stop = asyncio.Event()
@@ -208,6 +239,11 @@ async def run_worker(client: Client, settings: Settings, *, stop: asyncio.Event 
         log.info("worker on task queue %s (cluster %s, partition %s)", queue, settings.cluster, settings.partition)
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(worker)
+            if metrics is not None:
+                counting = asyncio.create_task(
+                    report_spares(clients.kube, clients.pool, metrics, cluster=settings.cluster, stop=stop)
+                )
+                stack.push_async_callback(_cancel, counting)
             creations = cluster_activities(settings)
             if creations:
                 await stack.enter_async_context(

@@ -55,6 +55,19 @@ with workflow.unsafe.imports_passed_through():
         SlotRequest,
         WindowEntry,
     )
+    from models.metrics import (
+        BREAKER_CLOSED,
+        BREAKER_PAUSED,
+        BREAKER_TRIPPED,
+        GUARD_BREAKER,
+        GUARD_BREAKER_HELP,
+        GUARD_IN_FLIGHT,
+        GUARD_IN_FLIGHT_HELP,
+        GUARD_UPDATED,
+        GUARD_UPDATED_HELP,
+        GUARD_WAITING,
+        GUARD_WAITING_HELP,
+    )
     from models.policy import Action, GuardSettings
     from models.requests import NotifyRequest, WorkerConfig
 
@@ -472,3 +485,17 @@ class FleetGuardWorkflow:
             f"{', '.join(r.node for r in state.in_flight) or '-'}; waiting: "
             f"{', '.join(r.node for r in state.waiting) or '-'}"
         )
+        self._export()
+
+    def _export(self) -> None:
+        """The breaker, slots and waits as Prometheus gauges (workflow.metric_meter(): nothing is
+        recorded while a history is replayed, so a restarted worker reports at the next message)."""
+        if workflow.unsafe.is_replaying():
+            return
+        state, meter = self._state, workflow.metric_meter()
+        labels = {"cluster": state.cluster}
+        breaker = BREAKER_PAUSED if state.paused else BREAKER_TRIPPED if state.tripped else BREAKER_CLOSED
+        meter.create_gauge(GUARD_BREAKER, GUARD_BREAKER_HELP).set(breaker, labels)
+        meter.create_gauge(GUARD_IN_FLIGHT, GUARD_IN_FLIGHT_HELP).set(len(state.in_flight), labels)
+        meter.create_gauge(GUARD_WAITING, GUARD_WAITING_HELP).set(len(state.waiting), labels)
+        meter.create_gauge_float(GUARD_UPDATED, GUARD_UPDATED_HELP, "s").set(workflow.now().timestamp(), labels)

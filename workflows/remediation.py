@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import workflow
@@ -70,6 +70,14 @@ with workflow.unsafe.imports_passed_through():
         Step,
         TimelineEntry,
         seen,
+    )
+    from models.metrics import (
+        INCIDENTS,
+        INCIDENTS_HELP,
+        STEP_DURATION,
+        STEP_DURATION_HELP,
+        STEP_STARTED,
+        STEP_STARTED_HELP,
     )
     from models.policy import Action, OwnerDrained, Policy, RemediationSettings
     from models.requests import (
@@ -168,6 +176,7 @@ class NodeRemediationWorkflow:
         # The least action this incident may take (the fleet guard's escalation of a repeat failure).
         self._floor: Action | None = None
         self._guard_decision: GuardDecision | None = None
+        self._counted = False  # in gpufleet_incidents_total (once, whichever way the incident ends)
         if params.carried is not None:
             self._status = params.carried.status
             self._events: list[XidEvent] = list(params.carried.events)
@@ -256,6 +265,7 @@ class NodeRemediationWorkflow:
             self._status.outcome = Outcome.FAILED
             self._status.error = "cancelled"
             self._mark(self._status.step, "cancelled")
+            self._count_closed()
             await self._release_unused_claim()
             await self._release_slot("cancelled")
             await self._give_back_node()
@@ -268,6 +278,7 @@ class NodeRemediationWorkflow:
             self._status.outcome = Outcome.FAILED
             self._status.error = message
             self._mark(self._status.step, "failed", message)
+            self._count_closed()
             await self._release_unused_claim()
             await self._release_slot(f"failed: {message}")
             await self._give_back_node()
@@ -1156,7 +1167,73 @@ class NodeRemediationWorkflow:
         self._mark(step, "finished", detail)
 
     def _mark(self, step: Step, event: str, detail: str = "") -> None:
-        self._status.timeline.append(TimelineEntry(step=step, event=event, at=workflow.now(), detail=detail))
+        at = workflow.now()
+        if event in ("started", "finished"):
+            self._measure_step(step, event, at)
+        self._status.timeline.append(TimelineEntry(step=step, event=event, at=at, detail=detail))
+
+    # -- metrics (workflow.metric_meter(): nothing is recorded while a history is replayed) ----------
+
+    def _open_steps(self) -> dict[Step, datetime]:
+        """The steps started and not finished, each with the first start of its span (a continued
+        run's wait for a spare keeps the start of the first run's)."""
+        opened: dict[Step, datetime] = {}
+        for entry in self._status.timeline:
+            if entry.step is Step.CLOSED:
+                continue
+            if entry.event == "started":
+                opened.setdefault(entry.step, entry.at)
+            elif entry.event == "finished":
+                opened.pop(entry.step, None)
+                if entry.step is Step.CLAIM_SPARE:  # a spare claimed ends the wait for one
+                    opened.pop(Step.WAIT_FOR_SPARE, None)
+        return opened
+
+    def _measure_step(self, step: Step, event: str, at: datetime) -> None:
+        """A step's start (its gauge) or end (its duration, the gauge back to 0); dry runs not."""
+        if self._dry or step is Step.CLOSED or workflow.unsafe.is_replaying():
+            return
+        opened = self._open_steps()
+        meter = workflow.metric_meter()
+        started = meter.create_gauge_float(STEP_STARTED, STEP_STARTED_HELP, "s")
+        labels = {"cluster": self._input.cluster, "incident": self._status.incident_id}
+        if event == "started":
+            started.set(opened.get(step, at).timestamp(), {**labels, "step": step.value})
+            return
+        durations = meter.create_histogram_float(STEP_DURATION, STEP_DURATION_HELP, "s")
+        for ended in (step, Step.WAIT_FOR_SPARE) if step is Step.CLAIM_SPARE else (step,):
+            since = opened.get(ended)
+            if since is None:
+                continue
+            seconds = max(0.0, (at - since).total_seconds())
+            durations.record(seconds, {"cluster": self._input.cluster, "step": ended.value})
+            started.set(0.0, {**labels, "step": ended.value})
+
+    def _count_closed(self) -> None:
+        """The incident in gpufleet_incidents_total, once; every step it left open back to 0."""
+        if self._counted or self._dry:
+            return
+        self._counted = True
+        if workflow.unsafe.is_replaying():
+            return
+        status, meter = self._status, workflow.metric_meter()
+        started = meter.create_gauge_float(STEP_STARTED, STEP_STARTED_HELP, "s")
+        for step in self._open_steps():
+            started.set(0.0, {"cluster": self._input.cluster, "incident": status.incident_id, "step": step.value})
+        if self._events:
+            lead = self._lead()
+            xid = str(lead.gpu_xid) if lead.gpu_xid is not None else lead.kind.value
+        else:
+            xid = "none"
+        meter.create_counter(INCIDENTS, INCIDENTS_HELP).add(
+            1,
+            {
+                "cluster": self._input.cluster,
+                "xid": xid,
+                "action": status.action.value if status.action else "none",
+                "outcome": status.outcome.value,
+            },
+        )
 
     async def _close(self) -> None:
         await self._quarantine()
@@ -1164,6 +1241,7 @@ class NodeRemediationWorkflow:
         await self._give_back_node()
         self._enter(Step.CLOSED)
         self._mark(Step.CLOSED, self._status.outcome.value)
+        self._count_closed()
         await self._flush_notifications()
         late = self._events[self._classified :]
         if late and self._classified:

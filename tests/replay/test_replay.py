@@ -6,8 +6,8 @@ Record new ones with ``GPUFLEET_RECORD_HISTORIES=DIR`` (see record.py) and keep 
 what they show (resolved, awaiting-repair, no-spare-then-returned, unknown-node, and, since the fleet
 guard, guarded-resolved, guarded-no-spare-then-returned, rebooted-in-place, dry-run, the guard's own
 history so far and a node return, and the shared pool's: moving nodes both ways with a budget
-refusing, and as the release before the ``pool-settle`` patch ran it); the ``operator-drained`` and ``worker-killed`` ones come from a
-`make chaos` run's Temporal database.
+refusing, and as the release before the ``pool-settle`` patch ran it); the ``operator-drained``
+and ``worker-killed`` ones come from a `make chaos` run's Temporal database.
 """
 
 from __future__ import annotations
