@@ -5,6 +5,7 @@ someone else is not touched."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,11 +36,7 @@ def test_a_node_goes_to_inference_with_its_job_requeued_and_comes_back(
     mover: tuple[PoolMover, KubernetesApi, SlurmCli], slurm_lab: SlurmLab, tmp_path: Path
 ) -> None:
     move, kube, slurm = mover
-    script = tmp_path / "long.sh"
-    script.write_text("#!/bin/sh\nsleep 300\n")
-    job = slurm_lab.sbatch(script, "-p", "train", "-w", "gpu3", "--requeue", "-o", "/dev/null")
-    try:
-        slurm_wait_running(slurm, job)
+    with running_job(slurm_lab, tmp_path, "gpu3", "#!/bin/sh\nsleep 300\n", "--requeue", "-o", "/dev/null") as job:
         said: list[str] = []
         detail = move.to_inference(
             "gpu3", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1, say=said.append
@@ -59,8 +56,6 @@ def test_a_node_goes_to_inference_with_its_job_requeued_and_comes_back(
         node = kube.get_node("gpu3")
         assert node.labels["gpufleet.io/pool"] == "training"
         assert any(t["key"] == TRAINING_TAINT and t["effect"] == "NoSchedule" for t in node.taints)
-    finally:
-        subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)
 
 
 def test_a_node_held_or_drained_by_someone_else_is_not_moved(mover: tuple[PoolMover, KubernetesApi, SlurmCli]) -> None:
@@ -79,6 +74,19 @@ def test_a_node_held_or_drained_by_someone_else_is_not_moved(mover: tuple[PoolMo
 
 def slurm_wait_running(slurm: SlurmCli, job: int) -> None:
     wait_for(lambda: slurm.job(job).state == "RUNNING", timeout=30, what=f"job {job} running")
+
+
+@contextlib.contextmanager
+def running_job(slurm_lab: SlurmLab, tmp_path: Path, node: str, script: str, *options: str) -> Iterator[int]:
+    """A batch job running ``script`` on ``node`` (in partition train), cancelled afterwards."""
+    path = tmp_path / f"job-{node}.sh"
+    path.write_text(script)
+    job = slurm_lab.sbatch(path, "-p", "train", "-w", node, *options)
+    try:
+        slurm_wait_running(SlurmCli(slurm_conf=slurm_lab.conf), job)
+        yield job
+    finally:
+        subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)
 
 
 class Crash(Exception):
@@ -121,11 +129,7 @@ def test_an_incident_taking_the_node_mid_move_stops_the_move_where_it_is(
     mover: tuple[PoolMover, KubernetesApi, SlurmCli], slurm_lab: SlurmLab, tmp_path: Path
 ) -> None:
     move, kube, slurm = mover
-    script = tmp_path / "long.sh"
-    script.write_text("#!/bin/sh\nsleep 300\n")
-    job = slurm_lab.sbatch(script, "-p", "train", "-w", "gpu3", "--requeue", "-o", "/dev/null")
-    try:
-        slurm_wait_running(slurm, job)
+    with running_job(slurm_lab, tmp_path, "gpu3", "#!/bin/sh\nsleep 300\n", "--requeue", "-o", "/dev/null") as job:
 
         def xid_arrives(text: str) -> None:
             # While the move waits for the job, an Xid opens an incident that takes the node.
@@ -146,19 +150,13 @@ def test_an_incident_taking_the_node_mid_move_stops_the_move_where_it_is(
         # And a new move does not take it from the incident.
         with pytest.raises(NotOwned, match="held by remediate-lab-gpu3"):
             move.to_inference("gpu3", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1)
-    finally:
-        subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)
 
 
 def test_a_job_that_refuses_requeue_does_not_fail_the_move_and_is_named(
     mover: tuple[PoolMover, KubernetesApi, SlurmCli], slurm_lab: SlurmLab, tmp_path: Path
 ) -> None:
     move, _, slurm = mover
-    script = tmp_path / "long.sh"
-    script.write_text("#!/bin/sh\nsleep 300\n")
-    job = slurm_lab.sbatch(script, "-p", "train", "-w", "gpu2", "--no-requeue", "-o", "/dev/null")
-    try:
-        slurm_wait_running(slurm, job)
+    with running_job(slurm_lab, tmp_path, "gpu2", "#!/bin/sh\nsleep 300\n", "--no-requeue", "-o", "/dev/null") as job:
         said: list[str] = []
         detail = move.to_inference(
             "gpu2", holder="pool-shared", partition="train", grace_seconds=1, deadline_seconds=1, say=said.append
@@ -167,8 +165,6 @@ def test_a_job_that_refuses_requeue_does_not_fail_the_move_and_is_named(
         assert any(f"job {job} not requeued" in line and "--no-requeue" in line for line in said), said
         assert "gpu2" not in slurm.partition_nodes("train")
         move.to_training("gpu2", holder="pool-shared", partition="train", eviction_timeout_seconds=5)
-    finally:
-        subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)
 
 
 def test_a_move_to_training_that_would_break_a_budget_is_undone_and_the_node_serves_on(
@@ -332,11 +328,7 @@ def test_a_node_taken_while_its_jobs_drained_goes_back_to_training_and_a_cordon_
     mover: tuple[PoolMover, KubernetesApi, SlurmCli], slurm_lab: SlurmLab, tmp_path: Path
 ) -> None:
     move, kube, slurm = mover
-    script = tmp_path / "long.sh"
-    script.write_text("#!/bin/sh\nsleep 300\n")
-    job = slurm_lab.sbatch(script, "-p", "train", "-w", "gpu3", "--requeue", "-o", "/dev/null")
-    try:
-        slurm_wait_running(slurm, job)
+    with running_job(slurm_lab, tmp_path, "gpu3", "#!/bin/sh\nsleep 300\n", "--requeue", "-o", "/dev/null") as job:
 
         def xid_arrives(text: str) -> None:
             if "waiting for job" in text:
@@ -356,20 +348,22 @@ def test_a_node_taken_while_its_jobs_drained_goes_back_to_training_and_a_cordon_
         assert settle(move, "gpu3", "inference") == "gpu3 is wholly in training"
         assert not slurm.node("gpu3").drained and "gpu3" in slurm.partition_nodes("train")
         assert slurm.job(job).state == "RUNNING" and slurm.job(job).restarts == 0
-    finally:
-        subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)
 
 
 def test_a_job_that_checkpointed_and_exited_while_the_worker_was_down_is_still_requeued(
     mover: tuple[PoolMover, KubernetesApi, SlurmCli], slurm_lab: SlurmLab, tmp_path: Path
 ) -> None:
     move, _, slurm = mover
-    script = tmp_path / "checkpoints.sh"
     # Saves its checkpoint on SIGTERM and exits cleanly, as a training job does.
-    script.write_text("#!/bin/sh\ntrap 'echo saved; exit 0' TERM\nwhile true; do sleep 1; done\n")
-    job = slurm_lab.sbatch(script, "-p", "train", "-w", "gpu2", "--requeue", "-o", "/dev/null")
-    try:
-        slurm_wait_running(slurm, job)
+    with running_job(
+        slurm_lab,
+        tmp_path,
+        "gpu2",
+        "#!/bin/sh\ntrap 'echo saved; exit 0' TERM\nwhile true; do sleep 1; done\n",
+        "--requeue",
+        "-o",
+        "/dev/null",
+    ) as job:
         with pytest.raises(Crash):  # the worker dies right after the SIGTERM
             move.to_inference(
                 "gpu2",
@@ -406,8 +400,6 @@ def test_a_job_that_checkpointed_and_exited_while_the_worker_was_down_is_still_r
         ) in ([], [job])
         assert slurm.job(job).restarts == 1
         move.to_training("gpu2", holder="pool-shared", partition="train", eviction_timeout_seconds=5)
-    finally:
-        subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)
 
 
 class SignalFails(SlurmCli):
@@ -429,11 +421,15 @@ def test_a_job_marked_but_never_signalled_gets_its_sigterm_on_the_retry(
 ) -> None:
     move, kube, slurm = mover
     out = tmp_path / "job.out"
-    script = tmp_path / "checkpoints.sh"
-    script.write_text("#!/bin/sh\ntrap 'echo saved; exit 0' TERM\nwhile true; do sleep 1; done\n")
-    job = slurm_lab.sbatch(script, "-p", "train", "-w", "gpu3", "--requeue", "-o", str(out))
-    try:
-        slurm_wait_running(slurm, job)
+    with running_job(
+        slurm_lab,
+        tmp_path,
+        "gpu3",
+        "#!/bin/sh\ntrap 'echo saved; exit 0' TERM\nwhile true; do sleep 1; done\n",
+        "--requeue",
+        "-o",
+        str(out),
+    ) as job:
         flaky = SignalFails(slurm_lab.conf)
         spares = SparePool(kube=kube, slurm=flaky, partition="train", cluster="lab")
         with pytest.raises(Unavailable):
@@ -449,5 +445,3 @@ def test_a_job_marked_but_never_signalled_gets_its_sigterm_on_the_retry(
         assert detail == f"gpu3 serves inference; requeued {job}"
         assert "saved" in out.read_text() and slurm.job(job).restarts == 1
         move.to_training("gpu3", holder="pool-shared", partition="train", eviction_timeout_seconds=5)
-    finally:
-        subprocess.run(["scancel", str(job)], env=slurm_lab.env, check=False)
