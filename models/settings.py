@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -28,6 +29,16 @@ class Settings(BaseSettings):
     slurm_conf: Path | None = None
     slurm_bin_dir: Path | None = None
     slurm_timeout_seconds: float = 30.0
+    # How the worker reaches Slurm: its commands (cli), or slurmrestd (rest: clusters reached only
+    # through Slurm's REST API). A backend lacking a method the worker needs stops it at start.
+    slurm_backend: Literal["cli", "rest"] = "cli"
+    slurmrestd_url: str = ""
+    slurmrestd_version: str = ""  # empty: the newest the server answers
+    slurmrestd_user: str = "root"
+    # The JWT: signed here with the key in this file, or read as a token from this one (never
+    # the key or the token itself in the environment). Exactly one of the two.
+    slurmrestd_jwt_key_file: Path | None = None
+    slurmrestd_token_file: Path | None = None
     kubeconfig: Path | None = None
     # Where gpufleet keeps its Leases (one per Slurm partition, serialising membership edits).
     namespace: str = "gpufleet"

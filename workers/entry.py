@@ -24,15 +24,23 @@ def worker() -> None:
     Settings come from GPUFLEET_* and the policy file (GPUFLEET_POLICY_FILE); Temporal's address,
     namespace and TLS from Temporal's env-config (TEMPORAL_ADDRESS, profiles).
     """
-    from workers.main import run_worker
+    from clients.errors import ClientError
+    from workers.main import run_worker, slurm_from_settings
     from workers.metrics import install_metrics
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx's INFO lines quote every request's URL: a webhook's secret path would be in the log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     settings = Settings()
     try:
         settings.worker_config()  # a wrong policy file is named before anything is contacted
     except PolicyError as exc:
         fail(f"policy file: {exc}", code=2)
+    try:
+        # Before anything else: a Slurm backend that cannot serve the worker stops it, saying why.
+        slurm_from_settings(settings)
+    except (ClientError, ValueError) as exc:
+        fail(f"Slurm backend {settings.slurm_backend}: {exc}", code=2)
     # Before the client connects: it takes the runtime that serves GET /metrics (GPUFLEET_METRICS_PORT).
     runtime = install_metrics(settings)
 

@@ -33,7 +33,8 @@ from clients.notify import WebhookNotifier
 from clients.poolmoves import PoolMover
 from clients.prometheus import PrometheusApi
 from clients.slinky import SlinkyBackend
-from clients.slurm import SlurmCli
+from clients.slurm import SlurmClient
+from clients.slurmrest_protocol import require_methods, slurm_client
 from clients.spares import SparePool
 from models.clusterops import CLUSTER_TASK_QUEUE
 from models.constants import task_queue
@@ -98,17 +99,31 @@ class Clients:
     """The worker's Kubernetes, Slurm and spare-pool clients, shared by its activities and its metrics."""
 
     kube: KubernetesApi
-    slurm: SlurmCli
+    slurm: SlurmClient
     pool: SparePool
+
+
+def slurm_from_settings(settings: Settings) -> SlurmClient:
+    """The Slurm client the settings name (GPUFLEET_SLURM_BACKEND), checked to serve every
+    method the worker calls: MissingSlurmMethods names each one it lacks, and why."""
+    slurm = slurm_client(
+        settings.slurm_backend,
+        slurm_conf=settings.slurm_conf,
+        bin_dir=settings.slurm_bin_dir,
+        timeout_seconds=settings.slurm_timeout_seconds,
+        restd_url=settings.slurmrestd_url,
+        restd_version=settings.slurmrestd_version,
+        restd_user=settings.slurmrestd_user,
+        restd_key_file=settings.slurmrestd_jwt_key_file,
+        restd_token_file=settings.slurmrestd_token_file,
+    )
+    require_methods(slurm)
+    return slurm
 
 
 def build_clients(settings: Settings) -> Clients:
     kube = KubernetesApi(kubeconfig=settings.kubeconfig, poll_seconds=settings.poll_seconds)
-    slurm = SlurmCli(
-        slurm_conf=settings.slurm_conf,
-        bin_dir=settings.slurm_bin_dir,
-        timeout_seconds=settings.slurm_timeout_seconds,
-    )
+    slurm = slurm_from_settings(settings)
     pool = SparePool(
         kube=kube, slurm=slurm, partition=settings.partition, cluster=settings.cluster, namespace=settings.namespace
     )

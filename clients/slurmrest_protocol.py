@@ -1,0 +1,632 @@
+"""The Slurm Protocol (``clients.slurm.SlurmClient``) over slurmrestd, for deployments that reach
+Slurm only through its REST API (a Slinky cluster's ``RestApi``).
+
+What each API version can serve, from SchedMD's OpenAPI documents and checked against a real
+22.05 slurmrestd (``tests/clients/test_slurmrest_protocol.py``):
+
+- **v0.0.38** (Slurm 22.05, 23.02) reads nodes, partitions and jobs, and nothing else that
+  gpufleet needs: it has no node update (no drain, down, resume); its job update does not take
+  ``admin_comment`` (no job marks: "Unknown key"); and its ``DELETE /job/{id}?signal=`` signals
+  the whole job, batch shell included, a SIGTERM cancelling it outright, so the tasks never get
+  the time to save a checkpoint that ``signal_job`` promises.
+- **v0.0.40 to v0.0.44** (Slurm 23.11 to 25.11) also update nodes (``POST /node/{name}`` with
+  ``state`` and ``reason``), job marks (``POST /job/{id}`` with ``admin_comment``) and signal a
+  job's steps and not its batch shell (``DELETE /job/{id}?signal=&flags=FULL_STEPS_ONLY``, what
+  ``scancel --signal`` does).
+- **No version** requeues a job or edits a partition's nodes: those need the CLI backend.
+
+A method a version cannot serve raises ``Unsupported`` before anything is sent;
+``unsupported_methods`` lists them, so that a worker refuses to start on a backend that lacks
+what it needs (``require_methods``).
+
+Node, partition and job names are validated before they reach a URL, as the CLI client
+validates them before they reach a command line.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from clients.dryrun import refuse_writes
+from clients.errors import ClientError, Forbidden, InvalidInput, NotFound, NotOwned, Unavailable, checked_node_name
+from clients.slurm import (
+    _ACTIVE_STATES,
+    _MARK,
+    _MARK_SAFE,
+    _NOT_WAITING_FOR_NODES,
+    Pending,
+    SlurmCli,
+    SlurmClient,
+    checked_job_id,
+    gpus_in,
+    job_from_json,
+    primary_state,
+)
+from clients.slurmrest import VERSIONS, jwt_token
+from models.constants import owned_reason
+from models.incident import JobInfo, NodeInfo
+
+# Every method of the Protocol, in its order.
+PROTOCOL_METHODS = (
+    "node",
+    "nodes",
+    "drain",
+    "down",
+    "resume",
+    "jobs_on_node",
+    "recent_jobs_on_node",
+    "pending",
+    "partition_jobs",
+    "hostnames",
+    "jobs_by_id",
+    "job",
+    "signal_job",
+    "requeue",
+    "job_marks",
+    "mark_job",
+    "partition_nodes",
+    "add_to_partition",
+    "remove_from_partition",
+)
+
+# What the worker's activities and its spare pool and pool mover call (a test checks this
+# against activities/ and clients/): ``down`` is in the Protocol but nothing calls it.
+WORKER_METHODS = frozenset(PROTOCOL_METHODS) - {"down"}
+
+_CLI = "the CLI backend (GPUFLEET_SLURM_BACKEND=cli)"
+_NEWER = f"slurmrestd of Slurm 23.11 or later (API v0.0.40+), or {_CLI}"
+# Method -> (what the API lacks, what would serve it), per API version.
+_LACKING_IN_38 = {
+    "drain": ("v0.0.38 has no node update (POST /node/{name} came with v0.0.40)", _NEWER),
+    "down": ("v0.0.38 has no node update (POST /node/{name} came with v0.0.40)", _NEWER),
+    "resume": ("v0.0.38 has no node update (POST /node/{name} came with v0.0.40)", _NEWER),
+    "signal_job": (
+        "v0.0.38 signals the whole job, batch shell included (a SIGTERM cancels it), "
+        "not its steps alone (flags=FULL_STEPS_ONLY came with v0.0.40)",
+        _NEWER,
+    ),
+    "mark_job": ("v0.0.38's job update does not take admin_comment", _NEWER),
+}
+_LACKING_EVERYWHERE = {
+    "requeue": ("slurmrestd has no requeue, in any API version up to v0.0.44", _CLI),
+    "add_to_partition": ("slurmrestd cannot change a partition, in any API version up to v0.0.44", _CLI),
+    "remove_from_partition": ("slurmrestd cannot change a partition, in any API version up to v0.0.44", _CLI),
+}
+
+_SIGNALS = {"TERM", "INT", "USR1", "USR2", "HUP"}
+_NODE_BASE_STATES = ("UNKNOWN", "DOWN", "IDLE", "ALLOCATED", "ERROR", "MIXED", "FUTURE", "EXTERNAL")
+_UNREACHABLE = ("unable to contact slurm controller", "connection refused", "socket timed out", "zero bytes")
+_NOT_FOUND_NUMBERS = {2017, 2018}  # Slurm's "Invalid job id specified", "Invalid node name specified"
+_NOT_FOUND_TEXT = ("invalid job id", "invalid node name", "invalid partition name", "unable to find")
+_FINISHED = ("already completing or completed", "already finished", "job has already completed")
+_MAX_HOSTS = 65536
+
+
+class Unsupported(ClientError):
+    """The Protocol method cannot be served by this backend and API version (nothing was sent)."""
+
+    retryable = False
+
+    def __init__(self, method: str, version: str, why: str, served_by: str) -> None:
+        super().__init__(f"{method} is not available through slurmrestd {version}: {why}; use {served_by}")
+        self.method = method
+        self.version = version
+        self.why = why
+        self.served_by = served_by
+
+
+class MissingSlurmMethods(ClientError):
+    """A worker needs Protocol methods its configured Slurm backend cannot serve."""
+
+    retryable = False
+
+
+# -- hostlists ------------------------------------------------------------------------------------
+
+
+def _split_top(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        if char == "[":
+            depth += 1
+            if depth > 1:
+                raise InvalidInput(f"invalid hostlist {text!r}: nested brackets")
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise InvalidInput(f"invalid hostlist {text!r}: ']' without '['")
+        elif char == "," and depth == 0:
+            parts.append(text[start:index])
+            start = index + 1
+    if depth:
+        raise InvalidInput(f"invalid hostlist {text!r}: '[' without ']'")
+    parts.append(text[start:])
+    return parts
+
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _expand_ranges(body: str, whole: str) -> list[str]:
+    """``1-3,05`` as ``["1", "2", "3", "05"]``; a range keeps the width of its zero-padded low end."""
+    out: list[str] = []
+    for item in body.split(","):
+        match = _RANGE.match(item.strip())
+        if not match:
+            raise InvalidInput(f"invalid hostlist {whole!r}: bad range {item!r}")
+        low, high = match.group(1), match.group(2)
+        if high is None:
+            out.append(low)
+            continue
+        if int(high) < int(low):
+            raise InvalidInput(f"invalid hostlist {whole!r}: range {item!r} runs backwards")
+        if int(high) - int(low) >= _MAX_HOSTS:
+            raise InvalidInput(f"invalid hostlist {whole!r}: range {item!r} is too large")
+        width = len(low) if low.startswith("0") else 0
+        out.extend(str(number).zfill(width) for number in range(int(low), int(high) + 1))
+    return out
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """A Slurm hostlist as its names, in Slurm's order: ``gpu[1-3,5],cpu[01-02]`` is
+    ``gpu1 gpu2 gpu3 gpu5 cpu01 cpu02``, ``r[1-2]n[1-2]`` is ``r1n1 r1n2 r2n1 r2n2``.
+
+    What ``scontrol show hostnames`` prints, without a controller: repeats kept, a range as wide
+    as its zero-padded low end (``n[01-3]``: n01 n02 n03; ``n[9-010]``: n9 n10). InvalidInput for
+    what is not a hostlist (unbalanced or nested brackets, backwards or huge ranges). Text after
+    the last bracket (``node[1-2]-ib``), which 22.05's scontrol refuses, is kept as a suffix."""
+    hostlist = hostlist.strip()
+    if not hostlist:
+        return []
+    hosts: list[str] = []
+    for part in _split_top(hostlist):
+        part = part.strip()
+        if not part:
+            continue
+        names = [""]
+        for piece in re.split(r"(\[[^\]]*\])", part):
+            if piece.startswith("["):
+                ranges = _expand_ranges(piece[1:-1], hostlist)
+                names = [name + number for name in names for number in ranges]
+            else:
+                names = [name + piece for name in names]
+            if len(names) > _MAX_HOSTS:
+                raise InvalidInput(f"invalid hostlist {hostlist!r}: more than {_MAX_HOSTS} names")
+        hosts.extend(names)
+        if len(hosts) > _MAX_HOSTS:
+            raise InvalidInput(f"invalid hostlist {hostlist!r}: more than {_MAX_HOSTS} names")
+    return hosts
+
+
+# -- shapes ---------------------------------------------------------------------------------------
+
+
+def node_from_rest(raw: dict[str, Any]) -> NodeInfo:
+    """One node of ``GET /nodes``: v0.0.38's ``"state": "idle", "state_flags": ["DRAIN"]`` or
+    v0.0.40+'s ``"state": ["IDLE", "DRAIN"]``, as the CLI client reads ``State=IDLE+DRAIN``."""
+    state = raw.get("state")
+    if isinstance(state, list):
+        words = [str(word).upper() for word in state]
+        base = next((word for word in words if word in _NODE_BASE_STATES), words[0] if words else "UNKNOWN")
+        flags = [word for word in words if word != base]
+    else:
+        base = str(state or "UNKNOWN").upper()
+        flags = [str(flag).upper() for flag in raw.get("state_flags") or []]
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise ClientError(f"slurmrestd returned a node without a name: {raw!r:.200}")
+    return NodeInfo(
+        name=name,
+        state=base.lower(),
+        flags=flags,
+        reason=str(raw.get("reason") or ""),
+        partitions=[str(p) for p in raw.get("partitions") or [] if p],
+    )
+
+
+def _partitions_of(raw: dict[str, Any]) -> list[str]:
+    return [p for p in str(raw.get("partition") or "").split(",") if p]
+
+
+# -- the client -----------------------------------------------------------------------------------
+
+
+class SlurmRest:
+    """SlurmClient over slurmrestd: each request signed with a short-lived HS256 token for
+    ``user`` (the cluster's ``jwt_key`` from ``key_file``), or carrying a token read from
+    ``token_file`` at each request (so that it can be rotated). Neither is ever logged."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        version: str = "v0.0.38",
+        user: str = "root",
+        key_file: Path | None = None,
+        token_file: Path | None = None,
+        timeout_seconds: float = 30.0,
+    ) -> None:
+        if version not in VERSIONS:
+            raise ValueError(f"unknown slurmrestd API version {version!r}; gpufleet speaks {', '.join(VERSIONS)}")
+        if (key_file is None) == (token_file is None):
+            raise ValueError("give the slurmrestd client exactly one of a JWT key file or a token file")
+        self.base_url = base_url.rstrip("/")
+        self.version = version
+        self.user = user
+        self._key = key_file.read_bytes() if key_file is not None else None
+        self._token_file = token_file
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_seconds)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def unsupported(self) -> dict[str, str]:
+        """Method name -> why this API version cannot serve it, and what would."""
+        lacking = dict(_LACKING_EVERYWHERE)
+        if self.version == "v0.0.38":
+            lacking.update(_LACKING_IN_38)
+        return {method: f"{why}; use {by}" for method, (why, by) in lacking.items()}
+
+    def _lacking(self, method: str) -> Unsupported | None:
+        lacking = dict(_LACKING_EVERYWHERE)
+        if self.version == "v0.0.38":
+            lacking.update(_LACKING_IN_38)
+        if method not in lacking:
+            return None
+        why, served_by = lacking[method]
+        return Unsupported(method, self.version, why, served_by)
+
+    def _refuse_unsupported(self, method: str) -> None:
+        """Unsupported, before anything is sent, when this API version cannot serve ``method``."""
+        refused = self._lacking(method)
+        if refused is not None:
+            raise refused
+
+    def _token(self) -> str:
+        if self._key is not None:
+            return jwt_token(self._key, self.user)
+        assert self._token_file is not None
+        try:
+            return self._token_file.read_text().strip()
+        except OSError as exc:
+            raise Unavailable(f"the slurmrestd token file {self._token_file} is unreadable: {exc.strerror}") from None
+
+    def _call(
+        self, method: str, path: str, *, body: dict[str, Any] | None = None, params: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        what = f"{method} {path}"
+        if method != "GET":
+            refuse_writes(f"slurmrestd {what}")
+        headers = {"X-SLURM-USER-NAME": self.user, "X-SLURM-USER-TOKEN": self._token()}
+        try:
+            reply = self._http.request(method, path, headers=headers, json=body, params=params)
+        except httpx.HTTPError as exc:
+            raise Unavailable(f"slurmrestd at {self.base_url} did not answer {what}: {type(exc).__name__}") from None
+        if reply.status_code in (401, 403):
+            raise Forbidden(
+                f"slurmrestd refused the token for {self.user!r} on {what} ({reply.status_code}): the key must be "
+                "the cluster's jwt_key (or the token current), and the user must exist on the controller"
+            )
+        try:
+            data = reply.json()
+        except ValueError:
+            data = {}
+        if not isinstance(data, dict):
+            data = {}
+        errors = [e for e in data.get("errors") or [] if e]
+        if reply.status_code == 404 and not errors:
+            raise ClientError(f"slurmrestd at {self.base_url} does not serve {what}: is its API {self.version}?")
+        if reply.status_code < 400 and not errors:
+            return data
+        said = "; ".join(_said(e) for e in errors) or reply.text.strip()[:300]
+        message = f"slurmrestd refused {what} ({reply.status_code}): {said}"
+        lowered = said.lower()
+        numbers = {e.get("error_number", e.get("errno")) for e in errors if isinstance(e, dict)}
+        if numbers & _NOT_FOUND_NUMBERS or any(text in lowered for text in _NOT_FOUND_TEXT):
+            raise NotFound(message)
+        if any(text in lowered for text in _UNREACHABLE) or reply.status_code in (502, 503, 504):
+            raise Unavailable(message)
+        raise ClientError(message)
+
+    def _path(self, *parts: str) -> str:
+        return "/".join(("", "slurm", self.version, *parts))
+
+    # -- nodes ------------------------------------------------------------------------------------
+
+    def nodes(self) -> list[NodeInfo]:
+        data = self._call("GET", self._path("nodes"))
+        return [node_from_rest(raw) for raw in data.get("nodes") or []]
+
+    def node(self, name: str) -> NodeInfo:
+        name = checked_node_name(name)
+        try:
+            data = self._call("GET", self._path("node", name))
+        except NotFound:
+            raise NotFound(f"Slurm has no node named {name!r}") from None
+        found = [node_from_rest(raw) for raw in data.get("nodes") or []]
+        if not found or found[0].name != name:
+            raise NotFound(f"Slurm has no node named {name!r}")
+        if self.version == "v0.0.38":
+            # 22.05 names the wrong partitions for one node read alone (a node in no partition
+            # comes back in the first one); its partitions' own node lists are right.
+            return found[0].model_copy(update={"partitions": self._partitions_holding(name)})
+        return found[0]
+
+    def _partitions_holding(self, name: str) -> list[str]:
+        partitions = self._call("GET", self._path("partitions")).get("partitions") or []
+        return [
+            str(p["name"]) for p in partitions if p.get("name") and name in expand_hostlist(str(p.get("nodes") or ""))
+        ]
+
+    def _update_node(self, name: str, state: str, reason: str | None) -> None:
+        body: dict[str, Any] = {"state": [state]}
+        if reason is not None:
+            body["reason"] = reason
+        self._call("POST", self._path("node", checked_node_name(name)), body=body)
+
+    def drain(self, name: str, *, reason: str) -> NodeInfo:
+        """Drain with our reason; a node someone else drained keeps theirs. The node as it is after."""
+        self._refuse_unsupported("drain")
+        current = self.node(name)
+        if current.drained and (not owned_reason(current.reason) or current.reason == reason):
+            return current
+        self._update_node(name, "DRAIN", reason)
+        return self.node(name)
+
+    def down(self, name: str, *, reason: str) -> None:
+        self._refuse_unsupported("down")
+        current = self.node(name)
+        if current.reason and not owned_reason(current.reason):
+            raise NotOwned(f"{name} is held by someone else ({current.reason!r}); leaving it as it is")
+        if current.state == "down" and current.reason == reason:
+            return
+        self._update_node(name, "DOWN", reason)
+
+    def resume(self, name: str) -> None:
+        """Return a node to service, only when gpufleet took it out (or nobody did)."""
+        self._refuse_unsupported("resume")
+        current = self.node(name)
+        if not current.drained and current.state not in {"down", "fail"}:
+            return
+        if current.reason and not owned_reason(current.reason):
+            raise NotOwned(f"{name} was taken out by someone else ({current.reason!r}); not resuming it")
+        self._update_node(name, "RESUME", None)
+
+    # -- jobs -------------------------------------------------------------------------------------
+
+    def _raw_jobs(self) -> list[dict[str, Any]]:
+        """Every job slurmctld still holds (finished ones within MinJobAge): the API filters by nothing else."""
+        jobs: list[dict[str, Any]] = self._call("GET", self._path("jobs")).get("jobs") or []
+        return jobs
+
+    def _on_node(self, name: str) -> list[JobInfo]:
+        name = checked_node_name(name)
+        self.node(name)  # NotFound for a node Slurm does not know, as squeue -w says
+        return [
+            job
+            for job in (job_from_json(raw) for raw in self._raw_jobs())
+            if job.nodes and name in expand_hostlist(job.nodes)
+        ]
+
+    def jobs_on_node(self, name: str) -> list[JobInfo]:
+        """The jobs running (or completing, suspended, ...) on the node."""
+        return [job for job in self._on_node(name) if job.state in _ACTIVE_STATES]
+
+    def recent_jobs_on_node(self, name: str) -> list[JobInfo]:
+        """The jobs on the node, finished ones too (those slurmctld still keeps: MinJobAge)."""
+        return self._on_node(name)
+
+    def pending(self, partition: str) -> Pending:
+        """What the partition's pending jobs ask for; held or dependent jobs ask for nothing yet."""
+        partition = checked_node_name(partition)
+        demand = Pending()
+        for raw in self._raw_jobs():
+            if partition not in _partitions_of(raw) or primary_state(raw.get("job_state")) != "PENDING":
+                continue
+            if str(raw.get("state_reason") or "").startswith(_NOT_WAITING_FOR_NODES):
+                continue
+            nodes = _count(raw.get("node_count"))
+            demand.jobs += 1
+            demand.nodes += nodes
+            demand.gpus += nodes * gpus_in(str(raw.get("tres_per_node") or ""))
+        return demand
+
+    def partition_jobs(self, partition: str) -> list[JobInfo]:
+        """The partition's jobs that hold nodes now (running, completing, suspended...)."""
+        partition = checked_node_name(partition)
+        return [
+            job
+            for raw in self._raw_jobs()
+            if partition in _partitions_of(raw) and (job := job_from_json(raw)).state in _ACTIVE_STATES
+        ]
+
+    def hostnames(self, hostlist: str) -> list[str]:
+        """``gpu[1-2],spare1`` as ``["gpu1", "gpu2", "spare1"]``, expanded here."""
+        return expand_hostlist(hostlist)
+
+    def _one_job(self, job_id: int) -> dict[str, Any] | None:
+        try:
+            data = self._call("GET", self._path("job", str(checked_job_id(job_id))))
+        except NotFound:
+            return None
+        # An array's base ID also returns its tasks: only the one asked for.
+        return next((raw for raw in data.get("jobs") or [] if _count(raw.get("job_id")) == job_id), None)
+
+    def jobs_by_id(self, job_ids: list[int]) -> dict[int, JobInfo]:
+        """The given jobs, finished ones included (within MinJobAge); one request either way.
+        A job Slurm no longer knows is absent from the result."""
+        wanted = sorted({checked_job_id(job_id) for job_id in job_ids})
+        if not wanted:
+            return {}
+        if len(wanted) == 1:
+            raw = self._one_job(wanted[0])
+            return {} if raw is None else {wanted[0]: job_from_json(raw)}
+        jobs = (job_from_json(raw) for raw in self._raw_jobs())
+        return {job.job_id: job for job in jobs if job.job_id in wanted}
+
+    def job(self, job_id: int) -> JobInfo:
+        found = self.jobs_by_id([job_id]).get(job_id)
+        if found is None:
+            raise NotFound(f"Slurm has no job {job_id}")
+        return found
+
+    def signal_job(self, job_id: int, *, signal: str = "TERM") -> None:
+        """Signal every step of the job and not its batch shell (``flags=FULL_STEPS_ONLY``, what
+        ``scancel --signal`` does), so that the tasks may save a checkpoint.
+
+        The API lists no steps: a job whose program runs in the batch shell itself, with no
+        ``srun``, gets no signal here (the CLI backend signals its batch shell)."""
+        self._refuse_unsupported("signal_job")
+        if signal not in _SIGNALS:
+            raise InvalidInput(f"refusing to send signal {signal!r}")
+        path = self._path("job", str(checked_job_id(job_id)))
+        self._call("DELETE", path, params={"signal": signal, "flags": "FULL_STEPS_ONLY"})
+
+    def requeue(self, job_id: int) -> None:
+        checked_job_id(job_id)
+        raise Unsupported("requeue", self.version, *_LACKING_EVERYWHERE["requeue"])
+
+    # -- marks ------------------------------------------------------------------------------------
+
+    def _admin_comment(self, job_id: int) -> str:
+        raw = self._one_job(checked_job_id(job_id))
+        if raw is None:
+            raise NotFound(f"Slurm has no job {job_id}")
+        return str(raw.get("admin_comment") or "")
+
+    def job_marks(self, job_id: int) -> list[str]:
+        """gpufleet's marks on the job (``gpufleet:signalled:<incident>``...), from its AdminComment."""
+        return _MARK.findall(self._admin_comment(job_id))
+
+    def mark_job(self, job_id: int, mark: str) -> bool:
+        """Record ``mark`` in the job's AdminComment, keeping what else it holds; False when
+        Slurm refuses because the job has finished."""
+        self._refuse_unsupported("mark_job")
+        if not _MARK_SAFE.match(mark):
+            raise InvalidInput(f"refusing to write job mark {mark!r}")
+        with self._lock:
+            comment = self._admin_comment(job_id)
+            if mark in _MARK.findall(comment):
+                return True
+            updated = f"{comment}; {mark}" if comment else mark
+            try:
+                self._call("POST", self._path("job", str(checked_job_id(job_id))), body={"admin_comment": updated})
+            except ClientError as exc:
+                if any(text in str(exc).lower() for text in _FINISHED):
+                    return False
+                raise
+        return True
+
+    # -- partitions -------------------------------------------------------------------------------
+
+    def partition_nodes(self, partition: str) -> list[str]:
+        partition = checked_node_name(partition)
+        return [node.name for node in self.nodes() if partition in node.partitions]
+
+    def add_to_partition(self, partition: str, node: str) -> None:
+        checked_node_name(partition)
+        checked_node_name(node)
+        raise Unsupported("add_to_partition", self.version, *_LACKING_EVERYWHERE["add_to_partition"])
+
+    def remove_from_partition(self, partition: str, node: str) -> None:
+        checked_node_name(partition)
+        checked_node_name(node)
+        raise Unsupported("remove_from_partition", self.version, *_LACKING_EVERYWHERE["remove_from_partition"])
+
+
+def _said(entry: Any) -> str:
+    if not isinstance(entry, dict):
+        return str(entry)
+    said = str(entry.get("description") or entry.get("error") or entry)
+    return f"{said} ({entry['source']})" if entry.get("source") else said
+
+
+def _count(value: object) -> int:
+    """A count as v0.0.38 gives it (``3``) or v0.0.40+ may (``{"set": true, "number": 3}``)."""
+    if isinstance(value, dict):
+        if not value.get("set", True) or value.get("infinite", False):
+            return 0
+        value = value.get("number")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+# -- choosing a backend, and what it lacks --------------------------------------------------------
+
+
+BACKENDS = ("cli", "rest")
+
+
+def slurm_client(
+    backend: str,
+    *,
+    slurm_conf: Path | None = None,
+    bin_dir: Path | None = None,
+    timeout_seconds: float = 30.0,
+    restd_url: str = "",
+    restd_version: str = "",
+    restd_user: str = "root",
+    restd_key_file: Path | None = None,
+    restd_token_file: Path | None = None,
+) -> SlurmClient:
+    """The Slurm client a setting names: ``cli`` (the Slurm commands) or ``rest`` (slurmrestd).
+
+    For ``rest`` without ``restd_version``, the server is asked which version it serves, newest
+    first."""
+    if backend == "cli":
+        return SlurmCli(slurm_conf=slurm_conf, bin_dir=bin_dir, timeout_seconds=timeout_seconds)
+    if backend != "rest":
+        raise ValueError(f"unknown Slurm backend {backend!r}: use {' or '.join(BACKENDS)}")
+    if not restd_url.startswith(("http://", "https://")):
+        raise ValueError("the rest Slurm backend needs slurmrestd's http:// or https:// URL")
+    client = SlurmRest(
+        restd_url,
+        version=restd_version or "v0.0.38",
+        user=restd_user,
+        key_file=restd_key_file,
+        token_file=restd_token_file,
+        timeout_seconds=timeout_seconds,
+    )
+    if not restd_version:
+        client.version = detect_version(client)
+    return client
+
+
+def detect_version(client: SlurmRest) -> str:
+    """The newest API version ``client``'s server serves (the paths of the others are 404)."""
+    for version in VERSIONS:
+        client.version = version
+        try:
+            client._call("GET", client._path("ping"))
+        except (Forbidden, Unavailable):
+            raise
+        except ClientError as exc:
+            if "does not serve" in str(exc):
+                continue
+            raise
+        return version
+    raise Unavailable(f"slurmrestd at {client.base_url} serves none of {', '.join(VERSIONS)}")
+
+
+def unsupported_methods(client: object) -> dict[str, str]:
+    """Protocol method -> why ``client`` cannot serve it (nothing for the CLI client)."""
+    lacking = getattr(client, "unsupported", None)
+    return dict(lacking()) if callable(lacking) else {}
+
+
+def require_methods(client: object, needed: Iterable[str] = WORKER_METHODS) -> None:
+    """MissingSlurmMethods naming each of ``needed`` that ``client`` cannot serve, and why."""
+    lacking = unsupported_methods(client)
+    missing = sorted(set(needed) & set(lacking))
+    if missing:
+        details = "; ".join(f"{method}: {lacking[method]}" for method in missing)
+        raise MissingSlurmMethods(f"the Slurm backend lacks {len(missing)} method(s) this worker needs: {details}")
