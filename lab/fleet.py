@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -186,8 +187,9 @@ class FleetLab:
             pid, url = self._start_module(
                 "webhook", ["--record", str(self.notifications_file)], what="the webhook receiver"
             )
-            services["webhook"] = {"pid": pid, "url": url}
-            say(f"webhook receiver on {services['webhook']['url']} (records {self.notifications_file})")
+            # A secret in the path, as a Slack webhook's: gpufleet must never write it anywhere.
+            services["webhook"] = {"pid": pid, "url": f"{url}/hooks/{secrets.token_urlsafe(16)}"}
+            say(f"webhook receiver on {url} (records {self.notifications_file})")
             self._save({**state, "services": services})
 
         if running("jobrunner"):

@@ -8,6 +8,7 @@ requeued once and resumed from its checkpoint, and the owner told "opened" and "
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import subprocess
@@ -264,3 +265,46 @@ def test_no_spare_waits_until_a_repaired_node_is_returned(fleet: FleetLab) -> No
     assert not any(taint["key"] == "gpufleet.io/retired" for taint in gpu1.taints)
     assert gpu1.labels["gpufleet.io/pool"] == "training"
     assert "gpu1" in SlurmCli(slurm_conf=fleet.slurm.conf).partition_nodes("train")
+
+
+def _payload_texts(node: Any) -> Iterator[str]:
+    """Every payload of a history in JSON form, decoded (payload data is base64 there)."""
+    if isinstance(node, dict):
+        if isinstance(node.get("data"), str) and "metadata" in node:
+            yield base64.b64decode(node["data"]).decode("utf-8", "replace")
+        for value in node.values():
+            yield from _payload_texts(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _payload_texts(value)
+
+
+def test_the_webhook_secret_is_nowhere_in_logs_histories_or_search_attributes(fleet: FleetLab) -> None:
+    """After the incidents above: the webhook URL's secret path appears in no log of gpufleet's,
+    no workflow input, result, failure or query payload, no search attribute, no CLI output."""
+    url = fleet.env()["GPUFLEET_WEBHOOK_URL"]
+    secret = url.rsplit("/", 1)[1]
+    assert len(secret) >= 16 and fleet.notifications_file.read_text()  # notifications did go there
+
+    async def recorded() -> list[str]:
+        client = await Client.connect(fleet.env()["TEMPORAL_ADDRESS"], data_converter=pydantic_data_converter)
+        texts = []
+        async for execution in client.list_workflows():
+            texts.append(repr(execution.search_attributes) + repr(execution.typed_search_attributes))
+            history = await client.get_workflow_handle(execution.id, run_id=execution.run_id).fetch_history()
+            raw = history.to_json()
+            texts.append(raw)
+            texts.extend(_payload_texts(json.loads(raw)))
+        return texts
+
+    texts = asyncio.run(recorded())
+    assert len(texts) > 10  # the incidents, the guard, the node returns
+    # gpufleet's own logs; the receiver's (it stands for Slack) logs the paths it is sent to.
+    logs = [p for p in (fleet.home / "logs").glob("*.log") if p.name != "webhook.log"]
+    assert any(p.name.startswith("worker") for p in logs)
+    texts.extend(p.read_text(errors="replace") for p in logs)
+    for command in (["incidents", "list"], ["incidents", "show", "gpu2"], ["lab", "status"]):
+        done = gpufleet(fleet, *command)
+        texts.append(done.stdout + done.stderr)
+    leaks = [text[max(0, text.find(secret) - 80) : text.find(secret) + 20] for text in texts if secret in text]
+    assert not leaks, leaks
