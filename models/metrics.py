@@ -35,8 +35,9 @@ STEP_DURATION_BUCKETS: tuple[float, ...] = (
     24 * 3600,
 )
 
-# Per incident and step: the Unix time the incident entered the step, 0 once it finished or the
-# incident closed. A step stuck for too long is ``time() - this`` (alerts in deploy/base).
+# Per node and step: the Unix time the node's open incident entered the step, 0 once it finished
+# or the incident closed (by node, not by incident: the series stay as many as the nodes). A step
+# stuck for too long is ``time() - this`` (alerts in deploy/base).
 STEP_STARTED = "gpufleet_incident_step_started_timestamp_seconds"
 STEP_STARTED_HELP = "Unix time an open incident entered a step; 0 once the step finished or the incident closed."
 

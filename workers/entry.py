@@ -38,7 +38,10 @@ def worker() -> None:
         fail(f"policy file: {exc}", code=2)
     try:
         # Before anything else: a Slurm backend that cannot serve the worker stops it, saying why.
-        slurm_from_settings(settings)
+        checked = slurm_from_settings(settings)
+        close = getattr(checked, "close", None)
+        if callable(close):
+            close()  # the worker builds its own; this one only proved the backend serves it
     except (ClientError, ValueError) as exc:
         fail(f"Slurm backend {settings.slurm_backend}: {exc}", code=2)
     # Before the client connects: it takes the runtime that serves GET /metrics (GPUFLEET_METRICS_PORT).

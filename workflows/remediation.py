@@ -1196,7 +1196,9 @@ class NodeRemediationWorkflow:
         opened = self._open_steps()
         meter = workflow.metric_meter()
         started = meter.create_gauge_float(STEP_STARTED, STEP_STARTED_HELP, "s")
-        labels = {"cluster": self._input.cluster, "incident": self._status.incident_id}
+        # By node, not by incident: a node has one open incident at a time, and the series stay
+        # as many as the nodes that ever failed (incident IDs would grow without bound).
+        labels = {"cluster": self._input.cluster, "node": self._input.node}
         if event == "started":
             started.set(opened.get(step, at).timestamp(), {**labels, "step": step.value})
             return
@@ -1219,7 +1221,7 @@ class NodeRemediationWorkflow:
         status, meter = self._status, workflow.metric_meter()
         started = meter.create_gauge_float(STEP_STARTED, STEP_STARTED_HELP, "s")
         for step in self._open_steps():
-            started.set(0.0, {"cluster": self._input.cluster, "incident": status.incident_id, "step": step.value})
+            started.set(0.0, {"cluster": self._input.cluster, "node": self._input.node, "step": step.value})
         if self._events:
             lead = self._lead()
             xid = str(lead.gpu_xid) if lead.gpu_xid is not None else lead.kind.value

@@ -131,7 +131,7 @@ async def test_a_closed_incident_shows_in_gpufleets_metrics_and_the_sdks(
     assert "# TYPE gpufleet_step_duration_seconds histogram" in text
 
     # Every step it entered is back to 0: nothing is left looking stuck.
-    started = samples(text, "gpufleet_incident_step_started_timestamp_seconds", incident=status.incident_id)
+    started = samples(text, "gpufleet_incident_step_started_timestamp_seconds", cluster=cluster, node=status.node)
     assert started and all(value == 0 for _, value in started)
 
     # The fleet guard granted the slot and took it back.
@@ -160,16 +160,14 @@ async def test_a_step_in_flight_shows_its_start_until_it_ends(
                 break
             await asyncio.sleep(0.05)
         waiting: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
-        incident = waiting.incident_id
+        where = {"cluster": fleet.cluster, "node": waiting.node}
         text = await scraped_until(
             url,
-            lambda t: samples(
-                t, "gpufleet_incident_step_started_timestamp_seconds", incident=incident, step="wait_for_spare"
-            ),
+            lambda t: samples(t, "gpufleet_incident_step_started_timestamp_seconds", **where, step="wait_for_spare"),
         )
         started = {
             labels["step"]: value
-            for labels, value in samples(text, "gpufleet_incident_step_started_timestamp_seconds", incident=incident)
+            for labels, value in samples(text, "gpufleet_incident_step_started_timestamp_seconds", **where)
         }
         # Waiting for a spare (and so in claim_spare), since the time the timeline says.
         wait_began = next(e.at for e in waiting.timeline if e.step == "wait_for_spare" and e.event == "started")
@@ -183,7 +181,7 @@ async def test_a_step_in_flight_shows_its_start_until_it_ends(
         status: IncidentStatus = await handle.result()
     assert status.outcome == Outcome.RESOLVED
     text = await scraped_until(url, lambda t: samples(t, "gpufleet_incidents_total", cluster=fleet.cluster))
-    started_after = samples(text, "gpufleet_incident_step_started_timestamp_seconds", incident=incident)
+    started_after = samples(text, "gpufleet_incident_step_started_timestamp_seconds", **where)
     assert all(value == 0 for _, value in started_after)
     assert one(text, "gpufleet_step_duration_seconds_count", cluster=fleet.cluster, step="wait_for_spare") == 1
 
