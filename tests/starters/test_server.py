@@ -36,7 +36,13 @@ def test_server_registers_the_search_attributes(tmp_path: Path) -> None:
             )
             return dict(response.custom_attributes)
 
-        custom = asyncio.run(attributes())
+        # The port opens before the frontend answers ("Frontend is not healthy yet"), and the
+        # attributes are registered after that: wait for them, not for the port alone.
+        custom = wait_for(
+            lambda: (found := asyncio.run(attributes())) and "GpuNode" in found and found,
+            timeout=60,
+            what="the dev server to answer with gpufleet's search attributes",
+        )
         assert custom["GpuNode"] == IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD
         assert custom["Cluster"] == IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD
         assert custom["Xid"] == IndexedValueType.INDEXED_VALUE_TYPE_INT
