@@ -70,6 +70,30 @@ def still_held(kube: KubeClient, node: str, holder: str) -> None:
         raise NotOwned(f"{node} was taken over by {held or 'nobody'}: {holder} stops here and leaves it to them")
 
 
+def update_if_held(
+    kube: KubeClient,
+    node: str,
+    holder: str,
+    *,
+    labels: dict[str, str | None] | None = None,
+    annotations: dict[str, str | None] | None = None,
+) -> None:
+    """Write labels and annotations only while ``holder`` holds the node: at the resourceVersion
+    of the Node read with the lease still its own. NotOwned once someone else holds it."""
+    while True:
+        current = kube.get_node(node)
+        held = current.annotations.get(NODE_LEASE_ANNOTATION)
+        if held != holder:
+            raise NotOwned(f"{node} was taken over by {held or 'nobody'}: {holder} stops here and leaves it to them")
+        try:
+            kube.update_metadata(
+                node, labels=labels, annotations=annotations, resource_version=current.resource_version
+            )
+            return
+        except Conflict:
+            continue  # the Node changed since we read it: look again
+
+
 def give_back(kube: KubeClient, node: str, holder: str) -> bool:
     """Let go of the node if ``holder`` holds it; False when it did not (or the Node is gone)."""
     while True:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from clients import nodelease
-from clients.errors import ClientError, Conflict, InvalidInput, NotFound, NotOwned, TooManyRequests
+from clients.errors import ClientError, InvalidInput, NotFound, NotOwned, TooManyRequests
 from clients.kube import KubeClient, KubeNode, PodRef
 from clients.slurm import SlurmClient
 from clients.spares import SparePool
@@ -120,23 +120,14 @@ class PoolMover:
 
     def _label(self, node: str, pool: str, holder: str) -> None:
         """The pool label, the write that makes the node a member of the other side: written
-        only while the lease is still ours (a resourceVersion precondition on the Node we read
-        it from), so an incident taking the node at that instant is never overwritten."""
-        while True:
-            current = self._kube.get_node(node)
-            if current.annotations.get(LEASE_ANNOTATION) != holder:
-                held = current.annotations.get(LEASE_ANNOTATION) or "nobody"
-                raise HandedOver(f"{node} was taken over by {held}: {holder} stops here and leaves it to them")
-            try:
-                self._kube.update_metadata(
-                    node,
-                    labels={POOL_LABEL: pool},
-                    annotations={POOL_SINCE_ANNOTATION: _now()},
-                    resource_version=current.resource_version,
-                )
-                return
-            except Conflict:
-                continue  # the Node changed since we read it: look again
+        only while the lease is still ours, so an incident taking the node at that instant is
+        never overwritten."""
+        try:
+            nodelease.update_if_held(
+                self._kube, node, holder, labels={POOL_LABEL: pool}, annotations={POOL_SINCE_ANNOTATION: _now()}
+            )
+        except NotOwned as exc:
+            raise HandedOver(str(exc)) from None
 
     # -- training -> inference --------------------------------------------------------------------
 
