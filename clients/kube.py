@@ -200,6 +200,10 @@ class _Blank:
     reason: str | None = None
 
 
+# The most Kubernetes calls one process makes at once: a worker's activity threads.
+CONNECTIONS = 64
+
+
 class KubernetesApi:
     """KubeClient over ``kubernetes.client.CoreV1Api``, from a kubeconfig or in-cluster config."""
 
@@ -214,6 +218,9 @@ class KubernetesApi:
                 k8s_config.load_kube_config(client_configuration=configuration)
         # Fail fast to the activity's retry policy instead of urllib3's own long retries.
         configuration.retries = 0
+        # One connection per activity thread that may call at once: urllib3's default (5 per CPU)
+        # made a burst open and discard a connection per request ("Connection pool is full").
+        configuration.connection_pool_maxsize = max(configuration.connection_pool_maxsize or 0, CONNECTIONS)
         api_client = k8s.ApiClient(configuration)
         self._api = k8s.CoreV1Api(api_client)
         self._coordination = k8s.CoordinationV1Api(api_client)

@@ -8,6 +8,7 @@ import logging
 import os
 import secrets
 import socket
+import zlib
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -15,6 +16,7 @@ from clients.errors import Conflict, InvalidInput, LastNodeOfPartition, NotFound
 from clients.kube import KubeClient, KubeNode, checked_namespace, lease_name
 from clients.slurm import SlurmClient, owned_reason
 from models.constants import (
+    CLAIM_LABEL,
     CLAIM_PARTITION_ANNOTATION,
     CLAIMED_BY_ANNOTATION,
     CLUSTER_LABEL,
@@ -29,6 +31,7 @@ from models.constants import (
     RETIRED_FROM_ANNOTATION,
     RETIRED_TAINT,
     UNHEALTHY_TAINT,
+    claim_label_value,
 )
 
 log = logging.getLogger("gpufleet.spares")
@@ -161,29 +164,51 @@ class SparePool:
             return False
         return info.state == "idle" and not info.drained and not _UNFIT_FLAGS.intersection(info.flags)
 
-    def _own_claim(self, incident_id: str) -> KubeNode | None:
-        for node in self._kube.list_nodes(label_selector=f"{POOL_LABEL} in ({POOL_SPARE},{POOL_TRAINING})"):
+    def _own_claim(self, incident_id: str, *, wide: bool = False) -> KubeNode | None:
+        """The node this incident claimed, found by its claim label.
+
+        ``wide``: also among every spare and training node, for a claim written before the label
+        existed (a release, rare, may afford reading them all; a claim in a burst may not: it
+        finds such a claim among the spares it lists anyway).
+        """
+        found = self._kube.list_nodes(label_selector=f"{CLAIM_LABEL}={claim_label_value(incident_id)}")
+        if not found and wide:
+            found = self._kube.list_nodes(label_selector=f"{POOL_LABEL} in ({POOL_SPARE},{POOL_TRAINING})")
+        return self._claimed_by(incident_id, found)
+
+    def _claimed_by(self, incident_id: str, nodes: list[KubeNode]) -> KubeNode | None:
+        for node in nodes:
             if node.annotations.get(CLAIMED_BY_ANNOTATION) == incident_id and self._of_this_cluster(node):
                 return node
         return None
 
     def _take_one(self, incident_id: str, *, skip: set[str]) -> KubeNode | None:
+        """Claim a free spare: None only when a fresh listing shows none free.
+
+        Many incidents claim at once in a burst. Each starts at its own place in the list (from
+        its ID) and, when it loses a spare to another, tries the next one in the same listing:
+        a burst of a thousand claims is not a thousand rounds of re-reading the pool.
+        """
         for _ in range(_ATTEMPTS):
+            spares = self._kube.list_nodes(label_selector=f"{POOL_LABEL}={POOL_SPARE}")
+            own = self._claimed_by(incident_id, spares)
+            if own is not None:
+                return own
             candidates = sorted(
-                (
-                    node
-                    for node in self._kube.list_nodes(label_selector=f"{POOL_LABEL}={POOL_SPARE}")
-                    if node.name not in skip and self._free_in_kube(node)
-                ),
+                (node for node in spares if node.name not in skip and self._free_in_kube(node)),
                 key=lambda node: node.name,
             )
+            if not candidates:
+                return None
+            start = zlib.crc32(incident_id.encode()) % len(candidates)
             lost_a_race = False
-            for spare in candidates:
+            for spare in candidates[start:] + candidates[:start]:
                 if not self._idle_in_slurm(spare.name):
                     continue
                 try:
                     return self._kube.update_metadata(
                         spare.name,
+                        labels={CLAIM_LABEL: claim_label_value(incident_id)},
                         annotations={CLAIMED_BY_ANNOTATION: incident_id},
                         resource_version=spare.resource_version,
                     )
@@ -196,10 +221,9 @@ class SparePool:
                     if own is not None:
                         return own
                     lost_a_race = True
-                    break
             if not lost_a_race:
                 return None
-        return None
+        raise Conflict(f"every free spare was taken by another incident before {incident_id} could claim it; retry")
 
     # -- claim and release --------------------------------------------------------------------------
 
@@ -275,7 +299,7 @@ class SparePool:
             try:
                 self._kube.update_metadata(
                     name,
-                    labels={POOL_LABEL: POOL_SPARE},
+                    labels={POOL_LABEL: POOL_SPARE, CLAIM_LABEL: None},
                     annotations={CLAIMED_BY_ANNOTATION: None, CLAIM_PARTITION_ANNOTATION: None},
                     resource_version=node.resource_version,
                 )
@@ -295,7 +319,7 @@ class SparePool:
         Returns:
             The released spare's name, or None when the incident holds no claim.
         """
-        spare = self._own_claim(incident_id)
+        spare = self._own_claim(incident_id, wide=True)
         if spare is None or not self._release_node(spare.name, incident_id):
             return None
         return spare.name
@@ -319,10 +343,16 @@ class SparePool:
             self._kube.set_unschedulable(node, True)
             _retry_conflicts(lambda: self._kube.add_taint(node, key=RETIRED_TAINT, value=incident_id or POOL_RETIRED))
             current = self._kube.get_node(node)
-            if current.labels.get(POOL_LABEL) != POOL_RETIRED or CLAIMED_BY_ANNOTATION in current.annotations:
+            if (
+                current.labels.get(POOL_LABEL) != POOL_RETIRED
+                or CLAIMED_BY_ANNOTATION in current.annotations
+                or CLAIM_LABEL in current.labels
+            ):
                 # A spare that failed in service is no longer anyone's claim: it is retired.
                 self._kube.update_metadata(
-                    node, labels={POOL_LABEL: POOL_RETIRED}, annotations={CLAIMED_BY_ANNOTATION: None}
+                    node,
+                    labels={POOL_LABEL: POOL_RETIRED, CLAIM_LABEL: None},
+                    annotations={CLAIMED_BY_ANNOTATION: None},
                 )
 
     def _retired_from(self, node: str) -> list[str]:
@@ -420,7 +450,7 @@ class SparePool:
                 _retry_conflicts(functools.partial(self._kube.remove_taint, node, key=taint))
             self._kube.update_metadata(
                 node,
-                labels={POOL_LABEL: as_},
+                labels={POOL_LABEL: as_, CLAIM_LABEL: None},
                 annotations={
                     INCIDENT_ANNOTATION: None,
                     CLAIMED_BY_ANNOTATION: None,

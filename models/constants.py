@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from temporalio.common import SearchAttributeKey
 
 REMEDIATION_WORKFLOW = "NodeRemediationWorkflow"
@@ -37,6 +39,9 @@ POOL_RETIRED = "retired"
 # is the first to come back.
 POOL_SINCE_ANNOTATION = "gpufleet.io/pool-since"
 CLAIMED_BY_ANNOTATION = "gpufleet.io/claimed-by"
+# Beside the claim annotation, a label a list can select by (claim_label_value): an incident finds
+# its own claim among ten thousand nodes without reading them all. The annotation stays the word.
+CLAIM_LABEL = "gpufleet.io/claim"
 INCIDENT_ANNOTATION = "gpufleet.io/incident"
 UNHEALTHY_TAINT = "gpufleet.io/unhealthy"
 
@@ -129,3 +134,9 @@ CLAIM_PARTITION_ANNOTATION = "gpufleet.io/claim-partition"
 NODE_LEASE_ANNOTATION = "gpufleet.io/lease"
 # The Slurm partitions a retired node was taken out of (comma-separated): it returns to them.
 RETIRED_FROM_ANNOTATION = "gpufleet.io/retired-from"
+
+
+def claim_label_value(incident_id: str) -> str:
+    """The claim label's value for an incident: a digest, since an incident ID need not fit a
+    label value (63 characters of a narrower alphabet)."""
+    return hashlib.sha256(incident_id.encode()).hexdigest()[:40]

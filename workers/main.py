@@ -28,7 +28,7 @@ from activities.slurm import SlurmActivities
 from activities.spares import SpareActivities
 from clients.clusters import ClusterBackend
 from clients.errors import ClientError
-from clients.kube import KubernetesApi
+from clients.kube import CONNECTIONS, KubernetesApi
 from clients.notify import WebhookNotifier
 from clients.poolmoves import PoolMover
 from clients.prometheus import PrometheusApi
@@ -54,6 +54,8 @@ log = logging.getLogger("gpufleet.worker")
 # Activities are short or heartbeat (workflows/remediation.py): a graceful stop waits this long
 # for the ones in flight, and a killed worker's are retried elsewhere within seconds.
 GRACEFUL_SHUTDOWN = timedelta(seconds=10)
+# Activities at once, each on its own thread with its own Kubernetes connection.
+ACTIVITY_THREADS = CONNECTIONS
 
 
 class LastGoodConfig:
@@ -217,14 +219,21 @@ async def _cancel(task: asyncio.Task[None]) -> None:
 
 
 async def run_worker(
-    client: Client, settings: Settings, *, stop: asyncio.Event | None = None, metrics: MetricMeter | None = None
+    client: Client,
+    settings: Settings,
+    *,
+    stop: asyncio.Event | None = None,
+    metrics: MetricMeter | None = None,
+    clients: Clients | None = None,
 ) -> None:
     """Run until ``stop`` is set, or SIGTERM/SIGINT (finishing what is in flight, up to a bound).
 
     ``metrics``: the meter of the runtime that serves the worker's Prometheus endpoint
     (workers/metrics.py); the free spares are then counted every minute beside the worker.
+    ``clients``: the worker's clients, when not those the settings name (the scale bench's
+    simulated Slurm, workers/simulated.py).
     """
-    clients = build_clients(settings)
+    clients = clients or build_clients(settings)
     activities = build_activities(settings, clients)
     queue = task_queue(settings.cluster)
     if stop is None:
@@ -232,7 +241,7 @@ async def run_worker(
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-    with ThreadPoolExecutor(max_workers=64, thread_name_prefix="activity") as executor:
+    with ThreadPoolExecutor(max_workers=ACTIVITY_THREADS, thread_name_prefix="activity") as executor:
         worker = Worker(
             client,
             task_queue=queue,
@@ -246,7 +255,7 @@ async def run_worker(
             ],
             activities=activities,
             activity_executor=executor,
-            max_concurrent_activities=64,
+            max_concurrent_activities=ACTIVITY_THREADS,
             graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
             # A dead worker's cached workflows move to another worker after this, not 10 s.
             sticky_queue_schedule_to_start_timeout=timedelta(seconds=3),

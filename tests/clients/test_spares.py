@@ -17,6 +17,7 @@ from clients.slurm import SlurmCli
 from clients.spares import SparePool, partition_lease_name
 from lab.procs import wait_for
 from lab.slurm import SlurmLab
+from models.constants import claim_label_value
 from tests.conftest import KubeApiProcess
 
 pytestmark = pytest.mark.slurm
@@ -65,11 +66,13 @@ def test_claim_is_idempotent_and_brings_the_spare_in(pool: Pool) -> None:
     spares, kube, slurm = pool
     first = spares.claim("incident-a")
     again = spares.claim("incident-a")
-    assert first == again == "spare1"
-    assert "spare1" in slurm.partition_nodes("train")
-    node = kube.get_node("spare1")
+    assert first is not None and first == again
+    assert first in slurm.partition_nodes("train")
+    node = kube.get_node(first)
     assert node.labels["gpufleet.io/pool"] == "training"
     assert node.annotations["gpufleet.io/claimed-by"] == "incident-a"
+    other = ({"spare1", "spare2"} - {first}).pop()
+    assert_untouched_spare(kube, slurm, other)
 
 
 def test_two_incidents_never_share_a_spare(pool: Pool) -> None:
@@ -217,7 +220,8 @@ def test_return_node_as_a_spare(pool: Pool) -> None:
     assert node.labels["gpufleet.io/pool"] == "spare"
     assert "gpufleet.io/incident" not in node.annotations
     wait_for(lambda: responding(slurm, "gpu3"), timeout=30, what="gpu3 to answer after its resume")
-    assert spares.claim("incident-a") == "gpu3"  # a spare like any other
+    claimed = {spares.claim(f"incident-{i}") for i in range(4)}  # every free spare, then None
+    assert "gpu3" in claimed and None in claimed  # a spare like any other
     assert "gpu3" in slurm.partition_nodes("train")
 
 
@@ -361,3 +365,26 @@ def test_a_retired_partitions_last_node_stays_in_it_drained(pool: Pool, debug_pa
     spares.retire("gpu2", "remediate-lab-gpu2")  # debug's last node: Slurm keeps it there
     assert slurm.partition_nodes("debug") == ["gpu2"] and slurm.node("gpu2").drained
     assert kube.get_node("gpu2").labels["gpufleet.io/pool"] == "retired"  # retired all the same
+
+
+def test_a_claim_carries_a_label_to_find_it_by(pool: Pool) -> None:
+    spares, kube, _ = pool
+    claimed = spares.claim("incident-a")
+    assert claimed is not None
+    label = claim_label_value("incident-a")
+    assert [n.name for n in kube.list_nodes(label_selector=f"gpufleet.io/claim={label}")] == [claimed]
+    assert spares.claim("incident-a") == claimed
+    assert spares.release("incident-a") == claimed
+    assert "gpufleet.io/claim" not in kube.get_node(claimed).labels
+
+
+def test_a_claim_written_before_the_label_is_still_found(pool: Pool) -> None:
+    """A claim by an earlier release (the annotation alone) is found again: among the spares by a
+    claim's retry, and in the training pool by a release."""
+    spares, kube, slurm = pool
+    kube.update_metadata("spare2", annotations={"gpufleet.io/claimed-by": "incident-old"})
+    assert spares.claim("incident-old") == "spare2"
+    assert kube.get_node("spare2").labels["gpufleet.io/pool"] == "training"
+    kube.update_metadata("spare2", labels={"gpufleet.io/claim": None})  # as the earlier release left it
+    assert spares.release("incident-old") == "spare2"
+    assert_untouched_spare(kube, slurm, "spare2")
