@@ -250,9 +250,7 @@ class SimulatedSlurm:
         with self._lock:
             self._advance()
             members = self._partitions.get(checked_node_name(partition), {})
-            return [
-                self._jobs[job_id].info() for name in members for job_id in sorted(self._nodes[name].jobs)
-            ]
+            return [self._jobs[job_id].info() for name in members for job_id in sorted(self._nodes[name].jobs)]
 
     def hostnames(self, hostlist: str) -> list[str]:
         if "[" in hostlist:
