@@ -27,7 +27,9 @@ class SpareActivities:
         with activity.shield_thread_cancel_exception(), client_errors(), dry_run(request.dry_run):
             if request.dry_run:
                 return self._provider.candidate()
-            return self._provider.claim(request.incident_id, partitions=request.partitions)
+            # A retry may follow an attempt that claimed before it died: look wide for that claim.
+            retry = activity.info().attempt > 1
+            return self._provider.claim(request.incident_id, partitions=request.partitions, retry=retry)
 
     @activity.defn(name="release_spare")
     @heartbeating

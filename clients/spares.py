@@ -52,7 +52,7 @@ _UNFIT_ERRORS = (NotOwned, NotFound, InvalidInput)
 class NodeProvider(Protocol):
     """Where replacement nodes come from, and where failed and repaired nodes go."""
 
-    def claim(self, incident_id: str, *, partitions: list[str] | None = None) -> str | None: ...
+    def claim(self, incident_id: str, *, partitions: list[str] | None = None, retry: bool = False) -> str | None: ...
     def candidate(self) -> str | None: ...
     def release(self, incident_id: str) -> str | None: ...
     def retire(self, node: str, incident_id: str = "") -> None: ...
@@ -172,9 +172,11 @@ class SparePool:
         finds such a claim among the spares it lists anyway).
         """
         found = self._kube.list_nodes(label_selector=f"{CLAIM_LABEL}={claim_label_value(incident_id)}")
-        if not found and wide:
-            found = self._kube.list_nodes(label_selector=f"{POOL_LABEL} in ({POOL_SPARE},{POOL_TRAINING})")
-        return self._claimed_by(incident_id, found)
+        own = self._claimed_by(incident_id, found)
+        if own is None and wide:
+            pools = f"{POOL_LABEL} in ({POOL_SPARE},{POOL_TRAINING})"
+            own = self._claimed_by(incident_id, self._kube.list_nodes(label_selector=pools))
+        return own
 
     def _claimed_by(self, incident_id: str, nodes: list[KubeNode]) -> KubeNode | None:
         for node in nodes:
@@ -259,18 +261,20 @@ class SparePool:
                 return node.name
         return None
 
-    def claim(self, incident_id: str, *, partitions: list[str] | None = None) -> str | None:
+    def claim(self, incident_id: str, *, partitions: list[str] | None = None, retry: bool = False) -> str | None:
         """Claim a spare for the incident and bring it into the partition and the training pool.
 
         ``partitions``: the failed node's; the spare joins ours when the node was in it, else
-        the first of them (a cluster with several partitions).
+        the first of them (a cluster with several partitions). ``retry``: an attempt after one
+        that may have claimed already; its claim is looked for among every spare and training
+        node too (one written by an earlier release carries no label).
 
         Returns:
             The spare's name (the same one on every retry), or None when no spare is free.
         """
         tried: set[str] = set()
         while True:
-            spare = self._own_claim(incident_id) or self._take_one(incident_id, skip=tried)
+            spare = self._own_claim(incident_id, wide=retry) or self._take_one(incident_id, skip=tried)
             if spare is None:
                 return None
             if spare.name in tried:

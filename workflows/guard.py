@@ -105,6 +105,8 @@ class FleetGuardWorkflow:
         # The answer to each incident still being delivered (by workflow ID): the next answer to
         # the same incident is sent after it, so that an incident sees its answers in order.
         self._answering: dict[str, asyncio.Task[None]] = {}
+        # An answer found its incident gone and gave back its slot: those waiting may go on.
+        self._slot_freed = False
 
     # -- signals and query --------------------------------------------------------------------------
 
@@ -153,7 +155,10 @@ class FleetGuardWorkflow:
         await self._read_limits()
         handled = 0
         while True:
-            await workflow.wait_condition(lambda: bool(self._inbox))
+            await workflow.wait_condition(lambda: bool(self._inbox) or self._slot_freed)
+            if self._slot_freed:
+                self._slot_freed = False
+                await self._let_waiting_in()
             while self._inbox:
                 kind, message = self._inbox.pop(0)
                 await self._handle(kind, message)
@@ -443,7 +448,7 @@ class FleetGuardWorkflow:
             await self._deliver(request, decision)
             return
         earlier = self._answering.get(request.workflow_id)
-        task = asyncio.create_task(self._deliver(request, decision, after=earlier))
+        task = asyncio.create_task(self._deliver(request, decision, after=earlier, together=True))
         self._answering[request.workflow_id] = task
         task.add_done_callback(lambda done: self._answered(request.workflow_id, done))
 
@@ -452,7 +457,12 @@ class FleetGuardWorkflow:
             del self._answering[workflow_id]
 
     async def _deliver(
-        self, request: SlotRequest, decision: GuardDecision, *, after: asyncio.Task[None] | None = None
+        self,
+        request: SlotRequest,
+        decision: GuardDecision,
+        *,
+        after: asyncio.Task[None] | None = None,
+        together: bool = False,
     ) -> None:
         if after is not None:
             await after
@@ -464,6 +474,9 @@ class FleetGuardWorkflow:
             state.in_flight = [r for r in state.in_flight if r.incident_id != request.incident_id]
             state.waiting = [r for r in state.waiting if r.incident_id != request.incident_id]
             self._log("released", request, f"its incident is gone ({exc})")
+            # Sent beside the guard's loop, the answer failed after the loop let the waiting in.
+            if together:
+                self._slot_freed = True
 
     async def _page(self, request: SlotRequest) -> None:
         """Page the operator, once per trip."""

@@ -386,5 +386,6 @@ def test_a_claim_written_before_the_label_is_still_found(pool: Pool) -> None:
     assert spares.claim("incident-old") == "spare2"
     assert kube.get_node("spare2").labels["gpufleet.io/pool"] == "training"
     kube.update_metadata("spare2", labels={"gpufleet.io/claim": None})  # as the earlier release left it
+    assert spares.claim("incident-old", retry=True) == "spare2"  # a retry after the node came in
     assert spares.release("incident-old") == "spare2"
     assert_untouched_spare(kube, slurm, "spare2")

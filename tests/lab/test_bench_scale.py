@@ -50,6 +50,7 @@ async def test_a_small_burst_resolves_every_incident_and_the_default_guard_holds
     assert guarded["guard_held"] >= 12 - 2 - guarded["closed_while_watched"]
     assert result["guard_held"] == guarded["guard_held"]
     assert result["targets"]["met"]["guard_never_exceeded"] is True
+    assert result["targets"]["met"]["all_resolved"] is True
     assert result["bound"]
 
 
