@@ -316,19 +316,16 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         raw: dict[str, Any] = obj.raw
         return raw
 
-    async def _serve_update(self, request: rendering.Request) -> rendering.Payload:
+    async def _serve_last_stored(self, request: rendering.Request) -> rendering.Payload:
+        """The object as kmock's _handle just left it (updated, or deleted: its last state)."""
         async with self._lock:
             obj = self._stored(request.resource, request.namespace, request.name)
-        assert obj is not None  # updated by kmock's _handle just before
+        assert obj is not None
         last: dict[str, Any] = obj.last.raw
         return last
 
-    async def _serve_delete(self, request: rendering.Request) -> rendering.Payload:
-        async with self._lock:
-            obj = self._stored(request.resource, request.namespace, request.name)
-        assert obj is not None  # deleted by kmock's _handle just before
-        last: dict[str, Any] = obj.last.raw
-        return last
+    _serve_update = _serve_last_stored
+    _serve_delete = _serve_last_stored
 
     async def _serve_create(self, request: rendering.Request) -> rendering.Payload:
         meta = request.data.get("metadata", {}) if isinstance(request.data, dict) else {}

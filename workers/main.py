@@ -123,9 +123,11 @@ def slurm_from_settings(settings: Settings) -> SlurmClient:
     return slurm
 
 
-def build_clients(settings: Settings) -> Clients:
+def build_clients(settings: Settings, *, slurm: SlurmClient | None = None) -> Clients:
+    """The worker's clients from the settings; ``slurm`` in place of the one they name (the scale
+    bench's simulated Slurm, workers/simulated.py)."""
     kube = KubernetesApi(kubeconfig=settings.kubeconfig, poll_seconds=settings.poll_seconds)
-    slurm = slurm_from_settings(settings)
+    slurm = slurm if slurm is not None else slurm_from_settings(settings)
     pool = SparePool(
         kube=kube, slurm=slurm, partition=settings.partition, cluster=settings.cluster, namespace=settings.namespace
     )

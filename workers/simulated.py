@@ -17,24 +17,17 @@ import asyncio
 import logging
 from pathlib import Path
 
-from clients.kube import KubernetesApi
-from clients.spares import SparePool
 from lab.simslurm import SimulatedFleet, SimulatedSlurm
 from models.settings import Settings
 from starters.temporal import connect
-from workers.main import Clients, run_worker
+from workers.main import Clients, build_clients, run_worker
 
 log = logging.getLogger("gpufleet.worker")
 
 
 def simulated_clients(settings: Settings, fleet: SimulatedFleet) -> Clients:
     """The worker's clients with the fleet's Slurm simulated: training nodes each running a job."""
-    kube = KubernetesApi(kubeconfig=settings.kubeconfig, poll_seconds=settings.poll_seconds)
-    slurm = fleet.slurm()
-    pool = SparePool(
-        kube=kube, slurm=slurm, partition=settings.partition, cluster=settings.cluster, namespace=settings.namespace
-    )
-    return Clients(kube=kube, slurm=slurm, pool=pool)
+    return build_clients(settings, slurm=fleet.slurm())
 
 
 def main() -> None:
