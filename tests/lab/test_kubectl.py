@@ -310,3 +310,28 @@ def test_kubectl_drain_and_gpufleet_drain_end_the_same(tmp_path: Path) -> None:
         api.stop()
     assert by_kubectl == by_gpufleet == {"cordoned": True, "pods_left": ["DaemonSet"], "budget_respected": True}
     assert result.evicted == ["serving/inference-5c9f7d6b8-gpu2"] and not result.forced
+
+
+def test_describe_pods_budgets_and_deployments(api: KubeApiProcess) -> None:
+    pod = kubectl(api, "describe", "pod", "-n", "serving", "inference-5c9f7d6b8-gpu1")
+    assert re.search(r"Node:\s+gpu1", pod) and re.search(r"Controlled By:\s+ReplicaSet/inference-5c9f7d6b8", pod)
+    budget = kubectl(api, "describe", "pdb", "-n", "serving", "inference")
+    assert re.search(r"Min available:\s+2", budget) and re.search(r"Allowed disruptions:\s+1", budget)
+    deployment = kubectl(api, "describe", "deploy", "-n", "serving", "inference")
+    assert re.search(r"Replicas:\s+3 desired", deployment)
+    exporter = kubectl(api, "describe", "pod", "-n", "monitoring", "node-exporter-gpu2")
+    assert re.search(r"Controlled By:\s+DaemonSet/node-exporter", exporter)
+
+
+def test_a_stale_replace_is_refused_with_a_conflict(api: KubeApiProcess, tmp_path: Path) -> None:
+    """kubectl replace sends the resourceVersion it read; a write in between makes it stale (409)."""
+    stale = tmp_path / "gpu1.json"
+    stale.write_text(kubectl(api, "get", "node", "gpu1", "-o", "json"), encoding="utf-8")
+    kubectl(api, "label", "node", "gpu1", "gpufleet.io/pool=retired", "--overwrite")  # someone else's write
+    refused = kubectl(api, "replace", *VALIDATE, "-f", str(stale), check=False)
+    assert "the object has been modified; please apply your changes to the latest version" in refused
+    fresh = json.loads(kubectl(api, "get", "node", "gpu1", "-o", "json"))
+    assert fresh["metadata"]["labels"]["gpufleet.io/pool"] == "retired"  # the refused write changed nothing
+    fresh["metadata"]["labels"]["team"] = "vision"
+    stale.write_text(json.dumps(fresh), encoding="utf-8")
+    assert "node/gpu1 replaced" in kubectl(api, "replace", *VALIDATE, "-f", str(stale))
