@@ -175,7 +175,7 @@ async def pdb_blocks(ctx: Context, node: str) -> None:
     pod: Any = {
         "metadata": {"name": name, "namespace": "serving", "labels": {"app": "chaos-inference"}},
         "spec": {"nodeName": node, "containers": [{"name": "server", "image": "vllm/vllm-openai"}]},
-        "status": {"phase": "Running"},
+        "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
     }
     budget: Any = {
         "metadata": {"name": "chaos-inference", "namespace": "serving"},

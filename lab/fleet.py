@@ -370,7 +370,7 @@ class FleetLab:
         nodes += [node_object(n, pool="spare") for n in self.config.spares]
         nodes += [node_object(n, pool="inference") for n in self.config.inference]
         nodes += [node_object(n, pool="free") for n in self.config.free]
-        every = [*self.config.training, *self.config.spares, *self.config.inference]
+        every = [*self.config.training, *self.config.spares, *self.config.inference, *self.config.free]
         # The training nodes' own PodDisruptionBudget-protected workload (what remediation's drain
         # evicts), and the inference servers on the inference nodes.
         workloads = lab_workloads(

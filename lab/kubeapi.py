@@ -673,11 +673,11 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         namespace = obj.get("metadata", {}).get("namespace")
         selector = _selector(obj)
         pods = [pod for pod in self._live(PODS, namespace) if selector and _matches(pod, selector)]
-        ready = sum(1 for pod in pods if (pod.get("status") or {}).get("phase", "Running") == "Running")
+        ready = sum(1 for pod in pods if _ready(pod))
         generation = obj.get("metadata", {}).get("generation", 1)
         if resource == DAEMONSETS:
             status = {
-                "desiredNumberScheduled": len(self._live(NODES)),
+                "desiredNumberScheduled": self._daemon_nodes(obj),
                 "currentNumberScheduled": len(pods),
                 "updatedNumberScheduled": len(pods),
                 "numberReady": ready,
@@ -688,6 +688,12 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
             status = {"replicas": len(pods), "updatedReplicas": len(pods), "readyReplicas": ready}
             status["availableReplicas"] = ready
         return {**obj, "status": {**(obj.get("status") or {}), **status, "observedGeneration": generation}}
+
+    def _daemon_nodes(self, daemonset: dict[str, Any]) -> int:
+        """The nodes a DaemonSet should run on: those its template's ``nodeSelector`` matches."""
+        template = (daemonset.get("spec") or {}).get("template") or {}
+        wanted = (template.get("spec") or {}).get("nodeSelector") or {}
+        return sum(1 for node in self._live(NODES) if _matches(node, wanted))
 
     def _with_pdb_status(self, pdb: dict[str, Any]) -> dict[str, Any]:
         """The budget's status as the disruption controller keeps it, from the pods there are now."""
@@ -746,8 +752,7 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         healthy = sum(
             1
             for pod in matching
-            if (pod.get("status") or {}).get("phase", "Running") == "Running"
-            and not pod["metadata"].get("deletionTimestamp")  # terminating: no longer serving
+            if _ready(pod) and not pod["metadata"].get("deletionTimestamp")  # terminating: no longer serving
         )
         spec = pdb.get("spec", {})
         if "minAvailable" in spec:
@@ -800,6 +805,16 @@ def node_info(name: str, *, boot_id: str) -> dict[str, str]:
 def _owned(kind: str, name: str, uid: str) -> list[dict[str, Any]]:
     api = "apps/v1"
     return [{"apiVersion": api, "kind": kind, "name": name, "uid": uid, "controller": True, "blockOwnerDeletion": True}]
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    """Running and Ready, as the disruption and workload controllers count a pod (a Pending pod,
+    or one whose readiness probe fails, serves nothing)."""
+    status = pod.get("status") or {}
+    conditions = status.get("conditions") or []
+    return status.get("phase") == "Running" and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in conditions
+    )
 
 
 def _running(containers: list[dict[str, Any]]) -> dict[str, Any]:
@@ -941,7 +956,13 @@ def lab_workloads(
                 "apiVersion": "apps/v1",
                 "kind": "DaemonSet",
                 "metadata": {"name": "node-exporter", "namespace": "monitoring", "uid": daemonset_uid},
-                "spec": {"selector": {"matchLabels": {"app": "node-exporter"}}},
+                "spec": {
+                    "selector": {"matchLabels": {"app": "node-exporter"}},
+                    "template": {
+                        "metadata": {"labels": {"app": "node-exporter"}},
+                        "spec": {"containers": exporter, "tolerations": [{"operator": "Exists"}]},
+                    },
+                },
             }
         ],
         "pods": [

@@ -24,7 +24,7 @@ def pod(name: str, node: str, labels: dict[str, str], *, owner: str | None = Non
     return {
         "metadata": meta,
         "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox"}]},
-        "status": {"phase": "Running"},
+        "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
     }
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
 from temporalio.testing import ActivityEnvironment
 
 from activities.kube import KubeActivities
@@ -50,6 +52,9 @@ VALIDATE = [] if OPENAPI_V3 else ["--validate=false"]
 needs_openapi_v3 = pytest.mark.skipif(
     not OPENAPI_V3, reason="kubectl older than 1.27 reads OpenAPI v2 (protobuf), which the lab does not serve"
 )
+
+# kubectl 1.20 describes budgets through policy/v1beta1, which the lab does not serve (it serves policy/v1).
+DESCRIBES_PDB_V1 = _kubectl_minor() >= 21
 
 TRAINING = ["gpu1", "gpu2", "gpu3"]
 SPARES = ["spare1"]
@@ -102,7 +107,10 @@ def test_get_pods_pdbs_deployments_and_daemonsets(api: KubeApiProcess) -> None:
     [pdb] = rows(kubectl(api, "get", "pdb", "-n", "serving"))
     assert pdb[:4] == ["inference", "2", "N/A", "1"]  # three healthy, two needed: one may go
     assert "inference" in kubectl(api, "get", "deployments", "-n", "serving")
-    assert "node-exporter" in kubectl(api, "get", "ds", "-n", "monitoring")
+    [daemonset] = rows(kubectl(api, "get", "ds", "-n", "monitoring"))
+    assert daemonset[:3] == ["node-exporter", "4", "4"]  # DESIRED, CURRENT: one on every node
+    listed = kubectl(api, "get", "pods", "-n", "serving", "-o", "yaml")
+    assert listed.count("kind: Pod\n") == len(TRAINING) and "nodeName: gpu3" in listed
 
 
 def test_cordon_label_annotate_taint_and_uncordon(api: KubeApiProcess) -> None:
@@ -118,6 +126,70 @@ def test_cordon_label_annotate_taint_and_uncordon(api: KubeApiProcess) -> None:
     kubectl(api, "uncordon", "gpu2")
     node = KubernetesApi(kubeconfig=api.kubeconfig).get_node("gpu2")
     assert not node.unschedulable and not node.taints
+
+
+def serving_pod(api: KubeApiProcess, name: str, node: str, *, ready: bool) -> None:
+    """An inference pod as the kubelet reports it: Running and Ready, or Pending."""
+    status = _running_status() if ready else {"phase": "Pending"}
+    body: Any = {
+        "metadata": {"name": name, "namespace": "serving", "labels": {"app": "inference"}},
+        "spec": {"nodeName": node, "containers": [{"name": "server", "image": "vllm/vllm-openai"}]},
+        "status": status,
+    }
+    k8s.CoreV1Api(k8s_config.new_client_from_config(config_file=str(api.kubeconfig))).create_namespaced_pod(
+        "serving", body
+    )
+
+
+def _running_status() -> dict[str, Any]:
+    return {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+
+
+def budget(api: KubeApiProcess) -> tuple[int, int]:
+    """The inference budget's (currentHealthy, disruptionsAllowed), as kubectl reads them."""
+    status = json.loads(kubectl(api, "get", "pdb", "-n", "serving", "inference", "-o", "json"))["status"]
+    return status["currentHealthy"], status["disruptionsAllowed"]
+
+
+def test_the_budget_follows_pods_as_they_come_and_go(api: KubeApiProcess) -> None:
+    assert budget(api) == (3, 1)
+    kubectl(api, "delete", "pod", "-n", "serving", "inference-5c9f7d6b8-gpu3")
+    assert budget(api) == (2, 0)
+    serving_pod(api, "inference-pending", "spare1", ready=False)  # not serving yet: counts for nothing
+    assert budget(api) == (2, 0)
+    serving_pod(api, "inference-spare1", "spare1", ready=True)
+    assert budget(api) == (3, 1)
+    [deployment] = rows(kubectl(api, "get", "deploy", "-n", "serving"))
+    assert deployment[1] == "3/3"  # READY: the Ready pods there are, of the replicas wanted
+
+
+def test_a_refused_drain_goes_on_once_the_budget_allows(api: KubeApiProcess) -> None:
+    drain = ["drain", "--ignore-daemonsets", "--delete-emptydir-data"]
+    kubectl(api, *drain, "gpu1", "--timeout=30s")  # takes the one disruption the budget allows
+    assert KUBECTL is not None
+    waiting = subprocess.Popen(
+        [KUBECTL, *drain, "gpu2", "--timeout=120s"],
+        env={**os.environ, "KUBECONFIG": str(api.kubeconfig)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert waiting.stdout is not None
+        seen = []
+        for line in waiting.stdout:  # kubectl says why, then retries every 5 s
+            seen.append(line)
+            if "Cannot evict pod as it would violate the pod's disruption budget" in line:
+                break
+        else:
+            raise AssertionError(f"kubectl drain never said it was refused: {''.join(seen)}")
+        assert "inference-5c9f7d6b8-gpu2" in kubectl(api, "get", "pods", "-n", "serving")  # still there
+        serving_pod(api, "inference-spare1", "spare1", ready=True)  # a replacement serves: one may go
+        rest = waiting.communicate(timeout=120)[0]
+    finally:
+        waiting.kill()
+    assert waiting.returncode == 0, rest
+    assert "pod/inference-5c9f7d6b8-gpu2 evicted" in rest and "node/gpu2 drained" in rest
 
 
 def test_drain_respects_the_budget_then_goes_on(api: KubeApiProcess) -> None:
@@ -315,8 +387,9 @@ def test_kubectl_drain_and_gpufleet_drain_end_the_same(tmp_path: Path) -> None:
 def test_describe_pods_budgets_and_deployments(api: KubeApiProcess) -> None:
     pod = kubectl(api, "describe", "pod", "-n", "serving", "inference-5c9f7d6b8-gpu1")
     assert re.search(r"Node:\s+gpu1", pod) and re.search(r"Controlled By:\s+ReplicaSet/inference-5c9f7d6b8", pod)
-    budget = kubectl(api, "describe", "pdb", "-n", "serving", "inference")
-    assert re.search(r"Min available:\s+2", budget) and re.search(r"Allowed disruptions:\s+1", budget)
+    if DESCRIBES_PDB_V1:
+        budget = kubectl(api, "describe", "pdb", "-n", "serving", "inference")
+        assert re.search(r"Min available:\s+2", budget) and re.search(r"Allowed disruptions:\s+1", budget)
     deployment = kubectl(api, "describe", "deploy", "-n", "serving", "inference")
     assert re.search(r"Replicas:\s+3 desired", deployment)
     exporter = kubectl(api, "describe", "pod", "-n", "monitoring", "node-exporter-gpu2")
