@@ -2,38 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
 from datetime import timedelta
-from typing import Any
 
 from temporalio import activity
-from temporalio.client import WithStartWorkflowOperation, WorkflowExecutionStatus
-from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.client import WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.errors import client_errors
-from activities.heartbeat import HEARTBEAT_EVERY, heartbeating
+from activities.heartbeat import heartbeating
 from clients.slurm import SlurmClient
 from models.constants import (
-    GUARD_ASK_UPDATE,
     GUARD_REQUEST_SIGNAL,
     GUARD_WORKFLOW,
     guard_workflow_id,
     task_queue,
 )
-from models.guard import GuardCommand, GuardDecision, GuardInput, SlotRequest
+from models.guard import GuardCommand, GuardInput, SlotRequest
 from models.names import validate_cluster_name
-
-# How long an ask waits for the guard's answer (inside the incident's 60 s activity timeout; a
-# guard that is slower answers the incident's next ask, a minute later).
-ANSWER_WAIT = timedelta(seconds=40)
-
-
-async def _heartbeat() -> None:
-    """Heartbeat while the ask waits, so that a dead worker is noticed in seconds."""
-    while True:
-        activity.heartbeat()
-        await asyncio.sleep(HEARTBEAT_EVERY)
 
 
 class GuardActivities:
@@ -43,43 +28,12 @@ class GuardActivities:
         self._partition = partition
 
     @activity.defn(name="guard_request_slot")
-    async def request_slot(self, request: SlotRequest) -> GuardDecision | None:
-        """Ask the cluster's guard for a slot, starting the guard if it does not run yet (with
-        start, so two incidents never start two guards), and return its answer.
-
-        The ask is an update: its result is the answer. None when there is no answer here: the
-        guard did not answer within ANSWER_WAIT (its answer then comes as a signal, or to the
-        incident's next ask), or the server does not take updates with start (older servers:
-        the ask is then a signal-with-start, answered by a signal). Asking again for the same
-        incident is answered again and counts it once."""
+    async def request_slot(self, request: SlotRequest) -> None:
+        """Ask the cluster's guard for a slot, starting the guard if it does not run yet
+        (signal-with-start, so two incidents never start two guards). The answer comes back
+        as a signal to the incident; asking again for the same incident is answered again."""
         cluster = validate_cluster_name(self._cluster)
-        client = activity.client()
-        start: WithStartWorkflowOperation[Any, Any] = WithStartWorkflowOperation(
-            GUARD_WORKFLOW,
-            GuardInput(cluster=cluster),
-            id=guard_workflow_id(cluster),
-            task_queue=task_queue(cluster),
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            static_summary=f"fleet guard of cluster {cluster}",
-        )
-        beating = asyncio.create_task(_heartbeat())
-        try:
-            decision: GuardDecision = await asyncio.wait_for(
-                client.execute_update_with_start_workflow(
-                    GUARD_ASK_UPDATE, request, start_workflow_operation=start, result_type=GuardDecision
-                ),
-                timeout=ANSWER_WAIT.total_seconds(),
-            )
-            return decision
-        except TimeoutError:
-            return None
-        except RPCError as exc:
-            if exc.status not in (RPCStatusCode.UNIMPLEMENTED, RPCStatusCode.PERMISSION_DENIED):
-                raise
-        finally:
-            beating.cancel()
-        # The server does not take updates with start (disabled, or older than Temporal 1.26).
-        await client.start_workflow(
+        await activity.client().start_workflow(
             GUARD_WORKFLOW,
             GuardInput(cluster=cluster),
             id=guard_workflow_id(cluster),
@@ -89,7 +43,6 @@ class GuardActivities:
             static_summary=f"fleet guard of cluster {cluster}",
             rpc_timeout=timedelta(seconds=10),
         )
-        return None
 
     @activity.defn(name="guard_tell")
     async def tell(self, signal: str, command: GuardCommand) -> bool:

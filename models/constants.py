@@ -21,9 +21,6 @@ GUARD_RESET_SIGNAL = "reset"
 GUARD_PAUSE_SIGNAL = "pause"
 GUARD_RESUME_SIGNAL = "resume"
 GUARD_DECISION_SIGNAL = "guard_decision"
-# An incident's ask as an update (with start): the answer is the update's result, at once, instead
-# of GUARD_DECISION_SIGNAL; later answers (a slot freed while it waits) still come as that signal.
-GUARD_ASK_UPDATE = "ask"
 # A node came back to service (`gpufleet nodes return`), or was released from quarantine.
 GUARD_RETURNED_SIGNAL = "returned"
 GUARD_FORGIVE_SIGNAL = "forgive"

@@ -10,10 +10,8 @@ every later one wait, changing nothing, and the operator is paged once. `gpuflee
 reset` lets the waiting incidents go on as slots free up, one at a time; `gpufleet approve
 INCIDENT` lets one past; `gpufleet pause|resume` hold new destructive steps without paging.
 
-An incident asks by an update (with start): the answer is the update's result. Answers it
-cannot have at once (a slot freed while it waits) come as a signal, as do the answers to the
-signals older incidents asked with. Messages are handled one at a time in arrival order, so two
-requests never race for the last slot. The state survives worker and server restarts (it is the workflow's), and the run
+Messages are handled one at a time in arrival order, so two requests never race for the last
+slot. The state survives worker and server restarts (it is the workflow's), and the run
 continues as new before its history grows large.
 """
 
@@ -33,7 +31,6 @@ with workflow.unsafe.imports_passed_through():
     from activities.policy import PolicyActivities
     from models.constants import (
         GUARD_ADMIT_SIGNAL,
-        GUARD_ASK_UPDATE,
         GUARD_DECISION_SIGNAL,
         GUARD_FORGIVE_SIGNAL,
         GUARD_PAUSE_SIGNAL,
@@ -110,25 +107,12 @@ class FleetGuardWorkflow:
         self._answering: dict[str, asyncio.Task[None]] = {}
         # An answer found its incident gone and gave back its slot: those waiting may go on.
         self._slot_freed = False
-        # Incidents that asked by update and wait for its result (by incident ID): their next
-        # answer completes the update instead of being signalled.
-        self._asking: dict[str, list[asyncio.Future[GuardDecision]]] = {}
 
     # -- signals and query --------------------------------------------------------------------------
 
     @workflow.signal(name=GUARD_REQUEST_SIGNAL)
     def request(self, request: SlotRequest) -> None:
         self._inbox.append((GUARD_REQUEST_SIGNAL, request))
-
-    @workflow.update(name=GUARD_ASK_UPDATE)
-    async def ask(self, request: SlotRequest) -> GuardDecision:
-        """A request whose answer (a slot, or wait and why) is the update's result. A signal to
-        another workflow goes through the server's transfer queue, which a burst of a thousand
-        incidents backed up for minutes; an update's result goes back on the call that asked."""
-        answer: asyncio.Future[GuardDecision] = asyncio.get_running_loop().create_future()
-        self._asking.setdefault(request.incident_id, []).append(answer)
-        self._inbox.append((GUARD_REQUEST_SIGNAL, request))
-        return await answer
 
     @workflow.signal(name=GUARD_RELEASE_SIGNAL)
     def release(self, command: GuardCommand) -> None:
@@ -186,9 +170,7 @@ class FleetGuardWorkflow:
             self._describe()
             if handled >= MESSAGES_PER_RUN or workflow.info().is_continue_as_new_suggested():
                 await asyncio.gather(*self._pages, *self._answering.values())
-                # An ask (an update) waits for its answer, which only the loop gives: a message
-                # that arrives meanwhile is handled first.
-                await workflow.wait_condition(lambda: workflow.all_handlers_finished() or bool(self._inbox))
+                await workflow.wait_condition(workflow.all_handlers_finished)
                 if not self._inbox:
                     workflow.continue_as_new(GuardInput(cluster=params.cluster, state=self._state))
 
@@ -484,12 +466,6 @@ class FleetGuardWorkflow:
     ) -> None:
         if after is not None:
             await after
-        asking = self._asking.pop(request.incident_id, [])
-        if asking:  # asked by update: the answer is its result
-            for answer in asking:
-                if not answer.done():
-                    answer.set_result(decision)
-            return
         handle = workflow.get_external_workflow_handle(request.workflow_id)
         try:
             await handle.signal(GUARD_DECISION_SIGNAL, decision)

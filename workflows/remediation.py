@@ -846,12 +846,9 @@ class NodeRemediationWorkflow:
         return False
 
     async def _ask_guard(self) -> None:
-        """(Again) ask the guard for a slot; it answers each asking, and counts this incident once.
-        Its answer is the activity's result, or a later signal (``guard_decision``) when the
-        activity brings none (a slow guard, an older server, a history from before answers came
-        back this way)."""
+        """(Again) ask the guard for a slot; it answers each asking, and counts this incident once."""
         status = self._status
-        decision: GuardDecision | None = await self._activity(
+        await self._activity(
             GuardActivities.request_slot,
             SlotRequest(
                 incident_id=status.incident_id,
@@ -862,8 +859,6 @@ class NodeRemediationWorkflow:
             ),
             summary="ask the fleet guard for a slot",
         )
-        if decision is not None:
-            self.guard_decision(decision)
 
     async def _record_only(self, outcome: Outcome, kind: str, text: str) -> None:
         """Close without touching the node: the outcome, one message to the owner, the close."""
