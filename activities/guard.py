@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from datetime import timedelta
 
 from temporalio import activity
@@ -9,16 +12,36 @@ from temporalio.client import WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.errors import client_errors
-from activities.heartbeat import heartbeating
+from activities.heartbeat import HEARTBEAT_EVERY, heartbeating
 from clients.slurm import SlurmClient
 from models.constants import (
+    GUARD_DECISION_SIGNAL,
     GUARD_REQUEST_SIGNAL,
     GUARD_WORKFLOW,
     guard_workflow_id,
     task_queue,
 )
-from models.guard import GuardCommand, GuardInput, SlotRequest
+from models.guard import GuardAnswer, GuardCommand, GuardInput, SlotRequest
 from models.names import validate_cluster_name
+
+# Answers signalled at once by one guard_answer activity.
+ANSWERS_AT_ONCE = 32
+
+
+@contextlib.asynccontextmanager
+async def heartbeats() -> AsyncIterator[None]:
+    """Heartbeat every second while the body runs, so that a dead worker is noticed in seconds."""
+
+    async def beat() -> None:
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(HEARTBEAT_EVERY)
+
+    beating = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        beating.cancel()
 
 
 class GuardActivities:
@@ -43,6 +66,35 @@ class GuardActivities:
             static_summary=f"fleet guard of cluster {cluster}",
             rpc_timeout=timedelta(seconds=10),
         )
+
+    @activity.defn(name="guard_answer")
+    async def answer(self, answers: list[GuardAnswer]) -> list[str]:
+        """Signal each incident its answer, straight to the incident (the server's transfer queue,
+        which a workflow's own signals to another go through, took tens of seconds per answer in a
+        burst). An incident's answers are sent in the order given; different incidents' at once.
+        Returns the incident IDs whose workflow is gone (nothing to hold a slot for). Sending an
+        answer again (a retry) is harmless: an incident keeps the last answer it was sent."""
+        client = activity.client()
+        by_workflow: dict[str, list[GuardAnswer]] = {}
+        for answer in answers:
+            by_workflow.setdefault(answer.workflow_id, []).append(answer)
+        gone: list[str] = []
+        limit = asyncio.Semaphore(ANSWERS_AT_ONCE)
+
+        async def send(workflow_id: str, theirs: list[GuardAnswer]) -> None:
+            async with limit:
+                handle = client.get_workflow_handle(workflow_id)
+                for answer in theirs:
+                    try:
+                        await handle.signal(GUARD_DECISION_SIGNAL, answer.decision, rpc_timeout=timedelta(seconds=10))
+                    except RPCError as exc:
+                        if exc.status != RPCStatusCode.NOT_FOUND:
+                            raise
+                        gone.append(answer.decision.incident_id)
+
+        async with heartbeats():
+            await asyncio.gather(*(send(workflow_id, theirs) for workflow_id, theirs in by_workflow.items()))
+        return sorted(set(gone))
 
     @activity.defn(name="guard_tell")
     async def tell(self, signal: str, command: GuardCommand) -> bool:

@@ -46,6 +46,13 @@ class GuardDecision(BaseModel):
     escalate_why: str = ""
 
 
+class GuardAnswer(BaseModel):
+    """One answer the guard sends, to the incident workflow that asked."""
+
+    workflow_id: str
+    decision: GuardDecision
+
+
 class GuardCommand(BaseModel):
     """An operator's or incident's word to the guard: who, why, for which incident or node."""
 

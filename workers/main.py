@@ -186,6 +186,7 @@ def build_activities(settings: Settings, clients: Clients | None = None) -> list
         policy_acts.worker_config,
         policy_acts.classify,
         guard_acts.request_slot,
+        guard_acts.answer,
         guard_acts.tell,
         guard_acts.fleet_size,
         guard_acts.running,

@@ -45,6 +45,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from models.guard import (
         GUARD_LOG_SIZE,
+        GuardAnswer,
         GuardCommand,
         GuardDecision,
         GuardEvent,
@@ -90,6 +91,10 @@ MESSAGES_PER_RUN = 300
 # Answers go out together, not one workflow task after another (a burst of a thousand requests
 # waited on a thousand round trips, and incidents left unanswered asked again).
 ANSWERS_TOGETHER_PATCH = "guard-answers-together"
+# Answers are sent by an activity, a batch at a time, straight to the incidents: a workflow's
+# signal to another goes through the server's transfer queue and then back to the sender's own
+# history, which a busy guard made tens of seconds per answer in a burst of hundreds.
+ANSWERS_BY_ACTIVITY_PATCH = "guard-answers-by-activity"
 
 
 @workflow.defn(name=GUARD_WORKFLOW)
@@ -107,6 +112,11 @@ class FleetGuardWorkflow:
         self._answering: dict[str, asyncio.Task[None]] = {}
         # An answer found its incident gone and gave back its slot: those waiting may go on.
         self._slot_freed = False
+        # Answers waiting for the next batch, and the task sending the batches, one after another
+        # (so that an incident's answers arrive in the order they were given).
+        self._outbox: list[tuple[SlotRequest, GuardDecision]] = []
+        self._sending: asyncio.Task[None] | None = None
+        self._by_activity = False
 
     # -- signals and query --------------------------------------------------------------------------
 
@@ -169,9 +179,10 @@ class FleetGuardWorkflow:
             self._prune()
             self._describe()
             if handled >= MESSAGES_PER_RUN or workflow.info().is_continue_as_new_suggested():
-                await asyncio.gather(*self._pages, *self._answering.values())
+                await asyncio.gather(*self._pages, *self._answering.values(), *self._senders())
                 await workflow.wait_condition(workflow.all_handlers_finished)
-                if not self._inbox:
+                # A slot an answer found free (its incident gone) is given before the run ends.
+                if not self._inbox and not (self._by_activity and self._slot_freed):
                     workflow.continue_as_new(GuardInput(cluster=params.cluster, state=self._state))
 
     async def _handle(self, kind: str, message: SlotRequest | GuardCommand) -> None:
@@ -444,6 +455,12 @@ class FleetGuardWorkflow:
             escalate_to=request.escalate_to,
             escalate_why=request.escalate_why,
         )
+        if workflow.patched(ANSWERS_BY_ACTIVITY_PATCH):
+            self._by_activity = True
+            self._outbox.append((request, decision))
+            if self._sending is None or self._sending.done():
+                self._sending = asyncio.create_task(self._send())
+            return
         if not workflow.patched(ANSWERS_TOGETHER_PATCH):
             await self._deliver(request, decision)
             return
@@ -451,6 +468,38 @@ class FleetGuardWorkflow:
         task = asyncio.create_task(self._deliver(request, decision, after=earlier, together=True))
         self._answering[request.workflow_id] = task
         task.add_done_callback(lambda done: self._answered(request.workflow_id, done))
+
+    def _senders(self) -> list[asyncio.Task[None]]:
+        return [self._sending] if self._sending is not None else []
+
+    async def _send(self) -> None:
+        """Send the answers given so far, a batch per activity, until none is left."""
+        while self._outbox:
+            batch, self._outbox = self._outbox, []
+            answers = [GuardAnswer(workflow_id=request.workflow_id, decision=decision) for request, decision in batch]
+            try:
+                gone: list[str] = await workflow.execute_activity_method(
+                    GuardActivities.answer,
+                    answers,
+                    start_to_close_timeout=timedelta(seconds=120),
+                    heartbeat_timeout=timedelta(seconds=5),
+                    retry_policy=RETRY,
+                    summary=f"answer {len(answers)} incident(s)",
+                )
+            except ActivityError as exc:  # not retryable: the incidents ask again, a minute on
+                self._log("answers", detail=f"{len(answers)} answer(s) not sent: {exc.cause or exc}")
+                continue
+            for request in {request.incident_id: request for request, _ in batch}.values():
+                if request.incident_id in gone:
+                    self._gone(request, "its incident is gone")
+
+    def _gone(self, request: SlotRequest, why: str) -> None:
+        """Forget an incident that no longer runs, and let those waiting in to its slot."""
+        state = self._state
+        state.in_flight = [r for r in state.in_flight if r.incident_id != request.incident_id]
+        state.waiting = [r for r in state.waiting if r.incident_id != request.incident_id]
+        self._log("released", request, why)
+        self._slot_freed = True
 
     def _answered(self, workflow_id: str, task: asyncio.Task[None]) -> None:
         if self._answering.get(workflow_id) is task:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
@@ -28,6 +29,7 @@ from temporalio.testing import WorkflowEnvironment
 from models.constants import (
     GUARD_FORGIVE_SIGNAL,
     GUARD_PAUSE_SIGNAL,
+    GUARD_REQUEST_SIGNAL,
     GUARD_RESET_SIGNAL,
     GUARD_RESUME_SIGNAL,
     GUARD_RETURNED_SIGNAL,
@@ -37,7 +39,7 @@ from models.constants import (
     guard_workflow_id,
     task_queue,
 )
-from models.guard import GuardCommand, GuardInput, GuardStatus
+from models.guard import GuardCommand, GuardInput, GuardStatus, SlotRequest
 from models.incident import Approval, IncidentStatus, Outcome, Step
 from models.policy import Action, GuardSettings, Policy
 from tests.workflows.test_remediation import Fleet, start, worker
@@ -362,8 +364,9 @@ async def test_a_node_failing_again_within_its_cooldown_is_quarantined(env: Work
 
 async def test_a_burst_of_requests_is_answered_together_not_one_task_after_another(env: WorkflowEnvironment) -> None:
     """Thirty incidents at once, the limits wide open: every one gets its slot and resolves, and the
-    guard answers the requests it has together, in one workflow task (one round trip per answer
-    made a burst of a thousand wait minutes, and incidents left unanswered asked again)."""
+    guard answers the requests it has together, a batch per activity that signals the incidents
+    straight (one round trip per answer made a burst of a thousand wait minutes, and incidents
+    left unanswered asked again)."""
     nodes = [f"gpu{i}" for i in range(1, 31)]
     fleet = Fleet(
         nodes=set(nodes), partition_size=30, policy=Policy(guard=GuardSettings(max_in_flight=100, max_share=0))
@@ -375,12 +378,41 @@ async def test_a_burst_of_requests_is_answered_together_not_one_task_after_anoth
         await guard(env.client, fleet).terminate("test over")
     assert all(status.outcome == Outcome.RESOLVED for status in statuses)
     assert sorted(fleet.drained) == sorted(nodes)
-    # Answers sent by each workflow task of the guard: one at most when each waited for the last.
-    per_task = [0]
-    for event in history.events:
-        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
-            per_task.append(0)
-        elif event.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED:
-            per_task[-1] += 1
-    assert sum(per_task) >= 30
-    assert max(per_task) > 1
+    # The answers each batch sent (one activity each): one per batch when each waited for the last.
+    batches = [
+        len(json.loads(event.activity_task_scheduled_event_attributes.input.payloads[0].data))
+        for event in history.events
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+        and event.activity_task_scheduled_event_attributes.activity_type.name == "guard_answer"
+    ]
+    assert sum(batches) >= 30
+    assert max(batches) > 1
+    # Sent straight to the incidents, not as the guard's own signals through the server.
+    signalled = EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
+    assert not [event for event in history.events if event.event_type == signalled]
+
+
+async def test_an_answer_to_an_incident_that_is_gone_gives_its_slot_back(env: WorkflowEnvironment) -> None:
+    """A request whose incident no longer exists when the answer is sent (ended in between): the
+    answer finds nobody, the slot is given back, and a real incident then gets the only slot."""
+    fleet = guarded(max_in_flight=1, max_share=1.0)
+    ghost = SlotRequest(incident_id="lab-gpu9-1", workflow_id="remediate-lab-gpu9", node="gpu9", action="REPLACE_NODE")
+    async with running(env, fleet):
+        await env.client.start_workflow(
+            GUARD_WORKFLOW,
+            GuardInput(cluster=fleet.cluster),
+            id=guard_workflow_id(fleet.cluster),
+            task_queue=task_queue(fleet.cluster),
+            start_signal=GUARD_REQUEST_SIGNAL,
+            start_signal_args=[ghost],
+        )
+        state = await until(
+            guard(env.client, fleet),
+            FleetGuardWorkflow.status,
+            lambda s: any(e.event == "released" and e.incident_id == ghost.incident_id for e in s.state.log),
+            "the ghost's slot given back",
+        )
+        assert not state.state.in_flight
+        status = await (await start(env.client, fleet, node="gpu2")).result()
+    assert status.outcome == Outcome.RESOLVED and not pages(fleet)
+    assert [e.detail for e in state.state.log if e.event == "released"] == ["its incident is gone"]

@@ -277,6 +277,7 @@ class Fleet:
         guard = GuardActivities(None, cluster=fleet.cluster, partition="train")  # type: ignore[arg-type]
         return [
             guard.request_slot,
+            guard.answer,
             guard.tell,
             guard.running,
             fleet_size,
