@@ -26,6 +26,18 @@ from models.names import validate_cluster_name
 
 # Answers signalled at once by one guard_answer activity.
 ANSWERS_AT_ONCE = 32
+# Failures that pass: the batch is tried again.
+PASSING = frozenset(
+    {
+        RPCStatusCode.UNAVAILABLE,
+        RPCStatusCode.DEADLINE_EXCEEDED,
+        RPCStatusCode.RESOURCE_EXHAUSTED,
+        RPCStatusCode.INTERNAL,
+        RPCStatusCode.UNKNOWN,
+        RPCStatusCode.ABORTED,
+        RPCStatusCode.CANCELLED,
+    }
+)
 
 
 @contextlib.asynccontextmanager
@@ -71,29 +83,42 @@ class GuardActivities:
     async def answer(self, answers: list[GuardAnswer]) -> list[str]:
         """Signal each incident its answer, straight to the incident (the server's transfer queue,
         which a workflow's own signals to another go through, took tens of seconds per answer in a
-        burst). An incident's answers are sent in the order given; different incidents' at once.
-        Returns the incident IDs whose workflow is gone (nothing to hold a slot for). Sending an
-        answer again (a retry) is harmless: an incident keeps the last answer it was sent."""
+        burst). Only an incident's newest answer is sent (it supersedes the earlier ones), so a
+        retry never sends an older answer after a newer one. Returns the incident IDs whose
+        workflow is gone (nothing to hold a slot for).
+
+        An answer the server refuses for good (an invalid or oversized signal, no permission) is
+        logged and dropped: the incident asks again, and one bad incident never holds up the
+        others' answers. A passing failure (the server unavailable) retries the batch after the
+        others are sent; sending an answer again is harmless."""
         client = activity.client()
-        by_workflow: dict[str, list[GuardAnswer]] = {}
+        newest: dict[tuple[str, str], GuardAnswer] = {}
         for answer in answers:
-            by_workflow.setdefault(answer.workflow_id, []).append(answer)
+            newest[(answer.workflow_id, answer.decision.incident_id)] = answer
         gone: list[str] = []
+        passing: list[RPCError] = []
         limit = asyncio.Semaphore(ANSWERS_AT_ONCE)
 
-        async def send(workflow_id: str, theirs: list[GuardAnswer]) -> None:
+        async def send(answer: GuardAnswer) -> None:
             async with limit:
-                handle = client.get_workflow_handle(workflow_id)
-                for answer in theirs:
-                    try:
-                        await handle.signal(GUARD_DECISION_SIGNAL, answer.decision, rpc_timeout=timedelta(seconds=10))
-                    except RPCError as exc:
-                        if exc.status != RPCStatusCode.NOT_FOUND:
-                            raise
+                try:
+                    await client.get_workflow_handle(answer.workflow_id).signal(
+                        GUARD_DECISION_SIGNAL, answer.decision, rpc_timeout=timedelta(seconds=10)
+                    )
+                except RPCError as exc:
+                    if exc.status == RPCStatusCode.NOT_FOUND:
                         gone.append(answer.decision.incident_id)
+                    elif exc.status in PASSING:
+                        passing.append(exc)
+                    else:
+                        activity.logger.warning(
+                            "answer to %s not sent, dropped (it asks again): %s", answer.workflow_id, exc
+                        )
 
         async with heartbeats():
-            await asyncio.gather(*(send(workflow_id, theirs) for workflow_id, theirs in by_workflow.items()))
+            await asyncio.gather(*(send(answer) for answer in newest.values()))
+        if passing:
+            raise RuntimeError(f"{len(passing)} answer(s) not sent yet: {passing[0]}")
         return sorted(set(gone))
 
     @activity.defn(name="guard_tell")

@@ -11,8 +11,9 @@ reset` lets the waiting incidents go on as slots free up, one at a time; `gpufle
 INCIDENT` lets one past; `gpufleet pause|resume` hold new destructive steps without paging.
 
 Messages are handled one at a time in arrival order, so two requests never race for the last
-slot. The state survives worker and server restarts (it is the workflow's), and the run
-continues as new before its history grows large.
+slot. Answers go out a batch at a time, by an activity, beside that loop (an answer that finds
+its incident gone gives its slot back there). The state survives worker and server restarts
+(it is the workflow's), and the run continues as new before its history grows large.
 """
 
 from __future__ import annotations
@@ -95,6 +96,16 @@ ANSWERS_TOGETHER_PATCH = "guard-answers-together"
 # signal to another goes through the server's transfer queue and then back to the sender's own
 # history, which a busy guard made tens of seconds per answer in a burst of hundreds.
 ANSWERS_BY_ACTIVITY_PATCH = "guard-answers-by-activity"
+# At most this many answers per activity (its input stays far below the server's payload limit).
+ANSWERS_PER_BATCH = 200
+# A batch the server keeps refusing is given up after a couple of minutes, not retried for ever
+# (the answers after it wait for it).
+ANSWER_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=5),
+    maximum_attempts=25,
+)
 
 
 @workflow.defn(name=GUARD_WORKFLOW)
@@ -338,6 +349,8 @@ class FleetGuardWorkflow:
                     self._trip(request, over)
                     await self._answer(request, granted=False, why=self._holding_why())
                     return
+            if not state.waiting or state.waiting[0] is not request:
+                continue  # it went (its incident is gone) while the limits were read: look again
             state.waiting.pop(0)
             self._take(request)
             self._log("granted", request, "after waiting")
@@ -475,7 +488,7 @@ class FleetGuardWorkflow:
     async def _send(self) -> None:
         """Send the answers given so far, a batch per activity, until none is left."""
         while self._outbox:
-            batch, self._outbox = self._outbox, []
+            batch, self._outbox = self._outbox[:ANSWERS_PER_BATCH], self._outbox[ANSWERS_PER_BATCH:]
             answers = [GuardAnswer(workflow_id=request.workflow_id, decision=decision) for request, decision in batch]
             try:
                 gone: list[str] = await workflow.execute_activity_method(
@@ -483,10 +496,10 @@ class FleetGuardWorkflow:
                     answers,
                     start_to_close_timeout=timedelta(seconds=120),
                     heartbeat_timeout=timedelta(seconds=5),
-                    retry_policy=RETRY,
+                    retry_policy=ANSWER_RETRY,
                     summary=f"answer {len(answers)} incident(s)",
                 )
-            except ActivityError as exc:  # not retryable: the incidents ask again, a minute on
+            except ActivityError as exc:  # the incidents ask again (a minute on, or 30 min while waiting)
                 self._log("answers", detail=f"{len(answers)} answer(s) not sent: {exc.cause or exc}")
                 continue
             for request in {request.incident_id: request for request, _ in batch}.values():

@@ -37,6 +37,7 @@ from models.constants import (
     REMEDIATION_DISABLED,
     REMEDIATION_LABEL,
     guard_workflow_id,
+    remediation_workflow_id,
     task_queue,
 )
 from models.guard import GuardCommand, GuardInput, GuardStatus, SlotRequest
@@ -392,12 +393,17 @@ async def test_a_burst_of_requests_is_answered_together_not_one_task_after_anoth
     assert not [event for event in history.events if event.event_type == signalled]
 
 
-async def test_an_answer_to_an_incident_that_is_gone_gives_its_slot_back(env: WorkflowEnvironment) -> None:
-    """A request whose incident no longer exists when the answer is sent (ended in between): the
-    answer finds nobody, the slot is given back, and a real incident then gets the only slot."""
+@pytest.mark.parametrize("ended", [False, True], ids=["never-ran", "closed"])
+async def test_an_answer_to_an_incident_that_is_gone_gives_its_slot_back(env: WorkflowEnvironment, ended: bool) -> None:
+    """A request whose incident no longer runs when the answer is sent (never started, or closed
+    in between): the answer finds nobody, the slot is given back, and a real incident then gets
+    the only slot."""
     fleet = guarded(max_in_flight=1, max_share=1.0)
     ghost = SlotRequest(incident_id="lab-gpu9-1", workflow_id="remediate-lab-gpu9", node="gpu9", action="REPLACE_NODE")
     async with running(env, fleet):
+        if ended:  # an incident that ran to its end, then a late request in its name
+            assert (await (await start(env.client, fleet, node="gpu3")).result()).outcome == Outcome.RESOLVED
+            ghost = ghost.model_copy(update={"workflow_id": remediation_workflow_id(fleet.cluster, "gpu3")})
         await env.client.start_workflow(
             GUARD_WORKFLOW,
             GuardInput(cluster=fleet.cluster),
@@ -415,4 +421,5 @@ async def test_an_answer_to_an_incident_that_is_gone_gives_its_slot_back(env: Wo
         assert not state.state.in_flight
         status = await (await start(env.client, fleet, node="gpu2")).result()
     assert status.outcome == Outcome.RESOLVED and not pages(fleet)
-    assert [e.detail for e in state.state.log if e.event == "released"] == ["its incident is gone"]
+    released = [e.detail for e in state.state.log if e.event == "released" and e.incident_id == ghost.incident_id]
+    assert released == ["its incident is gone"]
