@@ -373,16 +373,21 @@ async def run_open(
     say(f"{fleet.cluster}: {len(nodes) - failures} incidents started in {started - began:.1f}s")
     deadline = time.monotonic() + timeout
     last_said = 0.0
+    drained: float | None = None
     while (left := await open_incidents(client, fleet.cluster)) > 0:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{left} incidents still open after {timeout:.0f}s (logs: {fleet.home / 'logs'})")
+            # Reported, not raised: what closed so far is measured; the open ones count as such.
+            say(f"{fleet.cluster}: {left} incidents still open after {timeout:.0f}s; measuring what closed")
+            break
         if time.monotonic() - last_said >= 10:
             say(f"{fleet.cluster}: {len(nodes) - left} of {len(nodes)} closed ({time.monotonic() - began:.0f}s)")
             last_said = time.monotonic()
         await asyncio.sleep(0.5)
-    drained = time.monotonic()
+    else:
+        drained = time.monotonic()
     cpu = {name: round(_proc_seconds(pid) - cpu_before[name], 1) for name, pid in pids.items()}
-    say(f"{fleet.cluster}: all closed after {drained - began:.1f}s; reading {len(nodes)} histories")
+    if drained is not None:
+        say(f"{fleet.cluster}: all closed after {drained - began:.1f}s; reading {len(nodes)} histories")
     all_events = await histories(client, fleet.cluster, nodes)
     outcomes: dict[str, int] = {}
     overheads = []
@@ -402,7 +407,9 @@ async def run_open(
         "incidents": len(nodes),
         "start_failures": failures,
         "incidents_started_per_s": round((len(nodes) - failures) / max(started - began, 1e-9), 1),
-        "burst_drain_seconds": round(drained - began, 1),
+        # None when the burst did not drain within --timeout (open_after_timeout says how many were left).
+        "burst_drain_seconds": round(drained - began, 1) if drained is not None else None,
+        "open_after_timeout": left,
         "incident_seconds_p50": _percentile([total for _, total in waits], 0.5),
         "guard_wait_p50_s": _percentile([wait for wait, _ in waits], 0.5),
         "overhead_p50_s": _percentile(overheads, 0.5),
@@ -480,6 +487,11 @@ def bound(open_run: dict[str, Any], server_cpu: float) -> str:
         return (
             "the fleet guard (one workflow answers every incident of the cluster; its workflow tasks "
             "queue with the incidents' own on the cluster's task queue)"
+        )
+    if open_run.get("history_events_by_kind", {}).get("workflow_task_timed_out", 0) >= 1:
+        return (
+            "worker CPU (one worker process): workflow tasks waited past the sticky queue's "
+            "schedule-to-start timeout, moved to the cluster's queue and replayed their incident's history"
         )
     cpu = {**open_run["cpu_seconds"], "server": server_cpu}
     top = str(max(cpu, key=lambda name: cpu[name]))

@@ -54,6 +54,29 @@ async def test_a_small_burst_resolves_every_incident_and_the_default_guard_holds
     assert result["bound"]
 
 
+async def test_a_burst_that_outlasts_the_timeout_is_reported_not_lost(tmp_path: Path) -> None:
+    """--timeout before the burst drains: the run still ends with its figures, says how many were
+    left open, and does not claim a drain time or that every incident resolved."""
+    args = argparse.Namespace(
+        nodes=40,
+        spares=10,
+        burst=8,
+        concurrency=8,
+        watch_seconds=0.0,
+        checkpoint_seconds=5.0,  # each job takes 5 s to save: none closes within the timeout
+        timeout=1.0,
+        seed=5,
+        audit=False,
+    )
+    result = await bench_scale(args, home=tmp_path, say=print)
+    opened = result["open_guard"]
+    assert result["burst_drain_seconds"] is None
+    assert opened["open_after_timeout"] > 0
+    assert sum(opened["outcomes"].values()) == 8 and opened["outcomes"].get("resolved", 0) < 8
+    assert result["targets"]["met"]["all_resolved"] is False
+    assert result["default_guard"] is None
+
+
 def test_intervals_at_once() -> None:
     assert most_at_once([]) == 0
     assert most_at_once([(0, 2), (1, 3), (2, 4)]) == 2  # an end at a start's instant comes first
