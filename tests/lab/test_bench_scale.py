@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.bench_scale import arguments, bench_scale, main, most_at_once
+from lab.bench_scale import arguments, bench_scale, bound, main, most_at_once
 
 FIELDS = {
     "incidents_started_per_s",
@@ -42,6 +42,7 @@ async def test_a_small_burst_resolves_every_incident_and_the_default_guard_holds
     assert result["history_events_per_incident"] >= opened["history_events_per_incident_p50"] > 50
     assert 0 < result["worker_peak_rss_mb"] < 2000
     guarded = result["default_guard"]
+    assert guarded["guard_seen_after_s"] is not None  # the watch began once the guard was at work
     assert guarded["guard_limit"] == 2
     assert guarded["past_guard_max"] <= 2
     assert guarded["guard_held"] >= 12 - 2 - guarded["closed_while_watched"]
@@ -65,6 +66,34 @@ async def test_a_burst_that_outlasts_the_timeout_is_reported_not_lost(tmp_path: 
     assert sum(opened["outcomes"].values()) == 8 and opened["outcomes"].get("resolved", 0) < 8
     assert result["targets"]["met"]["all_resolved"] is False
     assert result["default_guard"] is None
+    assert result["targets"]["met"]["guard_never_exceeded"] is None  # not measured, not claimed
+
+
+def burst_figures(*, cpu: dict[str, float], seconds: float, timed_out: float = 0.0) -> dict[str, object]:
+    return {
+        "guard_wait_p50_s": 5.0,
+        "incident_seconds_p50": 60.0,
+        "cpu_seconds": cpu,
+        "burst_seconds": seconds,
+        "cores": 2,
+        "history_events_by_kind": {"workflow_task_timed_out": timed_out},
+    }
+
+
+def test_the_bound_is_the_machine_when_its_cores_were_busy() -> None:
+    said = bound(burst_figures(cpu={"worker": 380, "kubeapi": 330}, seconds=900, timed_out=1.3), server_cpu=690)
+    assert said.startswith("the machine's CPU: 2 cores, 78% busy")
+    assert "server 49%, worker 27%, kubeapi 24%" in said
+    assert "replayed" in said  # the worker's sticky tasks timed out
+
+
+def test_the_bound_is_the_busiest_process_when_the_machine_was_not() -> None:
+    assert bound(burst_figures(cpu={"worker": 100, "kubeapi": 50}, seconds=900), server_cpu=300).startswith("server")
+
+
+def test_the_bound_is_the_guard_when_incidents_mostly_waited_for_it() -> None:
+    waited = {**burst_figures(cpu={"worker": 100, "kubeapi": 50}, seconds=900), "guard_wait_p50_s": 40.0}
+    assert bound(waited, server_cpu=300).startswith("the fleet guard")
 
 
 def test_intervals_at_once() -> None:
