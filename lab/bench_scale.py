@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from temporalio.api.enums.v1 import EventType, TaskQueueType
+from temporalio.api.enums.v1 import EventType, TaskQueueType, TimeoutType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 from temporalio.api.taskqueue.v1 import TaskQueue
@@ -52,6 +52,7 @@ from lab.simslurm import SimulatedFleet
 from models.constants import guard_workflow_id, remediation_workflow_id, task_queue
 from models.guard import GuardStatus
 from models.policy import GuardSettings
+from models.settings import Settings
 from models.xid import XidEvent
 from starters.server import dev_server_argv
 from starters.temporal import connect, report_xid
@@ -63,6 +64,9 @@ SLURM_NOTE = (
     "Slurm is simulated at the protocol level (lab/simslurm.py): real slurmctld and slurmd daemons "
     "do not scale to this many nodes on one machine"
 )
+# The worker's own default, which the bench runs with unless --sticky-timeout says otherwise.
+STICKY_DEFAULT = float(Settings.model_fields["sticky_timeout_seconds"].default)
+
 TARGETS = {"incidents_started_per_s": 50.0, "history_events_per_incident": 150, "worker_peak_rss_mb": 500.0}
 _CLOSED = {
     EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED,
@@ -163,7 +167,7 @@ class Fleet:
         guard: str,
         address: str,
         audit: bool = False,
-        sticky_timeout: float = 3.0,
+        sticky_timeout: float = STICKY_DEFAULT,
     ) -> None:
         self.home = home / cluster
         self.cluster = cluster
@@ -233,33 +237,45 @@ class Fleet:
 
 async def burst(
     client: Client, fleet: Fleet, nodes: list[str], *, concurrency: int, say: Say
-) -> tuple[float, float, int]:
-    """Report one Xid 79 on each node at once; returns (first start sent, last start answered, failures)."""
+) -> tuple[float, float, list[str]]:
+    """Report one Xid 79 on each node at once; returns (first start sent, last start answered,
+    the nodes whose start the server refused)."""
     gate = asyncio.Semaphore(concurrency)
-    failures = 0
+    refused: list[str] = []
 
     async def one(node: str) -> None:
-        nonlocal failures
         async with gate:
             event = XidEvent(node=node, xid=79, message="GPU has fallen off the bus.", source="bench-scale")
             try:
                 await report_xid(client, event, cluster=fleet.cluster)
             except Exception as exc:  # counted and shown: a start the server refused is a finding
-                failures += 1
-                if failures <= 3:
+                refused.append(node)
+                if len(refused) <= 3:
                     say(f"start refused for {node}: {exc}")
 
     began = time.monotonic()
     await asyncio.gather(*(one(node) for node in nodes))
-    return began, time.monotonic(), failures
+    return began, time.monotonic(), refused
 
 
-async def open_incidents(client: Client, cluster: str) -> int:
+async def incidents_listed(client: Client, cluster: str, *, open_only: bool = True) -> int:
+    """The cluster's incidents the server's visibility lists: those running, or (open_only=False) every one."""
     count = await client.count_workflows(
-        f"WorkflowType = 'NodeRemediationWorkflow' AND ExecutionStatus = 'Running' "
-        f"AND WorkflowId STARTS_WITH 'remediate-{cluster}-'"
+        "WorkflowType = 'NodeRemediationWorkflow' "
+        + ("AND ExecutionStatus = 'Running' " if open_only else "")
+        + f"AND WorkflowId STARTS_WITH 'remediate-{cluster}-'"
     )
     return count.count
+
+
+async def all_visible(client: Client, cluster: str, started: int, *, timeout: float = 120.0) -> None:
+    """Wait until visibility lists every incident started: counted before then, a burst whose
+    starts are not yet listed would look drained."""
+    deadline = time.monotonic() + timeout
+    while (seen := await incidents_listed(client, cluster, open_only=False)) < started:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {seen} of {started} incidents listed by the server after {timeout:.0f}s")
+        await asyncio.sleep(0.2)
 
 
 async def histories(
@@ -337,6 +353,18 @@ def event_kinds(all_events: list[list[HistoryEvent]]) -> dict[str, float]:
     return {kind: round(count / incidents, 1) for kind, count in sorted(counts.items(), key=lambda kv: -kv[1])}
 
 
+def sticky_timeouts(all_events: list[list[HistoryEvent]]) -> int:
+    """Workflow tasks that waited past the worker's sticky queue's schedule-to-start timeout (each
+    then went to the cluster's queue and replayed its incident's history), in all incidents."""
+    return sum(
+        1
+        for events in all_events
+        for event in events
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT
+        and event.workflow_task_timed_out_event_attributes.timeout_type == TimeoutType.TIMEOUT_TYPE_SCHEDULE_TO_START
+    )
+
+
 def guard_wait(events: list[HistoryEvent]) -> tuple[float, float] | None:
     """(seconds waiting for the guard's slot, seconds from start to close) of one incident: from
     its first request for a slot to its Slurm drain, which only a slot lets it schedule."""
@@ -373,21 +401,27 @@ def _percentile(values: list[float], share: float) -> float | None:
 
 
 async def run_open(
-    client: Client, fleet: Fleet, nodes: list[str], *, concurrency: int, timeout: float, say: Say
+    client: Client, fleet: Fleet, nodes: list[str], *, concurrency: int, timeout: float, server: int, say: Say
 ) -> dict[str, Any]:
-    """The burst with the guard wide open, to its end."""
-    pids = fleet.pids
+    """The burst with the guard wide open, to its end or to ``timeout``.
+
+    At the end (or the timeout) the processes' CPU and the worker's peak RSS are read at once, the
+    server's CPU with them (``server``: its pid); after a timeout the worker is stopped and the
+    incidents still open are terminated, so that nothing moves while the histories are read and
+    nothing loads the server afterwards. Figures from histories are of the closed incidents only.
+    """
+    pids = {**fleet.pids, "server": server}
     cpu_before = {name: _proc_seconds(pid) for name, pid in pids.items()}
     say(f"{fleet.cluster}: {len(nodes)} Xid 79s at once")
-    began, started, failures = await burst(client, fleet, nodes, concurrency=concurrency, say=say)
-    say(f"{fleet.cluster}: {len(nodes) - failures} incidents started in {started - began:.1f}s")
+    began, started, refused = await burst(client, fleet, nodes, concurrency=concurrency, say=say)
+    nodes = [node for node in nodes if node not in set(refused)]  # measured: the incidents that started
+    say(f"{fleet.cluster}: {len(nodes)} incidents started in {started - began:.1f}s")
+    await all_visible(client, fleet.cluster, len(nodes))
     deadline = time.monotonic() + timeout
     last_said = 0.0
     drained: float | None = None
-    while (left := await open_incidents(client, fleet.cluster)) > 0:
+    while (left := await incidents_listed(client, fleet.cluster)) > 0:
         if time.monotonic() > deadline:
-            # Reported, not raised: what closed so far is measured; the open ones count as such.
-            say(f"{fleet.cluster}: {left} incidents still open after {timeout:.0f}s; measuring what closed")
             break
         if time.monotonic() - last_said >= 10:
             say(f"{fleet.cluster}: {len(nodes) - left} of {len(nodes)} closed ({time.monotonic() - began:.0f}s)")
@@ -397,30 +431,46 @@ async def run_open(
         drained = time.monotonic()
     cpu = {name: round(_proc_seconds(pid) - cpu_before[name], 1) for name, pid in pids.items()}
     burst_seconds = time.monotonic() - began
+    rss = _peak_rss_mb(pids["worker"])
     if drained is not None:
         say(f"{fleet.cluster}: all closed after {drained - began:.1f}s; reading {len(nodes)} histories")
-    all_events = await histories(client, fleet.cluster, nodes)
+    else:
+        # Reported, not raised: what closed is measured; the open ones are counted, then ended.
+        say(f"{fleet.cluster}: {left} incidents still open after {timeout:.0f}s; stopping the worker")
+        fleet.down()
     outcomes: dict[str, int] = {}
-    overheads = []
+    closed: list[str] = []
     for node in nodes:
-        description = await client.get_workflow_handle(remediation_workflow_id(fleet.cluster, node)).describe()
+        handle = client.get_workflow_handle(remediation_workflow_id(fleet.cluster, node))
+        description = await handle.describe()
+        if description.status == WorkflowExecutionStatus.RUNNING:
+            await handle.terminate(f"bench-scale: still open after --timeout {timeout:.0f}s")
+            outcomes["open at the timeout"] = outcomes.get("open at the timeout", 0) + 1
+            continue
         status = description.status.name if description.status else "UNKNOWN"
         if description.status == WorkflowExecutionStatus.COMPLETED:
-            result = await client.get_workflow_handle(remediation_workflow_id(fleet.cluster, node)).result()
+            result = await handle.result()
             status = str(result.get("outcome") if isinstance(result, dict) else getattr(result, "outcome", status))
         outcomes[status] = outcomes.get(status, 0) + 1
-    for events in all_events:
-        overheads.append(breakdown(events, poll_seconds=float(LAB_POLL_SECONDS))["control_plane_overhead_s"])
+        closed.append(node)
+    if drained is None:
+        say(f"{fleet.cluster}: reading the histories of the {len(closed)} incidents that closed")
+    all_events = await histories(client, fleet.cluster, closed)
+    overheads = [
+        breakdown(events, poll_seconds=float(LAB_POLL_SECONDS))["control_plane_overhead_s"] for events in all_events
+    ]
     sizes = [len(events) for events in all_events]
     intervals = [span for events in all_events if (span := past_guard(events)) is not None]
     waits = [pair for events in all_events if (pair := guard_wait(events)) is not None]
     return {
-        "incidents": len(nodes),
-        "start_failures": failures,
-        "incidents_started_per_s": round((len(nodes) - failures) / max(started - began, 1e-9), 1),
+        "incidents": len(nodes) + len(refused),
+        "start_failures": len(refused),
+        "incidents_started_per_s": round(len(nodes) / max(started - began, 1e-9), 1),
         # None when the burst did not drain within --timeout (open_after_timeout says how many were left).
         "burst_drain_seconds": round(drained - began, 1) if drained is not None else None,
-        "open_after_timeout": left,
+        "open_after_timeout": len(nodes) - len(closed),
+        # The figures below are of these incidents: every one that started, unless the timeout came first.
+        "measured_incidents": len(closed),
         "incident_seconds_p50": _percentile([total for _, total in waits], 0.5),
         "guard_wait_p50_s": _percentile([wait for wait, _ in waits], 0.5),
         "overhead_p50_s": _percentile(overheads, 0.5),
@@ -430,11 +480,11 @@ async def run_open(
         "outcomes": outcomes,
         "past_guard_max": most_at_once(intervals),
         "history_events_by_kind": event_kinds(all_events),
+        "sticky_timeouts": sticky_timeouts(all_events),
         "slowest_activities": activity_latency(all_events),
-        "worker_peak_rss_mb": _peak_rss_mb(pids["worker"]),
+        "worker_peak_rss_mb": rss,
         "cpu_seconds": cpu,
-        # The CPU the burst's processes used, server included (filled in by bench_scale), over
-        # what the machine's cores offered while the burst ran.
+        # The CPU the burst's processes used over what the machine's cores offered meanwhile.
         "burst_seconds": round(burst_seconds, 1),
         "cores": os.cpu_count() or 1,
     }
@@ -483,8 +533,9 @@ async def run_default(
             await asyncio.sleep(0.5)
 
     sampler = asyncio.create_task(sample())
-    began, started, failures = await burst(client, fleet, nodes, concurrency=concurrency, say=say)
-    say(f"{fleet.cluster}: {len(nodes) - failures} incidents started in {started - began:.1f}s; watching the guard")
+    began, started, refused = await burst(client, fleet, nodes, concurrency=concurrency, say=say)
+    nodes = [node for node in nodes if node not in set(refused)]
+    say(f"{fleet.cluster}: {len(nodes)} incidents started in {started - began:.1f}s; watching the guard")
     while time.monotonic() - began < timeout and (seen is None or time.monotonic() - seen < watch_seconds):
         await asyncio.sleep(min(10.0, watch_seconds))
         if seen is None:
@@ -493,18 +544,18 @@ async def run_default(
             say(f"{fleet.cluster}: {held_most} held at most so far, {in_flight_most} past the guard at most")
     sampling = False
     await sampler
-    left = await open_incidents(client, fleet.cluster)
+    left = await incidents_listed(client, fleet.cluster)
     all_events = await histories(client, fleet.cluster, nodes)
     intervals = [span for events in all_events if (span := past_guard(events)) is not None]
     return {
-        "incidents": len(nodes),
-        "start_failures": failures,
-        "incidents_started_per_s": round((len(nodes) - failures) / max(started - began, 1e-9), 1),
+        "incidents": len(nodes) + len(refused),
+        "start_failures": len(refused),
+        "incidents_started_per_s": round(len(nodes) / max(started - began, 1e-9), 1),
         "watched_seconds": round(time.monotonic() - began, 1),
         # None: the guard was never seen at work within --timeout, so nothing below was measured.
         "guard_seen_after_s": round(seen - began, 1) if seen is not None else None,
         "guard_limit": limit,
-        "guard_held": held_most,
+        "guard_held": held_most if seen is not None else None,
         "guard_in_flight_most": in_flight_most,
         "past_guard_max": most_at_once(intervals),
         "closed_while_watched": len(nodes) - left,
@@ -516,18 +567,13 @@ async def run_default(
 CPU_SATURATED = 0.75
 
 
-def bound(open_run: dict[str, Any], server_cpu: float) -> str:
+def bound(open_run: dict[str, Any]) -> str:
     """What limited the burst, named for the README: the fleet guard when incidents spent most of
     their time waiting for its answer; else the machine's CPU when the server, the worker and the
     emulated API together kept its cores busy (each one's share said); else the process that used
-    the most CPU."""
+    the most CPU. Workflow tasks that outwaited the worker's sticky queue are added in any case."""
     wait, total = open_run.get("guard_wait_p50_s"), open_run.get("incident_seconds_p50")
-    if wait is not None and total and wait / total > 0.5:
-        return (
-            "the fleet guard (one workflow answers every incident of the cluster; its workflow tasks "
-            "queue with the incidents' own on the cluster's task queue)"
-        )
-    cpu = {**open_run["cpu_seconds"], "server": server_cpu}
+    cpu = open_run["cpu_seconds"]
     used = sum(cpu.values())
     offered = open_run["burst_seconds"] * open_run["cores"]
     names = {
@@ -535,7 +581,12 @@ def bound(open_run: dict[str, Any], server_cpu: float) -> str:
         "worker": "worker CPU (one worker process)",
         "kubeapi": "the emulated Kubernetes API (the lab's, not a real API server)",
     }
-    if offered > 0 and used / offered >= CPU_SATURATED:
+    if wait is not None and total and wait / total > 0.5:
+        said = (
+            "the fleet guard (one workflow answers every incident of the cluster; its workflow tasks "
+            "queue with the incidents' own on the cluster's task queue)"
+        )
+    elif offered > 0 and used / offered >= CPU_SATURATED:
         shares = ", ".join(
             f"{name} {seconds / used:.0%}" for name, seconds in sorted(cpu.items(), key=lambda item: -item[1])
         )
@@ -543,14 +594,26 @@ def bound(open_run: dict[str, Any], server_cpu: float) -> str:
             f"the machine's CPU: {open_run['cores']} cores, {used / offered:.0%} busy with the burst's "
             f"processes ({shares})"
         )
-        if open_run.get("history_events_by_kind", {}).get("workflow_task_timed_out", 0) >= 1:
-            said += (
-                "; the worker fell behind: workflow tasks waited past the sticky queue's schedule-to-start "
-                "timeout and were replayed from their incident's history"
-            )
-        return said
-    top = str(max(cpu, key=lambda name: cpu[name]))
-    return names.get(top, top)
+    else:
+        top = str(max(cpu, key=lambda name: cpu[name]))
+        said = names.get(top, top)
+    late = open_run.get("sticky_timeouts", 0)
+    if late:
+        said += (
+            f"; the worker fell behind: {late} workflow tasks waited past its sticky queue's schedule-to-start "
+            "timeout and were replayed from their incident's history"
+        )
+    return said
+
+
+def within(value: float | None, most: float, *, complete: bool) -> bool | None:
+    """Whether a figure kept within its target: None when it was not read, or when the burst did
+    not drain and the figure has not yet passed the target (it could still)."""
+    if value is None:
+        return None
+    if value > most:
+        return False
+    return True if complete else None
 
 
 def checked_fleet(args: argparse.Namespace) -> SimulatedFleet:
@@ -565,6 +628,10 @@ def checked_fleet(args: argparse.Namespace) -> SimulatedFleet:
         raise ValueError("--concurrency must be at least 1")
     if not 0 < args.sticky_timeout <= 600:
         raise ValueError("--sticky-timeout must be more than 0 and at most 600 seconds")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError("--timeout must be a number of seconds above 0")
+    if not (math.isfinite(args.watch_seconds) and args.watch_seconds >= 0):
+        raise ValueError("--watch-seconds must be a number of seconds, 0 or more (0: skip the default guard)")
     return fleet
 
 
@@ -573,6 +640,9 @@ async def bench_scale(args: argparse.Namespace, *, home: Path, say: Say) -> dict
     nodes = random.Random(args.seed).sample(fleet_spec.training, args.burst)
     port = free_port()
     address = f"127.0.0.1:{port}"
+    for stale in home.glob("temporal.db*"):  # a kept --home: an earlier run's incidents would be counted
+        say(f"removing an earlier run's {stale.name}")
+        stale.unlink()
     say(f"Temporal dev server on {address} (SQLite {home / 'temporal.db'})")
     server = spawn(
         dev_server_argv(db_file=home / "temporal.db", port=port, ui_port=free_port()), log=home / "temporal.log"
@@ -592,7 +662,6 @@ async def bench_scale(args: argparse.Namespace, *, home: Path, say: Say) -> dict
             },
             "burst": args.burst,
         }
-        server_cpu = _proc_seconds(server)
         open_fleet = Fleet(
             home,
             cluster="scale-open",
@@ -606,10 +675,8 @@ async def bench_scale(args: argparse.Namespace, *, home: Path, say: Say) -> dict
         open_fleet.up(say)
         await worker_polling(client, task_queue(open_fleet.cluster), timeout=120)
         open_run = await run_open(
-            client, open_fleet, nodes, concurrency=args.concurrency, timeout=args.timeout, say=say
+            client, open_fleet, nodes, concurrency=args.concurrency, timeout=args.timeout, server=server, say=say
         )
-        server_cpu = round(_proc_seconds(server) - server_cpu, 1)
-        open_run["cpu_seconds"]["server"] = server_cpu
         open_fleet.down()
         result.update(
             {
@@ -617,6 +684,7 @@ async def bench_scale(args: argparse.Namespace, *, home: Path, say: Say) -> dict
                 for key in (
                     "incidents_started_per_s",
                     "burst_drain_seconds",
+                    "open_after_timeout",
                     "overhead_p50_s",
                     "overhead_p99_s",
                     "history_events_per_incident",
@@ -625,6 +693,7 @@ async def bench_scale(args: argparse.Namespace, *, home: Path, say: Say) -> dict
             }
         )
         default_run: dict[str, Any] | None = None
+        result["guard_held"] = None  # not measured unless the default guard is watched at work
         if args.watch_seconds > 0:
             default_fleet = Fleet(
                 home,
@@ -650,11 +719,16 @@ async def bench_scale(args: argparse.Namespace, *, home: Path, say: Say) -> dict
             result["guard_held"] = default_run["guard_held"]
         result["open_guard"] = open_run
         result["default_guard"] = default_run
+        complete = open_run["open_after_timeout"] == 0
         met = {
             "incidents_started_per_s": result["incidents_started_per_s"] >= TARGETS["incidents_started_per_s"],
-            "history_events_per_incident": result["history_events_per_incident"]
-            <= TARGETS["history_events_per_incident"],
-            "worker_peak_rss_mb": (result["worker_peak_rss_mb"] or 0) <= TARGETS["worker_peak_rss_mb"],
+            # A figure of a burst that did not drain can show a target missed, never one met: None.
+            "history_events_per_incident": within(
+                result["history_events_per_incident"], TARGETS["history_events_per_incident"], complete=complete
+            ),
+            "worker_peak_rss_mb": within(
+                result["worker_peak_rss_mb"], TARGETS["worker_peak_rss_mb"], complete=complete
+            ),
             # None: not measured (the default guard skipped, or never seen at work within --timeout).
             "guard_never_exceeded": None
             if default_run is None or default_run["guard_seen_after_s"] is None
@@ -667,7 +741,7 @@ async def bench_scale(args: argparse.Namespace, *, home: Path, say: Say) -> dict
             "worker_peak_rss_mb": "<= 500",
             "met": met,
         }
-        result["bound"] = bound(open_run, server_cpu)
+        result["bound"] = bound(open_run)
         return result
     finally:
         for fleet in fleets:
@@ -691,12 +765,17 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument(
         "--checkpoint-seconds", type=float, default=0.5, help="a job's save-and-exit after SIGTERM (0.5)"
     )
-    parser.add_argument("--timeout", type=float, default=1800.0, help="give up on the open burst after this (1800 s)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=1800.0,
+        help="stop waiting for the open burst to drain, or for the default guard's first answer, after this (1800 s)",
+    )
     parser.add_argument(
         "--sticky-timeout",
         type=float,
-        default=3.0,
-        help="the worker's GPUFLEET_STICKY_TIMEOUT_SECONDS (3, its default)",
+        default=STICKY_DEFAULT,
+        help=f"the worker's GPUFLEET_STICKY_TIMEOUT_SECONDS ({STICKY_DEFAULT:g}, its default)",
     )
     parser.add_argument("--seed", type=int, default=1, help="which nodes fail (random, seeded)")
     parser.add_argument(

@@ -144,8 +144,13 @@ GUARD_PATCH = "fleet-guard"
 # Incidents take their node's lease before the drain (histories from before replay without it).
 NODE_LEASE_PATCH = "node-lease"
 # Ask the fleet guard again when it has not answered within this (it may have been terminated),
-# and, while waiting at a tripped breaker, this often.
+# then twice as long each time, up to the most (patched: guard-ask-backoff): in a burst of a
+# thousand the guard answered after ten minutes at the median, and every ask at a fixed minute
+# was one more signal in its history and one more answer for it to send, slowing it further.
+# While waiting at a tripped breaker, it is asked again this often.
 GUARD_ASK_AGAIN = timedelta(minutes=1)
+GUARD_ASK_AGAIN_MOST = timedelta(minutes=8)
+GUARD_ASK_BACKOFF_PATCH = "guard-ask-backoff"
 GUARD_ASK_WHILE_WAITING = timedelta(minutes=30)
 
 
@@ -749,14 +754,22 @@ class NodeRemediationWorkflow:
         self._guard_decision = None
         self._asked_guard = True
         await self._ask_guard()
-        # A guard that was terminated (or lost its state) never answers: ask again, now and then.
+        # A guard that was terminated (or lost its state) never answers: ask again, less often the
+        # longer it is silent. The patch is looked at only when an ask goes unanswered, so that an
+        # incident answered in time carries no marker for it.
+        again = GUARD_ASK_AGAIN
+        backoff: bool | None = None
         while True:
             try:
-                await workflow.wait_condition(lambda: self._guard_decision is not None, timeout=GUARD_ASK_AGAIN)
+                await workflow.wait_condition(lambda: self._guard_decision is not None, timeout=again)
                 break
             except TimeoutError:
+                if backoff is None:
+                    backoff = workflow.patched(GUARD_ASK_BACKOFF_PATCH)
                 self._mark(Step.GUARD, "asking again", "the fleet guard has not answered")
                 await self._ask_guard()
+                if backoff:
+                    again = min(again * 2, GUARD_ASK_AGAIN_MOST)
         decision = self._guard_decision
         if decision is not None and decision.granted:
             status.guard_slot = True

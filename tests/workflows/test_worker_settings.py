@@ -15,19 +15,21 @@ from models.settings import Settings
 from workers.main import cluster_worker
 
 
-def sticky_timeout(env: WorkflowEnvironment, settings: Settings) -> timedelta | None:
+async def sticky_timeout(env: WorkflowEnvironment, settings: Settings) -> timedelta | None:
+    """The timeout the cluster's worker was built with (the worker run and shut down again)."""
     with ThreadPoolExecutor(max_workers=1) as executor:
-        return cluster_worker(env.client, settings, [], executor).config().get("sticky_queue_schedule_to_start_timeout")
+        async with cluster_worker(env.client, settings, [], executor) as worker:
+            return worker.config().get("sticky_queue_schedule_to_start_timeout")
 
 
 async def test_the_sticky_timeout_is_three_seconds_unless_set(
     env: WorkflowEnvironment, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("GPUFLEET_STICKY_TIMEOUT_SECONDS", raising=False)
-    assert sticky_timeout(env, Settings(cluster="sticky-default")) == timedelta(seconds=3)
+    assert await sticky_timeout(env, Settings(cluster="sticky-default")) == timedelta(seconds=3)
     monkeypatch.setenv("GPUFLEET_STICKY_TIMEOUT_SECONDS", "45")
     # Another cluster's queue: the client keeps one worker per task queue.
-    assert sticky_timeout(env, Settings(cluster="sticky-set")) == timedelta(seconds=45)
+    assert await sticky_timeout(env, Settings(cluster="sticky-set")) == timedelta(seconds=45)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "forever", "601"])
