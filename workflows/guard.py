@@ -499,7 +499,7 @@ class FleetGuardWorkflow:
                     retry_policy=ANSWER_RETRY,
                     summary=f"answer {len(answers)} incident(s)",
                 )
-            except ActivityError as exc:  # the incidents ask again (a minute on, or 30 min while waiting)
+            except ActivityError as exc:  # the incidents ask again (1 to 8 min on, or 30 min while waiting)
                 self._log("answers", detail=f"{len(answers)} answer(s) not sent: {exc.cause or exc}")
                 continue
             for request in {request.incident_id: request for request, _ in batch}.values():

@@ -104,6 +104,9 @@ def test_the_bound_is_the_guard_when_incidents_mostly_waited_for_it() -> None:
     waited["guard_wait_p50_s"] = 40.0
     said = bound(waited)
     assert said.startswith("the fleet guard") and "3 workflow tasks waited" in said
+    assert "machine's CPU" not in said  # 450 of 1800 CPU seconds: the machine was not the bound
+    busy = {**waited, "cpu_seconds": {"server": 900, "worker": 400, "kubeapi": 300}}
+    assert "; with the machine's CPU: 2 cores, 89% busy" in bound(busy)
 
 
 def test_intervals_at_once() -> None:

@@ -10,7 +10,7 @@ import itertools
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
+from temporalio.worker import Replayer, Worker
 
 from activities.guard import GuardActivities
 from models.constants import task_queue
@@ -19,7 +19,7 @@ from models.incident import IncidentStatus, Outcome
 from tests.workflows.test_guard import guard, guarded
 from tests.workflows.test_remediation import start
 from workflows.guard import FleetGuardWorkflow
-from workflows.remediation import NodeRemediationWorkflow
+from workflows.remediation import GUARD_ASK_BACKOFF_PATCH, NodeRemediationWorkflow
 
 
 async def test_an_ask_the_guard_never_got_is_asked_again_less_often_each_time(env: WorkflowEnvironment) -> None:
@@ -61,3 +61,11 @@ async def test_an_ask_the_guard_never_got_is_asked_again_less_often_each_time(en
     for gap, minutes in zip(gaps, [1, 2, 4, 8], strict=True):
         assert minutes * 60 <= gap < minutes * 60 + 30, gaps
     assert sum(1 for entry in status.timeline if entry.event == "asking again") == 4
+    # The history replays as it ran: the backoff is under its patch, whose marker it carries.
+    markers = [e for e in history.events if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED]
+    assert any(
+        GUARD_ASK_BACKOFF_PATCH.encode() in e.marker_recorded_event_attributes.SerializeToString() for e in markers
+    )
+    await Replayer(workflows=[NodeRemediationWorkflow], data_converter=env.client.data_converter).replay_workflow(
+        history
+    )
