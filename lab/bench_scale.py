@@ -426,7 +426,8 @@ async def run_open(
     cpu_before = {name: _proc_seconds(pid) for name, pid in pids.items()}
     say(f"{fleet.cluster}: {len(nodes)} Xid 79s at once")
     began, started, refused = await burst(client, fleet, nodes, concurrency=concurrency, say=say)
-    nodes = [node for node in nodes if node not in frozenset(refused)]  # measured: the incidents that started
+    skip = set(refused)
+    nodes = [node for node in nodes if node not in skip]  # measured: the incidents that started
     say(f"{fleet.cluster}: {len(nodes)} incidents started in {started - began:.1f}s")
     await all_visible(client, fleet.cluster, len(nodes))
     deadline = time.monotonic() + timeout
@@ -552,7 +553,8 @@ async def run_default(
 
     sampler = asyncio.create_task(sample())
     began, started, refused = await burst(client, fleet, nodes, concurrency=concurrency, say=say)
-    nodes = [node for node in nodes if node not in frozenset(refused)]
+    skip = set(refused)
+    nodes = [node for node in nodes if node not in skip]
     say(f"{fleet.cluster}: {len(nodes)} incidents started in {started - began:.1f}s; watching the guard")
     while time.monotonic() - began < timeout and (seen is None or time.monotonic() - seen < watch_seconds):
         await asyncio.sleep(min(10.0, max(watch_seconds, 1.0)))

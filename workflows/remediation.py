@@ -145,8 +145,9 @@ GUARD_PATCH = "fleet-guard"
 NODE_LEASE_PATCH = "node-lease"
 # Ask the fleet guard again when it has not answered within this (it may have been terminated),
 # then twice as long each time, up to the most (patched: guard-ask-backoff): in a burst of a
-# thousand the guard answered after ten minutes at the median, and every ask at a fixed minute
-# was one more signal in its history and one more answer for it to send, slowing it further.
+# thousand an incident waited ten minutes at the median between its ask and its next step, and
+# every ask at a fixed minute was one more signal in the guard's history and one more answer for
+# it to send, slowing it further.
 # While waiting at a tripped breaker, it is asked again this often.
 GUARD_ASK_AGAIN = timedelta(minutes=1)
 GUARD_ASK_AGAIN_MOST = timedelta(minutes=8)
