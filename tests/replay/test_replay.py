@@ -7,7 +7,11 @@ what they show (resolved, awaiting-repair, no-spare-then-returned, unknown-node,
 guard, guarded-resolved, guarded-no-spare-then-returned, rebooted-in-place, dry-run, the guard's own
 history so far and a node return, and the shared pool's: moving nodes both ways with a budget
 refusing, and as the release before the ``pool-settle`` patch ran it); the ``operator-drained``
-and ``worker-killed`` ones come from a `make chaos` run's Temporal database.
+and ``worker-killed`` ones come from a `make chaos` run's Temporal database, and
+``burst-asked-guard-eight-times`` from a 1,000-Xid `make bench-scale` run's, an incident that asked the
+guard eight times a minute apart before the ``guard-ask-backoff`` patch (with nine workflow-task
+timeouts on the way). A replay compares commands, not timer durations: it shows that such a history
+still replays, not which intervals the code would choose.
 """
 
 from __future__ import annotations
