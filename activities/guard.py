@@ -18,8 +18,8 @@ from models.constants import (
     GUARD_DECISION_SIGNAL,
     GUARD_REQUEST_SIGNAL,
     GUARD_WORKFLOW,
+    guard_task_queue,
     guard_workflow_id,
-    task_queue,
 )
 from models.guard import GuardAnswer, GuardCommand, GuardInput, SlotRequest
 from models.names import validate_cluster_name
@@ -72,7 +72,7 @@ class GuardActivities:
             GUARD_WORKFLOW,
             GuardInput(cluster=cluster),
             id=guard_workflow_id(cluster),
-            task_queue=task_queue(cluster),
+            task_queue=guard_task_queue(cluster),
             start_signal=GUARD_REQUEST_SIGNAL,
             start_signal_args=[request],
             static_summary=f"fleet guard of cluster {cluster}",

@@ -59,6 +59,12 @@ def task_queue(cluster: str) -> str:
     return f"gpufleet-{cluster}"
 
 
+def guard_task_queue(cluster: str) -> str:
+    """The cluster's fleet guard has a task queue of its own, served beside the cluster's, so that
+    its tasks never wait behind those of the incidents it answers (a cluster name has no '.')."""
+    return f"gpufleet-{cluster}.guard"
+
+
 def remediation_workflow_id(cluster: str, node: str) -> str:
     """The one open incident per node: repeated Xids on a node join it through this ID."""
     return f"remediate-{cluster}-{node}"

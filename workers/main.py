@@ -37,7 +37,7 @@ from clients.slurm import SlurmClient
 from clients.slurmrest_protocol import require_methods, slurm_client
 from clients.spares import SparePool
 from models.clusterops import CLUSTER_TASK_QUEUE
-from models.constants import task_queue
+from models.constants import guard_task_queue, task_queue
 from models.policy import PolicyError
 from models.requests import WorkerConfig
 from models.settings import Settings
@@ -56,6 +56,9 @@ log = logging.getLogger("gpufleet.worker")
 GRACEFUL_SHUTDOWN = timedelta(seconds=10)
 # Activities at once, each on its own thread with its own Kubernetes connection.
 ACTIVITY_THREADS = CONNECTIONS
+# The guard's own worker: one guard per cluster, its answers a batch per activity.
+GUARD_ACTIVITY_SLOTS = 8
+GUARD_WORKFLOW_TASK_SLOTS = 4
 
 
 class LastGoodConfig:
@@ -230,6 +233,7 @@ def cluster_worker(
         task_queue=task_queue(settings.cluster),
         workflows=[
             NodeRemediationWorkflow,
+            # A guard started here before it had a queue of its own runs here until it moves.
             FleetGuardWorkflow,
             ReturnNodeWorkflow,
             QuarantinedNodesWorkflow,
@@ -242,6 +246,25 @@ def cluster_worker(
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         # A dead worker's cached workflows move to another worker after this (3 s, not the
         # SDK's 10 s, unless GPUFLEET_STICKY_TIMEOUT_SECONDS says otherwise).
+        sticky_queue_schedule_to_start_timeout=timedelta(seconds=settings.sticky_timeout_seconds),
+    )
+
+
+def guard_worker(
+    client: Client, settings: Settings, activities: list[Callable[..., Any]], executor: ThreadPoolExecutor
+) -> Worker:
+    """The worker of the cluster's fleet guard, on the guard's own task queue beside the cluster's:
+    in a burst its tasks (and its answers' activities) never queue behind the incidents it answers.
+    One guard per cluster, so a few task slots are plenty; the same activities (it calls a few)."""
+    return Worker(
+        client,
+        task_queue=guard_task_queue(settings.cluster),
+        workflows=[FleetGuardWorkflow],
+        activities=activities,
+        activity_executor=executor,
+        max_concurrent_activities=GUARD_ACTIVITY_SLOTS,
+        max_concurrent_workflow_tasks=GUARD_WORKFLOW_TASK_SLOTS,
+        graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=settings.sticky_timeout_seconds),
     )
 
@@ -271,9 +294,16 @@ async def run_worker(
             loop.add_signal_handler(signum, stop.set)
     with ThreadPoolExecutor(max_workers=ACTIVITY_THREADS, thread_name_prefix="activity") as executor:
         worker = cluster_worker(client, settings, activities, executor)
-        log.info("worker on task queue %s (cluster %s, partition %s)", queue, settings.cluster, settings.partition)
+        log.info(
+            "worker on task queue %s, its fleet guard on %s (cluster %s, partition %s)",
+            queue,
+            guard_task_queue(settings.cluster),
+            settings.cluster,
+            settings.partition,
+        )
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(worker)
+            await stack.enter_async_context(guard_worker(client, settings, activities, executor))
             if metrics is not None:
                 counting = asyncio.create_task(
                     report_spares(clients.kube, clients.pool, metrics, cluster=settings.cluster, stop=stop)

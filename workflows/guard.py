@@ -43,6 +43,7 @@ with workflow.unsafe.imports_passed_through():
         GUARD_WORKFLOW,
         QUARANTINE_COOLDOWN,
         QUARANTINE_REPEAT,
+        guard_task_queue,
     )
     from models.guard import (
         GUARD_LOG_SIZE,
@@ -96,6 +97,9 @@ ANSWERS_TOGETHER_PATCH = "guard-answers-together"
 # signal to another goes through the server's transfer queue and then back to the sender's own
 # history, which a busy guard made tens of seconds per answer in a burst of hundreds.
 ANSWERS_BY_ACTIVITY_PATCH = "guard-answers-by-activity"
+# A guard started on the cluster's task queue (before the guard had its own) moves to its own
+# queue: it continues as new there once its messages so far are handled.
+OWN_QUEUE_PATCH = "guard-own-queue"
 # At most this many answers per activity (its input stays far below the server's payload limit).
 ANSWERS_PER_BATCH = 200
 # A batch the server keeps refusing is given up after a couple of minutes, not retried for ever
@@ -189,12 +193,20 @@ class FleetGuardWorkflow:
                 await self._let_waiting_in()
             self._prune()
             self._describe()
-            if handled >= MESSAGES_PER_RUN or workflow.info().is_continue_as_new_suggested():
+            if handled >= MESSAGES_PER_RUN or workflow.info().is_continue_as_new_suggested() or self._moving(params):
                 await asyncio.gather(*self._pages, *self._answering.values(), *self._senders())
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 # A slot an answer found free (its incident gone) is given before the run ends.
                 if not self._inbox and not (self._by_activity and self._slot_freed):
-                    workflow.continue_as_new(GuardInput(cluster=params.cluster, state=self._state))
+                    workflow.continue_as_new(
+                        GuardInput(cluster=params.cluster, state=self._state),
+                        task_queue=guard_task_queue(params.cluster) if self._moving(params) else None,
+                    )
+
+    def _moving(self, params: GuardInput) -> bool:
+        """True for a guard on the cluster's task queue that is to move to its own (patched)."""
+        here = workflow.info().task_queue
+        return here != guard_task_queue(params.cluster) and workflow.patched(OWN_QUEUE_PATCH)
 
     async def _handle(self, kind: str, message: SlotRequest | GuardCommand) -> None:
         if isinstance(message, SlotRequest):

@@ -36,6 +36,7 @@ from models.constants import (
     GUARD_WORKFLOW,
     REMEDIATION_DISABLED,
     REMEDIATION_LABEL,
+    guard_task_queue,
     guard_workflow_id,
     remediation_workflow_id,
     task_queue,
@@ -200,7 +201,7 @@ async def test_pause_holds_new_incidents_without_a_page_and_resume_lets_them_go(
             GUARD_WORKFLOW,
             GuardInput(cluster=fleet.cluster),
             id=guard_workflow_id(fleet.cluster),
-            task_queue=task_queue(fleet.cluster),
+            task_queue=guard_task_queue(fleet.cluster),
             start_signal=GUARD_PAUSE_SIGNAL,
             start_signal_args=[GuardCommand(by="ops", reason="driver roll-out")],
         )
@@ -247,7 +248,7 @@ async def test_the_guard_continues_as_new_with_its_state(env: WorkflowEnvironmen
             GUARD_WORKFLOW,
             GuardInput(cluster=fleet.cluster),
             id=guard_workflow_id(fleet.cluster),
-            task_queue=task_queue(fleet.cluster),
+            task_queue=guard_task_queue(fleet.cluster),
             start_signal=GUARD_PAUSE_SIGNAL,
             start_signal_args=[GuardCommand(by="ops")],
         )
@@ -263,6 +264,40 @@ async def test_the_guard_continues_as_new_with_its_state(env: WorkflowEnvironmen
         run = (await guard(env.client, fleet).describe()).run_id
     assert run != first_run  # continued as new...
     assert state.state.paused and state.state.paused_by == "ops"  # ... with its state
+
+
+async def test_a_guard_on_the_clusters_queue_moves_to_its_own_with_its_state(env: WorkflowEnvironment) -> None:
+    """A guard started before the guard had a task queue of its own (on the cluster's, as incidents
+    and `gpufleet pause` started it) continues as new on its own queue after its next message,
+    paused as it was, and answers from there."""
+    fleet = guarded()
+    async with running(env, fleet):
+        handle = await env.client.start_workflow(
+            GUARD_WORKFLOW,
+            GuardInput(cluster=fleet.cluster),
+            id=guard_workflow_id(fleet.cluster),
+            task_queue=task_queue(fleet.cluster),
+            start_signal=GUARD_PAUSE_SIGNAL,
+            start_signal_args=[GuardCommand(by="ops", reason="driver roll-out")],
+        )
+        first = await handle.describe()
+        incident = await start(env.client, fleet, node="gpu1")
+        status = await waiting(incident)
+        assert status.waiting_for_approval == "remediation is paused by ops (driver roll-out)"
+        now = await guard(env.client, fleet).describe()
+        await tell(env.client, fleet, GUARD_RESUME_SIGNAL)
+        assert (await incident.result()).outcome == Outcome.RESOLVED
+        moved = await guard(env.client, fleet).describe()
+        history = await env.client.get_workflow_handle(first.id, run_id=first.run_id).fetch_history()
+    assert first.task_queue == task_queue(fleet.cluster)
+    assert now.run_id != first.run_id and now.task_queue == guard_task_queue(fleet.cluster)
+    assert moved.run_id == now.run_id  # moved once, then stays
+    [continued] = [
+        e.workflow_execution_continued_as_new_event_attributes
+        for e in history.events
+        if e.HasField("workflow_execution_continued_as_new_event_attributes")
+    ]
+    assert continued.task_queue.name == guard_task_queue(fleet.cluster)
 
 
 async def test_an_opted_out_node_is_recorded_and_nothing_changes(env: WorkflowEnvironment) -> None:

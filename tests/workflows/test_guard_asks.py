@@ -10,15 +10,13 @@ import itertools
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Replayer, Worker
+from temporalio.worker import Replayer
 
 from activities.guard import GuardActivities
-from models.constants import task_queue
 from models.guard import SlotRequest
 from models.incident import IncidentStatus, Outcome
 from tests.workflows.test_guard import guard, guarded
-from tests.workflows.test_remediation import start
-from workflows.guard import FleetGuardWorkflow
+from tests.workflows.test_remediation import start, worker
 from workflows.remediation import GUARD_ASK_BACKOFF_PATCH, NodeRemediationWorkflow
 
 
@@ -37,12 +35,7 @@ async def test_an_ask_the_guard_never_got_is_asked_again_less_often_each_time(en
             await real.request_slot(request)
 
     activities = [lost_at_first if getattr(a, "__name__", "") == "request_slot" else a for a in fleet.activities()]
-    async with Worker(
-        env.client,
-        task_queue=task_queue(fleet.cluster),
-        workflows=[NodeRemediationWorkflow, FleetGuardWorkflow],
-        activities=activities,
-    ):
+    async with worker(env, fleet, activities=activities):
         handle = await start(env.client, fleet, node="gpu2")
         status: IncidentStatus = await handle.result()
         history = await handle.fetch_history()

@@ -8,7 +8,9 @@ unknown node or an application Xid changes nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +22,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from activities.guard import GuardActivities
-from models.constants import REMEDIATION_LABEL, task_queue
+from models.constants import REMEDIATION_LABEL, guard_task_queue, task_queue
 from models.incident import (
     Approval,
     IncidentStatus,
@@ -319,14 +321,29 @@ async def start(
     return await report_xid(client, event, cluster=fleet.cluster, search_attributes=False, dry_run=dry_run)
 
 
-def worker(env: WorkflowEnvironment, fleet: Fleet, **options: Any) -> Worker:
-    return Worker(
-        env.client,
-        task_queue=task_queue(fleet.cluster),
-        workflows=[NodeRemediationWorkflow, FleetGuardWorkflow],
-        activities=fleet.activities(),
-        **options,
-    )
+@contextlib.asynccontextmanager
+async def worker(
+    env: WorkflowEnvironment, fleet: Fleet, *, activities: list[Any] | None = None, **options: Any
+) -> AsyncIterator[Worker]:
+    """The fleet's workers, as `gpufleet worker` runs them: the cluster's task queue and its guard's."""
+    acts = activities if activities is not None else fleet.activities()
+    async with (
+        Worker(
+            env.client,
+            task_queue=task_queue(fleet.cluster),
+            workflows=[NodeRemediationWorkflow, FleetGuardWorkflow],
+            activities=acts,
+            **options,
+        ) as cluster,
+        Worker(
+            env.client,
+            task_queue=guard_task_queue(fleet.cluster),
+            workflows=[FleetGuardWorkflow],
+            activities=acts,
+            **options,
+        ),
+    ):
+        yield cluster
 
 
 def span(status: IncidentStatus, step: Step) -> float:

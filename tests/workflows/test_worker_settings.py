@@ -1,6 +1,7 @@
-"""The cluster's worker takes its sticky-queue timeout from GPUFLEET_STICKY_TIMEOUT_SECONDS: 3 s
-unless set (a killed worker's incidents move on within seconds), longer for a worker that holds
-many incidents at once (README, the scale bench); a value that is no timeout is refused."""
+"""The cluster's workers (its task queue's and its fleet guard's) take their sticky-queue timeout
+from GPUFLEET_STICKY_TIMEOUT_SECONDS: 3 s unless set (a killed worker's incidents move on within
+seconds), longer for a worker that holds many incidents at once (README, the scale bench); a value
+that is no timeout is refused."""
 
 from __future__ import annotations
 
@@ -11,25 +12,34 @@ import pytest
 from pydantic import ValidationError
 from temporalio.testing import WorkflowEnvironment
 
+from models.constants import guard_task_queue, task_queue
 from models.settings import Settings
-from workers.main import cluster_worker
+from workers.main import cluster_worker, guard_worker
+
+BUILDERS = {"cluster": (cluster_worker, task_queue), "guard": (guard_worker, guard_task_queue)}
 
 
-async def sticky_timeout(env: WorkflowEnvironment, settings: Settings) -> timedelta | None:
-    """The timeout the cluster's worker was built with (the worker run and shut down again)."""
+async def built(env: WorkflowEnvironment, settings: Settings, which: str) -> tuple[str, timedelta | None]:
+    """The task queue and sticky timeout the worker was built with (run and shut down again)."""
+    build, _ = BUILDERS[which]
     with ThreadPoolExecutor(max_workers=1) as executor:
-        async with cluster_worker(env.client, settings, [], executor) as worker:
-            return worker.config().get("sticky_queue_schedule_to_start_timeout")
+        async with build(env.client, settings, [], executor) as worker:
+            config = worker.config()
+            return config["task_queue"], config.get("sticky_queue_schedule_to_start_timeout")
 
 
+@pytest.mark.parametrize("which", sorted(BUILDERS))
 async def test_the_sticky_timeout_is_three_seconds_unless_set(
-    env: WorkflowEnvironment, monkeypatch: pytest.MonkeyPatch
+    env: WorkflowEnvironment, monkeypatch: pytest.MonkeyPatch, which: str
 ) -> None:
+    _, queue = BUILDERS[which]
     monkeypatch.delenv("GPUFLEET_STICKY_TIMEOUT_SECONDS", raising=False)
-    assert await sticky_timeout(env, Settings(cluster="sticky-default")) == timedelta(seconds=3)
+    default = Settings(cluster=f"sticky-default-{which}")
+    assert await built(env, default, which) == (queue(default.cluster), timedelta(seconds=3))
     monkeypatch.setenv("GPUFLEET_STICKY_TIMEOUT_SECONDS", "45")
     # Another cluster's queue: the client keeps one worker per task queue.
-    assert await sticky_timeout(env, Settings(cluster="sticky-set")) == timedelta(seconds=45)
+    longer = Settings(cluster=f"sticky-set-{which}")
+    assert await built(env, longer, which) == (queue(longer.cluster), timedelta(seconds=45))
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "forever", "601"])
