@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     # Short: a killed worker's incidents move on within seconds. A worker busy with many
     # incidents at once can need longer, or every late task is replayed in full (README, scale).
     sticky_timeout_seconds: float = Field(default=3.0, gt=0, le=600)
+    # Incidents the worker keeps in memory between their steps (the SDK's workflow cache). One
+    # left out is replayed from its history at its next step: fewer is less memory, more CPU.
+    max_cached_workflows: int = Field(default=1000, ge=0, le=100_000)
     # Every incident the detectors and `gpufleet remediate` open is a dry run: each step recorded
     # as it would be done, nothing changed, nobody notified (workflow ID dryrun-{cluster}-{node}).
     dry_run: bool = False

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import MetricMeter
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 
 from activities.cluster import ClusterActivities
@@ -37,7 +38,8 @@ from clients.slurm import SlurmClient
 from clients.slurmrest_protocol import require_methods, slurm_client
 from clients.spares import SparePool
 from models.clusterops import CLUSTER_TASK_QUEUE
-from models.constants import guard_task_queue, task_queue
+from models.constants import GUARD_MOVE_SIGNAL, guard_task_queue, guard_workflow_id, task_queue
+from models.guard import GuardCommand
 from models.policy import PolicyError
 from models.requests import WorkerConfig
 from models.settings import Settings
@@ -247,6 +249,7 @@ def cluster_worker(
         # A dead worker's cached workflows move to another worker after this (3 s, not the
         # SDK's 10 s, unless GPUFLEET_STICKY_TIMEOUT_SECONDS says otherwise).
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=settings.sticky_timeout_seconds),
+        max_cached_workflows=settings.max_cached_workflows,
     )
 
 
@@ -267,6 +270,28 @@ def guard_worker(
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=settings.sticky_timeout_seconds),
     )
+
+
+async def move_guard(client: Client, cluster: str) -> bool:
+    """Ask the cluster's fleet guard to move to its own task queue when it still runs on the
+    cluster's (started before it had one); True when asked. Best effort: a guard that stays where
+    it is still runs (this worker serves both queues), so a failure is logged, not raised."""
+    handle = client.get_workflow_handle(guard_workflow_id(cluster))
+    try:
+        described = await handle.describe(rpc_timeout=timedelta(seconds=10))
+        if described.status != WorkflowExecutionStatus.RUNNING or described.task_queue != task_queue(cluster):
+            return False
+        await handle.signal(
+            GUARD_MOVE_SIGNAL,
+            GuardCommand(by="gpufleet worker", reason="a task queue of its own"),
+            rpc_timeout=timedelta(seconds=10),
+        )
+    except RPCError as exc:
+        if exc.status != RPCStatusCode.NOT_FOUND:
+            log.warning("the fleet guard of cluster %s was not asked to move to its own task queue: %s", cluster, exc)
+        return False
+    log.info("the fleet guard of cluster %s moves to task queue %s", cluster, guard_task_queue(cluster))
+    return True
 
 
 async def run_worker(
@@ -303,7 +328,11 @@ async def run_worker(
         )
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(worker)
-            await stack.enter_async_context(guard_worker(client, settings, activities, executor))
+            guards = stack.enter_context(
+                ThreadPoolExecutor(max_workers=GUARD_ACTIVITY_SLOTS, thread_name_prefix="guard-activity")
+            )
+            await stack.enter_async_context(guard_worker(client, settings, activities, guards))
+            await move_guard(client, settings.cluster)
             if metrics is not None:
                 counting = asyncio.create_task(
                     report_spares(clients.kube, clients.pool, metrics, cluster=settings.cluster, stop=stop)

@@ -34,6 +34,7 @@ with workflow.unsafe.imports_passed_through():
         GUARD_ADMIT_SIGNAL,
         GUARD_DECISION_SIGNAL,
         GUARD_FORGIVE_SIGNAL,
+        GUARD_MOVE_SIGNAL,
         GUARD_PAUSE_SIGNAL,
         GUARD_RELEASE_SIGNAL,
         GUARD_REQUEST_SIGNAL,
@@ -97,9 +98,6 @@ ANSWERS_TOGETHER_PATCH = "guard-answers-together"
 # signal to another goes through the server's transfer queue and then back to the sender's own
 # history, which a busy guard made tens of seconds per answer in a burst of hundreds.
 ANSWERS_BY_ACTIVITY_PATCH = "guard-answers-by-activity"
-# A guard started on the cluster's task queue (before the guard had its own) moves to its own
-# queue: it continues as new there once its messages so far are handled.
-OWN_QUEUE_PATCH = "guard-own-queue"
 # At most this many answers per activity (its input stays far below the server's payload limit).
 ANSWERS_PER_BATCH = 200
 # A batch the server keeps refusing is given up after a couple of minutes, not retried for ever
@@ -132,6 +130,8 @@ class FleetGuardWorkflow:
         self._outbox: list[tuple[SlotRequest, GuardDecision]] = []
         self._sending: asyncio.Task[None] | None = None
         self._by_activity = False
+        # Asked to move to the guard's own task queue (GUARD_MOVE_SIGNAL): the run continues as new there.
+        self._move = False
 
     # -- signals and query --------------------------------------------------------------------------
 
@@ -163,6 +163,10 @@ class FleetGuardWorkflow:
     def returned(self, command: GuardCommand) -> None:
         self._inbox.append((GUARD_RETURNED_SIGNAL, command))
 
+    @workflow.signal(name=GUARD_MOVE_SIGNAL)
+    def move(self, command: GuardCommand) -> None:
+        self._inbox.append((GUARD_MOVE_SIGNAL, command))
+
     @workflow.signal(name=GUARD_FORGIVE_SIGNAL)
     def forgive(self, command: GuardCommand) -> None:
         self._inbox.append((GUARD_FORGIVE_SIGNAL, command))
@@ -193,20 +197,15 @@ class FleetGuardWorkflow:
                 await self._let_waiting_in()
             self._prune()
             self._describe()
-            if handled >= MESSAGES_PER_RUN or workflow.info().is_continue_as_new_suggested() or self._moving(params):
+            if handled >= MESSAGES_PER_RUN or workflow.info().is_continue_as_new_suggested() or self._move:
                 await asyncio.gather(*self._pages, *self._answering.values(), *self._senders())
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 # A slot an answer found free (its incident gone) is given before the run ends.
                 if not self._inbox and not (self._by_activity and self._slot_freed):
                     workflow.continue_as_new(
                         GuardInput(cluster=params.cluster, state=self._state),
-                        task_queue=guard_task_queue(params.cluster) if self._moving(params) else None,
+                        task_queue=guard_task_queue(params.cluster) if self._move else None,
                     )
-
-    def _moving(self, params: GuardInput) -> bool:
-        """True for a guard on the cluster's task queue that is to move to its own (patched)."""
-        here = workflow.info().task_queue
-        return here != guard_task_queue(params.cluster) and workflow.patched(OWN_QUEUE_PATCH)
 
     async def _handle(self, kind: str, message: SlotRequest | GuardCommand) -> None:
         if isinstance(message, SlotRequest):
@@ -244,6 +243,12 @@ class FleetGuardWorkflow:
         elif kind == GUARD_FORGIVE_SIGNAL and message.node:
             state.nodes.pop(message.node, None)
             self._log("forgiven", detail=f"{message.node} released from quarantine by {who}; its record starts again")
+        elif kind == GUARD_MOVE_SIGNAL and workflow.info().task_queue != guard_task_queue(state.cluster):
+            # A guard started before it had a task queue of its own: it continues as new there,
+            # once the messages before this one are handled. (Histories recorded before the move
+            # never hold this signal, so their replays never come here.)
+            self._move = True
+            self._log("moving", detail=f"to task queue {guard_task_queue(state.cluster)}, asked by {who}")
         elif kind == GUARD_RESUME_SIGNAL and state.paused:
             state.paused, state.paused_by, state.paused_reason = False, "", ""
             self._log("resumed", detail=f"by {who}")

@@ -116,8 +116,10 @@ HEARTBEAT = timedelta(seconds=5)
 # One step of Slurm or Kubernetes calls: longer than the calls' own timeouts (Slurm 30 s,
 # Kubernetes 15 s), so a slow attempt in a live worker ends before its retry could start.
 SHORT = timedelta(seconds=60)
-# A read of the worker's own policy file (a local activity, inside one workflow task).
-LOCAL_READ = timedelta(seconds=10)
+# A read of the worker's own configuration (a local activity, inside one workflow task): its
+# policy file, and the cluster's ConfigMap of defaults, a Kubernetes read bounded at 15 s, after
+# which the policy file's values hold.
+LOCAL_READ = SHORT
 # Spare steps: several calls, and the partition lease may be waited for.
 SPARE_STEP = timedelta(minutes=3)
 # Grace checks that watch the jobs inside the activity before the workflow falls back to timers
@@ -1110,8 +1112,9 @@ class NodeRemediationWorkflow:
         )
 
     async def _policy_read(self, method: Any, arg: Any, *, summary: str) -> Any:
-        """A read of the worker's own configuration (no Slurm, no Kubernetes): a local activity,
-        unless the incident started before they were (patched: policy-local)."""
+        """A read of the worker's own configuration (its policy file, the cluster's ConfigMap of
+        defaults) or a classification over it: a local activity, unless the incident started
+        before they were (patched: policy-local)."""
         if not workflow.patched(LOCAL_POLICY_PATCH):
             return await self._activity(method, arg, summary=summary)
         return await workflow.execute_local_activity_method(

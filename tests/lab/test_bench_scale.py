@@ -6,11 +6,21 @@ incidents are ever past it than its limit, as every incident's own history shows
 from __future__ import annotations
 
 import argparse
+import contextlib
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError, RPCStatusCode
+from temporalio.testing import WorkflowEnvironment
 
-from lab.bench_scale import arguments, bench_scale, bound, main, most_at_once
+from lab.bench_scale import arguments, bench_scale, bound, burst, main, most_at_once
+from models.constants import remediation_workflow_id
+from models.xid import XidEvent
+from starters.temporal import report_xid
 
 FIELDS = {
     "incidents_started_per_s",
@@ -126,6 +136,7 @@ def test_a_burst_larger_than_the_spares_is_refused(capsys: pytest.CaptureFixture
     ("option", "said"),
     [
         (["--sticky-timeout", "0"], "--sticky-timeout must be more than 0"),
+        (["--max-cached", "-1"], "--max-cached must be from 0 to 100000"),
         (["--timeout", "nan"], "--timeout must be a number of seconds above 0"),
         (["--timeout", "0"], "--timeout must be a number of seconds above 0"),
         (["--watch-seconds", "-1"], "--watch-seconds must be a number of seconds, 0 or more"),
@@ -136,3 +147,33 @@ def test_an_option_out_of_range_is_refused(capsys: pytest.CaptureFixture[str], o
         main(["--nodes", "20", "--spares", "5", "--burst", "5", *option])
     assert stopped.value.code == 2
     assert said in capsys.readouterr().err
+
+
+async def test_a_start_that_failed_after_the_server_took_it_is_measured(temporal_test_server: str) -> None:
+    """A start whose answer was lost (the client's deadline passed after the server had started
+    the incident) is measured with the others; a start the server never took stays refused."""
+    env = await WorkflowEnvironment.start_time_skipping(
+        data_converter=pydantic_data_converter,
+        test_server_existing_path=temporal_test_server,
+        test_server_startup_timeout=timedelta(seconds=60),
+    )
+    said: list[str] = []
+
+    async def answer_lost(client: Client, event: XidEvent, *, cluster: str) -> Any:
+        if event.node != "gpu3":  # gpu3: refused before the server took it
+            await report_xid(client, event, cluster=cluster, search_attributes=False)  # none registered here
+        if event.node in {"gpu2", "gpu3"}:
+            raise RPCError("context deadline exceeded", RPCStatusCode.DEADLINE_EXCEEDED, b"")
+
+    try:
+        starts = await burst(
+            env.client, "lost", ["gpu1", "gpu2", "gpu3"], concurrency=2, say=said.append, report=answer_lost
+        )
+        for node in ("gpu1", "gpu2"):
+            with contextlib.suppress(Exception):
+                await env.client.get_workflow_handle(remediation_workflow_id("lost", node)).terminate("test over")
+    finally:
+        await env.shutdown()
+    assert starts.refused == ["gpu3"]
+    assert starts.started_anyway == ["gpu2"]
+    assert any("1 of the 2 failed starts had started the incident all the same" in line for line in said), said

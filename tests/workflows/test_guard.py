@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowExecutionDescription, WorkflowHandle
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
@@ -45,6 +45,7 @@ from models.guard import GuardCommand, GuardInput, GuardStatus, SlotRequest
 from models.incident import Approval, IncidentStatus, Outcome, Step
 from models.policy import Action, GuardSettings, Policy
 from tests.workflows.test_remediation import Fleet, start, worker
+from workers.main import move_guard
 from workflows.guard import MESSAGES_PER_RUN, FleetGuardWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
@@ -88,6 +89,30 @@ async def waiting(handle: WorkflowHandle[Any, Any]) -> IncidentStatus:
     return await until(  # type: ignore[no-any-return]
         handle, NodeRemediationWorkflow.status, lambda s: s.waiting_for_approval is not None, "awaiting approval"
     )
+
+
+async def paused_guard(
+    client: Client, fleet: Fleet, *, queue: str | None = None, reason: str = ""
+) -> WorkflowHandle[Any, Any]:
+    """Start the fleet's guard paused by ops, as `gpufleet pause` does (on ``queue``: its own by default)."""
+    return await client.start_workflow(
+        GUARD_WORKFLOW,
+        GuardInput(cluster=fleet.cluster),
+        id=guard_workflow_id(fleet.cluster),
+        task_queue=queue or guard_task_queue(fleet.cluster),
+        start_signal=GUARD_PAUSE_SIGNAL,
+        start_signal_args=[GuardCommand(by="ops", reason=reason)],
+    )
+
+
+async def moved_on(handle: WorkflowHandle[Any, Any], run_id: str) -> WorkflowExecutionDescription:
+    """The workflow's description once its current run is another than ``run_id`` (or fail after a while)."""
+    deadline = time.monotonic() + 60
+    while (described := await handle.describe()).run_id == run_id:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{handle.id} still runs {run_id}")
+        await asyncio.sleep(0.1)
+    return described
 
 
 def guard(client: Client, fleet: Fleet) -> WorkflowHandle[Any, Any]:
@@ -197,14 +222,8 @@ async def test_approve_lets_one_past_the_breaker_and_reject_closes_one_changing_
 async def test_pause_holds_new_incidents_without_a_page_and_resume_lets_them_go(env: WorkflowEnvironment) -> None:
     fleet = guarded()
     async with running(env, fleet):
-        await env.client.start_workflow(  # as `gpufleet pause` does: the guard may not run yet
-            GUARD_WORKFLOW,
-            GuardInput(cluster=fleet.cluster),
-            id=guard_workflow_id(fleet.cluster),
-            task_queue=guard_task_queue(fleet.cluster),
-            start_signal=GUARD_PAUSE_SIGNAL,
-            start_signal_args=[GuardCommand(by="ops", reason="driver roll-out")],
-        )
+        # As `gpufleet pause` does: the guard may not run yet.
+        await paused_guard(env.client, fleet, reason="driver roll-out")
         handle = await start(env.client, fleet, node="gpu1")
         status = await waiting(handle)
         assert status.waiting_for_approval == "remediation is paused by ops (driver roll-out)"
@@ -244,14 +263,7 @@ async def test_the_guards_state_survives_a_worker_restart(env: WorkflowEnvironme
 async def test_the_guard_continues_as_new_with_its_state(env: WorkflowEnvironment) -> None:
     fleet = guarded()
     async with running(env, fleet):
-        handle = await env.client.start_workflow(
-            GUARD_WORKFLOW,
-            GuardInput(cluster=fleet.cluster),
-            id=guard_workflow_id(fleet.cluster),
-            task_queue=guard_task_queue(fleet.cluster),
-            start_signal=GUARD_PAUSE_SIGNAL,
-            start_signal_args=[GuardCommand(by="ops")],
-        )
+        handle = await paused_guard(env.client, fleet)
         first_run = (await handle.describe()).run_id
         for index in range(MESSAGES_PER_RUN):
             await tell(env.client, fleet, GUARD_RESUME_SIGNAL if index % 2 == 0 else GUARD_PAUSE_SIGNAL)
@@ -268,36 +280,36 @@ async def test_the_guard_continues_as_new_with_its_state(env: WorkflowEnvironmen
 
 async def test_a_guard_on_the_clusters_queue_moves_to_its_own_with_its_state(env: WorkflowEnvironment) -> None:
     """A guard started before the guard had a task queue of its own (on the cluster's, as incidents
-    and `gpufleet pause` started it) continues as new on its own queue after its next message,
-    paused as it was, and answers from there."""
+    and `gpufleet pause` started it) and at work there: a starting worker asks it to move, and it
+    continues as new on its own queue, paused as it was. No workflow cache, so every task of the
+    old run is a replay of its history up to the move, as after an upgrade."""
     fleet = guarded()
-    async with running(env, fleet):
-        handle = await env.client.start_workflow(
-            GUARD_WORKFLOW,
-            GuardInput(cluster=fleet.cluster),
-            id=guard_workflow_id(fleet.cluster),
-            task_queue=task_queue(fleet.cluster),
-            start_signal=GUARD_PAUSE_SIGNAL,
-            start_signal_args=[GuardCommand(by="ops", reason="driver roll-out")],
-        )
+    async with running(env, fleet, max_cached_workflows=0):
+        assert not await move_guard(env.client, fleet.cluster)  # no guard yet: nothing to move
+        handle = await paused_guard(env.client, fleet, queue=task_queue(fleet.cluster), reason="driver roll-out")
         first = await handle.describe()
         incident = await start(env.client, fleet, node="gpu1")
         status = await waiting(incident)
         assert status.waiting_for_approval == "remediation is paused by ops (driver roll-out)"
-        now = await guard(env.client, fleet).describe()
+        assert (await guard(env.client, fleet).describe()).run_id == first.run_id  # at work where it is
+        assert await move_guard(env.client, fleet.cluster)
+        moved = await until(
+            guard(env.client, fleet),
+            FleetGuardWorkflow.status,
+            lambda s: any(e.event == "moving" for e in s.state.log),
+            "the guard moved",
+        )
+        now = await moved_on(guard(env.client, fleet), first.run_id)
+        assert not await move_guard(env.client, fleet.cluster)  # on its own queue: not asked again
         await tell(env.client, fleet, GUARD_RESUME_SIGNAL)
         assert (await incident.result()).outcome == Outcome.RESOLVED
-        moved = await guard(env.client, fleet).describe()
-        history = await env.client.get_workflow_handle(first.id, run_id=first.run_id).fetch_history()
+        history = await env.client.get_workflow_handle(now.id, run_id=now.run_id).fetch_history()
     assert first.task_queue == task_queue(fleet.cluster)
     assert now.run_id != first.run_id and now.task_queue == guard_task_queue(fleet.cluster)
-    assert moved.run_id == now.run_id  # moved once, then stays
-    [continued] = [
-        e.workflow_execution_continued_as_new_event_attributes
-        for e in history.events
-        if e.HasField("workflow_execution_continued_as_new_event_attributes")
-    ]
-    assert continued.task_queue.name == guard_task_queue(fleet.cluster)
+    assert moved.state.paused and [r.node for r in moved.state.waiting] == ["gpu1"]
+    started = history.events[0].workflow_execution_started_event_attributes
+    assert started.continued_execution_run_id == first.run_id  # the old run continued as new...
+    assert started.task_queue.name == guard_task_queue(fleet.cluster)  # ... on the guard's own queue
 
 
 async def test_an_opted_out_node_is_recorded_and_nothing_changes(env: WorkflowEnvironment) -> None:

@@ -47,3 +47,22 @@ def test_a_sticky_timeout_that_is_no_timeout_is_refused(monkeypatch: pytest.Monk
     monkeypatch.setenv("GPUFLEET_STICKY_TIMEOUT_SECONDS", value)
     with pytest.raises(ValidationError, match="sticky_timeout_seconds"):
         Settings()
+
+
+async def test_the_workflow_cache_is_the_sdks_unless_set(
+    env: WorkflowEnvironment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPUFLEET_MAX_CACHED_WORKFLOWS: how many incidents the cluster's worker keeps in memory."""
+
+    async def cache(settings: Settings) -> int:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            async with cluster_worker(env.client, settings, [], executor) as worker:
+                return int(worker.config()["max_cached_workflows"])
+
+    monkeypatch.delenv("GPUFLEET_MAX_CACHED_WORKFLOWS", raising=False)
+    assert await cache(Settings(cluster="cache-default")) == 1000
+    monkeypatch.setenv("GPUFLEET_MAX_CACHED_WORKFLOWS", "300")
+    assert await cache(Settings(cluster="cache-set")) == 300
+    monkeypatch.setenv("GPUFLEET_MAX_CACHED_WORKFLOWS", "-5")
+    with pytest.raises(ValidationError, match="max_cached_workflows"):
+        Settings()
