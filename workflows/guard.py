@@ -98,6 +98,11 @@ ANSWERS_TOGETHER_PATCH = "guard-answers-together"
 # signal to another goes through the server's transfer queue and then back to the sender's own
 # history, which a busy guard made tens of seconds per answer in a burst of hundreds.
 ANSWERS_BY_ACTIVITY_PATCH = "guard-answers-by-activity"
+# A batch of answers that could not be sent (the server refused it for a couple of minutes) is
+# sent again by the guard, after these pauses, before it is given up: a grant lost for good
+# held its slot until its incident asked again, up to 8 minutes later.
+ANSWERS_RESENT_PATCH = "guard-answers-resent"
+RESEND_AFTER = (timedelta(seconds=10), timedelta(seconds=20), timedelta(seconds=40))
 # At most this many answers per activity (its input stays far below the server's payload limit).
 ANSWERS_PER_BATCH = 200
 # A batch the server keeps refusing is given up after a couple of minutes, not retried for ever
@@ -507,6 +512,18 @@ class FleetGuardWorkflow:
         while self._outbox:
             batch, self._outbox = self._outbox[:ANSWERS_PER_BATCH], self._outbox[ANSWERS_PER_BATCH:]
             answers = [GuardAnswer(workflow_id=request.workflow_id, decision=decision) for request, decision in batch]
+            gone = await self._send_batch(answers)
+            if gone is None:
+                continue
+            for request in {request.incident_id: request for request, _ in batch}.values():
+                if request.incident_id in gone:
+                    self._gone(request, "its incident is gone")
+
+    async def _send_batch(self, answers: list[GuardAnswer]) -> list[str] | None:
+        """Send one batch (the answers after it wait for it); the incidents found gone, or None
+        when it was given up. Answers given meanwhile to the same incidents go in a later batch."""
+        pauses = iter(RESEND_AFTER)
+        while True:
             try:
                 gone: list[str] = await workflow.execute_activity_method(
                     GuardActivities.answer,
@@ -516,12 +533,17 @@ class FleetGuardWorkflow:
                     retry_policy=ANSWER_RETRY,
                     summary=f"answer {len(answers)} incident(s)",
                 )
-            except ActivityError as exc:  # the incidents ask again (1 to 8 min on, or 30 min while waiting)
-                self._log("answers", detail=f"{len(answers)} answer(s) not sent: {exc.cause or exc}")
-                continue
-            for request in {request.incident_id: request for request, _ in batch}.values():
-                if request.incident_id in gone:
-                    self._gone(request, "its incident is gone")
+                return gone
+            except ActivityError as exc:
+                pause = next(pauses, None) if workflow.patched(ANSWERS_RESENT_PATCH) else None
+                if pause is None:  # the incidents ask again (1 to 8 min on, or 30 min while waiting)
+                    self._log("answers", detail=f"{len(answers)} answer(s) not sent: {exc.cause or exc}")
+                    return None
+                self._log(
+                    "answers",
+                    detail=f"{len(answers)} answer(s) not sent, sent again in {pause.seconds}s: {exc.cause or exc}",
+                )
+                await workflow.sleep(pause)
 
     def _gone(self, request: SlotRequest, why: str) -> None:
         """Forget an incident that no longer runs, and let those waiting in to its slot."""

@@ -1,6 +1,7 @@
 """An incident whose ask the fleet guard never got asks again, less often the longer the guard is
-silent. Its own module, so its own time-skipping server: the other guard tests leave incidents
-waiting behind, and their pending work keeps the clock from skipping the minutes this one waits."""
+silent; a grant the guard could not send, the guard sends again. Its own module, so its own
+time-skipping server: the other guard tests leave incidents waiting behind, and their pending work keeps
+the clock from skipping the minutes this one waits."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ import itertools
 
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
 from activities.guard import GuardActivities
-from models.guard import SlotRequest
+from models.guard import GuardAnswer, GuardStatus, SlotRequest
 from models.incident import IncidentStatus, Outcome
 from tests.workflows.test_guard import guard, guarded
 from tests.workflows.test_remediation import start, worker
+from workflows.guard import FleetGuardWorkflow
 from workflows.remediation import GUARD_ASK_BACKOFF_PATCH, NodeRemediationWorkflow
 
 
@@ -62,3 +65,43 @@ async def test_an_ask_the_guard_never_got_is_asked_again_less_often_each_time(en
     await Replayer(workflows=[NodeRemediationWorkflow], data_converter=env.client.data_converter).replay_workflow(
         history
     )
+
+
+async def test_a_grant_that_could_not_be_sent_is_sent_again_by_the_guard(env: WorkflowEnvironment) -> None:
+    """The guard's first batch of answers is given up (as after minutes of the server refusing
+    it): the guard sends it again after a pause, so the incident goes on without asking again
+    (its next ask would have come a minute later, and with the backoff up to 8 minutes later)."""
+    fleet = guarded(max_in_flight=4, max_share=1.0)
+    real = GuardActivities(None, cluster=fleet.cluster, partition="train")  # type: ignore[arg-type]
+    batches: list[int] = []
+    asks: list[SlotRequest] = []
+
+    @activity.defn(name="guard_answer")
+    async def first_given_up(answers: list[GuardAnswer]) -> list[str]:
+        batches.append(len(answers))
+        if len(batches) == 1:
+            raise ApplicationError("the server refused the batch for minutes", non_retryable=True)
+        return await real.answer(answers)
+
+    @activity.defn(name="guard_request_slot")
+    async def counted(request: SlotRequest) -> None:
+        asks.append(request)
+        await real.request_slot(request)
+
+    swap = {"answer": first_given_up, "request_slot": counted}
+    activities = [swap.get(getattr(a, "__name__", ""), a) for a in fleet.activities()]
+    async with worker(env, fleet, activities=activities):
+        handle = await start(env.client, fleet, node="gpu3")
+        status: IncidentStatus = await handle.result()
+        state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
+        guard_history = await guard(env.client, fleet).fetch_history()
+    with contextlib.suppress(Exception):
+        await guard(env.client, fleet).terminate("test over")
+    # The guard's history replays as it ran, its patch marker included.
+    await Replayer(workflows=[FleetGuardWorkflow], data_converter=env.client.data_converter).replay_workflow(
+        guard_history
+    )
+    assert status.outcome == Outcome.RESOLVED
+    assert len(asks) == 1 and not any(entry.event == "asking again" for entry in status.timeline)
+    assert batches[:2] == [1, 1]  # the same grant, sent again
+    assert any(e.event == "answers" and "sent again in 10s" in e.detail for e in state.state.log), state.state.log
