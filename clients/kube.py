@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import datetime
 import hashlib
+import json
 import logging
 import re
 import threading
@@ -158,6 +159,27 @@ def _node(raw: Any) -> KubeNode:
     )
 
 
+def _node_from_json(raw: dict[str, Any]) -> KubeNode:
+    """A Node as the API server's JSON has it (a list read without the client's models)."""
+    meta = raw.get("metadata") or {}
+    spec = raw.get("spec") or {}
+    status = raw.get("status") or {}
+    conditions = status.get("conditions") or []
+    return KubeNode(
+        name=meta.get("name", ""),
+        labels=dict(meta.get("labels") or {}),
+        annotations=dict(meta.get("annotations") or {}),
+        unschedulable=bool(spec.get("unschedulable")),
+        ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions),
+        resource_version=meta.get("resourceVersion") or "",
+        taints=[
+            {"key": t.get("key", ""), "value": t.get("value") or "", "effect": t.get("effect", "")}
+            for t in spec.get("taints") or []
+        ],
+        boot_id=(status.get("nodeInfo") or {}).get("bootID") or "",
+    )
+
+
 def lease_name(text: str) -> str:
     """``text`` made a valid Lease name (a DNS-1123 subdomain): lowercased, other characters as ``-``.
 
@@ -243,8 +265,18 @@ class KubernetesApi:
         return _node(self._call(f"read node {name}", self._api.read_node, name))
 
     def list_nodes(self, *, label_selector: str = "") -> list[KubeNode]:
-        result = self._call("list nodes", self._api.list_node, label_selector=label_selector)
-        return [_node(item) for item in result.items]
+        # Read as JSON, not into the client's models: a claim lists every spare (a thousand
+        # Nodes in a large fleet), and sixty-four claims at once held that many models each.
+        response = self._call("list nodes", self._api.list_node, label_selector=label_selector, _preload_content=False)
+        try:
+            items = json.loads(response.data).get("items") or []
+        except (Urllib3Error, OSError) as exc:  # the body cut off or timed out while read
+            raise _translate(exc, "list nodes") from None
+        except ValueError as exc:
+            raise ClientError(f"list nodes: the API server's answer is not JSON: {exc}") from None
+        finally:
+            response.release_conn()
+        return [_node_from_json(item) for item in items]
 
     def _patch(self, name: str, body: dict[str, Any]) -> KubeNode:
         return _node(self._call(f"patch node {name}", self._api.patch_node, name, body))

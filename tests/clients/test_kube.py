@@ -67,6 +67,19 @@ def test_label_selectors(kube: KubernetesApi) -> None:
     assert kube.list_nodes(label_selector="!gpufleet.io/pool") == []
 
 
+def test_a_listed_node_is_the_node_read_alone(kube: KubernetesApi) -> None:
+    """Lists are read as JSON (no client models), single reads through the models: the same Node."""
+    kube.set_unschedulable("gpu1", True)
+    kube.add_taint("gpu1", key="gpufleet.io/unhealthy", value="i1")
+    kube.update_metadata("gpu2", labels={"team": "a"}, annotations={"gpufleet.io/claimed-by": "i2"})
+    listed = kube.list_nodes()
+    assert [n.name for n in listed] == ["gpu1", "gpu2", "spare1"]
+    assert listed == [kube.get_node(n.name) for n in listed]
+    assert listed[0].unschedulable and listed[0].taints and listed[0].ready
+    assert listed[1].labels["team"] == "a" and listed[1].annotations["gpufleet.io/claimed-by"] == "i2"
+    assert all(n.resource_version for n in listed)
+
+
 def test_field_selector_lists_the_pods_of_one_node(kube: KubernetesApi) -> None:
     assert sorted(p.name for p in kube.pods_on_node("gpu1")) == ["agent", "batch", "web-a"]
     assert [p.name for p in kube.pods_on_node("gpu2")] == ["web-b"]
