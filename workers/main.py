@@ -294,6 +294,20 @@ async def move_guard(client: Client, cluster: str) -> bool:
     return True
 
 
+# A guard still on the cluster's task queue is asked to move this often (an ask that a worker of
+# an older release took during a roll-out did nothing).
+MOVE_ASK_EVERY = 300.0
+
+
+async def keep_moving_guard(client: Client, cluster: str, stop: asyncio.Event) -> None:
+    """Ask the cluster's guard to move to its own queue at the worker's start, then every few
+    minutes until the worker stops (one describe each time once it has moved)."""
+    while not stop.is_set():
+        await move_guard(client, cluster)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=MOVE_ASK_EVERY)
+
+
 async def run_worker(
     client: Client,
     settings: Settings,
@@ -332,7 +346,8 @@ async def run_worker(
                 ThreadPoolExecutor(max_workers=GUARD_ACTIVITY_SLOTS, thread_name_prefix="guard-activity")
             )
             await stack.enter_async_context(guard_worker(client, settings, activities, guards))
-            await move_guard(client, settings.cluster)
+            moving = asyncio.create_task(keep_moving_guard(client, settings.cluster, stop))
+            stack.push_async_callback(_cancel, moving)
             if metrics is not None:
                 counting = asyncio.create_task(
                     report_spares(clients.kube, clients.pool, metrics, cluster=settings.cluster, stop=stop)

@@ -103,6 +103,9 @@ ANSWERS_BY_ACTIVITY_PATCH = "guard-answers-by-activity"
 # held its slot until its incident asked again, up to 8 minutes later.
 ANSWERS_RESENT_PATCH = "guard-answers-resent"
 RESEND_AFTER = (timedelta(seconds=10), timedelta(seconds=20), timedelta(seconds=40))
+# A guard asked to move to its own task queue moves only where the worker that took the ask knew
+# how (a worker of an older release sets such a signal aside and records no move).
+MOVE_PATCH = "guard-move"
 # At most this many answers per activity (its input stays far below the server's payload limit).
 ANSWERS_PER_BATCH = 200
 # A batch the server keeps refusing is given up after a couple of minutes, not retried for ever
@@ -137,6 +140,8 @@ class FleetGuardWorkflow:
         self._by_activity = False
         # Asked to move to the guard's own task queue (GUARD_MOVE_SIGNAL): the run continues as new there.
         self._move = False
+        # The run is about to continue as new (its answers in flight are waited for).
+        self._ending = False
 
     # -- signals and query --------------------------------------------------------------------------
 
@@ -203,6 +208,7 @@ class FleetGuardWorkflow:
             self._prune()
             self._describe()
             if handled >= MESSAGES_PER_RUN or workflow.info().is_continue_as_new_suggested() or self._move:
+                self._ending = True  # a batch of answers that fails now is not sent again: the run waits for it
                 await asyncio.gather(*self._pages, *self._answering.values(), *self._senders())
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 # A slot an answer found free (its incident gone) is given before the run ends.
@@ -211,6 +217,7 @@ class FleetGuardWorkflow:
                         GuardInput(cluster=params.cluster, state=self._state),
                         task_queue=guard_task_queue(params.cluster) if self._move else None,
                     )
+                self._ending = False  # not yet: messages came in meanwhile
 
     async def _handle(self, kind: str, message: SlotRequest | GuardCommand) -> None:
         if isinstance(message, SlotRequest):
@@ -248,10 +255,14 @@ class FleetGuardWorkflow:
         elif kind == GUARD_FORGIVE_SIGNAL and message.node:
             state.nodes.pop(message.node, None)
             self._log("forgiven", detail=f"{message.node} released from quarantine by {who}; its record starts again")
-        elif kind == GUARD_MOVE_SIGNAL and workflow.info().task_queue != guard_task_queue(state.cluster):
+        elif (
+            kind == GUARD_MOVE_SIGNAL
+            and workflow.info().task_queue != guard_task_queue(state.cluster)
+            and workflow.patched(MOVE_PATCH)
+        ):
             # A guard started before it had a task queue of its own: it continues as new there,
-            # once the messages before this one are handled. (Histories recorded before the move
-            # never hold this signal, so their replays never come here.)
+            # once the messages before this one are handled. The patch: a signal an older worker
+            # took (without a handler, so without a move) replays as no move here too.
             self._move = True
             self._log("moving", detail=f"to task queue {guard_task_queue(state.cluster)}, asked by {who}")
         elif kind == GUARD_RESUME_SIGNAL and state.paused:
@@ -535,7 +546,7 @@ class FleetGuardWorkflow:
                 )
                 return gone
             except ActivityError as exc:
-                pause = next(pauses, None) if workflow.patched(ANSWERS_RESENT_PATCH) else None
+                pause = next(pauses, None) if not self._ending and workflow.patched(ANSWERS_RESENT_PATCH) else None
                 if pause is None:  # the incidents ask again (1 to 8 min on, or 30 min while waiting)
                     self._log("answers", detail=f"{len(answers)} answer(s) not sent: {exc.cause or exc}")
                     return None

@@ -21,13 +21,16 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from temporalio import workflow
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionDescription, WorkflowHandle
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
 
 from models.constants import (
     GUARD_FORGIVE_SIGNAL,
+    GUARD_MOVE_SIGNAL,
     GUARD_PAUSE_SIGNAL,
     GUARD_REQUEST_SIGNAL,
     GUARD_RESET_SIGNAL,
@@ -310,6 +313,52 @@ async def test_a_guard_on_the_clusters_queue_moves_to_its_own_with_its_state(env
     started = history.events[0].workflow_execution_started_event_attributes
     assert started.continued_execution_run_id == first.run_id  # the old run continued as new...
     assert started.task_queue.name == guard_task_queue(fleet.cluster)  # ... on the guard's own queue
+
+
+@workflow.defn(name=GUARD_WORKFLOW, sandboxed=False)  # defined in a test module, which imports freely
+class OlderGuard(FleetGuardWorkflow):
+    """The guard as a worker of the release before the move ran it: the ask moves nothing (that
+    release had no handler; the SDK set the signal aside, recording nothing, as this one does)."""
+
+    @workflow.signal(name=GUARD_MOVE_SIGNAL)
+    def move(self, command: GuardCommand) -> None:
+        pass
+
+    @workflow.run
+    async def run(self, params: GuardInput) -> None:
+        await super().run(params)
+
+
+async def test_an_ask_to_move_an_older_worker_took_replays_as_no_move(env: WorkflowEnvironment) -> None:
+    """During a roll-out a worker of the older release takes the ask to move (it sets the signal
+    aside, moving nothing); a newer worker that replays that history moves nothing either, and
+    the guard goes on answering where it is."""
+    fleet = guarded()
+    # No workflow cache (no sticky queue): the test server would hold the next task for it.
+    older = Worker(
+        env.client,
+        task_queue=task_queue(fleet.cluster),
+        workflows=[OlderGuard],
+        activities=fleet.activities(),
+        max_cached_workflows=0,
+    )
+    async with older:
+        handle = await paused_guard(env.client, fleet, queue=task_queue(fleet.cluster))
+        await until(handle, FleetGuardWorkflow.status, lambda s: s.state.paused, "paused")
+        await handle.signal(GUARD_MOVE_SIGNAL, GuardCommand(by="a newer worker"))
+        # A message after the ask: once it is handled, the older worker has taken the ask too.
+        await tell(env.client, fleet, GUARD_PAUSE_SIGNAL)
+        await until(handle, FleetGuardWorkflow.status, lambda s: s.state.handled == 2, "the ask taken")
+        first = await handle.describe()
+    # The newer release, no cache: the guard's history replayed at its next message.
+    async with running(env, fleet, max_cached_workflows=0):
+        await tell(env.client, fleet, GUARD_RESUME_SIGNAL)
+        state = await until(
+            guard(env.client, fleet), FleetGuardWorkflow.status, lambda s: not s.state.paused, "resumed"
+        )
+        now = await guard(env.client, fleet).describe()
+    assert now.run_id == first.run_id and now.task_queue == task_queue(fleet.cluster)
+    assert not any(e.event == "moving" for e in state.state.log)
 
 
 async def test_an_opted_out_node_is_recorded_and_nothing_changes(env: WorkflowEnvironment) -> None:
