@@ -632,7 +632,8 @@ def bound(open_run: dict[str, Any]) -> str:
     """What limited the burst, named for the README: the fleet guard when incidents spent most of
     their time waiting for its answer; else the machine's CPU when the server, the worker and the
     emulated API together kept its cores busy (each one's share said); else the process that used
-    the most CPU. Workflow tasks that outwaited the worker's sticky queue are added in any case."""
+    the most CPU. Workflow tasks that outwaited the worker's sticky queue, and a worker's peak
+    memory over its target, are added in any case."""
     wait, total = open_run.get("guard_wait_p50_s"), open_run.get("incident_seconds_p50")
     cpu = open_run["cpu_seconds"]
     used = max(sum(cpu.values()), 1e-9)  # never 0: the shares below divide by it
@@ -651,8 +652,8 @@ def bound(open_run: dict[str, Any]) -> str:
     saturated = used / offered >= CPU_SATURATED
     if wait is not None and total and wait / total > 0.5:
         said = (
-            "the fleet guard (one workflow answers every incident of the cluster; its workflow tasks "
-            "queue with the incidents' own on the cluster's task queue)"
+            "the fleet guard (one workflow answers every incident of the cluster, on its own task "
+            "queue but the same worker's CPU)"
         )
         if saturated:
             said += f"; with {machine}"
@@ -666,6 +667,12 @@ def bound(open_run: dict[str, Any]) -> str:
         said += (
             f"; the worker fell behind: {late} workflow tasks waited past its sticky queue's schedule-to-start "
             "timeout and were replayed from their incident's history"
+        )
+    rss = open_run.get("worker_peak_rss_mb")
+    if rss is not None and rss > TARGETS["worker_peak_rss_mb"]:
+        said += (
+            f"; the worker's memory: {rss:.0f} MB at its peak, the incidents it held at once (each with "
+            "its own workflow sandbox and state); more workers each hold a share"
         )
     return said
 

@@ -104,6 +104,13 @@ def test_the_bound_is_the_machine_when_its_cores_were_busy() -> None:
     assert "1300 workflow tasks waited past its sticky queue's" in said
 
 
+def test_a_worker_over_its_memory_target_is_named_beside_the_bound() -> None:
+    figures = burst_figures(cpu={"server": 690, "worker": 380, "kubeapi": 330}, seconds=900)
+    assert "memory" not in bound({**figures, "worker_peak_rss_mb": 480.0})
+    said = bound({**figures, "worker_peak_rss_mb": 561.2})
+    assert said.startswith("the machine's CPU") and "; the worker's memory: 561 MB at its peak" in said
+
+
 def test_the_bound_is_the_busiest_process_when_the_machine_was_not() -> None:
     said = bound(burst_figures(cpu={"server": 300, "worker": 100, "kubeapi": 50}, seconds=900))
     assert said.startswith("server") and "sticky" not in said
