@@ -303,7 +303,10 @@ async def keep_moving_guard(client: Client, cluster: str, stop: asyncio.Event) -
     """Ask the cluster's guard to move to its own queue at the worker's start, then every few
     minutes until the worker stops (one describe each time once it has moved)."""
     while not stop.is_set():
-        await move_guard(client, cluster)
+        try:
+            await move_guard(client, cluster)
+        except Exception:  # never the end of the asks (RPC errors are logged inside)
+            log.exception("asking the fleet guard of cluster %s to move failed; asking again later", cluster)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=MOVE_ASK_EVERY)
 

@@ -104,7 +104,8 @@ ANSWERS_BY_ACTIVITY_PATCH = "guard-answers-by-activity"
 ANSWERS_RESENT_PATCH = "guard-answers-resent"
 RESEND_AFTER = (timedelta(seconds=10), timedelta(seconds=20), timedelta(seconds=40))
 # A guard asked to move to its own task queue moves only where the worker that took the ask knew
-# how (a worker of an older release sets such a signal aside and records no move).
+# how (a worker of an older release sets such a signal aside and records no move); the ids are
+# guard-move-1, guard-move-2... by the ask's rank in the run.
 MOVE_PATCH = "guard-move"
 # At most this many answers per activity (its input stays far below the server's payload limit).
 ANSWERS_PER_BATCH = 200
@@ -140,8 +141,8 @@ class FleetGuardWorkflow:
         self._by_activity = False
         # Asked to move to the guard's own task queue (GUARD_MOVE_SIGNAL): the run continues as new there.
         self._move = False
-        # The run is about to continue as new (its answers in flight are waited for).
-        self._ending = False
+        # Asks to move handled in this run on the cluster's queue (each its own patch id).
+        self._move_asks = 0
 
     # -- signals and query --------------------------------------------------------------------------
 
@@ -208,7 +209,6 @@ class FleetGuardWorkflow:
             self._prune()
             self._describe()
             if handled >= MESSAGES_PER_RUN or workflow.info().is_continue_as_new_suggested() or self._move:
-                self._ending = True  # a batch of answers that fails now is not sent again: the run waits for it
                 await asyncio.gather(*self._pages, *self._answering.values(), *self._senders())
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 # A slot an answer found free (its incident gone) is given before the run ends.
@@ -217,7 +217,13 @@ class FleetGuardWorkflow:
                         GuardInput(cluster=params.cluster, state=self._state),
                         task_queue=guard_task_queue(params.cluster) if self._move else None,
                     )
-                self._ending = False  # not yet: messages came in meanwhile
+
+    def _move_patched(self) -> bool:
+        """The move patch, one id per ask in the run: the SDK keeps a patch's first answer for the
+        whole run, so an ask an older worker took (False on replay) must not make a later ask,
+        taken by this release, answer False too."""
+        self._move_asks += 1
+        return workflow.patched(f"{MOVE_PATCH}-{self._move_asks}")
 
     async def _handle(self, kind: str, message: SlotRequest | GuardCommand) -> None:
         if isinstance(message, SlotRequest):
@@ -258,7 +264,7 @@ class FleetGuardWorkflow:
         elif (
             kind == GUARD_MOVE_SIGNAL
             and workflow.info().task_queue != guard_task_queue(state.cluster)
-            and workflow.patched(MOVE_PATCH)
+            and self._move_patched()
         ):
             # A guard started before it had a task queue of its own: it continues as new there,
             # once the messages before this one are handled. The patch: a signal an older worker
@@ -546,7 +552,7 @@ class FleetGuardWorkflow:
                 )
                 return gone
             except ActivityError as exc:
-                pause = next(pauses, None) if not self._ending and workflow.patched(ANSWERS_RESENT_PATCH) else None
+                pause = next(pauses, None) if workflow.patched(ANSWERS_RESENT_PATCH) else None
                 if pause is None:  # the incidents ask again (1 to 8 min on, or 30 min while waiting)
                     self._log("answers", detail=f"{len(answers)} answer(s) not sent: {exc.cause or exc}")
                     return None

@@ -332,7 +332,8 @@ class OlderGuard(FleetGuardWorkflow):
 async def test_an_ask_to_move_an_older_worker_took_replays_as_no_move(env: WorkflowEnvironment) -> None:
     """During a roll-out a worker of the older release takes the ask to move (it sets the signal
     aside, moving nothing); a newer worker that replays that history moves nothing either, and
-    the guard goes on answering where it is."""
+    the guard goes on answering where it is. The newer worker's next ask moves it, in the same
+    run (the SDK keeps a patch's first answer for a run: each ask has its own patch id)."""
     fleet = guarded()
     # No workflow cache (no sticky queue): the test server would hold the next task for it.
     older = Worker(
@@ -357,8 +358,11 @@ async def test_an_ask_to_move_an_older_worker_took_replays_as_no_move(env: Workf
             guard(env.client, fleet), FleetGuardWorkflow.status, lambda s: not s.state.paused, "resumed"
         )
         now = await guard(env.client, fleet).describe()
+        assert await move_guard(env.client, fleet.cluster)  # the next ask, as a worker sends it
+        moved = await moved_on(guard(env.client, fleet), first.run_id)
     assert now.run_id == first.run_id and now.task_queue == task_queue(fleet.cluster)
     assert not any(e.event == "moving" for e in state.state.log)
+    assert moved.task_queue == guard_task_queue(fleet.cluster)
 
 
 async def test_an_opted_out_node_is_recorded_and_nothing_changes(env: WorkflowEnvironment) -> None:
