@@ -6,7 +6,7 @@ spare's claim, and finally watch the jobs run again.
 
 What keeps it safe away from the happy path:
 - notifications run beside the flow, each attempt bounded, and never block or fail it;
-- the worker's configuration (grace, timeouts, policy) is read once, through a local activity;
+- the worker's configuration (grace, timeouts, policy) is read once, through an activity;
 - every activity is short or heartbeats, so a killed worker costs seconds;
 - jobs are signalled and requeued one by one, guarded by their state and restart count;
 - a node someone else drained waits for `gpufleet approve|reject`;
@@ -116,10 +116,6 @@ HEARTBEAT = timedelta(seconds=5)
 # One step of Slurm or Kubernetes calls: longer than the calls' own timeouts (Slurm 30 s,
 # Kubernetes 15 s), so a slow attempt in a live worker ends before its retry could start.
 SHORT = timedelta(seconds=60)
-# A read of the worker's own configuration (a local activity, inside one workflow task): its
-# policy file, and the cluster's ConfigMap of defaults, a Kubernetes read bounded at 15 s, after
-# which the policy file's values hold.
-LOCAL_READ = SHORT
 # Spare steps: several calls, and the partition lease may be waited for.
 SPARE_STEP = timedelta(minutes=3)
 # Grace checks that watch the jobs inside the activity before the workflow falls back to timers
@@ -156,10 +152,6 @@ NODE_LEASE_PATCH = "node-lease"
 GUARD_ASK_AGAIN = timedelta(minutes=1)
 GUARD_ASK_AGAIN_MOST = timedelta(minutes=8)
 GUARD_ASK_BACKOFF_PATCH = "guard-ask-backoff"
-# The worker's settings and the classification are read in the worker's own process, by local
-# activities: one marker each in the history, not an activity's three events and the workflow
-# task that follows them (about a tenth of a resolved incident's history).
-LOCAL_POLICY_PATCH = "policy-local"
 GUARD_ASK_WHILE_WAITING = timedelta(minutes=30)
 
 
@@ -325,7 +317,7 @@ class NodeRemediationWorkflow:
 
         # 1. classify (and check the node exists before anything is changed)
         self._enter(Step.CLASSIFY)
-        config: WorkerConfig = await self._policy_read(
+        config: WorkerConfig = await self._activity(
             PolicyActivities.worker_config, params.cluster, summary="read the worker's settings and policy"
         )
         self._settings = status.settings = config.settings
@@ -1090,7 +1082,7 @@ class NodeRemediationWorkflow:
 
     async def _classify(self) -> Action:
         events = list(self._events)
-        action: Action = await self._policy_read(
+        action: Action = await self._activity(
             PolicyActivities.classify,
             ClassifyRequest(node=self._input.node, events=events, policy=self._policy),
             summary="classify the Xids",
@@ -1109,16 +1101,6 @@ class NodeRemediationWorkflow:
             # A cancelled branch (the other one failed) waits for its activity to end, so that
             # nothing it was doing (a claim, a drain) goes on behind the incident's back.
             cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
-        )
-
-    async def _policy_read(self, method: Any, arg: Any, *, summary: str) -> Any:
-        """A read of the worker's own configuration (its policy file, the cluster's ConfigMap of
-        defaults) or a classification over it: a local activity, unless the incident started
-        before they were (patched: policy-local)."""
-        if not workflow.patched(LOCAL_POLICY_PATCH):
-            return await self._activity(method, arg, summary=summary)
-        return await workflow.execute_local_activity_method(
-            method, arg, start_to_close_timeout=LOCAL_READ, retry_policy=RETRY, summary=summary
         )
 
     def _notify(self, kind: str, text: str) -> None:
