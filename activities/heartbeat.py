@@ -28,8 +28,6 @@ def heartbeating(fn: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        if _local():  # a local activity runs inside its workflow task: nothing to heartbeat to
-            return fn(*args, **kwargs)
         context = contextvars.copy_context()  # the activity's context, for the heartbeat thread
         done = threading.Event()
 
@@ -49,11 +47,3 @@ def heartbeating(fn: Callable[P, R]) -> Callable[P, R]:
             done.set()
 
     return wrapper
-
-
-def _local() -> bool:
-    """Whether the running activity is a local one (False outside an activity)."""
-    try:
-        return activity.info().is_local
-    except RuntimeError:
-        return False
