@@ -1,14 +1,18 @@
-"""Two cluster creations racing for the last nodes, as workflows on the time-skipping server with
+"""Two cluster creations racing for the last nodes, as workflows on the Temporal dev server with
 gpufleet's own activities over the emulated Kubernetes API (the backend's Slurm steps stood in
 for): one wins, the other fails at the reservation and leaves nothing behind. And a reservation
-whose first try dies after taking its nodes takes no more when it is retried."""
+whose first try dies after taking its nodes takes no more when it is retried.
+
+The dev server rather than the time-skipping one: the test server's skipping around an
+activity's retry timer can stall (it hung a CI run for its full 10 minutes), and the retry here
+waits one real second."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -16,6 +20,7 @@ from typing import Any
 import pytest
 from temporalio import activity
 from temporalio.client import WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -46,6 +51,15 @@ class StandIn:
             )
 
         return step
+
+
+@pytest.fixture(scope="module")
+async def env(temporal_cli: str) -> AsyncIterator[WorkflowEnvironment]:
+    environment = await WorkflowEnvironment.start_local(
+        data_converter=pydantic_data_converter, dev_server_existing_path=temporal_cli
+    )
+    yield environment
+    await environment.shutdown()
 
 
 @pytest.fixture
