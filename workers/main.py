@@ -17,6 +17,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.common import MetricMeter
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.cluster import ClusterActivities
 from activities.guard import GuardActivities
@@ -226,6 +227,19 @@ async def _cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
+# gpufleet's workflow modules: the package a "shared" sandbox imports once (Settings.workflow_sandbox).
+WORKFLOW_PACKAGE = "workflows"
+
+
+def workflow_runner(settings: Settings) -> SandboxedWorkflowRunner:
+    """The sandbox the worker runs every workflow in, as GPUFLEET_WORKFLOW_SANDBOX says: "shared"
+    passes the workflows package through (imported once, for every run), "isolated" is the SDK's
+    default (imported again for each run, and checked with the rest)."""
+    if settings.workflow_sandbox == "isolated":
+        return SandboxedWorkflowRunner()
+    return SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules(WORKFLOW_PACKAGE))
+
+
 def cluster_worker(
     client: Client, settings: Settings, activities: list[Callable[..., Any]], executor: ThreadPoolExecutor
 ) -> Worker:
@@ -250,6 +264,7 @@ def cluster_worker(
         # SDK's 10 s, unless GPUFLEET_STICKY_TIMEOUT_SECONDS says otherwise).
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=settings.sticky_timeout_seconds),
         max_cached_workflows=settings.max_cached_workflows,
+        workflow_runner=workflow_runner(settings),
     )
 
 
@@ -269,6 +284,7 @@ def guard_worker(
         max_concurrent_workflow_tasks=GUARD_WORKFLOW_TASK_SLOTS,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=settings.sticky_timeout_seconds),
+        workflow_runner=workflow_runner(settings),
     )
 
 
@@ -366,6 +382,7 @@ async def run_worker(
                         activities=creations,
                         activity_executor=executor,
                         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
+                        workflow_runner=workflow_runner(settings),
                     )
                 )
                 log.info("creating clusters on %s (task queue %s)", ", ".join(settings.backends), CLUSTER_TASK_QUEUE)

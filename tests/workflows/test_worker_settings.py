@@ -1,7 +1,7 @@
 """The cluster's workers (its task queue's and its fleet guard's) take their sticky-queue timeout
 from GPUFLEET_STICKY_TIMEOUT_SECONDS: 3 s unless set (a killed worker's incidents move on within
 seconds), longer for a worker that holds many incidents at once (README, the scale bench); a value
-that is no timeout is refused."""
+that is no timeout is refused. Their workflow cache and sandbox come from the settings too."""
 
 from __future__ import annotations
 
@@ -10,11 +10,19 @@ from datetime import timedelta
 
 import pytest
 from pydantic import ValidationError
+from temporalio import workflow
+from temporalio.api.common.v1 import Payloads
+from temporalio.api.failure.v1 import Failure
+from temporalio.converter import DataConverter
 from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import WorkflowInstanceDetails
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
+from temporalio.worker.workflow_sandbox._runner import _fake_info
 
 from models.constants import guard_task_queue, task_queue
 from models.settings import Settings
-from workers.main import cluster_worker, guard_worker
+from workers.main import cluster_worker, guard_worker, workflow_runner
+from workflows.remediation import NodeRemediationWorkflow
 
 BUILDERS = {"cluster": (cluster_worker, task_queue), "guard": (guard_worker, guard_task_queue)}
 
@@ -65,4 +73,45 @@ async def test_the_workflow_cache_is_the_sdks_unless_set(
     assert await cache(Settings(cluster="cache-set")) == 300
     monkeypatch.setenv("GPUFLEET_MAX_CACHED_WORKFLOWS", "-5")
     with pytest.raises(ValidationError, match="max_cached_workflows"):
+        Settings()
+
+
+def sandboxed_class(runner: SandboxedWorkflowRunner) -> type:
+    """The incident workflow's class as one run in the runner's sandbox sees it (the SDK makes a
+    run's instance this way when it first validates a workflow, with stand-in run details)."""
+    defn = workflow._Definition.must_from_class(NodeRemediationWorkflow)
+    instance = runner.create_instance(
+        WorkflowInstanceDetails(
+            payload_converter_factory=DataConverter.default._new_payload_converter,
+            failure_converter_class=DataConverter.default.failure_converter_class,
+            interceptor_classes=[],
+            defn=defn,
+            info=_fake_info,
+            randomness_seed=-1,
+            extern_functions={},
+            disable_eager_activity_execution=False,
+            worker_level_failure_exception_types=[],
+            patch_activation_callback=None,
+            last_completion_result=Payloads(),
+            last_failure=Failure(),
+        )
+    )
+    return instance.globals_and_locals["__temporal_workflow_class"]  # type: ignore[attr-defined, no-any-return]
+
+
+async def test_runs_share_the_workflow_code_unless_isolated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPUFLEET_WORKFLOW_SANDBOX: "shared" (the default) runs every incident on the workflow code
+    the worker imported once; "isolated" gives each run its own import of it; anything else is
+    refused."""
+    monkeypatch.delenv("GPUFLEET_WORKFLOW_SANDBOX", raising=False)
+    shared = workflow_runner(Settings())
+    assert sandboxed_class(shared) is NodeRemediationWorkflow
+    assert sandboxed_class(shared) is sandboxed_class(shared)
+    monkeypatch.setenv("GPUFLEET_WORKFLOW_SANDBOX", "isolated")
+    isolated = workflow_runner(Settings())
+    first, second = sandboxed_class(isolated), sandboxed_class(isolated)
+    assert first is not NodeRemediationWorkflow and first is not second
+    assert first.__qualname__ == NodeRemediationWorkflow.__qualname__
+    monkeypatch.setenv("GPUFLEET_WORKFLOW_SANDBOX", "none")
+    with pytest.raises(ValidationError, match="workflow_sandbox"):
         Settings()
