@@ -64,8 +64,8 @@ class Settings(BaseSettings):
     # still has its own sandbox and its own state. "isolated" (the SDK's default): the sandbox
     # imports the package again for every run, and its checks (no clock, no I/O, no randomness)
     # cover gpufleet's own workflow code too; about 170 KB and 14 ms of CPU more per run, so
-    # 170 MB more held by a worker with 1,000 incidents open. The tests and the replay check run
-    # every workflow isolated, so the code is checked before it ships either way.
+    # 170 MB more held by a worker with 1,000 incidents open. The workflow tests (tests/workflows)
+    # and the replay check (tests/replay) run the workflows isolated: the code is checked there.
     workflow_sandbox: Literal["shared", "isolated"] = "shared"
     # Every incident the detectors and `gpufleet remediate` open is a dry run: each step recorded
     # as it would be done, nothing changed, nobody notified (workflow ID dryrun-{cluster}-{node}).
