@@ -59,13 +59,15 @@ class Settings(BaseSettings):
     # Incidents the worker keeps in memory between their steps (the SDK's workflow cache). One
     # left out is replayed from its history at its next step: fewer is less memory, more CPU.
     max_cached_workflows: int = Field(default=1000, ge=0, le=100_000)
-    # How the worker loads gpufleet's workflow code for each run (each incident, guard, pool
-    # move). "shared": the workflows package is imported once and every run uses it; each run
-    # still has its own sandbox and its own state. "isolated" (the SDK's default): the sandbox
-    # imports the package again for every run, and its checks (no clock, no I/O, no randomness)
-    # cover gpufleet's own workflow code too; about 170 KB and 14 ms of CPU more per run, so
-    # 170 MB more held by a worker with 1,000 incidents open. The workflow tests (tests/workflows)
-    # and the replay check (tests/replay) run the workflows isolated: the code is checked there.
+    # How the worker loads gpufleet's workflow code for each workflow run. "shared": the workflows
+    # package is imported once and every run uses it; each run still has its own sandbox and its
+    # own state. "isolated" (the SDK's default): the sandbox imports the package again for every
+    # run, so its checks on what workflow code imports (the clock through datetime or time,
+    # random, os, threads) cover gpufleet's own code too; shared keeps only its checks on builtins
+    # (open, input). Isolated costs about 170 KB and 14 ms of CPU more per run: 170 MB more held by
+    # a worker with 1,000 incidents open. The workflow tests (tests/workflows) and the replay
+    # check (tests/replay) run the workflows isolated, and every workflow a worker registers is
+    # loaded isolated in a test: the code is checked there.
     workflow_sandbox: Literal["shared", "isolated"] = "shared"
     # Every incident the detectors and `gpufleet remediate` open is a dry run: each step recorded
     # as it would be done, nothing changed, nobody notified (workflow ID dryrun-{cluster}-{node}).

@@ -240,6 +240,20 @@ def workflow_runner(settings: Settings) -> SandboxedWorkflowRunner:
     return SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules(WORKFLOW_PACKAGE))
 
 
+# The workflows each of the worker's task queues runs.
+CLUSTER_WORKFLOWS: tuple[type, ...] = (
+    NodeRemediationWorkflow,
+    # A guard started here before it had a queue of its own runs here until it moves.
+    FleetGuardWorkflow,
+    ReturnNodeWorkflow,
+    QuarantinedNodesWorkflow,
+    ReleaseNodeWorkflow,
+    PoolRebalanceWorkflow,
+)
+GUARD_WORKFLOWS: tuple[type, ...] = (FleetGuardWorkflow,)
+CREATION_WORKFLOWS: tuple[type, ...] = (ClusterCreationWorkflow, ClusterDeletionWorkflow)
+
+
 def cluster_worker(
     client: Client, settings: Settings, activities: list[Callable[..., Any]], executor: ThreadPoolExecutor
 ) -> Worker:
@@ -247,15 +261,7 @@ def cluster_worker(
     return Worker(
         client,
         task_queue=task_queue(settings.cluster),
-        workflows=[
-            NodeRemediationWorkflow,
-            # A guard started here before it had a queue of its own runs here until it moves.
-            FleetGuardWorkflow,
-            ReturnNodeWorkflow,
-            QuarantinedNodesWorkflow,
-            ReleaseNodeWorkflow,
-            PoolRebalanceWorkflow,
-        ],
+        workflows=list(CLUSTER_WORKFLOWS),
         activities=activities,
         activity_executor=executor,
         max_concurrent_activities=ACTIVITY_THREADS,
@@ -277,13 +283,29 @@ def guard_worker(
     return Worker(
         client,
         task_queue=guard_task_queue(settings.cluster),
-        workflows=[FleetGuardWorkflow],
+        workflows=list(GUARD_WORKFLOWS),
         activities=activities,
         activity_executor=executor,
         max_concurrent_activities=GUARD_ACTIVITY_SLOTS,
         max_concurrent_workflow_tasks=GUARD_WORKFLOW_TASK_SLOTS,
         graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=settings.sticky_timeout_seconds),
+        workflow_runner=workflow_runner(settings),
+    )
+
+
+def creation_worker(
+    client: Client, settings: Settings, activities: list[Callable[..., Any]], executor: ThreadPoolExecutor
+) -> Worker:
+    """The worker of cluster creation and deletion (task queue gpufleet-clusters), for a worker
+    whose settings name backends; the cluster activities given."""
+    return Worker(
+        client,
+        task_queue=CLUSTER_TASK_QUEUE,
+        workflows=list(CREATION_WORKFLOWS),
+        activities=activities,
+        activity_executor=executor,
+        graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
         workflow_runner=workflow_runner(settings),
     )
 
@@ -374,17 +396,7 @@ async def run_worker(
                 stack.push_async_callback(_cancel, counting)
             creations = cluster_activities(settings)
             if creations:
-                await stack.enter_async_context(
-                    Worker(
-                        client,
-                        task_queue=CLUSTER_TASK_QUEUE,
-                        workflows=[ClusterCreationWorkflow, ClusterDeletionWorkflow],
-                        activities=creations,
-                        activity_executor=executor,
-                        graceful_shutdown_timeout=GRACEFUL_SHUTDOWN,
-                        workflow_runner=workflow_runner(settings),
-                    )
-                )
+                await stack.enter_async_context(creation_worker(client, settings, creations, executor))
                 log.info("creating clusters on %s (task queue %s)", ", ".join(settings.backends), CLUSTER_TASK_QUEUE)
             await stop.wait()
             log.info("stopping: finishing activities in flight (at most %ss)", GRACEFUL_SHUTDOWN.seconds)

@@ -52,7 +52,11 @@ class BlockingWorkflow:
 
 @pytest.fixture(scope="module")
 async def env(temporal_cli: str) -> AsyncIterator[WorkflowEnvironment]:
-    environment = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_cli)
+    environment = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=temporal_cli,
+        # The SDK waits 5 s by default for the server to start: too little on a loaded machine.
+        dev_server_startup_timeout=timedelta(seconds=60),
+    )
     yield environment
     await environment.shutdown()
 

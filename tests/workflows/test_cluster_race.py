@@ -14,6 +14,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,10 @@ class StandIn:
 @pytest.fixture(scope="module")
 async def env(temporal_cli: str) -> AsyncIterator[WorkflowEnvironment]:
     environment = await WorkflowEnvironment.start_local(
-        data_converter=pydantic_data_converter, dev_server_existing_path=temporal_cli
+        data_converter=pydantic_data_converter,
+        dev_server_existing_path=temporal_cli,
+        # The SDK waits 5 s by default for the server to start: too little on a loaded machine.
+        dev_server_startup_timeout=timedelta(seconds=60),
     )
     yield environment
     await environment.shutdown()
@@ -81,6 +85,8 @@ async def start(env: WorkflowEnvironment, queue: str, name: str, nodes: int) -> 
         id=f"cluster-{name}-{uuid.uuid4().hex[:6]}",
         task_queue=queue,
         result_type=ClusterStatus,
+        # A stalled creation fails its test in minutes, not at pytest's limit.
+        execution_timeout=timedelta(minutes=3),
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -21,7 +22,16 @@ from temporalio.worker.workflow_sandbox._runner import _fake_info
 
 from models.constants import guard_task_queue, task_queue
 from models.settings import Settings
-from workers.main import cluster_worker, guard_worker, workflow_runner
+from workers.main import (
+    CLUSTER_WORKFLOWS,
+    CREATION_WORKFLOWS,
+    GUARD_WORKFLOWS,
+    WORKFLOW_PACKAGE,
+    cluster_worker,
+    creation_worker,
+    guard_worker,
+    workflow_runner,
+)
 from workflows.remediation import NodeRemediationWorkflow
 
 BUILDERS = {"cluster": (cluster_worker, task_queue), "guard": (guard_worker, guard_task_queue)}
@@ -106,7 +116,6 @@ async def test_runs_share_the_workflow_code_unless_isolated(monkeypatch: pytest.
     monkeypatch.delenv("GPUFLEET_WORKFLOW_SANDBOX", raising=False)
     shared = workflow_runner(Settings())
     assert sandboxed_class(shared) is NodeRemediationWorkflow
-    assert sandboxed_class(shared) is sandboxed_class(shared)
     monkeypatch.setenv("GPUFLEET_WORKFLOW_SANDBOX", "isolated")
     isolated = workflow_runner(Settings())
     first, second = sandboxed_class(isolated), sandboxed_class(isolated)
@@ -115,3 +124,33 @@ async def test_runs_share_the_workflow_code_unless_isolated(monkeypatch: pytest.
     monkeypatch.setenv("GPUFLEET_WORKFLOW_SANDBOX", "none")
     with pytest.raises(ValidationError, match="workflow_sandbox"):
         Settings()
+
+
+async def test_each_worker_runs_its_workflows_in_the_sandbox_the_setting_names(
+    env: WorkflowEnvironment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cluster's, the guard's and the cluster-creation worker all take the runner above."""
+
+    async def shares(build: Any, settings: Settings) -> bool:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            async with build(env.client, settings, [], executor) as worker:
+                runner = worker.config()["workflow_runner"]
+                assert isinstance(runner, SandboxedWorkflowRunner)
+                return WORKFLOW_PACKAGE in runner.restrictions.passthrough_modules
+
+    monkeypatch.delenv("GPUFLEET_WORKFLOW_SANDBOX", raising=False)
+    for build in (cluster_worker, guard_worker, creation_worker):
+        assert await shares(build, Settings(cluster="sandbox-shared")), build.__name__
+    monkeypatch.setenv("GPUFLEET_WORKFLOW_SANDBOX", "isolated")
+    for build in (cluster_worker, guard_worker):  # another cluster's queues
+        assert not await shares(build, Settings(cluster="sandbox-isolated")), build.__name__
+
+
+@pytest.mark.parametrize(
+    "cls", sorted({*CLUSTER_WORKFLOWS, *GUARD_WORKFLOWS, *CREATION_WORKFLOWS}, key=lambda c: c.__name__)
+)
+async def test_every_workflow_a_worker_runs_loads_in_the_isolated_sandbox(cls: type) -> None:
+    """What a worker built with the isolated sandbox checks at its start, for every workflow the
+    workers register, whatever the default: its module imports and its class is made inside the
+    sandbox without touching anything the sandbox forbids."""
+    SandboxedWorkflowRunner().prepare_workflow(workflow._Definition.must_from_class(cls))
