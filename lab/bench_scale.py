@@ -636,8 +636,8 @@ def bound(open_run: dict[str, Any]) -> str:
     """What limited the burst, named for the README: the fleet guard when incidents spent most of
     their time waiting for its answer; else the machine's CPU when the server, the worker and the
     emulated API together kept its cores busy (each one's share said); else the process that used
-    the most CPU. Workflow tasks that outwaited the worker's sticky queue, and a worker's peak
-    memory over its target, are added in any case."""
+    the most CPU. Workflow tasks that outwaited the worker's sticky queue, histories longer than
+    their target, and a worker's peak memory over its target, are added in any case."""
     wait, total = open_run.get("guard_wait_p50_s"), open_run.get("incident_seconds_p50")
     cpu = open_run["cpu_seconds"]
     used = max(sum(cpu.values()), 1e-9)  # never 0: the shares below divide by it
@@ -672,6 +672,16 @@ def bound(open_run: dict[str, Any]) -> str:
             f"; the worker fell behind: {late} workflow tasks waited past its sticky queue's schedule-to-start "
             "timeout and were replayed from their incident's history"
         )
+    most, median = open_run.get("history_events_per_incident"), open_run.get("history_events_per_incident_p50")
+    if most is not None and most > TARGETS["history_events_per_incident"]:
+        said += f"; history events over {TARGETS['history_events_per_incident']:g} at the most ({most}"
+        said += f", {median} at the median)" if median is not None else ")"
+        incidents = open_run.get("measured_incidents") or 0
+        if late and incidents:
+            said += (
+                f": {late / incidents:.1f} late workflow tasks per incident (2 events each), "
+                "and the longer waits of a busy machine"
+            )
     rss = open_run.get("worker_peak_rss_mb")
     if rss is not None and rss > TARGETS["worker_peak_rss_mb"]:
         said += (

@@ -111,6 +111,15 @@ def test_a_worker_over_its_memory_target_is_named_beside_the_bound() -> None:
     assert said.startswith("the machine's CPU") and "; the worker's memory: 561 MB at its peak" in said
 
 
+def test_histories_over_their_target_are_named_beside_the_bound() -> None:
+    figures = burst_figures(cpu={"server": 690, "worker": 380, "kubeapi": 330}, seconds=900, late=3191)
+    figures["measured_incidents"] = 1000
+    assert "history events" not in bound({**figures, "history_events_per_incident": 150})
+    said = bound({**figures, "history_events_per_incident": 200, "history_events_per_incident_p50": 148})
+    assert said.startswith("the machine's CPU")
+    assert "; history events over 150 at the most (200, 148 at the median): 3.2 late workflow tasks" in said
+
+
 def test_the_bound_is_the_busiest_process_when_the_machine_was_not() -> None:
     said = bound(burst_figures(cpu={"server": 300, "worker": 100, "kubeapi": 50}, seconds=900))
     assert said.startswith("server") and "sticky" not in said
