@@ -97,7 +97,8 @@ class SlurmRestClient:
         body: dict[str, Any] | None = None,
         params: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        headers = {"X-SLURM-USER-NAME": user, "X-SLURM-USER-TOKEN": jwt_token(self._key, user)}
+        token = jwt_token(self._key, user)
+        headers = {"X-SLURM-USER-NAME": user, "X-SLURM-USER-TOKEN": token}
         what = f"{method} {path}"
         try:
             reply = self._http.request(method, path, headers=headers, json=body, params=params)
@@ -117,7 +118,8 @@ class SlurmRestClient:
             data = {}
         errors = [_error(e) for e in data.get("errors") or []]
         if reply.status_code >= 400 or errors:
-            said = "; ".join(errors) or reply.text.strip()[:300]
+            # What the server said, never the token (a proxy or a server may echo the request's headers).
+            said = ("; ".join(errors) or reply.text.strip()[:300]).replace(token, "[token]")
             hint = ""
             if reply.status_code >= 500:
                 # What Slurm 22.05 answers when the controller refuses the token.

@@ -307,7 +307,8 @@ class SlurmRest:
         what = f"{method} {path}"
         if method != "GET":
             refuse_writes(f"slurmrestd {what}")
-        headers = {"X-SLURM-USER-NAME": self.user, "X-SLURM-USER-TOKEN": self._token()}
+        token = self._token()
+        headers = {"X-SLURM-USER-NAME": self.user, "X-SLURM-USER-TOKEN": token}
         try:
             reply = self._http.request(method, path, headers=headers, json=body, params=params)
         except httpx.HTTPError as exc:
@@ -328,7 +329,8 @@ class SlurmRest:
             raise ClientError(f"slurmrestd at {self.base_url} does not serve {what}: is its API {self.version}?")
         if reply.status_code < 400 and not errors:
             return data
-        said = "; ".join(_said(e) for e in errors) or reply.text.strip()[:300]
+        # What the server said, never the token (a proxy or a server may echo the request's headers).
+        said = ("; ".join(_said(e) for e in errors) or reply.text.strip()[:300]).replace(token, "[token]")
         message = f"slurmrestd refused {what} ({reply.status_code}): {said}"
         lowered = said.lower()
         numbers = {e.get("error_number", e.get("errno")) for e in errors if isinstance(e, dict)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -27,7 +28,7 @@ from urllib.parse import parse_qsl, urlsplit
 import pytest
 
 from clients.dryrun import DryRunViolation, dry_run
-from clients.errors import InvalidInput, NotFound
+from clients.errors import ClientError, InvalidInput, NotFound
 from clients.slurm import SlurmCli
 from clients.slurmrest import VERSIONS, jwt_token
 from clients.slurmrest_protocol import (
@@ -588,3 +589,28 @@ def test_a_dry_run_sends_no_write(stand_in: tuple[StandIn, SlurmRest]) -> None:
         with pytest.raises(DryRunViolation):
             client.signal_job(42)
     assert server.writes() == []
+
+
+def test_the_token_is_never_in_an_error_or_the_log(
+    stand_in: tuple[StandIn, SlurmRest], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server (or a proxy before it) that echoes the request's headers in its refusal: the error
+    says what it said, with the token left out; and a refused token is named, not shown."""
+    server, client = stand_in
+    caplog.set_level(logging.DEBUG)
+    tokens: list[str] = []
+
+    def echoing(method: str, path: str, seen: Seen) -> tuple[int, dict[str, Any]]:
+        tokens.append(seen.headers["X-SLURM-USER-TOKEN"])
+        return 500, {"errors": [{"description": f"bad request, headers {seen.headers}"}]}
+
+    monkeypatch.setattr(server, "answer", echoing)
+    with pytest.raises(ClientError) as echoed:
+        client.node("gpu1")
+    assert "bad request, headers" in str(echoed.value) and "[token]" in str(echoed.value)
+    monkeypatch.setattr(server, "answer", lambda *_: (401, {"errors": [{"description": "unauthorized"}]}))
+    with pytest.raises(ClientError, match="refused the token") as refused:
+        client.node("gpu1")
+    assert tokens
+    for token in tokens:
+        assert token not in str(echoed.value) and token not in str(refused.value) and token not in caplog.text

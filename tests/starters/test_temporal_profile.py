@@ -17,6 +17,7 @@ import pytest
 from temporalio.service import TLSConfig
 
 from starters.temporal import TemporalUnreachable, connect, connect_config
+from tests.conftest import gpufleet_cli
 
 TLS_HANDSHAKE = 0x16  # the first byte of a TLS record carrying a handshake (the ClientHello)
 
@@ -254,3 +255,32 @@ server_name = "temporal.fleet.internal"
     # The profile's server_name is the SNI of the ClientHello. (The client certificate itself is sent
     # only when a server asks for it, encrypted, so a listener that hangs up cannot see it.)
     assert b"temporal.fleet.internal" in recorder.records[0]
+
+
+async def test_the_worker_connects_as_its_profile_says_and_never_shows_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gpufleet worker` itself, started with TEMPORAL_PROFILE: it opens TLS to the profile's
+    address, and when nothing answers there it stops, naming the address and not the API key."""
+    recorder = HelloRecorder()
+    async with recorder as address:
+        write_profiles(
+            tmp_path,
+            monkeypatch,
+            f"""
+[profile.cloud]
+address = "{address}"
+namespace = "fleet.a1b2c"
+api_key = "throwaway-api-key-7d2e"
+""",
+        )
+        done = await asyncio.to_thread(
+            gpufleet_cli,
+            "worker",
+            env={"TEMPORAL_PROFILE": "cloud", "GPUFLEET_METRICS_PORT": "0", "GPUFLEET_HOME": str(tmp_path)},
+            timeout=120,
+        )
+    said = done.stdout + done.stderr
+    assert done.returncode != 0 and address in said, said
+    assert recorder.records and recorder.records[0][0] == TLS_HANDSHAKE, recorder.records
+    assert "throwaway-api-key-7d2e" not in said
