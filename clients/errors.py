@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from models.names import InvalidName, validate_node_name
 
 
@@ -62,3 +64,20 @@ def checked_node_name(name: str) -> str:
         return validate_node_name(name)
     except InvalidName as exc:
         raise InvalidInput(str(exc)) from None
+
+
+# What looks like a JWT (header.claims.signature, base64url), whole or cut short.
+_JWT = re.compile(r"eyJ[\w-]+(?:\.[\w-]*){0,2}")
+# A token header quoted back: X-SLURM-USER-TOKEN: value (or = value, or as a JSON pair).
+_TOKEN_HEADER = re.compile(r"""(?i)(x-slurm-user-token["']?\s*[:=]\s*["']?)[^\s"',}]+""")
+
+
+def redact(text: str, *secrets: str, limit: int = 300) -> str:
+    """A server's words fit for an error message: each secret, anything shaped like a JWT and any
+    token header it quoted back replaced by ``[token]``, then cut to ``limit`` characters (in
+    that order, so a cut never leaves part of a secret)."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "[token]")
+    text = _TOKEN_HEADER.sub(r"\1[token]", _JWT.sub("[token]", text))
+    return text[:limit]

@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 
+from clients.errors import redact
+
 VERSIONS = ("v0.0.44", "v0.0.43", "v0.0.42", "v0.0.41", "v0.0.40", "v0.0.38")
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"}
 TOKEN_SECONDS = 300
@@ -119,7 +121,7 @@ class SlurmRestClient:
         errors = [_error(e) for e in data.get("errors") or []]
         if reply.status_code >= 400 or errors:
             # What the server said, never the token (a proxy or a server may echo the request's headers).
-            said = ("; ".join(errors) or reply.text.strip()[:300]).replace(token, "[token]")
+            said = redact("; ".join(errors) or reply.text.strip(), token)
             hint = ""
             if reply.status_code >= 500:
                 # What Slurm 22.05 answers when the controller refuses the token.
@@ -150,7 +152,7 @@ class SlurmRestClient:
         data = self._request("GET", f"/slurm/{self.version}/ping", user=user)
         pings = data.get("pings") or []
         if not pings or not all(str(p.get("ping", p.get("pinged", ""))).upper() == "UP" for p in pings):
-            raise SlurmRestError(f"slurmrestd answers but the controller does not: {pings}")
+            raise SlurmRestError(f"slurmrestd answers but the controller does not: {redact(str(pings))}")
         release = (data.get("meta") or {}).get("Slurm", (data.get("meta") or {}).get("slurm", {})).get("release", "?")
         return str(release)
 
@@ -182,7 +184,7 @@ class SlurmRestClient:
         data = self._request("POST", f"/slurm/{self.version}/job/submit", user=user, body=body)
         job_id = data.get("job_id")
         if not isinstance(job_id, int):
-            raise SlurmRestError(f"slurmrestd accepted the job but named no job ID: {data}")
+            raise SlurmRestError(f"slurmrestd accepted the job but named no job ID: {redact(str(data))}")
         return job_id
 
     def job_state(self, job_id: int, *, user: str = "root") -> str:

@@ -34,7 +34,16 @@ from typing import Any
 import httpx
 
 from clients.dryrun import refuse_writes
-from clients.errors import ClientError, Forbidden, InvalidInput, NotFound, NotOwned, Unavailable, checked_node_name
+from clients.errors import (
+    ClientError,
+    Forbidden,
+    InvalidInput,
+    NotFound,
+    NotOwned,
+    Unavailable,
+    checked_node_name,
+    redact,
+)
 from clients.slurm import (
     _ACTIVE_STATES,
     _MARK,
@@ -297,9 +306,12 @@ class SlurmRest:
             return jwt_token(self._key, self.user)
         assert self._token_file is not None
         try:
-            return self._token_file.read_text().strip()
+            token = self._token_file.read_text().strip()
         except OSError as exc:
             raise Unavailable(f"the slurmrestd token file {self._token_file} is unreadable: {exc.strerror}") from None
+        if not token:
+            raise Unavailable(f"the slurmrestd token file {self._token_file} is empty (is it being rotated?)")
+        return token
 
     def _call(
         self, method: str, path: str, *, body: dict[str, Any] | None = None, params: dict[str, str] | None = None
@@ -330,7 +342,7 @@ class SlurmRest:
         if reply.status_code < 400 and not errors:
             return data
         # What the server said, never the token (a proxy or a server may echo the request's headers).
-        said = ("; ".join(_said(e) for e in errors) or reply.text.strip()[:300]).replace(token, "[token]")
+        said = redact("; ".join(_said(e) for e in errors) or reply.text.strip(), token)
         message = f"slurmrestd refused {what} ({reply.status_code}): {said}"
         lowered = said.lower()
         numbers = {e.get("error_number", e.get("errno")) for e in errors if isinstance(e, dict)}

@@ -28,7 +28,7 @@ from urllib.parse import parse_qsl, urlsplit
 import pytest
 
 from clients.dryrun import DryRunViolation, dry_run
-from clients.errors import ClientError, InvalidInput, NotFound
+from clients.errors import ClientError, InvalidInput, NotFound, Unavailable
 from clients.slurm import SlurmCli
 from clients.slurmrest import VERSIONS, jwt_token
 from clients.slurmrest_protocol import (
@@ -614,3 +614,15 @@ def test_the_token_is_never_in_an_error_or_the_log(
     assert tokens
     for token in tokens:
         assert token not in str(echoed.value) and token not in str(refused.value) and token not in caplog.text
+
+
+def test_an_empty_token_file_is_said_to_be_empty(stand_in: tuple[StandIn, SlurmRest], tmp_path: Path) -> None:
+    """A token file caught empty (mid-rotation): the call says so, and sends nothing."""
+    server, _ = stand_in
+    token_file = tmp_path / "token"
+    token_file.write_text("\n")
+    rest = slurm_client("rest", restd_url=server.url, restd_version=server.version, restd_token_file=token_file)
+    sent = len(server.seen)
+    with pytest.raises(Unavailable, match=r"token file .* is empty"):
+        rest.node("gpu1")
+    assert len(server.seen) == sent

@@ -274,10 +274,13 @@ namespace = "fleet.a1b2c"
 api_key = "throwaway-api-key-7d2e"
 """,
         )
+        env = {"TEMPORAL_PROFILE": "cloud", "GPUFLEET_METRICS_PORT": "0", "GPUFLEET_HOME": str(tmp_path)}
         done = await asyncio.to_thread(
             gpufleet_cli,
             "worker",
-            env={"TEMPORAL_PROFILE": "cloud", "GPUFLEET_METRICS_PORT": "0", "GPUFLEET_HOME": str(tmp_path)},
+            env=env,
+            # The worker's own defaults, not whatever this shell sets for another worker.
+            unset=tuple(name for name in os.environ if name.startswith("GPUFLEET_") and name not in env),
             timeout=120,
         )
     said = done.stdout + done.stderr
