@@ -11,7 +11,9 @@ them. It knows what ``deploy/`` uses and refuses everything else by name:
 - ``namePrefix`` (the Namespace object keeps its name; references among the rendered objects
   follow: role bindings, service accounts, ConfigMaps and Secrets a pod names),
 - ``labels`` with ``pairs`` (on each object's metadata; not selectors or templates),
-- ``images`` (``newName``, ``newTag``).
+- ``images`` (``newName``, ``newTag``, ``digest``).
+
+Anything else (other kustomization fields, patch directives, a patch's labels) is refused.
 
     python -m lab.kustomize deploy/overlays/example
 """
@@ -64,10 +66,12 @@ MERGE_KEYS = {
     "env": "name",
     "volumes": "name",
     "volumeMounts": "mountPath",
-    "ports": "containerPort",
+    "ports": "containerPort",  # a Service's ports by "port" (below)
     "imagePullSecrets": "name",
-    "tolerations": "key",
 }
+NOT_PREFIXED = {"Namespace", "CustomResourceDefinition", "APIService"}
+IMAGE_FIELDS = {"name", "newName", "newTag", "digest"}
+PATCH_FIELDS = {"path", "patch", "target"}
 POD_KINDS = {"Deployment", "DaemonSet", "StatefulSet", "ReplicaSet", "Job", "Pod"}
 
 
@@ -82,7 +86,10 @@ def render(directory: Path) -> list[Obj]:
 
 
 def _order(obj: Obj) -> tuple[int, str, str, str]:
+    """kustomize's legacy order: ORDER_FIRST's kinds, the others by group, version and kind,
+    ORDER_LAST's; then by namespace (none after any) and name."""
     kind = obj.get("kind", "")
+    group, _, version = obj.get("apiVersion", "").rpartition("/")
     if kind in ORDER_FIRST:
         rank = ORDER_FIRST.index(kind)
     elif kind in ORDER_LAST:
@@ -90,7 +97,7 @@ def _order(obj: Obj) -> tuple[int, str, str, str]:
     else:
         rank = len(ORDER_FIRST)
     meta = obj.get("metadata", {})
-    return rank, kind, meta.get("namespace", ""), meta.get("name", "")
+    return rank, f"{group}_{version}_{kind}", meta.get("namespace") or "~X", meta.get("name", "")
 
 
 def _kustomization(directory: Path) -> Obj:
@@ -141,18 +148,22 @@ def _build(directory: Path, *, component: bool, into: list[Obj] | None = None) -
     if prefix:
         _prefix(objects, prefix)
     for label in spec.get("labels") or []:
-        if set(label) - {"pairs"}:
-            raise KustomizeError(f"{directory}: labels with {', '.join(sorted(set(label) - {'pairs'}))} not supported")
+        if set(label) != {"pairs"}:
+            raise KustomizeError(f"{directory}: labels other than plain pairs are not supported: {label}")
+        if not all(isinstance(value, str) for value in label["pairs"].values()):
+            raise KustomizeError(f"{directory}: a label's value must be a string: {label['pairs']}")
         for obj in objects:
-            obj.setdefault("metadata", {}).setdefault("labels", {}).update(
-                {str(k): str(v) for k, v in label["pairs"].items()}
-            )
+            obj.setdefault("metadata", {}).setdefault("labels", {}).update(label["pairs"])
     for image in spec.get("images") or []:
+        if "name" not in image or set(image) - IMAGE_FIELDS:
+            raise KustomizeError(f"{directory}: an image entry needs name and only {', '.join(sorted(IMAGE_FIELDS))}")
         _image(objects, image)
     return objects
 
 
 def _patch(directory: Path, objects: list[Obj], entry: Obj) -> None:
+    if set(entry) - PATCH_FIELDS:
+        raise KustomizeError(f"{directory}: patch fields {', '.join(sorted(set(entry) - PATCH_FIELDS))} not supported")
     if "path" in entry:
         patches = list(_documents(directory / entry["path"]))
     elif "patch" in entry:
@@ -161,8 +172,12 @@ def _patch(directory: Path, objects: list[Obj], entry: Obj) -> None:
         raise KustomizeError(f"{directory}: a patch with neither path nor patch")
     target = entry.get("target")
     for patch in patches:
-        if "op" in patch or isinstance(patch, list):
+        if isinstance(patch, list) or "op" in patch:
             raise KustomizeError(f"{directory}: JSON 6902 patches are not supported")
+        if set(patch.get("metadata", {})) - {"name", "namespace"}:
+            raise KustomizeError(f"{directory}: a patch's metadata beyond name and namespace is not supported")
+        if _directives(patch):
+            raise KustomizeError(f"{directory}: patch directives ($patch, $setElementOrder...) are not supported")
         matched = [obj for obj in objects if _targets(obj, patch, target)]
         if not matched:
             name = (target or patch.get("metadata", {})).get("name")
@@ -171,6 +186,14 @@ def _patch(directory: Path, objects: list[Obj], entry: Obj) -> None:
             merged = _merge(obj, {k: v for k, v in patch.items() if k not in ("apiVersion", "kind", "metadata")})
             obj.clear()
             obj.update(merged)
+
+
+def _directives(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(str(key).startswith("$") or _directives(item) for key, item in value.items())
+    if isinstance(value, list):
+        return any(_directives(item) for item in value)
+    return False
 
 
 def _targets(obj: Obj, patch: Obj, target: Obj | None) -> bool:
@@ -210,6 +233,8 @@ def _merge(base: Any, patch: Any, key: str = "") -> Any:
         # As kustomize orders them: the patch's items first (each merged into its match), then
         # the items it did not name, in their order.
         field = MERGE_KEYS[key]
+        if key == "ports" and not all(isinstance(item, dict) and "containerPort" in item for item in patch):
+            field = "port"  # a Service's
         named = {item.get(field) for item in patch if isinstance(item, dict)}
         first = []
         for item in patch:
@@ -223,7 +248,7 @@ def _merge(base: Any, patch: Any, key: str = "") -> Any:
 def _prefix(objects: list[Obj], prefix: str) -> None:
     renamed: dict[tuple[str, str], str] = {}
     for obj in objects:
-        if obj.get("kind") == "Namespace":
+        if obj.get("kind") in NOT_PREFIXED:
             continue
         meta = obj.setdefault("metadata", {})
         renamed[(obj["kind"], meta["name"])] = prefix + meta["name"]
@@ -241,11 +266,17 @@ def _prefix(objects: list[Obj], prefix: str) -> None:
         for pod in _pod_specs(obj):
             if "serviceAccountName" in pod:
                 pod["serviceAccountName"] = follow("ServiceAccount", pod["serviceAccountName"])
+            for secret in pod.get("imagePullSecrets") or []:
+                secret["name"] = follow("Secret", secret["name"])
             for volume in pod.get("volumes") or []:
                 if "configMap" in volume:
                     volume["configMap"]["name"] = follow("ConfigMap", volume["configMap"]["name"])
                 if "secret" in volume:
                     volume["secret"]["secretName"] = follow("Secret", volume["secret"]["secretName"])
+                for source in (volume.get("projected") or {}).get("sources") or []:
+                    for field, kind in (("configMap", "ConfigMap"), ("secret", "Secret")):
+                        if field in source:
+                            source[field]["name"] = follow(kind, source[field]["name"])
             for container in (pod.get("containers") or []) + (pod.get("initContainers") or []):
                 for env in container.get("env") or []:
                     source = env.get("valueFrom") or {}
@@ -280,10 +311,11 @@ def _image(objects: list[Obj], image: Obj) -> None:
 
 
 def _split_image(image: str) -> tuple[str, str]:
-    """``repository`` and what follows it (``:tag``, ``@digest``, or nothing)."""
-    if "@" in image:
-        repository, digest = image.split("@", 1)
-        return repository, "@" + digest
+    """``repository`` and what follows it (``:tag``, ``@digest``, ``:tag@digest``, or nothing)."""
+    image, at, digest = image.partition("@")
+    if at:
+        repository, tag = _split_image(image)
+        return repository, f"{tag}@{digest}"
     head, _, last = image.rpartition("/")
     if ":" in last:
         bare, tag = last.split(":", 1)

@@ -187,6 +187,13 @@ def test_the_python_renderer_refuses_what_it_does_not_know(tmp_path: Path) -> No
     )
     with pytest.raises(kustomize.KustomizeError, match="the patch of Deployment nobody matches no resource"):
         kustomize.render(tmp_path)
+    # A directive it does not apply is refused, not written into the object.
+    deletion = "kind: Deployment\nmetadata: {name: gpufleet-worker}\nspec: {template: {spec: {$patch: replace}}}\n"
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump({"resources": [os.path.relpath(DEPLOY / "base", tmp_path)], "patches": [{"patch": deletion}]})
+    )
+    with pytest.raises(kustomize.KustomizeError, match=r"patch directives \(\$patch"):
+        kustomize.render(tmp_path)
 
 
 def test_a_wrong_field_in_a_manifest_fails(tmp_path: Path) -> None:
