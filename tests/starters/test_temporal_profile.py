@@ -209,19 +209,20 @@ async def unreachable(profile: str) -> str:
     return str(failure.value)
 
 
-async def test_api_key_profile_connects_with_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    recorder = HelloRecorder()
-    async with recorder as address:
-        write_profiles(
-            tmp_path,
-            monkeypatch,
-            f"""
+def cloud_profile(address: str, api_key: str) -> str:
+    """A Temporal Cloud profile (an API key, so TLS) named cloud, at ``address``."""
+    return f"""
 [profile.cloud]
 address = "{address}"
 namespace = "fleet.a1b2c"
-api_key = "throwaway-api-key"
-""",
-        )
+api_key = "{api_key}"
+"""
+
+
+async def test_api_key_profile_connects_with_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    recorder = HelloRecorder()
+    async with recorder as address:
+        write_profiles(tmp_path, monkeypatch, cloud_profile(address, "throwaway-api-key"))
         message = await unreachable("cloud")
     assert address in message
     # A plain gRPC client would have opened with the HTTP/2 preface ("PRI * HTTP/2.0"), not a handshake.
@@ -264,16 +265,7 @@ async def test_the_worker_connects_as_its_profile_says_and_never_shows_the_key(
     address, and when nothing answers there it stops, naming the address and not the API key."""
     recorder = HelloRecorder()
     async with recorder as address:
-        write_profiles(
-            tmp_path,
-            monkeypatch,
-            f"""
-[profile.cloud]
-address = "{address}"
-namespace = "fleet.a1b2c"
-api_key = "throwaway-api-key-7d2e"
-""",
-        )
+        write_profiles(tmp_path, monkeypatch, cloud_profile(address, "throwaway-api-key-7d2e"))
         env = {"TEMPORAL_PROFILE": "cloud", "GPUFLEET_METRICS_PORT": "0", "GPUFLEET_HOME": str(tmp_path)}
         done = await asyncio.to_thread(
             gpufleet_cli,
