@@ -138,29 +138,8 @@ def _translate(exc: Exception, what: str) -> ClientError:
     return Unavailable(f"{what}: {exc}")
 
 
-def _node(raw: Any) -> KubeNode:
-    meta = raw.metadata
-    spec = raw.spec
-    conditions = (raw.status.conditions if raw.status else None) or []
-    ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
-    info = raw.status.node_info if raw.status else None
-    taints = [
-        {"key": t.key, "value": t.value or "", "effect": t.effect} for t in ((spec.taints if spec else None) or [])
-    ]
-    return KubeNode(
-        name=meta.name,
-        labels=dict(meta.labels or {}),
-        annotations=dict(meta.annotations or {}),
-        unschedulable=bool(spec.unschedulable) if spec else False,
-        ready=ready,
-        resource_version=meta.resource_version or "",
-        taints=taints,
-        boot_id=(info.boot_id if info else "") or "",
-    )
-
-
-def _node_from_json(raw: dict[str, Any]) -> KubeNode:
-    """A Node as the API server's JSON has it (a list read without the client's models)."""
+def _node(raw: dict[str, Any]) -> KubeNode:
+    """A Node as the API server's JSON has it (read without the client's models)."""
     meta = raw.get("metadata") or {}
     spec = raw.get("spec") or {}
     status = raw.get("status") or {}
@@ -260,26 +239,31 @@ class KubernetesApi:
         except (ApiException, Urllib3Error, OSError) as exc:
             raise _translate(exc, what) from None
 
-    def get_node(self, name: str) -> KubeNode:
-        name = checked_node_name(name)
-        return _node(self._call(f"read node {name}", self._api.read_node, name))
-
-    def list_nodes(self, *, label_selector: str = "") -> list[KubeNode]:
-        # Read as JSON, not into the client's models: a claim lists every spare (a thousand
-        # Nodes in a large fleet), and sixty-four claims at once held that many models each.
-        response = self._call("list nodes", self._api.list_node, label_selector=label_selector, _preload_content=False)
+    def _call_json(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """``_call``, the answer read as JSON rather than into the client's models: a claim lists
+        every spare (a thousand Nodes in a large fleet), and sixty-four claims at once held that
+        many models each."""
+        response = self._call(what, fn, *args, _preload_content=False, **kwargs)
         try:
-            items = json.loads(response.data).get("items") or []
+            data: dict[str, Any] = json.loads(response.data)
         except (Urllib3Error, OSError) as exc:  # the body cut off or timed out while read
-            raise _translate(exc, "list nodes") from None
+            raise _translate(exc, what) from None
         except ValueError as exc:
-            raise ClientError(f"list nodes: the API server's answer is not JSON: {exc}") from None
+            raise ClientError(f"{what}: the API server's answer is not JSON: {exc}") from None
         finally:
             response.release_conn()
-        return [_node_from_json(item) for item in items]
+        return data
+
+    def get_node(self, name: str) -> KubeNode:
+        name = checked_node_name(name)
+        return _node(self._call_json(f"read node {name}", self._api.read_node, name))
+
+    def list_nodes(self, *, label_selector: str = "") -> list[KubeNode]:
+        listed = self._call_json("list nodes", self._api.list_node, label_selector=label_selector)
+        return [_node(item) for item in listed.get("items") or []]
 
     def _patch(self, name: str, body: dict[str, Any]) -> KubeNode:
-        return _node(self._call(f"patch node {name}", self._api.patch_node, name, body))
+        return _node(self._call_json(f"patch node {name}", self._api.patch_node, name, body))
 
     def set_unschedulable(self, name: str, unschedulable: bool) -> KubeNode:
         current = self.get_node(name)
