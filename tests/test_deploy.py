@@ -87,7 +87,12 @@ def rendered(name: str) -> Objects:
 
 def render_with(tmp_path: Path, resources: list[Path], components: list[Path], **extra: Any) -> Objects:
     """A kustomization in ``tmp_path`` of ``resources`` and ``components`` (and whatever else is
-    given: its files go beside it, in ``tmp_path``)."""
+    given: its files go beside it, in ``tmp_path``), rendered."""
+    return render(kustomization_in(tmp_path, resources, components, **extra))
+
+
+def kustomization_in(tmp_path: Path, resources: list[Path], components: list[Path], **extra: Any) -> Path:
+    """``tmp_path``, holding a kustomization of ``resources``, ``components`` and ``extra``."""
     kustomization = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
@@ -97,7 +102,7 @@ def render_with(tmp_path: Path, resources: list[Path], components: list[Path], *
         **extra,
     }
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    return render(tmp_path)
+    return tmp_path
 
 
 def of_kind(objects: Objects, kind: str) -> Objects:
@@ -164,36 +169,24 @@ def test_the_python_renderer_renders_as_kubectl_does(tmp_path: Path, name: str) 
     if missing:
         pytest.skip(f"nothing to compare the Python renderer with: {missing}")
     if name.startswith("components/"):
-        render_with(tmp_path, [DEPLOY / "base"], [DEPLOY / name])  # writes the kustomization
-        directory = tmp_path
+        directory = kustomization_in(tmp_path, [DEPLOY / "base"], [DEPLOY / name])
     else:
         directory = DEPLOY / name
     assert kustomize.render(directory) == render(directory)
 
 
 def test_the_python_renderer_refuses_what_it_does_not_know(tmp_path: Path) -> None:
-    (tmp_path / "kustomization.yaml").write_text(
-        yaml.safe_dump({"resources": [os.path.relpath(DEPLOY / "base", tmp_path)], "namespace": "elsewhere"})
-    )
-    with pytest.raises(kustomize.KustomizeError, match=r"namespace not supported here; render it with `kubectl"):
-        kustomize.render(tmp_path)
-    (tmp_path / "kustomization.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "resources": [os.path.relpath(DEPLOY / "base", tmp_path)],
-                "patches": [{"patch": "kind: Deployment\nmetadata: {name: nobody}\nspec: {replicas: 2}\n"}],
-            }
-        )
-    )
-    with pytest.raises(kustomize.KustomizeError, match="the patch of Deployment nobody matches no resource"):
-        kustomize.render(tmp_path)
+    def refused(**extra: Any) -> str:
+        with pytest.raises(kustomize.KustomizeError) as refusal:
+            kustomize.render(kustomization_in(tmp_path, [DEPLOY / "base"], [], **extra))
+        return str(refusal.value)
+
+    assert "namespace not supported here; render it with `kubectl" in refused(namespace="elsewhere")
+    nobody = "kind: Deployment\nmetadata: {name: nobody}\nspec: {replicas: 2}\n"
+    assert "the patch of Deployment nobody matches no resource" in refused(patches=[{"patch": nobody}])
     # A directive it does not apply is refused, not written into the object.
     deletion = "kind: Deployment\nmetadata: {name: gpufleet-worker}\nspec: {template: {spec: {$patch: replace}}}\n"
-    (tmp_path / "kustomization.yaml").write_text(
-        yaml.safe_dump({"resources": [os.path.relpath(DEPLOY / "base", tmp_path)], "patches": [{"patch": deletion}]})
-    )
-    with pytest.raises(kustomize.KustomizeError, match=r"patch directives \(\$patch"):
-        kustomize.render(tmp_path)
+    assert "patch directives ($patch" in refused(patches=[{"patch": deletion}])
 
 
 def test_a_wrong_field_in_a_manifest_fails(tmp_path: Path) -> None:

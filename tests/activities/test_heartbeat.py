@@ -19,6 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from activities.heartbeat import heartbeating
+from tests.conftest import start_dev_server
 
 BLOCK_SECONDS = 4.0
 
@@ -52,11 +53,7 @@ class BlockingWorkflow:
 
 @pytest.fixture(scope="module")
 async def env(temporal_cli: str) -> AsyncIterator[WorkflowEnvironment]:
-    environment = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_cli,
-        # The SDK waits 5 s by default for the server to start: too little on a loaded machine.
-        dev_server_startup_timeout=timedelta(seconds=60),
-    )
+    environment = await start_dev_server(temporal_cli)
     yield environment
     await environment.shutdown()
 

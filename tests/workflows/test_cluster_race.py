@@ -32,7 +32,7 @@ from clients.pool import free_nodes, holdings
 from lab.kubeapi import node_object
 from models.cluster import ClusterSpec, load_spec
 from models.clusterops import ClusterCreateInput, ClusterOutcome, ClusterRequest, ClusterStatus, StepResult
-from tests.conftest import KubeApiProcess
+from tests.conftest import KubeApiProcess, start_dev_server
 from workflows.cluster import ClusterCreationWorkflow
 
 FREE = ["free1", "free2", "free3", "free4"]
@@ -56,12 +56,7 @@ class StandIn:
 
 @pytest.fixture(scope="module")
 async def env(temporal_cli: str) -> AsyncIterator[WorkflowEnvironment]:
-    environment = await WorkflowEnvironment.start_local(
-        data_converter=pydantic_data_converter,
-        dev_server_existing_path=temporal_cli,
-        # The SDK waits 5 s by default for the server to start: too little on a loaded machine.
-        dev_server_startup_timeout=timedelta(seconds=60),
-    )
+    environment = await start_dev_server(temporal_cli, data_converter=pydantic_data_converter)
     yield environment
     await environment.shutdown()
 
