@@ -18,16 +18,6 @@ class KubeActivities:
     def __init__(self, kube: KubeClient) -> None:
         self._kube = kube
 
-    @activity.defn(name="kube_node_pool")
-    @heartbeating
-    def node_pool(self, node: str) -> str | None:
-        """The node's ``gpufleet.io/pool`` label ("" when unlabelled), or None without a Kubernetes node."""
-        with client_errors():
-            try:
-                return self._kube.get_node(node).labels.get(POOL_LABEL, "")
-            except NotFound:
-                return None
-
     @activity.defn(name="kube_node_facts")
     @heartbeating
     def node_facts(self, node: str) -> NodeFacts:

@@ -46,6 +46,7 @@ from clients.kube import KubernetesApi
 from clients.slurm import SlurmCli
 from lab.drill import default_job, run_drill, training_job
 from lab.fleet import REPO_ROOT, FleetLab, LabConfig
+from lab.histories import record_histories_async
 from lab.procs import alive, free_port, spawn, stop, wait_for
 from models.constants import CLAIMED_BY_ANNOTATION, POOL_LABEL, POOL_RETIRED, owned_reason
 from models.incident import Approval, IncidentStatus, Outcome, Step
@@ -519,6 +520,14 @@ def chaos_lab(home: Path, training: list[str], *, say: Say) -> FleetLab:
     return lab
 
 
+async def _record_and_stop(lab: FleetLab) -> None:
+    """Stop the lab, its workflows' histories first written where $GPUFLEET_RECORD_HISTORIES says."""
+    try:
+        await record_histories_async(lab.env()["TEMPORAL_ADDRESS"])
+    finally:
+        lab.down()
+
+
 async def storm(home: Path, *, say: Say) -> dict[str, Any]:
     """Xids on all four training nodes within a second, in a four-node lab of its own with the
     default fleet guard: at most its limit drained, one page, the rest waiting with their jobs
@@ -593,7 +602,7 @@ async def storm(home: Path, *, say: Say) -> dict[str, Any]:
     except Exception as exc:  # reported, and the run goes on
         result.update(passed=False, correct=False, outcome="error", error=f"{type(exc).__name__}: {exc}")
     finally:
-        lab.down()
+        await _record_and_stop(lab)
     say(f"{STORM}: {'passed' if result.get('passed') else 'FAILED'}")
     return result
 
@@ -645,7 +654,7 @@ async def chaos(home: Path, *, short: bool, say: Say, only: set[str] | None = No
             say("scenario: two workers, two incidents at once")
             results.append(await race_two_incidents(ctx, baseline))
     finally:
-        lab.down()
+        await _record_and_stop(lab)
     if not short and (only is None or STORM in only):
         say(f"scenario: {STORM} (a four-node lab of its own, the default fleet guard)")
         results.append(await storm(home / "storm", say=say))

@@ -25,7 +25,6 @@ GUARD_DECISION_SIGNAL = "guard_decision"
 GUARD_RETURNED_SIGNAL = "returned"
 GUARD_FORGIVE_SIGNAL = "forgive"
 # Sent by a starting worker to a guard still on the cluster's task queue: move to your own.
-GUARD_MOVE_SIGNAL = "move_to_own_queue"
 # Nodes labelled so get a notification and a recorded incident, nothing more.
 REMEDIATION_LABEL = "gpufleet.io/remediation"
 REMEDIATION_DISABLED = "disabled"

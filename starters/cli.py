@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowQueryFailedError
+from temporalio.exceptions import ActivityError
 from temporalio.service import RPCError, RPCStatusCode
 
 from models.constants import (
@@ -66,6 +67,15 @@ XID_MAX = 65535
 
 console = Console()
 err = Console(stderr=True)
+
+
+def failure_text(exc: WorkflowFailureError) -> str:
+    """What went wrong, in the words of the error that started it: an activity's failure wraps
+    the message that says what to fix in an "Activity task failed" of its own."""
+    cause: BaseException | None = exc.cause
+    while isinstance(cause, ActivityError) and cause.cause is not None:
+        cause = cause.cause
+    return str(getattr(cause, "message", cause))
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -164,8 +174,7 @@ async def _wait_for(
                     status = await handle.result()
                     return status, None
                 except WorkflowFailureError as exc:
-                    cause = exc.cause
-                    return status, str(cause.message if hasattr(cause, "message") else cause)
+                    return status, failure_text(exc)
             try:
                 status = await handle.query(NodeRemediationWorkflow.status)
             except RPCError:
@@ -468,8 +477,7 @@ def nodes_return(
                 result_type=str,
             )
         except WorkflowFailureError as exc:
-            cause = exc.cause
-            fail(str(getattr(cause, "message", cause)))
+            fail(failure_text(exc))
         return result
 
     console.print(run_async(go()))
@@ -531,8 +539,7 @@ def nodes_release(
                 execution_timeout=timedelta(minutes=2),
             )
         except WorkflowFailureError as exc:
-            cause = exc.cause
-            fail(str(getattr(cause, "message", cause)))
+            fail(failure_text(exc))
         return result
 
     console.print(run_async(go()))

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import Client
 from temporalio.common import MetricMeter
-from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
@@ -39,8 +38,7 @@ from clients.slurm import SlurmClient
 from clients.slurmrest_protocol import require_methods, slurm_client
 from clients.spares import SparePool
 from models.clusterops import CLUSTER_TASK_QUEUE
-from models.constants import GUARD_MOVE_SIGNAL, guard_task_queue, guard_workflow_id, task_queue
-from models.guard import GuardCommand
+from models.constants import guard_task_queue, task_queue
 from models.policy import PolicyError
 from models.requests import WorkerConfig
 from models.settings import Settings
@@ -176,7 +174,6 @@ def build_activities(settings: Settings, clients: Clients | None = None) -> list
         slurm_acts.jobs_resumed,
         slurm_acts.resume_node,
         repair_acts.repair,
-        kube_acts.node_pool,
         kube_acts.node_facts,
         kube_acts.cordon_and_drain,
         kube_acts.take_node_lease,
@@ -243,8 +240,6 @@ def workflow_runner(settings: Settings) -> SandboxedWorkflowRunner:
 # The workflows each of the worker's task queues runs.
 CLUSTER_WORKFLOWS: tuple[type, ...] = (
     NodeRemediationWorkflow,
-    # A guard started here before it had a queue of its own runs here until it moves.
-    FleetGuardWorkflow,
     ReturnNodeWorkflow,
     QuarantinedNodesWorkflow,
     ReleaseNodeWorkflow,
@@ -310,45 +305,6 @@ def creation_worker(
     )
 
 
-async def move_guard(client: Client, cluster: str) -> bool:
-    """Ask the cluster's fleet guard to move to its own task queue when it still runs on the
-    cluster's (started before it had one); True when asked. Best effort: a guard that stays where
-    it is still runs (this worker serves both queues), so a failure is logged, not raised."""
-    handle = client.get_workflow_handle(guard_workflow_id(cluster))
-    try:
-        described = await handle.describe(rpc_timeout=timedelta(seconds=10))
-        if described.status != WorkflowExecutionStatus.RUNNING or described.task_queue != task_queue(cluster):
-            return False
-        await handle.signal(
-            GUARD_MOVE_SIGNAL,
-            GuardCommand(by="gpufleet worker", reason="a task queue of its own"),
-            rpc_timeout=timedelta(seconds=10),
-        )
-    except RPCError as exc:
-        if exc.status != RPCStatusCode.NOT_FOUND:
-            log.warning("the fleet guard of cluster %s was not asked to move to its own task queue: %s", cluster, exc)
-        return False
-    log.info("the fleet guard of cluster %s moves to task queue %s", cluster, guard_task_queue(cluster))
-    return True
-
-
-# A guard still on the cluster's task queue is asked to move this often (an ask that a worker of
-# an older release took during a roll-out did nothing).
-MOVE_ASK_EVERY = 300.0
-
-
-async def keep_moving_guard(client: Client, cluster: str, stop: asyncio.Event) -> None:
-    """Ask the cluster's guard to move to its own queue at the worker's start, then every few
-    minutes until the worker stops (one describe each time once it has moved)."""
-    while not stop.is_set():
-        try:
-            await move_guard(client, cluster)
-        except Exception:  # never the end of the asks (RPC errors are logged inside)
-            log.exception("asking the fleet guard of cluster %s to move failed; asking again later", cluster)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=MOVE_ASK_EVERY)
-
-
 async def run_worker(
     client: Client,
     settings: Settings,
@@ -387,8 +343,6 @@ async def run_worker(
                 ThreadPoolExecutor(max_workers=GUARD_ACTIVITY_SLOTS, thread_name_prefix="guard-activity")
             )
             await stack.enter_async_context(guard_worker(client, settings, activities, guards))
-            moving = asyncio.create_task(keep_moving_guard(client, settings.cluster, stop))
-            stack.push_async_callback(_cancel, moving)
             if metrics is not None:
                 counting = asyncio.create_task(
                     report_spares(clients.kube, clients.pool, metrics, cluster=settings.cluster, stop=stop)

@@ -209,7 +209,6 @@ class ClusterCreationWorkflow:
 
 
 DELETE_POLL = timedelta(seconds=10)
-DELETE_ACCOUNTS_PATCH = "delete-accounts"
 
 
 @workflow.defn(name=CLUSTER_DELETION_WORKFLOW)
@@ -232,9 +231,8 @@ class ClusterDeletionWorkflow:
             await self._step(DeleteStep.DRAIN, "cluster_drain", work)
             await self._wait_for_jobs(request, work)
             await self._step(DeleteStep.UNMAKE_REMEDIABLE, "cluster_unmake_remediable", work)
-            if workflow.patched(DELETE_ACCOUNTS_PATCH):
-                # Its associations leave the accounting database, which may outlive the cluster.
-                await self._accounts(request, work)
+            # Its associations leave the accounting database, which may outlive the cluster.
+            await self._accounts(request, work)
             await self._step(DeleteStep.TEAR_DOWN, "cluster_tear_down", work)
             await self._step(DeleteStep.RELEASE, "cluster_release", work)
             await self._step(DeleteStep.OBJECTS, "cluster_delete_objects", work)

@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, FailureError
+from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from activities.errors import NON_RETRYABLE
@@ -32,9 +32,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.policy import PolicyActivities
     from models.constants import (
         GUARD_ADMIT_SIGNAL,
-        GUARD_DECISION_SIGNAL,
         GUARD_FORGIVE_SIGNAL,
-        GUARD_MOVE_SIGNAL,
         GUARD_PAUSE_SIGNAL,
         GUARD_RELEASE_SIGNAL,
         GUARD_REQUEST_SIGNAL,
@@ -44,7 +42,6 @@ with workflow.unsafe.imports_passed_through():
         GUARD_WORKFLOW,
         QUARANTINE_COOLDOWN,
         QUARANTINE_REPEAT,
-        guard_task_queue,
     )
     from models.guard import (
         GUARD_LOG_SIZE,
@@ -91,22 +88,12 @@ PAGE_RETRY = RetryPolicy(
 RECOUNT = timedelta(minutes=1)
 # Messages handled per run before continuing as new (a few history events each).
 MESSAGES_PER_RUN = 300
-# Answers go out together, not one workflow task after another (a burst of a thousand requests
-# waited on a thousand round trips, and incidents left unanswered asked again).
-ANSWERS_TOGETHER_PATCH = "guard-answers-together"
 # Answers are sent by an activity, a batch at a time, straight to the incidents: a workflow's
 # signal to another goes through the server's transfer queue and then back to the sender's own
-# history, which a busy guard made tens of seconds per answer in a burst of hundreds.
-ANSWERS_BY_ACTIVITY_PATCH = "guard-answers-by-activity"
-# A batch of answers that could not be sent (the server refused it for a couple of minutes) is
-# sent again by the guard, after these pauses, before it is given up: a grant lost for good
-# held its slot until its incident asked again, up to 8 minutes later.
-ANSWERS_RESENT_PATCH = "guard-answers-resent"
+# history, which makes a busy guard slow to answer. A batch that could not be sent is sent again
+# after these pauses before it is given up: a grant lost for good would hold its slot until its
+# incident asked again.
 RESEND_AFTER = (timedelta(seconds=10), timedelta(seconds=20), timedelta(seconds=40))
-# A guard asked to move to its own task queue moves only where the worker that took the ask knew
-# how (a worker of an older release sets such a signal aside and records no move); the ids are
-# guard-move-1, guard-move-2... by the ask's rank in the run.
-MOVE_PATCH = "guard-move"
 # At most this many answers per activity (its input stays far below the server's payload limit).
 ANSWERS_PER_BATCH = 200
 # A batch the server keeps refusing is given up after a couple of minutes, not retried for ever
@@ -129,20 +116,12 @@ class FleetGuardWorkflow:
         self._nodes = 0
         self._counted_at: datetime | None = None
         self._pages: list[asyncio.Task[None]] = []
-        # The answer to each incident still being delivered (by workflow ID): the next answer to
-        # the same incident is sent after it, so that an incident sees its answers in order.
-        self._answering: dict[str, asyncio.Task[None]] = {}
         # An answer found its incident gone and gave back its slot: those waiting may go on.
         self._slot_freed = False
         # Answers waiting for the next batch, and the task sending the batches, one after another
         # (so that an incident's answers arrive in the order they were given).
         self._outbox: list[tuple[SlotRequest, GuardDecision]] = []
         self._sending: asyncio.Task[None] | None = None
-        self._by_activity = False
-        # Asked to move to the guard's own task queue (GUARD_MOVE_SIGNAL): the run continues as new there.
-        self._move = False
-        # Asks to move handled in this run on the cluster's queue (each its own patch id).
-        self._move_asks = 0
 
     # -- signals and query --------------------------------------------------------------------------
 
@@ -174,10 +153,6 @@ class FleetGuardWorkflow:
     def returned(self, command: GuardCommand) -> None:
         self._inbox.append((GUARD_RETURNED_SIGNAL, command))
 
-    @workflow.signal(name=GUARD_MOVE_SIGNAL)
-    def move(self, command: GuardCommand) -> None:
-        self._inbox.append((GUARD_MOVE_SIGNAL, command))
-
     @workflow.signal(name=GUARD_FORGIVE_SIGNAL)
     def forgive(self, command: GuardCommand) -> None:
         self._inbox.append((GUARD_FORGIVE_SIGNAL, command))
@@ -208,22 +183,12 @@ class FleetGuardWorkflow:
                 await self._let_waiting_in()
             self._prune()
             self._describe()
-            if handled >= MESSAGES_PER_RUN or workflow.info().is_continue_as_new_suggested() or self._move:
-                await asyncio.gather(*self._pages, *self._answering.values(), *self._senders())
+            if handled >= MESSAGES_PER_RUN or workflow.info().is_continue_as_new_suggested():
+                await asyncio.gather(*self._pages, *self._senders())
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 # A slot an answer found free (its incident gone) is given before the run ends.
-                if not self._inbox and not (self._by_activity and self._slot_freed):
-                    workflow.continue_as_new(
-                        GuardInput(cluster=params.cluster, state=self._state),
-                        task_queue=guard_task_queue(params.cluster) if self._move else None,
-                    )
-
-    def _move_patched(self) -> bool:
-        """The move patch, one id per ask in the run: the SDK keeps a patch's first answer for the
-        whole run, so an ask an older worker took (False on replay) must not make a later ask,
-        taken by this release, answer False too."""
-        self._move_asks += 1
-        return workflow.patched(f"{MOVE_PATCH}-{self._move_asks}")
+                if not self._inbox and not self._slot_freed:
+                    workflow.continue_as_new(GuardInput(cluster=params.cluster, state=self._state))
 
     async def _handle(self, kind: str, message: SlotRequest | GuardCommand) -> None:
         if isinstance(message, SlotRequest):
@@ -261,16 +226,6 @@ class FleetGuardWorkflow:
         elif kind == GUARD_FORGIVE_SIGNAL and message.node:
             state.nodes.pop(message.node, None)
             self._log("forgiven", detail=f"{message.node} released from quarantine by {who}; its record starts again")
-        elif (
-            kind == GUARD_MOVE_SIGNAL
-            and workflow.info().task_queue != guard_task_queue(state.cluster)
-            and self._move_patched()
-        ):
-            # A guard started before it had a task queue of its own: it continues as new there,
-            # once the messages before this one are handled. The patch: a signal an older worker
-            # took (without a handler, so without a move) replays as no move here too.
-            self._move = True
-            self._log("moving", detail=f"to task queue {guard_task_queue(state.cluster)}, asked by {who}")
         elif kind == GUARD_RESUME_SIGNAL and state.paused:
             state.paused, state.paused_by, state.paused_reason = False, "", ""
             self._log("resumed", detail=f"by {who}")
@@ -507,19 +462,9 @@ class FleetGuardWorkflow:
             escalate_to=request.escalate_to,
             escalate_why=request.escalate_why,
         )
-        if workflow.patched(ANSWERS_BY_ACTIVITY_PATCH):
-            self._by_activity = True
-            self._outbox.append((request, decision))
-            if self._sending is None or self._sending.done():
-                self._sending = asyncio.create_task(self._send())
-            return
-        if not workflow.patched(ANSWERS_TOGETHER_PATCH):
-            await self._deliver(request, decision)
-            return
-        earlier = self._answering.get(request.workflow_id)
-        task = asyncio.create_task(self._deliver(request, decision, after=earlier, together=True))
-        self._answering[request.workflow_id] = task
-        task.add_done_callback(lambda done: self._answered(request.workflow_id, done))
+        self._outbox.append((request, decision))
+        if self._sending is None or self._sending.done():
+            self._sending = asyncio.create_task(self._send())
 
     def _senders(self) -> list[asyncio.Task[None]]:
         return [self._sending] if self._sending is not None else []
@@ -552,7 +497,7 @@ class FleetGuardWorkflow:
                 )
                 return gone
             except ActivityError as exc:
-                pause = next(pauses, None) if workflow.patched(ANSWERS_RESENT_PATCH) else None
+                pause = next(pauses, None)
                 if pause is None:  # the incidents ask again (1 to 8 min on, or 30 min while waiting)
                     self._log("answers", detail=f"{len(answers)} answer(s) not sent: {exc.cause or exc}")
                     return None
@@ -569,32 +514,6 @@ class FleetGuardWorkflow:
         state.waiting = [r for r in state.waiting if r.incident_id != request.incident_id]
         self._log("released", request, why)
         self._slot_freed = True
-
-    def _answered(self, workflow_id: str, task: asyncio.Task[None]) -> None:
-        if self._answering.get(workflow_id) is task:
-            del self._answering[workflow_id]
-
-    async def _deliver(
-        self,
-        request: SlotRequest,
-        decision: GuardDecision,
-        *,
-        after: asyncio.Task[None] | None = None,
-        together: bool = False,
-    ) -> None:
-        if after is not None:
-            await after
-        handle = workflow.get_external_workflow_handle(request.workflow_id)
-        try:
-            await handle.signal(GUARD_DECISION_SIGNAL, decision)
-        except FailureError as exc:  # the incident is gone: nothing to hold for it
-            state = self._state
-            state.in_flight = [r for r in state.in_flight if r.incident_id != request.incident_id]
-            state.waiting = [r for r in state.waiting if r.incident_id != request.incident_id]
-            self._log("released", request, f"its incident is gone ({exc})")
-            # Sent beside the guard's loop, the answer failed after the loop let the waiting in.
-            if together:
-                self._slot_freed = True
 
     async def _page(self, request: SlotRequest) -> None:
         """Page the operator, once per trip."""

@@ -53,10 +53,8 @@ class ReturnNodeWorkflow:
             retry_policy=RETRY,
             summary=f"return {request.node} as {request.as_}",
         )
-        # Its cooldown starts now: failing again soon makes it a lemon. (Returns started before
-        # the fleet guard existed end without telling it.)
-        if workflow.patched("fleet-guard"):
-            await _tell_guard(GUARD_RETURNED_SIGNAL, GuardCommand(node=request.node))
+        # Its cooldown starts now: failing again soon makes it a lemon.
+        await _tell_guard(GUARD_RETURNED_SIGNAL, GuardCommand(node=request.node))
         return f"{request.node} returned as {request.as_}"
 
 

@@ -17,8 +17,6 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
-from workflows.pool_v1 import PoolV1
-
 with workflow.unsafe.imports_passed_through():
     from models.names import safe_mark_part
     from models.poolops import (
@@ -40,10 +38,6 @@ with workflow.unsafe.imports_passed_through():
     from models.rebalance import Decision, Demand, bounds, decide
 
 KEEP_MOVES = 20
-# Hand-overs settled, budget refusals backed off, asked moves kept within the limits, a settle
-# followed by a fresh look, and a failure told from a node that left the pool: a run started
-# before it decides as it did (workflows/pool_v1.py).
-SETTLE_PATCH = "pool-settle"
 MAX_BACKOFF_SECONDS = 6 * 3600.0  # the longest a budget's refusal leaves a node be
 RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
@@ -54,9 +48,7 @@ RETRY = RetryPolicy(
 
 
 @workflow.defn(name=POOL_WORKFLOW)
-class PoolRebalanceWorkflow(PoolV1):
-    _RETRY = RETRY
-
+class PoolRebalanceWorkflow:
     @workflow.init
     def __init__(self, state: PoolState) -> None:
         # Set before any signal is handled: a signal may come with the start itself.
@@ -145,10 +137,6 @@ class PoolRebalanceWorkflow(PoolV1):
                 source=f"override by {state.override_by or '?'}",
             )
         total, inference = len(view.training) + len(view.inference), len(view.inference)
-        if not workflow.patched(SETTLE_PATCH):
-            # A run started before hand-overs were settled goes on deciding as it did.
-            await self._v1_decide_and_move(view, total, inference)
-            return
         now = workflow.now()
         state.kept = {node: until for node, until in state.kept.items() if until > now}
         if state.in_flight is not None:

@@ -138,20 +138,12 @@ NOTIFY_BUDGET = timedelta(minutes=5)
 SPARE_CHECKS_PER_RUN = 30
 # ... or sooner, when a run with many jobs has a long history already.
 HISTORY_SOFT_LIMIT = 400
-# Incidents started before the fleet guard (recorded histories, runs in flight at an upgrade)
-# go on without it; new ones read the node's labels, ask the guard and honour approval gates.
-GUARD_PATCH = "fleet-guard"
-# Incidents take their node's lease before the drain (histories from before replay without it).
-NODE_LEASE_PATCH = "node-lease"
 # Ask the fleet guard again when it has not answered within this (it may have been terminated),
-# then twice as long each time, up to the most (patched: guard-ask-backoff): in a burst of a
-# thousand an incident waited ten minutes at the median between its ask and its next step, and
-# every ask at a fixed minute was one more signal in the guard's history and one more answer for
-# it to send, slowing it further.
-# While waiting at a tripped breaker, it is asked again this often.
+# then twice as long each time, up to the most: each ask is one more signal in the guard's
+# history and one more answer for it to send, so a busy guard is asked less and less often.
 GUARD_ASK_AGAIN = timedelta(minutes=1)
 GUARD_ASK_AGAIN_MOST = timedelta(minutes=8)
-GUARD_ASK_BACKOFF_PATCH = "guard-ask-backoff"
+# While waiting at a tripped breaker, it is asked again this often.
 GUARD_ASK_WHILE_WAITING = timedelta(minutes=30)
 
 
@@ -174,7 +166,6 @@ class NodeRemediationWorkflow:
         self._policy: Policy | None = None
         self._restarts_before: dict[int, int] = {}
         self._classified = 0
-        self._guarded = False
         self._dry = params.dry_run
         self._asked_guard = False
         # A continued run is past the drain already.
@@ -324,17 +315,10 @@ class NodeRemediationWorkflow:
         self._policy = config.policy
         node = await self._activity(SlurmActivities.node_state, params.node, summary=f"look up {params.node} in Slurm")
         status.partitions = list(node.partitions)
-        self._guarded = workflow.patched(GUARD_PATCH)
-        if self._guarded:
-            facts: NodeFacts = await self._activity(
-                KubeActivities.node_facts, params.node, summary=f"look up {params.node} in Kubernetes"
-            )
-            pool: str | None = facts.pool if facts.found else None
-        else:
-            facts = NodeFacts()
-            pool = await self._activity(
-                KubeActivities.node_pool, params.node, summary=f"look up {params.node} in Kubernetes"
-            )
+        facts: NodeFacts = await self._activity(
+            KubeActivities.node_facts, params.node, summary=f"look up {params.node} in Kubernetes"
+        )
+        pool: str | None = facts.pool if facts.found else None
         status.action = await self._classify()
         self._done(Step.CLASSIFY, f"{status.action} for {self._seen()}")
         if pool == POOL_RETIRED:
@@ -365,7 +349,7 @@ class NodeRemediationWorkflow:
 
         # The node is this incident's from now on, before any wait (an owner's approval, the
         # fleet guard): a pool move that held it stops at its next step, and none starts.
-        if not self._dry and workflow.patched(NODE_LEASE_PATCH):
+        if not self._dry:
             taken_from: str = await self._activity(
                 KubeActivities.take_node_lease,
                 NodeLeaseRequest(node=params.node, holder=status.incident_id),
@@ -396,7 +380,7 @@ class NodeRemediationWorkflow:
         # The cluster's fleet guard lets this incident take the node down, or makes it wait.
         if self._dry:
             self._mark(Step.GUARD, "dry run", "the fleet guard is not asked: a dry run takes no slot")
-        elif self._guarded and not await self._guard_slot():
+        elif not await self._guard_slot():
             return
 
         # 3. drain in Slurm
@@ -492,18 +476,7 @@ class NodeRemediationWorkflow:
         # 6. approve: later Xids may have made it worse
         self._enter(Step.APPROVE)
         status.action = self._at_least(await self._classify())
-        if status.action is not Action.REPLACE_NODE and not self._guarded:
-            # Incidents started before repairs in place: the node waits for a person.
-            status.outcome = Outcome.AWAITING_REPAIR
-            self._done(Step.APPROVE, f"{status.action}: node stays drained for repair")
-            self._notify(
-                "awaiting_repair",
-                f"{self._who()}: drained for {status.action}; jobs requeued. The node stays drained "
-                "until it is repaired and returned (gpufleet nodes return NODE).",
-            )
-            await self._close()
-            return
-        if self._guarded and not await self._approval_gate():
+        if not await self._approval_gate():
             return
         self._done(Step.APPROVE, f"{status.action} by policy")
         if status.action is not Action.REPLACE_NODE:
@@ -756,21 +729,16 @@ class NodeRemediationWorkflow:
         self._asked_guard = True
         await self._ask_guard()
         # A guard that was terminated (or lost its state) never answers: ask again, less often the
-        # longer it is silent. The patch is looked at only when an ask goes unanswered, so that an
-        # incident answered in time carries no marker for it.
+        # longer it is silent.
         again = GUARD_ASK_AGAIN
-        backoff: bool | None = None
         while True:
             try:
                 await workflow.wait_condition(lambda: self._guard_decision is not None, timeout=again)
                 break
             except TimeoutError:
-                if backoff is None:
-                    backoff = workflow.patched(GUARD_ASK_BACKOFF_PATCH)
                 self._mark(Step.GUARD, "asking again", "the fleet guard has not answered")
                 await self._ask_guard()
-                if backoff:
-                    again = min(again * 2, GUARD_ASK_AGAIN_MOST)
+                again = min(again * 2, GUARD_ASK_AGAIN_MOST)
         decision = self._guard_decision
         if decision is not None and decision.granted:
             status.guard_slot = True

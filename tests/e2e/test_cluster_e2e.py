@@ -18,6 +18,7 @@ from clients.kube import KubernetesApi
 from clients.pool import free_nodes, holdings
 from lab.accounting import accounting_installed
 from lab.fleet import FleetLab, LabConfig
+from lab.histories import record_histories
 from lab.procs import alive, pids_with_env
 from tests.conftest import gpufleet_cli
 
@@ -51,6 +52,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
     fleet = FleetLab(tmp_path_factory.mktemp("clusters"), config)
     fleet.up()
     yield fleet
+    record_histories(fleet.env()["TEMPORAL_ADDRESS"])  # with GPUFLEET_RECORD_HISTORIES set: tests/replay
     pids = fleet.down()
     assert not [pid for pid in pids if alive(pid)]
     # Nothing of the clusters it made is left running either.

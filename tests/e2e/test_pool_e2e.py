@@ -20,10 +20,10 @@ from clients.kube import KubernetesApi
 from clients.slurm import SlurmCli
 from lab.drill import log_path, training_job
 from lab.fleet import FleetLab, LabConfig
+from lab.histories import record_histories
 from lab.procs import alive, wait_for
 from lab.prometheus import prometheus_installed
 from tests.conftest import gpufleet_cli
-from tests.replay.record import record_histories
 
 pytestmark = [
     pytest.mark.e2e,

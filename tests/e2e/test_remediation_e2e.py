@@ -27,12 +27,12 @@ from temporalio.service import RPCError
 from clients.kube import KubernetesApi
 from clients.slurm import SlurmCli
 from lab.fleet import REPO_ROOT, FleetLab, LabConfig
+from lab.histories import record_histories
 from lab.procs import alive, wait_for
 from models.incident import IncidentStatus
 from models.xid import XidEvent
 from starters.temporal import report_xid
 from tests.conftest import gpufleet_cli
-from tests.replay.record import record_histories
 from workflows.remediation import NodeRemediationWorkflow
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
@@ -265,6 +265,89 @@ def test_no_spare_waits_until_a_repaired_node_is_returned(fleet: FleetLab) -> No
     assert not any(taint["key"] == "gpufleet.io/retired" for taint in gpu1.taints)
     assert gpu1.labels["gpufleet.io/pool"] == "training"
     assert "gpu1" in SlurmCli(slurm_conf=fleet.slurm.conf).partition_nodes("train")
+
+
+async def _incident_until(fleet: FleetLab, node: str, done: Any, what: str) -> IncidentStatus:
+    """The node's open incident's status once ``done(status)`` holds (fails after two minutes)."""
+    client = await Client.connect(fleet.env()["TEMPORAL_ADDRESS"], data_converter=pydantic_data_converter)
+    handle = client.get_workflow_handle(f"remediate-lab-{node}")
+    deadline = asyncio.get_running_loop().time() + 120
+    while True:
+        try:
+            status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
+            if done(status):
+                return status
+        except RPCError:  # not started yet
+            status = None  # type: ignore[assignment]
+        assert asyncio.get_running_loop().time() < deadline, f"{node}: {what}; last seen {status}"
+        await asyncio.sleep(0.2)
+
+
+def _result(fleet: FleetLab, node: str) -> IncidentStatus:
+    async def wait() -> IncidentStatus:
+        client = await Client.connect(fleet.env()["TEMPORAL_ADDRESS"], data_converter=pydantic_data_converter)
+        handle = client.get_workflow_handle(f"remediate-lab-{node}", result_type=IncidentStatus)
+        result: IncidentStatus = await asyncio.wait_for(handle.result(), timeout=180)
+        return result
+
+    return asyncio.run(wait())
+
+
+def test_a_node_that_fails_soon_after_its_return_is_quarantined_until_released(fleet: FleetLab) -> None:
+    """gpu1 was returned in the test above and serves again: failing within its cooldown makes it
+    a lemon. Its incident replaces it (waiting for gpu2, returned after its repair) and labels it
+    quarantined at the close; `nodes return` refuses it until `nodes release`."""
+    done = gpufleet(fleet, "remediate", "gpu1", "--xid", "79")
+    assert done.returncode == 0, done.stdout + done.stderr
+    asyncio.run(_incident_until(fleet, "gpu1", lambda s: s.waiting_for_spare, "waiting for a spare"))
+    returned = gpufleet(fleet, "nodes", "return", "gpu2", "--as", "spare")
+    assert returned.returncode == 0, returned.stdout + returned.stderr
+    assert gpufleet(fleet, "spare-available", "gpu1").returncode == 0
+    status = _result(fleet, "gpu1")
+    assert status.outcome == "resolved" and status.spare == "gpu2"
+    assert status.quarantined and "after it was returned to service" in (status.quarantine or "")
+    kube = KubernetesApi(kubeconfig=Path(fleet.env()["GPUFLEET_KUBECONFIG"]))
+    assert kube.get_node("gpu1").labels.get("gpufleet.io/quarantine")
+    listed = gpufleet(fleet, "nodes", "quarantined")
+    assert listed.returncode == 0 and "gpu1" in listed.stdout
+    refused = gpufleet(fleet, "nodes", "return", "gpu1", "--as", "spare")
+    assert refused.returncode != 0 and "quarantine" in (refused.stdout + refused.stderr)
+    released = gpufleet(fleet, "nodes", "release", "gpu1", "--reason", "GPU swapped")
+    assert released.returncode == 0, released.stdout + released.stderr
+    assert not kube.get_node("gpu1").labels.get("gpufleet.io/quarantine")
+    back = gpufleet(fleet, "nodes", "return", "gpu1", "--as", "spare")
+    assert back.returncode == 0, back.stdout + back.stderr
+
+
+def test_a_rejected_repair_leaves_the_node_drained_and_a_later_xid_is_only_recorded(fleet: FleetLab) -> None:
+    """With RESET_GPU behind an approval, an Xid 48 on spare1 (serving since the first test)
+    drains it, requeues its jobs and waits; rejected, the node stays drained. Another Xid 48
+    there is recorded against that drain (awaiting repair), changing nothing."""
+    policy = fleet.policy_file.read_text()
+    edited = yaml.safe_load(policy)
+    edited.setdefault("guard", {})["require_approval"] = ["RESET_GPU"]
+    fleet.policy_file.write_text(yaml.safe_dump(edited))
+    slurm = SlurmCli(slurm_conf=fleet.slurm.conf)
+    try:
+        assert gpufleet(fleet, "remediate", "spare1", "--xid", "48").returncode == 0
+        waiting = asyncio.run(
+            _incident_until(fleet, "spare1", lambda s: s.waiting_for_approval, "waiting at the approval gate")
+        )
+        assert waiting.action == "RESET_GPU" and slurm.node("spare1").drained
+        rejected = gpufleet(fleet, "reject", "spare1", "--cluster", "lab", "--reason", "hardware ticket instead")
+        assert rejected.returncode == 0, rejected.stdout + rejected.stderr
+        first = _result(fleet, "spare1")
+        assert first.outcome == "rejected"
+        reason = slurm.node("spare1").reason
+        assert slurm.node("spare1").drained and "RESET_GPU" in reason
+        assert gpufleet(fleet, "remediate", "spare1", "--xid", "48", "--wait").returncode == 0
+        second = _result(fleet, "spare1")
+    finally:
+        fleet.policy_file.write_text(policy)
+    assert second.outcome == "awaiting_repair" and second.incident_id != first.incident_id
+    assert [n.kind for n in second.notifications] == ["recorded"]
+    assert "the node is already drained for RESET_GPU" in fleet.notifications_file.read_text()
+    assert slurm.node("spare1").drained and slurm.node("spare1").reason == reason  # changed nothing
 
 
 def _payload_texts(node: Any) -> Iterator[str]:

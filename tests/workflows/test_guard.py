@@ -21,16 +21,13 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from temporalio import workflow
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowExecutionDescription, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
 
 from models.constants import (
     GUARD_FORGIVE_SIGNAL,
-    GUARD_MOVE_SIGNAL,
     GUARD_PAUSE_SIGNAL,
     GUARD_REQUEST_SIGNAL,
     GUARD_RESET_SIGNAL,
@@ -42,13 +39,11 @@ from models.constants import (
     guard_task_queue,
     guard_workflow_id,
     remediation_workflow_id,
-    task_queue,
 )
 from models.guard import GuardCommand, GuardInput, GuardStatus, SlotRequest
 from models.incident import Approval, IncidentStatus, Outcome, Step
 from models.policy import Action, GuardSettings, Policy
 from tests.workflows.test_remediation import Fleet, start, worker
-from workers.main import move_guard
 from workflows.guard import MESSAGES_PER_RUN, FleetGuardWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
@@ -94,28 +89,16 @@ async def waiting(handle: WorkflowHandle[Any, Any]) -> IncidentStatus:
     )
 
 
-async def paused_guard(
-    client: Client, fleet: Fleet, *, queue: str | None = None, reason: str = ""
-) -> WorkflowHandle[Any, Any]:
-    """Start the fleet's guard paused by ops, as `gpufleet pause` does (on ``queue``: its own by default)."""
+async def paused_guard(client: Client, fleet: Fleet, *, reason: str = "") -> WorkflowHandle[Any, Any]:
+    """Start the fleet's guard paused by ops, as `gpufleet pause` does."""
     return await client.start_workflow(
         GUARD_WORKFLOW,
         GuardInput(cluster=fleet.cluster),
         id=guard_workflow_id(fleet.cluster),
-        task_queue=queue or guard_task_queue(fleet.cluster),
+        task_queue=guard_task_queue(fleet.cluster),
         start_signal=GUARD_PAUSE_SIGNAL,
         start_signal_args=[GuardCommand(by="ops", reason=reason)],
     )
-
-
-async def moved_on(handle: WorkflowHandle[Any, Any], run_id: str) -> WorkflowExecutionDescription:
-    """The workflow's description once its current run is another than ``run_id`` (or fail after a while)."""
-    deadline = time.monotonic() + 60
-    while (described := await handle.describe()).run_id == run_id:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{handle.id} still runs {run_id}")
-        await asyncio.sleep(0.1)
-    return described
 
 
 def guard(client: Client, fleet: Fleet) -> WorkflowHandle[Any, Any]:
@@ -281,90 +264,6 @@ async def test_the_guard_continues_as_new_with_its_state(env: WorkflowEnvironmen
     assert state.state.paused and state.state.paused_by == "ops"  # ... with its state
 
 
-async def test_a_guard_on_the_clusters_queue_moves_to_its_own_with_its_state(env: WorkflowEnvironment) -> None:
-    """A guard started before the guard had a task queue of its own (on the cluster's, as incidents
-    and `gpufleet pause` started it) and at work there: a starting worker asks it to move, and it
-    continues as new on its own queue, paused as it was. No workflow cache, so every task of the
-    old run is a replay of its history up to the move, as after an upgrade."""
-    fleet = guarded()
-    async with running(env, fleet, max_cached_workflows=0):
-        assert not await move_guard(env.client, fleet.cluster)  # no guard yet: nothing to move
-        handle = await paused_guard(env.client, fleet, queue=task_queue(fleet.cluster), reason="driver roll-out")
-        first = await handle.describe()
-        incident = await start(env.client, fleet, node="gpu1")
-        status = await waiting(incident)
-        assert status.waiting_for_approval == "remediation is paused by ops (driver roll-out)"
-        assert (await guard(env.client, fleet).describe()).run_id == first.run_id  # at work where it is
-        assert await move_guard(env.client, fleet.cluster)
-        moved = await until(
-            guard(env.client, fleet),
-            FleetGuardWorkflow.status,
-            lambda s: any(e.event == "moving" for e in s.state.log),
-            "the guard moved",
-        )
-        now = await moved_on(guard(env.client, fleet), first.run_id)
-        assert not await move_guard(env.client, fleet.cluster)  # on its own queue: not asked again
-        await tell(env.client, fleet, GUARD_RESUME_SIGNAL)
-        assert (await incident.result()).outcome == Outcome.RESOLVED
-        history = await env.client.get_workflow_handle(now.id, run_id=now.run_id).fetch_history()
-    assert first.task_queue == task_queue(fleet.cluster)
-    assert now.run_id != first.run_id and now.task_queue == guard_task_queue(fleet.cluster)
-    assert moved.state.paused and [r.node for r in moved.state.waiting] == ["gpu1"]
-    started = history.events[0].workflow_execution_started_event_attributes
-    assert started.continued_execution_run_id == first.run_id  # the old run continued as new...
-    assert started.task_queue.name == guard_task_queue(fleet.cluster)  # ... on the guard's own queue
-
-
-@workflow.defn(name=GUARD_WORKFLOW, sandboxed=False)  # defined in a test module, which imports freely
-class OlderGuard(FleetGuardWorkflow):
-    """The guard as a worker of the release before the move ran it: the ask moves nothing (that
-    release had no handler; the SDK set the signal aside, recording nothing, as this one does)."""
-
-    @workflow.signal(name=GUARD_MOVE_SIGNAL)
-    def move(self, command: GuardCommand) -> None:
-        pass
-
-    @workflow.run
-    async def run(self, params: GuardInput) -> None:
-        await super().run(params)
-
-
-async def test_an_ask_to_move_an_older_worker_took_replays_as_no_move(env: WorkflowEnvironment) -> None:
-    """During a roll-out a worker of the older release takes the ask to move (it sets the signal
-    aside, moving nothing); a newer worker that replays that history moves nothing either, and
-    the guard goes on answering where it is. The newer worker's next ask moves it, in the same
-    run (the SDK keeps a patch's first answer for a run: each ask has its own patch id)."""
-    fleet = guarded()
-    # No workflow cache (no sticky queue): the test server would hold the next task for it.
-    older = Worker(
-        env.client,
-        task_queue=task_queue(fleet.cluster),
-        workflows=[OlderGuard],
-        activities=fleet.activities(),
-        max_cached_workflows=0,
-    )
-    async with older:
-        handle = await paused_guard(env.client, fleet, queue=task_queue(fleet.cluster))
-        await until(handle, FleetGuardWorkflow.status, lambda s: s.state.paused, "paused")
-        await handle.signal(GUARD_MOVE_SIGNAL, GuardCommand(by="a newer worker"))
-        # A message after the ask: once it is handled, the older worker has taken the ask too.
-        await tell(env.client, fleet, GUARD_PAUSE_SIGNAL)
-        await until(handle, FleetGuardWorkflow.status, lambda s: s.state.handled == 2, "the ask taken")
-        first = await handle.describe()
-    # The newer release, no cache: the guard's history replayed at its next message.
-    async with running(env, fleet, max_cached_workflows=0):
-        await tell(env.client, fleet, GUARD_RESUME_SIGNAL)
-        state = await until(
-            guard(env.client, fleet), FleetGuardWorkflow.status, lambda s: not s.state.paused, "resumed"
-        )
-        now = await guard(env.client, fleet).describe()
-        assert await move_guard(env.client, fleet.cluster)  # the next ask, as a worker sends it
-        moved = await moved_on(guard(env.client, fleet), first.run_id)
-    assert now.run_id == first.run_id and now.task_queue == task_queue(fleet.cluster)
-    assert not any(e.event == "moving" for e in state.state.log)
-    assert moved.task_queue == guard_task_queue(fleet.cluster)
-
-
 async def test_an_opted_out_node_is_recorded_and_nothing_changes(env: WorkflowEnvironment) -> None:
     fleet = guarded()
     fleet.labels = {"gpu1": {REMEDIATION_LABEL: REMEDIATION_DISABLED}}
@@ -508,7 +407,7 @@ async def test_an_answer_to_an_incident_that_is_gone_gives_its_slot_back(env: Wo
             GUARD_WORKFLOW,
             GuardInput(cluster=fleet.cluster),
             id=guard_workflow_id(fleet.cluster),
-            task_queue=task_queue(fleet.cluster),
+            task_queue=guard_task_queue(fleet.cluster),
             start_signal=GUARD_REQUEST_SIGNAL,
             start_signal_args=[ghost],
         )

@@ -120,11 +120,6 @@ class Fleet:
             flags = ["DRAIN"] if fleet.node_drained else []
             return NodeInfo(name=node, state="allocated", flags=flags, reason=fleet.node_reason, partitions=["train"])
 
-        @activity.defn(name="kube_node_pool")
-        async def node_pool(node: str) -> str | None:
-            fleet.calls.append("kube_node_pool")
-            return fleet.pool
-
         @activity.defn(name="kube_node_facts")
         async def node_facts(node: str) -> NodeFacts:
             fleet.calls.append("kube_node_facts")
@@ -286,7 +281,6 @@ class Fleet:
             node_facts,
             worker_config,
             node_state,
-            node_pool,
             classify,
             notify,
             drain,
