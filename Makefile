@@ -43,11 +43,11 @@ test-stress: venv system-deps
 	scripts/test-stress.sh
 
 bench: venv system-deps
-	$(BIN)/python -m lab.bench --drills $(or $(K),3)
+	$(BIN)/python -m bench.bench --drills $(or $(K),3)
 
 # A burst of 1,000 Xids on a simulated fleet of 10,000 nodes (Slurm simulated, all else real), as JSON.
 bench-scale: venv
-	$(BIN)/python -m lab.bench_scale $(ARGS)
+	$(BIN)/python -m bench.bench_scale $(ARGS)
 
 # On a machine with NVIDIA GPUs and a driver: the NVML source for 30 s, no false events expected.
 gpu-check: venv

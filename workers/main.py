@@ -129,7 +129,7 @@ def slurm_from_settings(settings: Settings) -> SlurmClient:
 
 def build_clients(settings: Settings, *, slurm: SlurmClient | None = None) -> Clients:
     """The worker's clients from the settings; ``slurm`` in place of the one they name (the scale
-    bench's simulated Slurm, workers/simulated.py)."""
+    bench's simulated Slurm, bench/simulated_worker.py)."""
     kube = KubernetesApi(kubeconfig=settings.kubeconfig, poll_seconds=settings.poll_seconds)
     slurm = slurm if slurm is not None else slurm_from_settings(settings)
     pool = SparePool(
@@ -318,7 +318,7 @@ async def run_worker(
     ``metrics``: the meter of the runtime that serves the worker's Prometheus endpoint
     (workers/metrics.py); the free spares are then counted every minute beside the worker.
     ``clients``: the worker's clients, when not those the settings name (the scale bench's
-    simulated Slurm, workers/simulated.py).
+    simulated Slurm, bench/simulated_worker.py).
     """
     clients = clients or build_clients(settings)
     activities = build_activities(settings, clients)

@@ -17,7 +17,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
-from lab.bench_scale import arguments, bench_scale, bound, burst, main, most_at_once
+from bench.bench_scale import arguments, bench_scale, bound, burst, main, most_at_once
 from models.constants import remediation_workflow_id
 from models.xid import XidEvent
 from starters.temporal import report_xid

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from activities.slurm import requeued_mark, signalled_mark
+from bench.simslurm import SimulatedFleet, SimulatedSlurm
 from clients.errors import InvalidInput, LastNodeOfPartition, NotFound, NotOwned
 from clients.slurm import SlurmClient
-from lab.simslurm import SimulatedFleet, SimulatedSlurm
 
 OURS = "gpufleet: xid 79 incident remediate-scale-gpu1"
 

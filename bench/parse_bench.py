@@ -132,7 +132,7 @@ def detector_idle_cpu(seconds: float, *, home: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    """``python -m lab.parse_bench``: the two figures alone, as JSON."""
+    """``python -m bench.parse_bench``: the two figures alone, as JSON."""
     import json
 
     with tempfile.TemporaryDirectory(prefix="gpufleet-parse-bench-") as tmp:

@@ -1,11 +1,11 @@
-"""A worker whose Slurm is simulated in memory (lab/simslurm.py), for ``make bench-scale``.
+"""A worker whose Slurm is simulated in memory (bench/simslurm.py), for ``make bench-scale``.
 
 Everything else is the real worker: the same workflows and activities, the real Kubernetes
 client over HTTP (against the lab's emulated API server), the real spare pool, the real
 Temporal server. Only slurmctld is replaced, because ten thousand real ``slurmd`` daemons do
 not run on one machine.
 
-``python -m workers.simulated --fleet FILE``: FILE is the JSON the bench writes
+``python -m bench.simulated_worker --fleet FILE``: FILE is the JSON the bench writes
 (``{"partition": ..., "training": [...], "spares": [...], "checkpoint_seconds": ...}``);
 settings and Temporal's address come from the environment as for ``gpufleet worker``.
 """
@@ -17,7 +17,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-from lab.simslurm import SimulatedFleet, SimulatedSlurm
+from bench.simslurm import SimulatedFleet, SimulatedSlurm
 from models.settings import Settings
 from starters.temporal import connect
 from workers.main import Clients, build_clients, run_worker
@@ -31,7 +31,7 @@ def simulated_clients(settings: Settings, fleet: SimulatedFleet) -> Clients:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m workers.simulated", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.simulated_worker", description=__doc__.splitlines()[0])
     parser.add_argument("--fleet", type=Path, required=True, help="the fleet's JSON, as the scale bench writes it")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -4,7 +4,7 @@ What runs: the real Temporal dev server (SQLite) and one real gpufleet worker (e
 and activity as in production), the real Kubernetes client over HTTP against the lab's emulated
 API server holding the whole fleet (its Nodes, a checkpoint-sync pod on each training node and a
 node-exporter DaemonSet pod on every node), and the real spare pool. Slurm is simulated at the
-protocol level (lab/simslurm.py): ten thousand real ``slurmd`` daemons do not run on one
+protocol level (bench/simslurm.py): ten thousand real ``slurmd`` daemons do not run on one
 machine. Each training node runs one job; a job saves its checkpoint and exits shortly after its
 SIGTERM, and a requeued job runs again on the spare gpufleet brings in.
 
@@ -48,11 +48,11 @@ from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
-from lab.bench import breakdown
+from bench.bench import breakdown
+from bench.simslurm import SimulatedFleet
 from lab.fleet import LAB_POLL_SECONDS, REPO_ROOT
 from lab.kubeapi import lab_workloads, node_object, training_node
 from lab.procs import free_port, spawn, stop, wait_for
-from lab.simslurm import SimulatedFleet
 from models.constants import GUARD_DECISION_SIGNAL, guard_workflow_id, remediation_workflow_id, task_queue
 from models.guard import GuardStatus
 from models.policy import GuardSettings
@@ -65,7 +65,7 @@ from workflows.guard import FleetGuardWorkflow
 Say = Callable[[str], None]
 
 SLURM_NOTE = (
-    "Slurm is simulated at the protocol level (lab/simslurm.py): real slurmctld and slurmd daemons "
+    "Slurm is simulated at the protocol level (bench/simslurm.py): real slurmctld and slurmd daemons "
     "do not scale to this many nodes on one machine"
 )
 # The worker's own default, which the bench runs with unless --sticky-timeout says otherwise.
@@ -236,7 +236,7 @@ class Fleet:
         }
         say(f"{self.cluster}: one worker, Slurm simulated in it")
         self.pids["worker"] = spawn(
-            [sys.executable, "-m", "workers.simulated", "--fleet", str(fleet_file)],
+            [sys.executable, "-m", "bench.simulated_worker", "--fleet", str(fleet_file)],
             log=logs / "worker.log",
             env=env,
             cwd=REPO_ROOT,
@@ -838,7 +838,7 @@ async def bench_scale(args: argparse.Namespace, *, home: Path, say: Say) -> dict
 
 def arguments() -> argparse.ArgumentParser:
     """The bench's command line, its defaults those of `make bench-scale`."""
-    parser = argparse.ArgumentParser(prog="python -m lab.bench_scale", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_scale", description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=10000, help="nodes in the fleet, spares included (10000)")
     parser.add_argument("--spares", type=int, default=1000, help="warm spares among them (1000)")
     parser.add_argument("--burst", type=int, default=1000, help="Xids at once, on distinct training nodes (1000)")

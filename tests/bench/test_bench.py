@@ -8,7 +8,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 
-from lab.bench import breakdown
+from bench.bench import breakdown
 
 T0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 
@@ -112,7 +112,7 @@ def test_overhead_is_queue_waits_plus_polling_and_the_rest_is_apart() -> None:
 def test_the_parse_benchmark_log_holds_what_it_says() -> None:
     """The throughput figure is over real parsing: every event in the mixed log is found, and
     the chatter alone yields nothing."""
-    from lab.parse_bench import parse_throughput
+    from bench.parse_bench import parse_throughput
 
     figures = parse_throughput(20_000)
     assert figures["non_driver"]["events"] == 0

@@ -1,7 +1,7 @@
 """``make bench``: K recovery drills in one lab, as JSON.
 
 First the detector's figures: parse throughput over a large mixed kernel log (one core) and
-a real detector's idle CPU (lab/parse_bench.py), and the line-to-incident latency.
+a real detector's idle CPU (bench/parse_bench.py), and the line-to-incident latency.
 
 Then cluster creation and deletion of examples/cluster.yaml on the lab's free pool
 (``cluster_create_seconds``: spec to smoke test passed; ``cluster_delete_seconds``). Last, a
@@ -36,11 +36,11 @@ from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client
 from temporalio.service import RPCError
 
+from bench.parse_bench import detector_idle_cpu, parse_throughput, source_throughput
 from clients.kube import KubernetesApi
 from clients.slurm import SlurmCli
 from lab.drill import log_path, reset_breaker, run_drill, training_job
 from lab.fleet import LAB_POLL_SECONDS, REPO_ROOT, FleetLab, LabConfig
-from lab.parse_bench import detector_idle_cpu, parse_throughput, source_throughput
 from lab.procs import free_port, port_in_use, spawn, stop, wait_for
 from starters.server import dev_server_argv
 from starters.temporal import connect
@@ -384,7 +384,7 @@ async def detector_latency(samples: int, *, home: Path, say: Any) -> dict[str, A
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m lab.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--drills", type=int, default=3, help="how many drills (default 3)")
     parser.add_argument("--job", choices=["ddp", "counter"], help="training job (default: ddp if torch is there)")
     parser.add_argument("--detector-samples", type=int, default=20, help="detector latency samples (0: skip)")
