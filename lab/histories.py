@@ -1,7 +1,7 @@
 """Recording a lab's workflow histories for the replay test (tests/replay).
 
 Run a lab (its end-to-end tests, ``make chaos``) with ``GPUFLEET_RECORD_HISTORIES=DIR`` and every
-closed workflow of the lab is written there as ``{workflow id}-{run id prefix}-{outcome}.json``
+closed workflow of the lab is written there as ``{workflow id}-{end of run id}-{outcome}.json``
 (Temporal's JSON form; one workflow id can have several runs), with the fleet guard's and the
 shared pool's histories so far (``...-running.json``: they never close). Keep the ones worth
 keeping in ``tests/replay/vX.Y.Z/``, renamed after what they show.
@@ -59,7 +59,7 @@ async def record_histories_async(temporal_address: str, *, folder: str | None = 
             continue
         outcome = (execution.status.name if execution.status else "unknown").lower()
         history = await client.get_workflow_handle(execution.id, run_id=execution.run_id).fetch_history()
-        path = target / f"{execution.id}-{execution.run_id[:8]}-{outcome}.json"
+        path = target / f"{execution.id}-{execution.run_id[-12:]}-{outcome}.json"
         path.write_text(history.to_json())
         written.append(path)
     return written
