@@ -15,8 +15,9 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
+
+from workflows.retries import CLUSTER_DELETE_STEP, CLUSTER_HEARTBEAT, CLUSTER_RETRY, CLUSTER_SLOW_STEP, CLUSTER_STEP
 
 with workflow.unsafe.imports_passed_through():
     from models.clusterops import (
@@ -60,15 +61,7 @@ UNDO = {
     ClusterStep.REMEDIABLE: "cluster_unmake_remediable",
 }
 # Daemons starting and smoke jobs running take longest; the rest are API calls.
-TIMEOUTS = {ClusterStep.BRING_UP: timedelta(minutes=10), ClusterStep.SMOKE: timedelta(minutes=10)}
-DEFAULT_TIMEOUT = timedelta(minutes=2)
-RETRY = RetryPolicy(
-    initial_interval=timedelta(seconds=1),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=10),
-    maximum_attempts=4,
-    non_retryable_error_types=["InvalidInput", "NotFound", "Forbidden", "PoolExhausted", "SpecInvalid", "StepFailed"],
-)
+TIMEOUTS = {ClusterStep.BRING_UP: CLUSTER_SLOW_STEP, ClusterStep.SMOKE: CLUSTER_SLOW_STEP}
 
 
 async def _activity(
@@ -80,8 +73,8 @@ async def _activity(
         work,
         result_type=result_type,
         start_to_close_timeout=timeout,
-        heartbeat_timeout=timedelta(seconds=30),
-        retry_policy=RETRY,
+        heartbeat_timeout=CLUSTER_HEARTBEAT,
+        retry_policy=CLUSTER_RETRY,
         summary=summary,
     )
 
@@ -155,7 +148,7 @@ class ClusterCreationWorkflow:
         self._status.step = step
         self._event(step, "started")
         result: StepResult = await _activity(
-            DO[step], work, StepResult, timeout=TIMEOUTS.get(step, DEFAULT_TIMEOUT), summary=f"{step} {work.spec.name}"
+            DO[step], work, StepResult, timeout=TIMEOUTS.get(step, CLUSTER_STEP), summary=f"{step} {work.spec.name}"
         )
         return result
 
@@ -185,7 +178,7 @@ class ClusterCreationWorkflow:
                     UNDO[step],
                     work,
                     StepResult,
-                    timeout=TIMEOUTS.get(step, DEFAULT_TIMEOUT),
+                    timeout=TIMEOUTS.get(step, CLUSTER_STEP),
                     summary=f"undo {step} {work.spec.name}",
                 )
             except ActivityError as exc:
@@ -299,7 +292,7 @@ class ClusterDeletionWorkflow:
 
     async def _call(self, activity: str, work: ClusterRequest, result_type: type[Any]) -> Any:
         return await _activity(
-            activity, work, result_type, timeout=timedelta(minutes=5), summary=f"{activity} {work.spec.name}"
+            activity, work, result_type, timeout=CLUSTER_DELETE_STEP, summary=f"{activity} {work.spec.name}"
         )
 
     def _event(self, step: DeleteStep, event: str, detail: str = "") -> None:

@@ -22,11 +22,21 @@ import asyncio
 from datetime import datetime, timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
+from workflows.retries import (
+    ANSWER_BATCH,
+    ANSWER_RETRY,
+    GUARD_COUNT,
+    GUARD_READ,
+    HEARTBEAT,
+    NOTIFY_ATTEMPT,
+    NOTIFY_BUDGET,
+    NOTIFY_RETRY,
+    RETRY_UNTIL_BACK,
+)
+
 with workflow.unsafe.imports_passed_through():
-    from activities.errors import NON_RETRYABLE
     from activities.guard import GuardActivities
     from activities.notify import NotifyActivities
     from activities.policy import PolicyActivities
@@ -72,18 +82,6 @@ with workflow.unsafe.imports_passed_through():
     from models.policy import Action, GuardSettings
     from models.requests import NotifyRequest, WorkerConfig
 
-RETRY = RetryPolicy(
-    initial_interval=timedelta(seconds=1),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=5),
-    non_retryable_error_types=list(NON_RETRYABLE),
-)
-PAGE_RETRY = RetryPolicy(
-    initial_interval=timedelta(seconds=1),
-    maximum_interval=timedelta(seconds=30),
-    maximum_attempts=8,
-    non_retryable_error_types=["InvalidInput"],
-)
 # The partition's size is counted again when older than this.
 RECOUNT = timedelta(minutes=1)
 # Messages handled per run before continuing as new (a few history events each).
@@ -96,14 +94,6 @@ MESSAGES_PER_RUN = 300
 RESEND_AFTER = (timedelta(seconds=10), timedelta(seconds=20), timedelta(seconds=40))
 # At most this many answers per activity (its input stays far below the server's payload limit).
 ANSWERS_PER_BATCH = 200
-# A batch the server keeps refusing is given up after a couple of minutes, not retried for ever
-# (the answers after it wait for it).
-ANSWER_RETRY = RetryPolicy(
-    initial_interval=timedelta(seconds=1),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=5),
-    maximum_attempts=25,
-)
 
 
 @workflow.defn(name=GUARD_WORKFLOW)
@@ -374,8 +364,8 @@ class FleetGuardWorkflow:
             alive: list[str] = await workflow.execute_activity_method(
                 GuardActivities.running,
                 held,
-                start_to_close_timeout=timedelta(seconds=30),
-                retry_policy=RETRY,
+                start_to_close_timeout=GUARD_READ,
+                retry_policy=RETRY_UNTIL_BACK,
                 summary="check which incidents holding slots still run",
             )
         except ActivityError:
@@ -391,8 +381,8 @@ class FleetGuardWorkflow:
             config: WorkerConfig = await workflow.execute_activity_method(
                 PolicyActivities.worker_config,
                 self._state.cluster,
-                start_to_close_timeout=timedelta(seconds=30),
-                retry_policy=RETRY,
+                start_to_close_timeout=GUARD_READ,
+                retry_policy=RETRY_UNTIL_BACK,
                 summary="read the guard's limits",
             )
         except ActivityError as exc:
@@ -411,9 +401,9 @@ class FleetGuardWorkflow:
         try:
             self._nodes = await workflow.execute_activity_method(
                 GuardActivities.fleet_size,
-                start_to_close_timeout=timedelta(seconds=60),
-                heartbeat_timeout=timedelta(seconds=5),
-                retry_policy=RETRY,
+                start_to_close_timeout=GUARD_COUNT,
+                heartbeat_timeout=HEARTBEAT,
+                retry_policy=RETRY_UNTIL_BACK,
                 summary="count the partition's nodes",
             )
         except ActivityError as exc:
@@ -490,8 +480,8 @@ class FleetGuardWorkflow:
                 gone: list[str] = await workflow.execute_activity_method(
                     GuardActivities.answer,
                     answers,
-                    start_to_close_timeout=timedelta(seconds=120),
-                    heartbeat_timeout=timedelta(seconds=5),
+                    start_to_close_timeout=ANSWER_BATCH,
+                    heartbeat_timeout=HEARTBEAT,
                     retry_policy=ANSWER_RETRY,
                     summary=f"answer {len(answers)} incident(s)",
                 )
@@ -530,9 +520,9 @@ class FleetGuardWorkflow:
             await workflow.execute_activity_method(
                 NotifyActivities.notify,
                 NotifyRequest(kind="breaker_tripped", text=text, guard=self.status()),
-                start_to_close_timeout=timedelta(seconds=10),
-                schedule_to_close_timeout=timedelta(minutes=5),
-                retry_policy=PAGE_RETRY,
+                start_to_close_timeout=NOTIFY_ATTEMPT,
+                schedule_to_close_timeout=NOTIFY_BUDGET,
+                retry_policy=NOTIFY_RETRY,
                 summary="page: breaker tripped",
             )
             self._log("paged", request, "breaker_tripped sent")

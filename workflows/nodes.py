@@ -6,13 +6,11 @@ the cluster) and tells the cluster's fleet guard what happened to the node.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+
+from workflows.retries import NODES_RETRY, NODES_STEP
 
 with workflow.unsafe.imports_passed_through():
-    from activities.errors import NON_RETRYABLE
     from activities.guard import GuardActivities
     from activities.spares import SpareActivities
     from models.constants import (
@@ -25,19 +23,13 @@ with workflow.unsafe.imports_passed_through():
     from models.guard import GuardCommand
     from models.requests import QuarantinedNode, ReleaseNodeRequest, ReturnNodeRequest
 
-RETRY = RetryPolicy(
-    maximum_interval=timedelta(seconds=10),
-    maximum_attempts=10,
-    non_retryable_error_types=list(NON_RETRYABLE),
-)
-
 
 async def _tell_guard(signal: str, command: GuardCommand) -> None:
     await workflow.execute_activity_method(
         GuardActivities.tell,
         args=[signal, command],
-        start_to_close_timeout=timedelta(seconds=30),
-        retry_policy=RETRY,
+        start_to_close_timeout=NODES_STEP,
+        retry_policy=NODES_RETRY,
         summary=f"tell the fleet guard: {signal} {command.node}",
     )
 
@@ -49,8 +41,8 @@ class ReturnNodeWorkflow:
         await workflow.execute_activity_method(
             SpareActivities.return_node,
             request,
-            start_to_close_timeout=timedelta(seconds=30),
-            retry_policy=RETRY,
+            start_to_close_timeout=NODES_STEP,
+            retry_policy=NODES_RETRY,
             summary=f"return {request.node} as {request.as_}",
         )
         # Its cooldown starts now: failing again soon makes it a lemon.
@@ -64,8 +56,8 @@ class QuarantinedNodesWorkflow:
     async def run(self) -> list[QuarantinedNode]:
         nodes: list[QuarantinedNode] = await workflow.execute_activity_method(
             SpareActivities.quarantined_nodes,
-            start_to_close_timeout=timedelta(seconds=30),
-            retry_policy=RETRY,
+            start_to_close_timeout=NODES_STEP,
+            retry_policy=NODES_RETRY,
             summary="list quarantined nodes",
         )
         return nodes
@@ -78,8 +70,8 @@ class ReleaseNodeWorkflow:
         released: bool = await workflow.execute_activity_method(
             SpareActivities.release_quarantine,
             request.node,
-            start_to_close_timeout=timedelta(seconds=30),
-            retry_policy=RETRY,
+            start_to_close_timeout=NODES_STEP,
+            retry_policy=NODES_RETRY,
             summary=f"release {request.node} from quarantine",
         )
         if not released:

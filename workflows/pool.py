@@ -14,8 +14,9 @@ import math
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
+
+from workflows.retries import POOL_LOOK, POOL_MOVE, POOL_MOVE_HEARTBEAT, POOL_RETRY
 
 with workflow.unsafe.imports_passed_through():
     from models.names import safe_mark_part
@@ -39,12 +40,6 @@ with workflow.unsafe.imports_passed_through():
 
 KEEP_MOVES = 20
 MAX_BACKOFF_SECONDS = 6 * 3600.0  # the longest a budget's refusal leaves a node be
-RETRY = RetryPolicy(
-    initial_interval=timedelta(seconds=1),
-    maximum_interval=timedelta(seconds=30),
-    maximum_attempts=5,
-    non_retryable_error_types=["InvalidInput", "NotFound", "Forbidden", "NotOwned"],
-)
 
 
 @workflow.defn(name=POOL_WORKFLOW)
@@ -119,8 +114,8 @@ class PoolRebalanceWorkflow:
                 "pool_observe",
                 PoolRequest(settings=state.settings),
                 result_type=PoolView,
-                start_to_close_timeout=timedelta(seconds=60),
-                retry_policy=RETRY,
+                start_to_close_timeout=POOL_LOOK,
+                retry_policy=POOL_RETRY,
                 summary=f"look at pool {state.settings.name}",
             )
         except ActivityError as exc:
@@ -281,9 +276,9 @@ class PoolRebalanceWorkflow:
                 "pool_move_node",
                 request,
                 result_type=MoveResult,
-                start_to_close_timeout=timedelta(hours=2),
-                heartbeat_timeout=timedelta(seconds=30),
-                retry_policy=RETRY,
+                start_to_close_timeout=POOL_MOVE,
+                heartbeat_timeout=POOL_MOVE_HEARTBEAT,
+                retry_policy=POOL_RETRY,
                 summary=f"{'settle' if settle else 'move'} {node} to {to}",
             )
         except ActivityError as exc:

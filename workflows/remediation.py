@@ -24,12 +24,21 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.workflow import ActivityCancellationType
 
+from workflows.retries import (
+    HEARTBEAT,
+    KUBE_DRAIN_STEP,
+    NOTIFY_ATTEMPT,
+    NOTIFY_BUDGET,
+    NOTIFY_RETRY,
+    RETRY_UNTIL_BACK,
+    SHORT_STEP,
+    SPARE_STEP,
+)
+
 with workflow.unsafe.imports_passed_through():
-    from activities.errors import NON_RETRYABLE
     from activities.guard import GuardActivities
     from activities.kube import KubeActivities
     from activities.notify import NotifyActivities
@@ -103,37 +112,12 @@ with workflow.unsafe.imports_passed_through():
     )
     from models.xid import XidEvent
 
-# Slurm or Kubernetes being away is retried until they come back (every 5 s at most, so an
-# incident goes on within seconds of their return); wrong input is not retried.
-RETRY = RetryPolicy(
-    initial_interval=timedelta(seconds=1),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=5),
-    non_retryable_error_types=list(NON_RETRYABLE),
-)
-# Every activity heartbeats (activities/heartbeat.py): a worker that dies costs this, plus a retry.
-HEARTBEAT = timedelta(seconds=5)
-# One step of Slurm or Kubernetes calls: longer than the calls' own timeouts (Slurm 30 s,
-# Kubernetes 15 s), so a slow attempt in a live worker ends before its retry could start.
-SHORT = timedelta(seconds=60)
-# Spare steps: several calls, and the partition lease may be waited for.
-SPARE_STEP = timedelta(minutes=3)
 # Grace checks that watch the jobs inside the activity before the workflow falls back to timers
 # (Temporal timers are not meant for sub-second waits).
 WATCHED_CHECKS = 4
 # Resume checks that watch for up to RESUME_WATCH_SECONDS each before backing off on timers.
 RESUME_WATCHED_CHECKS = 12
 RESUME_WATCH_SECONDS = 5.0
-# Notifications: each attempt bounded, the whole message bounded, a refusal not retried.
-NOTIFY_RETRY = RetryPolicy(
-    initial_interval=timedelta(seconds=1),
-    backoff_coefficient=2.0,
-    maximum_interval=timedelta(seconds=30),
-    maximum_attempts=8,
-    non_retryable_error_types=["InvalidInput"],
-)
-NOTIFY_ATTEMPT = timedelta(seconds=10)
-NOTIFY_BUDGET = timedelta(minutes=5)
 # Spare checks per run before continuing as new (about ten history events each).
 SPARE_CHECKS_PER_RUN = 30
 # ... or sooner, when a run with many jobs has a long history already.
@@ -539,7 +523,7 @@ class NodeRemediationWorkflow:
                 dry_run=self._dry,
             ),
             summary=f"cordon and drain {params.node} in Kubernetes",
-            timeout=timedelta(minutes=30),
+            timeout=KUBE_DRAIN_STEP,
         )
         self._done(
             Step.DRAIN_KUBERNETES,
@@ -645,7 +629,7 @@ class NodeRemediationWorkflow:
                 SlurmActivities.jobs_resumed,
                 ResumeCheckRequest(job_ids=job_ids, restarts_before=self._restarts_before, watch_seconds=watch),
                 summary=f"check jobs {', '.join(map(str, job_ids))} run again",
-                timeout=SHORT + timedelta(seconds=watch),
+                timeout=SHORT_STEP + timedelta(seconds=watch),
             )
             if not result.waiting:
                 return result.resumed
@@ -681,7 +665,7 @@ class NodeRemediationWorkflow:
                 SlurmActivities.still_running,
                 StillRunningRequest(job_ids=job_ids, watch_seconds=watch),
                 summary="check which jobs still run",
-                timeout=SHORT + timedelta(seconds=watch),
+                timeout=SHORT_STEP + timedelta(seconds=watch),
             )
             if not running:
                 return "jobs exited after checkpointing"
@@ -939,7 +923,7 @@ class NodeRemediationWorkflow:
                             else settings.job_timeout_seconds
                         )
                     )
-                    + SHORT,
+                    + SHORT_STEP,
                 )
             except ActivityError as exc:
                 # The event named no usable GPU: a reboot needs none. Anything else (no such
@@ -1058,13 +1042,13 @@ class NodeRemediationWorkflow:
         self._classified = len(events)
         return action
 
-    async def _activity(self, method: Any, *args: Any, summary: str, timeout: timedelta = SHORT) -> Any:
+    async def _activity(self, method: Any, *args: Any, summary: str, timeout: timedelta = SHORT_STEP) -> Any:
         return await workflow.execute_activity_method(
             method,
             args=args,
             start_to_close_timeout=timeout,
             heartbeat_timeout=HEARTBEAT,
-            retry_policy=RETRY,
+            retry_policy=RETRY_UNTIL_BACK,
             summary=summary,
             # A cancelled branch (the other one failed) waits for its activity to end, so that
             # nothing it was doing (a claim, a drain) goes on behind the incident's back.
