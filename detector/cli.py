@@ -20,9 +20,9 @@ from detector.follow import JournalctlMissing, open_journal, open_source
 from detector.health import HealthServer
 from detector.nvml import NvmlSource
 from detector.spool import Spool
-from models.names import InvalidName, validate_cluster_name, validate_node_name
+from models.names import validate_node_name
 from models.policy import PolicyError, PolicyFile
-from models.settings import Settings
+from models.settings import CLUSTER_HELP, ClusterNotSet, Settings
 
 
 def node_name(explicit: str | None) -> str:
@@ -40,7 +40,7 @@ def detect(
     ] = False,
     nvml: Annotated[bool, typer.Option("--nvml", help="Also listen to NVML Xid events on every GPU.")] = False,
     node: Annotated[str | None, typer.Option(help="This node's name (default: $NODE_NAME, then the hostname).")] = None,
-    cluster: Annotated[str | None, typer.Option(help="Cluster name (default: $GPUFLEET_CLUSTER or 'lab').")] = None,
+    cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Contact no server: print one JSON object per event.")
     ] = False,
@@ -93,9 +93,12 @@ def detect(
     settings = Settings()
     try:
         this_node = node_name(node)
-        this_cluster = validate_cluster_name(cluster or settings.cluster)
+        this_cluster = settings.command_cluster(cluster)
         policy = PolicyFile(settings.policy_file)
-    except (InvalidName, PolicyError) as exc:
+    except ClusterNotSet as exc:
+        typer.echo(f"error: {exc}: give --cluster NAME or set GPUFLEET_CLUSTER", err=True)
+        raise typer.Exit(2) from None
+    except (ValueError, PolicyError) as exc:  # ValueError: InvalidName, or disagreeing defaults
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     if kmsg is None and not nvml and not journal:

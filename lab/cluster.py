@@ -14,6 +14,7 @@ MariaDB server and slurmdbd (``lab/accounting.py``), and its users go into them 
 from __future__ import annotations
 
 import getpass
+import os
 import shutil
 import subprocess
 import sys
@@ -28,9 +29,16 @@ from lab.accounting import Accounting, accounting_installed
 from lab.procs import alive, spawn, stop
 from lab.slurm import SlurmLab
 from models.cluster import ClusterSpec, render_slurm_conf
+from models.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOKE_TIMEOUT = 120.0
+
+
+def cluster_backend(settings: Settings, kube: KubernetesApi) -> LabClusterBackend:
+    """The backend of a worker whose GPUFLEET_CLUSTER_BACKENDS names the lab (entry point
+    gpufleet.cluster_backends): clusters under its GPUFLEET_HOME, their workers in its environment."""
+    return LabClusterBackend(settings.home, kube, worker_env=dict(os.environ))
 
 
 class LabClusterBackend:

@@ -14,7 +14,9 @@ CLUSTER_CREATION_WORKFLOW = "ClusterCreation"
 CLUSTER_DELETION_WORKFLOW = "ClusterDeletion"
 RESUME_SIGNAL = "resume"
 ROLL_BACK_SIGNAL = "roll_back"
-BACKENDS = ("lab", "slinky")
+# The cluster-creation backends every worker has; others (the lab's) come from installed packages
+# (entry point group gpufleet.cluster_backends, models/plugins.py).
+BUILTIN_BACKENDS = ("slinky",)
 
 
 def _span(started: datetime | None, finished: datetime | None) -> float | None:
@@ -60,7 +62,7 @@ class ClusterOutcome(StrEnum):
 
 class ClusterCreateInput(BaseModel):
     spec: ClusterSpec
-    backend: str = "lab"
+    backend: str
     keep_on_failure: bool = False
     requested_by: str = ""
 

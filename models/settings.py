@@ -8,10 +8,25 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from models.clusterops import BACKENDS
+from models.clusterops import BUILTIN_BACKENDS
 from models.names import InvalidName, validate_cluster_name
+from models.plugins import CLUSTER_BACKENDS, cli_default, declared
 from models.policy import OwnerDrained, RemediationSettings, load_policy
 from models.requests import WorkerConfig
+
+
+class ClusterNotSet(ValueError):
+    """No cluster is named: GPUFLEET_CLUSTER is unset and nothing else gives one."""
+
+
+# The --cluster option of every command that takes one (Settings.command_cluster).
+CLUSTER_HELP = "Cluster name (default: $GPUFLEET_CLUSTER; where the lab is installed and that is unset, 'lab')."
+
+
+def cluster_backend_names() -> list[str]:
+    """The cluster-creation backends a worker may name: the built-in ones and every one an
+    entry point declares (installed here or not: a worker naming one that is not is told so)."""
+    return sorted({*BUILTIN_BACKENDS, *declared(CLUSTER_BACKENDS)})
 
 
 class Settings(BaseSettings):
@@ -23,7 +38,10 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="GPUFLEET_", extra="ignore")
 
-    cluster: str = "lab"
+    # The cluster this process serves or acts on (its task queue: gpufleet-NAME). No default: the
+    # worker refuses to start without it (the lab sets it for its own); a command takes --cluster,
+    # then this, then what an installed package gives (command_cluster: in a checkout, the lab's).
+    cluster: str = ""
     home: Path = Path(".gpufleet")
     partition: str = "train"
     slurm_conf: Path | None = None
@@ -72,8 +90,9 @@ class Settings(BaseSettings):
     # Every incident the detectors and `gpufleet remediate` open is a dry run: each step recorded
     # as it would be done, nothing changed, nobody notified (workflow ID dryrun-{cluster}-{node}).
     dry_run: bool = False
-    # Where this worker may create Slurm clusters (comma-separated: lab, slinky); empty: it does
-    # not serve cluster creation (task queue gpufleet-clusters) at all.
+    # Where this worker may create Slurm clusters (comma-separated: slinky, or a backend an
+    # installed package adds, such as the lab's); empty: it does not serve cluster creation
+    # (task queue gpufleet-clusters) at all.
     cluster_backends: str = ""
     # Where pool rebalancing reads inference demand (the Prometheus HTTP API); unset: demand
     # comes from `gpufleet pool set-demand` only.
@@ -107,9 +126,10 @@ class Settings(BaseSettings):
     @field_validator("cluster_backends")
     @classmethod
     def _backends(cls, value: str) -> str:
-        unknown = sorted({b.strip() for b in value.split(",") if b.strip()} - set(BACKENDS))
+        known = cluster_backend_names()
+        unknown = sorted({b.strip() for b in value.split(",") if b.strip()} - set(known))
         if unknown:
-            raise ValueError(f"unknown backend(s) {', '.join(unknown)}: use {', '.join(BACKENDS)}")
+            raise ValueError(f"unknown backend(s) {', '.join(unknown)}: use {', '.join(known)}")
         return value
 
     @property
@@ -119,10 +139,26 @@ class Settings(BaseSettings):
     @field_validator("cluster")
     @classmethod
     def _cluster_name(cls, value: str) -> str:
+        if not value:
+            return value  # unset: the worker refuses to start, a command asks for --cluster
         try:
             return validate_cluster_name(value)
         except InvalidName as exc:
             raise ValueError(str(exc)) from None
+
+    def command_cluster(self, given: str | None = None) -> str:
+        """The cluster a command acts on: ``given`` (its --cluster), else GPUFLEET_CLUSTER, else the
+        default an installed package gives the command (the lab's "lab", in a checkout).
+
+        Raises:
+            InvalidName: the name is not a cluster name.
+            ClusterNotSet: nothing names one (the production image has no default).
+            ValueError: installed packages disagree on the default.
+        """
+        chosen = given or self.cluster or cli_default("cluster")
+        if not chosen:
+            raise ClusterNotSet("no cluster named (GPUFLEET_CLUSTER is unset, and nothing installed gives a default)")
+        return validate_cluster_name(chosen)
 
     def worker_config(self) -> WorkerConfig:
         """The policy file (one file for the detector and the worker) with GPUFLEET_* overrides on top.

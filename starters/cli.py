@@ -41,7 +41,7 @@ from models.guard import GuardCommand, GuardInput, GuardStatus
 from models.incident import Approval, IncidentStatus, Outcome, Step, seen
 from models.names import InvalidName, validate_cluster_name, validate_node_name
 from models.requests import QuarantinedNode, ReleaseNodeRequest, ReturnNodeRequest
-from models.settings import Settings
+from models.settings import CLUSTER_HELP, ClusterNotSet, Settings
 from models.xid import XidEvent
 from starters.chart import write_chart
 from starters.server import dev_server_argv
@@ -94,6 +94,16 @@ def run_async(coro: Any) -> Any:
 
 async def _client() -> Client:
     return await connect()
+
+
+def _cluster(cluster: str | None, settings: Settings | None = None) -> str:
+    """The cluster a command acts on (Settings.command_cluster), or exit 2 saying what to set."""
+    try:
+        return (settings or Settings()).command_cluster(cluster)
+    except ClusterNotSet as exc:
+        fail(f"{exc}: give --cluster NAME or set GPUFLEET_CLUSTER", code=2)
+    except ValueError as exc:  # a bad name, or installed packages that disagree on the default
+        fail(str(exc), code=2)
 
 
 # -- server --------------------------------------------------------------------------------------
@@ -192,7 +202,7 @@ async def _wait_for(
 def remediate(
     node: Annotated[str, typer.Argument(help="The failed node (Slurm and Kubernetes name).")],
     xid: Annotated[int, typer.Option(help="The Xid seen on the node, e.g. 79 (fallen off the bus).")],
-    cluster: Annotated[str | None, typer.Option(help="Cluster name (default: $GPUFLEET_CLUSTER or 'lab').")] = None,
+    cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait until the incident closes.")] = False,
     timeout: Annotated[float, typer.Option(help="With --wait: give up waiting after this many seconds.")] = 3600,
     as_json: Annotated[bool, typer.Option("--json", help="Print the incident as JSON.")] = False,
@@ -207,13 +217,12 @@ def remediate(
 ) -> None:
     """Open (or join) the incident for NODE with an Xid, as the detector would."""
     settings = Settings()
-    cluster = cluster or settings.cluster
     dry = settings.dry_run if dry_run is None else dry_run
     try:
         validate_node_name(node)
-        validate_cluster_name(cluster)
     except InvalidName as exc:
         fail(str(exc), code=2)
+    cluster = _cluster(cluster, settings)
     if not 0 <= xid <= XID_MAX:
         fail(f"--xid {xid} is not an Xid: NVIDIA Xids are 0..{XID_MAX} (e.g. 79, fallen off the bus)", code=2)
 
@@ -248,11 +257,10 @@ def remediate(
 def _signal_incident(node: str, cluster: str | None, signal: Any, *args: Any) -> None:
     """Send ``signal`` to the node's open incident; a clear error when there is none."""
     try:
-        workflow_id = remediation_workflow_id(
-            validate_cluster_name(cluster or Settings().cluster), validate_node_name(node)
-        )
+        validate_node_name(node)
     except InvalidName as exc:
         fail(str(exc), code=2)
+    workflow_id = remediation_workflow_id(_cluster(cluster), node)
 
     async def go() -> None:
         client = await _client()
@@ -268,7 +276,7 @@ def _signal_incident(node: str, cluster: str | None, signal: Any, *args: Any) ->
 def checkpoint_done(
     job_id: Annotated[int, typer.Argument(help="The Slurm job that saved its checkpoint.")],
     node: Annotated[str, typer.Option(help="A node of the job that has an open incident.")],
-    cluster: Annotated[str | None, typer.Option(help="Cluster name.")] = None,
+    cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
 ) -> None:
     """Tell the node's incident that JOB_ID has checkpointed, so its grace period ends early."""
     if not 0 < job_id < 2**31:
@@ -279,7 +287,7 @@ def checkpoint_done(
 @app.command("spare-available")
 def spare_available(
     node: Annotated[str, typer.Argument(help="The failed node whose incident waits for a spare.")],
-    cluster: Annotated[str | None, typer.Option(help="Cluster name.")] = None,
+    cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
 ) -> None:
     """Tell an incident waiting for a spare to look again now."""
     _signal_incident(node, cluster, NodeRemediationWorkflow.spare_available)
@@ -362,11 +370,13 @@ _STAMP = re.compile(r"-\d{8}T\d{6}Z$")
 def _incident_workflow_id(incident: str, cluster: str | None) -> str:
     """The workflow behind an incident ID, a workflow ID or a node name (bad names: exit 2)."""
     try:
-        this_cluster = validate_cluster_name(cluster or Settings().cluster)
+        if cluster is not None:
+            validate_cluster_name(cluster)
         if incident.startswith(("remediate-", "dryrun-")) and not _STAMP.search(incident):
             return incident
         if incident.startswith("dryrun-"):  # a dry run's incident ID: dryrun-CLUSTER-NODE-STAMP
             return _STAMP.sub("", incident)
+        this_cluster = _cluster(cluster)
         node = incident
         if _STAMP.search(incident):
             prefix = f"{this_cluster}-"
@@ -441,16 +451,16 @@ def _cluster_of(cluster: str | None, node: str) -> str:
     """The cluster (given or configured) once both it and the node name are safe (else exit 2)."""
     try:
         validate_node_name(node)
-        return validate_cluster_name(cluster or Settings().cluster)
     except InvalidName as exc:
         fail(str(exc), code=2)
+    return _cluster(cluster)
 
 
 @nodes_app.command("return")
 def nodes_return(
     node: Annotated[str, typer.Argument(help="A repaired node that gpufleet retired or left drained.")],
     as_: Annotated[str, typer.Option("--as", help="spare (the warm pool) or training (the partition).")] = "spare",
-    cluster: Annotated[str | None, typer.Option(help="Cluster name (default: $GPUFLEET_CLUSTER or 'lab').")] = None,
+    cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
 ) -> None:
     """Bring a repaired node back: uncordon, untaint, relabel; resume it in Slurm only if gpufleet drained it."""
     if as_ not in {"spare", "training"}:
@@ -485,14 +495,11 @@ def nodes_return(
 
 @nodes_app.command("quarantined")
 def nodes_quarantined(
-    cluster: Annotated[str | None, typer.Option(help="Cluster name (default: $GPUFLEET_CLUSTER or 'lab').")] = None,
+    cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON array for scripts.")] = False,
 ) -> None:
     """List the quarantined nodes ("lemons": never spares, not returned until released), and why."""
-    try:
-        this_cluster = validate_cluster_name(cluster or Settings().cluster)
-    except InvalidName as exc:
-        fail(str(exc), code=2)
+    this_cluster = _cluster(cluster)
 
     async def go() -> list[QuarantinedNode]:
         client = await _client()
@@ -522,7 +529,7 @@ def nodes_quarantined(
 def nodes_release(
     node: Annotated[str, typer.Argument(help="A quarantined node, once it is really repaired.")],
     reason: Annotated[str, typer.Option(help="Why, for the record.")] = "",
-    cluster: Annotated[str | None, typer.Option(help="Cluster name (default: $GPUFLEET_CLUSTER or 'lab').")] = None,
+    cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
 ) -> None:
     """Take a node out of quarantine (its incident record starts again); then `gpufleet nodes return` it."""
     this_cluster = _cluster_of(cluster, node)
@@ -546,15 +553,6 @@ def nodes_release(
 
 
 # -- the fleet guard ----------------------------------------------------------------------------
-
-CLUSTER_HELP = "Cluster name (default: $GPUFLEET_CLUSTER or 'lab')."
-
-
-def _cluster(cluster: str | None) -> str:
-    try:
-        return validate_cluster_name(cluster or Settings().cluster)
-    except InvalidName as exc:
-        fail(str(exc), code=2)
 
 
 async def _guard_status(client: Client, cluster: str) -> GuardStatus | None:

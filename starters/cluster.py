@@ -16,6 +16,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from models.cluster import ClusterSpec, SpecError, load_spec, render_slurm_conf
 from models.clusterops import (
+    BUILTIN_BACKENDS,
     CLUSTER_CREATION_WORKFLOW,
     CLUSTER_DELETION_WORKFLOW,
     CLUSTER_TASK_QUEUE,
@@ -31,17 +32,14 @@ from models.clusterops import (
     deletion_workflow_id,
 )
 from models.names import InvalidName, validate_cluster_name
+from models.plugins import CLUSTER_BACKENDS, cli_default, declared, present
+from models.settings import cluster_backend_names
 from models.slinky import SLURM_VERSION, slinky_objects
 from starters.cli import _who, console, err, fail, run_async
 from starters.temporal import connect
 from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
 
 cluster_app = typer.Typer(help="Slurm clusters made from a spec (one command each).", no_args_is_help=True)
-
-
-class Backend(StrEnum):
-    LAB = "lab"
-    SLINKY = "slinky"
 
 
 class Output(StrEnum):
@@ -64,14 +62,44 @@ def _spec(path: Path) -> ClusterSpec:
         fail(f"{path}: {len(exc.problems)} problem(s); nothing was created:\n{lines}", code=2)
 
 
-def planned_objects(spec: ClusterSpec, backend: Backend) -> list[dict[str, Any]]:
+SLINKY = "slinky"
+BACKEND_HELP = (
+    "Where the cluster runs: slinky, or a backend an installed package adds (the lab's: lab). "
+    "Default: the one an installed package gives (lab, where the lab is installed)."
+)
+
+
+def _backend(backend: str | None) -> str:
+    """--backend, else the default an installed package gives (the lab's, in a checkout); exit 2
+    for a name nothing declares, or one whose package is not installed here (the lab, in the image)."""
+    try:
+        chosen = backend or cli_default("cluster_backend")
+    except ValueError as exc:
+        fail(str(exc), code=2)
+    known = cluster_backend_names()
+    if not chosen:
+        fail(f"no cluster backend named: give --backend ({', '.join(known)})", code=2)
+    if chosen not in known:
+        fail(f"unknown backend {chosen!r}: use {', '.join(known)}", code=2)
+    entry = declared(CLUSTER_BACKENDS).get(chosen)
+    if chosen not in BUILTIN_BACKENDS and entry is not None and not present(entry):
+        fail(
+            f"the cluster backend {chosen!r} is not installed here: its module {entry.module} is missing "
+            "(the lab's backend exists only where the lab is installed, a checkout of gpufleet); "
+            f"use --backend {SLINKY}",
+            code=2,
+        )
+    return chosen
+
+
+def planned_objects(spec: ClusterSpec, backend: str) -> list[dict[str, Any]]:
     """What a creation would make, with the nodes still unknown (the reservation picks them)."""
     placement = {p.name: [f"<{p.name} node {i + 1}>" for i in range(p.nodes)] for p in spec.partitions}
     objects = slinky_objects(spec, placement)
-    if backend == Backend.SLINKY:
+    if backend == SLINKY:
         return objects
     conf = render_slurm_conf(spec, placement, gres=False)
-    slurm = {"kind": "slurm.conf", "note": "the lab adds its hosts, ports and paths when it runs", "text": conf}
+    slurm = {"kind": "slurm.conf", "note": f"the {backend} backend adds its hosts, ports and paths", "text": conf}
     return [o for o in objects if o["apiVersion"] == "v1"] + [slurm]
 
 
@@ -135,7 +163,7 @@ def _report(status: ClusterStatus, *, as_json: bool) -> None:
 @cluster_app.command()
 def create(
     spec_file: Annotated[Path | None, typer.Argument(metavar="[SPEC.yaml]", help="The cluster spec.")] = None,
-    backend: Annotated[Backend, typer.Option(help="Where the cluster runs.")] = Backend.LAB,
+    backend: Annotated[str | None, typer.Option(help=BACKEND_HELP)] = None,
     wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Follow the steps until it is over.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object at the end.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would be made; change nothing.")] = False,
@@ -163,13 +191,14 @@ def create(
     if spec_file is None:
         fail("a SPEC file is needed (or --resume NAME); see examples/cluster.yaml", code=2)
     spec = _spec(spec_file)
+    chosen = _backend(backend)
     if dry_run:
-        objects = planned_objects(spec, backend)
+        objects = planned_objects(spec, chosen)
         if output == Output.JSON:
             print(json.dumps(objects, indent=2))
         else:
-            header = f"# gpufleet cluster create --dry-run: {spec.name} on {backend}"
-            if backend == Backend.SLINKY:
+            header = f"# gpufleet cluster create --dry-run: {spec.name} on {chosen}"
+            if chosen == SLINKY:
                 header += f" (slurm-operator v1beta1 objects, Slurm {SLURM_VERSION})"
             print(header)
             print(yaml.safe_dump_all(objects, sort_keys=False), end="")
@@ -177,9 +206,9 @@ def create(
 
     async def go() -> None:
         client = await connect()
-        handle = await _start(client, spec, backend, keep_on_failure=keep_on_failure)
+        handle = await _start(client, spec, chosen, keep_on_failure=keep_on_failure)
         if not as_json:
-            console.print(f"creating cluster {spec.name} on {backend} (workflow {handle.id})")
+            console.print(f"creating cluster {spec.name} on {chosen} (workflow {handle.id})")
         if not wait:
             return
         _report(await _follow(handle, quiet=as_json), as_json=as_json)
@@ -187,9 +216,7 @@ def create(
     run_async(go())
 
 
-async def _start(
-    client: Client, spec: ClusterSpec, backend: Backend, *, keep_on_failure: bool
-) -> WorkflowHandle[Any, Any]:
+async def _start(client: Client, spec: ClusterSpec, backend: str, *, keep_on_failure: bool) -> WorkflowHandle[Any, Any]:
     # A name is taken while its last creation stands (ready, or kept on failure); one that was
     # rolled back leaves it free. The workflow checks again (the nodes, the backend).
     try:

@@ -26,7 +26,7 @@ from models.poolops import (
     pool_workflow_id,
 )
 from models.rebalance import PRESETS, PoolLimits
-from models.settings import Settings
+from models.settings import ClusterNotSet, Settings
 from starters.cli import _who, console, fail, run_async
 from starters.temporal import connect
 from workflows.pool import PoolRebalanceWorkflow
@@ -39,10 +39,27 @@ pool_app = typer.Typer(
 NameOption = Annotated[str | None, typer.Option("--name", help="The pool (default: the cluster's name).")]
 
 
-def _name(name: str | None) -> str:
-    chosen = name or Settings().cluster
+def _cluster(settings: Settings) -> str:
+    """The cluster whose worker runs the pool (GPUFLEET_CLUSTER, or the default an installed
+    package gives), or exit 2 saying what to set."""
     try:
-        return validate_cluster_name(chosen)
+        return settings.command_cluster()
+    except ClusterNotSet as exc:
+        fail(f"{exc}: set GPUFLEET_CLUSTER", code=2)
+    except ValueError as exc:
+        fail(str(exc), code=2)
+
+
+def _name(name: str | None) -> str:
+    if name is None:
+        try:
+            return Settings().command_cluster()
+        except ClusterNotSet as exc:
+            fail(f"{exc}: give --name POOL or set GPUFLEET_CLUSTER (a pool is named after its cluster)", code=2)
+        except ValueError as exc:
+            fail(str(exc), code=2)
+    try:
+        return validate_cluster_name(name)
     except InvalidName as exc:
         fail(str(exc).replace("cluster name", "pool name"), code=2)
 
@@ -94,6 +111,7 @@ def start(
         fail(f"unknown preset {preset!r}: one of {', '.join(PRESETS)}", code=2)
     promql, default_per_node = PRESETS[preset] if preset else (query or "", 32.0)
     settings = Settings()
+    cluster = _cluster(settings)
     pool = _name(name)
     try:
         limits = PoolLimits(
@@ -106,7 +124,7 @@ def start(
         )
         pool_settings = PoolSettings(
             name=pool,
-            cluster=settings.cluster,
+            cluster=cluster,
             partition=settings.partition,
             limits=limits,
             query=promql,
@@ -125,7 +143,7 @@ def start(
                 POOL_WORKFLOW,
                 PoolState(settings=pool_settings),
                 id=pool_workflow_id(pool),
-                task_queue=task_queue(settings.cluster),
+                task_queue=task_queue(cluster),
                 id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
                 static_summary=f"shared GPU pool {pool}: training (partition {settings.partition}) and inference",
             )

@@ -1,4 +1,5 @@
-"""The ``gpufleet`` console script: the starter commands plus ``worker`` (and ``lab``).
+"""The ``gpufleet`` console script: the starter commands plus ``worker``, and the commands
+installed packages add (entry point group gpufleet.commands: ``lab`` in a checkout).
 
 This is the composition root: it alone may see every room, so it lives with the workers.
 """
@@ -11,6 +12,7 @@ import sys
 
 from pydantic import ValidationError
 
+from models.plugins import COMMANDS, installed
 from models.policy import PolicyError
 from models.settings import Settings, settings_error
 from starters.cli import app, fail, run_async
@@ -25,7 +27,7 @@ def worker() -> None:
     namespace and TLS from Temporal's env-config (TEMPORAL_ADDRESS, profiles).
     """
     from clients.errors import ClientError
-    from workers.main import run_worker, slurm_from_settings
+    from workers.main import BackendNotInstalled, backend_factories, run_worker, slurm_from_settings
     from workers.metrics import install_metrics
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -44,6 +46,16 @@ def worker() -> None:
             close()  # the worker builds its own; this one only proved the backend serves it
     except (ClientError, ValueError) as exc:
         fail(f"Slurm backend {settings.slurm_backend}: {exc}", code=2)
+    if not settings.cluster:
+        fail(
+            "GPUFLEET_CLUSTER is not set: name the cluster this worker serves "
+            "(its task queue is gpufleet-NAME; the lab sets it for its own worker)",
+            code=2,
+        )
+    try:
+        backend_factories(settings)  # a cluster-creation backend that is not installed here is named now
+    except BackendNotInstalled as exc:
+        fail(str(exc), code=2)
     # Before the client connects: it takes the runtime that serves GET /metrics (GPUFLEET_METRICS_PORT).
     runtime = install_metrics(settings)
 
@@ -67,12 +79,10 @@ def main() -> None:
     app.command()(detect)
     app.add_typer(cluster_app, name="cluster")
     app.add_typer(pool_app, name="pool")
-    try:
-        from lab.cli import lab_app
-    except ImportError:  # the lab extra (kmock) is not installed: no lab commands
-        pass
-    else:
-        app.add_typer(lab_app, name="lab")
+    # Commands of installed packages (the lab's, in a checkout); one whose package is absent (the
+    # lab, in the production image) is left out, and any other failure to import one is raised.
+    for name, commands in installed(COMMANDS).items():
+        app.add_typer(commands, name=name)
     try:
         app()
     except SystemExit as exc:

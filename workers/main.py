@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +38,7 @@ from clients.slurmrest_protocol import require_methods, slurm_client
 from clients.spares import SparePool
 from models.clusterops import CLUSTER_TASK_QUEUE
 from models.constants import guard_task_queue, task_queue
+from models.plugins import CLUSTER_BACKENDS, PluginNotInstalled, declared, load
 from models.policy import PolicyError
 from models.requests import WorkerConfig
 from models.settings import Settings
@@ -196,18 +196,55 @@ def build_activities(settings: Settings, clients: Clients | None = None) -> list
     ]
 
 
+# A cluster-creation backend from the worker's settings and Kubernetes client.
+BackendFactory = Callable[[Settings, KubernetesApi], ClusterBackend]
+
+
+def _slinky(settings: Settings, kube: KubernetesApi) -> ClusterBackend:
+    return SlinkyBackend(kube, restapi=settings.slinky_restapi_url)
+
+
+# Every worker has these; others (the lab's) are entry points of installed packages (models/plugins.py).
+BUILTIN_BACKEND_FACTORIES: dict[str, BackendFactory] = {"slinky": _slinky}
+
+
+class BackendNotInstalled(ValueError):
+    """GPUFLEET_CLUSTER_BACKENDS names a backend whose package is not installed here."""
+
+
+def backend_factories(settings: Settings) -> dict[str, BackendFactory]:
+    """The factory of each backend the settings name, built in or from an entry point.
+
+    Raises:
+        BackendNotInstalled: one is declared but its package is absent (the lab, in the image).
+    """
+    factories: dict[str, BackendFactory] = {}
+    entries = declared(CLUSTER_BACKENDS)
+    for name in settings.backends:
+        if name in BUILTIN_BACKEND_FACTORIES:
+            factories[name] = BUILTIN_BACKEND_FACTORIES[name]
+            continue
+        entry = entries.get(name)
+        if entry is None:
+            raise BackendNotInstalled(f"GPUFLEET_CLUSTER_BACKENDS names {name!r}, a backend nothing installed declares")
+        try:
+            factories[name] = load(entry)
+        except PluginNotInstalled as exc:
+            raise BackendNotInstalled(
+                f"GPUFLEET_CLUSTER_BACKENDS names the cluster backend {name!r}, which is not installed here: "
+                f"its package {exc.missing!r} ({entry.value}) is missing; the lab's backend serves only where "
+                "the lab is installed (a checkout of gpufleet, not the production image)"
+            ) from None
+    return factories
+
+
 def cluster_activities(settings: Settings) -> list[Any]:
     """The cluster-creation activities over the backends the settings name (none: [])."""
     if not settings.backends:
         return []
+    factories = backend_factories(settings)
     kube = KubernetesApi(kubeconfig=settings.kubeconfig, poll_seconds=settings.poll_seconds)
-    backends: dict[str, ClusterBackend] = {}
-    if "slinky" in settings.backends:
-        backends["slinky"] = SlinkyBackend(kube, restapi=settings.slinky_restapi_url)
-    if "lab" in settings.backends:
-        from lab.cluster import LabClusterBackend  # the lab's own daemons: only where the lab runs
-
-        backends["lab"] = LabClusterBackend(settings.home, kube, worker_env=dict(os.environ))
+    backends = {name: factory(settings, kube) for name, factory in factories.items()}
     acts = ClusterActivities(
         kube,
         backends,
@@ -319,7 +356,12 @@ async def run_worker(
     (workers/metrics.py); the free spares are then counted every minute beside the worker.
     ``clients``: the worker's clients, when not those the settings name (the scale bench's
     simulated Slurm, bench/simulated_worker.py).
+
+    Raises:
+        ValueError: the settings name no cluster (GPUFLEET_CLUSTER).
     """
+    if not settings.cluster:
+        raise ValueError("GPUFLEET_CLUSTER is not set: a worker serves one named cluster's task queue")
     clients = clients or build_clients(settings)
     activities = build_activities(settings, clients)
     queue = task_queue(settings.cluster)

@@ -266,7 +266,12 @@ async def test_the_worker_connects_as_its_profile_says_and_never_shows_the_key(
     recorder = HelloRecorder()
     async with recorder as address:
         write_profiles(tmp_path, monkeypatch, cloud_profile(address, "throwaway-api-key-7d2e"))
-        env = {"TEMPORAL_PROFILE": "cloud", "GPUFLEET_METRICS_PORT": "0", "GPUFLEET_HOME": str(tmp_path)}
+        env = {
+            "TEMPORAL_PROFILE": "cloud",
+            "GPUFLEET_METRICS_PORT": "0",
+            "GPUFLEET_HOME": str(tmp_path),
+            "GPUFLEET_CLUSTER": "prod",  # a worker names the cluster it serves; it has no default
+        }
         done = await asyncio.to_thread(
             gpufleet_cli,
             "worker",
