@@ -13,6 +13,9 @@ Besides each drill's timings and their medians, it splits every incident's time 
 workflow history: the control-plane overhead (activities and workflow tasks waiting to be
 picked up, and workflow tasks being decided) apart from the time spent in Slurm, Kubernetes
 and the job itself (activities running, timers between checks).
+
+The JSON begins with its ``provenance`` (the commit, the date, the machine: lab/provenance.py);
+``make bench`` keeps it in docs/results/bench.json and regenerates docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from clients.slurm import SlurmCli
 from lab.drill import log_path, reset_breaker, run_drill, training_job
 from lab.fleet import LAB_POLL_SECONDS, REPO_ROOT, FleetLab, LabConfig
 from lab.procs import free_port, port_in_use, spawn, stop, wait_for
+from lab.provenance import provenance, write_result
 from starters.server import dev_server_argv
 from starters.temporal import connect
 
@@ -394,14 +398,15 @@ def main() -> None:
     parser.add_argument("--idle-seconds", type=float, default=10, help="detector idle-CPU sample (0: skip)")
     parser.add_argument("--clusters", type=int, default=1, help="cluster create/delete rounds (0: skip)")
     parser.add_argument("--pool-moves", type=int, default=1, help="pool move rounds, there and back (0: skip)")
-    parser.add_argument("--output", type=Path, help="also write the JSON here")
+    parser.add_argument("--output", type=Path, help="also write the JSON here (make bench: docs/results/bench.json)")
     args = parser.parse_args()
+    started = provenance()  # the code this run loaded, the machine it runs on
 
     def say(message: str) -> None:
         print(message, file=sys.stderr)
 
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
-        result: dict[str, Any] = {}
+        result: dict[str, Any] = {"provenance": started}
         if args.parse_lines:
             say(f"parse throughput over {args.parse_lines} lines")
             result["parse"] = parse_throughput(args.parse_lines)
@@ -422,10 +427,9 @@ def main() -> None:
             for key in ("pool_move_to_inference_seconds", "pool_move_to_training_seconds"):
                 result[key] = result["pool"][key]
             result["training_steps_lost_per_move"] = result["pool"]["training_steps_lost_per_move"]
-    text = json.dumps(result, indent=2)
     if args.output:
-        args.output.write_text(text)
-    print(text, flush=True)
+        write_result(result, args.output)
+    print(json.dumps(result, indent=2), flush=True)
     os._exit(0)  # skip interpreter teardown: see workers.entry.exit_now
 
 

@@ -18,7 +18,9 @@ would send them (signal-with-start, ``--concurrency`` calls in flight):
    ``--watch-seconds`` once it is at work: how many incidents it holds, and (from every
    incident's history, not from the guard's own word) the most that were ever past it at once.
 
-The last line of the output is one JSON object; the lines before it show progress.
+The last line of the output is one JSON object, its ``provenance`` first (the commit, the date,
+the machine: lab/provenance.py); the lines before it show progress. ``make bench-scale`` keeps it
+in docs/results/bench-scale.json and regenerates docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from bench.simslurm import SimulatedFleet
 from lab.fleet import LAB_POLL_SECONDS, REPO_ROOT
 from lab.kubeapi import lab_workloads, node_object, training_node
 from lab.procs import free_port, spawn, stop, wait_for
+from lab.provenance import provenance, write_result
 from models.constants import GUARD_DECISION_SIGNAL, guard_workflow_id, remediation_workflow_id, task_queue
 from models.guard import GuardStatus
 from models.policy import GuardSettings
@@ -881,6 +884,9 @@ def arguments() -> argparse.ArgumentParser:
         "--audit", action="store_true", help="log every Kubernetes request of the open burst (HOME/scale-open/logs)"
     )
     parser.add_argument("--home", type=Path, help="keep the run's logs here (default: a temporary folder)")
+    parser.add_argument(
+        "--output", type=Path, help="also write the JSON here (make bench-scale: docs/results/bench-scale.json)"
+    )
     return parser
 
 
@@ -895,12 +901,16 @@ def main(argv: list[str] | None = None) -> None:
     def say(text: str) -> None:
         print(f"[bench-scale {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
+    started = provenance()  # the code this run loaded, the machine it runs on
     if args.home is not None:
         args.home.mkdir(parents=True, exist_ok=True)
         result = asyncio.run(bench_scale(args, home=args.home, say=say))
     else:
         with tempfile.TemporaryDirectory(prefix="gpufleet-scale-") as tmp:
             result = asyncio.run(bench_scale(args, home=Path(tmp), say=say))
+    result = {"provenance": started, **result}
+    if args.output is not None:
+        write_result(result, args.output)
     print(json.dumps(result))
 
 

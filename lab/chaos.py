@@ -17,7 +17,8 @@ outcome, ``detect_to_drained``, ``detect_to_resumed`` and ``added_delay_s`` (aga
 baseline); totals ``jobs_lost``, ``double_claims``, ``nodes_undrained_not_ours``,
 ``claims_leaked`` and ``max_added_delay_s``.
 
-Run it as ``python -m lab.chaos [--short] [--home DIR]``.
+Run it as ``python -m lab.chaos [--short] [--home DIR] [--output FILE]``; ``make chaos`` keeps its
+JSON, with the commit, date and machine (``provenance``), in docs/results/chaos.json.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from lab.drill import default_job, run_drill, training_job
 from lab.fleet import REPO_ROOT, FleetLab, LabConfig
 from lab.histories import record_histories_async
 from lab.procs import alive, free_port, spawn, stop, wait_for
+from lab.provenance import provenance, write_result
 from models.constants import CLAIMED_BY_ANNOTATION, POOL_LABEL, POOL_RETIRED, owned_reason
 from models.incident import Approval, IncidentStatus, Outcome, Step
 from starters.temporal import connect
@@ -679,7 +681,11 @@ def main() -> None:
     parser.add_argument(
         "--only", metavar="NAMES", help="comma-separated scenario names to run after the baseline (default: all)"
     )
+    parser.add_argument(
+        "--output", type=Path, help="also write the JSON here, passed or not (make chaos: docs/results/chaos.json)"
+    )
     args = parser.parse_args()
+    started = provenance()  # the code this run loaded, the machine it runs on
     only = {name.strip() for name in args.only.split(",") if name.strip()} if args.only else None
     known = {scenario.name for scenario in scenarios(short=False)} | {RACE, STORM}
     if only is not None and only - known:
@@ -701,6 +707,9 @@ def main() -> None:
         lab = FleetLab(home)
         if lab.state().get("services"):
             lab.down()  # never leave a lab running, however the run ended
+    result = {"provenance": started, **result}
+    if args.output is not None:
+        write_result(result, args.output)
     print(json.dumps(result), flush=True)
     sys.exit(0 if result["passed"] else 1)
 

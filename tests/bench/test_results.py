@@ -1,0 +1,43 @@
+"""`make bench` and `make bench-scale` keep their JSON where --output says, with its provenance
+first (the runs themselves are labs: here what they measure is stood in for)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+
+from bench import bench, bench_scale
+
+
+def test_make_bench_scale_keeps_its_json_with_its_provenance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def measured(args: argparse.Namespace, *, home: Path, say: Any) -> dict[str, Any]:
+        return {"burst": args.burst, "bound": "stood in"}
+
+    monkeypatch.setattr(bench_scale, "bench_scale", measured)
+    out = tmp_path / "results" / "bench-scale.json"
+    bench_scale.main(["--nodes", "20", "--spares", "5", "--burst", "5", "--output", str(out)])
+    kept = json.loads(out.read_text())
+    assert next(iter(kept)) == "provenance" and kept["provenance"]["machine"]["cores"] == os.cpu_count()
+    assert kept["burst"] == 5 and kept["bound"] == "stood in"
+
+
+def test_make_bench_keeps_its_json_with_its_provenance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def leave(code: int) -> NoReturn:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", leave)  # main leaves without interpreter teardown
+    out = tmp_path / "results" / "bench.json"
+    skipped = ["--drills", "0", "--detector-samples", "0", "--parse-lines", "0", "--idle-seconds", "0"]
+    skipped += ["--clusters", "0", "--pool-moves", "0"]
+    monkeypatch.setattr(sys, "argv", ["bench", *skipped, "--output", str(out)])
+    with pytest.raises(SystemExit) as stopped:
+        bench.main()
+    assert stopped.value.code == 0
+    kept = json.loads(out.read_text())
+    assert set(kept) == {"provenance"} and kept["provenance"]["commit"]
