@@ -4,7 +4,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv system-deps test test-fast test-stress lint demo bench bench-scale chaos gpu-check clean
+.PHONY: venv system-deps test test-fast test-stress lint demo bench bench-scale chaos benchmarks-doc gpu-check clean
+
+# Where make bench, make chaos and make bench-scale keep their last run's JSON (with its commit,
+# date and machine), and what makes docs/benchmarks.md from them (bench/report.py).
+RESULTS := docs/results
+REPORT = $(BIN)/python -m bench.report --results $(RESULTS)
 
 venv: $(STAMP)
 
@@ -34,20 +39,29 @@ demo: venv system-deps
 	@echo
 	@echo "The lab keeps running: $(BIN)/gpufleet lab status | $(BIN)/gpufleet incidents list | stop it with $(BIN)/gpufleet lab down"
 
-# Remediation on a bad day: worker kills at every step, outages, a hanging webhook, a race... (JSON last line).
+# Remediation on a bad day: worker kills at every step, outages, a hanging webhook, a race... (JSON last line,
+# kept in $(RESULTS)/chaos.json). A failed run is kept and shown too, and still exits non-zero.
 chaos: venv system-deps
-	$(BIN)/python -m lab.chaos
+	$(BIN)/python -m lab.chaos --output $(RESULTS)/chaos.json; status=$$?; $(REPORT) && exit $$status
 
 # The whole suite three times from a fresh clone, with a CPU hog beside it (not part of .ci/run).
 test-stress: venv system-deps
 	scripts/test-stress.sh
 
+# The detector's figures, K recovery drills (3), cluster creation and pool moves, as JSON ($(RESULTS)/bench.json).
 bench: venv system-deps
-	$(BIN)/python -m bench.bench --drills $(or $(K),3)
+	$(BIN)/python -m bench.bench --drills $(or $(K),3) --output $(RESULTS)/bench.json
+	$(REPORT)
 
-# A burst of 1,000 Xids on a simulated fleet of 10,000 nodes (Slurm simulated, all else real), as JSON.
+# A burst of 1,000 Xids on a simulated fleet of 10,000 nodes (Slurm simulated, all else real), as JSON
+# ($(RESULTS)/bench-scale.json).
 bench-scale: venv
-	$(BIN)/python -m bench.bench_scale $(ARGS)
+	$(BIN)/python -m bench.bench_scale --output $(RESULTS)/bench-scale.json $(ARGS)
+	$(REPORT)
+
+# docs/benchmarks.md from $(RESULTS)/*.json alone (the three targets above run it after their JSON).
+benchmarks-doc: venv
+	$(REPORT)
 
 # On a machine with NVIDIA GPUs and a driver: the NVML source for 30 s, no false events expected.
 gpu-check: venv

@@ -1,0 +1,479 @@
+"""docs/benchmarks.md, made from the JSON results in docs/results/ and from nothing else.
+
+``make bench``, ``make chaos`` and ``make bench-scale`` each keep their last run's JSON there
+(bench.json, chaos.json, bench-scale.json), with its provenance (the commit, the date, the
+machine: lab/provenance.py), and regenerate the page; ``make benchmarks-doc`` regenerates it
+alone. A result that is missing is said to be missing, never filled in. Every word of the page
+comes from here: change this script, not the page (tests/bench/test_report.py compares them).
+
+``python -m bench.report`` writes the page; ``--check`` only says whether it is up to date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "docs" / "results"
+PAGE = REPO_ROOT / "docs" / "benchmarks.md"
+COMMAND = "make benchmarks-doc"
+NONE = "n/a"  # a figure the run did not measure
+
+Result = dict[str, Any]
+
+
+# -- formatting ------------------------------------------------------------------------------------
+
+
+def cell(text: object) -> str:
+    """Text safe in a table cell: one line, no column breaks."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def number(value: Any) -> str:
+    if value is None:
+        return NONE
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return cell(value)
+    if isinstance(value, int) or float(value).is_integer():
+        return f"{int(value):,}"
+    size = abs(value)
+    return f"{value:,.0f}" if size >= 100 else f"{value:.1f}" if size >= 10 else f"{value:.2f}"
+
+
+def seconds(value: Any) -> str:
+    return NONE if value is None else f"{number(value)} s"
+
+
+def rate(value: Any) -> str:
+    """Lines per second, in millions."""
+    return NONE if value is None else f"{value / 1e6:.2f} M lines/s"
+
+
+def each(values: Iterable[Any], unit: str = " s") -> str:
+    shown = [number(value) for value in values]
+    return f"{', '.join(shown)}{unit}" if shown else NONE
+
+
+def sentence(text: object) -> str:
+    """Text as a sentence of its own: one line, a capital first, a full stop last."""
+    said = cell(text)
+    said = said[:1].upper() + said[1:]
+    return said if said.endswith((".", "!", "?")) else f"{said}."
+
+
+def met(value: Any) -> str:
+    return {True: "yes", False: "**no**", None: "not measured"}.get(value, cell(value))
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(cell(part) for part in row) + " |" for row in rows]
+
+
+def provenance_line(result: Result) -> str:
+    """Where the figures come from: commit, date, machine (as recorded; never guessed)."""
+    found = result.get("provenance")
+    if not isinstance(found, dict):
+        return "Provenance: not recorded in this result (a run from before it was)."
+    commit = found.get("commit")
+    where = f"commit `{commit[:12]}`" if commit else "an unknown commit (not a git checkout)"
+    if found.get("dirty"):
+        where += " with uncommitted changes"
+    machine = found.get("machine") or {}
+    memory = machine.get("memory_total_mb")
+    parts = [
+        f"{machine['cores']} cores" if machine.get("cores") else "cores unknown",
+        cell(machine.get("cpu_model") or "CPU model unknown"),
+        f"{memory / 1024:.1f} GiB of memory" if memory else "memory unknown",
+        f"Python {machine['python']}" if machine.get("python") else "Python unknown",
+    ]
+    return f"Measured at {where}, on {found.get('date') or 'an unknown date'}; machine: {', '.join(parts)}."
+
+
+# -- make bench ------------------------------------------------------------------------------------
+
+DRILL_FIGURES = {
+    "detect_to_workflow": "Xid → workflow started",
+    "detect_to_drained": "Xid → node drained in Slurm",
+    "detect_to_requeued": "Xid → jobs requeued, after their checkpoint on SIGTERM",
+    "detect_to_replaced": "Xid → spare in the partition (`detect_to_replaced`)",
+    "detect_to_resumed": "Xid → job running again (`detect_to_resumed`)",
+}
+
+
+def _detector(result: Result) -> list[str]:
+    rows: list[list[str]] = []
+    parse = result.get("parse")
+    if isinstance(parse, dict):
+        target = parse.get("target_non_driver_lines_per_second")
+        count = number(parse.get("lines"))
+        mixed = parse.get("mixed_1_in_1000") or {}
+        rows += [
+            [
+                f"parser throughput, kernel chatter without driver lines ({count} lines)",
+                rate((parse.get("non_driver") or {}).get("lines_per_second")),
+                f"≥ {rate(target)}" if target else "",
+            ],
+            [
+                f"parser throughput, one driver line in 1,000 ({number(mixed.get('events'))} events found "
+                f"of {number(mixed.get('events_expected'))})",
+                rate(mixed.get("lines_per_second")),
+                "",
+            ],
+        ]
+        source = parse.get("source")
+        if isinstance(source, dict):
+            rows.append(
+                [
+                    "the detector's whole file source: read, decode, parse, keep the cursor "
+                    f"({number(source.get('lines'))} lines)",
+                    rate(source.get("lines_per_second")),
+                    "",
+                ]
+            )
+    idle = result.get("detector_idle")
+    if isinstance(idle, dict):
+        rows.append(
+            [
+                f"detector idle CPU (a real `gpufleet detect` on a quiet log, {number(idle.get('seconds'))} s)",
+                f"{number(idle.get('cpu_percent_of_one_core'))} % of a core",
+                "",
+            ]
+        )
+    latency = result.get("detector")
+    if isinstance(latency, dict):
+        target = latency.get("target_median_s")
+        rows.append(
+            [
+                f"kernel-log line → Xid in its incident, median of {number(latency.get('samples'))} samples",
+                seconds(latency.get("median_line_to_incident_s")),
+                f"≤ {seconds(target)}" if target is not None else "",
+            ]
+        )
+    lines = ["### The detector", ""]
+    if not rows:
+        return [*lines, "Not in this run (its options skipped it).", ""]
+    lines.append(
+        "The parser on one core, the detector's CPU while its log is quiet, and a kernel-log line's way "
+        "to its incident through a real detector and Temporal."
+    )
+    return [*lines, "", *table(["figure", "measured", "target"], rows), ""]
+
+
+def _drills(result: Result) -> list[str]:
+    lines = ["### Recovery drills", ""]
+    drills = result.get("drills")
+    if not isinstance(drills, list) or not drills:
+        return [*lines, "Not in this run (its options skipped it).", ""]
+    medians = result.get("medians_s") or {}
+    targets = result.get("targets_s") or {}
+    lines.append(
+        f"{len(drills)} drills in a fresh lab, each timed from the moment the Xid line was written: the median, "
+        "then each drill. The control-plane overhead is gpufleet's own share, from each incident's workflow history."
+    )
+    rows = []
+    for name, median in medians.items():
+        target = targets.get(name)
+        rows.append(
+            [
+                DRILL_FIGURES.get(name, f"`{name}`"),
+                seconds(median),
+                each(drill.get("timings_s", {}).get(name) for drill in drills),
+                f"≤ {seconds(target)}" if target is not None else "",
+            ]
+        )
+    overhead = targets.get("control_plane_overhead")
+    histories = [drill.get("history") or {} for drill in drills]
+    rows += [
+        [
+            "control-plane overhead per incident",
+            seconds(result.get("median_control_plane_overhead_s")),
+            each(history.get("control_plane_overhead_s") for history in histories),
+            f"≤ {seconds(overhead)}" if overhead is not None else "",
+        ],
+        [
+            "of which a bound on gpufleet's own polling",
+            seconds(result.get("median_polling_delay_bound_s")),
+            each(history.get("polling_delay_bound_s") for history in histories),
+            "",
+        ],
+    ]
+    outcomes = ", ".join(cell(drill.get("outcome", NONE)) for drill in drills)
+    return [*lines, "", *table(["figure", "median", "each drill", "target"], rows), "", f"Outcomes: {outcomes}.", ""]
+
+
+def _clusters(result: Result) -> list[str]:
+    lines = ["### Cluster creation and deletion", ""]
+    clusters = result.get("clusters")
+    if not isinstance(clusters, dict):
+        return [*lines, "Not in this run (its options skipped it).", ""]
+    lines.append(
+        f"`{cell(clusters.get('spec', 'the example spec'))}` created and deleted {number(clusters.get('rounds'))} "
+        "times on the lab's free pool, through the CLI: from the spec to the smoke test passed, and back to "
+        "free nodes."
+    )
+    rows = [
+        [
+            "`cluster_create_seconds`",
+            seconds(clusters.get("cluster_create_seconds")),
+            each(clusters.get("create_s", [])),
+        ],
+        [
+            "`cluster_delete_seconds`",
+            seconds(clusters.get("cluster_delete_seconds")),
+            each(clusters.get("delete_s", [])),
+        ],
+    ]
+    return [*lines, "", *table(["figure", "median", "rounds"], rows), ""]
+
+
+def _pool(result: Result) -> list[str]:
+    lines = ["### Shared-pool moves", ""]
+    pool = result.get("pool")
+    if not isinstance(pool, dict):
+        return [*lines, "Not in this run (its options skipped it).", ""]
+    lines.append(
+        f"A training node carrying a checkpointing job moved to inference and back by `gpufleet pool rebalance`, "
+        f"{number(pool.get('rounds'))} rounds: from the decision to the node serving on the other side, and the "
+        "training steps lost."
+    )
+    rows = [
+        [
+            "`pool_move_to_inference_seconds`",
+            seconds(pool.get("pool_move_to_inference_seconds")),
+            each(pool.get("to_inference_s", [])),
+        ],
+        [
+            "`pool_move_to_training_seconds`",
+            seconds(pool.get("pool_move_to_training_seconds")),
+            each(pool.get("to_training_s", [])),
+        ],
+        [
+            "`training_steps_lost_per_move`",
+            number(pool.get("training_steps_lost_per_move")),
+            each(pool.get("steps_lost", []), unit=""),
+        ],
+    ]
+    return [*lines, "", *table(["figure", "median", "rounds"], rows), ""]
+
+
+def render_bench(result: Result) -> list[str]:
+    return [
+        "What each figure means and what it is held to: [performance.md](performance.md).",
+        "",
+        *_detector(result),
+        *_drills(result),
+        *_clusters(result),
+        *_pool(result),
+    ]
+
+
+# -- make chaos ------------------------------------------------------------------------------------
+
+TOTALS = {
+    "jobs_lost": "jobs lost",
+    "double_claims": "spares claimed twice",
+    "nodes_undrained_not_ours": "nodes someone else drained, found undrained",
+    "claims_leaked": "spares claimed that never joined the partition",
+}
+
+
+def _notes(scenario: Result) -> str:
+    notes = []
+    if "storm_drained" in scenario:
+        notes.append(
+            f"drained {number(scenario.get('storm_drained'))}, waiting {number(scenario.get('storm_waiting'))}, "
+            f"paged {number(scenario.get('storm_paged'))}"
+        )
+    if scenario.get("fault_at_step"):
+        notes.append(f"fault at {scenario['fault_at_step']}")
+    if scenario.get("within_budget") is False:
+        notes.append("over its delay budget")
+    if scenario.get("error"):
+        notes.append(f"error: {scenario['error']}")
+    return "; ".join(notes)
+
+
+def render_chaos(result: Result) -> list[str]:
+    lines = ["What each scenario does and what passing means: [chaos.md](chaos.md).", ""]
+    scenarios = result.get("scenarios") or []
+    passed = result.get("passed")
+    verdict = (
+        "every scenario passed and the four totals are 0"
+        if passed
+        else "some scenario failed or a total is not 0"
+        if passed is False
+        else "not recorded"
+    )
+    lines += [f"Passed: {met(passed)} ({verdict}), {len(scenarios)} scenarios.", ""]
+    baseline = result.get("baseline") or {}
+    if baseline:
+        lines.append(
+            f"Baseline, a clean drill: node drained {seconds(baseline.get('detect_to_drained'))} and job running "
+            f"again {seconds(baseline.get('detect_to_resumed'))} after the Xid."
+        )
+    lines += ["", "### Totals", "", "Over every scenario; the first four must be 0.", ""]
+    rows = [[f"`{key}`: {label}", number(result.get(key))] for key, label in TOTALS.items()]
+    rows.append(
+        ["`max_added_delay_s`: the most a scenario added to the recovery", seconds(result.get("max_added_delay_s"))]
+    )
+    lines += [*table(["total", "value"], rows), "", "### Scenarios", ""]
+    lines += [
+        "One fresh incident per fault, on a node of the running job; what each added to the baseline's "
+        "`detect_to_resumed` and `detect_to_drained`.",
+        "",
+    ]
+    rows = [
+        [
+            f"`{cell(scenario.get('name', '?'))}`",
+            met(scenario.get("passed")),
+            cell(scenario.get("outcome", NONE)),
+            seconds(scenario.get("added_delay_s")),
+            seconds(scenario.get("added_to_drained_s")),
+            _notes(scenario),
+        ]
+        for scenario in scenarios
+    ]
+    header = ["scenario", "passed", "outcome", "added to resumed", "added to drained", "notes"]
+    return [*lines, *table(header, rows), ""]
+
+
+# -- make bench-scale ------------------------------------------------------------------------------
+
+
+def render_scale(result: Result) -> list[str]:
+    lines = ["What each figure means and what it is held to: [performance.md](performance.md).", ""]
+    fleet = result.get("fleet") or {}
+    lines.append(
+        f"A burst of {number(result.get('burst'))} Xids on {number(fleet.get('nodes'))} nodes "
+        f"({number(fleet.get('training'))} training, {number(fleet.get('spares'))} spares); the worker with a "
+        f"sticky timeout of {seconds(fleet.get('sticky_timeout_seconds'))}, "
+        f"{number(fleet.get('max_cached_workflows'))} workflows cached and the "
+        f"`{cell(fleet.get('workflow_sandbox', NONE))}` sandbox. "
+        + sentence(fleet.get("slurm") or "How Slurm ran is not recorded")
+    )
+    targets = result.get("targets") or {}
+    judged = targets.get("met") or {}
+    opened = result.get("open_guard") or {}
+    guarded = result.get("default_guard") or {}
+    limit = guarded.get("guard_limit")
+    rows = [
+        [
+            "`incidents_started_per_s`",
+            f"{number(result.get('incidents_started_per_s'))} /s",
+            cell(targets.get("incidents_started_per_s", "")),
+            met(judged.get("incidents_started_per_s")),
+        ],
+        ["`burst_drain_seconds`", seconds(result.get("burst_drain_seconds")), "", ""],
+        ["`open_after_timeout`", number(result.get("open_after_timeout")), "", ""],
+        ["`overhead_p50_s`", seconds(result.get("overhead_p50_s")), "", ""],
+        ["`overhead_p99_s`", seconds(result.get("overhead_p99_s")), "", ""],
+        [
+            "`history_events_per_incident` (the largest; the median beside it)",
+            f"{number(result.get('history_events_per_incident'))} "
+            f"(median {number(opened.get('history_events_per_incident_p50'))})",
+            cell(targets.get("history_events_per_incident", "")),
+            met(judged.get("history_events_per_incident")),
+        ],
+        [
+            "`worker_peak_rss_mb`",
+            f"{number(result.get('worker_peak_rss_mb'))} MB",
+            cell(targets.get("worker_peak_rss_mb", "")),
+            met(judged.get("worker_peak_rss_mb")),
+        ],
+        ["`guard_held`: the most incidents the default guard held waiting", number(result.get("guard_held")), "", ""],
+        [
+            "`default_guard.past_guard_max`: the most ever past it at once",
+            number(guarded.get("past_guard_max")),
+            f"≤ its limit ({number(limit)})" if limit is not None else "≤ its limit",
+            met(judged.get("guard_never_exceeded")),
+        ],
+        [
+            "every incident of the open burst resolved",
+            cell(", ".join(f"{k}: {number(v)}" for k, v in (opened.get("outcomes") or {}).items()) or NONE),
+            "all resolved",
+            met(judged.get("all_resolved")),
+        ],
+    ]
+    counted = [value for value in judged.values() if value is not None]
+    lines += [
+        "",
+        "### Headline figures",
+        "",
+        "The open burst (the fleet guard wide open), then the guard at its defaults; `met` as the run judged "
+        f"each figure against its target: {sum(1 for v in counted if v is True)} of {len(counted)} judged met"
+        f"{f', {len(judged) - len(counted)} not measured' if len(judged) > len(counted) else ''}.",
+        "",
+        *table(["figure", "measured", "target", "met"], rows),
+        "",
+        "### What limited the burst",
+        "",
+        sentence(f"As the run names it: {result['bound']}") if result.get("bound") else "Not named in this result.",
+        "",
+    ]
+    return lines
+
+
+# -- the page --------------------------------------------------------------------------------------
+
+Renderer = Callable[[Result], list[str]]
+SOURCES: tuple[tuple[str, str, Renderer], ...] = (
+    ("bench.json", "make bench", render_bench),
+    ("chaos.json", "make chaos", render_chaos),
+    ("bench-scale.json", "make bench-scale", render_scale),
+)
+
+
+def render(results: Path = RESULTS) -> str:
+    """The page, from the JSON files in ``results`` alone."""
+    lines = [
+        "# Benchmarks",
+        "",
+        f"<!-- Generated by `{COMMAND}` (python -m bench.report) from docs/results/*.json: do not edit by hand. -->",
+        "",
+        "The figures of the last run kept in `docs/results/`, each with the commit, date and machine it was "
+        "measured on. `make bench`, `make chaos` and `make bench-scale` write their JSON there and regenerate "
+        f"this page; `{COMMAND}` regenerates it alone.",
+        "",
+    ]
+    for file_name, command, renderer in SOURCES:
+        lines += [f"## `{command}`", ""]
+        path = results / file_name
+        if not path.exists():
+            lines += [f"Not measured yet: run `{command}` (it writes `docs/results/{file_name}`).", ""]
+            continue
+        result = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(result, dict):
+            raise ValueError(f"{path}: not a JSON object")
+        lines += [f"From `docs/results/{file_name}`. {provenance_line(result)}", "", *renderer(result)]
+    while lines and not lines[-1]:
+        lines.pop()
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the JSON results (docs/results)")
+    parser.add_argument("--page", type=Path, default=PAGE, help="the page to write (docs/benchmarks.md)")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page is not up to date")
+    args = parser.parse_args(argv)
+    text = render(args.results)
+    if args.check:
+        current = args.page.read_text(encoding="utf-8") if args.page.exists() else None
+        if current != text:
+            print(f"{args.page} is not what {args.results} gives: run `{COMMAND}`", file=sys.stderr)
+            sys.exit(1)
+        return
+    args.page.parent.mkdir(parents=True, exist_ok=True)
+    args.page.write_text(text, encoding="utf-8")
+    print(f"wrote {args.page}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
