@@ -636,7 +636,7 @@ CPU_SATURATED = 0.75
 
 
 def bound(open_run: dict[str, Any]) -> str:
-    """What limited the burst, named for the README: the fleet guard when incidents spent most of
+    """What limited the burst, named for docs/benchmarks.md: the fleet guard when incidents spent most of
     their time waiting for its answer; else the machine's CPU when the server, the worker and the
     emulated API together kept its cores busy (each one's share said); else the process that used
     the most CPU. Workflow tasks that outwaited the worker's sticky queue, histories longer than

@@ -14,7 +14,7 @@ from models.xid import XidEvent
 
 
 class Step(StrEnum):
-    """The remediation steps, in the order of DESIGN.md."""
+    """The remediation steps, in the order of the recovery (docs/remediation.md)."""
 
     CLASSIFY = "classify"
     NOTIFY = "notify"

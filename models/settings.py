@@ -72,7 +72,7 @@ class Settings(BaseSettings):
     # How long a workflow task waits on this worker's own (sticky) queue before the server hands
     # it to the cluster's queue, where any worker takes it and replays the workflow's history.
     # Short: a killed worker's incidents move on within seconds. A worker busy with many
-    # incidents at once can need longer, or every late task is replayed in full (README, scale).
+    # incidents at once can need longer, or every late task is replayed in full (docs/performance.md).
     sticky_timeout_seconds: float = Field(default=3.0, gt=0, le=600)
     # Incidents the worker keeps in memory between their steps (the SDK's workflow cache). One
     # left out is replayed from its history at its next step: fewer is less memory, more CPU.

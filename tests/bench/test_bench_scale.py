@@ -1,6 +1,6 @@
 """`make bench-scale` at a small size, end to end (the real dev server, one real worker, the
 emulated API, Slurm simulated): every incident of the open burst resolves with its job running
-again, the output carries the figures the README reads, and with the guard at its defaults no more
+again, the output carries the figures docs/benchmarks.md reads, and with the guard at its defaults no more
 incidents are ever past it than its limit, as every incident's own history shows."""
 
 from __future__ import annotations

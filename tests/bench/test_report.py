@@ -33,7 +33,7 @@ def drill(resumed: float, overhead: float) -> dict[str, Any]:
     }
 
 
-# The shapes bench/bench.py, lab/chaos.py and bench/bench_scale.py write (figures from the README's runs).
+# The shapes bench/bench.py, lab/chaos.py and bench/bench_scale.py write (figures from earlier runs).
 BENCH = {
     "provenance": PROVENANCE,
     "parse": {
