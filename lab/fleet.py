@@ -314,7 +314,7 @@ class FleetLab:
             "remediation:\n"
             f"  grace_seconds: {self.config.grace_seconds:g}\n"
             "  owner_drained: ask   # a node someone else drained waits for gpufleet approve|reject\n"
-            "# The fleet guard: the defaults (guard: {max_in_flight: 2, max_share: 0.5, ...}); see docs/fleet-guard.md.\n"
+            "# The fleet guard: the defaults (max_in_flight: 2, max_share: 0.5, ...): docs/fleet-guard.md.\n"
             "# Repairs in place: in the lab a repair Job's command runs as a local process standing\n"
             "# for its node (lab/jobrunner.py); lab/repair.py says what a real node would do.\n"
             "repair:\n"
