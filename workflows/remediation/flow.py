@@ -1,0 +1,296 @@
+"""NodeRemediationWorkflow: one incident on one node, from Xid to resumed jobs.
+
+Steps (DESIGN.md): classify, notify, drain in Slurm, SIGTERM and wait for checkpoints,
+requeue, approve, then the failed node's cordon/drain/retire side by side with the
+spare's claim, and finally watch the jobs run again.
+
+What keeps it safe away from the happy path:
+- notifications run beside the flow, each attempt bounded, and never block or fail it;
+- the worker's configuration (grace, timeouts, policy) is read once, through an activity;
+- every activity is short or heartbeats, so a killed worker costs seconds;
+- jobs are signalled and requeued one by one, guarded by their state and restart count;
+- a node someone else drained waits for `gpufleet approve|reject`;
+- the cluster's fleet guard (workflows/guard.py) grants a slot before the first destructive
+  step, so a storm of Xids cannot take the whole cluster down; a node labelled
+  gpufleet.io/remediation=disabled is only recorded; actions the policy names wait for approval;
+- a long wait for a spare continues as new, so the history stays small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+from temporalio import workflow
+from temporalio.exceptions import ActivityError, ApplicationError
+
+from workflows.remediation.approvals import Approvals
+from workflows.remediation.repair import Repair
+from workflows.remediation.replace import Replacement
+
+with workflow.unsafe.imports_passed_through():
+    from activities.kube import KubeActivities
+    from activities.policy import PolicyActivities
+    from activities.slurm import SlurmActivities
+    from models.constants import (
+        GUARD_DECISION_SIGNAL,
+        POOL_RETIRED,
+        REMEDIATION_DISABLED,
+        REMEDIATION_LABEL,
+        REMEDIATION_WORKFLOW,
+        SA_CLUSTER,
+        SA_EVENT_KIND,
+        SA_GPU_NODE,
+        SA_XID,
+        drain_reason,
+        drained_for,
+        held_by_someone_else,
+    )
+    from models.guard import GuardDecision
+    from models.incident import Approval, IncidentStatus, Outcome, RemediationInput, Step
+    from models.policy import Action, OwnerDrained
+    from models.requests import DrainRequest, NodeFacts, NodeLeaseRequest, WorkerConfig
+    from models.xid import XidEvent
+
+
+@workflow.defn(name=REMEDIATION_WORKFLOW)
+class NodeRemediationWorkflow(Approvals, Repair, Replacement):
+    @workflow.init
+    def __init__(self, params: RemediationInput) -> None:
+        super().__init__(params)
+
+    # -- signals and query --------------------------------------------------------------------------
+
+    @workflow.signal
+    def report_xid(self, event: XidEvent) -> None:
+        """Another Xid on this node joins the open incident."""
+        self._events.append(event)
+        self._count_event(event)
+        self._mark(self._status.step, "xid", f"{event.label} from {event.source}")
+
+    @workflow.signal
+    def checkpoint_done(self, job_id: int) -> None:
+        """The job saved its checkpoint: its grace period may end now."""
+        self._checkpointed.add(job_id)
+        if job_id not in self._status.checkpointed:
+            self._status.checkpointed.append(job_id)
+
+    @workflow.signal
+    def spare_available(self) -> None:
+        self._spare_signalled = True
+
+    @workflow.signal
+    def decide(self, approval: Approval) -> None:
+        """An operator's answer (`gpufleet approve|reject`) while the incident awaits approval. An
+        answer that comes when nothing waits, or that was meant for an earlier wait, is dropped:
+        a second `approve` must never pass a later gate."""
+        status = self._status
+        if status.waiting_for_approval is None:
+            return
+        if approval.wait and approval.wait != status.approval_wait:
+            return
+        if approval.incident_id and approval.incident_id != status.incident_id:
+            return  # read from an earlier incident of the same node
+        if self._approval is None:
+            self._approval = approval
+
+    @workflow.signal(name=GUARD_DECISION_SIGNAL)
+    def guard_decision(self, decision: GuardDecision) -> None:
+        """The fleet guard's answer: a slot, or wait (and why); and whether the node is a lemon."""
+        if decision.incident_id == self._status.incident_id:
+            self._guard_decision = decision
+            if not decision.granted and self._status.waiting_for_approval is not None and self._asked_guard:
+                self._status.waiting_for_approval = decision.why  # e.g. a pause became a tripped breaker
+            if decision.quarantine:
+                self._status.quarantine = decision.quarantine_why
+                self._status.quarantine_label = decision.quarantine
+            if decision.escalate_to and not self._status.escalated_by_guard:
+                self._status.escalated_by_guard = f"{decision.escalate_to}: {decision.escalate_why}"
+
+    @workflow.query
+    def status(self) -> IncidentStatus:
+        return self._status
+
+    # -- run ----------------------------------------------------------------------------------------
+
+    @workflow.run
+    async def run(self, params: RemediationInput) -> IncidentStatus:
+        try:
+            if params.carried is not None:
+                await self._continue_carried(params)
+            else:
+                await self._remediate(params)
+        except asyncio.CancelledError:
+            # Cancelled by a person (Temporal UI or CLI): give back an unused spare, say so.
+            self._status.outcome = Outcome.FAILED
+            self._status.error = "cancelled"
+            self._mark(self._status.step, "cancelled")
+            self._count_closed()
+            await self._release_unused_claim()
+            await self._release_slot("cancelled")
+            await self._give_back_node()
+            self._notify("cancelled", f"{self._who()}: the incident was cancelled at {self._status.step}.")
+            await self._flush_notifications()
+            raise
+        except (ActivityError, ApplicationError) as exc:
+            cause = exc.cause if isinstance(exc, ActivityError) else None
+            message = str(cause or exc)
+            self._status.outcome = Outcome.FAILED
+            self._status.error = message
+            self._mark(self._status.step, "failed", message)
+            self._count_closed()
+            await self._release_unused_claim()
+            await self._release_slot(f"failed: {message}")
+            await self._give_back_node()
+            # Never fail silently: tell the owner (beside the flow; bounded).
+            self._notify("failed", f"{self._who()}: gpufleet stopped at {self._status.step}: {message}")
+            await self._flush_notifications()
+            raise ApplicationError(
+                f"incident {self._status.incident_id} failed at {self._status.step}: {message}",
+                type=getattr(cause, "type", None) or getattr(exc, "type", None) or "RemediationFailed",
+                non_retryable=True,
+            ) from exc
+        return self._status
+
+    async def _remediate(self, params: RemediationInput) -> None:
+        status = self._status
+        try:
+            await workflow.wait_condition(lambda: bool(self._events), timeout=timedelta(minutes=5))
+        except TimeoutError:
+            raise ApplicationError("no Xid was reported to this incident", non_retryable=True) from None
+        if params.search_attributes:
+            first = self._events[0]
+            workflow.upsert_search_attributes(
+                [
+                    SA_GPU_NODE.value_set(params.node),
+                    SA_CLUSTER.value_set(params.cluster),
+                    SA_XID.value_set(first.gpu_xid) if first.gpu_xid is not None else SA_XID.value_unset(),
+                    SA_EVENT_KIND.value_set(first.kind.value),
+                ]
+            )
+
+        # 1. classify (and check the node exists before anything is changed)
+        self._enter(Step.CLASSIFY)
+        config: WorkerConfig = await self._activity(
+            PolicyActivities.worker_config, params.cluster, summary="read the worker's settings and policy"
+        )
+        self._settings = status.settings = config.settings
+        self._policy = config.policy
+        node = await self._activity(SlurmActivities.node_state, params.node, summary=f"look up {params.node} in Slurm")
+        status.partitions = list(node.partitions)
+        facts: NodeFacts = await self._activity(
+            KubeActivities.node_facts, params.node, summary=f"look up {params.node} in Kubernetes"
+        )
+        pool: str | None = facts.pool if facts.found else None
+        status.action = await self._classify()
+        self._done(Step.CLASSIFY, f"{status.action} for {self._seen()}")
+        if pool == POOL_RETIRED:
+            await self._record_only(
+                Outcome.ALREADY_RETIRED, "recorded", f"{self._seen()} on a retired node; recorded, nothing to do."
+            )
+            return
+        earlier = drained_for(node.reason) if node.drained or node.state in {"down", "drained"} else None
+        if earlier is not None and earlier in Action.__members__ and status.action.severity <= Action(earlier).severity:
+            await self._record_only(
+                Outcome.AWAITING_REPAIR,
+                "recorded",
+                f"{self._seen()} recorded; the node is already drained for {earlier} ({node.reason}), "
+                f"which covers {status.action}.",
+            )
+            return
+        if status.action is Action.OBSERVE:
+            await self._record_only(Outcome.OBSERVED, "observed", f"{self._seen()} recorded; no action needed.")
+            return
+        if facts.remediation == REMEDIATION_DISABLED:
+            await self._record_only(
+                Outcome.OPTED_OUT,
+                "opted_out",
+                f"{self._seen()} -> {status.action}, but the node is labelled "
+                f"{REMEDIATION_LABEL}={REMEDIATION_DISABLED}: gpufleet recorded it and changed nothing.",
+            )
+            return
+
+        # The node is this incident's from now on, before any wait (an owner's approval, the
+        # fleet guard): a pool move that held it stops at its next step, and none starts.
+        if not self._dry:
+            taken_from: str = await self._activity(
+                KubeActivities.take_node_lease,
+                NodeLeaseRequest(node=params.node, holder=status.incident_id),
+                summary=f"hold {params.node} (gpufleet.io/lease)",
+            )
+            status.node_leased = True
+            if taken_from:
+                self._mark(Step.CLASSIFY, "took the node", f"from {taken_from}, which stops where it is")
+
+        # 2. notify, beside the flow: the drain never waits for the webhook
+        self._enter(Step.NOTIFY)
+        self._notify(
+            "opened",
+            f"{self._who()}: {self._lead().label} -> {status.action}. gpufleet is draining the node, "
+            "checkpointing and requeueing its jobs. No action is needed from you.",
+        )
+        self._done(Step.NOTIFY, "sent beside the flow")
+
+        # A node someone else took out of service is theirs until they say otherwise.
+        held = held_by_someone_else(node.reason)
+        if (
+            held
+            and self._settings.owner_drained is OwnerDrained.ASK
+            and not await self._await_approval(f"{params.node} is held by someone else: {node.reason!r}")
+        ):
+            return
+
+        # The cluster's fleet guard lets this incident take the node down, or makes it wait.
+        if self._dry:
+            self._mark(Step.GUARD, "dry run", "the fleet guard is not asked: a dry run takes no slot")
+        elif not await self._guard_slot():
+            return
+
+        # 3. drain in Slurm
+        self._enter(Step.DRAIN_SLURM)
+        node = await self._activity(
+            SlurmActivities.drain_node,
+            DrainRequest(
+                node=params.node,
+                reason=drain_reason(
+                    event=self._lead().reason_word, action=status.action.value, incident_id=status.incident_id
+                ),
+                dry_run=self._dry,
+            ),
+            summary=f"drain {params.node} in Slurm",
+        )
+        self._done(Step.DRAIN_SLURM, f"state={node.state} reason={node.reason!r}")
+        self._took_node = not self._dry
+        # Someone else drained it since we looked: theirs until they say otherwise, as above.
+        if (
+            held_by_someone_else(node.reason)
+            and status.approval is None
+            and self._settings.owner_drained is OwnerDrained.ASK
+            and not await self._await_approval(f"{params.node} was drained by someone else: {node.reason!r}")
+        ):
+            return
+
+        # 4. SIGTERM each job once, and wait for checkpoints
+        await self._checkpoint()
+
+        # 5. requeue, one job at a time, each guarded by its state and restart count
+        await self._requeue()
+
+        # 6. approve: later Xids may have made it worse
+        self._enter(Step.APPROVE)
+        status.action = self._at_least(await self._classify())
+        if not await self._approval_gate():
+            return
+        self._done(Step.APPROVE, f"{status.action} by policy")
+        if status.action is not Action.REPLACE_NODE:
+            # RESET_GPU or REBOOT_NODE, in place; escalating, up to REPLACE_NODE, if it does not hold.
+            if await self._repair():
+                await self._repaired()
+                return
+            if not await self._approval_gate():
+                return
+
+        # 7 and 8, side by side: the failed node is retired while the spare joins, and the
+        # jobs may run again as soon as the spare is in (9), whatever the retirement still does.
+        await self._side_by_side(self._retire(params), self._replace_and_resume(params))
+        await self._resolved(params)

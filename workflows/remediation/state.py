@@ -1,0 +1,89 @@
+"""What every part of an incident reads and changes: its state, and the one way it calls an activity."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.workflow import ActivityCancellationType
+
+from workflows.retries import HEARTBEAT, RETRY_UNTIL_BACK, SHORT_STEP
+
+with workflow.unsafe.imports_passed_through():
+    from activities.policy import PolicyActivities
+    from models.guard import GuardDecision
+    from models.incident import Approval, IncidentStatus, RemediationInput
+    from models.policy import Action, Policy, RemediationSettings
+    from models.requests import ClassifyRequest
+    from models.xid import XidEvent
+
+
+class IncidentState:
+    """The incident's state, set up before any signal is handled (a signal may come with the start)."""
+
+    def __init__(self, params: RemediationInput) -> None:
+        self._input = params
+        self._checkpointed: set[int] = set()
+        self._spare_signalled = False
+        self._approval: Approval | None = None
+        self._deliveries: list[asyncio.Task[None]] = []
+        self._retire_finished = False
+        self._claim_attempted = params.carried is not None
+        self._settings = RemediationSettings()
+        self._policy: Policy | None = None
+        self._restarts_before: dict[int, int] = {}
+        self._classified = 0
+        self._dry = params.dry_run
+        self._asked_guard = False
+        # A continued run is past the drain already.
+        self._took_node = params.carried is not None and not params.dry_run
+        # The least action this incident may take (the fleet guard's escalation of a repeat failure).
+        self._floor: Action | None = None
+        self._guard_decision: GuardDecision | None = None
+        self._counted = False  # in gpufleet_incidents_total (once, whichever way the incident ends)
+        if params.carried is not None:
+            self._status = params.carried.status
+            self._events: list[XidEvent] = list(params.carried.events)
+            self._restarts_before = dict(params.carried.restarts_before)
+        else:
+            self._events = list(params.pending_events)
+            prefix = "dryrun-" if params.dry_run else ""
+            self._status = IncidentStatus(
+                incident_id=f"{prefix}{params.cluster}-{params.node}-{workflow.info().start_time:%Y%m%dT%H%M%SZ}",
+                cluster=params.cluster,
+                node=params.node,
+                dry_run=params.dry_run,
+            )
+            for event in params.pending_events:
+                self._count_event(event)
+
+    def _count_event(self, event: XidEvent) -> None:
+        if event.gpu_xid is not None and event.gpu_xid not in self._status.xids:
+            self._status.xids.append(event.gpu_xid)
+        if event.label not in self._status.events:
+            self._status.events.append(event.label)
+
+    async def _activity(self, method: Any, *args: Any, summary: str, timeout: timedelta = SHORT_STEP) -> Any:
+        return await workflow.execute_activity_method(
+            method,
+            args=args,
+            start_to_close_timeout=timeout,
+            heartbeat_timeout=HEARTBEAT,
+            retry_policy=RETRY_UNTIL_BACK,
+            summary=summary,
+            # A cancelled branch (the other one failed) waits for its activity to end, so that
+            # nothing it was doing (a claim, a drain) goes on behind the incident's back.
+            cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+        )
+
+    async def _classify(self) -> Action:
+        events = list(self._events)
+        action: Action = await self._activity(
+            PolicyActivities.classify,
+            ClassifyRequest(node=self._input.node, events=events, policy=self._policy),
+            summary="classify the Xids",
+        )
+        self._classified = len(events)
+        return action

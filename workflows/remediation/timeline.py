@@ -1,0 +1,129 @@
+"""The incident's timeline, what the Temporal UI shows of it, and its metrics.
+
+The timeline is the incident's record (`gpufleet status` prints it); metrics go through
+workflow.metric_meter(), so nothing is recorded while a history is replayed.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from temporalio import workflow
+
+from workflows.remediation.state import IncidentState
+
+with workflow.unsafe.imports_passed_through():
+    from models.constants import SA_STEP
+    from models.incident import Step, TimelineEntry, seen
+    from models.metrics import (
+        INCIDENTS,
+        INCIDENTS_HELP,
+        STEP_DURATION,
+        STEP_DURATION_HELP,
+        STEP_STARTED,
+        STEP_STARTED_HELP,
+    )
+    from models.policy import Policy
+    from models.xid import XidEvent
+
+
+def deciding_event(events: list[XidEvent], policy: Policy | None) -> XidEvent:
+    """The event that decided the action: the first of the most disruptive ones (pure policy,
+    so the same on replay)."""
+    if policy is None:
+        return events[0]
+    return max(events, key=lambda event: policy.action_for(event).severity)
+
+
+def open_steps(timeline: list[TimelineEntry]) -> dict[Step, datetime]:
+    """The steps started and not finished, each with the first start of its span (a continued
+    run's wait for a spare keeps the start of the first run's)."""
+    opened: dict[Step, datetime] = {}
+    for entry in timeline:
+        if entry.step is Step.CLOSED:
+            continue
+        if entry.event == "started":
+            opened.setdefault(entry.step, entry.at)
+        elif entry.event == "finished":
+            opened.pop(entry.step, None)
+            if entry.step is Step.CLAIM_SPARE:  # a spare claimed ends the wait for one
+                opened.pop(Step.WAIT_FOR_SPARE, None)
+    return opened
+
+
+class Timeline(IncidentState):
+    def _enter(self, step: Step) -> None:
+        self._status.step = step
+        self._mark(step, "started")
+        # What the Temporal UI shows for the incident while it runs, and once it is over.
+        workflow.set_current_details(
+            f"{self._input.node} {self._seen()}: {step.value}, outcome {self._status.outcome.value}"
+        )
+        if self._input.search_attributes:
+            workflow.upsert_search_attributes([SA_STEP.value_set(step.value)])
+
+    def _done(self, step: Step, detail: str = "") -> None:
+        self._mark(step, "finished", detail)
+
+    def _mark(self, step: Step, event: str, detail: str = "") -> None:
+        at = workflow.now()
+        if event in ("started", "finished"):
+            self._measure_step(step, event, at)
+        self._status.timeline.append(TimelineEntry(step=step, event=event, at=at, detail=detail))
+
+    def _seen(self) -> str:
+        return seen(self._status)
+
+    def _who(self) -> str:
+        return f"[{self._status.incident_id}] {self._input.node}"
+
+    def _lead(self) -> XidEvent:
+        return deciding_event(self._events, self._policy)
+
+    def _measure_step(self, step: Step, event: str, at: datetime) -> None:
+        """A step's start (its gauge) or end (its duration, the gauge back to 0); dry runs not."""
+        if self._dry or step is Step.CLOSED or workflow.unsafe.is_replaying():
+            return
+        opened = open_steps(self._status.timeline)
+        meter = workflow.metric_meter()
+        started = meter.create_gauge_float(STEP_STARTED, STEP_STARTED_HELP, "s")
+        # By node, not by incident: a node has one open incident at a time, and the series stay
+        # as many as the nodes that ever failed (incident IDs would grow without bound).
+        labels = {"cluster": self._input.cluster, "node": self._input.node}
+        if event == "started":
+            started.set(opened.get(step, at).timestamp(), {**labels, "step": step.value})
+            return
+        durations = meter.create_histogram_float(STEP_DURATION, STEP_DURATION_HELP, "s")
+        for ended in (step, Step.WAIT_FOR_SPARE) if step is Step.CLAIM_SPARE else (step,):
+            since = opened.get(ended)
+            if since is None:
+                continue
+            seconds = max(0.0, (at - since).total_seconds())
+            durations.record(seconds, {"cluster": self._input.cluster, "step": ended.value})
+            started.set(0.0, {**labels, "step": ended.value})
+
+    def _count_closed(self) -> None:
+        """The incident in gpufleet_incidents_total, once; every step it left open back to 0."""
+        if self._counted or self._dry:
+            return
+        self._counted = True
+        if workflow.unsafe.is_replaying():
+            return
+        status, meter = self._status, workflow.metric_meter()
+        started = meter.create_gauge_float(STEP_STARTED, STEP_STARTED_HELP, "s")
+        for step in open_steps(self._status.timeline):
+            started.set(0.0, {"cluster": self._input.cluster, "node": self._input.node, "step": step.value})
+        if self._events:
+            lead = self._lead()
+            xid = str(lead.gpu_xid) if lead.gpu_xid is not None else lead.kind.value
+        else:
+            xid = "none"
+        meter.create_counter(INCIDENTS, INCIDENTS_HELP).add(
+            1,
+            {
+                "cluster": self._input.cluster,
+                "xid": xid,
+                "action": status.action.value if status.action else "none",
+                "outcome": status.outcome.value,
+            },
+        )
