@@ -42,28 +42,28 @@ class Approvals(Closing):
         status = self._status
         self._enter(Step.AWAITING_APPROVAL)
         status.outcome = Outcome.AWAITING_APPROVAL
-        self._start_wait(why)
+        self._start_approval_wait(why)
         if notice:
             self._notify("approval_needed", notice)
         while True:
             try:
-                await workflow.wait_condition(lambda: self._approval is not None or or_until(), timeout=every)
+                await workflow.wait_condition(lambda: self._answer is not None or or_until(), timeout=every)
                 return
             except TimeoutError:
                 if meanwhile is not None:
                     await meanwhile()
 
-    def _start_wait(self, why: str) -> None:
+    def _start_approval_wait(self, why: str) -> None:
         """A new wait for `gpufleet approve|reject`: answers to earlier ones do not count."""
         status = self._status
-        self._approval = None
+        self._answer = None
         status.approval_wait += 1
         status.waiting_for_approval = why
 
-    def _answered(self) -> Approval:
+    def _take_answer(self) -> Approval:
         """Record the answer to the current wait: the incident's approval and outcome, the verdict
         in the timeline, nothing waiting any more (a later wait needs its own answer)."""
-        approval, self._approval = self._approval, None
+        approval, self._answer = self._answer, None
         assert approval is not None
         status = self._status
         status.approval = approval
@@ -73,25 +73,25 @@ class Approvals(Closing):
         status.outcome = Outcome.OPEN if approval.approved else Outcome.REJECTED
         return approval
 
-    async def _await_approval(self, why: str) -> bool:
+    async def _owner_drained_gate(self, why: str) -> bool:
         """Wait for `gpufleet approve|reject`; True to go on. Nothing has been changed yet."""
         status = self._status
-        if self._dry:
+        if self._dry_run:
             self._mark(Step.AWAITING_APPROVAL, "dry run", f"would wait for approval: {why}")
             return True
         await self._wait_for_answer(
             why,
-            notice=f"{self._who()}: {why}. gpufleet has changed nothing and waits: "
+            notice=f"{self._message_prefix()}: {why}. gpufleet has changed nothing and waits: "
             f"`gpufleet approve {status.incident_id}` to go on, `gpufleet reject {status.incident_id}` to leave it.",
         )
-        approval = self._answered()
+        approval = self._take_answer()
         if approval.approved:
             return True
-        self._notify("rejected", f"{self._who()}: rejected by {approval.by or '?'}; nothing was changed.")
+        self._notify("rejected", f"{self._message_prefix()}: rejected by {approval.by or '?'}; nothing was changed.")
         await self._close()
         return False
 
-    async def _guard_slot(self) -> bool:
+    async def _guard_gate(self) -> bool:
         """Ask the cluster's fleet guard for a slot; wait while it holds (breaker tripped, paused),
         unless a person approves this incident past it. True to go on; nothing changed yet."""
         decision = await self._ask_for_slot()
@@ -115,11 +115,11 @@ class Approvals(Closing):
         )
         status.waiting_for_approval = None
         status.outcome = Outcome.OPEN
-        if self._approval is None:
+        if self._answer is None:
             granted = self._guard_decision.why if self._guard_decision else ""
             self._hold_slot(Step.AWAITING_APPROVAL, f"slot granted: {granted}")
             return True
-        approval, self._approval = self._approval, None
+        approval, self._answer = self._answer, None
         status.approval = approval
         command = GuardCommand(incident_id=status.incident_id, by=approval.by, reason=approval.reason)
         if approval.approved:
@@ -130,11 +130,11 @@ class Approvals(Closing):
             return True
         status.outcome = Outcome.REJECTED
         self._done(Step.AWAITING_APPROVAL, f"rejected by {approval.by or '?'}: {approval.reason}".strip())
-        self._notify("rejected", f"{self._who()}: rejected by {approval.by or '?'}; nothing was changed.")
+        self._notify("rejected", f"{self._message_prefix()}: rejected by {approval.by or '?'}; nothing was changed.")
         await self._close()
         return False
 
-    async def _approval_gate(self) -> bool:
+    async def _policy_gate(self) -> bool:
         """An action the policy names waits for `gpufleet approve|reject`, reminding the owner.
         The node is drained and its jobs requeued already; a rejection leaves it so."""
         status = self._status
@@ -142,7 +142,7 @@ class Approvals(Closing):
         if status.action not in self._policy.guard.require_approval:
             return True
         why = f"{status.action} needs approval in cluster {status.cluster}"
-        if self._dry:
+        if self._dry_run:
             self._mark(Step.APPROVE, "dry run", f"would wait for approval: {why}")
             return True
         ask = (
@@ -151,20 +151,20 @@ class Approvals(Closing):
         )
 
         async def remind() -> None:
-            self._notify("approval_reminder", f"{self._who()}: still waiting: {why}; {ask}.")
+            self._notify("approval_reminder", f"{self._message_prefix()}: still waiting: {why}; {ask}.")
 
         await self._wait_for_answer(
             why,
-            notice=f"{self._who()}: {why}. The node is drained and its jobs are requeued; {ask}.",
+            notice=f"{self._message_prefix()}: {why}. The node is drained and its jobs are requeued; {ask}.",
             every=timedelta(seconds=self._policy.guard.approval_reminder_seconds),
             meanwhile=remind,
         )
-        approval = self._answered()
+        approval = self._take_answer()
         if approval.approved:
             return True
         self._notify(
             "rejected",
-            f"{self._who()}: {status.action} rejected by {approval.by or '?'}. The node stays drained "
+            f"{self._message_prefix()}: {status.action} rejected by {approval.by or '?'}. The node stays drained "
             "and its jobs stay requeued; `gpufleet nodes return NODE` once it is repaired.",
         )
         await self._close()

@@ -25,7 +25,7 @@ class Closing(GuardSlot, Notifications):
     async def _record_only(self, outcome: Outcome, kind: str, text: str) -> None:
         """Close without touching the node: the outcome, one message to the owner, the close."""
         self._status.outcome = outcome
-        self._notify(kind, f"{self._who()}: {text}")
+        self._notify(kind, f"{self._message_prefix()}: {text}")
         await self._close()
 
     async def _close(self) -> None:
@@ -36,8 +36,8 @@ class Closing(GuardSlot, Notifications):
         self._mark(Step.CLOSED, self._status.outcome.value)
         self._count_closed()
         await self._flush_notifications()
-        late = self._events[self._classified :]
-        if late and self._classified:
+        late = self._events[self._events_classified :]
+        if late and self._events_classified:
             # Xids that arrived after the last classification (while messages were still going
             # out) would be lost with this run: they open the node's next incident instead.
             workflow.continue_as_new(
@@ -46,14 +46,14 @@ class Closing(GuardSlot, Notifications):
                     node=self._input.node,
                     search_attributes=self._input.search_attributes,
                     pending_events=late,
-                    dry_run=self._dry,
+                    dry_run=self._dry_run,
                 )
             )
 
     async def _quarantine(self) -> None:
         """A lemon this incident took out of service stays out: labelled quarantined."""
         status = self._status
-        if not (status.quarantine_label and self._took_node) or status.quarantined:
+        if not (status.quarantine_label and self._took_node_out) or status.quarantined:
             return
         await self._activity(
             SpareActivities.quarantine_node,
@@ -70,7 +70,7 @@ class Closing(GuardSlot, Notifications):
         self._mark(status.step, "quarantined", f"{QUARANTINE_LABEL}={status.quarantine_label}: {status.quarantine}")
         self._notify(
             "quarantined",
-            f"{self._who()}: {self._input.node} is quarantined ({status.quarantine}): never a spare, and "
+            f"{self._message_prefix()}: {self._input.node} is quarantined ({status.quarantine}): never a spare, and "
             f"`gpufleet nodes return` refuses it until `gpufleet nodes release {self._input.node}`.",
         )
 
@@ -89,7 +89,7 @@ class Closing(GuardSlot, Notifications):
 
     async def _release_unused_claim(self) -> None:
         """A spare claimed but never brought into service goes back to the pool."""
-        if self._status.spare is not None or not self._claim_attempted or self._dry:
+        if self._status.spare is not None or not self._claim_attempted or self._dry_run:
             return
         with contextlib.suppress(ActivityError):
             released = await self._activity(

@@ -91,8 +91,8 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
             return
         if approval.incident_id and approval.incident_id != status.incident_id:
             return  # read from an earlier incident of the same node
-        if self._approval is None:
-            self._approval = approval
+        if self._answer is None:
+            self._answer = approval
 
     @workflow.signal(name=GUARD_DECISION_SIGNAL)
     def guard_decision(self, decision: GuardDecision) -> None:
@@ -129,7 +129,7 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
             await self._release_unused_claim()
             await self._release_slot("cancelled")
             await self._give_back_node()
-            self._notify("cancelled", f"{self._who()}: the incident was cancelled at {self._status.step}.")
+            self._notify("cancelled", f"{self._message_prefix()}: the incident was cancelled at {self._status.step}.")
             await self._flush_notifications()
             raise
         except (ActivityError, ApplicationError) as exc:
@@ -143,7 +143,7 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
             await self._release_slot(f"failed: {message}")
             await self._give_back_node()
             # Never fail silently: tell the owner (beside the flow; bounded).
-            self._notify("failed", f"{self._who()}: gpufleet stopped at {self._status.step}: {message}")
+            self._notify("failed", f"{self._message_prefix()}: gpufleet stopped at {self._status.step}: {message}")
             await self._flush_notifications()
             raise ApplicationError(
                 f"incident {self._status.incident_id} failed at {self._status.step}: {message}",
@@ -183,10 +183,12 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
         )
         pool: str | None = facts.pool if facts.found else None
         status.action = await self._classify()
-        self._done(Step.CLASSIFY, f"{status.action} for {self._seen()}")
+        self._done(Step.CLASSIFY, f"{status.action} for {self._events_seen()}")
         if pool == POOL_RETIRED:
             await self._record_only(
-                Outcome.ALREADY_RETIRED, "recorded", f"{self._seen()} on a retired node; recorded, nothing to do."
+                Outcome.ALREADY_RETIRED,
+                "recorded",
+                f"{self._events_seen()} on a retired node; recorded, nothing to do.",
             )
             return
         earlier = drained_for(node.reason) if node.drained or node.state in {"down", "drained"} else None
@@ -194,25 +196,25 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
             await self._record_only(
                 Outcome.AWAITING_REPAIR,
                 "recorded",
-                f"{self._seen()} recorded; the node is already drained for {earlier} ({node.reason}), "
+                f"{self._events_seen()} recorded; the node is already drained for {earlier} ({node.reason}), "
                 f"which covers {status.action}.",
             )
             return
         if status.action is Action.OBSERVE:
-            await self._record_only(Outcome.OBSERVED, "observed", f"{self._seen()} recorded; no action needed.")
+            await self._record_only(Outcome.OBSERVED, "observed", f"{self._events_seen()} recorded; no action needed.")
             return
         if facts.remediation == REMEDIATION_DISABLED:
             await self._record_only(
                 Outcome.OPTED_OUT,
                 "opted_out",
-                f"{self._seen()} -> {status.action}, but the node is labelled "
+                f"{self._events_seen()} -> {status.action}, but the node is labelled "
                 f"{REMEDIATION_LABEL}={REMEDIATION_DISABLED}: gpufleet recorded it and changed nothing.",
             )
             return
 
         # The node is this incident's from now on, before any wait (an owner's approval, the
         # fleet guard): a pool move that held it stops at its next step, and none starts.
-        if not self._dry:
+        if not self._dry_run:
             taken_from: str = await self._activity(
                 KubeActivities.take_node_lease,
                 NodeLeaseRequest(node=params.node, holder=status.incident_id),
@@ -226,8 +228,8 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
         self._enter(Step.NOTIFY)
         self._notify(
             "opened",
-            f"{self._who()}: {self._lead().label} -> {status.action}. gpufleet is draining the node, "
-            "checkpointing and requeueing its jobs. No action is needed from you.",
+            f"{self._message_prefix()}: {self._deciding_event().label} -> {status.action}. gpufleet is draining "
+            "the node, checkpointing and requeueing its jobs. No action is needed from you.",
         )
         self._done(Step.NOTIFY, "sent beside the flow")
 
@@ -236,14 +238,14 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
         if (
             held
             and self._settings.owner_drained is OwnerDrained.ASK
-            and not await self._await_approval(f"{params.node} is held by someone else: {node.reason!r}")
+            and not await self._owner_drained_gate(f"{params.node} is held by someone else: {node.reason!r}")
         ):
             return
 
         # The cluster's fleet guard lets this incident take the node down, or makes it wait.
-        if self._dry:
+        if self._dry_run:
             self._mark(Step.GUARD, "dry run", "the fleet guard is not asked: a dry run takes no slot")
-        elif not await self._guard_slot():
+        elif not await self._guard_gate():
             return
 
         # 3. drain in Slurm
@@ -253,44 +255,44 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
             DrainRequest(
                 node=params.node,
                 reason=drain_reason(
-                    event=self._lead().reason_word, action=status.action.value, incident_id=status.incident_id
+                    event=self._deciding_event().reason_word, action=status.action.value, incident_id=status.incident_id
                 ),
-                dry_run=self._dry,
+                dry_run=self._dry_run,
             ),
             summary=f"drain {params.node} in Slurm",
         )
         self._done(Step.DRAIN_SLURM, f"state={node.state} reason={node.reason!r}")
-        self._took_node = not self._dry
+        self._took_node_out = not self._dry_run
         # Someone else drained it since we looked: theirs until they say otherwise, as above.
         if (
             held_by_someone_else(node.reason)
             and status.approval is None
             and self._settings.owner_drained is OwnerDrained.ASK
-            and not await self._await_approval(f"{params.node} was drained by someone else: {node.reason!r}")
+            and not await self._owner_drained_gate(f"{params.node} was drained by someone else: {node.reason!r}")
         ):
             return
 
         # 4. SIGTERM each job once, and wait for checkpoints
-        await self._checkpoint()
+        await self._checkpoint_jobs()
 
         # 5. requeue, one job at a time, each guarded by its state and restart count
-        await self._requeue()
+        await self._requeue_jobs()
 
         # 6. approve: later Xids may have made it worse
         self._enter(Step.APPROVE)
-        status.action = self._at_least(await self._classify())
-        if not await self._approval_gate():
+        status.action = self._raised_to_least_action(await self._classify())
+        if not await self._policy_gate():
             return
         self._done(Step.APPROVE, f"{status.action} by policy")
         if status.action is not Action.REPLACE_NODE:
             # RESET_GPU or REBOOT_NODE, in place; escalating, up to REPLACE_NODE, if it does not hold.
             if await self._repair():
-                await self._repaired()
+                await self._return_to_service()
                 return
-            if not await self._approval_gate():
+            if not await self._policy_gate():
                 return
 
         # 7 and 8, side by side: the failed node is retired while the spare joins, and the
         # jobs may run again as soon as the spare is in (9), whatever the retirement still does.
         await self._side_by_side(self._retire(params), self._replace_and_resume(params))
-        await self._resolved(params)
+        await self._close_resolved(params)

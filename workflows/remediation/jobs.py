@@ -34,7 +34,7 @@ RESUME_WATCH_SECONDS = 5.0
 
 
 class Jobs(Notifications):
-    async def _checkpoint(self) -> None:
+    async def _checkpoint_jobs(self) -> None:
         """SIGTERM each job once, and wait for their checkpoints."""
         status = self._status
         node = self._input.node
@@ -49,7 +49,7 @@ class Jobs(Notifications):
                         job_id=job.job_id,
                         restarts_before=job.restarts,
                         incident_id=status.incident_id,
-                        dry_run=self._dry,
+                        dry_run=self._dry_run,
                     ),
                     summary=f"SIGTERM job {job.job_id}",
                 )
@@ -60,15 +60,15 @@ class Jobs(Notifications):
         for result in results:
             if not result.signalled:
                 status.skipped[result.job_id] = result.why
-        if status.signalled and self._dry:
+        if status.signalled and self._dry_run:
             detail = f"dry run: would wait up to {self._settings.grace_seconds:g}s for checkpoints"
         elif status.signalled:
-            detail = await self._grace(status.signalled, self._settings.grace_seconds)
+            detail = await self._wait_for_checkpoints(status.signalled, self._settings.grace_seconds)
         else:
             detail = "no running jobs on the node"
         self._done(Step.CHECKPOINT, detail)
 
-    async def _grace(self, job_ids: list[int], grace_seconds: float) -> str:
+    async def _wait_for_checkpoints(self, job_ids: list[int], grace_seconds: float) -> str:
         """Wait until the jobs stopped or reported their checkpoints, at most the grace period.
 
         Most jobs save and exit within seconds of SIGTERM, so the first checks are activities
@@ -106,7 +106,7 @@ class Jobs(Notifications):
             # At most about 200 checks however long the grace: the history stays small.
             interval = min(interval * 1.5, max(5.0, grace_seconds / 200))
 
-    async def _requeue(self) -> None:
+    async def _requeue_jobs(self) -> None:
         """Requeue the jobs, one at a time, each guarded by its state and restart count."""
         status = self._status
         self._enter(Step.REQUEUE)
@@ -119,7 +119,7 @@ class Jobs(Notifications):
                         restarts_before=job.restarts,
                         signalled=job.job_id in status.signalled,
                         incident_id=status.incident_id,
-                        dry_run=self._dry,
+                        dry_run=self._dry_run,
                     ),
                     summary=f"requeue job {job.job_id}",
                 )
@@ -144,7 +144,7 @@ class Jobs(Notifications):
     def _unrequeued_text(self, failed: dict[int, str]) -> str:
         owners = {job.job_id: job.user for job in self._status.jobs}
         lines = [f"job {job_id} (owner {owners.get(job_id, '?')}): {why}" for job_id, why in failed.items()]
-        return f"{self._who()}: these jobs could not be requeued; please resubmit them:\n" + "\n".join(lines)
+        return f"{self._message_prefix()}: these jobs could not be requeued; please resubmit them:\n" + "\n".join(lines)
 
     async def _wait_resumed(self, job_ids: list[int]) -> list[JobInfo]:
         """Until every requeued job runs again: watched checks first, then timers backing off to 30 s."""

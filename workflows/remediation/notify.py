@@ -22,14 +22,14 @@ class Notifications(Timeline):
         """Send a message beside the flow; its outcome lands in the timeline and the status."""
         record = NotificationRecord(kind=kind, at=workflow.now())
         self._status.notifications.append(record)
-        if self._dry:
+        if self._dry_run:
             record.outcome = "dry_run"
             self._mark(self._status.step, f"dry run: would notify {kind}", text)
             return
         request = NotifyRequest(kind=kind, text=text, incident=self._status.model_copy(deep=True))
-        self._deliveries.append(asyncio.create_task(self._deliver(record, request)))
+        self._notifications_in_flight.append(asyncio.create_task(self._send_notification(record, request)))
 
-    async def _deliver(self, record: NotificationRecord, request: NotifyRequest) -> None:
+    async def _send_notification(self, record: NotificationRecord, request: NotifyRequest) -> None:
         try:
             attempt: int = await workflow.execute_activity_method(
                 NotifyActivities.notify,
@@ -53,6 +53,6 @@ class Notifications(Timeline):
 
     async def _flush_notifications(self) -> None:
         """Let messages in flight finish (each is bounded by NOTIFY_BUDGET) before the run ends."""
-        while self._deliveries:
-            pending, self._deliveries = self._deliveries, []
+        while self._notifications_in_flight:
+            pending, self._notifications_in_flight = self._notifications_in_flight, []
             await asyncio.gather(*pending)

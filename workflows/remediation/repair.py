@@ -29,14 +29,16 @@ class Repair(Closing, Jobs):
         if at_least is not None and at_least.severity > after.severity:
             after = at_least
         before, status.action = status.action, after
-        self._floor = status.action
+        self._least_action = status.action
         self._mark(status.step, "escalated", f"{before} -> {status.action}: {why}")
-        self._notify("escalated", f"{self._who()}: {before} did not hold ({why}); escalated to {status.action}.")
+        self._notify(
+            "escalated", f"{self._message_prefix()}: {before} did not hold ({why}); escalated to {status.action}."
+        )
 
-    def _gpu(self) -> str:
+    def _failed_gpu(self) -> str:
         """The failed GPU as the driver named it (UUID, else PCI address), from the deciding event."""
-        lead = self._lead()
-        return lead.gpu_uuid or lead.pci or ""
+        deciding = self._deciding_event()
+        return deciding.gpu_uuid or deciding.pci or ""
 
     async def _repair(self) -> bool:
         """RESET_GPU or REBOOT_NODE through a Job pinned to the node, then a settle period without
@@ -55,9 +57,9 @@ class Repair(Closing, Jobs):
                 action=status.action,
                 incident_id=status.incident_id,
                 attempt=attempt,
-                gpu=self._gpu(),
+                gpu=self._failed_gpu(),
                 settings=settings,
-                dry_run=self._dry,
+                dry_run=self._dry_run,
             )
             try:
                 result: RepairResult = await self._activity(
@@ -87,7 +89,7 @@ class Repair(Closing, Jobs):
                 self._escalate(result.detail or f"Job {result.job} failed")
                 continue
             self._done(Step.REPAIR, result.detail or f"Job {result.job} completed")
-            if self._dry:
+            if self._dry_run:
                 return True
             self._enter(Step.SETTLE)
             try:
@@ -102,12 +104,12 @@ class Repair(Closing, Jobs):
             self._escalate(f"{self._events[-1].label} while settling", at_least=late)
         return False
 
-    async def _repaired(self) -> None:
+    async def _return_to_service(self) -> None:
         """The node back into service in Slurm, the jobs running again, the owner told."""
         status = self._status
         node: NodeInfo = await self._activity(
             SlurmActivities.resume_node,
-            ResumeNodeRequest(node=self._input.node, incident_id=status.incident_id, dry_run=self._dry),
+            ResumeNodeRequest(node=self._input.node, incident_id=status.incident_id, dry_run=self._dry_run),
             summary=f"resume {self._input.node} in Slurm",
         )
         if node.drained or node.state in {"down", "drained"}:
@@ -116,14 +118,14 @@ class Repair(Closing, Jobs):
             self._mark(Step.SETTLE, "held", f"repaired, but drained by someone else: {node.reason!r}")
             self._notify(
                 "awaiting_repair",
-                f"{self._who()}: {status.action} done, but the node was drained meanwhile by someone else "
+                f"{self._message_prefix()}: {status.action} done, but the node was drained meanwhile by someone else "
                 f"({node.reason!r}); gpufleet leaves it to them. Its jobs are requeued.",
             )
             await self._close()
             return
         self._mark(Step.SETTLE, "back in service", f"state={node.state} reason={node.reason!r}")
         self._enter(Step.RESUME)
-        if self._dry:
+        if self._dry_run:
             self._done(Step.RESUME, "dry run: would wait for the jobs to run again")
         elif status.requeued:
             status.jobs = await self._wait_resumed(status.requeued)
@@ -133,7 +135,7 @@ class Repair(Closing, Jobs):
         status.outcome = Outcome.RESOLVED
         self._notify(
             "resolved",
-            f"{self._who()}: resolved by {status.action} in place; {self._input.node} is back in service, "
+            f"{self._message_prefix()}: resolved by {status.action} in place; {self._input.node} is back in service, "
             f"{len(status.requeued)} job(s) running again.",
         )
         await self._close()

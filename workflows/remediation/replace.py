@@ -49,20 +49,20 @@ class Replacement(Closing, Jobs):
     async def _continue_carried(self, params: RemediationInput) -> None:
         """A run continued as new while waiting for a spare: the retirement is done, wait on."""
         self._retire_finished = True
-        self._classified = self._input.carried.classified if self._input.carried else len(self._events)
+        self._events_classified = self._input.carried.classified if self._input.carried else len(self._events)
         self._settings = self._status.settings or RemediationSettings()
         self._mark(Step.WAIT_FOR_SPARE, "continued", "history continued as new")
         await self._replace_and_resume(params)
-        await self._resolved(params)
+        await self._close_resolved(params)
 
-    async def _resolved(self, params: RemediationInput) -> None:
+    async def _close_resolved(self, params: RemediationInput) -> None:
         status = self._status
         status.outcome = Outcome.RESOLVED
-        if self._dry:
+        if self._dry_run:
             self._mark(Step.RESUME, "dry run", "resolved as planned; nothing was changed")
         self._notify(
             "resolved",
-            f"{self._who()}: resolved. {params.node} replaced by {status.spare}; "
+            f"{self._message_prefix()}: resolved. {params.node} replaced by {status.spare}; "
             f"{len(status.requeued)} job(s) running again.",
         )
         await self._close()
@@ -75,7 +75,7 @@ class Replacement(Closing, Jobs):
                 node=params.node,
                 incident_id=self._status.incident_id,
                 eviction_timeout_seconds=self._settings.eviction_timeout_seconds,
-                dry_run=self._dry,
+                dry_run=self._dry_run,
             ),
             summary=f"cordon and drain {params.node} in Kubernetes",
             timeout=KUBE_DRAIN_STEP,
@@ -89,7 +89,7 @@ class Replacement(Closing, Jobs):
         self._enter(Step.RETIRE_NODE)
         await self._activity(
             SpareActivities.retire_node,
-            RetireRequest(node=params.node, incident_id=self._status.incident_id, dry_run=self._dry),
+            RetireRequest(node=params.node, incident_id=self._status.incident_id, dry_run=self._dry_run),
             summary=f"retire {params.node}",
             timeout=SPARE_STEP,
         )
@@ -107,12 +107,12 @@ class Replacement(Closing, Jobs):
                     cluster=params.cluster,
                     node=params.node,
                     search_attributes=params.search_attributes,
-                    dry_run=self._dry,
+                    dry_run=self._dry_run,
                     carried=CarriedIncident(
                         status=self._status,
                         events=self._events,
                         restarts_before=self._restarts_before,
-                        classified=self._classified,
+                        classified=self._events_classified,
                     ),
                 )
             )
@@ -121,7 +121,7 @@ class Replacement(Closing, Jobs):
         if not requeued:
             self._done(Step.RESUME, "no jobs to resume")
             return
-        if self._dry:
+        if self._dry_run:
             self._done(Step.RESUME, f"dry run: would wait for job(s) {', '.join(map(str, requeued))} to run again")
             return
         resumed = await self._wait_resumed(requeued)
@@ -138,13 +138,13 @@ class Replacement(Closing, Jobs):
             self._claim_attempted = True
             spare: str | None = await self._activity(
                 SpareActivities.claim_spare,
-                ClaimRequest(incident_id=status.incident_id, dry_run=self._dry, partitions=status.partitions),
+                ClaimRequest(incident_id=status.incident_id, dry_run=self._dry_run, partitions=status.partitions),
                 summary="claim a spare",
                 timeout=SPARE_STEP,
             )
             if spare is not None:
                 break
-            if self._dry:
+            if self._dry_run:
                 self._done(Step.CLAIM_SPARE, "dry run: no free spare; would wait for one")
                 return
             if not status.waiting_for_spare:
@@ -152,7 +152,7 @@ class Replacement(Closing, Jobs):
                 self._mark(Step.WAIT_FOR_SPARE, "started", "no free spare")
                 self._notify(
                     "no_spare",
-                    f"{self._who()}: no free spare. {params.node} stays drained and its jobs are queued; "
+                    f"{self._message_prefix()}: no free spare. {params.node} stays drained and its jobs are queued; "
                     "gpufleet takes the next spare that appears (signal spare_available to hurry it).",
                 )
             checks += 1
@@ -169,4 +169,6 @@ class Replacement(Closing, Jobs):
                 )
         status.spare = spare
         status.waiting_for_spare = False
-        self._done(Step.CLAIM_SPARE, f"dry run: would claim {spare}" if self._dry else f"{spare} joined the partition")
+        self._done(
+            Step.CLAIM_SPARE, f"dry run: would claim {spare}" if self._dry_run else f"{spare} joined the partition"
+        )

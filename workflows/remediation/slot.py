@@ -69,27 +69,27 @@ class GuardSlot(Timeline):
         """The incident holds a slot now (granted, or approved past the guard)."""
         self._status.guard_slot = True
         self._done(step, detail)
-        self._apply_guard()
+        self._raise_action_by_guard()
 
-    def _apply_guard(self) -> None:
+    def _raise_action_by_guard(self) -> None:
         """What the guard knows of the node raises the action: a lemon is replaced (and
         quarantined at the close), a repeat failure after a repair in place escalates a level."""
         status = self._status
         assert status.action is not None
-        floor = None
+        least = None
         if status.quarantine_label:
-            floor, why = Action.REPLACE_NODE, f"a lemon: {status.quarantine}"
+            least, why = Action.REPLACE_NODE, f"a lemon: {status.quarantine}"
         elif status.escalated_by_guard:
             name, why = status.escalated_by_guard.split(": ", 1)
-            floor = Action(name)
-        if floor is not None and floor.severity > status.action.severity:
-            before, status.action, self._floor = status.action, floor, floor
-            self._mark(Step.GUARD, "escalated", f"{before} -> {floor}: {why}")
+            least = Action(name)
+        if least is not None and least.severity > status.action.severity:
+            before, status.action, self._least_action = status.action, least, least
+            self._mark(Step.GUARD, "escalated", f"{before} -> {least}: {why}")
 
-    def _at_least(self, action: Action) -> Action:
+    def _raised_to_least_action(self, action: Action) -> Action:
         """The action, but never below what the fleet guard escalated this node to."""
-        floor = self._floor
-        return action if floor is None or action.severity >= floor.severity else floor
+        least = self._least_action
+        return action if least is None or action.severity >= least.severity else least
 
     async def _release_slot(self, why: str) -> None:
         """Give the fleet guard its slot back (or stop waiting for one), saying whether a repair

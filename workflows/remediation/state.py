@@ -27,22 +27,22 @@ class IncidentState:
         self._input = params
         self._checkpointed: set[int] = set()
         self._spare_signalled = False
-        self._approval: Approval | None = None
-        self._deliveries: list[asyncio.Task[None]] = []
+        self._answer: Approval | None = None
+        self._notifications_in_flight: list[asyncio.Task[None]] = []
         self._retire_finished = False
         self._claim_attempted = params.carried is not None
         self._settings = RemediationSettings()
         self._policy: Policy | None = None
         self._restarts_before: dict[int, int] = {}
-        self._classified = 0
-        self._dry = params.dry_run
+        self._events_classified = 0
+        self._dry_run = params.dry_run
         self._asked_guard = False
         # A continued run is past the drain already.
-        self._took_node = params.carried is not None and not params.dry_run
+        self._took_node_out = params.carried is not None and not params.dry_run
         # The least action this incident may take (the fleet guard's escalation of a repeat failure).
-        self._floor: Action | None = None
+        self._least_action: Action | None = None
         self._guard_decision: GuardDecision | None = None
-        self._counted = False  # in gpufleet_incidents_total (once, whichever way the incident ends)
+        self._counted_in_metrics = False  # in gpufleet_incidents_total (once, whichever way the incident ends)
         if params.carried is not None:
             self._status = params.carried.status
             self._events: list[XidEvent] = list(params.carried.events)
@@ -85,5 +85,5 @@ class IncidentState:
             ClassifyRequest(node=self._input.node, events=events, policy=self._policy),
             summary="classify the Xids",
         )
-        self._classified = len(events)
+        self._events_classified = len(events)
         return action

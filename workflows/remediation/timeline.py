@@ -57,7 +57,7 @@ class Timeline(IncidentState):
         self._mark(step, "started")
         # What the Temporal UI shows for the incident while it runs, and once it is over.
         workflow.set_current_details(
-            f"{self._input.node} {self._seen()}: {step.value}, outcome {self._status.outcome.value}"
+            f"{self._input.node} {self._events_seen()}: {step.value}, outcome {self._status.outcome.value}"
         )
         if self._input.search_attributes:
             workflow.upsert_search_attributes([SA_STEP.value_set(step.value)])
@@ -71,18 +71,18 @@ class Timeline(IncidentState):
             self._measure_step(step, event, at)
         self._status.timeline.append(TimelineEntry(step=step, event=event, at=at, detail=detail))
 
-    def _seen(self) -> str:
+    def _events_seen(self) -> str:
         return seen(self._status)
 
-    def _who(self) -> str:
+    def _message_prefix(self) -> str:
         return f"[{self._status.incident_id}] {self._input.node}"
 
-    def _lead(self) -> XidEvent:
+    def _deciding_event(self) -> XidEvent:
         return deciding_event(self._events, self._policy)
 
     def _measure_step(self, step: Step, event: str, at: datetime) -> None:
         """A step's start (its gauge) or end (its duration, the gauge back to 0); dry runs not."""
-        if self._dry or step is Step.CLOSED or workflow.unsafe.is_replaying():
+        if self._dry_run or step is Step.CLOSED or workflow.unsafe.is_replaying():
             return
         opened = open_steps(self._status.timeline)
         meter = workflow.metric_meter()
@@ -104,9 +104,9 @@ class Timeline(IncidentState):
 
     def _count_closed(self) -> None:
         """The incident in gpufleet_incidents_total, once; every step it left open back to 0."""
-        if self._counted or self._dry:
+        if self._counted_in_metrics or self._dry_run:
             return
-        self._counted = True
+        self._counted_in_metrics = True
         if workflow.unsafe.is_replaying():
             return
         status, meter = self._status, workflow.metric_meter()
@@ -114,8 +114,8 @@ class Timeline(IncidentState):
         for step in open_steps(self._status.timeline):
             started.set(0.0, {"cluster": self._input.cluster, "node": self._input.node, "step": step.value})
         if self._events:
-            lead = self._lead()
-            xid = str(lead.gpu_xid) if lead.gpu_xid is not None else lead.kind.value
+            deciding = self._deciding_event()
+            xid = str(deciding.gpu_xid) if deciding.gpu_xid is not None else deciding.kind.value
         else:
             xid = "none"
         meter.create_counter(INCIDENTS, INCIDENTS_HELP).add(
