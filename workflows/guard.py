@@ -12,8 +12,9 @@ INCIDENT` lets one past; `gpufleet pause|resume` hold new destructive steps with
 
 Messages are handled one at a time in arrival order, so two requests never race for the last
 slot. Answers go out a batch at a time, by an activity, beside that loop (an answer that finds
-its incident gone gives its slot back there). The state survives worker and server restarts
-(it is the workflow's), and the run continues as new before its history grows large.
+its incident gone gives its slot back there; workflows/guard_answers.py). The state survives
+worker and server restarts (it is the workflow's), and the run continues as new before its
+history grows large.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from datetime import datetime, timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
+from workflows.guard_answers import GuardAnswers
 from workflows.retries import (
-    ANSWER_BATCH,
-    ANSWER_RETRY,
     GUARD_COUNT,
     GUARD_READ,
     HEARTBEAT,
@@ -55,9 +55,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from models.guard import (
         GUARD_LOG_SIZE,
-        GuardAnswer,
         GuardCommand,
-        GuardDecision,
         GuardEvent,
         GuardInput,
         GuardState,
@@ -86,32 +84,19 @@ with workflow.unsafe.imports_passed_through():
 RECOUNT = timedelta(minutes=1)
 # Messages handled per run before continuing as new (a few history events each).
 MESSAGES_PER_RUN = 300
-# Answers are sent by an activity, a batch at a time, straight to the incidents: a workflow's
-# signal to another goes through the server's transfer queue and then back to the sender's own
-# history, which makes a busy guard slow to answer. A batch that could not be sent is sent again
-# after these pauses before it is given up: a grant lost for good would hold its slot until its
-# incident asked again.
-RESEND_AFTER = (timedelta(seconds=10), timedelta(seconds=20), timedelta(seconds=40))
-# At most this many answers per activity (its input stays far below the server's payload limit).
-ANSWERS_PER_BATCH = 200
 
 
 @workflow.defn(name=GUARD_WORKFLOW)
-class FleetGuardWorkflow:
+class FleetGuardWorkflow(GuardAnswers):
     @workflow.init
     def __init__(self, params: GuardInput) -> None:
+        super().__init__()
         self._state = params.state or GuardState(cluster=params.cluster)
         self._inbox: list[tuple[str, SlotRequest | GuardCommand]] = []
         self._limits = GuardSettings()
         self._nodes = 0
         self._counted_at: datetime | None = None
         self._pages: list[asyncio.Task[None]] = []
-        # An answer found its incident gone and gave back its slot: those waiting may go on.
-        self._slot_freed = False
-        # Answers waiting for the next batch, and the task sending the batches, one after another
-        # (so that an incident's answers arrive in the order they were given).
-        self._outbox: list[tuple[SlotRequest, GuardDecision]] = []
-        self._sending: asyncio.Task[None] | None = None
 
     # -- signals and query --------------------------------------------------------------------------
 
@@ -174,7 +159,7 @@ class FleetGuardWorkflow:
             self._prune()
             self._describe()
             if handled >= MESSAGES_PER_RUN or workflow.info().is_continue_as_new_suggested():
-                await asyncio.gather(*self._pages, *self._senders())
+                await asyncio.gather(*self._pages, *self._answers_being_sent())
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 # A slot an answer found free (its incident gone) is given before the run ends.
                 if not self._inbox and not self._slot_freed:
@@ -185,7 +170,7 @@ class FleetGuardWorkflow:
             await self._decide(message)
             return
         state = self._state
-        who = f"{message.by or '?'}" + (f": {message.reason}" if message.reason else "")
+        by_whom = f"{message.by or '?'}" + (f": {message.reason}" if message.reason else "")
         if kind == GUARD_RELEASE_SIGNAL:
             held = [r for r in state.in_flight + state.waiting if r.incident_id == message.incident_id]
             if held and message.repaired_by:
@@ -199,39 +184,41 @@ class FleetGuardWorkflow:
             waiting = next((r for r in state.waiting if r.incident_id == message.incident_id), None)
             if waiting is not None:
                 state.waiting.remove(waiting)
-                self._take(waiting)
-                self._log("approved", waiting, f"let past the guard by {who}")
+                self._take_slot(waiting)
+                self._log("approved", waiting, f"let past the guard by {by_whom}")
         elif kind == GUARD_RESET_SIGNAL:
             was = "tripped" if state.tripped else "not tripped"
             state.tripped, state.tripped_why = False, ""
             state.window, state.window_since = [], workflow.now()
-            self._log("reset", detail=f"by {who} (was {was}); the window starts again")
+            self._log("reset", detail=f"by {by_whom} (was {was}); the window starts again")
         elif kind == GUARD_PAUSE_SIGNAL:
             state.paused, state.paused_by, state.paused_reason = True, message.by, message.reason
-            self._log("paused", detail=f"by {who}")
+            self._log("paused", detail=f"by {by_whom}")
         elif kind == GUARD_RETURNED_SIGNAL and message.node:
             record = state.nodes.setdefault(message.node, NodeRecord())
             record.returned_at = workflow.now()
             self._log("returned", detail=f"{message.node} back in service; cooldown starts")
         elif kind == GUARD_FORGIVE_SIGNAL and message.node:
             state.nodes.pop(message.node, None)
-            self._log("forgiven", detail=f"{message.node} released from quarantine by {who}; its record starts again")
+            self._log(
+                "forgiven", detail=f"{message.node} released from quarantine by {by_whom}; its record starts again"
+            )
         elif kind == GUARD_RESUME_SIGNAL and state.paused:
             state.paused, state.paused_by, state.paused_reason = False, "", ""
-            self._log("resumed", detail=f"by {who}")
+            self._log("resumed", detail=f"by {by_whom}")
 
     async def _decide(self, request: SlotRequest) -> None:
         """Grant a slot, or make the incident wait (tripping the breaker when over a limit)."""
         state = self._state
         held = next((r for r in state.in_flight if r.incident_id == request.incident_id), None)
         if held is not None:
-            await self._answer(held, granted=True, why="slot already granted")  # an activity retried
+            await self._queue_answer(held, granted=True, why="slot already granted")  # an activity retried
             return
         queued = next((r for r in state.waiting if r.incident_id == request.incident_id), None)
         if queued is not None:
-            await self._answer(queued, granted=False, why=self._holding_why())
+            await self._queue_answer(queued, granted=False, why=self._holding_why())
             return
-        code, why = self._lemon(request.node)
+        code, why = self._quarantine_earned(request.node)
         escalate_to, escalate_why = self._escalation(request.node)
         request = request.model_copy(
             update={
@@ -250,20 +237,20 @@ class FleetGuardWorkflow:
             request.held_by = "breaker" if state.tripped else "pause"
             state.waiting.append(request)
             self._log("waiting", request, self._holding_why())
-            await self._answer(request, granted=False, why=self._holding_why())
+            await self._queue_answer(request, granted=False, why=self._holding_why())
             return
         over = await self._over_limit(request)
         if over:
             state.waiting.append(request)
             self._trip(request, over)
-            await self._answer(request, granted=False, why=self._holding_why())
+            await self._queue_answer(request, granted=False, why=self._holding_why())
             return
-        self._take(request)
+        self._take_slot(request)
         in_flight = len(state.in_flight)
         self._log("granted", request, f"{in_flight} of {self._limits.max_in_flight} in flight")
-        await self._answer(request, granted=True, why=f"slot {in_flight} of {self._limits.max_in_flight}")
+        await self._queue_answer(request, granted=True, why=f"slot {in_flight} of {self._limits.max_in_flight}")
 
-    def _lemon(self, node: str) -> tuple[str, str]:
+    def _quarantine_earned(self, node: str) -> tuple[str, str]:
         """Record an incident on the node; the quarantine it has earned (label value, why), if any."""
         limits, now = self._limits, workflow.now()
         record = self._state.nodes.setdefault(node, NodeRecord())
@@ -331,14 +318,14 @@ class FleetGuardWorkflow:
                 over = await self._over_limit(request)
                 if over:
                     self._trip(request, over)
-                    await self._answer(request, granted=False, why=self._holding_why())
+                    await self._queue_answer(request, granted=False, why=self._holding_why())
                     return
             if not state.waiting or state.waiting[0] is not request:
                 continue  # it went (its incident is gone) while the limits were read: look again
             state.waiting.pop(0)
-            self._take(request)
+            self._take_slot(request)
             self._log("granted", request, "after waiting")
-            await self._answer(request, granted=True, why="slot freed after waiting")
+            await self._queue_answer(request, granted=True, why="slot freed after waiting")
 
     def _trip(self, request: SlotRequest, why: str) -> None:
         """Trip the breaker on ``request`` (already waiting) and page, beside the guard's work."""
@@ -351,7 +338,7 @@ class FleetGuardWorkflow:
         self._pages = [task for task in self._pages if not task.done()]
         self._pages.append(asyncio.create_task(self._page(request)))
 
-    def _take(self, request: SlotRequest) -> None:
+    def _take_slot(self, request: SlotRequest) -> None:
         self._state.in_flight.append(request)
         self._state.window.append(WindowEntry(node=request.node, incident_id=request.incident_id, at=workflow.now()))
 
@@ -442,69 +429,6 @@ class FleetGuardWorkflow:
             f"`gpufleet breaker reset --cluster {state.cluster}` or `gpufleet approve INCIDENT`"
         )
 
-    async def _answer(self, request: SlotRequest, *, granted: bool, why: str) -> None:
-        decision = GuardDecision(
-            incident_id=request.incident_id,
-            granted=granted,
-            why=why,
-            quarantine=request.quarantine,
-            quarantine_why=request.quarantine_why,
-            escalate_to=request.escalate_to,
-            escalate_why=request.escalate_why,
-        )
-        self._outbox.append((request, decision))
-        if self._sending is None or self._sending.done():
-            self._sending = asyncio.create_task(self._send())
-
-    def _senders(self) -> list[asyncio.Task[None]]:
-        return [self._sending] if self._sending is not None else []
-
-    async def _send(self) -> None:
-        """Send the answers given so far, a batch per activity, until none is left."""
-        while self._outbox:
-            batch, self._outbox = self._outbox[:ANSWERS_PER_BATCH], self._outbox[ANSWERS_PER_BATCH:]
-            answers = [GuardAnswer(workflow_id=request.workflow_id, decision=decision) for request, decision in batch]
-            gone = await self._send_batch(answers)
-            if gone is None:
-                continue
-            for request in {request.incident_id: request for request, _ in batch}.values():
-                if request.incident_id in gone:
-                    self._gone(request, "its incident is gone")
-
-    async def _send_batch(self, answers: list[GuardAnswer]) -> list[str] | None:
-        """Send one batch (the answers after it wait for it); the incidents found gone, or None
-        when it was given up. Answers given meanwhile to the same incidents go in a later batch."""
-        pauses = iter(RESEND_AFTER)
-        while True:
-            try:
-                gone: list[str] = await workflow.execute_activity_method(
-                    GuardActivities.answer,
-                    answers,
-                    start_to_close_timeout=ANSWER_BATCH,
-                    heartbeat_timeout=HEARTBEAT,
-                    retry_policy=ANSWER_RETRY,
-                    summary=f"answer {len(answers)} incident(s)",
-                )
-                return gone
-            except ActivityError as exc:
-                pause = next(pauses, None)
-                if pause is None:  # the incidents ask again (1 to 8 min on, or 30 min while waiting)
-                    self._log("answers", detail=f"{len(answers)} answer(s) not sent: {exc.cause or exc}")
-                    return None
-                self._log(
-                    "answers",
-                    detail=f"{len(answers)} answer(s) not sent, sent again in {pause.seconds}s: {exc.cause or exc}",
-                )
-                await workflow.sleep(pause)
-
-    def _gone(self, request: SlotRequest, why: str) -> None:
-        """Forget an incident that no longer runs, and let those waiting in to its slot."""
-        state = self._state
-        state.in_flight = [r for r in state.in_flight if r.incident_id != request.incident_id]
-        state.waiting = [r for r in state.waiting if r.incident_id != request.incident_id]
-        self._log("released", request, why)
-        self._slot_freed = True
-
     async def _page(self, request: SlotRequest) -> None:
         """Page the operator, once per trip."""
         state = self._state
@@ -548,9 +472,9 @@ class FleetGuardWorkflow:
             f"{', '.join(r.node for r in state.in_flight) or '-'}; waiting: "
             f"{', '.join(r.node for r in state.waiting) or '-'}"
         )
-        self._export()
+        self._export_metrics()
 
-    def _export(self) -> None:
+    def _export_metrics(self) -> None:
         """The breaker, slots and waits as Prometheus gauges (workflow.metric_meter(): nothing is
         recorded while a history is replayed, so a restarted worker reports at the next message)."""
         if workflow.unsafe.is_replaying():
