@@ -28,6 +28,8 @@ with workflow.unsafe.imports_passed_through():
 
 
 class Approvals(Closing):
+    """The gates that wait for `gpufleet approve|reject`."""
+
     async def _wait_for_answer(
         self,
         why: str,

@@ -22,6 +22,8 @@ with workflow.unsafe.imports_passed_through():
 
 
 class Closing(GuardSlot, Notifications):
+    """How the incident ends, whichever way it ends."""
+
     async def _record_only(self, outcome: Outcome, kind: str, text: str) -> None:
         """Close without touching the node: the outcome, one message to the owner, the close."""
         self._status.outcome = outcome

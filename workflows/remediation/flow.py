@@ -1,8 +1,9 @@
-"""NodeRemediationWorkflow: one incident on one node, from Xid to resumed jobs.
+"""NodeRemediationWorkflow: one incident on one node, from Xid to resumed jobs (docs/remediation.md).
 
-Steps (DESIGN.md): classify, notify, drain in Slurm, SIGTERM and wait for checkpoints,
-requeue, approve, then the failed node's cordon/drain/retire side by side with the
-spare's claim, and finally watch the jobs run again.
+The flow, in the order of the recovery: classify, notify, drain in Slurm, SIGTERM and wait for
+checkpoints, requeue, approve, then the failed node's cordon/drain/retire side by side with the
+spare's claim (or a repair in place), and finally watch the jobs run again. Each part lives in a
+module of its own beside this one, and the workflow is built from them.
 
 What keeps it safe away from the happy path:
 - notifications run beside the flow, each attempt bounded, and never block or fail it;

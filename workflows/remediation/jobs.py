@@ -34,6 +34,8 @@ RESUME_WATCH_SECONDS = 5.0
 
 
 class Jobs(Notifications):
+    """The node's jobs through checkpoint, requeue and resume."""
+
     async def _checkpoint_jobs(self) -> None:
         """SIGTERM each job once, and wait for their checkpoints."""
         status = self._status

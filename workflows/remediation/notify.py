@@ -18,6 +18,8 @@ with workflow.unsafe.imports_passed_through():
 
 
 class Notifications(Timeline):
+    """Messages to the node's owner, beside the flow."""
+
     def _notify(self, kind: str, text: str) -> None:
         """Send a message beside the flow; its outcome lands in the timeline and the status."""
         record = NotificationRecord(kind=kind, at=workflow.now())

@@ -22,6 +22,8 @@ with workflow.unsafe.imports_passed_through():
 
 
 class Repair(Closing, Jobs):
+    """Repair in place, the settle after it, and the node back into service."""
+
     def _escalate(self, why: str, *, at_least: Action | None = None) -> None:
         status = self._status
         assert status.action is not None

@@ -33,6 +33,8 @@ class _ContinueAsNew(Exception):
 
 
 class Replacement(Closing, Jobs):
+    """The failed node retired side by side with a spare's claim."""
+
     async def _side_by_side(self, *branches: Any) -> None:
         """Run the branches together; when one fails, cancel the others and wait for them to stop."""
         tasks = [asyncio.create_task(branch) for branch in branches]

@@ -32,6 +32,8 @@ GUARD_ASK_WHILE_WAITING = timedelta(minutes=30)
 
 
 class GuardSlot(Timeline):
+    """The incident's slot at the cluster's fleet guard, and what the guard knows of the node."""
+
     async def _ask_guard(self) -> None:
         """(Again) ask the guard for a slot; it answers each asking, and counts this incident once."""
         status = self._status

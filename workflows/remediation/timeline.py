@@ -52,6 +52,8 @@ def open_steps(timeline: list[TimelineEntry]) -> dict[Step, datetime]:
 
 
 class Timeline(IncidentState):
+    """The incident's record: timeline entries, what the Temporal UI shows, its metrics."""
+
     def _enter(self, step: Step) -> None:
         self._status.step = step
         self._mark(step, "started")
