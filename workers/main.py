@@ -52,7 +52,7 @@ from workflows.remediation import NodeRemediationWorkflow
 
 log = logging.getLogger("gpufleet.worker")
 
-# Activities are short or heartbeat (workflows/remediation.py): a graceful stop waits this long
+# Activities are short or heartbeat (workflows/retries.py): a graceful stop waits this long
 # for the ones in flight, and a killed worker's are retried elsewhere within seconds.
 GRACEFUL_SHUTDOWN = timedelta(seconds=10)
 # Activities at once, each on its own thread with its own Kubernetes connection.

@@ -1,6 +1,6 @@
 """The cluster's workers (its task queue's and its fleet guard's) take their sticky-queue timeout
 from GPUFLEET_STICKY_TIMEOUT_SECONDS: 3 s unless set (a killed worker's incidents move on within
-seconds), longer for a worker that holds many incidents at once (README, the scale bench); a value
+seconds), longer for a worker that holds many incidents at once (docs/performance.md); a value
 that is no timeout is refused. Their workflow cache and sandbox come from the settings too."""
 
 from __future__ import annotations
