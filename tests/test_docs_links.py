@@ -33,8 +33,8 @@ REFERENCE_DEFINITION = re.compile(r"^ {0,3}\[[^\]]+\]:\s*(<[^>]*>|\S+)")
 EXTERNAL = re.compile(r"^(?:[a-z][a-z0-9+.-]*:|//)", re.IGNORECASE)
 
 
-def prose_lines(text: str) -> Iterator[tuple[int, str]]:
-    """Each line outside fenced code blocks, with its number, inline code spans blanked."""
+def outside_fences(text: str) -> Iterator[tuple[int, str]]:
+    """Each line outside fenced code blocks, with its number."""
     fence: str | None = None
     for number, line in enumerate(text.splitlines(), start=1):
         opened = FENCE.match(line)
@@ -45,6 +45,12 @@ def prose_lines(text: str) -> Iterator[tuple[int, str]]:
         if opened:
             fence = opened.group(1)
             continue
+        yield number, line
+
+
+def prose_lines(text: str) -> Iterator[tuple[int, str]]:
+    """Each line outside fenced code blocks, with its number, inline code spans blanked."""
+    for number, line in outside_fences(text):
         yield number, INLINE_CODE.sub(lambda span: " " * len(span.group(0)), line)
 
 
@@ -62,16 +68,7 @@ def anchors(path: Path) -> frozenset[str]:
     """Every anchor GitHub gives the Markdown file's headings (repeats numbered as it numbers them)."""
     seen: dict[str, int] = {}
     found = set()
-    fence: str | None = None
-    for line in path.read_text(encoding="utf-8").splitlines():
-        opened = FENCE.match(line)
-        if fence is not None:
-            if opened and opened.group(1) == fence:
-                fence = None
-            continue
-        if opened:
-            fence = opened.group(1)
-            continue
+    for _, line in outside_fences(path.read_text(encoding="utf-8")):
         heading = HEADING.match(line)
         if heading is None:
             continue
