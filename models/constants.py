@@ -24,7 +24,6 @@ GUARD_DECISION_SIGNAL = "guard_decision"
 # A node came back to service (`gpufleet nodes return`), or was released from quarantine.
 GUARD_RETURNED_SIGNAL = "returned"
 GUARD_FORGIVE_SIGNAL = "forgive"
-# Sent by a starting worker to a guard still on the cluster's task queue: move to your own.
 # Nodes labelled so get a notification and a recorded incident, nothing more.
 REMEDIATION_LABEL = "gpufleet.io/remediation"
 REMEDIATION_DISABLED = "disabled"

@@ -106,6 +106,16 @@ def _cluster(cluster: str | None, settings: Settings | None = None) -> str:
         fail(str(exc), code=2)
 
 
+def _configured_cluster(cluster: str | None) -> list[str]:
+    """The cluster given or configured, if any (an empty list where nothing names one)."""
+    try:
+        return [Settings().command_cluster(cluster)]
+    except ClusterNotSet:
+        return []
+    except ValueError as exc:
+        fail(str(exc), code=2)
+
+
 # -- server --------------------------------------------------------------------------------------
 
 
@@ -702,9 +712,12 @@ def _pause_or_resume(cluster: str | None, all_clusters: bool, *, signal: str, re
 
     async def go() -> dict[str, Any]:
         client = await _client()
-        names = [_cluster(cluster)]
-        if all_clusters:
-            names = sorted({*names, *await _guarded_clusters(client)})
+        if not all_clusters:
+            names = [_cluster(cluster)]
+        else:  # the whole fleet: the configured cluster too, when one is
+            names = sorted({*_configured_cluster(cluster), *await _guarded_clusters(client)})
+            if not names:
+                fail("no cluster has a fleet guard and none is configured: give --cluster NAME", code=2)
         command = GuardCommand(by=_who(), reason=reason)
         return {name: await _tell_guard(name, signal, command, start=signal == GUARD_PAUSE_SIGNAL) for name in names}
 

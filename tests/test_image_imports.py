@@ -5,12 +5,14 @@ there. Here the folders its COPY lines name (read from the Dockerfile itself, so
 are copied into a temporary directory, and each of their modules is imported in a fresh Python
 process that sees that copy and the virtualenv's packages but not this checkout: the editable
 install's finder is taken out, so an import of ``lab`` or ``bench`` fails as it would in the image.
-The installed metadata, entry points included, is the same as the image's: the lab's entry points
-are declared there while their package is absent, and the gpufleet command must do without them.
+The image's own metadata declares no entry point of the lab (setup.py declares them only where the
+lab is built in; tested below). The virtualenv's does, as a checkout's: the gpufleet command seen
+here must do without the lab even so, which is the harder case.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -144,3 +146,16 @@ def test_cluster_create_in_the_image_needs_a_backend_that_is_there(image: Path) 
     slinky = gpufleet(image, "cluster", "create", spec, "--backend", "slinky", "--dry-run")
     assert slinky.returncode == 0, slinky.stderr
     assert slinky.stdout.startswith("# gpufleet cluster create --dry-run: research on slinky")
+
+
+def test_an_installation_built_from_the_image_declares_no_entry_point_of_the_lab(image: Path) -> None:
+    assert "setup.py" in next(line for line in (REPO / "Dockerfile").read_text().splitlines() if "pyproject" in line)
+    shutil.copy(REPO / "setup.py", image / "setup.py")
+    spec = importlib.util.spec_from_file_location("gpufleet_setup", image / "setup.py")
+    assert spec is not None and spec.loader is not None
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)  # its setup() runs only as a build's __main__
+    assert setup.entry_points(image) == {"console_scripts": ["gpufleet = workers.entry:main"]}
+    checkout = setup.entry_points(REPO)
+    assert checkout["gpufleet.commands"] == ["lab = lab.cli:lab_app"]
+    assert {"gpufleet.cluster_backends", "gpufleet.cli_defaults"} <= set(checkout)

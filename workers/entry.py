@@ -12,7 +12,7 @@ import sys
 
 from pydantic import ValidationError
 
-from models.plugins import COMMANDS, installed
+from models.plugins import COMMANDS, PluginNotInstalled, declared, load
 from models.policy import PolicyError
 from models.settings import Settings, settings_error
 from starters.cli import app, fail, run_async
@@ -79,10 +79,20 @@ def main() -> None:
     app.command()(detect)
     app.add_typer(cluster_app, name="cluster")
     app.add_typer(pool_app, name="pool")
-    # Commands of installed packages (the lab's, in a checkout); one whose package is absent (the
-    # lab, in the production image) is left out, and any other failure to import one is raised.
-    for name, commands in installed(COMMANDS).items():
-        app.add_typer(commands, name=name)
+    # Commands of installed packages (the lab's, in a checkout). One whose own package is absent
+    # is left out; one that needs a module not installed is left out saying which, so that the
+    # rest of gpufleet still works (the lab installed without its extra); any other error is raised.
+    for name, entry in sorted(declared(COMMANDS).items()):
+        try:
+            app.add_typer(load(entry), name=name)
+        except PluginNotInstalled:
+            continue
+        except ModuleNotFoundError as exc:
+            print(
+                f"warning: `gpufleet {name}` is left out: it needs the Python module {exc.name!r}, which is not "
+                f"installed (in a checkout: pip install -e '.[{name}]')",
+                file=sys.stderr,
+            )
     try:
         app()
     except SystemExit as exc:

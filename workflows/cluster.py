@@ -60,7 +60,7 @@ UNDO = {
     ClusterStep.USERS: "cluster_remove_users",
     ClusterStep.REMEDIABLE: "cluster_unmake_remediable",
 }
-# Daemons starting and smoke jobs running take longest; the rest are API calls.
+# The slow steps (workflows/retries.py says why).
 TIMEOUTS = {ClusterStep.BRING_UP: CLUSTER_SLOW_STEP, ClusterStep.SMOKE: CLUSTER_SLOW_STEP}
 
 

@@ -325,7 +325,7 @@ async def worker(
         Worker(
             env.client,
             task_queue=task_queue(fleet.cluster),
-            workflows=[NodeRemediationWorkflow, FleetGuardWorkflow],
+            workflows=[NodeRemediationWorkflow],
             activities=acts,
             **options,
         ) as cluster,
