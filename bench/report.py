@@ -46,6 +46,13 @@ def number(value: Any) -> str:
     return f"{value:,.0f}" if size >= 100 else f"{value:.1f}" if size >= 10 else f"{value:.2f}"
 
 
+def times(count: Any, noun: str = "time") -> str:
+    """``count`` with its noun, "once" for a single time."""
+    if count == 1:
+        return "once" if noun == "time" else f"1 {noun}"
+    return f"{number(count)} {noun}s"
+
+
 def seconds(value: Any) -> str:
     return NONE if value is None else f"{number(value)} s"
 
@@ -214,8 +221,8 @@ def _clusters(result: Result) -> list[str]:
     if not isinstance(clusters, dict):
         return [*lines, "Not in this run (its options skipped it).", ""]
     lines.append(
-        f"`{cell(clusters.get('spec', 'the example spec'))}` created and deleted {number(clusters.get('rounds'))} "
-        "times on the lab's free pool, through the CLI: from the spec to the smoke test passed, and back to "
+        f"`{cell(clusters.get('spec', 'the example spec'))}` created and deleted {times(clusters.get('rounds'))} "
+        "on the lab's free pool, through the CLI: from the spec to the smoke test passed, and back to "
         "free nodes."
     )
     rows = [
@@ -240,7 +247,7 @@ def _pool(result: Result) -> list[str]:
         return [*lines, "Not in this run (its options skipped it).", ""]
     lines.append(
         f"A training node carrying a checkpointing job moved to inference and back by `gpufleet pool rebalance`, "
-        f"{number(pool.get('rounds'))} rounds: from the decision to the node serving on the other side, and the "
+        f"{times(pool.get('rounds'), 'round')}: from the decision to the node serving on the other side, and the "
         "training steps lost."
     )
     rows = [

@@ -11,7 +11,7 @@ not installed. Any other failure to import one is raised: a broken plugin must n
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
@@ -70,14 +70,22 @@ def present(entry: EntryPoint) -> bool:
         return False
 
 
-def installed(group: str) -> dict[str, Any]:
-    """The loaded object of every entry point of ``group`` whose module is installed, by name."""
+def installed(group: str, *, lacking: Callable[[str, ModuleNotFoundError], None] | None = None) -> dict[str, Any]:
+    """The loaded object of every entry point of ``group`` whose module is installed, by name.
+
+    ``lacking``: told of (and then skipping) one whose module is installed but needs a module that
+    is not (a package installed without its extra's dependencies); without it, that is raised.
+    """
     found: dict[str, Any] = {}
     for name, entry in sorted(declared(group).items()):
         try:
             found[name] = load(entry)
         except PluginNotInstalled:
             continue
+        except ModuleNotFoundError as exc:
+            if lacking is None:
+                raise
+            lacking(name, exc)
     return found
 
 

@@ -12,7 +12,7 @@ import sys
 
 from pydantic import ValidationError
 
-from models.plugins import COMMANDS, PluginNotInstalled, declared, load
+from models.plugins import COMMANDS, installed
 from models.policy import PolicyError
 from models.settings import Settings, settings_error
 from starters.cli import app, fail, run_async
@@ -71,6 +71,14 @@ def worker() -> None:
         pass
 
 
+def _left_out(name: str, exc: ModuleNotFoundError) -> None:
+    print(
+        f"warning: `gpufleet {name}` is left out: it needs the Python module {exc.name!r}, which is not "
+        f"installed (in a checkout: pip install -e '.[{name}]')",
+        file=sys.stderr,
+    )
+
+
 def main() -> None:
     from detector.cli import detect
     from starters.cluster import cluster_app
@@ -82,17 +90,8 @@ def main() -> None:
     # Commands of installed packages (the lab's, in a checkout). One whose own package is absent
     # is left out; one that needs a module not installed is left out saying which, so that the
     # rest of gpufleet still works (the lab installed without its extra); any other error is raised.
-    for name, entry in sorted(declared(COMMANDS).items()):
-        try:
-            app.add_typer(load(entry), name=name)
-        except PluginNotInstalled:
-            continue
-        except ModuleNotFoundError as exc:
-            print(
-                f"warning: `gpufleet {name}` is left out: it needs the Python module {exc.name!r}, which is not "
-                f"installed (in a checkout: pip install -e '.[{name}]')",
-                file=sys.stderr,
-            )
+    for name, commands in installed(COMMANDS, lacking=_left_out).items():
+        app.add_typer(commands, name=name)
     try:
         app()
     except SystemExit as exc:

@@ -19,23 +19,12 @@ from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
-from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
-from workflows.guard import FleetGuardWorkflow
-from workflows.nodes import ReleaseNodeWorkflow, ReturnNodeWorkflow
-from workflows.pool import PoolRebalanceWorkflow
-from workflows.remediation import NodeRemediationWorkflow
+from workers.main import CLUSTER_WORKFLOWS, CREATION_WORKFLOWS, GUARD_WORKFLOWS
 
 HERE = Path(__file__).parent
 HISTORIES = sorted(HERE.glob("v*/*.json"))
-WORKFLOWS = [
-    NodeRemediationWorkflow,
-    FleetGuardWorkflow,
-    ReturnNodeWorkflow,
-    ReleaseNodeWorkflow,
-    PoolRebalanceWorkflow,
-    ClusterCreationWorkflow,
-    ClusterDeletionWorkflow,
-]
+# Every workflow a worker runs, as it registers them.
+WORKFLOWS = [*CLUSTER_WORKFLOWS, *GUARD_WORKFLOWS, *CREATION_WORKFLOWS]
 
 
 # What v0.2.0 was recorded doing (from the lab at the commit that removed the patches, before
