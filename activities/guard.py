@@ -16,6 +16,7 @@ from activities.heartbeat import HEARTBEAT_EVERY, heartbeating
 from clients.slurm import SlurmClient
 from models.constants import (
     GUARD_DECISION_SIGNAL,
+    GUARD_DRAINED_SIGNAL,
     GUARD_REQUEST_SIGNAL,
     GUARD_WORKFLOW,
     guard_task_queue,
@@ -75,6 +76,22 @@ class GuardActivities:
             task_queue=guard_task_queue(cluster),
             start_signal=GUARD_REQUEST_SIGNAL,
             start_signal_args=[request],
+            static_summary=f"fleet guard of cluster {cluster}",
+            rpc_timeout=timedelta(seconds=10),
+        )
+
+    @activity.defn(name="guard_drained")
+    async def drained(self, command: GuardCommand) -> None:
+        """Tell the cluster's guard that an incident drained its node (counted for storms),
+        starting the guard if it does not run yet; nothing is answered."""
+        cluster = validate_cluster_name(self._cluster)
+        await activity.client().start_workflow(
+            GUARD_WORKFLOW,
+            GuardInput(cluster=cluster),
+            id=guard_workflow_id(cluster),
+            task_queue=guard_task_queue(cluster),
+            start_signal=GUARD_DRAINED_SIGNAL,
+            start_signal_args=[command],
             static_summary=f"fleet guard of cluster {cluster}",
             rpc_timeout=timedelta(seconds=10),
         )

@@ -10,10 +10,12 @@ from temporalio.exceptions import ApplicationError
 from activities.errors import client_errors
 from activities.heartbeat import heartbeating
 from clients.dryrun import dry_run
+from clients.slurm import ACTIVE_STATES as ACTIVE_STATES  # the workflows' word for a job on its node
 from clients.slurm import SlurmClient, owned_reason
 from models.incident import JobInfo, JobRequeue, NodeInfo, RequeueOutcome
 from models.requests import (
     DrainRequest,
+    FailureJobsRequest,
     RequeueJobRequest,
     ResumeCheck,
     ResumeCheckRequest,
@@ -49,8 +51,23 @@ def requeued_mark(incident_id: str, run: int) -> str:
     return f"gpufleet:requeued:{incident_id}:{run}"
 
 
+# How a job ends when a GPU it used fails: its rank dies with a CUDA error and the job fails
+# (srun cancels the step, the batch script exits non-zero), or Slurm loses the node. A job that
+# COMPLETED, or that its owner CANCELLED, is never requeued for the failure.
+ENDED_BY_FAILURE = frozenset({"FAILED", "NODE_FAIL"})
+
 _SIGNALLABLE = {"RUNNING", "SUSPENDED", "CONFIGURING"}
 _QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"}
+
+
+def _requeue_refused(message: str) -> str:
+    """Why Slurm refused a requeue, and what the owner can do."""
+    lowered = message.lower()
+    if "only batch jobs" in lowered:
+        return "not a batch job (srun or salloc): Slurm requeues only sbatch jobs; resubmit it"
+    if "--no-requeue" in lowered or "not requeueable" in lowered:
+        return "submitted with --no-requeue: resubmit it (sbatch --requeue lets gpufleet requeue it)"
+    return message
 
 
 class SlurmActivities:
@@ -96,6 +113,26 @@ class SlurmActivities:
     def jobs_on_node(self, node: str) -> list[JobInfo]:
         with client_errors():
             return self._slurm.jobs_on_node(node)
+
+    @activity.defn(name="jobs_hit_by_failure")
+    @heartbeating
+    def jobs_hit(self, request: FailureJobsRequest) -> list[JobInfo]:
+        """The jobs a failure on the node touched: those still on it, and those that ended there
+        since ``request.since`` (slurmctld keeps them for MinJobAge). With an accounting database,
+        the ones slurmctld already purged are added (``in_controller`` False: too late to requeue)."""
+        with client_errors():
+            recent = self._slurm.recent_jobs_on_node(request.node)
+            accounted = self._slurm.accounted_jobs(request.node, request.since) or []
+        touched = {
+            job.job_id: job
+            for job in recent
+            if job.state in ACTIVE_STATES or (job.end_time is not None and job.end_time >= request.since)
+        }
+        for job in accounted:
+            known = any(other.job_id == job.job_id for other in recent)
+            if not known and job.end_time is not None and job.end_time >= request.since:
+                touched.setdefault(job.job_id, job)
+        return [touched[job_id] for job_id in sorted(touched)]
 
     @activity.defn(name="signal_job")
     @heartbeating
@@ -172,9 +209,14 @@ class SlurmActivities:
             with client_errors(), dry_run(request.dry_run):
                 job = self._slurm.jobs_by_id([job_id]).get(job_id)
                 if job is None:
-                    return outcome(RequeueOutcome.FAILED, "Slurm no longer knows the job (past MinJobAge)")
+                    return outcome(
+                        RequeueOutcome.FAILED, "Slurm no longer knows the job (purged after MinJobAge): resubmit it"
+                    )
                 marks = self._slurm.job_marks(job_id) if request.incident_id else []
                 intended = [m for m in marks if m.startswith("gpufleet:requeued:") and m.endswith(f":{run}")]
+                if job.restarts > run and request.ended_by_failure:
+                    # It had ended when listed, so nobody else's run was killed by its requeue.
+                    return outcome(RequeueOutcome.REQUEUED, f"back in the queue ({job.state})")
                 if job.restarts > run:
                     # A finished job cannot be marked (Slurm refuses): our signal mark then stands
                     # for the requeue that followed it.
@@ -184,19 +226,22 @@ class SlurmActivities:
                 if job.state in _QUEUED:
                     return outcome(RequeueOutcome.REQUEUED, "already back in the queue")
                 if not intended:
-                    if not request.signalled:
+                    if request.ended_by_failure and job.state not in ENDED_BY_FAILURE:
+                        return outcome(RequeueOutcome.SKIPPED, f"ended {job.state}, not by the failure")
+                    if not request.signalled and not request.ended_by_failure:
                         return outcome(RequeueOutcome.SKIPPED, f"had ended before gpufleet signalled it ({job.state})")
                     if job.state == "CANCELLED":
                         return outcome(RequeueOutcome.SKIPPED, "cancelled by its owner")
                     if request.dry_run:
                         return outcome(RequeueOutcome.REQUEUED, "dry run: would requeue")
-                    if request.incident_id:
+                    if request.incident_id and not request.ended_by_failure:
+                        # An ended job cannot be marked (Slurm refuses): its restart count is the mark.
                         self._slurm.mark_job(job_id, requeued_mark(request.incident_id, run))
                 self._slurm.requeue(job_id)
         except ApplicationError as exc:
             if not exc.non_retryable:
                 raise
-            return outcome(RequeueOutcome.FAILED, str(exc))
+            return outcome(RequeueOutcome.FAILED, _requeue_refused(str(exc)))
         return outcome(RequeueOutcome.REQUEUED)
 
     @activity.defn(name="jobs_resumed")

@@ -240,6 +240,9 @@ class SimulatedSlurm:
             self._node(name)
             return [job.info() for job in self._jobs.values() if job.node == name]
 
+    def accounted_jobs(self, name: str, since: datetime) -> list[JobInfo] | None:
+        return None  # no accounting database
+
     def pending(self, partition: str) -> Pending:
         with self._lock:
             self._advance()

@@ -91,6 +91,7 @@ class SlurmClient(Protocol):
     def resume(self, name: str) -> None: ...
     def jobs_on_node(self, name: str) -> list[JobInfo]: ...
     def recent_jobs_on_node(self, name: str) -> list[JobInfo]: ...
+    def accounted_jobs(self, name: str, since: datetime) -> list[JobInfo] | None: ...
     def pending(self, partition: str) -> Pending: ...
     def partition_jobs(self, partition: str) -> list[JobInfo]: ...
     def hostnames(self, hostlist: str) -> list[str]: ...
@@ -239,6 +240,22 @@ class SlurmCli:
             return self._squeue("--states=all", f"--nodelist={name}")
         except NotFound:
             raise NotFound(f"Slurm has no node named {name!r}") from None
+
+    def accounted_jobs(self, name: str, since: datetime) -> list[JobInfo] | None:
+        """The jobs that ran on the node and ended since ``since``, from the accounting database
+        (``sacct``): it keeps jobs slurmctld has purged (MinJobAge). None without accounting."""
+        name = checked_node_name(name)
+        start = since.astimezone().strftime("%Y-%m-%dT%H:%M:%S")  # sacct reads local time
+        argv = ["sacct", "--allocations", "--noheader", "--parsable2", f"--nodelist={name}"]
+        argv += [f"--starttime={start}", "--state=" + ",".join(sorted(_ACCOUNTED_ENDINGS))]
+        argv += ["--format=JobIDRaw,JobName,User,State,End,NodeList"]
+        try:
+            out = self._run(argv)
+        except ClientError as exc:
+            if any(marker in str(exc).lower() for marker in _NO_ACCOUNTING):
+                return None
+            raise
+        return parse_sacct(out)
 
     def pending(self, partition: str) -> Pending:
         """What the partition's pending jobs ask for (training's demand): jobs, nodes and GPUs.
@@ -411,7 +428,45 @@ class SlurmCli:
                 self._set_partition(partition, remaining)
 
 
-_ACTIVE_STATES = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "SIGNALING"}
+# sacct's words when the cluster keeps no accounting.
+_NO_ACCOUNTING = ("accounting storage is disabled", "slurmdbd", "no such file")
+# The job endings asked of sacct (its --state names: NF is NODE_FAIL).
+_ACCOUNTED_ENDINGS = {"F", "NF", "CA", "CD", "TO", "OOM", "PR", "BF", "DL"}
+
+
+def parse_sacct(out: str) -> list[JobInfo]:
+    """``sacct --allocations --parsable2 --format=JobIDRaw,JobName,User,State,End,NodeList``.
+
+    State may carry who cancelled (``CANCELLED by 1000``); a job's array or het suffix is not
+    in JobIDRaw. Such a job is past the controller: ``in_controller`` is False until squeue says
+    otherwise.
+    """
+    jobs = []
+    for line in out.splitlines():
+        fields = line.split("|")
+        if len(fields) != 6 or not fields[0].isdigit():
+            continue
+        job_id, name, user, state, ended, nodes = fields
+        jobs.append(
+            JobInfo(
+                job_id=int(job_id),
+                name=name,
+                user=user,
+                state=state.split()[0].upper() if state.strip() else "",
+                nodes="" if nodes in {"None assigned", "(null)"} else nodes,
+                end_time=_slurm_time(ended),
+                in_controller=False,
+            )
+        )
+    return jobs
+
+
+ACTIVE_STATES = _ACTIVE_STATES = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "SIGNALING"}
+# A job in one of these has ended (its EndTime is when); it may still be requeued while
+# slurmctld keeps it (MinJobAge).
+ENDED_STATES = frozenset(
+    {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
+)
 
 
 _FIELD = re.compile(r"(?:^| )(NodeName|State|Partitions)=(\S*)")
@@ -454,6 +509,7 @@ _SQUEUE_FIELDS = (
     "StartTime",
     "Comment",
     "STDOUT",
+    "EndTime",
 )
 
 
@@ -468,21 +524,23 @@ def parse_squeue_format(out: str, *, separator: str, terminator: str) -> list[Jo
         fields = (record.removeprefix("\n") if index else record).split(separator)
         if len(fields) != len(_SQUEUE_FIELDS):
             raise ClientError(f"squeue printed {len(fields)} fields where {len(_SQUEUE_FIELDS)} were asked for")
-        job_id, name, user, state, restarts, nodes, requeue, started, comment, stdout = fields
+        job_id, name, user, state, restarts, nodes, requeue, started, comment, stdout, ended = fields
         if not job_id.strip().isdigit() or not restarts.strip().isdigit():
             raise ClientError(f"squeue printed a malformed job record: {record[:200]!r}")
-        nodes = nodes.strip()
+        nodes, state = nodes.strip(), state.strip().upper()
         jobs.append(
             JobInfo(
                 job_id=int(job_id),
                 name=name,
                 user=user.strip(),
-                state=state.strip().upper(),
+                state=state,
                 restarts=int(restarts),
                 nodes="" if nodes == "(null)" else nodes,
                 requeue=_flag(requeue, default=True),
                 stdout=stdout,
                 start_time=_slurm_time(started),
+                # A job that still runs (or waits) has an EndTime too: when its time limit ends.
+                end_time=_slurm_time(ended) if state in ENDED_STATES else None,
                 comment="" if comment.strip() == "(null)" else comment,
             )
         )
@@ -595,16 +653,18 @@ def job_from_json(raw: Mapping[str, Any]) -> JobInfo:
     job_id = _number(raw.get("job_id"), default=0)
     if job_id <= 0:
         raise ClientError(f"squeue printed a job without an ID: {dict(raw)!r:.200}")
+    state = primary_state(raw.get("job_state"))
     return JobInfo(
         job_id=job_id,
         name=_text(raw.get("name")),
         user=_text(raw.get("user_name")),
-        state=primary_state(raw.get("job_state")),
+        state=state,
         restarts=_number(raw.get("restart_cnt"), default=0),
         nodes=_text(raw.get("nodes")),
         requeue=_flag(raw.get("requeue"), default=True),
         stdout=_text(raw.get("standard_output")),
         start_time=_epoch(_number(raw.get("start_time"), default=0)),
+        end_time=_epoch(_number(raw.get("end_time"), default=0)) if state in ENDED_STATES else None,
         comment=_text(raw.get("comment")),
     )
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,7 @@ PROTOCOL_METHODS = (
     "resume",
     "jobs_on_node",
     "recent_jobs_on_node",
+    "accounted_jobs",
     "pending",
     "partition_jobs",
     "hostnames",
@@ -439,6 +441,11 @@ class SlurmRest:
     def recent_jobs_on_node(self, name: str) -> list[JobInfo]:
         """The jobs on the node, finished ones too (those slurmctld still keeps: MinJobAge)."""
         return self._on_node(name)
+
+    def accounted_jobs(self, name: str, since: datetime) -> list[JobInfo] | None:
+        """Not read over slurmrestd yet (its slurmdb endpoints): None, as without accounting."""
+        checked_node_name(name)
+        return None
 
     def pending(self, partition: str) -> Pending:
         """What the partition's pending jobs ask for; held or dependent jobs ask for nothing yet."""

@@ -24,6 +24,8 @@ GUARD_DECISION_SIGNAL = "guard_decision"
 # A node came back to service (`gpufleet nodes return`), or was released from quarantine.
 GUARD_RETURNED_SIGNAL = "returned"
 GUARD_FORGIVE_SIGNAL = "forgive"
+# An incident drained its node: counted in the guard's window (storms), answered by nothing.
+GUARD_DRAINED_SIGNAL = "drained"
 # Nodes labelled so get a notification and a recorded incident, nothing more.
 REMEDIATION_LABEL = "gpufleet.io/remediation"
 REMEDIATION_DISABLED = "disabled"

@@ -27,8 +27,14 @@ class SlotRequest(BaseModel):
     quarantine_why: str = ""
     escalate_to: str = ""
     escalate_why: str = ""
-    # Why it waits: "pause" (checked against the limits when let in) or "breaker".
+    # Why it waits: "pause" (checked against the limits when let in), "breaker", or "slots"
+    # (every slot taken: it goes on as one is given back, tripping nothing).
     held_by: str = ""
+    # Which of the incident's asks this is (each destructive step asks anew): the answer names
+    # it, so a late answer to an earlier ask never passes a later one. 0: the incident asks once.
+    ask: int = 0
+    # The step the slot is for ("checkpoint", "repair", "retire_node"); "" for the whole incident.
+    step: str = ""
 
 
 class GuardDecision(BaseModel):
@@ -44,6 +50,8 @@ class GuardDecision(BaseModel):
     # escalation window, so this time one level more ("" when not).
     escalate_to: str = ""
     escalate_why: str = ""
+    # The ask it answers (SlotRequest.ask).
+    ask: int = 0
 
 
 class GuardAnswer(BaseModel):
@@ -69,6 +77,8 @@ class NodeRecord(BaseModel):
     last repair in place (escalation)."""
 
     incidents: list[datetime] = Field(default_factory=list)
+    # The incident counted last: the same incident draining and asking for slots counts once.
+    last_incident: str = ""
     returned_at: datetime | None = None
     repaired_by: str = ""
     repaired_at: datetime | None = None

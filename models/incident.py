@@ -21,6 +21,7 @@ class Step(StrEnum):
     GUARD = "guard"
     AWAITING_APPROVAL = "awaiting_approval"
     DRAIN_SLURM = "drain_slurm"
+    REQUEUE_ENDED = "requeue_ended"
     CHECKPOINT = "checkpoint"
     REQUEUE = "requeue"
     APPROVE = "approve"
@@ -37,6 +38,8 @@ class Step(StrEnum):
 class Outcome(StrEnum):
     OPEN = "open"
     RESOLVED = "resolved"
+    # The node was dealt with, but a job the failure touched could not run again (its owner was told).
+    JOBS_LOST = "jobs_lost"
     OBSERVED = "observed"
     AWAITING_REPAIR = "awaiting_repair"
     AWAITING_APPROVAL = "awaiting_approval"
@@ -77,6 +80,10 @@ class JobInfo(BaseModel):
     requeue: bool = True
     stdout: str = ""
     start_time: datetime | None = None  # when it (last) started running
+    end_time: datetime | None = None  # when it ended (None while it runs, or when Slurm does not say)
+    # False for a job only the accounting database still knows (slurmctld purged it: MinJobAge),
+    # which can no longer be requeued.
+    in_controller: bool = True
     comment: str = ""  # the job's own Comment: a job says when it last checkpointed here
 
     @property
@@ -168,6 +175,11 @@ class IncidentStatus(BaseModel):
     signalled: list[int] = Field(default_factory=list)
     checkpointed: list[int] = Field(default_factory=list)
     requeued: list[int] = Field(default_factory=list)
+    # Jobs the failure had already ended when the incident looked (FAILED, NODE_FAIL), requeued
+    # at once; they are in ``requeued`` too.
+    ended: list[int] = Field(default_factory=list)
+    # The requeued jobs seen running again.
+    ran_again: list[int] = Field(default_factory=list)
     skipped: dict[int, str] = Field(default_factory=dict)
     unrequeued: dict[int, str] = Field(default_factory=dict)
     spare: str | None = None

@@ -102,6 +102,10 @@ class RemediationSettings(BaseModel):
     resume_timeout_seconds: float = Field(default=1800.0, gt=0, le=7 * 86400)
     eviction_timeout_seconds: float = Field(default=60.0, ge=0, le=86400)
     owner_drained: OwnerDrained = OwnerDrained.ASK
+    # The jobs a failure touched: those on the node that still run, and those that ended from
+    # this long before the incident's first event (a GPU that fails kills its job within seconds,
+    # sometimes before the driver's line reaches the log).
+    failure_window_seconds: float = Field(default=120.0, ge=0, le=3600)
 
 
 class GuardSettings(BaseModel):

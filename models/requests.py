@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from pydantic import BaseModel, Field
 
 from models.guard import GuardStatus
@@ -62,6 +64,16 @@ class RequeueJobRequest(BaseModel):
     signalled: bool
     incident_id: str = ""
     dry_run: bool = False
+    # The job had already ended in a state the failure explains (FAILED, NODE_FAIL) when the
+    # incident listed it: requeued though never signalled.
+    ended_by_failure: bool = False
+
+
+class FailureJobsRequest(BaseModel):
+    """The jobs a failure on ``node`` touched: still there, or ended since ``since``."""
+
+    node: str
+    since: datetime
 
 
 class ResumeCheckRequest(BaseModel):

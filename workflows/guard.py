@@ -26,6 +26,8 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 from workflows.guard_answers import GuardAnswers
+from workflows.guard_records import NodeRecords
+from workflows.patches import GUARD_SLOTS_WAIT
 from workflows.retries import (
     GUARD_COUNT,
     GUARD_READ,
@@ -42,6 +44,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.policy import PolicyActivities
     from models.constants import (
         GUARD_ADMIT_SIGNAL,
+        GUARD_DRAINED_SIGNAL,
         GUARD_FORGIVE_SIGNAL,
         GUARD_PAUSE_SIGNAL,
         GUARD_RELEASE_SIGNAL,
@@ -50,8 +53,6 @@ with workflow.unsafe.imports_passed_through():
         GUARD_RESUME_SIGNAL,
         GUARD_RETURNED_SIGNAL,
         GUARD_WORKFLOW,
-        QUARANTINE_COOLDOWN,
-        QUARANTINE_REPEAT,
     )
     from models.guard import (
         GUARD_LOG_SIZE,
@@ -77,7 +78,7 @@ with workflow.unsafe.imports_passed_through():
         GUARD_WAITING,
         GUARD_WAITING_HELP,
     )
-    from models.policy import Action, GuardSettings
+    from models.policy import GuardSettings
     from models.requests import NotifyRequest, WorkerConfig
 
 # The partition's size is counted again when older than this.
@@ -87,7 +88,7 @@ MESSAGES_PER_RUN = 300
 
 
 @workflow.defn(name=GUARD_WORKFLOW)
-class FleetGuardWorkflow(GuardAnswers):
+class FleetGuardWorkflow(GuardAnswers, NodeRecords):
     @workflow.init
     def __init__(self, params: GuardInput) -> None:
         super().__init__()
@@ -103,6 +104,10 @@ class FleetGuardWorkflow(GuardAnswers):
     @workflow.signal(name=GUARD_REQUEST_SIGNAL)
     def request(self, request: SlotRequest) -> None:
         self._inbox.append((GUARD_REQUEST_SIGNAL, request))
+
+    @workflow.signal(name=GUARD_DRAINED_SIGNAL)
+    def drained(self, command: GuardCommand) -> None:
+        self._inbox.append((GUARD_DRAINED_SIGNAL, command))
 
     @workflow.signal(name=GUARD_RELEASE_SIGNAL)
     def release(self, command: GuardCommand) -> None:
@@ -173,13 +178,21 @@ class FleetGuardWorkflow(GuardAnswers):
         by_whom = f"{message.by or '?'}" + (f": {message.reason}" if message.reason else "")
         if kind == GUARD_RELEASE_SIGNAL:
             held = [r for r in state.in_flight + state.waiting if r.incident_id == message.incident_id]
-            if held and message.repaired_by:
-                record = state.nodes.setdefault(held[0].node, NodeRecord())
+            node = held[0].node if held else message.node  # a slot per step: none held at the close
+            if node and message.repaired_by:
+                record = state.nodes.setdefault(node, NodeRecord())
                 record.repaired_by, record.repaired_at = message.repaired_by, workflow.now()
             state.in_flight = [r for r in state.in_flight if r.incident_id != message.incident_id]
             state.waiting = [r for r in state.waiting if r.incident_id != message.incident_id]
             if held:
                 self._log("released", held[0], message.reason)
+        elif kind == GUARD_DRAINED_SIGNAL and message.node:
+            # A drain is never held back: it is counted (storms trip the breaker at the next
+            # request for a slot), and the node's record takes the incident.
+            if not any(entry.incident_id == message.incident_id for entry in state.window):
+                state.window.append(WindowEntry(node=message.node, incident_id=message.incident_id, at=workflow.now()))
+            self._record_incident(message.node, message.incident_id)
+            self._log("drained", detail=f"{message.node} ({message.incident_id})")
         elif kind == GUARD_ADMIT_SIGNAL:
             waiting = next((r for r in state.waiting if r.incident_id == message.incident_id), None)
             if waiting is not None:
@@ -216,9 +229,9 @@ class FleetGuardWorkflow(GuardAnswers):
             return
         queued = next((r for r in state.waiting if r.incident_id == request.incident_id), None)
         if queued is not None:
-            await self._queue_answer(queued, granted=False, why=self._holding_why())
+            await self._queue_answer(queued, granted=False, why=self._waiting_why(queued))
             return
-        code, why = self._quarantine_earned(request.node)
+        code, why = self._quarantine_earned(request.node, request.incident_id)
         escalate_to, escalate_why = self._escalation(request.node)
         request = request.model_copy(
             update={
@@ -239,6 +252,14 @@ class FleetGuardWorkflow(GuardAnswers):
             self._log("waiting", request, self._holding_why())
             await self._queue_answer(request, granted=False, why=self._holding_why())
             return
+        if request.ask and await self._slots_full() and workflow.patched(GUARD_SLOTS_WAIT):
+            # A slot is held for one destructive step at a time: every slot taken is a queue,
+            # not a storm. It goes on as one is given back.
+            request.held_by = "slots"
+            state.waiting.append(request)
+            self._log("waiting", request, self._waiting_why(request))
+            await self._queue_answer(request, granted=False, why=self._waiting_why(request))
+            return
         over = await self._over_limit(request)
         if over:
             state.waiting.append(request)
@@ -250,41 +271,11 @@ class FleetGuardWorkflow(GuardAnswers):
         self._log("granted", request, f"{in_flight} of {self._limits.max_in_flight} in flight")
         await self._queue_answer(request, granted=True, why=f"slot {in_flight} of {self._limits.max_in_flight}")
 
-    def _quarantine_earned(self, node: str) -> tuple[str, str]:
-        """Record an incident on the node; the quarantine it has earned (label value, why), if any."""
-        limits, now = self._limits, workflow.now()
-        record = self._state.nodes.setdefault(node, NodeRecord())
-        since = now - timedelta(seconds=limits.quarantine_window_seconds)
-        record.incidents = [at for at in record.incidents if at >= since] + [now]
-        if limits.cooldown_seconds and record.returned_at is not None:
-            back = (now - record.returned_at).total_seconds()
-            if back < limits.cooldown_seconds:
-                return QUARANTINE_COOLDOWN, (
-                    f"failed again {back / 3600:.1f} h after it was returned to service "
-                    f"(cooldown {limits.cooldown_seconds / 3600:g} h)"
-                )
-        if limits.quarantine_after and len(record.incidents) >= limits.quarantine_after:
-            return QUARANTINE_REPEAT, (
-                f"{len(record.incidents)} incidents within {limits.quarantine_window_seconds / 86400:g} days "
-                f"(quarantined from {limits.quarantine_after})"
-            )
-        return "", ""
-
-    def _escalation(self, node: str) -> tuple[str, str]:
-        """One level above the node's last repair in place, when that was within the window."""
-        limits, record = self._limits, self._state.nodes.get(node)
-        if (
-            record is None
-            or not record.repaired_by
-            or record.repaired_at is None
-            or not limits.escalation_window_seconds
-        ):
-            return "", ""
-        ago = (workflow.now() - record.repaired_at).total_seconds()
-        if ago > limits.escalation_window_seconds:
-            return "", ""
-        after = Action(record.repaired_by).escalated()
-        return after.value, f"reported again {ago / 3600:.1f} h after {record.repaired_by} repaired it"
+    async def _slots_full(self) -> bool:
+        """Whether every slot is held by an incident that still runs."""
+        if len(self._state.in_flight) >= self._limits.max_in_flight:
+            await self._reap()
+        return len(self._state.in_flight) >= self._limits.max_in_flight
 
     async def _over_limit(self, request: SlotRequest) -> str:
         """Why one more incident would be too many ("" when it is not)."""
@@ -313,8 +304,9 @@ class FleetGuardWorkflow(GuardAnswers):
                 if len(state.in_flight) >= self._limits.max_in_flight:
                     return
             request = state.waiting[0]
-            if request.held_by == "pause":
-                # Held only by a pause: the limits it never met apply now (a reset's go-ahead does not).
+            if request.held_by in ("pause", "slots"):
+                # Held only by a pause, or in line for a slot: the limits it never met apply now
+                # (a reset's go-ahead does not).
                 over = await self._over_limit(request)
                 if over:
                     self._trip(request, over)
@@ -340,7 +332,10 @@ class FleetGuardWorkflow(GuardAnswers):
 
     def _take_slot(self, request: SlotRequest) -> None:
         self._state.in_flight.append(request)
-        self._state.window.append(WindowEntry(node=request.node, incident_id=request.incident_id, at=workflow.now()))
+        if not any(entry.incident_id == request.incident_id for entry in self._state.window):
+            self._state.window.append(
+                WindowEntry(node=request.node, incident_id=request.incident_id, at=workflow.now())
+            )
 
     async def _reap(self) -> None:
         """Give back the slots of incidents that ended without saying so (terminated by a person)."""
@@ -417,6 +412,11 @@ class FleetGuardWorkflow(GuardAnswers):
             stamps = [*record.incidents, record.returned_at, record.repaired_at]
             if all(stamp is None or now - stamp > keep for stamp in stamps):
                 del state.nodes[node]
+
+    def _waiting_why(self, request: SlotRequest) -> str:
+        if request.held_by == "slots" and not (self._state.paused or self._state.tripped):
+            return f"every slot is taken ({len(self._state.in_flight)} of {self._limits.max_in_flight}); next in line"
+        return self._holding_why()
 
     def _holding_why(self) -> str:
         state = self._state

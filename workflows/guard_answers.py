@@ -56,6 +56,7 @@ class GuardAnswers:
             quarantine_why=request.quarantine_why,
             escalate_to=request.escalate_to,
             escalate_why=request.escalate_why,
+            ask=request.ask,
         )
         self._outbox.append((request, decision))
         if self._sending is None or self._sending.done():

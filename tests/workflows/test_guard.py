@@ -1,9 +1,11 @@
 """The fleet guard on the time-skipping test server, with the incidents it guards.
 
-The breaker trips at exactly the configured share (and on the in-flight limit), holds until a
-reset, then lets the waiting incidents go on one slot at a time; a person may approve one past
-it or reject it; pause holds new incidents without a page; a terminated incident's slot comes
-back; the guard's state survives a worker restart and its own continue-as-new; an opted-out
+Every incident drains its node at once, whatever the guard says. The breaker trips at exactly
+the configured share of nodes drained within the window and holds until a reset; a request past
+the in-flight limit waits in line for a slot without tripping it; a slot is held only while a
+destructive step acts (incidents waiting for spares hold none); a person may approve one past
+the breaker or reject it; pause holds new incidents without a page; a terminated incident's slot
+comes back; the guard's state survives a worker restart and its own continue-as-new; an opted-out
 node is only recorded; an action the policy gates waits for approval, reminding meanwhile.
 
 The window is measured on the server's clock, so the tests that depend on it move time only
@@ -41,8 +43,8 @@ from models.constants import (
     remediation_workflow_id,
 )
 from models.guard import GuardCommand, GuardInput, GuardStatus, SlotRequest
-from models.incident import Approval, IncidentStatus, Outcome, Step
-from models.policy import Action, GuardSettings, Policy
+from models.incident import Approval, IncidentStatus, JobInfo, Outcome, Step
+from models.policy import Action, GuardSettings, Policy, RemediationSettings
 from tests.workflows.test_remediation import Fleet, start, worker
 from workflows.guard import MESSAGES_PER_RUN, FleetGuardWorkflow
 from workflows.remediation import NodeRemediationWorkflow
@@ -126,17 +128,18 @@ async def test_the_breaker_trips_at_exactly_the_share_and_holds_until_reset(
         held = [await start(env.client, fleet, node=node) for node in order[granted:]]
         statuses = [await waiting(handle) for handle in held]
         assert all("breaker tripped" in s.waiting_for_approval for s in statuses if s.waiting_for_approval)
-        assert all(s.step == Step.AWAITING_APPROVAL and not s.jobs for s in statuses)  # jobs untouched
-        assert fleet.drained == order[:granted]
+        # Drained at once (no new work on a failed GPU), their running jobs untouched.
+        assert all(s.step == Step.AWAITING_APPROVAL and not s.signalled for s in statuses)
+        assert sorted(fleet.drained) == order
         assert len(pages(fleet)) == 1  # once, however many wait
-        assert f"{granted + 1} of the partition's 4 nodes" in pages(fleet)[0]
+        # Past the share from the first incident over it (the later drains may have been counted too).
+        assert any(f"{n} of the partition's 4 nodes" in pages(fleet)[0] for n in range(granted + 1, 5))
         # It holds: the window passes, the incidents that had slots are long closed. The odd
         # seconds keep the reset off the instant a waiting incident's 30-minute re-ask timer fires:
         # the test server cannot take a timer cancelled in the task it fires during.
         await env.sleep(timedelta(hours=2, seconds=17))
         state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
         assert state.state.tripped and sorted(r.node for r in state.state.waiting) == order[granted:]
-        assert fleet.drained == order[:granted]
         await tell(env.client, fleet, GUARD_RESET_SIGNAL)
         results = [await handle.result() for handle in held]
     assert all(r.outcome == Outcome.RESOLVED for r in results)
@@ -144,62 +147,87 @@ async def test_the_breaker_trips_at_exactly_the_share_and_holds_until_reset(
     assert len(pages(fleet)) == 1
 
 
-async def test_after_a_reset_waiting_incidents_go_on_one_slot_at_a_time(env: WorkflowEnvironment) -> None:
-    fleet = guarded(max_in_flight=1, max_share=1.0)
-    fleet.spare_free = False  # the first incident holds its slot while it waits for a spare
-    async with running(env, fleet):
-        first = await start(env.client, fleet, node="gpu1")
-        await until(first, NodeRemediationWorkflow.status, lambda s: s.waiting_for_spare, "waiting for a spare")
-        second = await start(env.client, fleet, node="gpu2")
-        await waiting(second)
-        third = await start(env.client, fleet, node="gpu3")
-        await waiting(third)
-        assert "2 incidents would be in flight; the limit is 1" in pages(fleet)[0]
-        await tell(env.client, fleet, GUARD_RESET_SIGNAL)
-        state = await until(
-            guard(env.client, fleet), FleetGuardWorkflow.status, lambda s: not s.state.tripped, "reset handled"
-        )
-        assert [r.node for r in state.state.waiting] == ["gpu2", "gpu3"]  # the slot is still held
-        fleet.spare_free = True
-        await first.signal(NodeRemediationWorkflow.spare_available)
-        statuses = [await handle.result() for handle in (first, second, third)]
-        state = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
-    assert fleet.drained == ["gpu1", "gpu2", "gpu3"]
-    assert all(s.outcome == Outcome.RESOLVED for s in statuses)
-    slots = [(e.event, e.node) for e in state.state.log if e.event in ("granted", "released")]
-    # One slot: each incident is granted it only once the one before gave it back.
-    assert slots == [
-        ("granted", "gpu1"),
-        ("released", "gpu1"),
-        ("granted", "gpu2"),
-        ("released", "gpu2"),
-        ("granted", "gpu3"),
-        ("released", "gpu3"),
-    ]
-
-
-async def test_approve_lets_one_past_the_breaker_and_reject_closes_one_changing_nothing(
+async def test_incidents_waiting_for_spares_hold_no_slot_and_a_new_node_is_drained_at_once(
     env: WorkflowEnvironment,
 ) -> None:
-    fleet = guarded(max_in_flight=1, max_share=1.0)
+    """Two incidents wait for spares, every slot of the guard once taken: a third Xid's node is
+    drained at once and the job its failure ended is requeued before anything waits; the spare
+    waits hold no slot, so the third goes on too, and nothing trips."""
+    fleet = guarded(max_in_flight=2, max_share=1.0)
+    fleet.spare_free = False
     async with running(env, fleet):
-        fleet.spare_free = False
-        first = await start(env.client, fleet, node="gpu1")
-        await until(first, NodeRemediationWorkflow.status, lambda s: s.waiting_for_spare, "waiting for a spare")
+        waiting_for_spares = [await start(env.client, fleet, node=node) for node in ("gpu1", "gpu2")]
+        for handle in waiting_for_spares:
+            await until(handle, NodeRemediationWorkflow.status, lambda s: s.waiting_for_spare, "waiting for a spare")
+        state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
+        assert not state.state.in_flight  # a wait for a spare holds no slot
+        # The third node's job crashed with its GPU before the incident looked.
+        fleet.jobs = [JobInfo(job_id=7, user="alice", state="RUNNING"), JobInfo(job_id=8, user="bob", state="FAILED")]
+        third = await start(env.client, fleet, node="gpu3")
+        status = await until(third, NodeRemediationWorkflow.status, lambda s: s.waiting_for_spare, "waiting too")
+        drained = next(e.at for e in status.timeline if e.step == Step.DRAIN_SLURM and e.event == "finished")
+        requeued_ended = next(e for e in status.timeline if e.step == Step.REQUEUE_ENDED and e.event == "finished")
+        first_guard = next(e.at for e in status.timeline if e.step == Step.GUARD)
+        assert drained <= requeued_ended.at <= first_guard  # drained and requeued before any wait
+        assert (drained - status.timeline[0].at).total_seconds() < 1
+        assert status.ended == [8] and 8 in status.requeued and status.requeued.index(8) == 0
         fleet.spare_free = True
+        for handle in (*waiting_for_spares, third):
+            await handle.signal(NodeRemediationWorkflow.spare_available)
+        statuses = [await handle.result() for handle in (*waiting_for_spares, third)]
+        state = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
+    assert sorted(fleet.drained) == ["gpu1", "gpu2", "gpu3"]
+    assert all(s.outcome == Outcome.RESOLVED for s in statuses)
+    assert not state.state.tripped and not pages(fleet)
+    assert sorted(statuses[2].ran_again) == [7, 8]
+
+
+async def test_a_request_past_the_in_flight_limit_waits_in_line_without_tripping(env: WorkflowEnvironment) -> None:
+    """One slot, held by an incident whose job takes its whole grace to checkpoint: the next
+    incident drains its node, then waits for the slot (no breaker, no page) and goes on as soon
+    as the first gives it back; each slot's life is one step."""
+    fleet = guarded(max_in_flight=1, max_share=1.0)
+    fleet.jobs_exit_on_sigterm = False
+    fleet.settings = RemediationSettings(grace_seconds=3600)
+    async with running(env, fleet, manual_clock=True):
+        first = await start(env.client, fleet, node="gpu1")
+        await until(first, NodeRemediationWorkflow.status, lambda s: s.step == Step.CHECKPOINT, "in its grace")
+        second = await start(env.client, fleet, node="gpu2")
+        status = await waiting(second)
+        assert status.waiting_for_approval == "every slot is taken (1 of 1); next in line"
+        assert fleet.drained == ["gpu1", "gpu2"]
+        fleet.jobs_exit_on_sigterm = True  # the second's job will not take its whole grace
+        await first.signal(NodeRemediationWorkflow.checkpoint_done, 7)
+        statuses = [await handle.result() for handle in (first, second)]
+        state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
+    assert all(s.outcome == Outcome.RESOLVED for s in statuses)
+    assert not state.state.tripped and not pages(fleet)
+    slots = [(e.event, e.node) for e in state.state.log if e.event in ("granted", "released")]
+    # gpu2 is granted the slot only once gpu1 gave back the slot it held to kill its jobs.
+    assert slots.index(("granted", "gpu2")) > slots.index(("released", "gpu1"))
+    assert all(s.count(("granted", n)) == 2 for s, n in [(slots, "gpu1"), (slots, "gpu2")])
+
+
+async def test_approve_lets_one_past_the_breaker_and_reject_closes_one_changing_nothing_more(
+    env: WorkflowEnvironment,
+) -> None:
+    fleet = guarded(max_in_flight=10, max_share=0.25)
+    async with running(env, fleet):
+        assert (await (await start(env.client, fleet, node="gpu1")).result()).outcome == Outcome.RESOLVED
         approved = await start(env.client, fleet, node="gpu2")
+        await waiting(approved)  # 2 of 4 nodes within the window: the breaker trips
         rejected = await start(env.client, fleet, node="gpu3")
-        await waiting(approved)
         await waiting(rejected)
         await approved.signal(NodeRemediationWorkflow.decide, Approval(approved=True, by="ops", reason="checked"))
         assert (await approved.result()).outcome == Outcome.RESOLVED
         await rejected.signal(NodeRemediationWorkflow.decide, Approval(approved=False, by="ops", reason="rack work"))
         closed = await rejected.result()
         state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
-        await first.signal(NodeRemediationWorkflow.spare_available)
-        await first.result()
-    assert closed.outcome == Outcome.REJECTED and "gpu3" not in fleet.drained
-    assert fleet.drained == ["gpu1", "gpu2"]
+    # Rejected: drained as soon as it failed, nothing more (its job was left to run).
+    assert closed.outcome == Outcome.REJECTED and not closed.signalled and not closed.requeued
+    assert fleet.drained == ["gpu1", "gpu2", "gpu3"]
+    [message] = [n for n in fleet.notifications if n.kind == "rejected"]
+    assert "stays drained" in message.text
     assert state.state.tripped  # approving one does not close the breaker for the others
     assert not state.state.waiting
     assert any(e.event == "approved" and e.node == "gpu2" for e in state.state.log)
@@ -220,12 +248,13 @@ async def test_pause_holds_new_incidents_without_a_page_and_resume_lets_them_go(
 
 async def test_a_terminated_incident_gives_its_slot_back(env: WorkflowEnvironment) -> None:
     fleet = guarded(max_in_flight=1, max_share=1.0)
-    fleet.spare_free = False
-    async with running(env, fleet):
+    fleet.jobs_exit_on_sigterm = False
+    fleet.settings = RemediationSettings(grace_seconds=3600)
+    async with running(env, fleet, manual_clock=True):
         first = await start(env.client, fleet, node="gpu1")
-        await until(first, NodeRemediationWorkflow.status, lambda s: s.waiting_for_spare, "waiting for a spare")
+        await until(first, NodeRemediationWorkflow.status, lambda s: s.step == Step.CHECKPOINT, "holding its slot")
         await first.terminate("a person ended it by hand")
-        fleet.spare_free = True
+        fleet.jobs_exit_on_sigterm = True
         status = await (await start(env.client, fleet, node="gpu2")).result()
         state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
     assert status.outcome == Outcome.RESOLVED and not pages(fleet)
@@ -338,6 +367,7 @@ async def test_a_node_with_repeated_incidents_is_quarantined_and_released(env: W
     fleet = guarded(quarantine_after=2, cooldown_seconds=0)
     async with running(env, fleet, manual_clock=True):  # the window is on the server's clock
         first = await (await start(env.client, fleet, node="gpu1")).result()
+        await env.sleep(timedelta(seconds=2))  # an incident's ID has its start to the second
         second = await (await start(env.client, fleet, node="gpu1")).result()
         await tell(env.client, fleet, GUARD_FORGIVE_SIGNAL)  # no node: nothing to forgive
         await guard(env.client, fleet).signal(GUARD_FORGIVE_SIGNAL, GuardCommand(node="gpu1", by="ops"))

@@ -39,6 +39,7 @@ from models.requests import (
     ClaimRequest,
     ClassifyRequest,
     DrainRequest,
+    FailureJobsRequest,
     KubeDrainRequest,
     KubeDrainResult,
     NodeFacts,
@@ -163,6 +164,11 @@ class Fleet:
             fleet.calls.append("jobs_on_node")
             return fleet.jobs
 
+        @activity.defn(name="jobs_hit_by_failure")
+        async def jobs_hit(request: FailureJobsRequest) -> list[JobInfo]:
+            fleet.calls.append("jobs_hit_by_failure")
+            return fleet.jobs
+
         @activity.defn(name="signal_job")
         async def signal_job(request: SignalJobRequest) -> SignalJobResult:
             fleet.writes.append(request)
@@ -186,6 +192,8 @@ class Fleet:
                 return JobRequeue(
                     job_id=request.job_id, outcome=RequeueOutcome.FAILED, why="submitted with --no-requeue"
                 )
+            if request.ended_by_failure:
+                return JobRequeue(job_id=request.job_id, outcome=RequeueOutcome.REQUEUED, why="back in the queue")
             if not request.signalled:
                 return JobRequeue(job_id=request.job_id, outcome=RequeueOutcome.SKIPPED, why="had ended before")
             state, restarts = fleet.states_at_requeue.get(request.job_id, ("COMPLETED", request.restarts_before))
@@ -274,6 +282,7 @@ class Fleet:
         guard = GuardActivities(None, cluster=fleet.cluster, partition="train")  # type: ignore[arg-type]
         return [
             guard.request_slot,
+            guard.drained,
             guard.answer,
             guard.tell,
             guard.running,
@@ -285,6 +294,7 @@ class Fleet:
             notify,
             drain,
             jobs_on_node,
+            jobs_hit,
             signal_job,
             still_running,
             requeue_job,
@@ -366,8 +376,9 @@ async def test_happy_path_runs_the_steps_in_order(env: WorkflowEnvironment) -> N
         "kube_node_facts",
         "classify_xids",
         "take_node_lease",  # the node is the incident's before anything changes it
-        "drain_slurm_node",
-        "jobs_on_node",
+        "drain_slurm_node",  # at once: the fleet guard never holds back a drain
+        "jobs_hit_by_failure",  # the jobs the failure ended are requeued now (none here)
+        "jobs_hit_by_failure",  # again once the guard gave a slot to kill the running ones
         "signal_job:7",
         "jobs_still_running",
         "requeue_job:7",
@@ -377,8 +388,9 @@ async def test_happy_path_runs_the_steps_in_order(env: WorkflowEnvironment) -> N
     assert fleet.leases == {}
     assert [c for c in fleet.calls if c.startswith("notify:")] == ["notify:opened", "notify:resolved"]
     granted = [e for e in status.timeline if e.step == Step.GUARD and e.event == "finished"]
-    assert [e.detail for e in granted] == ["slot granted: slot 1 of 2"]  # before the drain, in the timeline
-    assert not status.guard_slot  # given back at the close
+    # A slot to kill the jobs, given back once they are requeued; another to retire the node.
+    assert [e.detail for e in granted] == ["slot granted: slot 1 of 2", "slot granted: slot 1 of 2"]
+    assert not status.guard_slot
     # After approve: the failed node's branch and the spare's branch, then resolved.
     middle = [
         c
@@ -394,14 +406,16 @@ async def test_happy_path_runs_the_steps_in_order(env: WorkflowEnvironment) -> N
     ]
     assert status.settings == RemediationSettings()
     steps = [e.step for e in status.timeline if e.event == "started"]
-    assert steps[:7] == [
+    assert steps[:9] == [
         Step.CLASSIFY,
         Step.NOTIFY,
-        Step.GUARD,
         Step.DRAIN_SLURM,
+        Step.REQUEUE_ENDED,
+        Step.GUARD,
         Step.CHECKPOINT,
         Step.REQUEUE,
         Step.APPROVE,
+        Step.GUARD,
     ]
     assert steps[-1] == Step.CLOSED
 

@@ -126,13 +126,19 @@ class Approvals(Closing):
         command = GuardCommand(incident_id=status.incident_id, by=approval.by, reason=approval.reason)
         if approval.approved:
             await self._activity(GuardActivities.tell, GUARD_ADMIT_SIGNAL, command, summary="tell the guard: approved")
+            self._approved_past_guard = True
             self._hold_slot(
                 Step.AWAITING_APPROVAL, f"approved past the guard by {approval.by or '?'}: {approval.reason}"
             )
             return True
         status.outcome = Outcome.REJECTED
         self._done(Step.AWAITING_APPROVAL, f"rejected by {approval.by or '?'}: {approval.reason}".strip())
-        self._notify("rejected", f"{self._message_prefix()}: rejected by {approval.by or '?'}; nothing was changed.")
+        changed = (
+            "the node stays drained (no new work on the failed GPU) and nothing else was done"
+            if self._took_node_out
+            else "nothing was changed"
+        )
+        self._notify("rejected", f"{self._message_prefix()}: rejected by {approval.by or '?'}; {changed}.")
         await self._close()
         return False
 
@@ -147,6 +153,7 @@ class Approvals(Closing):
         if self._dry_run:
             self._mark(Step.APPROVE, "dry run", f"would wait for approval: {why}")
             return True
+        await self._end_slot("waiting for approval")  # a wait holds no slot
         ask = (
             f"`gpufleet approve {status.incident_id}` to go on, `gpufleet reject {status.incident_id}` "
             "to leave the node drained"

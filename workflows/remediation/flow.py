@@ -25,6 +25,7 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
+from workflows.patches import DRAIN_FIRST
 from workflows.remediation.approvals import Approvals
 from workflows.remediation.repair import Repair
 from workflows.remediation.replace import Replacement
@@ -48,7 +49,7 @@ with workflow.unsafe.imports_passed_through():
         held_by_someone_else,
     )
     from models.guard import GuardDecision
-    from models.incident import Approval, IncidentStatus, Outcome, RemediationInput, Step
+    from models.incident import Approval, IncidentStatus, NodeInfo, Outcome, RemediationInput, Step
     from models.policy import Action, OwnerDrained
     from models.requests import DrainRequest, NodeFacts, NodeLeaseRequest, WorkerConfig
     from models.xid import XidEvent
@@ -98,7 +99,8 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
     @workflow.signal(name=GUARD_DECISION_SIGNAL)
     def guard_decision(self, decision: GuardDecision) -> None:
         """The fleet guard's answer: a slot, or wait (and why); and whether the node is a lemon."""
-        if decision.incident_id == self._status.incident_id:
+        # An answer to an earlier ask (this incident asks before each destructive step) is old news.
+        if decision.incident_id == self._status.incident_id and decision.ask == self._slot_asks:
             self._guard_decision = decision
             if not decision.granted and self._status.waiting_for_approval is not None and self._asked_guard:
                 self._status.waiting_for_approval = decision.why  # e.g. a pause became a tripped breaker
@@ -234,24 +236,79 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
         )
         self._done(Step.NOTIFY, "sent beside the flow")
 
+        if workflow.patched(DRAIN_FIRST):
+            await self._drain_first(params, node)
+            return
+
         # A node someone else took out of service is theirs until they say otherwise.
-        held = held_by_someone_else(node.reason)
         if (
-            held
+            held_by_someone_else(node.reason)
             and self._settings.owner_drained is OwnerDrained.ASK
             and not await self._owner_drained_gate(f"{params.node} is held by someone else: {node.reason!r}")
         ):
             return
 
-        # The cluster's fleet guard lets this incident take the node down, or makes it wait.
+        # Incidents started before v0.3.0: the cluster's fleet guard lets this incident take the
+        # node down, or makes it wait; the slot is held until the close.
         if self._dry_run:
             self._mark(Step.GUARD, "dry run", "the fleet guard is not asked: a dry run takes no slot")
         elif not await self._guard_gate():
             return
 
         # 3. drain in Slurm
+        node = await self._drain_in_slurm(params)
+        # Someone else drained it since we looked: theirs until they say otherwise, as above.
+        if (
+            held_by_someone_else(node.reason)
+            and status.approval is None
+            and self._settings.owner_drained is OwnerDrained.ASK
+            and not await self._owner_drained_gate(f"{params.node} was drained by someone else: {node.reason!r}")
+        ):
+            return
+
+        # 4. SIGTERM each job once, and wait for checkpoints
+        jobs = await self._checkpoint_jobs()
+
+        # 5. requeue, one job at a time, each guarded by its state and restart count
+        await self._requeue_jobs(jobs)
+        await self._approve_and_act(params)
+
+    async def _drain_first(self, params: RemediationInput, found: NodeInfo) -> None:
+        """From v0.3.0: no new work reaches the failed GPU, whatever waits. The drain comes first
+        (the guard is told, beside the flow), then the jobs the failure already ended are
+        requeued, then the waits (an owner's approval, the guard); killing the running jobs, a
+        repair and the retirement each hold a guard slot only while they act."""
+        self._slot_per_step = True
+        ask = self._settings.owner_drained is OwnerDrained.ASK
+        # A node someone else drained takes no new work already, and stays theirs until they say.
+        held = ask and held_by_someone_else(found.reason)
+        node = None if held else await self._drain_in_slurm(params)
+        self._tell_guard_drained()
+        running = await self._requeue_ended_jobs()
+        if held:
+            if not await self._owner_drained_gate(f"{params.node} is held by someone else: {found.reason!r}"):
+                return
+            node = await self._drain_in_slurm(params)
+        elif (
+            node is not None
+            and held_by_someone_else(node.reason)
+            and ask
+            and not await self._owner_drained_gate(f"{params.node} was drained by someone else: {node.reason!r}")
+        ):
+            return
+        if running:
+            if not await self._slot_for(Step.CHECKPOINT):
+                return
+            jobs = await self._checkpoint_jobs()
+            await self._requeue_jobs(jobs)
+            await self._end_slot("the node's jobs are requeued")
+        await self._approve_and_act(params)
+
+    async def _drain_in_slurm(self, params: RemediationInput) -> NodeInfo:
+        status = self._status
+        assert status.action is not None
         self._enter(Step.DRAIN_SLURM)
-        node = await self._activity(
+        node: NodeInfo = await self._activity(
             SlurmActivities.drain_node,
             DrainRequest(
                 node=params.node,
@@ -264,21 +321,11 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
         )
         self._done(Step.DRAIN_SLURM, f"state={node.state} reason={node.reason!r}")
         self._took_node_out = not self._dry_run
-        # Someone else drained it since we looked: theirs until they say otherwise, as above.
-        if (
-            held_by_someone_else(node.reason)
-            and status.approval is None
-            and self._settings.owner_drained is OwnerDrained.ASK
-            and not await self._owner_drained_gate(f"{params.node} was drained by someone else: {node.reason!r}")
-        ):
-            return
+        return node
 
-        # 4. SIGTERM each job once, and wait for checkpoints
-        await self._checkpoint_jobs()
-
-        # 5. requeue, one job at a time, each guarded by its state and restart count
-        await self._requeue_jobs()
-
+    async def _approve_and_act(self, params: RemediationInput) -> None:
+        """The action, approved where the policy says so: a repair in place, else the replacement."""
+        status = self._status
         # 6. approve: later Xids may have made it worse
         self._enter(Step.APPROVE)
         status.action = self._raised_to_least_action(await self._classify())
@@ -290,10 +337,12 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
             if await self._repair():
                 await self._return_to_service()
                 return
-            if not await self._policy_gate():
+            if status.step is Step.CLOSED or not await self._policy_gate():
                 return
 
         # 7 and 8, side by side: the failed node is retired while the spare joins, and the
         # jobs may run again as soon as the spare is in (9), whatever the retirement still does.
+        if self._slot_per_step and not await self._slot_for(Step.RETIRE_NODE):
+            return
         await self._side_by_side(self._retire(params), self._replace_and_resume(params))
         await self._close_resolved(params)

@@ -14,9 +14,10 @@ from workflows.remediation.notify import Notifications
 from workflows.retries import SHORT_STEP
 
 with workflow.unsafe.imports_passed_through():
-    from activities.slurm import SlurmActivities
-    from models.incident import JobInfo, JobRequeue, RequeueOutcome, Step
+    from activities.slurm import ACTIVE_STATES, ENDED_BY_FAILURE, SlurmActivities
+    from models.incident import JobInfo, JobRequeue, Outcome, RequeueOutcome, Step
     from models.requests import (
+        FailureJobsRequest,
         RequeueJobRequest,
         ResumeCheck,
         ResumeCheckRequest,
@@ -31,18 +32,110 @@ WATCHED_CHECKS = 4
 # Resume checks that watch for up to RESUME_WATCH_SECONDS each before backing off on timers.
 RESUME_WATCHED_CHECKS = 12
 RESUME_WATCH_SECONDS = 5.0
+# A detector's clock far behind never widens the failure's window by more than this.
+EARLIEST_EVENT = timedelta(hours=1)
+PURGED = "slurmctld had already purged it (MinJobAge) when gpufleet looked: resubmit it"
 
 
 class Jobs(Notifications):
     """The node's jobs through checkpoint, requeue and resume."""
 
-    async def _checkpoint_jobs(self) -> None:
-        """SIGTERM each job once, and wait for their checkpoints."""
+    # -- v0.3.0 (patch drain-first): every job the failure touched -------------------------------
+
+    async def _jobs_hit(self) -> list[JobInfo]:
+        """The jobs on the node now, and those that ended there from shortly before the first event."""
+        started = workflow.info().start_time
+        first = min(self._events[0].timestamp, started) if self._events else started
+        since = max(first, started - EARLIEST_EVENT) - timedelta(seconds=self._settings.failure_window_seconds)
+        node = self._input.node
+        jobs: list[JobInfo] = await self._activity(
+            SlurmActivities.jobs_hit,
+            FailureJobsRequest(node=node, since=since),
+            summary=f"list the jobs the failure touched on {node}",
+        )
+        known = {job.job_id: job for job in self._status.jobs}
+        for job in jobs:
+            self._restarts_before.setdefault(job.job_id, job.restarts)
+            known[job.job_id] = job
+        self._status.jobs = [known[job_id] for job_id in sorted(known)]
+        return jobs
+
+    async def _requeue_ended_jobs(self) -> list[JobInfo]:
+        """Right after the drain, before any wait: the jobs the failure already ended (FAILED,
+        NODE_FAIL) are requeued now, while slurmctld still keeps them (MinJobAge); a job that
+        COMPLETED or that its owner cancelled is left alone. Returns the jobs still on the node."""
+        status = self._status
+        self._enter(Step.REQUEUE_ENDED)
+        jobs = await self._jobs_hit()
+        await self._requeue_ended(jobs)
+        running = [job for job in jobs if job.state in ACTIVE_STATES]
+        self._done(
+            Step.REQUEUE_ENDED,
+            f"requeued {len(status.ended)} ended job(s); {len(running)} still on the node"
+            + (f"; lost: {sorted(status.unrequeued)}" if status.unrequeued else ""),
+        )
+        return running
+
+    async def _requeue_ended(self, jobs: list[JobInfo]) -> None:
+        """Requeue the jobs among ``jobs`` the failure ended (each once); say which could not be."""
+        status = self._status
+        lost: dict[int, str] = {}
+        ended = []
+        for job in jobs:
+            if job.state in ACTIVE_STATES or job.job_id in status.ended or job.job_id in status.unrequeued:
+                continue
+            if job.state not in ENDED_BY_FAILURE:
+                status.skipped.setdefault(job.job_id, f"ended {job.state}: not the failure's doing")
+            elif not job.in_controller:
+                lost[job.job_id] = PURGED
+            else:
+                ended.append(job)
+        requeues: list[JobRequeue] = await asyncio.gather(
+            *(
+                self._activity(
+                    SlurmActivities.requeue_job,
+                    RequeueJobRequest(
+                        job_id=job.job_id,
+                        restarts_before=job.restarts,
+                        signalled=False,
+                        incident_id=status.incident_id,
+                        dry_run=self._dry_run,
+                        ended_by_failure=True,
+                    ),
+                    summary=f"requeue job {job.job_id} ({job.state})",
+                )
+                for job in ended
+            )
+        )
+        for requeue in requeues:
+            if requeue.outcome is RequeueOutcome.REQUEUED:
+                status.ended.append(requeue.job_id)
+                if requeue.job_id not in status.requeued:
+                    status.requeued.append(requeue.job_id)
+            elif requeue.outcome is RequeueOutcome.SKIPPED:
+                status.skipped.setdefault(requeue.job_id, requeue.why)
+            else:
+                lost[requeue.job_id] = requeue.why
+        if lost:
+            status.unrequeued.update(lost)
+            self._notify("unrequeued", self._unrequeued_text(lost))
+
+    async def _checkpoint_jobs(self) -> list[JobInfo]:
+        """SIGTERM each job once, and wait for their checkpoints. Returns the jobs signalled or
+        found running (to requeue next). Since v0.3.0, jobs the failure ended meanwhile (a hung
+        rank killed by its watchdog) are requeued as those found ended after the drain were."""
         status = self._status
         node = self._input.node
         self._enter(Step.CHECKPOINT)
-        status.jobs = await self._activity(SlurmActivities.jobs_on_node, node, summary=f"list jobs on {node}")
-        self._restarts_before = {job.job_id: job.restarts for job in status.jobs}
+        if self._slot_per_step:
+            touched = await self._jobs_hit()
+            await self._requeue_ended(touched)
+            jobs = [job for job in touched if job.state in ACTIVE_STATES]
+        else:
+            jobs = status.jobs = await self._activity(
+                SlurmActivities.jobs_on_node, node, summary=f"list jobs on {node}"
+            )
+            self._restarts_before = {job.job_id: job.restarts for job in status.jobs}
         results: list[SignalJobResult] = await asyncio.gather(
             *(
                 self._activity(
@@ -55,7 +148,7 @@ class Jobs(Notifications):
                     ),
                     summary=f"SIGTERM job {job.job_id}",
                 )
-                for job in status.jobs
+                for job in jobs
             )
         )
         status.signalled = [result.job_id for result in results if result.signalled]
@@ -69,6 +162,7 @@ class Jobs(Notifications):
         else:
             detail = "no running jobs on the node"
         self._done(Step.CHECKPOINT, detail)
+        return jobs
 
     async def _wait_for_checkpoints(self, job_ids: list[int], grace_seconds: float) -> str:
         """Wait until the jobs stopped or reported their checkpoints, at most the grace period.
@@ -108,7 +202,7 @@ class Jobs(Notifications):
             # At most about 200 checks however long the grace: the history stays small.
             interval = min(interval * 1.5, max(5.0, grace_seconds / 200))
 
-    async def _requeue_jobs(self) -> None:
+    async def _requeue_jobs(self, jobs: list[JobInfo]) -> None:
         """Requeue the jobs, one at a time, each guarded by its state and restart count."""
         status = self._status
         self._enter(Step.REQUEUE)
@@ -125,11 +219,11 @@ class Jobs(Notifications):
                     ),
                     summary=f"requeue job {job.job_id}",
                 )
-                for job in status.jobs
+                for job in jobs
             )
         )
         for requeue in requeues:
-            if requeue.outcome is RequeueOutcome.REQUEUED:
+            if requeue.outcome is RequeueOutcome.REQUEUED and requeue.job_id not in status.requeued:
                 status.requeued.append(requeue.job_id)
             elif requeue.outcome is RequeueOutcome.SKIPPED:
                 status.skipped.setdefault(requeue.job_id, requeue.why)
@@ -142,6 +236,18 @@ class Jobs(Notifications):
             f"requeued {len(status.requeued)} of {len(status.jobs)}"
             + (f"; left alone: {status.skipped}" if status.skipped else ""),
         )
+
+    def _resolved(self) -> str:
+        """The outcome once the node is dealt with: resolved only when no job the failure touched
+        was lost. Returns what to tell the owner about the jobs."""
+        status = self._status
+        status.outcome = Outcome.JOBS_LOST if status.unrequeued else Outcome.RESOLVED
+        text = f"{len(status.ran_again)} job(s) running again"
+        if status.unrequeued:
+            text += f"; {len(status.unrequeued)} could not be and must be resubmitted: " + ", ".join(
+                f"{job_id} ({why})" for job_id, why in sorted(status.unrequeued.items())
+            )
+        return text
 
     def _unrequeued_text(self, failed: dict[int, str]) -> str:
         owners = {job.job_id: job.user for job in self._status.jobs}
@@ -164,6 +270,7 @@ class Jobs(Notifications):
                 timeout=SHORT_STEP + timedelta(seconds=watch),
             )
             if not result.waiting:
+                self._status.ran_again = [job.job_id for job in result.resumed]
                 return result.resumed
             remaining = (deadline - workflow.now()).total_seconds()
             if remaining <= 0:

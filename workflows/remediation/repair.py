@@ -53,6 +53,11 @@ class Repair(Closing, Jobs):
         while status.action in (Action.RESET_GPU, Action.REBOOT_NODE):
             attempt += 1
             self._enter(Step.REPAIR)
+            if self._slot_per_step:
+                if not await self._slot_for(Step.REPAIR):
+                    return False  # rejected while the guard held it: closed
+                if status.action not in (Action.RESET_GPU, Action.REBOOT_NODE):
+                    break  # the guard knows the node for a lemon: replaced
             seen = len(self._events)
             request = RepairRequest(
                 node=self._input.node,
@@ -91,6 +96,7 @@ class Repair(Closing, Jobs):
                 self._escalate(result.detail or f"Job {result.job} failed")
                 continue
             self._done(Step.REPAIR, result.detail or f"Job {result.job} completed")
+            await self._end_slot(f"{status.action} done")
             if self._dry_run:
                 return True
             self._enter(Step.SETTLE)
@@ -134,10 +140,10 @@ class Repair(Closing, Jobs):
             self._done(Step.RESUME, ", ".join(f"{job.job_id} on {job.nodes}" for job in status.jobs))
         else:
             self._done(Step.RESUME, "no jobs to resume")
-        status.outcome = Outcome.RESOLVED
+        jobs = self._resolved()
         self._notify(
-            "resolved",
-            f"{self._message_prefix()}: resolved by {status.action} in place; {self._input.node} is back in service, "
-            f"{len(status.requeued)} job(s) running again.",
+            str(status.outcome),
+            f"{self._message_prefix()}: {status.outcome} by {status.action} in place; {self._input.node} is back in "
+            f"service, {jobs}.",
         )
         await self._close()

@@ -18,7 +18,7 @@ from workflows.retries import KUBE_DRAIN_STEP, SPARE_STEP
 with workflow.unsafe.imports_passed_through():
     from activities.kube import KubeActivities
     from activities.spares import SpareActivities
-    from models.incident import CarriedIncident, Outcome, RemediationInput, Step
+    from models.incident import CarriedIncident, RemediationInput, Step
     from models.policy import RemediationSettings
     from models.requests import ClaimRequest, KubeDrainRequest, RetireRequest
 
@@ -59,13 +59,12 @@ class Replacement(Closing, Jobs):
 
     async def _close_resolved(self, params: RemediationInput) -> None:
         status = self._status
-        status.outcome = Outcome.RESOLVED
+        jobs = self._resolved()
         if self._dry_run:
             self._mark(Step.RESUME, "dry run", "resolved as planned; nothing was changed")
         self._notify(
-            "resolved",
-            f"{self._message_prefix()}: resolved. {params.node} replaced by {status.spare}; "
-            f"{len(status.requeued)} job(s) running again.",
+            str(status.outcome),
+            f"{self._message_prefix()}: {status.outcome}. {params.node} replaced by {status.spare}; {jobs}.",
         )
         await self._close()
 
@@ -97,6 +96,7 @@ class Replacement(Closing, Jobs):
         )
         self._done(Step.RETIRE_NODE, "cordoned, tainted and kept")
         self._retire_finished = True
+        await self._end_slot("the node is retired")
 
     async def _replace_and_resume(self, params: RemediationInput) -> None:
         try:

@@ -1,5 +1,8 @@
-"""The incident's slot at the cluster's fleet guard (workflows/guard.py): asked for before the
-first destructive step, asked for again while the guard is silent, given back at the close.
+"""The incident's slot at the cluster's fleet guard (workflows/guard.py): asked for before each
+destructive step (killing the jobs, a repair, the retirement) and given back when that step's
+action ends; asked for again while the guard is silent. (Incidents started before v0.3.0 hold one
+slot from before their drain to their close.) The drain itself is never held back: the guard is
+told of it, beside the flow, and counts it for storms.
 
 The guard's answer also says what it knows of the node: a lemon is replaced (and quarantined at
 the close), a repeat failure after a repair in place escalates a level.
@@ -7,8 +10,10 @@ the close), a repeat failure after a repair in place escalates a level.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
@@ -34,6 +39,11 @@ GUARD_ASK_WHILE_WAITING = timedelta(minutes=30)
 class GuardSlot(Timeline):
     """The incident's slot at the cluster's fleet guard, and what the guard knows of the node."""
 
+    if TYPE_CHECKING:
+
+        async def _guard_gate(self) -> bool:
+            """Ask for the slot, waiting while the guard holds it (approvals.py)."""
+
     async def _ask_guard(self) -> None:
         """(Again) ask the guard for a slot; it answers each asking, and counts this incident once."""
         status = self._status
@@ -45,9 +55,48 @@ class GuardSlot(Timeline):
                 run_id=workflow.info().run_id,
                 node=self._input.node,
                 action=str(status.action),
+                ask=self._slot_asks,
+                step=self._slot_step,
             ),
-            summary="ask the fleet guard for a slot",
+            summary=f"ask the fleet guard for a slot ({self._slot_step})"
+            if self._slot_step
+            else "ask the fleet guard for a slot",
         )
+
+    def _tell_guard_drained(self) -> None:
+        """Tell the guard the node is drained (it counts drains for storms), beside the flow:
+        nothing waits for it, and a guard that cannot be told holds nothing up."""
+        status = self._status
+        if self._dry_run:
+            return
+        command = GuardCommand(incident_id=status.incident_id, node=self._input.node, reason=str(status.action))
+
+        async def tell() -> None:
+            with contextlib.suppress(ActivityError):
+                await self._activity(GuardActivities.drained, command, summary="tell the fleet guard: drained")
+
+        self._guard_told = asyncio.create_task(tell())
+
+    async def _slot_for(self, step: Step) -> bool:
+        """A slot for one destructive step (kept when one is held already). False when a person
+        rejected the incident while the guard held it (it is closed then)."""
+        if self._dry_run:
+            self._mark(Step.GUARD, "dry run", f"the fleet guard is not asked for {step}: a dry run takes no slot")
+            return True
+        if self._status.guard_slot:
+            return True
+        if self._status.approval is not None and self._status.approval.approved and self._approved_past_guard:
+            # A person let the incident past the breaker: the whole incident, not one step.
+            self._mark(Step.GUARD, "approved", f"{step}: let past the guard by {self._status.approval.by or '?'}")
+            return True
+        self._slot_asks += 1
+        self._slot_step = step.value
+        return await self._guard_gate()
+
+    async def _end_slot(self, why: str) -> None:
+        """The step's action is over: its slot goes back (a wait that follows holds none)."""
+        if self._slot_per_step and self._status.guard_slot:
+            await self._release_slot(why)
 
     async def _ask_for_slot(self) -> GuardDecision | None:
         """Ask the guard for a slot and wait for its answer. A guard that was terminated (or lost
@@ -97,11 +146,22 @@ class GuardSlot(Timeline):
         """Give the fleet guard its slot back (or stop waiting for one), saying whether a repair
         in place put the node back (a repeat failure then escalates)."""
         status = self._status
-        if not (status.guard_slot or self._asked_guard):
+        if self._guard_told is not None:
+            # The guard hears of the drain before the release (a cancelled tell is no loss).
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._guard_told
+            self._guard_told = None
+        repaired = status.outcome in (Outcome.RESOLVED, Outcome.JOBS_LOST) and status.action in (
+            Action.RESET_GPU,
+            Action.REBOOT_NODE,
+        )
+        # A slot per step: the last was given back already, but the guard still hears of a
+        # repair in place that held (a repeat failure then escalates).
+        if not (status.guard_slot or self._asked_guard or (repaired and self._slot_per_step)):
             return
-        repaired = status.outcome == Outcome.RESOLVED and status.action in (Action.RESET_GPU, Action.REBOOT_NODE)
         command = GuardCommand(
             incident_id=status.incident_id,
+            node=self._input.node,
             reason=why,
             repaired_by=status.action.value if repaired and status.action else "",
         )

@@ -37,6 +37,12 @@ class IncidentState:
         self._events_classified = 0
         self._dry_run = params.dry_run
         self._asked_guard = False
+        # v0.3.0 (patch drain-first): a slot per destructive step, each ask numbered.
+        self._slot_per_step = False
+        self._slot_asks = 0
+        self._slot_step = ""
+        self._approved_past_guard = False
+        self._guard_told: asyncio.Task[None] | None = None
         # A continued run is past the drain already.
         self._took_node_out = params.carried is not None and not params.dry_run
         # The least action this incident may take (the fleet guard's escalation of a repeat failure).

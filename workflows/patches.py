@@ -1,0 +1,19 @@
+"""The named changes to workflow code since v0.2.0, each taken through ``workflow.patched(ID)``.
+
+A workflow that was already running when the change was deployed replays its history without
+the change (``patched`` is False where its history has no marker) and keeps its old course; one
+started afterwards takes the new one. Each ID is listed in CHANGELOG.md with what it changed, and
+removed (with its old branch) in a later release, once no workflow of the old code can still run.
+"""
+
+from __future__ import annotations
+
+# NodeRemediationWorkflow: the Slurm drain comes right after the classification, never held back
+# by the fleet guard (which is told of it, to count storms); the jobs the failure already ended
+# are requeued at once; a guard slot is held around each destructive step only (killing jobs,
+# a repair, the retirement), not from the drain to the close.
+DRAIN_FIRST = "drain-first"
+
+# FleetGuardWorkflow: an incident that asks for a slot while every slot is held waits in line
+# for one instead of tripping the breaker (storms still trip it by the share of nodes drained).
+GUARD_SLOTS_WAIT = "guard-slots-wait"
