@@ -28,12 +28,14 @@ from temporalio.exceptions import ActivityError
 from workflows.guard_answers import GuardAnswers
 from workflows.retries import (
     GUARD_COUNT,
+    GUARD_COUNT_BUDGET,
     GUARD_READ,
+    GUARD_READ_BUDGET,
     HEARTBEAT,
     NOTIFY_ATTEMPT,
     NOTIFY_BUDGET,
     NOTIFY_RETRY,
-    RETRY_UNTIL_BACK,
+    STEP_RETRY,
 )
 
 with workflow.unsafe.imports_passed_through():
@@ -352,7 +354,9 @@ class FleetGuardWorkflow(GuardAnswers):
                 GuardActivities.running,
                 held,
                 start_to_close_timeout=GUARD_READ,
-                retry_policy=RETRY_UNTIL_BACK,
+                schedule_to_close_timeout=GUARD_READ_BUDGET,
+                heartbeat_timeout=HEARTBEAT,
+                retry_policy=STEP_RETRY,
                 summary="check which incidents holding slots still run",
             )
         except ActivityError:
@@ -369,7 +373,8 @@ class FleetGuardWorkflow(GuardAnswers):
                 PolicyActivities.worker_config,
                 self._state.cluster,
                 start_to_close_timeout=GUARD_READ,
-                retry_policy=RETRY_UNTIL_BACK,
+                schedule_to_close_timeout=GUARD_READ_BUDGET,
+                retry_policy=STEP_RETRY,
                 summary="read the guard's limits",
             )
         except ActivityError as exc:
@@ -389,8 +394,9 @@ class FleetGuardWorkflow(GuardAnswers):
             self._nodes = await workflow.execute_activity_method(
                 GuardActivities.fleet_size,
                 start_to_close_timeout=GUARD_COUNT,
+                schedule_to_close_timeout=GUARD_COUNT_BUDGET,
                 heartbeat_timeout=HEARTBEAT,
-                retry_policy=RETRY_UNTIL_BACK,
+                retry_policy=STEP_RETRY,
                 summary="count the partition's nodes",
             )
         except ActivityError as exc:
