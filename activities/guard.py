@@ -9,6 +9,7 @@ from datetime import timedelta
 
 from temporalio import activity
 from temporalio.client import WorkflowExecutionStatus
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.errors import client_errors
@@ -25,8 +26,11 @@ from models.constants import (
 from models.guard import GuardAnswer, GuardCommand, GuardInput, SlotRequest
 from models.names import validate_cluster_name
 
-# Answers signalled at once by one guard_answer activity.
+# Answers signalled (or incidents described) at once by one activity.
 ANSWERS_AT_ONCE = 32
+# Each call to the Temporal service; the activities heartbeat meanwhile, so a slow call in a live
+# worker is not taken for a dead worker, and each one's start-to-close is well above this.
+RPC_TIMEOUT = timedelta(seconds=10)
 # Failures that pass: the batch is tried again.
 PASSING = frozenset(
     {
@@ -57,6 +61,13 @@ async def heartbeats() -> AsyncIterator[None]:
         beating.cancel()
 
 
+def refuse_for_good(exc: RPCError) -> None:
+    """Raise a refusal the server would give again (an invalid request, no permission) as an error
+    that is not retried; a failure that passes (PASSING) is left to be retried."""
+    if exc.status not in PASSING:
+        raise ApplicationError(f"the Temporal service refused: {exc}", type="Refused", non_retryable=True) from exc
+
+
 class GuardActivities:
     def __init__(self, slurm: SlurmClient, *, cluster: str, partition: str) -> None:
         self._slurm = slurm
@@ -68,17 +79,23 @@ class GuardActivities:
         """Ask the cluster's guard for a slot, starting the guard if it does not run yet
         (signal-with-start, so two incidents never start two guards). The answer comes back
         as a signal to the incident; asking again for the same incident is answered again."""
-        cluster = validate_cluster_name(self._cluster)
-        await activity.client().start_workflow(
-            GUARD_WORKFLOW,
-            GuardInput(cluster=cluster),
-            id=guard_workflow_id(cluster),
-            task_queue=guard_task_queue(cluster),
-            start_signal=GUARD_REQUEST_SIGNAL,
-            start_signal_args=[request],
-            static_summary=f"fleet guard of cluster {cluster}",
-            rpc_timeout=timedelta(seconds=10),
-        )
+        with client_errors():
+            cluster = validate_cluster_name(self._cluster)
+        async with heartbeats():
+            try:
+                await activity.client().start_workflow(
+                    GUARD_WORKFLOW,
+                    GuardInput(cluster=cluster),
+                    id=guard_workflow_id(cluster),
+                    task_queue=guard_task_queue(cluster),
+                    start_signal=GUARD_REQUEST_SIGNAL,
+                    start_signal_args=[request],
+                    static_summary=f"fleet guard of cluster {cluster}",
+                    rpc_timeout=RPC_TIMEOUT,
+                )
+            except RPCError as exc:
+                refuse_for_good(exc)
+                raise
 
     @activity.defn(name="guard_drained")
     async def drained(self, command: GuardCommand) -> None:
@@ -120,7 +137,7 @@ class GuardActivities:
             async with limit:
                 try:
                     await client.get_workflow_handle(answer.workflow_id).signal(
-                        GUARD_DECISION_SIGNAL, answer.decision, rpc_timeout=timedelta(seconds=10)
+                        GUARD_DECISION_SIGNAL, answer.decision, rpc_timeout=RPC_TIMEOUT
                     )
                 except RPCError as exc:
                     if exc.status == RPCStatusCode.NOT_FOUND:
@@ -141,13 +158,17 @@ class GuardActivities:
     @activity.defn(name="guard_tell")
     async def tell(self, signal: str, command: GuardCommand) -> bool:
         """Send the guard a word (``release``, ``admit``); False when no guard runs (nothing to tell)."""
-        handle = activity.client().get_workflow_handle(guard_workflow_id(validate_cluster_name(self._cluster)))
-        try:
-            await handle.signal(signal, command, rpc_timeout=timedelta(seconds=10))
-        except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND:
-                return False
-            raise
+        with client_errors():
+            cluster = validate_cluster_name(self._cluster)
+        handle = activity.client().get_workflow_handle(guard_workflow_id(cluster))
+        async with heartbeats():
+            try:
+                await handle.signal(signal, command, rpc_timeout=RPC_TIMEOUT)
+            except RPCError as exc:
+                if exc.status == RPCStatusCode.NOT_FOUND:
+                    return False
+                refuse_for_good(exc)
+                raise
         return True
 
     @activity.defn(name="guard_fleet_size")
@@ -162,23 +183,26 @@ class GuardActivities:
         """The incidents (by incident ID) among ``held`` that still run: the run that asked, or a
         run it continued as new into. A terminated incident never gives its slot back, and a new
         incident on the same node (same workflow ID, new run) is not the one that held it."""
-        alive = []
         client = activity.client()
-        for request in held:
-            try:
-                asked = await client.get_workflow_handle(request.workflow_id, run_id=request.run_id or None).describe(
-                    rpc_timeout=timedelta(seconds=10)
-                )
-                status = asked.status
-                if status == WorkflowExecutionStatus.CONTINUED_AS_NEW:
-                    latest = await client.get_workflow_handle(request.workflow_id).describe(
-                        rpc_timeout=timedelta(seconds=10)
-                    )
-                    status = latest.status
-            except RPCError as exc:
-                if exc.status == RPCStatusCode.NOT_FOUND:
-                    continue
-                raise
-            if status == WorkflowExecutionStatus.RUNNING:
-                alive.append(request.incident_id)
-        return alive
+        limit = asyncio.Semaphore(ANSWERS_AT_ONCE)
+
+        async def runs(request: SlotRequest) -> bool:
+            async with limit:
+                try:
+                    asked = await client.get_workflow_handle(
+                        request.workflow_id, run_id=request.run_id or None
+                    ).describe(rpc_timeout=RPC_TIMEOUT)
+                    status = asked.status
+                    if status == WorkflowExecutionStatus.CONTINUED_AS_NEW:
+                        latest = await client.get_workflow_handle(request.workflow_id).describe(rpc_timeout=RPC_TIMEOUT)
+                        status = latest.status
+                except RPCError as exc:
+                    if exc.status == RPCStatusCode.NOT_FOUND:
+                        return False
+                    refuse_for_good(exc)
+                    raise
+                return status == WorkflowExecutionStatus.RUNNING
+
+        async with heartbeats():
+            running = await asyncio.gather(*(runs(request) for request in held))
+        return [request.incident_id for request, alive in zip(held, running, strict=True) if alive]

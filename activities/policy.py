@@ -17,11 +17,23 @@ class PolicyActivities:
         # Called on every read, so an edited policy file applies to the next incident.
         self._config = config
 
+    def _read(self) -> WorkerConfig:
+        """The configuration; one that cannot be used (a policy file that is not UTF-8 text, not
+        YAML, or names an unknown field) fails at once: reading it again gives the same error.
+        The worker's own reader keeps the last good one instead (workers/main.py LastGoodConfig):
+        this is for a worker that has none."""
+        try:
+            return self._config()
+        except ValueError as exc:  # PolicyError, UnicodeDecodeError, a pydantic ValidationError
+            raise ApplicationError(
+                f"the worker's policy cannot be used: {exc}", type="PolicyInvalid", non_retryable=True
+            ) from exc
+
     @activity.defn(name="worker_config")
     @heartbeating
     def worker_config(self, cluster: str) -> WorkerConfig:
         """Grace, timeouts and policy as this worker has them; the incident records them once."""
-        config = self._config()
+        config = self._read()
         if cluster != config.cluster:
             # Task queues are per cluster, so this is a worker started with the wrong GPUFLEET_CLUSTER.
             raise ApplicationError(
@@ -34,5 +46,5 @@ class PolicyActivities:
     @activity.defn(name="classify_xids")
     @heartbeating
     def classify(self, request: ClassifyRequest) -> Action:
-        policy: Policy = request.policy or self._config().policy
+        policy: Policy = request.policy or self._read().policy
         return policy.decide(request.events)

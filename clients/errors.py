@@ -31,6 +31,13 @@ class Forbidden(ClientError):
     retryable = False
 
 
+class Refused(ClientError):
+    """The server refused the request for good: an HTTP 4xx with no name of its own above (405,
+    410, 413, 415, ...). Asking again gets the same answer."""
+
+    retryable = False
+
+
 class LastNodeOfPartition(InvalidInput):
     """Slurm refuses a partition with no node: its last node stays in it."""
 
@@ -56,6 +63,32 @@ class TooManyRequests(ClientError):
 
 class Unavailable(ClientError):
     """The service cannot be reached or timed out; retry with backoff."""
+
+
+# The 4xx answers that a retry may get past: the server timed out waiting for the request (408),
+# a write lost a race and is made again on a fresh read (409), the server asks to be asked later
+# (425, 429). Every other 4xx says the request itself is wrong, and is not retried.
+RETRYABLE_4XX = frozenset({408, 409, 425, 429})
+
+
+def error_for_status(status: int, detail: str) -> ClientError:
+    """The error for an HTTP answer ``status`` (0: none came): retried for 5xx, no answer and
+    RETRYABLE_4XX, not retried for any other 4xx."""
+    if status == 404:
+        return NotFound(detail)
+    if status == 409:
+        return Conflict(detail)
+    if status == 429:
+        return TooManyRequests(detail)
+    if status in (400, 422):
+        return InvalidInput(detail)
+    if status in (401, 403):
+        return Forbidden(detail)
+    if status >= 500 or status == 0 or status in RETRYABLE_4XX:
+        return Unavailable(detail)
+    if 400 <= status < 500:
+        return Refused(detail)
+    return ClientError(detail)
 
 
 def checked_node_name(name: str) -> str:

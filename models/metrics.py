@@ -13,6 +13,12 @@ from __future__ import annotations
 # sxid, init_failed, power_cable; "none" when no event arrived), the action and the outcome.
 INCIDENTS = "gpufleet_incidents_total"
 INCIDENTS_HELP = "Incidents closed, by cluster, deciding Xid, action and outcome (dry runs not counted)."
+# Of those, the ones with outcome "failed", by cluster, the step they stopped at and the error's
+# type (Unavailable, NotFound, PolicyInvalid, ...; "cancelled" for a person's cancellation).
+INCIDENTS_FAILED = "gpufleet_incidents_failed_total"
+INCIDENTS_FAILED_HELP = (
+    "Incidents that failed, by cluster, the step they stopped at and the error's type (dry runs not counted)."
+)
 
 # How long each remediation step took, recorded when the step finishes.
 STEP_DURATION = "gpufleet_step_duration_seconds"

@@ -11,7 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from models.clusterops import BUILTIN_BACKENDS
 from models.names import InvalidName, validate_cluster_name
 from models.plugins import CLUSTER_BACKENDS, cli_default, declared
-from models.policy import OwnerDrained, RemediationSettings, load_policy
+from models.policy import OwnerDrained, PolicyError, RemediationSettings, load_policy
 from models.requests import WorkerConfig
 
 
@@ -164,9 +164,14 @@ class Settings(BaseSettings):
         """The policy file (one file for the detector and the worker) with GPUFLEET_* overrides on top.
 
         Raises:
-            PolicyError: the policy file is missing or wrong.
+            PolicyError: the policy file is missing or wrong, or is not UTF-8 text.
         """
-        policy = load_policy(self.policy_file)
+        try:
+            policy = load_policy(self.policy_file)
+        except UnicodeDecodeError as exc:
+            raise PolicyError(
+                f"{self.policy_file}: not UTF-8 text ({exc.reason} at byte {exc.start}): save it as UTF-8"
+            ) from None
         overrides = {
             name: getattr(self, name) for name in RemediationSettings.model_fields if name in self.model_fields_set
         }

@@ -30,12 +30,14 @@ from workflows.guard_records import NodeRecords
 from workflows.patches import GUARD_SLOTS_WAIT
 from workflows.retries import (
     GUARD_COUNT,
+    GUARD_COUNT_BUDGET,
     GUARD_READ,
+    GUARD_READ_BUDGET,
     HEARTBEAT,
     NOTIFY_ATTEMPT,
     NOTIFY_BUDGET,
     NOTIFY_RETRY,
-    RETRY_UNTIL_BACK,
+    STEP_RETRY,
 )
 
 with workflow.unsafe.imports_passed_through():
@@ -347,7 +349,9 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
                 GuardActivities.running,
                 held,
                 start_to_close_timeout=GUARD_READ,
-                retry_policy=RETRY_UNTIL_BACK,
+                schedule_to_close_timeout=GUARD_READ_BUDGET,
+                heartbeat_timeout=HEARTBEAT,
+                retry_policy=STEP_RETRY,
                 summary="check which incidents holding slots still run",
             )
         except ActivityError:
@@ -364,7 +368,8 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
                 PolicyActivities.worker_config,
                 self._state.cluster,
                 start_to_close_timeout=GUARD_READ,
-                retry_policy=RETRY_UNTIL_BACK,
+                schedule_to_close_timeout=GUARD_READ_BUDGET,
+                retry_policy=STEP_RETRY,
                 summary="read the guard's limits",
             )
         except ActivityError as exc:
@@ -384,8 +389,9 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
             self._nodes = await workflow.execute_activity_method(
                 GuardActivities.fleet_size,
                 start_to_close_timeout=GUARD_COUNT,
+                schedule_to_close_timeout=GUARD_COUNT_BUDGET,
                 heartbeat_timeout=HEARTBEAT,
-                retry_policy=RETRY_UNTIL_BACK,
+                retry_policy=STEP_RETRY,
                 summary="count the partition's nodes",
             )
         except ActivityError as exc:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
-from workflows.retries import ANSWER_BATCH, ANSWER_RETRY, HEARTBEAT
+from workflows.retries import ANSWER_BATCH, ANSWER_BUDGET, ANSWER_RETRY, HEARTBEAT
 
 with workflow.unsafe.imports_passed_through():
     from activities.guard import GuardActivities
@@ -87,6 +87,7 @@ class GuardAnswers:
                     GuardActivities.answer,
                     answers,
                     start_to_close_timeout=ANSWER_BATCH,
+                    schedule_to_close_timeout=ANSWER_BUDGET,
                     heartbeat_timeout=HEARTBEAT,
                     retry_policy=ANSWER_RETRY,
                     summary=f"answer {len(answers)} incident(s)",

@@ -16,14 +16,38 @@ with workflow.unsafe.imports_passed_through():
 
 # -- incidents and the fleet guard ---------------------------------------------------------------
 
-# Slurm, Kubernetes or Temporal being away is retried until they come back (every 5 s at most, so
-# an incident goes on within seconds of their return); wrong input is not retried.
-RETRY_UNTIL_BACK = RetryPolicy(
+# Every activity has a budget: a schedule-to-close timeout (all its attempts and the waits
+# between them) or a maximum of attempts, so that no failure is retried for ever. A step that
+# runs out of budget fails its incident at that step, visibly (docs/remediation.md).
+#
+#   incident step (_activity, workflows/remediation/state.py)   its start-to-close + STEP_RETRY_WINDOW
+#     lookups, drain, signal, requeue, lease (SHORT_STEP 60 s)   16 min
+#     spare claim, retire, quarantine (SPARE_STEP 3 min)         18 min
+#     cordon and drain in Kubernetes (KUBE_DRAIN_STEP 30 min)    45 min
+#     watching jobs, a repair Job: their own timeout             that + 15 min
+#   after the incident failed: give back its lease, slot, claim  its start-to-close + RELEASE_RETRY_WINDOW
+#   guard reads: running incidents, limits (GUARD_READ 30 s)     GUARD_READ_BUDGET 2 min
+#   guard count of the partition (GUARD_COUNT 60 s)              GUARD_COUNT_BUDGET 3 min
+#   guard answers, one batch (ANSWER_BATCH 2 min)                ANSWER_BUDGET 5 min, 25 attempts
+#   notifications and the guard's page                           NOTIFY_BUDGET 5 min, 8 attempts
+
+# Slurm, Kubernetes or Temporal being away is retried every 5 s at most, so an incident goes on
+# within seconds of their return; wrong input (NON_RETRYABLE, or any error raised as
+# non-retryable) is not retried. How long it is retried is the call's schedule-to-close.
+STEP_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
     backoff_coefficient=2.0,
     maximum_interval=timedelta(seconds=5),
     non_retryable_error_types=list(NON_RETRYABLE),
 )
+# How long a step of an incident goes on retrying after one whole attempt: a Slurm controller's
+# restart or a Kubernetes API server's upgrade takes minutes; a service away for longer needs a
+# person, and the incident fails (the node drained, its jobs requeued) and says so.
+STEP_RETRY_WINDOW = timedelta(minutes=15)
+# Once an incident has failed, giving back what it holds (its node's lease, its guard slot, an
+# unused spare claim) is retried for this long after one attempt: each is worth a try, but the
+# operators' page should not wait a quarter of an hour for each.
+RELEASE_RETRY_WINDOW = timedelta(minutes=2)
 # Every activity heartbeats (activities/heartbeat.py): a worker that dies costs this, plus a retry.
 HEARTBEAT = timedelta(seconds=5)
 # One step of Slurm or Kubernetes calls: longer than the calls' own timeouts (Slurm 30 s,
@@ -33,6 +57,13 @@ SHORT_STEP = timedelta(seconds=60)
 SPARE_STEP = timedelta(minutes=3)
 # Cordoning and draining a node in Kubernetes: its pods' evictions are waited for.
 KUBE_DRAIN_STEP = timedelta(minutes=30)
+
+
+def step_budget(step: timedelta, window: timedelta = STEP_RETRY_WINDOW) -> timedelta:
+    """The schedule-to-close of a call whose attempts may take ``step`` each: one whole attempt,
+    then retries for ``window``."""
+    return step + window
+
 
 # Notifications (and the guard's page): each attempt bounded, the whole message bounded, a
 # refusal not retried.
@@ -46,20 +77,25 @@ NOTIFY_RETRY = RetryPolicy(
 NOTIFY_ATTEMPT = timedelta(seconds=10)
 NOTIFY_BUDGET = timedelta(minutes=5)
 
-# The guard's own reads: which incidents still run, the worker's policy.
+# The guard's own reads: which incidents still run, the worker's policy. The guard handles one
+# message at a time, so a read it cannot make is given up after GUARD_READ_BUDGET and the guard
+# goes on with what it last read (every slot kept held, the last limits).
 GUARD_READ = timedelta(seconds=30)
-# Counting the partition's nodes (it heartbeats).
+GUARD_READ_BUDGET = timedelta(minutes=2)
+# Counting the partition's nodes (it heartbeats); the last count is kept when it gives up.
 GUARD_COUNT = timedelta(seconds=60)
+GUARD_COUNT_BUDGET = timedelta(minutes=3)
 # One batch of the guard's answers (it heartbeats).
 ANSWER_BATCH = timedelta(seconds=120)
-# A batch the server keeps refusing is given up after a couple of minutes, not retried for ever
-# (the answers after it wait for it).
+# A batch the server keeps refusing is given up after a few minutes, not retried for ever (the
+# answers after it wait for it; workflows/guard_answers.py sends it again a few times).
 ANSWER_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1),
     backoff_coefficient=2.0,
     maximum_interval=timedelta(seconds=5),
     maximum_attempts=25,
 )
+ANSWER_BUDGET = timedelta(minutes=5)
 
 # -- operator workflows on nodes (return, list and release quarantined ones) -------------------------
 

@@ -509,8 +509,9 @@ async def test_unknown_node_fails_fast_and_changes_nothing(env: WorkflowEnvironm
         with pytest.raises(WorkflowFailureError) as failure:
             await handle.result()
     assert "no node named 'nosuch'" in str(failure.value.cause)
-    # Nothing changed; the owner is told why the incident stopped.
-    assert fleet.calls == ["worker_config", "slurm_node_state", "notify:failed"]
+    # Nothing changed; the owner is told why the incident stopped, and the operators are paged.
+    assert fleet.calls[:2] == ["worker_config", "slurm_node_state"]
+    assert sorted(fleet.calls[2:]) == ["notify:failed", "notify:incident_failed"]
 
 
 async def test_application_xid_is_only_recorded(env: WorkflowEnvironment) -> None:

@@ -1,13 +1,15 @@
 """How an incident ends, whichever way: a lemon quarantined, the guard's slot and the node's lease
 given back, an unused spare released, the last messages out, and Xids that came too late for
-this incident carried into the node's next one."""
+this incident carried into the node's next one. An incident that cannot go on fails at its step,
+says why to the owner and the operators, and is counted."""
 
 from __future__ import annotations
 
 import contextlib
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, ApplicationError, RetryState, TimeoutType
+from temporalio.exceptions import TimeoutError as ActivityTimeout
 
 from workflows.remediation.notify import Notifications
 from workflows.remediation.slot import GuardSlot
@@ -16,9 +18,55 @@ from workflows.retries import SPARE_STEP
 with workflow.unsafe.imports_passed_through():
     from activities.kube import KubeActivities
     from activities.spares import SpareActivities
-    from models.constants import QUARANTINE_LABEL
+    from models.constants import NODE_LEASE_ANNOTATION, QUARANTINE_LABEL
     from models.incident import Outcome, RemediationInput, Step
+    from models.metrics import INCIDENTS_FAILED, INCIDENTS_FAILED_HELP
     from models.requests import ClaimRequest, NodeLeaseRequest, QuarantineRequest
+
+# A failed incident pages the operators (notification kind "incident_failed") as well as telling
+# the owner (v0.3.0): incidents that failed before it replay without the page.
+PAGE_ON_FAILURE = "page-operators-on-failure"
+
+
+def _gave_up(exc: ActivityError) -> bool:
+    """The activity was retried until its budget (schedule-to-close) ran out."""
+    cause = exc.cause
+    return exc.retry_state == RetryState.TIMEOUT or (
+        isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.SCHEDULE_TO_CLOSE
+    )
+
+
+def _last_failure(exc: ActivityError) -> BaseException | None:
+    """What the activity's last attempt failed with (a budget that ran out during an attempt
+    carries the attempt before's failure, if there was one)."""
+    cause = exc.cause
+    if isinstance(cause, ActivityTimeout) and cause.type == TimeoutType.SCHEDULE_TO_CLOSE:
+        return cause.cause
+    return cause
+
+
+def failure_text(exc: ActivityError | ApplicationError) -> str:
+    """What stopped the incident, in one line: the error, and why it was not tried again."""
+    if not isinstance(exc, ActivityError):
+        return str(exc)
+    last = _last_failure(exc)
+    text = str(last if last is not None else exc.cause or exc)
+    if _gave_up(exc):
+        return f"{text} (the step's retry budget ran out)"
+    if exc.retry_state == RetryState.MAXIMUM_ATTEMPTS_REACHED:
+        return f"{text} (the step's attempts ran out)"
+    return text
+
+
+def failure_type(exc: ActivityError | ApplicationError) -> str:
+    """The failure's type for the incident's own error and the metric: the error type an activity
+    raised (Unavailable, NotFound, PolicyInvalid, ...), Timeout, or RemediationFailed."""
+    last = _last_failure(exc) if isinstance(exc, ActivityError) else exc
+    if isinstance(last, ApplicationError) and last.type:
+        return last.type
+    if isinstance(last, ActivityTimeout) or (isinstance(exc, ActivityError) and isinstance(exc.cause, ActivityTimeout)):
+        return "Timeout"
+    return "RemediationFailed"
 
 
 class Closing(GuardSlot, Notifications):
@@ -51,6 +99,56 @@ class Closing(GuardSlot, Notifications):
                     dry_run=self._dry_run,
                 )
             )
+
+    async def _fail(self, exc: ActivityError | ApplicationError) -> ApplicationError:
+        """The incident cannot go on: it fails at its step, with the error. It gives back what it
+        holds (an unused spare claim, its guard slot, its node's lease; each bounded, and only
+        tried once it has failed: workflows/retries.py), never resumes the node (drained, it waits
+        for a person), tells the owner and pages the operators. Returns the workflow's failure."""
+        status = self._status
+        message = failure_text(exc)
+        status.outcome = Outcome.FAILED
+        status.error = message
+        self._mark(status.step, "failed", message)
+        self._count_failed(failure_type(exc))
+        self._count_closed()
+        await self._release_unused_claim()
+        await self._release_slot(f"failed: {message}")
+        await self._give_back_node()
+        # Never fail silently: tell the owner and the operators (beside the flow; bounded).
+        self._notify("failed", f"{self._message_prefix()}: gpufleet stopped at {status.step}: {message}")
+        if workflow.patched(PAGE_ON_FAILURE):
+            self._notify("incident_failed", self._failure_page(message))
+        await self._flush_notifications()
+        return ApplicationError(
+            f"incident {status.incident_id} failed at {status.step}: {message}",
+            type=failure_type(exc),
+            non_retryable=True,
+        )
+
+    def _failure_page(self, message: str) -> str:
+        """The operators' page: where the incident stopped, why, and what it left for a person."""
+        status, node = self._status, self._input.node
+        left = [
+            f"{node} stays drained in Slurm for a person to look at"
+            if self._took_node_out
+            else f"{node} was not changed"
+        ]
+        if status.node_leased:
+            left.append(f"its lease could not be given back (`kubectl annotate node {node} {NODE_LEASE_ANNOTATION}-`)")
+        return (
+            f"{self._message_prefix()}: incident failed at {status.step}: {message}. {'; '.join(left)}. "
+            f"`gpufleet incidents show {workflow.info().workflow_id}` has its timeline."
+        )
+
+    def _count_failed(self, error: str) -> None:
+        """The incident in gpufleet_incidents_failed_total, by the step it stopped at (before
+        _count_closed, which counts every incident once)."""
+        if self._counted_in_metrics or self._dry_run or workflow.unsafe.is_replaying():
+            return
+        workflow.metric_meter().create_counter(INCIDENTS_FAILED, INCIDENTS_FAILED_HELP).add(
+            1, {"cluster": self._input.cluster, "step": self._status.step.value, "error": error}
+        )
 
     async def _quarantine(self) -> None:
         """A lemon this incident took out of service stays out: labelled quarantined."""

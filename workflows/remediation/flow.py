@@ -128,6 +128,7 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
             self._status.outcome = Outcome.FAILED
             self._status.error = "cancelled"
             self._mark(self._status.step, "cancelled")
+            self._count_failed("cancelled")
             self._count_closed()
             await self._release_unused_claim()
             await self._release_slot("cancelled")
@@ -136,23 +137,9 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
             await self._flush_notifications()
             raise
         except (ActivityError, ApplicationError) as exc:
-            cause = exc.cause if isinstance(exc, ActivityError) else None
-            message = str(cause or exc)
-            self._status.outcome = Outcome.FAILED
-            self._status.error = message
-            self._mark(self._status.step, "failed", message)
-            self._count_closed()
-            await self._release_unused_claim()
-            await self._release_slot(f"failed: {message}")
-            await self._give_back_node()
-            # Never fail silently: tell the owner (beside the flow; bounded).
-            self._notify("failed", f"{self._message_prefix()}: gpufleet stopped at {self._status.step}: {message}")
-            await self._flush_notifications()
-            raise ApplicationError(
-                f"incident {self._status.incident_id} failed at {self._status.step}: {message}",
-                type=getattr(cause, "type", None) or getattr(exc, "type", None) or "RemediationFailed",
-                non_retryable=True,
-            ) from exc
+            # It cannot go on (a permanent error, or a step's retry budget ran out): it fails at
+            # its step, gives back what it holds, tells the owner and pages the operators.
+            raise await self._fail(exc) from exc
         return self._status
 
     async def _remediate(self, params: RemediationInput) -> None:

@@ -9,12 +9,12 @@ from typing import Any
 from temporalio import workflow
 from temporalio.workflow import ActivityCancellationType
 
-from workflows.retries import HEARTBEAT, RETRY_UNTIL_BACK, SHORT_STEP
+from workflows.retries import HEARTBEAT, RELEASE_RETRY_WINDOW, SHORT_STEP, STEP_RETRY, step_budget
 
 with workflow.unsafe.imports_passed_through():
     from activities.policy import PolicyActivities
     from models.guard import GuardDecision
-    from models.incident import Approval, IncidentStatus, RemediationInput
+    from models.incident import Approval, IncidentStatus, Outcome, RemediationInput
     from models.policy import Action, Policy, RemediationSettings
     from models.requests import ClassifyRequest
     from models.xid import XidEvent
@@ -72,17 +72,28 @@ class IncidentState:
             self._status.events.append(event.label)
 
     async def _activity(self, method: Any, *args: Any, summary: str, timeout: timedelta = SHORT_STEP) -> Any:
+        """Run one activity: ``timeout`` per attempt, retried within the call's budget (_budget)."""
         return await workflow.execute_activity_method(
             method,
             args=args,
             start_to_close_timeout=timeout,
+            schedule_to_close_timeout=self._budget(timeout),
             heartbeat_timeout=HEARTBEAT,
-            retry_policy=RETRY_UNTIL_BACK,
+            retry_policy=STEP_RETRY,
             summary=summary,
             # A cancelled branch (the other one failed) waits for its activity to end, so that
             # nothing it was doing (a claim, a drain) goes on behind the incident's back.
             cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
         )
+
+    def _budget(self, timeout: timedelta) -> timedelta:
+        """How long a call may take, all its attempts together (workflows/retries.py): a step
+        retries a service that is away for a quarter of an hour; once the incident has failed,
+        giving back what it holds retries for two minutes. Workflow code: constants and the
+        incident's own state only (tests run a subclass that answers seconds)."""
+        if self._status.outcome is Outcome.FAILED:
+            return step_budget(timeout, RELEASE_RETRY_WINDOW)
+        return step_budget(timeout)
 
     async def _classify(self) -> Action:
         events = list(self._events)
