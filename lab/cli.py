@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from lab.faults import EFFECTS, Effect, Fault, xid_effect
 from lab.fleet import FleetLab, LabError
 from models.settings import Settings
 
@@ -53,7 +54,7 @@ def status(
     home: Annotated[Path | None, typer.Option(help="State folder.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object for scripts.")] = False,
 ) -> None:
-    """Each node (Slurm state and reason, Kubernetes, pool), the jobs and the open incidents."""
+    """Each node (Slurm state and reason, Kubernetes, pool, GPU fault), the jobs and the open incidents."""
     from lab.status import lab_status
 
     result = lab_status(_lab(home))
@@ -63,9 +64,17 @@ def status(
     if not result["running"]:
         console.print("the lab is not running (start it with `gpufleet lab up`)")
         raise typer.Exit(1)
-    nodes = Table("node", "Slurm", "reason", "partitions", "Kubernetes", "pool")
+    nodes = Table("node", "Slurm", "reason", "partitions", "Kubernetes", "pool", "GPU fault")
     for n in result["nodes"]:
-        nodes.add_row(n["name"], n["slurm_state"], n["reason"], ",".join(n["partitions"]), n["kubernetes"], n["pool"])
+        nodes.add_row(
+            n["name"],
+            n["slurm_state"],
+            n["reason"],
+            ",".join(n["partitions"]),
+            n["kubernetes"],
+            n["pool"],
+            n["gpu_fault"],
+        )
     console.print(nodes)
     jobs = Table("job", "name", "state", "nodes", "restarts")
     for j in result["jobs"]:
@@ -81,6 +90,10 @@ def drill(
         str | None, typer.Option(help="Node to fail (default: the first node of the training job).")
     ] = None,
     xid: Annotated[int, typer.Option(help="The Xid to inject.")] = 79,
+    effect: Annotated[
+        Effect | None,
+        typer.Option(help="What the failure does to the job's processes on the node (default: the Xid's own)."),
+    ] = None,
     job: Annotated[
         str | None, typer.Option(help="Training job: ddp (PyTorch) or counter (default: ddp if torch is installed).")
     ] = None,
@@ -101,7 +114,7 @@ def drill(
     lab = _lab(home)
     say = (lambda _: None) if as_json else console.print
     try:
-        result = asyncio.run(run_drill(lab, node=node, xid=xid, job_kind=job, timeout=timeout, say=say))
+        result = asyncio.run(run_drill(lab, node=node, xid=xid, effect=effect, job_kind=job, timeout=timeout, say=say))
     except (LabError, TemporalUnreachable, TimeoutError) as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(1) from None
@@ -116,8 +129,13 @@ def drill(
             f"incident {result['workflow_id']}: {result['outcome']}; job {result['job_id']} restarts "
             f"{result['job_restarts']}, resumed from step {result['resumed_from_step']}"
         )
+        if result["job_resumed"] is False:
+            console.print(
+                f"[red]job {result['job_id']} did not run again[/] (it is {result['job_state']}; "
+                f"its ranks met: {', '.join(result['gpu_fault_hits']) or 'nothing'})"
+            )
     print(json.dumps(result))
-    if result["outcome"] != "resolved":
+    if result["outcome"] != "resolved" or result["job_resumed"] is False:
         raise typer.Exit(1)
 
 
@@ -125,19 +143,57 @@ def drill(
 def inject_xid(
     node: Annotated[str, typer.Argument(help="The lab node whose kernel log gets the Xid line.")],
     xid: Annotated[int, typer.Option(help="The Xid, e.g. 79 (fallen off the bus).")] = 79,
+    effect: Annotated[
+        Effect | None,
+        typer.Option(
+            help="What the failure does to the job's processes on NODE: crash (a CUDA error, exit 1), "
+            "hang (stuck, deaf to SIGTERM) or none (default: the Xid's own, docs/lab.md)."
+        ),
+    ] = None,
     home: Annotated[Path | None, typer.Option(help="State folder.")] = None,
 ) -> None:
-    """Append a driver-format Xid line to NODE's kernel log, where its detector sees it."""
+    """Fail NODE's GPU as the Xid does: the job's processes there crash or hang (or not), and a
+    driver-format Xid line goes to NODE's kernel log, where its detector sees it."""
     lab = _lab(home)
     if not lab.running():
         console.print("[red]error:[/] the lab is not running (start it with `gpufleet lab up`)")
         raise typer.Exit(1)
     try:
-        line = lab.inject_xid(node, xid)
+        line = lab.inject_xid(node, xid, effect)
     except LabError as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(1) from None
     console.print(f"{node}: {line}")
+    console.print(f"{node}: {effect_said(xid, effect, lab.faults.get(node))}")
+
+
+def effect_said(xid: int, effect: Effect | None, fault: Fault | None) -> str:
+    """What the injection does to the job's processes on the node, in one line."""
+    row = xid_effect(xid)
+    if effect is None and xid not in EFFECTS:
+        return f"Xid {xid} is not in the lab's effect table: the job's processes are left alone (--effect chooses)"
+    why = f"Xid {xid}'s own: {row.why}" if effect in (None, row.effect) else "chosen with --effect"
+    if (effect or row.effect) is Effect.NONE or fault is None:
+        return f"the job's processes are left alone ({why})"
+    lasting = "until the GPU is reset or the node rebooted" if fault.until_repair else "those running now"
+    return f"the job's processes {fault.effect.value} ({why}); {lasting}"
+
+
+@lab_app.command("clear-fault")
+def clear_fault(
+    node: Annotated[str, typer.Argument(help="The lab node whose GPU was repaired by hand.")],
+    home: Annotated[Path | None, typer.Option(help="State folder.")] = None,
+) -> None:
+    """Clear NODE's injected GPU fault, as a repair outside gpufleet would (before `gpufleet nodes return`)."""
+    lab = _lab(home)
+    if node not in lab.all_nodes:
+        console.print(f"[red]error:[/] no lab node {node!r}; nodes: {', '.join(lab.all_nodes)}")
+        raise typer.Exit(1)
+    fault = lab.faults.get(node)
+    if fault is None or not lab.faults.clear(node):
+        console.print(f"{node}: no GPU fault stands")
+        return
+    console.print(f"{node}: GPU fault cleared ({fault.describe()})")
 
 
 @lab_app.command()

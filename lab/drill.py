@@ -20,6 +20,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from clients.kube import KubernetesApi
 from clients.slurm import SlurmCli
+from lab.faults import FAULTS_ENV, Effect, default_effect
 from lab.fleet import REPO_ROOT, FleetLab, LabError
 from lab.procs import wait_for
 from models.constants import (
@@ -61,27 +62,27 @@ def log_path(job: JobInfo) -> Path:
     return Path(job.stdout.replace("%j", str(job.job_id)).replace("%x", job.name))
 
 
-def training_job(lab: FleetLab, slurm: SlurmCli, *, job_kind: str, say: Say) -> JobInfo:
-    """The drill's running training job; submits one and waits for its first checkpoint if none runs."""
+def submit_job(lab: FleetLab, job_kind: str, *sbatch_args: str) -> int:
+    """Submit the lab's training job ``job_kind`` (its checkpoint and log under the lab's home,
+    its ranks reading the nodes' GPU faults); returns the job ID."""
     script, name = JOBS[job_kind]
-    running = [j for j in slurm.jobs() if j.name in {n for _, n in JOBS.values()} and j.state == "RUNNING"]
-    if running:
-        job = running[0]
-        say(f"using running job {job.job_id} ({job.name}) on {job.nodes}")
-    else:
-        folder = lab.home / "drill"
-        folder.mkdir(parents=True, exist_ok=True)
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
-        env = {
-            "PYTHON": sys.executable,
-            "CHECKPOINT": str(folder / f"{name}-{stamp}.ckpt"),
-            "PYTHONPATH": str(REPO_ROOT),
-        }
-        job_id = lab.slurm.sbatch(script, "-o", str(folder / f"{name}-{stamp}-%j.log"), env=env)
-        say(f"submitted {name} as job {job_id}; waiting for it to run and checkpoint")
-        job = wait_for(
-            lambda: (j := slurm.job(job_id)).state == "RUNNING" and j, timeout=120, what=f"job {job_id} to start"
-        )
+    folder = lab.home / "drill"
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
+    env = {
+        "PYTHON": sys.executable,
+        "CHECKPOINT": str(folder / f"{name}-{stamp}.ckpt"),
+        "PYTHONPATH": str(REPO_ROOT),
+        FAULTS_ENV: str(lab.faults.folder),
+    }
+    return lab.slurm.sbatch(script, "-o", str(folder / f"{name}-{stamp}-%j.log"), *sbatch_args, env=env)
+
+
+def running_and_checkpointed(slurm: SlurmCli, job_id: int) -> JobInfo:
+    """Wait until the job runs and has saved a checkpoint in this run; returns it."""
+    job: JobInfo = wait_for(
+        lambda: (j := slurm.job(job_id)).state == "RUNNING" and j, timeout=120, what=f"job {job_id} to start"
+    )
     log = log_path(job)
     wait_for(
         lambda: log.exists() and checkpointed_since_start(log.read_text()),
@@ -89,6 +90,34 @@ def training_job(lab: FleetLab, slurm: SlurmCli, *, job_kind: str, say: Say) -> 
         what=f"job {job.job_id} to save a checkpoint ({log})",
     )
     return job
+
+
+def training_job(lab: FleetLab, slurm: SlurmCli, *, job_kind: str, say: Say) -> JobInfo:
+    """The drill's running training job; submits one and waits for its first checkpoint if none runs."""
+    running = [j for j in slurm.jobs() if j.name in {n for _, n in JOBS.values()} and j.state == "RUNNING"]
+    if running:
+        job = running[0]
+        say(f"using running job {job.job_id} ({job.name}) on {job.nodes}")
+        return running_and_checkpointed(slurm, job.job_id)
+    job_id = submit_job(lab, job_kind)
+    say(f"submitted {JOBS[job_kind][1]} as job {job_id}; waiting for it to run and checkpoint")
+    return running_and_checkpointed(slurm, job_id)
+
+
+def resumed_step(job: JobInfo, restarts_before: int) -> int | None:
+    """The step the job resumed from after a requeue, from its log (None: it did not run again)."""
+    if job.restarts <= restarts_before:
+        return None  # never requeued: ended (or hung) with its GPU
+    log = log_path(job)
+    try:
+        text = wait_for(
+            lambda: (t := log.read_text()).count("resumed from step") > restarts_before and t,
+            timeout=60,
+            what="the job to log its resume",
+        )
+    except TimeoutError:
+        return None
+    return int(RESUMED.findall(text)[-1])
 
 
 def checkpointed_since_start(text: str) -> bool:
@@ -184,6 +213,7 @@ async def run_drill(
     *,
     node: str | None = None,
     xid: int = 79,
+    effect: Effect | None = None,
     job_kind: str | None = None,
     timeout: float = 600,
     say: Say = lambda _: None,
@@ -193,6 +223,8 @@ async def run_drill(
     """Run one drill against a running lab; returns the result as a JSON-ready dict.
 
     Args:
+        effect: what the failure does to the job's processes on the node (default: the Xid's own,
+            lab/faults.py).
         on_status: called with each status seen while the incident runs (chaos scenarios act
             there: kill a worker at a step, approve an incident waiting for approval).
         require_running: refuse unless every lab process runs (a chaos run stops some on purpose).
@@ -229,34 +261,40 @@ async def run_drill(
         say(f"note: {target} does not run job {job.job_id} (it runs on {job.nodes})")
     restarts_before = job.restarts
 
+    effect = default_effect(xid) if effect is None else effect
     client = await connect(address=lab.env()["TEMPORAL_ADDRESS"])
-    say(f"injecting Xid {xid} on {target} (a driver line in {lab.kmsg_file(target)})")
+    say(
+        f"injecting Xid {xid} on {target} (a driver line in {lab.kmsg_file(target)}); "
+        f"the job's processes there: {effect.value}"
+    )
     detected = datetime.now(UTC)
-    lab.inject_xid(target, xid)
+    lab.inject_xid(target, xid, effect)
     handle = client.get_workflow_handle(remediation_workflow_id(lab.config.cluster, target))
     description = await _new_run(handle, since=detected, timeout=30)
     status = await _follow(handle, timeout=timeout, say=say, on_status=on_status)
 
     after = slurm.job(job.job_id)
-    log = log_path(after)
-    resumed_from = None
-    if status.outcome == Outcome.RESOLVED and target in job_nodes:
-        text = wait_for(
-            lambda: (t := log.read_text()).count("resumed from step") > restarts_before and t,
-            timeout=60,
-            what="the job to log its resume",
-        )
-        resumed_from = int(RESUMED.findall(text)[-1])
+    resumed_from, job_resumed = None, None
+    if target in job_nodes:
+        resumed_from = resumed_step(after, restarts_before) if status.outcome == Outcome.RESOLVED else None
+        job_resumed = resumed_from is not None
+        if not job_resumed:
+            say(f"job {job.job_id} did not run again from its checkpoint (it is {after.state})")
+    hits = [hit for hit in lab.faults.hits(job.job_id) if hit["at"] >= detected.timestamp() - 1]
     return {
         "incident_id": status.incident_id,
         "workflow_id": handle.id,
         "node": target,
         "xid": xid,
+        "effect": effect.value,
+        # What the job's ranks met: crash or hang on the node, stalled elsewhere (as in a collective).
+        "gpu_fault_hits": [f"{hit['effect']} on {hit['node']}" for hit in hits],
         "action": status.action.value if status.action else None,
         "outcome": status.outcome.value,
         "job_id": job.job_id,
         "job_restarts": after.restarts,
         "resumed_from_step": resumed_from,
+        "job_resumed": job_resumed,
         "replacement_node": status.spare,
         "job_state": after.state,
         "restarts_before": restarts_before,

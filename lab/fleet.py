@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.cluster import stop_all
+from lab.faults import FAULTS_ENV, Effect, GpuFaults
 from lab.kubeapi import inference_workloads, lab_workloads, merge_seeds, node_object, training_node
 from lab.procs import alive, free_port, port_in_use, spawn, stop, wait_for
 from lab.prometheus import prometheus_installed, start_prometheus
@@ -120,6 +121,8 @@ class FleetLab:
             "GPUFLEET_CLUSTER_BACKENDS": "lab",
             "SLURM_CONF": str(self.slurm.conf),
             "PYTHONPATH": str(REPO_ROOT),
+            # The nodes' GPU faults: what the lab's jobs read at every step and its repairs clear.
+            FAULTS_ENV: str(self.faults.folder),
         }
         if "temporal" in services:
             env["TEMPORAL_ADDRESS"] = services["temporal"]["address"]
@@ -166,6 +169,7 @@ class FleetLab:
             )
             if self.slurm.pids():
                 self.slurm.stop()  # a partial cluster from an earlier run
+            self.faults.clear_all()  # fresh nodes: no GPU fault stands
             self.slurm.start()
 
         if running("kubeapi"):
@@ -336,10 +340,18 @@ class FleetLab:
         """The node's kernel log, which its detector follows."""
         return self.home / "kmsg" / f"{node}.log"
 
-    def inject_xid(self, node: str, xid: int) -> str:
-        """Append a driver-format Xid line to the node's kernel log; returns the line."""
+    @property
+    def faults(self) -> GpuFaults:
+        """The nodes' GPU faults (lab/faults.py)."""
+        return GpuFaults.of_home(self.home)
+
+    def inject_xid(self, node: str, xid: int, effect: Effect | None = None) -> str:
+        """Fail the node's GPU as ``xid`` does: its fault (the Xid's default effect on the job's
+        processes there, unless ``effect`` says), then a driver-format Xid line appended to the
+        node's kernel log; returns the line."""
         if node not in self.all_nodes:
             raise LabError(f"no lab node {node!r}; nodes: {', '.join(self.all_nodes)}")
+        self.faults.inject(node, xid, effect)
         entry = xid_catalog().get(xid)
         text = "GPU has fallen off the bus." if xid == 79 else (entry.name if entry else "Unknown Error")
         line = f"NVRM: Xid (PCI:0000:3b:00): {xid}, pid='<unknown>', name=<unknown>, {text}"
@@ -397,6 +409,7 @@ class FleetLab:
             say(f"stopped cluster {root.name} (its Slurm daemons and worker)")
         say("stopping Slurm")
         self.slurm.stop()
+        self.faults.clear_all()
         if "temporal" in services:
             say("stopping Temporal")
             stop([services["temporal"]["pid"]])

@@ -2,12 +2,13 @@
 
 The lab's nodes are names, so there is nothing to reset: each says what a real node would do.
 
-- ``reset`` succeeds.
+- ``reset`` succeeds, and the GPU fault injected on the node is gone (lab/faults.py).
 - ``reboot`` (of a node still on ``--boot-id``, when given) does what a real reboot shows the
   API: the node goes NotReady, then Ready again on a new boot ID (``status.nodeInfo.bootID``,
   written as its kubelet would), and the Job's pod dies with it (exit status 143, so the Job
-  fails, as a real reboot Job's does).
-- ``check`` (does the GPU answer?) succeeds.
+  fails, as a real reboot Job's does). The node's GPU fault is gone too.
+- ``check`` (does the GPU answer?) succeeds, unless a GPU fault that breaks the GPU still
+  stands on the node (a GPU off the bus or stuck in its firmware does not answer).
 
 Each fails instead when the lab is told so by a file in ``$GPUFLEET_HOME``: ``repair-fails``
 (the reset or reboot fails; a reboot then leaves the node up on its old boot ID) or
@@ -27,11 +28,26 @@ from pathlib import Path
 
 import httpx
 
+from lab.faults import FAULTS_ENV, GpuFaults
+
 KILLED_BY_REBOOT = 143  # SIGTERM, as a container's exit status
 
 
 def _told_to_fail(what: str) -> bool:
     return (Path(os.environ.get("GPUFLEET_HOME", ".gpufleet")) / what).exists()
+
+
+def _faults() -> GpuFaults:
+    """The lab's GPU faults: ``$GPUFLEET_LAB_FAULTS``, else under ``$GPUFLEET_HOME``."""
+    folder = os.environ.get(FAULTS_ENV)
+    if folder:
+        return GpuFaults(Path(folder))
+    return GpuFaults.of_home(Path(os.environ.get("GPUFLEET_HOME", ".gpufleet")))
+
+
+def _gpu_works_again(node: str) -> str:
+    """What the repair did to the node's injected GPU fault, for the Job's last line."""
+    return "; its GPU fault is cleared" if _faults().clear(node) else ""
 
 
 def _set_node(api: str, node: str, *, ready: bool, boot_id: str | None = None) -> None:
@@ -64,13 +80,17 @@ def main() -> None:
         if _told_to_fail("check-fails"):
             print(f"{args.node}: GPU {args.gpu or '(all)'} does not answer (the lab was told so)", flush=True)
             sys.exit(1)
+        fault = _faults().get(args.node)
+        if fault is not None and fault.until_repair:
+            print(f"{args.node}: GPU {args.gpu or '(all)'} does not answer: {fault.describe()}", flush=True)
+            sys.exit(1)
         print(f"{args.node}: GPU {args.gpu or '(all)'} answers (lab stand-in)", flush=True)
         return
     if _told_to_fail("repair-fails"):
         print(f"{args.what} of {args.node} failed (the lab was told to fail repairs)", flush=True)
         sys.exit(1)
     if args.what == "reset":
-        print(f"{args.node}: GPU {args.gpu} reset (lab stand-in)", flush=True)
+        print(f"{args.node}: GPU {args.gpu} reset (lab stand-in){_gpu_works_again(args.node)}", flush=True)
         return
     api = os.environ.get("GPUFLEET_LAB_API", "").rstrip("/")
     if not api:
@@ -83,8 +103,9 @@ def main() -> None:
         sys.exit(1)
     boot_id = str(uuid.uuid4())
     _set_node(api, args.node, ready=False)
+    cleared = _gpu_works_again(args.node)
     _set_node(api, args.node, ready=True, boot_id=boot_id)
-    print(f"{args.node}: rebooted onto boot ID {boot_id[:8]} (lab stand-in); the pod died with it", flush=True)
+    print(f"{args.node}: rebooted onto boot ID {boot_id[:8]} (lab stand-in){cleared}; the pod died with it", flush=True)
     sys.exit(KILLED_BY_REBOOT)
 
 

@@ -16,7 +16,7 @@ from starters.temporal import TemporalUnreachable, connect
 
 
 def lab_status(lab: FleetLab) -> dict[str, Any]:
-    """Nodes (Slurm state and reason, Kubernetes schedulable, pool), jobs and open incidents."""
+    """Nodes (Slurm state and reason, Kubernetes schedulable, pool, GPU fault), jobs and open incidents."""
     env = lab.env()
     result: dict[str, Any] = {
         "running": lab.running(),
@@ -34,6 +34,7 @@ def lab_status(lab: FleetLab) -> dict[str, Any]:
         kube_nodes = {node.name: node for node in kube.list_nodes()}
     except ClientError as exc:
         result["kubernetes_error"] = str(exc)
+    faults = lab.faults.standing()
     for node in slurm.nodes():
         k = kube_nodes.get(node.name)
         result["nodes"].append(
@@ -44,6 +45,8 @@ def lab_status(lab: FleetLab) -> dict[str, Any]:
                 "partitions": node.partitions,
                 "kubernetes": "absent" if k is None else ("cordoned" if k.unschedulable else "schedulable"),
                 "pool": k.labels.get(POOL_LABEL, "") if k else "",
+                # An injected GPU fault that still stands (lab/faults.py).
+                "gpu_fault": faults[node.name].describe() if node.name in faults else "",
             }
         )
     result["jobs"] = [

@@ -3,6 +3,10 @@
 Every rank counts steps; rank 0 saves ``{"step": N}`` atomically (temp file, rename) every
 ``--checkpoint-every`` steps and on SIGTERM, then exits promptly. On start it loads the
 checkpoint and logs ``resumed from step N``.
+
+In the lab (``$GPUFLEET_LAB_FAULTS`` set) every rank looks at its node's GPU fault at each step
+(lab/faults.py): it crashes or hangs with its GPU, and stops as in a collective that never
+completes when a GPU of another node of the step failed.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
+
+from lab.faults import RankFaults
 
 
 def save(path: Path, step: int) -> None:
@@ -47,6 +53,7 @@ def main() -> None:
         stopping = True
 
     signal.signal(signal.SIGTERM, on_term)
+    faults = RankFaults.from_env(wait_for_peers=True)
     step = load(args.checkpoint)
     restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
     if step > 0:
@@ -55,6 +62,8 @@ def main() -> None:
         print(f"rank {rank} on {node}: starting from scratch", flush=True)
     while step < args.steps and not stopping:
         time.sleep(args.step_seconds)
+        if faults is not None:
+            faults.check(step)
         step += 1
         if rank == 0 and step % args.checkpoint_every == 0:
             save(args.checkpoint, step)

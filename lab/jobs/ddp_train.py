@@ -5,6 +5,10 @@ Slurm. Rank 0 saves model, optimizer and step atomically (temp file, then rename
 ``--checkpoint-every`` steps and on SIGTERM; every rank agrees on stopping through an
 all-reduce, so a signal seen by one rank a step early cannot deadlock the others. On
 start it loads the checkpoint and logs ``resumed from step N``.
+
+In the lab (``$GPUFLEET_LAB_FAULTS`` set) each rank looks at its node's GPU fault at every step
+(lab/faults.py) and crashes or hangs with its GPU; the ranks on other nodes then wait in their
+all-reduce, as in a real collective.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from lab.faults import RankFaults
 
 
 def save_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
@@ -51,6 +57,8 @@ def main() -> None:
         stopping = True
 
     signal.signal(signal.SIGTERM, on_term)
+    # gloo's all-reduce makes the other ranks wait for a rank that fails: no peers to watch.
+    faults = RankFaults.from_env(wait_for_peers=False)
 
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Linear(16, 1))
@@ -68,6 +76,8 @@ def main() -> None:
     inputs = torch.randn(64, 16)
     target = inputs.sum(dim=1, keepdim=True)
     while step < args.steps:
+        if faults is not None:
+            faults.check(step)
         optimizer.zero_grad()
         loss = nn.functional.mse_loss(model(inputs), target)
         loss.backward()

@@ -1,0 +1,214 @@
+"""The faults a chaos scenario injects besides the GPU's own: a worker or the Temporal server
+killed, slurmctld stopped, the Kubernetes API failing in bursts, a PodDisruptionBudget in the
+way, the webhook down or hanging, a node an operator drained first."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+
+from lab.faults import Effect
+from lab.fleet import REPO_ROOT, FleetLab
+from lab.procs import alive, spawn, wait_for
+from models.incident import Step
+
+Say = Callable[[str], None]
+
+# Steps where the worker is killed, in the order an incident passes them.
+KILL_STEPS = [
+    Step.CLASSIFY,
+    Step.DRAIN_SLURM,
+    Step.CHECKPOINT,
+    Step.REQUEUE,
+    Step.APPROVE,
+    Step.DRAIN_KUBERNETES,
+    Step.CLAIM_SPARE,
+    Step.RESUME,
+]
+STEP_ORDER = [
+    Step.CLASSIFY,
+    Step.NOTIFY,
+    Step.GUARD,
+    Step.AWAITING_APPROVAL,
+    Step.DRAIN_SLURM,
+    Step.CHECKPOINT,
+    Step.REQUEUE,
+    Step.APPROVE,
+    Step.DRAIN_KUBERNETES,
+    Step.CLAIM_SPARE,
+    Step.WAIT_FOR_SPARE,
+    Step.RETIRE_NODE,
+    Step.RESUME,
+    Step.CLOSED,
+]
+OPERATOR_REASON = "operator: reseating the NVLink bridge"
+WORKER_RESTART_DELAY = 2.0
+SLURMCTLD_STOP = 30.0
+
+
+@dataclass
+class Context:
+    """What a scenario's fault acts on."""
+
+    lab: FleetLab
+    say: Say
+    fired: list[str] = field(default_factory=list)
+    extra_workers: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Scenario:
+    name: str
+    # Called once the incident reaches ``at``: the fault itself. A fault that never fires, or
+    # fires only after the incident passed ``at``, fails the scenario.
+    fault: Callable[[Context], Awaitable[None]] | None = None
+    at: Step | None = None
+    # Before the Xid is injected (with the target node) and after the incident closed.
+    before: Callable[[Context, str], Awaitable[None]] | None = None
+    after: Callable[[Context], Awaitable[None]] | None = None
+    expect_approval: bool = False
+    # What the Xid does to the job's processes on the node (None: the Xid's own, lab/faults.py).
+    effect: Effect | None = None
+    # Added delay allowed against the baseline (None: only correctness is checked).
+    delay_budget_s: float | None = None
+    drained_budget_s: float | None = None
+
+
+def _pid(lab: FleetLab, service: str) -> int:
+    return int(lab.state()["services"][service]["pid"])
+
+
+async def kill_worker(ctx: Context) -> None:
+    pid = _pid(ctx.lab, "worker")
+    os.kill(pid, signal.SIGKILL)
+    ctx.fired.append(f"worker {pid} SIGKILLed")
+    await asyncio.sleep(WORKER_RESTART_DELAY)  # the scenario: a worker back 2 s later
+    await asyncio.to_thread(ctx.lab.up)
+    ctx.fired.append(f"worker restarted as {_pid(ctx.lab, 'worker')}")
+
+
+async def kill_temporal(ctx: Context) -> None:
+    pid = _pid(ctx.lab, "temporal")
+    os.kill(pid, signal.SIGKILL)
+    ctx.fired.append("Temporal dev server SIGKILLed")
+    await asyncio.to_thread(wait_for, lambda: not alive(pid), timeout=30, what="the server to die")
+    await asyncio.sleep(WORKER_RESTART_DELAY)
+    await asyncio.to_thread(ctx.lab.up)
+    ctx.fired.append("Temporal dev server restarted on the same port and database")
+
+
+async def stop_slurmctld(ctx: Context) -> None:
+    pid = ctx.lab.slurm.pids()["slurmctld"]
+    os.kill(pid, signal.SIGSTOP)
+    ctx.fired.append(f"slurmctld stopped for {SLURMCTLD_STOP:.0f}s")
+    try:
+        await asyncio.sleep(SLURMCTLD_STOP)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _kube_url(lab: FleetLab) -> str:
+    return str(lab.state()["services"]["kubeapi"]["url"])
+
+
+def kube_faults(status: int, count: int, retry_after: int | None = None) -> Callable[[Context], Awaitable[None]]:
+    async def fault(ctx: Context) -> None:
+        body: dict[str, Any] = {"status": status, "count": count}
+        if retry_after is not None:
+            body["retry_after"] = retry_after
+        httpx.put(f"{_kube_url(ctx.lab)}/_faults", json=body, timeout=5).raise_for_status()
+        ctx.fired.append(f"Kubernetes API answers the next {count} requests with HTTP {status}")
+
+    return fault
+
+
+def _core(lab: FleetLab) -> tuple[k8s.CoreV1Api, k8s.PolicyV1Api]:
+    api = k8s_config.new_client_from_config(config_file=str(lab.home / "kubeconfig"))
+    return k8s.CoreV1Api(api), k8s.PolicyV1Api(api)
+
+
+async def pdb_blocks(ctx: Context, node: str) -> None:
+    """An inference pod on the target node whose budget allows no disruption at all."""
+    core, policy = _core(ctx.lab)
+    name = f"chaos-inference-{node}"
+    pod: Any = {
+        "metadata": {"name": name, "namespace": "serving", "labels": {"app": "chaos-inference"}},
+        "spec": {"nodeName": node, "containers": [{"name": "server", "image": "vllm/vllm-openai"}]},
+        "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    budget: Any = {
+        "metadata": {"name": "chaos-inference", "namespace": "serving"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "chaos-inference"}}},
+    }
+    core.create_namespaced_pod("serving", pod)
+    policy.create_namespaced_pod_disruption_budget("serving", budget)
+    ctx.fired.append(f"PodDisruptionBudget forbids evicting {name}")
+
+
+async def pdb_cleanup(ctx: Context) -> None:
+    _, policy = _core(ctx.lab)
+    policy.delete_namespaced_pod_disruption_budget("chaos-inference", "serving")
+
+
+async def webhook_refuses(ctx: Context, node: str) -> None:
+    pid = _pid(ctx.lab, "webhook")
+    os.kill(pid, signal.SIGKILL)
+    await asyncio.to_thread(wait_for, lambda: not alive(pid), timeout=30, what="the webhook to die")
+    ctx.fired.append("webhook receiver killed: connections refused")
+
+
+async def webhook_back(ctx: Context) -> None:
+    """Start the receiver again on its old address (the worker keeps the URL it was given)."""
+    services = ctx.lab.state()["services"]
+    url = services["webhook"]["url"]
+    port = int(url.rsplit(":", 1)[1].split("/", 1)[0])
+    ready = ctx.lab.home / "webhook.url"
+    ready.unlink(missing_ok=True)
+    pid = spawn(
+        [
+            sys.executable,
+            "-m",
+            "lab.webhook",
+            "--port",
+            str(port),
+            "--record",
+            str(ctx.lab.notifications_file),
+            "--ready-file",
+            str(ready),
+        ],
+        log=ctx.lab.home / "logs" / "webhook.log",
+        env=ctx.lab.env(),
+        cwd=REPO_ROOT,
+    )
+    await asyncio.to_thread(wait_for, ready.exists, timeout=30, what="the webhook receiver")
+    state = ctx.lab.state()
+    state["services"]["webhook"]["pid"] = pid
+    ctx.lab._save(state)
+
+
+async def webhook_hangs(ctx: Context, node: str) -> None:
+    os.kill(_pid(ctx.lab, "webhook"), signal.SIGSTOP)
+    ctx.fired.append("webhook receiver stopped (SIGSTOP): connections hang")
+
+
+async def webhook_continues(ctx: Context) -> None:
+    os.kill(_pid(ctx.lab, "webhook"), signal.SIGCONT)
+
+
+async def operator_drains(ctx: Context, node: str) -> None:
+    slurm_update(ctx.lab, node, "State=DRAIN", f"Reason={OPERATOR_REASON}")
+    ctx.fired.append(f"{node} drained by an operator: {OPERATOR_REASON!r}")
+
+
+def slurm_update(lab: FleetLab, node: str, *fields: str) -> None:
+    subprocess.run(["scontrol", "update", f"NodeName={node}", *fields], env=lab.env(), check=True, capture_output=True)

@@ -1,0 +1,76 @@
+"""What `make chaos` holds a scenario to, without a lab: a fault that did not fire fails it, with
+the reason; a job the failure ended that did not run again counts as lost."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from lab.chaos import SATURATED, scenarios
+from lab.chaos.fleet import job_lost, met_gpu_fault
+from lab.chaos.outages import Context, Scenario, kill_worker, operator_drains
+from lab.chaos.scenarios import at_or_after, fault_missed
+from lab.faults import Effect
+from lab.fleet import FleetLab, LabConfig
+from models.incident import JobInfo, Step
+
+
+def context(tmp_path: Path, *fired: str) -> Context:
+    return Context(lab=FleetLab(tmp_path, LabConfig()), say=lambda _: None, fired=list(fired))
+
+
+def test_a_fault_that_never_fired_says_how_far_the_incident_got(tmp_path: Path) -> None:
+    scenario = Scenario(name="worker_killed_at_resume", fault=kill_worker, at=Step.RESUME)
+    [reason] = fault_missed(scenario, context(tmp_path), [], ["classify", "notify", "closed"])
+    assert "never fired" in reason and "resume" in reason and "classify, notify, closed" in reason
+
+
+def test_a_fault_that_fired_past_its_step_did_not_fire_where_it_says(tmp_path: Path) -> None:
+    scenario = Scenario(name="worker_killed_at_classify", fault=kill_worker, at=Step.CLASSIFY)
+    [reason] = fault_missed(scenario, context(tmp_path, "worker 1 SIGKILLed"), ["guard"], ["guard"])
+    assert reason == "its fault fired at guard: the incident passed classify between two looks"
+    assert fault_missed(scenario, context(tmp_path, "worker 1 SIGKILLed"), ["classify"], ["classify"]) == []
+
+
+def test_a_fault_before_the_xid_must_have_happened(tmp_path: Path) -> None:
+    scenario = Scenario(name="operator_drained_before_xid", before=operator_drains, expect_approval=True)
+    assert fault_missed(scenario, context(tmp_path), [], []) == ["its fault never fired"]
+    assert fault_missed(scenario, context(tmp_path, "gpu1 drained"), [], []) == [
+        "the incident never waited for approval"
+    ]
+    assert fault_missed(scenario, context(tmp_path, "gpu1 drained", "approved"), [], []) == []
+    assert fault_missed(Scenario(name="baseline"), context(tmp_path), [], []) == []
+
+
+def test_a_step_outside_the_order_is_never_at_or_after() -> None:
+    assert at_or_after(Step.CHECKPOINT, Step.CHECKPOINT) and at_or_after(Step.RESUME, Step.CHECKPOINT)
+    assert not at_or_after(Step.NOTIFY, Step.CHECKPOINT)
+    assert not at_or_after(Step.REPAIR, Step.CHECKPOINT)
+
+
+def test_a_job_is_lost_unless_it_runs_again() -> None:
+    assert job_lost(0, JobInfo(job_id=1, state="RUNNING", restarts=1)) == 0
+    assert job_lost(0, JobInfo(job_id=1, state="FAILED", restarts=0)) == 1  # ended with its GPU, never requeued
+    assert job_lost(0, JobInfo(job_id=1, state="RUNNING", restarts=0)) == 1  # still the run that hung
+    assert job_lost(0, JobInfo(job_id=1, state="PENDING", restarts=1)) == 1
+    assert job_lost(0, None) == 1
+
+
+def test_where_a_job_met_its_gpu_fault(tmp_path: Path) -> None:
+    lab = FleetLab(tmp_path, LabConfig())
+    since = time.time() - 1
+    lab.faults.record_hit({"job": 7, "node": "gpu1", "effect": "crash", "at": time.time()})
+    lab.faults.record_hit({"job": 7, "node": "gpu2", "effect": "stalled", "at": time.time()})
+    lab.faults.record_hit({"job": 8, "node": "gpu2", "effect": "crash", "at": time.time()})
+    assert met_gpu_fault(lab, 7, ["gpu1"], "crash", since=since) == []
+    assert met_gpu_fault(lab, 7, ["gpu1", "gpu2"], "crash", since=since) == ["gpu2"]
+    assert met_gpu_fault(lab, 7, ["gpu1"], "crash", since=time.time() + 60) == ["gpu1"]  # an earlier drill's
+
+
+def test_the_new_scenarios_are_in_the_full_run_only() -> None:
+    full = {scenario.name: scenario for scenario in scenarios(short=False)}
+    assert full["job_crashes_with_its_gpu"].effect is Effect.CRASH
+    assert full["job_hangs_with_its_gpu"].effect is Effect.HANG
+    assert SATURATED == "guard_saturated"
+    short = [scenario.name for scenario in scenarios(short=True)]
+    assert short == ["worker_killed_at_checkpoint", "webhook_hangs"]
