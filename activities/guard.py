@@ -101,17 +101,23 @@ class GuardActivities:
     async def drained(self, command: GuardCommand) -> None:
         """Tell the cluster's guard that an incident drained its node (counted for storms),
         starting the guard if it does not run yet; nothing is answered."""
-        cluster = validate_cluster_name(self._cluster)
-        await activity.client().start_workflow(
-            GUARD_WORKFLOW,
-            GuardInput(cluster=cluster),
-            id=guard_workflow_id(cluster),
-            task_queue=guard_task_queue(cluster),
-            start_signal=GUARD_DRAINED_SIGNAL,
-            start_signal_args=[command],
-            static_summary=f"fleet guard of cluster {cluster}",
-            rpc_timeout=timedelta(seconds=10),
-        )
+        with client_errors():
+            cluster = validate_cluster_name(self._cluster)
+        async with heartbeats():
+            try:
+                await activity.client().start_workflow(
+                    GUARD_WORKFLOW,
+                    GuardInput(cluster=cluster),
+                    id=guard_workflow_id(cluster),
+                    task_queue=guard_task_queue(cluster),
+                    start_signal=GUARD_DRAINED_SIGNAL,
+                    start_signal_args=[command],
+                    static_summary=f"fleet guard of cluster {cluster}",
+                    rpc_timeout=RPC_TIMEOUT,
+                )
+            except RPCError as exc:
+                refuse_for_good(exc)
+                raise
 
     @activity.defn(name="guard_answer")
     async def answer(self, answers: list[GuardAnswer]) -> list[str]:

@@ -10,6 +10,7 @@ from temporalio.exceptions import ApplicationError
 from activities.errors import client_errors
 from activities.heartbeat import heartbeating
 from clients.dryrun import dry_run
+from clients.errors import ClientError
 from clients.slurm import ACTIVE_STATES as ACTIVE_STATES  # the workflows' word for a job on its node
 from clients.slurm import SlurmClient, owned_reason
 from models.incident import JobInfo, JobRequeue, NodeInfo, RequeueOutcome
@@ -122,7 +123,13 @@ class SlurmActivities:
         the ones slurmctld already purged are added (``in_controller`` False: too late to requeue)."""
         with client_errors():
             recent = self._slurm.recent_jobs_on_node(request.node)
+        try:
+            # Best effort: an accounting database that does not answer never holds up the requeue
+            # of what slurmctld shows.
             accounted = self._slurm.accounted_jobs(request.node, request.since) or []
+        except ClientError as exc:
+            activity.logger.warning("sacct did not answer; jobs already purged are not seen: %s", exc)
+            accounted = []
         touched = {
             job.job_id: job
             for job in recent

@@ -353,22 +353,36 @@ def _t(event: HistoryEvent) -> float:
     return event.event_time.ToDatetime().timestamp()
 
 
-def past_guard(events: list[HistoryEvent]) -> tuple[float, float] | None:
-    """When the incident was past the guard: from scheduling its Slurm drain (its first
-    destructive step, which the guard gates) to asking the guard to take its slot back (its
-    last ``guard_tell``), or to its close; still open: to the end of time. None: never past it."""
+def past_guard(events: list[HistoryEvent]) -> list[tuple[float, float]]:
+    """When the incident held a slot of the guard: from each granted answer (the guard's
+    ``guard_decision`` signal) to asking the guard to take that slot back (``guard_tell``), or to
+    its close; still open: to the end of time. An incident asks before each destructive step
+    (killing its jobs, a repair, the retirement), so it may hold several slots, one after another."""
+    spans: list[tuple[float, float]] = []
     start: float | None = None
-    end = math.inf
     for event in events:
-        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
-            name = event.activity_task_scheduled_event_attributes.activity_type.name
-            if name == "drain_slurm_node" and start is None:
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED:
+            signal = event.workflow_execution_signaled_event_attributes
+            if signal.signal_name == GUARD_DECISION_SIGNAL and start is None and _granted(signal.input.payloads):
                 start = _t(event)
-            elif name == "guard_tell" and start is not None:
-                end = _t(event)
-        elif event.event_type in _CLOSED and start is not None and end == math.inf:
-            end = _t(event)
-    return None if start is None else (start, end)
+        elif event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            name = event.activity_task_scheduled_event_attributes.activity_type.name
+            if name == "guard_tell" and start is not None:
+                spans.append((start, _t(event)))
+                start = None
+        elif event.event_type in _CLOSED and start is not None:
+            spans.append((start, _t(event)))
+            start = None
+    if start is not None:
+        spans.append((start, math.inf))
+    return spans
+
+
+def _granted(payloads: Any) -> bool:
+    try:
+        return bool(json.loads(payloads[0].data).get("granted"))
+    except (IndexError, ValueError, AttributeError):
+        return False
 
 
 def activity_latency(all_events: list[list[HistoryEvent]], *, top: int = 8) -> dict[str, dict[str, float]]:
@@ -523,7 +537,7 @@ async def run_open(
         breakdown(events, poll_seconds=float(LAB_POLL_SECONDS))["control_plane_overhead_s"] for events in all_events
     ]
     sizes = [len(events) for events in all_events]
-    intervals = [span for events in all_events if (span := past_guard(events)) is not None]
+    intervals = [span for events in all_events for span in past_guard(events)]
     waits = [pair for events in all_events if (pair := guard_wait(events)) is not None]
     return {
         "incidents": len(nodes) + len(refused),
@@ -613,7 +627,7 @@ async def run_default(
     await sampler
     left = await incidents_listed(client, fleet.cluster)
     all_events = await histories(client, fleet.cluster, nodes)
-    intervals = [span for events in all_events if (span := past_guard(events)) is not None]
+    intervals = [span for events in all_events for span in past_guard(events)]
     return {
         "incidents": len(nodes) + len(refused),
         "start_failures": len(refused),

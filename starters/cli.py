@@ -151,8 +151,14 @@ def print_incident(status: IncidentStatus, *, as_json: bool) -> None:
         )
     if status.spare:
         console.print(f"replacement: {status.spare}")
+    if status.requeued or status.unrequeued:
+        ended = f" ({len(status.ended)} the failure had ended, requeued at once)" if status.ended else ""
+        console.print(
+            f"jobs: {len(status.requeued)} requeued{ended}, {len(status.ran_again)} running again, "
+            f"{len(status.unrequeued)} lost"
+        )
     if status.unrequeued:
-        console.print(f"[yellow]not requeued:[/] {status.unrequeued}")
+        console.print(f"[yellow]lost, to resubmit:[/] {status.unrequeued}")
     if status.waiting_for_approval:
         console.print(
             f"[yellow]awaiting approval:[/] {status.waiting_for_approval}\n"
@@ -256,6 +262,8 @@ def remediate(
                 print_incident(status, as_json=as_json)
             else:
                 console.print(f"running: step {status.step}; follow with `gpufleet incidents show {handle.id}`")
+        if status is not None and status.outcome == Outcome.JOBS_LOST:
+            return 3  # the node was dealt with, but a job did not run again: its owner must resubmit
         return 0 if status is None or status.outcome != Outcome.FAILED else 1
 
     raise typer.Exit(run_async(go()))

@@ -6,7 +6,7 @@ destructive step (the Slurm drain) and gives the slot back when it closes.
 
 Limits (the policy file's ``guard:``): incidents in flight, and the share of the partition's
 nodes with incidents inside a sliding window. A request over a limit trips the breaker: it and
-every later one wait, changing nothing, and the operator is paged once. `gpufleet breaker
+every later one wait (their nodes drained, nothing destroyed), and the operator is paged once. `gpufleet breaker
 reset` lets the waiting incidents go on as slots free up, one at a time; `gpufleet approve
 INCIDENT` lets one past; `gpufleet pause|resume` hold new destructive steps without paging.
 
@@ -227,10 +227,13 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
         state = self._state
         held = next((r for r in state.in_flight if r.incident_id == request.incident_id), None)
         if held is not None:
+            # The incident asks again (its answer lost, or a release of its was): answered as this ask.
+            held.ask, held.step = request.ask, request.step
             await self._queue_answer(held, granted=True, why="slot already granted")  # an activity retried
             return
         queued = next((r for r in state.waiting if r.incident_id == request.incident_id), None)
         if queued is not None:
+            queued.ask, queued.step = request.ask, request.step
             await self._queue_answer(queued, granted=False, why=self._waiting_why(queued))
             return
         code, why = self._quarantine_earned(request.node, request.incident_id)
@@ -254,7 +257,7 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
             self._log("waiting", request, self._holding_why())
             await self._queue_answer(request, granted=False, why=self._holding_why())
             return
-        if request.ask and await self._slots_full() and workflow.patched(GUARD_SLOTS_WAIT):
+        if request.ask and workflow.patched(GUARD_SLOTS_WAIT) and await self._slots_full():
             # A slot is held for one destructive step at a time: every slot taken is a queue,
             # not a storm. It goes on as one is given back.
             request.held_by = "slots"
@@ -431,7 +434,8 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
                 f" ({state.paused_reason})" if state.paused_reason else ""
             )
         return (
-            f"the fleet guard's breaker tripped: {state.tripped_why}. Nothing is drained until "
+            f"the fleet guard's breaker tripped: {state.tripped_why}. No job is killed, nothing repaired or "
+            "retired until "
             f"`gpufleet breaker reset --cluster {state.cluster}` or `gpufleet approve INCIDENT`"
         )
 
@@ -442,7 +446,7 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
         holding = ", ".join(f"{r.node} ({r.incident_id})" for r in state.in_flight) or "none"
         text = (
             f"[guard-{state.cluster}] breaker tripped: {state.tripped_why}. {request.node} ({request.incident_id}) "
-            f"and every later incident wait, changing nothing. In flight: {holding}. "
+            f"and every later incident wait: their nodes drained, no job killed. In flight: {holding}. "
             f"`gpufleet breaker status --cluster {state.cluster}` shows who waits; "
             f"`gpufleet breaker reset --cluster {state.cluster}` lets them go on, one slot at a time."
         )

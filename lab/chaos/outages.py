@@ -38,9 +38,10 @@ KILL_STEPS = [
 STEP_ORDER = [
     Step.CLASSIFY,
     Step.NOTIFY,
+    Step.DRAIN_SLURM,  # at once since v0.3.0: before the guard's first slot
+    Step.REQUEUE_ENDED,
     Step.GUARD,
     Step.AWAITING_APPROVAL,
-    Step.DRAIN_SLURM,
     Step.CHECKPOINT,
     Step.REQUEUE,
     Step.APPROVE,

@@ -278,7 +278,10 @@ def test_parse_squeue_json_of_slurm_22_05() -> None:
     parsed = {job.job_id: job for job in parse_squeue_json(_sample("squeue_22.05.json"))}
     assert parsed[2].start_time == datetime.fromtimestamp(1796235842, tz=UTC)
     # A pending job's start_time is when Slurm expects it to start: kept as it says.
-    jobs = {job_id: job.model_copy(update={"start_time": None}) for job_id, job in parsed.items()}
+    # An ended job says when it ended; one that runs or waits has none (its EndTime is its limit's).
+    assert parsed[1].end_time is not None and parsed[4].end_time is not None
+    assert parsed[2].end_time is None and parsed[5].end_time is None
+    jobs = {job_id: job.model_copy(update={"start_time": None, "end_time": None}) for job_id, job in parsed.items()}
     assert jobs == {
         1: JobInfo(job_id=1, name="prep", user="root", state="COMPLETED", nodes="gpu3", stdout="/srv/runs/prep-%j.out"),
         2: JobInfo(
@@ -387,8 +390,21 @@ def test_parse_squeue_format_splits_on_the_call_token_only() -> None:
             "2026-12-03T10:00:00",
             "(null)",
             "/out|x/%j.out",
+            "2026-12-03T11:00:00",  # a running job's EndTime is when its time limit ends: not kept
         ],
-        ["13", "plain", "bob", "PENDING", "0", "", "0", "N/A", "gpufleet:checkpoint:1764756000 ok", "/dev/null"],
+        [
+            "13",
+            "plain",
+            "bob",
+            "FAILED",
+            "0",
+            "",
+            "0",
+            "N/A",
+            "gpufleet:checkpoint:1764756000 ok",
+            "/dev/null",
+            "2026-12-03T10:05:00",
+        ],
     ]
     out = "".join(sep.join(row) + end + "\n" for row in rows)
     assert parse_squeue_format(out, separator=sep, terminator=end) == [
@@ -407,11 +423,12 @@ def test_parse_squeue_format_splits_on_the_call_token_only() -> None:
             job_id=13,
             name="plain",
             user="bob",
-            state="PENDING",
+            state="FAILED",
             restarts=0,
             nodes="",
             requeue=False,
             stdout="/dev/null",
+            end_time=datetime.fromisoformat("2026-12-03T10:05:00").astimezone(UTC),
             comment="gpufleet:checkpoint:1764756000 ok",
         ),
     ]

@@ -174,7 +174,7 @@ async def test_a_step_in_flight_shows_its_start_until_it_ends(
         assert started["wait_for_spare"] == pytest.approx(wait_began.timestamp())
         assert started["claim_spare"] > 0
         assert started["drain_slurm"] == 0  # done
-        assert one(text, "gpufleet_guard_in_flight", cluster=fleet.cluster) == 1  # its slot held
+        assert one(text, "gpufleet_guard_in_flight", cluster=fleet.cluster) == 0  # a spare wait holds no slot
 
         fleet.spare_free = True
         await handle.signal(NodeRemediationWorkflow.spare_available)

@@ -33,7 +33,7 @@ from activities.policy import PolicyActivities
 from models.constants import GUARD_RELEASE_SIGNAL, guard_task_queue, guard_workflow_id, task_queue
 from models.incident import IncidentStatus, Outcome, Step
 from models.metrics import INCIDENTS_FAILED
-from models.requests import NodeLeaseRequest, ResumeNodeRequest
+from models.requests import FailureJobsRequest, NodeLeaseRequest, ResumeNodeRequest
 from models.settings import Settings
 from tests.conftest import start_dev_server
 from tests.workflows.quick_budgets import QUICK, QuickBudgets
@@ -117,8 +117,14 @@ async def test_a_step_that_keeps_failing_fails_the_incident_when_its_budget_runs
     fleet = Fleet()
     tries: list[int] = []
 
-    @activity.defn(name="jobs_on_node")
-    async def slurm_away(node: str) -> list[Any]:
+    listed: list[int] = []
+
+    @activity.defn(name="jobs_hit_by_failure")
+    async def slurm_away(request: FailureJobsRequest) -> list[Any]:
+        # Slurm answers the listing right after the drain, and is gone once the slot is granted.
+        if not listed:
+            listed.append(1)
+            return fleet.jobs
         tries.append(activity.info().attempt)
         raise ApplicationError("slurmctld unreachable", type="Unavailable")
 
@@ -137,9 +143,9 @@ async def test_a_step_that_keeps_failing_fails_the_incident_when_its_budget_runs
         e.event_id: e.event_time.ToDatetime()
         for e in history.events
         if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
-        and e.activity_task_scheduled_event_attributes.activity_type.name == "jobs_on_node"
+        and e.activity_task_scheduled_event_attributes.activity_type.name == "jobs_hit_by_failure"
     }
-    [(scheduled_id, at)] = scheduled.items()
+    (scheduled_id, at) = max(scheduled.items())  # the listing at the checkpoint
     [gave_up] = [
         e
         for e in history.events
@@ -182,8 +188,13 @@ async def test_giving_back_the_lease_is_bounded_too_and_the_page_says_it_is_stil
     fleet = Fleet()
     gave_back: list[int] = []
 
-    @activity.defn(name="jobs_on_node")
-    async def slurm_away(node: str) -> list[Any]:
+    listed: list[int] = []
+
+    @activity.defn(name="jobs_hit_by_failure")
+    async def slurm_away(request: FailureJobsRequest) -> list[Any]:
+        if not listed:
+            listed.append(1)
+            return fleet.jobs
         raise ApplicationError("slurmctld unreachable", type="Unavailable")
 
     @activity.defn(name="give_back_node_lease")

@@ -193,7 +193,12 @@ class Fleet:
                     job_id=request.job_id, outcome=RequeueOutcome.FAILED, why="submitted with --no-requeue"
                 )
             if request.ended_by_failure:
-                return JobRequeue(job_id=request.job_id, outcome=RequeueOutcome.REQUEUED, why="back in the queue")
+                # Requeued only when the failure ended it (as Slurm shows it now, else as listed).
+                listed = next((j.state for j in fleet.jobs if j.job_id == request.job_id), "COMPLETED")
+                state, _ = fleet.states_at_requeue.get(request.job_id, ("COMPLETED", 0))
+                if listed in ("FAILED", "NODE_FAIL") or state in ("FAILED", "NODE_FAIL"):
+                    return JobRequeue(job_id=request.job_id, outcome=RequeueOutcome.REQUEUED, why="back in the queue")
+                return JobRequeue(job_id=request.job_id, outcome=RequeueOutcome.SKIPPED, why=f"ended {state}")
             if not request.signalled:
                 return JobRequeue(job_id=request.job_id, outcome=RequeueOutcome.SKIPPED, why="had ended before")
             state, restarts = fleet.states_at_requeue.get(request.job_id, ("COMPLETED", request.restarts_before))
@@ -780,3 +785,38 @@ async def test_the_drain_reason_names_the_event_that_decided(env: WorkflowEnviro
     assert status.events == [sxid.label, "Xid 79"]
     assert status.action == Action.REPLACE_NODE
     assert fleet.drain_reasons[0].startswith("gpufleet: xid 79 REPLACE_NODE")
+
+
+async def test_jobs_the_failure_ended_are_requeued_at_once_and_a_lost_one_is_never_resolved(
+    env: WorkflowEnvironment,
+) -> None:
+    """The rank on the failed GPU crashed its job before the incident looked (FAILED); another
+    job had COMPLETED, another was cancelled by its owner, one FAILED with --no-requeue and one
+    slurmctld already purged (only the accounting database knows it). The crashed job is requeued
+    right after the drain, before the guard is asked; the finished and cancelled ones are left
+    alone; the two that cannot run again are named to their owners, and the incident closes
+    jobs_lost, not resolved."""
+    fleet = Fleet()
+    fleet.jobs = [
+        JobInfo(job_id=7, user="alice", state="RUNNING"),
+        JobInfo(job_id=8, user="bob", state="FAILED"),
+        JobInfo(job_id=9, user="carol", state="COMPLETED"),
+        JobInfo(job_id=10, user="dan", state="CANCELLED"),
+        JobInfo(job_id=11, user="erin", state="FAILED"),
+        JobInfo(job_id=12, user="finn", state="NODE_FAIL", in_controller=False),
+    ]
+    fleet.unrequeueable = {11}
+    async with worker(env, fleet):
+        status: IncidentStatus = await (await start(env.client, fleet)).result()
+    assert status.outcome == Outcome.JOBS_LOST
+    assert status.ended == [8] and sorted(status.requeued) == [7, 8] and sorted(status.ran_again) == [7, 8]
+    assert sorted(status.unrequeued) == [11, 12] and "MinJobAge" in status.unrequeued[12]
+    assert set(status.skipped) == {9, 10}
+    requeues = [c for c in fleet.calls if c.startswith("requeue_job:")]
+    # The crashed job's requeue came before anything waited, before the running one was signalled.
+    assert fleet.calls.index("requeue_job:8") < fleet.calls.index("signal_job:7")
+    assert "requeue_job:9" not in requeues and "requeue_job:10" not in requeues
+    [unrequeued] = [n for n in fleet.notifications if n.kind == "unrequeued"]
+    assert "erin" in unrequeued.text and "finn" in unrequeued.text and "resubmit" in unrequeued.text
+    [closing] = [n for n in fleet.notifications if n.kind == "jobs_lost"]
+    assert "2 job(s) running again; 2 could not be" in closing.text

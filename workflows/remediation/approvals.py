@@ -83,7 +83,13 @@ class Approvals(Closing):
             return True
         await self._wait_for_answer(
             why,
-            notice=f"{self._message_prefix()}: {why}. gpufleet has changed nothing and waits: "
+            notice=f"{self._message_prefix()}: {why}. gpufleet has left the node as it is"
+            + (
+                f" (it requeued job(s) {', '.join(map(str, status.ended))}, which the failure ended)"
+                if status.ended
+                else ""
+            )
+            + " and waits: "
             f"`gpufleet approve {status.incident_id}` to go on, `gpufleet reject {status.incident_id}` to leave it.",
         )
         approval = self._take_answer()

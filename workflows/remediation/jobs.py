@@ -216,21 +216,27 @@ class Jobs(Notifications):
                         signalled=job.job_id in status.signalled,
                         incident_id=status.incident_id,
                         dry_run=self._dry_run,
+                        # v0.3.0: one the failure ended between its listing and its signal
+                        # (FAILED, NODE_FAIL) is requeued as the others it ended were.
+                        ended_by_failure=self._slot_per_step and job.job_id not in status.signalled,
                     ),
                     summary=f"requeue job {job.job_id}",
                 )
                 for job in jobs
             )
         )
+        lost: dict[int, str] = {}
         for requeue in requeues:
-            if requeue.outcome is RequeueOutcome.REQUEUED and requeue.job_id not in status.requeued:
-                status.requeued.append(requeue.job_id)
+            if requeue.outcome is RequeueOutcome.REQUEUED:
+                if requeue.job_id not in status.requeued:
+                    status.requeued.append(requeue.job_id)
             elif requeue.outcome is RequeueOutcome.SKIPPED:
                 status.skipped.setdefault(requeue.job_id, requeue.why)
             else:
-                status.unrequeued[requeue.job_id] = requeue.why
-        if status.unrequeued:
-            self._notify("unrequeued", self._unrequeued_text(status.unrequeued))
+                lost[requeue.job_id] = requeue.why
+        if lost:  # those the failure ended were named already
+            status.unrequeued.update(lost)
+            self._notify("unrequeued", self._unrequeued_text(lost))
         self._done(
             Step.REQUEUE,
             f"requeued {len(status.requeued)} of {len(status.jobs)}"

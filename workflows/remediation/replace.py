@@ -95,8 +95,9 @@ class Replacement(Closing, Jobs):
             timeout=SPARE_STEP,
         )
         self._done(Step.RETIRE_NODE, "cordoned, tainted and kept")
-        self._retire_finished = True
+        # Given back before the spare branch may continue as new (it waits for _retire_finished).
         await self._end_slot("the node is retired")
+        self._retire_finished = True
 
     async def _replace_and_resume(self, params: RemediationInput) -> None:
         try:

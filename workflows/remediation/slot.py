@@ -146,11 +146,6 @@ class GuardSlot(Timeline):
         """Give the fleet guard its slot back (or stop waiting for one), saying whether a repair
         in place put the node back (a repeat failure then escalates)."""
         status = self._status
-        if self._guard_told is not None:
-            # The guard hears of the drain before the release (a cancelled tell is no loss).
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._guard_told
-            self._guard_told = None
         repaired = status.outcome in (Outcome.RESOLVED, Outcome.JOBS_LOST) and status.action in (
             Action.RESET_GPU,
             Action.REBOOT_NODE,
