@@ -295,6 +295,8 @@ async def run_drill(
         "job_restarts": after.restarts,
         "resumed_from_step": resumed_from,
         "job_resumed": job_resumed,
+        # The jobs the failure had ended when the incident looked, requeued right after the drain.
+        "jobs_ended_by_failure": status.ended,
         "replacement_node": status.spare,
         "job_state": after.state,
         "restarts_before": restarts_before,

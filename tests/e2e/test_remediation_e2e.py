@@ -115,7 +115,8 @@ def test_xid_79_recovers_a_running_job(fleet: FleetLab, tmp_path: Path) -> None:
         "classify_xids",
         "notify",
         "drain_slurm_node",
-        "jobs_on_node",
+        "jobs_hit_by_failure",  # the job still runs (remediate injects no GPU fault): SIGTERM
+        "guard_request_slot",
         "signal_job",
         "jobs_still_running",
         "requeue_job",
