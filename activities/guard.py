@@ -79,28 +79,15 @@ class GuardActivities:
         """Ask the cluster's guard for a slot, starting the guard if it does not run yet
         (signal-with-start, so two incidents never start two guards). The answer comes back
         as a signal to the incident; asking again for the same incident is answered again."""
-        with client_errors():
-            cluster = validate_cluster_name(self._cluster)
-        async with heartbeats():
-            try:
-                await activity.client().start_workflow(
-                    GUARD_WORKFLOW,
-                    GuardInput(cluster=cluster),
-                    id=guard_workflow_id(cluster),
-                    task_queue=guard_task_queue(cluster),
-                    start_signal=GUARD_REQUEST_SIGNAL,
-                    start_signal_args=[request],
-                    static_summary=f"fleet guard of cluster {cluster}",
-                    rpc_timeout=RPC_TIMEOUT,
-                )
-            except RPCError as exc:
-                refuse_for_good(exc)
-                raise
+        await self._signal_with_start(GUARD_REQUEST_SIGNAL, request)
 
     @activity.defn(name="guard_drained")
     async def drained(self, command: GuardCommand) -> None:
         """Tell the cluster's guard that an incident drained its node (counted for storms),
         starting the guard if it does not run yet; nothing is answered."""
+        await self._signal_with_start(GUARD_DRAINED_SIGNAL, command)
+
+    async def _signal_with_start(self, signal: str, message: SlotRequest | GuardCommand) -> None:
         with client_errors():
             cluster = validate_cluster_name(self._cluster)
         async with heartbeats():
@@ -110,8 +97,8 @@ class GuardActivities:
                     GuardInput(cluster=cluster),
                     id=guard_workflow_id(cluster),
                     task_queue=guard_task_queue(cluster),
-                    start_signal=GUARD_DRAINED_SIGNAL,
-                    start_signal_args=[command],
+                    start_signal=signal,
+                    start_signal_args=[message],
                     static_summary=f"fleet guard of cluster {cluster}",
                     rpc_timeout=RPC_TIMEOUT,
                 )

@@ -73,14 +73,16 @@ async def gpufleet(lab: FleetLab, *args: str) -> str:
     return done.stdout
 
 
-async def return_retired(lab: FleetLab, say: Say, *, all_healthy: bool = True) -> None:
-    """Every retired node comes back as a spare, as after a repair (its GPU fault cleared); an
-    operator's drain is lifted first.
+async def return_retired(
+    lab: FleetLab, say: Say, *, all_healthy: bool = True, only: set[str] | None = None
+) -> list[str]:
+    """Every retired node (of ``only``, when given) comes back as a spare, as after a repair (its
+    GPU fault cleared); an operator's drain is lifted first.
     Then waits until every node (or, without ``all_healthy``, every returned one) is healthy in Slurm."""
     facts = fleet_facts(lab)
     returned = []
     for node, pool in facts["pools"].items():
-        if pool != POOL_RETIRED:
+        if pool != POOL_RETIRED or (only is not None and node not in only):
             continue
         drained, reason = facts["slurm"][node]
         if drained and not owned_reason(reason):
@@ -101,6 +103,7 @@ async def return_retired(lab: FleetLab, say: Say, *, all_healthy: bool = True) -
         timeout=60,
         what="every node to be healthy in Slurm" if all_healthy else f"{', '.join(returned)} to be healthy in Slurm",
     )
+    return returned
 
 
 def chaos_lab(home: Path, training: list[str], *, say: Say, spares: list[str] | None = None) -> FleetLab:

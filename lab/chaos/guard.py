@@ -139,8 +139,7 @@ async def storm(home: Path, *, say: Say) -> dict[str, Any]:
         )
         say(f"storm: drained {drained}, waiting {waiting}, pages {len(pages)}; `gpufleet breaker reset`")
         await gpufleet(lab, "breaker", "reset", "--reason", "chaos: storm over")
-        await return_retired(lab, say, all_healthy=False)  # the rest need spares: the first ones' nodes, repaired
-        rest = [await closed(handles[node], since=EVER) for node in waiting]
+        rest = await _closed_returning_retired(lab, handles, waiting, say=say)
         resolved_after_reset = all(s.outcome == Outcome.RESOLVED for s in rest)
         result.update(resolved_after_reset=resolved_after_reset)
         result["jobs_lost"] = job_lost(job.restarts, await _ran_again(slurm, job, timeout=120))
@@ -163,6 +162,20 @@ async def storm(home: Path, *, say: Say) -> dict[str, Any]:
         await record_and_stop(lab)
     say(f"{STORM}: {'passed' if result.get('passed') else 'FAILED'}")
     return result
+
+
+async def _closed_returning_retired(
+    lab: FleetLab, handles: dict[str, Any], nodes: list[str], *, say: Say, timeout: float = 600
+) -> list[IncidentStatus]:
+    """Until the incidents of ``nodes`` close: the lab has fewer spares than failed nodes, so each
+    node an incident retired and let go of comes back as a spare (as once repaired) for the next."""
+    tasks = {node: asyncio.create_task(closed(handles[node], since=EVER, timeout=timeout)) for node in nodes}
+    returned: set[str] = set()
+    while not all(task.done() for task in tasks.values()):
+        done = {node for node, task in tasks.items() if task.done()}
+        returned |= set(await return_retired(lab, say, all_healthy=False, only=done - returned))
+        await asyncio.wait(list(tasks.values()), timeout=2, return_when=asyncio.FIRST_COMPLETED)
+    return [task.result() for task in tasks.values()]
 
 
 async def _seconds_until(check: Callable[[], object], *, start: float, timeout: float) -> float | None:

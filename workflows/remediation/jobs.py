@@ -90,10 +90,9 @@ class Jobs(Notifications):
                 lost[job.job_id] = PURGED
             else:
                 ended.append(job)
-        requeues: list[JobRequeue] = await asyncio.gather(
-            *(
-                self._activity(
-                    SlurmActivities.requeue_job,
+        lost.update(
+            await self._requeue_each(
+                [
                     RequeueJobRequest(
                         job_id=job.job_id,
                         restarts_before=job.restarts,
@@ -101,21 +100,12 @@ class Jobs(Notifications):
                         incident_id=status.incident_id,
                         dry_run=self._dry_run,
                         ended_by_failure=True,
-                    ),
-                    summary=f"requeue job {job.job_id} ({job.state})",
-                )
-                for job in ended
+                    )
+                    for job in ended
+                ],
+                ended=True,
             )
         )
-        for requeue in requeues:
-            if requeue.outcome is RequeueOutcome.REQUEUED:
-                status.ended.append(requeue.job_id)
-                if requeue.job_id not in status.requeued:
-                    status.requeued.append(requeue.job_id)
-            elif requeue.outcome is RequeueOutcome.SKIPPED:
-                status.skipped.setdefault(requeue.job_id, requeue.why)
-            else:
-                lost[requeue.job_id] = requeue.why
         if lost:
             status.unrequeued.update(lost)
             self._notify("unrequeued", self._unrequeued_text(lost))
@@ -206,34 +196,21 @@ class Jobs(Notifications):
         """Requeue the jobs, one at a time, each guarded by its state and restart count."""
         status = self._status
         self._enter(Step.REQUEUE)
-        requeues: list[JobRequeue] = await asyncio.gather(
-            *(
-                self._activity(
-                    SlurmActivities.requeue_job,
-                    RequeueJobRequest(
-                        job_id=job.job_id,
-                        restarts_before=job.restarts,
-                        signalled=job.job_id in status.signalled,
-                        incident_id=status.incident_id,
-                        dry_run=self._dry_run,
-                        # v0.3.0: one the failure ended between its listing and its signal
-                        # (FAILED, NODE_FAIL) is requeued as the others it ended were.
-                        ended_by_failure=self._slot_per_step and job.job_id not in status.signalled,
-                    ),
-                    summary=f"requeue job {job.job_id}",
+        lost = await self._requeue_each(
+            [
+                RequeueJobRequest(
+                    job_id=job.job_id,
+                    restarts_before=job.restarts,
+                    signalled=job.job_id in status.signalled,
+                    incident_id=status.incident_id,
+                    dry_run=self._dry_run,
+                    # v0.3.0: one the failure ended between its listing and its signal
+                    # (FAILED, NODE_FAIL) is requeued as the others it ended were.
+                    ended_by_failure=self._slot_per_step and job.job_id not in status.signalled,
                 )
                 for job in jobs
-            )
+            ]
         )
-        lost: dict[int, str] = {}
-        for requeue in requeues:
-            if requeue.outcome is RequeueOutcome.REQUEUED:
-                if requeue.job_id not in status.requeued:
-                    status.requeued.append(requeue.job_id)
-            elif requeue.outcome is RequeueOutcome.SKIPPED:
-                status.skipped.setdefault(requeue.job_id, requeue.why)
-            else:
-                lost[requeue.job_id] = requeue.why
         if lost:  # those the failure ended were named already
             status.unrequeued.update(lost)
             self._notify("unrequeued", self._unrequeued_text(lost))
@@ -242,6 +219,29 @@ class Jobs(Notifications):
             f"requeued {len(status.requeued)} of {len(status.jobs)}"
             + (f"; left alone: {status.skipped}" if status.skipped else ""),
         )
+
+    async def _requeue_each(self, requests: list[RequeueJobRequest], *, ended: bool = False) -> dict[int, str]:
+        """Requeue each job on its own, so that one's refusal holds back none of the others;
+        returns those that could not be, with why."""
+        status = self._status
+        requeues: list[JobRequeue] = await asyncio.gather(
+            *(
+                self._activity(SlurmActivities.requeue_job, request, summary=f"requeue job {request.job_id}")
+                for request in requests
+            )
+        )
+        lost: dict[int, str] = {}
+        for requeue in requeues:
+            if requeue.outcome is RequeueOutcome.REQUEUED:
+                if ended:
+                    status.ended.append(requeue.job_id)
+                if requeue.job_id not in status.requeued:
+                    status.requeued.append(requeue.job_id)
+            elif requeue.outcome is RequeueOutcome.SKIPPED:
+                status.skipped.setdefault(requeue.job_id, requeue.why)
+            else:
+                lost[requeue.job_id] = requeue.why
+        return lost
 
     def _resolved(self) -> str:
         """The outcome once the node is dealt with: resolved only when no job the failure touched
