@@ -219,8 +219,14 @@ async def guard_saturated(home: Path, *, say: Say) -> dict[str, Any]:
         for spare in spares:
             kube.set_unschedulable(spare, True)  # held by an operator: no spare is free
         kind = default_job()
-        ids = [submit_job(lab, kind, "-w", "gpu1,gpu2"), submit_job(lab, kind, "-w", "gpu3,gpu4")]
-        jobs = [await asyncio.to_thread(running_and_checkpointed, slurm, job_id) for job_id in ids]
+        # One after the other, not pinned (-w would pin their requeues to the failed nodes too):
+        # Slurm places the first on gpu1 and gpu2, the second on gpu3 and gpu4.
+        for _ in range(2):
+            job_id = submit_job(lab, kind)
+            jobs.append(await asyncio.to_thread(running_and_checkpointed, slurm, job_id))
+        placed = [slurm.hostnames(job.nodes) for job in jobs]
+        if placed != [["gpu1", "gpu2"], ["gpu3", "gpu4"]]:
+            raise RuntimeError(f"the jobs were placed on {placed}, not on gpu1,gpu2 and gpu3,gpu4")
         before = fleet_facts(lab)
         client = await connect(address=lab.env()["TEMPORAL_ADDRESS"])
         handles = {
