@@ -246,9 +246,10 @@ class SlurmCli:
         (``sacct``): it keeps jobs slurmctld has purged (MinJobAge). None without accounting."""
         name = checked_node_name(name)
         start = since.astimezone().strftime("%Y-%m-%dT%H:%M:%S")  # sacct reads local time
-        argv = ["sacct", "--allocations", "--noheader", "--parsable2", f"--nodelist={name}"]
-        argv += [f"--starttime={start}", "--state=" + ",".join(sorted(_ACCOUNTED_ENDINGS))]
-        argv += ["--format=JobIDRaw,JobName,User,State,End,NodeList"]
+        # Every user's jobs (as root sacct shows only root's otherwise). No --state: with a start
+        # time and no end time it selects nothing; jobs still running have no End and are dropped.
+        argv = ["sacct", "--allusers", "--allocations", "--noheader", "--parsable2", f"--nodelist={name}"]
+        argv += [f"--starttime={start}", "--format=JobIDRaw,JobName,User,State,End,NodeList"]
         try:
             out = self._run(argv)
         except ClientError as exc:
@@ -430,8 +431,6 @@ class SlurmCli:
 
 # sacct's words when the cluster keeps no accounting.
 _NO_ACCOUNTING = ("accounting storage is disabled", "slurmdbd", "no such file")
-# The job endings asked of sacct (its --state names: NF is NODE_FAIL).
-_ACCOUNTED_ENDINGS = {"F", "NF", "CA", "CD", "TO", "OOM", "PR", "BF", "DL"}
 
 
 def parse_sacct(out: str) -> list[JobInfo]:
@@ -447,12 +446,15 @@ def parse_sacct(out: str) -> list[JobInfo]:
         if len(fields) != 6 or not fields[0].isdigit():
             continue
         job_id, name, user, state, ended, nodes = fields
+        state = state.split()[0].upper() if state.strip() else ""
+        if state not in ENDED_STATES:
+            continue  # still running or waiting: squeue says more of it
         jobs.append(
             JobInfo(
                 job_id=int(job_id),
                 name=name,
                 user=user,
-                state=state.split()[0].upper() if state.strip() else "",
+                state=state,
                 nodes="" if nodes in {"None assigned", "(null)"} else nodes,
                 end_time=_slurm_time(ended),
                 in_controller=False,
