@@ -129,6 +129,26 @@ class RepairActivities:
         self._kube = kube
         self._poll = poll_seconds
 
+    @activity.defn(name="start_reboot")
+    @heartbeating
+    def start_reboot(self, request: RepairRequest) -> str:
+        """Create the reboot Job, with the node's boot ID of now, once (a retry finds it); returns
+        its name. The reboot is then under way: waiting for the node to come back on a new boot
+        is ``repair_node``'s, which finds this Job and the boot ID it kept."""
+        with client_errors(), dry_run(request.dry_run):
+            before = "" if request.dry_run else self._kube.get_node(request.node).boot_id
+            job = repair_job(request, "reboot", boot_id=before)
+            name, namespace = str(job["metadata"]["name"]), str(job["metadata"]["namespace"])
+            if request.dry_run:
+                return name
+            if not before:
+                raise InvalidInput(
+                    f"node {request.node} reports no boot ID (status.nodeInfo.bootID), so a reboot could not be "
+                    "told from none; map this event to RESET_GPU or REPLACE_NODE in the policy instead"
+                )
+            self._kube.create_job(namespace, job)  # False: made already by an earlier try
+            return name
+
     @activity.defn(name="repair_node")
     @heartbeating
     def repair(self, request: RepairRequest) -> RepairResult:

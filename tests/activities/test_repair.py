@@ -111,6 +111,24 @@ def test_a_reboot_holds_on_a_new_boot_id_though_its_job_failed(kube: KubernetesA
 
 
 @pytest.mark.usefixtures("runner")
+def test_a_reboot_started_first_is_waited_for_by_the_repair_once(kube: KubernetesApi) -> None:
+    """As an incident does since v0.3.0: it starts the reboot (and gives its guard slot back),
+    then waits for the node to come back; the wait finds the Job the start made, with the boot ID
+    from before, and makes no second one."""
+    before = kube.get_node("gpu1").boot_id
+    request = RepairRequest(
+        node="gpu1", action=Action.REBOOT_NODE, incident_id="lab-gpu1-2", attempt=1, settings=LAB_REPAIRS
+    )
+    acts = RepairActivities(kube, poll_seconds=0.05)
+    name = ActivityEnvironment().run(acts.start_reboot, request)
+    assert ActivityEnvironment().run(acts.start_reboot, request) == name  # a retry: the same Job
+    assert kube.job_annotations("gpufleet", name)[BOOT_ID_ANNOTATION] == before
+    result: RepairResult = ActivityEnvironment().run(acts.repair, request)
+    assert result.succeeded and result.job == name, result.detail
+    assert kube.get_node("gpu1").boot_id != before
+
+
+@pytest.mark.usefixtures("runner")
 def test_a_reboot_job_that_fails_with_the_node_still_up_fails_the_repair(kube: KubernetesApi, home: Path) -> None:
     (home / "repair-fails").touch()
     before = kube.get_node("gpu1").boot_id

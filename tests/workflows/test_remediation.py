@@ -265,6 +265,12 @@ class Fleet:
                 detail=f"Job {job} completed: the GPU answers" if ok else f"Job {job} failed: exit 1",
             )
 
+        @activity.defn(name="start_reboot")
+        async def start_reboot(request: RepairRequest) -> str:
+            fleet.writes.append(request)
+            fleet.calls.append("start_reboot")
+            return f"reboot-{request.attempt}"
+
         @activity.defn(name="resume_slurm_node")
         async def resume_node(request: ResumeNodeRequest) -> NodeInfo:
             fleet.writes.append(request)
@@ -310,6 +316,7 @@ class Fleet:
             resumed,
             quarantine,
             repair,
+            start_reboot,
             resume_node,
             take_lease,
             give_back_lease,

@@ -8,11 +8,13 @@ from __future__ import annotations
 import pytest
 from temporalio.testing import WorkflowEnvironment
 
+from models.guard import GuardStatus
 from models.incident import Outcome, Step
 from models.policy import Action, RepairSettings
 from models.xid import XidEvent
-from tests.workflows.test_guard import guarded, running, until
+from tests.workflows.test_guard import guard, guarded, running, until
 from tests.workflows.test_remediation import start
+from workflows.guard import FleetGuardWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
 
@@ -44,7 +46,12 @@ async def test_a_repair_that_fails_escalates_a_level(
     fleet.repair_succeeds = outcomes
     async with running(env, fleet):
         status = await (await start(env.client, fleet, node="gpu1", xid=48)).result()
+        state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
     assert status.outcome == Outcome.RESOLVED and status.action == final and status.spare == spare
+    # The reboot is started and its slot given back: the node's return is waited for without one.
+    assert fleet.calls.count("start_reboot") == 1
+    released = [e.detail for e in state.state.log if e.event == "released"]
+    assert "reboot issued" in released
     escalations = [e.detail for e in status.timeline if e.event == "escalated"]
     assert escalations[0].startswith("RESET_GPU -> REBOOT_NODE: Job job-1 failed")
     assert len([n for n in fleet.notifications if n.kind == "escalated"]) == len(outcomes)

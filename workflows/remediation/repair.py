@@ -69,6 +69,13 @@ class Repair(Closing, Jobs):
                 dry_run=self._dry_run,
             )
             try:
+                if self._slot_per_step and status.action is Action.REBOOT_NODE and not self._dry_run:
+                    # The reboot is the action: once it is issued, the slot goes back; the node's
+                    # coming back is a wait, like a spare's.
+                    await self._activity(
+                        RepairActivities.start_reboot, request, summary=f"start the reboot of {self._input.node}"
+                    )
+                    await self._end_slot("reboot issued")
                 result: RepairResult = await self._activity(
                     RepairActivities.repair,
                     request,
