@@ -12,6 +12,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -827,3 +828,24 @@ async def test_jobs_the_failure_ended_are_requeued_at_once_and_a_lost_one_is_nev
     assert "erin" in unrequeued.text and "finn" in unrequeued.text and "resubmit" in unrequeued.text
     [closing] = [n for n in fleet.notifications if n.kind == "jobs_lost"]
     assert "2 job(s) running again; 2 could not be" in closing.text
+
+
+async def test_a_job_the_failure_ends_while_the_incident_waits_is_requeued_meanwhile(
+    env: WorkflowEnvironment,
+) -> None:
+    """The node's owner drained it; the incident waits for their word. Its job still ran when it
+    looked, then a hung rank's watchdog ends it FAILED: it is requeued within minutes, while the
+    wait goes on, not after it (by then slurmctld may have forgotten it)."""
+    fleet = Fleet(node_drained=True, node_reason="bob: swapping the NIC, back at 3pm")
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet)
+        await _until(handle, lambda s: s.outcome == Outcome.AWAITING_APPROVAL)
+        fleet.jobs = [JobInfo(job_id=7, user="alice", state="FAILED")]  # its watchdog ended it
+        await env.sleep(timedelta(minutes=3))  # the server's clock: the next look is due
+        waiting = await _until(handle, lambda s: s.ended == [7])
+        assert waiting.outcome == Outcome.AWAITING_APPROVAL and waiting.requeued == [7]
+        assert "signal_job:7" not in fleet.calls  # never signalled: it had ended
+        await handle.signal(NodeRemediationWorkflow.decide, Approval(approved=True, by="bob"))
+        status: IncidentStatus = await handle.result()
+    assert status.outcome == Outcome.RESOLVED and status.ran_again == [7]
+    assert fleet.calls.count("requeue_job:7") == 1

@@ -12,12 +12,14 @@ to only, so a second `approve` never passes a later gate.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
 from temporalio import workflow
 
 from workflows.remediation.close import Closing
+from workflows.remediation.jobs import Jobs
 from workflows.remediation.slot import GUARD_ASK_WHILE_WAITING
 
 with workflow.unsafe.imports_passed_through():
@@ -27,7 +29,7 @@ with workflow.unsafe.imports_passed_through():
     from models.incident import Approval, Outcome, Step
 
 
-class Approvals(Closing):
+class Approvals(Closing, Jobs):
     """The gates that wait for `gpufleet approve|reject`."""
 
     async def _wait_for_answer(
@@ -47,13 +49,21 @@ class Approvals(Closing):
         self._start_approval_wait(why)
         if notice:
             self._notify("approval_needed", notice)
-        while True:
-            try:
-                await workflow.wait_condition(lambda: self._answer is not None or or_until(), timeout=every)
-                return
-            except TimeoutError:
-                if meanwhile is not None:
-                    await meanwhile()
+        answered = False
+        # v0.3.0: a job the failure ends while this waits is requeued before slurmctld forgets it.
+        watch = asyncio.create_task(self._watch_ended_jobs(lambda: answered)) if self._slot_per_step else None
+        try:
+            while True:
+                try:
+                    await workflow.wait_condition(lambda: self._answer is not None or or_until(), timeout=every)
+                    return
+                except TimeoutError:
+                    if meanwhile is not None:
+                        await meanwhile()
+        finally:
+            answered = True
+            if watch is not None and not watch.done():
+                await watch
 
     def _start_approval_wait(self, why: str) -> None:
         """A new wait for `gpufleet approve|reject`: answers to earlier ones do not count."""

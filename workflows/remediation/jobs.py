@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 from workflows.remediation.notify import Notifications
 from workflows.retries import SHORT_STEP
@@ -35,6 +36,11 @@ RESUME_WATCH_SECONDS = 5.0
 # A detector's clock far behind never widens the failure's window by more than this.
 EARLIEST_EVENT = timedelta(hours=1)
 PURGED = "slurmctld had already purged it (MinJobAge) when gpufleet looked: resubmit it"
+# While an incident waits (an owner's approval, the guard), the jobs still on its node are looked
+# at this often for this long: a job its failure ends meanwhile (a hung rank killed by its
+# watchdog) is requeued before slurmctld forgets it (MinJobAge, 300 s by default).
+ENDED_RECHECK = timedelta(minutes=2)
+ENDED_WATCH = timedelta(minutes=30)
 
 
 class Jobs(Notifications):
@@ -75,6 +81,26 @@ class Jobs(Notifications):
             + (f"; lost: {sorted(status.unrequeued)}" if status.unrequeued else ""),
         )
         return running
+
+    def _jobs_left_on_node(self) -> list[JobInfo]:
+        """The jobs last seen on the node that the incident has not signalled or requeued yet."""
+        done = {*self._status.signalled, *self._status.requeued, *self._status.unrequeued}
+        return [job for job in self._status.jobs if job.state in ACTIVE_STATES and job.job_id not in done]
+
+    async def _watch_ended_jobs(self, stop: Callable[[], bool]) -> None:
+        """While a wait lasts (until ``stop``), for its first half hour: every two minutes, the jobs
+        still on the node are listed again and those the failure ended meanwhile are requeued.
+        Best effort: Slurm away only ends the watch (the flow after the wait finds them too)."""
+        deadline = workflow.now() + ENDED_WATCH
+        while self._jobs_left_on_node() and workflow.now() < deadline:
+            with contextlib.suppress(TimeoutError):
+                await workflow.wait_condition(stop, timeout=ENDED_RECHECK)
+            if stop():
+                return
+            try:
+                await self._requeue_ended(await self._jobs_hit())
+            except ActivityError:
+                return
 
     async def _requeue_ended(self, jobs: list[JobInfo]) -> None:
         """Requeue the jobs among ``jobs`` the failure ended (each once); say which could not be."""
