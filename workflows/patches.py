@@ -14,6 +14,10 @@ from __future__ import annotations
 # a repair, the retirement), not from the drain to the close.
 DRAIN_FIRST = "drain-first"
 
+# NodeRemediationWorkflow: a failed incident pages the operators (notification kind
+# "incident_failed") as well as telling the owner; incidents that failed before it replay without.
+PAGE_ON_FAILURE = "page-operators-on-failure"
+
 # FleetGuardWorkflow: an incident that asks for a slot while every slot is held waits in line
 # for one instead of tripping the breaker (storms still trip it by the share of nodes drained).
 GUARD_SLOTS_WAIT = "guard-slots-wait"

@@ -11,6 +11,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, RetryState, TimeoutType
 from temporalio.exceptions import TimeoutError as ActivityTimeout
 
+from workflows.patches import PAGE_ON_FAILURE
 from workflows.remediation.notify import Notifications
 from workflows.remediation.slot import GuardSlot
 from workflows.retries import SPARE_STEP
@@ -22,10 +23,6 @@ with workflow.unsafe.imports_passed_through():
     from models.incident import Outcome, RemediationInput, Step
     from models.metrics import INCIDENTS_FAILED, INCIDENTS_FAILED_HELP
     from models.requests import ClaimRequest, NodeLeaseRequest, QuarantineRequest
-
-# A failed incident pages the operators (notification kind "incident_failed") as well as telling
-# the owner (v0.3.0): incidents that failed before it replay without the page.
-PAGE_ON_FAILURE = "page-operators-on-failure"
 
 
 def _gave_up(exc: ActivityError) -> bool:
