@@ -33,6 +33,7 @@ from clients.errors import (
     TooManyRequests,
     Unavailable,
     checked_node_name,
+    error_for_status,
 )
 
 log = logging.getLogger("gpufleet.kube")
@@ -122,19 +123,9 @@ def _translate(exc: Exception, what: str) -> ClientError:
     if isinstance(exc, ApiException):
         status = exc.status or 0
         detail = f"{what}: HTTP {status} {exc.reason}"
-        if status == 404:
-            return NotFound(detail)
-        if status == 409:
-            return Conflict(detail)
-        if status == 429:
-            return TooManyRequests(detail)
-        if status in (400, 422):
-            return InvalidInput(detail)
         if status in (401, 403):
             return Forbidden(f"{detail} (check gpufleet's RBAC: deploy/base/worker-rbac.yaml)")
-        if status >= 500 or status == 0:
-            return Unavailable(detail)
-        return ClientError(detail)
+        return error_for_status(status, detail)
     return Unavailable(f"{what}: {exc}")
 
 
