@@ -1,14 +1,16 @@
 """FleetGuardWorkflow: how much of a cluster gpufleet may take down on its own.
 
-One per cluster (``guard-{cluster}``), started by the first incident that asks it for a slot
-(signal-with-start) or by `gpufleet pause`. Every incident asks it before its first
-destructive step (the Slurm drain) and gives the slot back when it closes.
+One per cluster (``guard-{cluster}``), started (signal-with-start) by the first incident that
+drains or asks, or by `gpufleet pause`. An incident tells it of its drain (never held back:
+counted in the window) and asks for a slot before each destructive step (killing the jobs, a
+repair, the retirement), giving it back when that step ends (before v0.3.0: drain to close).
 
-Limits (the policy file's ``guard:``): incidents in flight, and the share of the partition's
-nodes with incidents inside a sliding window. A request over a limit trips the breaker: it and
-every later one wait (their nodes drained, nothing destroyed), and the operator is paged once. `gpufleet breaker
-reset` lets the waiting incidents go on as slots free up, one at a time; `gpufleet approve
-INCIDENT` lets one past; `gpufleet pause|resume` hold new destructive steps without paging.
+Limits (``guard:`` in the policy): slots in flight, and the share of the partition's nodes drained
+within a sliding window. Past the slots a request waits in line (patch guard-slots-wait); past
+the share it trips the breaker: it and every later one wait (drained, nothing destroyed), and
+the operator is paged once. `gpufleet breaker reset` lets them go on as slots free up, one at a
+time; `gpufleet approve INCIDENT` lets one past; `gpufleet pause|resume` hold new destructive
+steps without paging.
 
 Messages are handled one at a time in arrival order, so two requests never race for the last
 slot. Answers go out a batch at a time, by an activity, beside that loop (an answer that finds

@@ -1,8 +1,9 @@
 """NodeRemediationWorkflow: one incident on one node, from Xid to resumed jobs (docs/remediation.md).
 
-The flow, in the order of the recovery: classify, notify, drain in Slurm, SIGTERM and wait for
-checkpoints, requeue, approve, then the failed node's cordon/drain/retire side by side with the
-spare's claim (or a repair in place), and finally watch the jobs run again. Each part lives in a
+The flow, in the order of the recovery: classify, notify, drain in Slurm at once, requeue the
+jobs the failure already ended, SIGTERM the others and wait for their checkpoints, requeue them,
+approve, then the failed node's cordon/drain/retire side by side with the spare's claim (or a
+repair in place), and finally watch the jobs run again. Each part lives in a
 module of its own beside this one, and the workflow is built from them.
 
 What keeps it safe away from the happy path:
@@ -11,8 +12,9 @@ What keeps it safe away from the happy path:
 - every activity is short or heartbeats, so a killed worker costs seconds;
 - jobs are signalled and requeued one by one, guarded by their state and restart count;
 - a node someone else drained waits for `gpufleet approve|reject`;
-- the cluster's fleet guard (workflows/guard.py) grants a slot before the first destructive
-  step, so a storm of Xids cannot take the whole cluster down; a node labelled
+- the cluster's fleet guard (workflows/guard.py) grants a slot around each destructive step
+  (killing the jobs, a repair, the retirement; never the drain), so a storm of Xids cannot take
+  the whole cluster down; a node labelled
   gpufleet.io/remediation=disabled is only recorded; actions the policy names wait for approval;
 - a long wait for a spare continues as new, so the history stays small.
 """
@@ -270,12 +272,14 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
         # A node someone else drained takes no new work already, and stays theirs until they say.
         held = ask and held_by_someone_else(found.reason)
         node = None if held else await self._drain_in_slurm(params)
-        self._tell_guard_drained()
+        if not held:
+            self._tell_guard_drained()  # an owner's drain is theirs: not counted as a failure
         running = await self._requeue_ended_jobs()
         if held:
             if not await self._owner_drained_gate(f"{params.node} is held by someone else: {found.reason!r}"):
                 return
             node = await self._drain_in_slurm(params)
+            self._tell_guard_drained()
         elif (
             node is not None
             and held_by_someone_else(node.reason)
