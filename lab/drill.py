@@ -45,12 +45,13 @@ JOBS = {
 RESUMED = re.compile(r"resumed from step (\d+)")
 Say = Callable[[str], None]
 
-# timing name -> the step whose end marks it
+# timing name -> the steps whose end marks it, the first the incident went through
 MILESTONES = {
-    "detect_to_drained": Step.DRAIN_SLURM,
-    "detect_to_requeued": Step.REQUEUE,
-    "detect_to_replaced": Step.CLAIM_SPARE,
-    "detect_to_resumed": Step.RESUME,
+    "detect_to_drained": (Step.DRAIN_SLURM,),
+    # After the checkpoint on SIGTERM; when the failure had ended the job already, right after the drain.
+    "detect_to_requeued": (Step.REQUEUE, Step.REQUEUE_ENDED),
+    "detect_to_replaced": (Step.CLAIM_SPARE,),
+    "detect_to_resumed": (Step.RESUME,),
 }
 
 
@@ -193,7 +194,8 @@ def timings(status: IncidentStatus, *, detected: datetime, workflow_start: datet
         return round((ends[-1] - detected).total_seconds(), 3) if ends else None
 
     result: dict[str, float | None] = {"detect_to_workflow": round((workflow_start - detected).total_seconds(), 3)}
-    result.update({name: end_of(step) for name, step in MILESTONES.items()})
+    for name, candidates in MILESTONES.items():
+        result[name] = next((end for step in candidates if (end := end_of(step)) is not None), None)
     return result
 
 
