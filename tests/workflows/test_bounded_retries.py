@@ -111,22 +111,28 @@ def failures_counted(metrics: MetricBuffer, cluster: str) -> list[tuple[dict[str
     ]
 
 
-async def test_a_step_that_keeps_failing_fails_the_incident_when_its_budget_runs_out(
-    env: WorkflowEnvironment, metrics: MetricBuffer
-) -> None:
-    fleet = Fleet()
-    tries: list[int] = []
-
+def slurm_gone_after_listing(fleet: Fleet, tries: list[int]) -> Callable[..., Any]:
+    """Slurm answers the listing right after the drain, and is gone once the slot is granted:
+    every later listing fails (its attempts recorded in ``tries``)."""
     listed: list[int] = []
 
     @activity.defn(name="jobs_hit_by_failure")
     async def slurm_away(request: FailureJobsRequest) -> list[Any]:
-        # Slurm answers the listing right after the drain, and is gone once the slot is granted.
         if not listed:
             listed.append(1)
             return fleet.jobs
         tries.append(activity.info().attempt)
         raise ApplicationError("slurmctld unreachable", type="Unavailable")
+
+    return slurm_away
+
+
+async def test_a_step_that_keeps_failing_fails_the_incident_when_its_budget_runs_out(
+    env: WorkflowEnvironment, metrics: MetricBuffer
+) -> None:
+    fleet = Fleet()
+    tries: list[int] = []
+    slurm_away = slurm_gone_after_listing(fleet, tries)
 
     async with workers(env, fleet, replaced(fleet, slurm_away)):
         handle = await start(env.client, fleet)
@@ -187,15 +193,7 @@ async def test_giving_back_the_lease_is_bounded_too_and_the_page_says_it_is_stil
     lease fails within its own budget, and the page tells the operators how to let go of it."""
     fleet = Fleet()
     gave_back: list[int] = []
-
-    listed: list[int] = []
-
-    @activity.defn(name="jobs_hit_by_failure")
-    async def slurm_away(request: FailureJobsRequest) -> list[Any]:
-        if not listed:
-            listed.append(1)
-            return fleet.jobs
-        raise ApplicationError("slurmctld unreachable", type="Unavailable")
+    slurm_away = slurm_gone_after_listing(fleet, [])
 
     @activity.defn(name="give_back_node_lease")
     async def kube_away(request: NodeLeaseRequest) -> bool:

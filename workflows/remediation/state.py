@@ -42,6 +42,7 @@ class IncidentState:
         self._slot_asks = 0
         self._slot_step = ""
         self._approved_past_guard = False
+        # The tell of the drain to the guard, beside the flow: held here so the task is not collected.
         self._guard_told: asyncio.Task[None] | None = None
         # A continued run is past the drain already.
         self._took_node_out = params.carried is not None and not params.dry_run
