@@ -28,7 +28,7 @@ from clients.kube import KubeClient
 from models.constants import BOOT_ID_ANNOTATION, INCIDENT_ANNOTATION, REPAIR_LABEL, VERDICT_ANNOTATION
 from models.names import InvalidName, validate_node_name
 from models.policy import Action
-from models.requests import RepairRequest, RepairResult
+from models.requests import RepairRequest, RepairResult, StopRepairsRequest
 
 # A GPU as the driver names it: a UUID (GPU-8c2f...) or a PCI address (0000:3b:00.0).
 _GPU = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:._-]{0,95}$")
@@ -124,6 +124,17 @@ def _short(boot_id: str) -> str:
     return boot_id[:8] or "(none)"
 
 
+def stop_incident_repairs(kube: KubeClient, namespace: str, incident_id: str, why: str) -> list[str]:
+    """Stop the repair Jobs of ``incident_id`` in ``namespace`` that still run (a retry finds them
+    stopped already); returns the names of those stopped."""
+    stopped = []
+    for job in kube.list_jobs(namespace, label_selector=REPAIR_LABEL):
+        if job.active and job.annotations.get(INCIDENT_ANNOTATION) == incident_id:
+            kube.stop_job(namespace, job.name, annotations={VERDICT_ANNOTATION: why})
+            stopped.append(job.name)
+    return stopped
+
+
 class RepairActivities:
     def __init__(self, kube: KubeClient, *, poll_seconds: float = 0.5) -> None:
         self._kube = kube
@@ -148,6 +159,14 @@ class RepairActivities:
                 )
             self._kube.create_job(namespace, job)  # False: made already by an earlier try
             return name
+
+    @activity.defn(name="stop_repair_jobs")
+    @heartbeating
+    def stop_repairs(self, request: StopRepairsRequest) -> list[str]:
+        """Stop (suspend, with why) the incident's repair Jobs that still run; returns their
+        names. Finished Jobs and other incidents' are left as they are. Idempotent."""
+        with client_errors():
+            return stop_incident_repairs(self._kube, request.namespace, request.incident_id, request.why)
 
     @activity.defn(name="repair_node")
     @heartbeating

@@ -116,6 +116,7 @@ class KubeClient(Protocol):
     def job_state(self, namespace: str, name: str) -> JobState: ...
     def job_annotations(self, namespace: str, name: str) -> dict[str, str]: ...
     def stop_job(self, namespace: str, name: str, *, annotations: dict[str, str]) -> None: ...
+    def list_jobs(self, namespace: str, *, label_selector: str = "") -> list[JobSummary]: ...
     def lease(self, name: str, *, namespace: str, holder: str) -> AbstractContextManager[object]: ...
 
 
@@ -185,6 +186,17 @@ class JobState:
     succeeded: bool
     message: str = ""
     age_seconds: float = 0.0  # since the Job was created (deadlines count from there, retries or not)
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """A Job as a listing shows it: enough to tell whose it is and whether it still runs."""
+
+    name: str
+    namespace: str
+    annotations: dict[str, str]
+    node: str  # the node its pods are pinned to ("" when none)
+    active: bool  # neither finished nor suspended
 
 
 class _Blank:
@@ -420,6 +432,29 @@ class KubernetesApi:
             checked_namespace(namespace),
             body,
         )
+
+    def list_jobs(self, namespace: str, *, label_selector: str = "") -> list[JobSummary]:
+        """The namespace's Jobs with the labels, each with its node and whether it still runs."""
+        namespace = checked_namespace(namespace)
+        listed = self._call_json(
+            f"list jobs in {namespace}", self._batch.list_namespaced_job, namespace, label_selector=label_selector
+        )
+        jobs = []
+        for item in listed.get("items") or []:
+            metadata, spec, status = item.get("metadata") or {}, item.get("spec") or {}, item.get("status") or {}
+            conditions = {c.get("type") for c in status.get("conditions") or [] if c.get("status") == "True"}
+            ended = status.get("succeeded") or status.get("failed")
+            finished = bool(conditions & {"Complete", "Failed"}) or bool(ended)
+            jobs.append(
+                JobSummary(
+                    name=str(metadata.get("name", "")),
+                    namespace=namespace,
+                    annotations=dict(metadata.get("annotations") or {}),
+                    node=str(((spec.get("template") or {}).get("spec") or {}).get("nodeName") or ""),
+                    active=not finished and not spec.get("suspend"),
+                )
+            )
+        return jobs
 
     def _object_calls(
         self, obj: dict[str, Any]

@@ -47,6 +47,9 @@ class Outcome(StrEnum):
     OPTED_OUT = "opted_out"
     ALREADY_RETIRED = "already_retired"
     FAILED = "failed"
+    # Stopped by a person (`gpufleet incidents cancel`, the Temporal UI, `cluster delete`): what it
+    # held is given back, the jobs it signalled are requeued, the node stays drained.
+    CANCELLED = "cancelled"
 
 
 class NodeInfo(BaseModel):
@@ -158,6 +161,15 @@ class Approval(BaseModel):
     incident_id: str = ""
 
 
+class CancelRequest(BaseModel):
+    """Who stops an incident and why (`gpufleet incidents cancel`), sent just before Temporal's cancel."""
+
+    by: str = ""
+    reason: str = ""
+    # Which incident it stops ("": whichever runs under the workflow ID).
+    incident_id: str = ""
+
+
 class IncidentStatus(BaseModel):
     """What the ``status`` query returns and the CLI shows."""
 
@@ -208,6 +220,9 @@ class IncidentStatus(BaseModel):
     notifications: list[NotificationRecord] = Field(default_factory=list)
     timeline: list[TimelineEntry] = Field(default_factory=list)
     error: str | None = None
+    # Cancelled: by whom and why ("by alice: wrong node"); and what the cancel left for a person.
+    cancelled: str = ""
+    left: list[str] = Field(default_factory=list)
 
 
 class CarriedIncident(BaseModel):

@@ -157,6 +157,14 @@ class RepairRequest(BaseModel):
     dry_run: bool = False
 
 
+class StopRepairsRequest(BaseModel):
+    """Stop the repair Jobs an incident left running (it was cancelled or terminated)."""
+
+    incident_id: str
+    namespace: str
+    why: str
+
+
 class RepairResult(BaseModel):
     succeeded: bool
     job: str = ""

@@ -38,7 +38,7 @@ from models.constants import (
     task_queue,
 )
 from models.guard import GuardCommand, GuardInput, GuardStatus
-from models.incident import Approval, IncidentStatus, Outcome, Step, seen
+from models.incident import Approval, CancelRequest, IncidentStatus, Outcome, Step, seen
 from models.names import InvalidName, validate_cluster_name, validate_node_name
 from models.requests import QuarantinedNode, ReleaseNodeRequest, ReturnNodeRequest
 from models.settings import CLUSTER_HELP, ClusterNotSet, Settings
@@ -463,6 +463,61 @@ def reject(
     """Close an incident that waits at awaiting_approval: before its drain nothing on the node
     changes; at an approval gate (after the drain) the node stays drained, its jobs requeued."""
     _decide(incident, cluster, approved=False, reason=reason)
+
+
+@incidents_app.command("cancel")
+def incidents_cancel(
+    incident: Annotated[str, typer.Argument(help=INCIDENT_HELP)],
+    reason: Annotated[str, typer.Option(help="Why, for the incident's record and the owner's message.")] = "",
+    cluster: Annotated[str | None, typer.Option(help="Cluster, when INCIDENT is a node name.")] = None,
+    wait: Annotated[
+        float, typer.Option(help="Seconds to wait for the incident to give back what it holds (0: do not wait).")
+    ] = 120.0,
+) -> None:
+    """Stop an open incident cleanly: the jobs it signalled are requeued, its repair Job is stopped,
+    its spare claim, guard slot and node lease are given back. The node stays drained: the command
+    says so, and `gpufleet nodes return NODE` puts it back once checked."""
+    workflow_id = _incident_workflow_id(incident, cluster)
+    if not 0 <= wait <= 3600:
+        fail(f"--wait must be between 0 and 3600 seconds, not {wait:g}", code=2)
+
+    async def go() -> tuple[IncidentStatus, IncidentStatus | None]:
+        handle, status = await _incident(workflow_id)
+        if _STAMP.search(incident) and status.incident_id != incident:
+            fail(f"incident {incident} is over; the node's latest incident is {status.incident_id}")
+        description = await handle.describe()
+        if description.status != WorkflowExecutionStatus.RUNNING:
+            fail(f"incident {status.incident_id} is not open ({status.outcome}); nothing to cancel")
+        request = CancelRequest(by=_who(), reason=reason, incident_id=status.incident_id)
+        await handle.signal(NodeRemediationWorkflow.cancel_requested, request)
+        await handle.cancel(reason=f"gpufleet incidents cancel by {request.by}: {reason}".rstrip(": "))
+        if wait <= 0:
+            return status, None
+        deadline = time.monotonic() + wait
+        with console.status(f"cancelling {status.incident_id}", spinner="dots"):
+            while time.monotonic() < deadline:
+                if (await handle.describe()).status != WorkflowExecutionStatus.RUNNING:
+                    try:
+                        closed: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
+                    except RPCError:
+                        closed = status
+                    return status, closed
+                await asyncio.sleep(0.3)
+        fail(f"{status.incident_id}: cancel requested; still giving back what it holds after {wait:g}s")
+
+    status, closed = run_async(go())
+    if closed is None:
+        follow = f"gpufleet incidents show {status.incident_id}"
+        console.print(f"{status.incident_id}: cancel requested; follow with `{follow}`")
+        return
+    console.print(f"{closed.incident_id}: {closed.outcome} at {_cancelled_at(closed)}")
+    for line in closed.left or ["nothing left for a person"]:
+        console.print(f"  left: {line}")
+
+
+def _cancelled_at(status: IncidentStatus) -> str:
+    """The step the incident was at when it was cancelled."""
+    return next((e.step for e in reversed(status.timeline) if e.event == "cancelled"), status.step)
 
 
 def _cluster_of(cluster: str | None, node: str) -> str:

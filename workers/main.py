@@ -176,6 +176,7 @@ def build_activities(settings: Settings, clients: Clients | None = None) -> list
         slurm_acts.resume_node,
         repair_acts.repair,
         repair_acts.start_reboot,
+        repair_acts.stop_repairs,
         kube_acts.node_facts,
         kube_acts.cordon_and_drain,
         kube_acts.take_node_lease,

@@ -21,3 +21,8 @@ PAGE_ON_FAILURE = "page-operators-on-failure"
 # FleetGuardWorkflow: an incident that asks for a slot while every slot is held waits in line
 # for one instead of tripping the breaker (storms still trip it by the share of nodes drained).
 GUARD_SLOTS_WAIT = "guard-slots-wait"
+
+# NodeRemediationWorkflow: a cancel (`gpufleet incidents cancel`, the Temporal UI, `cluster delete`)
+# requeues the jobs the incident signalled and had not requeued yet, stops its repair Jobs, gives
+# back its claim, slot and lease, closes "cancelled" and says what it leaves drained.
+CANCEL_CLEANS_UP = "cancel-cleans-up"

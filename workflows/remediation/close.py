@@ -11,18 +11,20 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, RetryState, TimeoutType
 from temporalio.exceptions import TimeoutError as ActivityTimeout
 
-from workflows.patches import PAGE_ON_FAILURE
+from workflows.patches import CANCEL_CLEANS_UP, PAGE_ON_FAILURE
 from workflows.remediation.notify import Notifications
 from workflows.remediation.slot import GuardSlot
 from workflows.retries import SPARE_STEP
 
 with workflow.unsafe.imports_passed_through():
     from activities.kube import KubeActivities
+    from activities.repair import RepairActivities
+    from activities.slurm import SlurmActivities
     from activities.spares import SpareActivities
-    from models.constants import NODE_LEASE_ANNOTATION, QUARANTINE_LABEL
-    from models.incident import Outcome, RemediationInput, Step
+    from models.constants import NODE_LEASE_ANNOTATION, QUARANTINE_LABEL, REPAIR_LABEL
+    from models.incident import CancelRequest, JobRequeue, Outcome, RemediationInput, RequeueOutcome, Step
     from models.metrics import INCIDENTS_FAILED, INCIDENTS_FAILED_HELP
-    from models.requests import ClaimRequest, NodeLeaseRequest, QuarantineRequest
+    from models.requests import ClaimRequest, NodeLeaseRequest, QuarantineRequest, RequeueJobRequest, StopRepairsRequest
 
 
 def _gave_up(exc: ActivityError) -> bool:
@@ -122,6 +124,105 @@ class Closing(GuardSlot, Notifications):
             type=failure_type(exc),
             non_retryable=True,
         )
+
+    async def _cancelled(self) -> None:
+        """Stopped by a person: give back what the incident holds and say what it leaves.
+
+        Before v0.3.0 (patch cancel-cleans-up) a cancel gave back the claim, the slot and the
+        lease only. Since, it also requeues the jobs it signalled and had not requeued, stops its
+        repair Jobs, closes ``cancelled`` and tells the owner what stays drained."""
+        status = self._status
+        if not workflow.patched(CANCEL_CLEANS_UP):
+            status.outcome = Outcome.FAILED
+            status.error = "cancelled"
+            self._mark(status.step, "cancelled")
+            self._count_failed("cancelled")
+            self._count_closed()
+            await self._release_unused_claim()
+            await self._release_slot("cancelled")
+            await self._give_back_node()
+            self._notify("cancelled", f"{self._message_prefix()}: the incident was cancelled at {status.step}.")
+            await self._flush_notifications()
+            return
+        stopped_at = status.step
+        status.outcome = Outcome.CANCELLED  # from here each call retries for minutes, not a quarter hour
+        request = self._cancel_request or CancelRequest()
+        status.cancelled = f"by {request.by or '?'}" + (f": {request.reason}" if request.reason else "")
+        self._mark(stopped_at, "cancelled", status.cancelled)
+        self._count_closed()
+        left: list[str] = []
+        with contextlib.suppress(ActivityError):
+            await self._requeue_signalled(left)
+        await self._stop_repairs(left)
+        await self._release_unused_claim()
+        await self._release_slot("cancelled")
+        await self._give_back_node()
+        node = self._input.node
+        if self._took_node_out:
+            left.append(f"{node} stays drained in Slurm: `gpufleet nodes return {node}` once it is checked")
+        if status.node_leased:
+            left.append(f"its lease could not be given back (`kubectl annotate node {node} {NODE_LEASE_ANNOTATION}-`)")
+        status.left = left
+        self._enter(Step.CLOSED)
+        self._mark(Step.CLOSED, Outcome.CANCELLED.value, "; ".join(left))
+        self._notify(
+            "cancelled",
+            f"{self._message_prefix()}: cancelled at {stopped_at} {status.cancelled}. "
+            + ("; ".join(left) + "." if left else "Nothing was changed."),
+        )
+        await self._flush_notifications()
+
+    async def _requeue_signalled(self, left: list[str]) -> None:
+        """The jobs this incident sent SIGTERM and has not requeued go back in the queue now
+        (each guarded by its restart count, as in the flow): none is left to end on the node."""
+        status = self._status
+        done = {*status.requeued, *status.unrequeued, *status.skipped}
+        pending = [job_id for job_id in status.signalled if job_id not in done]
+        if not pending or self._dry_run:
+            return
+        requeues: list[JobRequeue] = [
+            await self._activity(
+                SlurmActivities.requeue_job,
+                RequeueJobRequest(
+                    job_id=job_id,
+                    restarts_before=self._restarts_before.get(job_id, 0),
+                    signalled=True,
+                    incident_id=status.incident_id,
+                ),
+                summary=f"requeue job {job_id} (cancelled)",
+            )
+            for job_id in pending
+        ]
+        for requeue in requeues:
+            if requeue.outcome is RequeueOutcome.REQUEUED:
+                status.requeued.append(requeue.job_id)
+            elif requeue.outcome is RequeueOutcome.SKIPPED:
+                status.skipped.setdefault(requeue.job_id, requeue.why)
+            else:
+                status.unrequeued[requeue.job_id] = requeue.why
+                left.append(f"job {requeue.job_id} could not be requeued ({requeue.why}): resubmit it")
+        self._mark(status.step, "requeued", f"{len(pending)} signalled job(s) on cancel")
+
+    async def _stop_repairs(self, left: list[str]) -> None:
+        """A repair Job of this incident that still runs is stopped (suspended, with why)."""
+        if not self._repair_started or self._dry_run or self._policy is None:
+            return
+        namespace = self._policy.repair.namespace
+        try:
+            stopped: list[str] = await self._activity(
+                RepairActivities.stop_repairs,
+                StopRepairsRequest(
+                    incident_id=self._status.incident_id,
+                    namespace=namespace,
+                    why=f"stopped: incident {self._status.incident_id} was cancelled",
+                ),
+                summary="stop the incident's repair Jobs",
+            )
+        except ActivityError:
+            left.append(f"its repair Jobs in {namespace} could not be checked (Jobs labelled {REPAIR_LABEL})")
+            return
+        if stopped:
+            self._mark(self._status.step, "stopped", f"repair Job(s) {', '.join(stopped)}")
 
     def _failure_page(self, message: str) -> str:
         """The operators' page: where the incident stopped, why, and what it left for a person."""

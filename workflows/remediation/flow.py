@@ -51,7 +51,7 @@ with workflow.unsafe.imports_passed_through():
         held_by_someone_else,
     )
     from models.guard import GuardDecision
-    from models.incident import Approval, IncidentStatus, NodeInfo, Outcome, RemediationInput, Step
+    from models.incident import Approval, CancelRequest, IncidentStatus, NodeInfo, Outcome, RemediationInput, Step
     from models.policy import Action, OwnerDrained
     from models.requests import DrainRequest, NodeFacts, NodeLeaseRequest, WorkerConfig
     from models.xid import XidEvent
@@ -98,6 +98,14 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
         if self._answer is None:
             self._answer = approval
 
+    @workflow.signal
+    def cancel_requested(self, request: CancelRequest) -> None:
+        """Who is about to cancel the incident and why (`gpufleet incidents cancel`, just before
+        Temporal's cancel): the close says so. One meant for an earlier incident is dropped."""
+        if request.incident_id and request.incident_id != self._status.incident_id:
+            return
+        self._cancel_request = request
+
     @workflow.signal(name=GUARD_DECISION_SIGNAL)
     def guard_decision(self, decision: GuardDecision) -> None:
         """The fleet guard's answer: a slot, or wait (and why); and whether the node is a lemon."""
@@ -126,17 +134,8 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
             else:
                 await self._remediate(params)
         except asyncio.CancelledError:
-            # Cancelled by a person (Temporal UI or CLI): give back an unused spare, say so.
-            self._status.outcome = Outcome.FAILED
-            self._status.error = "cancelled"
-            self._mark(self._status.step, "cancelled")
-            self._count_failed("cancelled")
-            self._count_closed()
-            await self._release_unused_claim()
-            await self._release_slot("cancelled")
-            await self._give_back_node()
-            self._notify("cancelled", f"{self._message_prefix()}: the incident was cancelled at {self._status.step}.")
-            await self._flush_notifications()
+            # Cancelled by a person (`gpufleet incidents cancel`, the Temporal UI, `cluster delete`).
+            await self._cancelled()
             raise
         except (ActivityError, ApplicationError) as exc:
             # It cannot go on (a permanent error, or a step's retry budget ran out): it fails at

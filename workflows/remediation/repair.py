@@ -68,6 +68,7 @@ class Repair(Closing, Jobs):
                 settings=settings,
                 dry_run=self._dry_run,
             )
+            self._repair_started = True
             try:
                 if self._slot_per_step and status.action is Action.REBOOT_NODE and not self._dry_run:
                     # The reboot is the action: once it is issued, the slot goes back; the node's

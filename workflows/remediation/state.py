@@ -14,7 +14,7 @@ from workflows.retries import HEARTBEAT, RELEASE_RETRY_WINDOW, SHORT_STEP, STEP_
 with workflow.unsafe.imports_passed_through():
     from activities.policy import PolicyActivities
     from models.guard import GuardDecision
-    from models.incident import Approval, IncidentStatus, Outcome, RemediationInput
+    from models.incident import Approval, CancelRequest, IncidentStatus, Outcome, RemediationInput
     from models.policy import Action, Policy, RemediationSettings
     from models.requests import ClassifyRequest
     from models.xid import XidEvent
@@ -49,6 +49,10 @@ class IncidentState:
         # The least action this incident may take (the fleet guard's escalation of a repeat failure).
         self._least_action: Action | None = None
         self._guard_decision: GuardDecision | None = None
+        # Who cancelled the incident and why (`gpufleet incidents cancel`), and whether a repair
+        # Job may be running (a cancel stops it).
+        self._cancel_request: CancelRequest | None = None
+        self._repair_started = False
         self._counted_in_metrics = False  # in gpufleet_incidents_total (once, whichever way the incident ends)
         if params.carried is not None:
             self._status = params.carried.status
@@ -92,7 +96,7 @@ class IncidentState:
         retries a service that is away for a quarter of an hour; once the incident has failed,
         giving back what it holds retries for two minutes. Workflow code: constants and the
         incident's own state only (tests run a subclass that answers seconds)."""
-        if self._status.outcome is Outcome.FAILED:
+        if self._status.outcome in (Outcome.FAILED, Outcome.CANCELLED):
             return step_budget(timeout, RELEASE_RETRY_WINDOW)
         return step_budget(timeout)
 
