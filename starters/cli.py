@@ -517,7 +517,7 @@ def incidents_cancel(
 
 def _cancelled_at(status: IncidentStatus) -> str:
     """The step the incident was at when it was cancelled."""
-    return next((e.step for e in reversed(status.timeline) if e.event == "cancelled"), status.step)
+    return next((e.step for e in status.timeline if e.event == "cancelled"), status.step)
 
 
 def _cluster_of(cluster: str | None, node: str) -> str:

@@ -125,6 +125,12 @@ class Closing(GuardSlot, Notifications):
             non_retryable=True,
         )
 
+    def _cancel_asked(self) -> bool:
+        """Whether an activity's cancel that reached the flow counts as the incident's cancel: only
+        a cancel of the workflow cancels its activities (a branch cancelled because the other
+        failed raises that failure). Before v0.3.0 the incident failed instead."""
+        return workflow.patched(CANCEL_CLEANS_UP)
+
     async def _cancelled(self) -> None:
         """Stopped by a person: give back what the incident holds and say what it leaves.
 
@@ -132,6 +138,7 @@ class Closing(GuardSlot, Notifications):
         lease only. Since, it also requeues the jobs it signalled and had not requeued, stops its
         repair Jobs, closes ``cancelled`` and tells the owner what stays drained."""
         status = self._status
+        self._cancel_handled = True
         if not workflow.patched(CANCEL_CLEANS_UP):
             status.outcome = Outcome.FAILED
             status.error = "cancelled"

@@ -25,7 +25,7 @@ import asyncio
 from datetime import timedelta
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
 from workflows.patches import DRAIN_FIRST
 from workflows.remediation.approvals import Approvals
@@ -128,6 +128,7 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
 
     @workflow.run
     async def run(self, params: RemediationInput) -> IncidentStatus:
+        self._run_task = asyncio.current_task()
         try:
             if params.carried is not None:
                 await self._continue_carried(params)
@@ -138,6 +139,10 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
             await self._cancelled()
             raise
         except (ActivityError, ApplicationError) as exc:
+            if isinstance(exc, ActivityError) and isinstance(exc.cause, CancelledError) and self._cancel_asked():
+                # Cancelled while an activity ran: the activity's cancel is what reached the flow.
+                await self._cancelled()
+                raise asyncio.CancelledError from exc
             # It cannot go on (a permanent error, or a step's retry budget ran out): it fails at
             # its step, gives back what it holds, tells the owner and pages the operators.
             raise await self._fail(exc) from exc

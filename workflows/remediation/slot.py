@@ -91,7 +91,10 @@ class GuardSlot(Timeline):
             return True
         self._slot_asks += 1
         self._slot_step = step.value
-        return await self._guard_gate()
+        granted = await self._guard_gate()
+        if granted and self._status.step in (Step.GUARD, Step.AWAITING_APPROVAL):
+            self._status.step = step  # the step the slot is for, not the ask, is what runs now
+        return granted
 
     async def _end_slot(self, why: str) -> None:
         """The step's action is over: its slot goes back (a wait that follows holds none)."""

@@ -9,6 +9,7 @@ from typing import Any
 from temporalio import workflow
 from temporalio.workflow import ActivityCancellationType
 
+from workflows.patches import CANCEL_CLEANS_UP
 from workflows.retries import HEARTBEAT, RELEASE_RETRY_WINDOW, SHORT_STEP, STEP_RETRY, step_budget
 
 with workflow.unsafe.imports_passed_through():
@@ -53,6 +54,9 @@ class IncidentState:
         # Job may be running (a cancel stops it).
         self._cancel_request: CancelRequest | None = None
         self._repair_started = False
+        # The workflow's own task (a cancel reaches it first) and whether its cancel is handled.
+        self._run_task: asyncio.Task[Any] | None = None
+        self._cancel_handled = False
         self._counted_in_metrics = False  # in gpufleet_incidents_total (once, whichever way the incident ends)
         if params.carried is not None:
             self._status = params.carried.status
@@ -78,6 +82,24 @@ class IncidentState:
 
     async def _activity(self, method: Any, *args: Any, summary: str, timeout: timedelta = SHORT_STEP) -> Any:
         """Run one activity: ``timeout`` per attempt, retried within the call's budget (_budget)."""
+        result = await self._run_activity(method, *args, summary=summary, timeout=timeout)
+        if self._cancel_absorbed():
+            raise asyncio.CancelledError
+        return result
+
+    def _cancel_absorbed(self) -> bool:
+        """Whether the workflow was cancelled while an activity ran that finished anyway: the
+        cancel went to the activity, which completed, and the flow would go on as if none came.
+        Since v0.3.0 (patch cancel-cleans-up) the flow stops there and the cancel is handled."""
+        task = self._run_task
+        return (
+            task is not None
+            and not self._cancel_handled
+            and task.cancelling() > 0
+            and workflow.patched(CANCEL_CLEANS_UP)
+        )
+
+    async def _run_activity(self, method: Any, *args: Any, summary: str, timeout: timedelta) -> Any:
         return await workflow.execute_activity_method(
             method,
             args=args,
