@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from models.policy import (
     DEFAULT_BUCKET_ACTIONS,
@@ -197,7 +198,11 @@ def load_policy_text(text: str) -> Policy:
 
 # -- every number of every section: finite, a number, within its bounds -------------------------------
 
-SECTIONS = {"remediation": RemediationSettings, "guard": GuardSettings, "repair": RepairSettings}
+SECTIONS: dict[str, type[BaseModel]] = {
+    "remediation": RemediationSettings,
+    "guard": GuardSettings,
+    "repair": RepairSettings,
+}
 NUMBERS = [
     (section, name, field.annotation)
     for section, model in SECTIONS.items()
