@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from models.names import InvalidName, validate_cluster_name
+from models.numbers import Finite, Whole
 
 # Partition names are also label values and parts of object names (NodeSet <cluster>-<partition>):
 # a DNS label. Account and Linux user names: what every tool on a login node accepts.
@@ -106,8 +107,8 @@ class PartitionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
-    nodes: int = Field(ge=1, le=4096)
-    gpus_per_node: int = Field(default=8, ge=0, le=64)
+    nodes: Whole = Field(ge=1, le=4096)
+    gpus_per_node: Whole = Field(default=8, ge=0, le=64)
     default: bool = False
     max_time: str = "INFINITE"
     # More PartitionName options, as slurm.conf spells them (e.g. {OverSubscribe: "NO"}).
@@ -144,7 +145,7 @@ class UserSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
-    uid: int
+    uid: Whole
     ssh_keys: list[str] = Field(min_length=1)
     account: str = "research"
     admin: bool = False
@@ -238,7 +239,7 @@ class AccountingStorage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     host: str
-    port: int = Field(default=3306, ge=1, le=65535)
+    port: Whole = Field(default=3306, ge=1, le=65535)
     database: str = "slurm_acct_db"
     username: str = "slurm"
     password_secret: SecretRef
@@ -263,7 +264,7 @@ class RemediationDefaults(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    grace_seconds: float = Field(default=120.0, ge=0, le=3600)
+    grace_seconds: Finite = Field(default=120.0, ge=0, le=3600)
     requeue: bool = True
 
 
@@ -274,7 +275,7 @@ class ClusterSpec(BaseModel):
     partitions: list[PartitionSpec] = Field(min_length=1)
     users: list[UserSpec] = Field(default_factory=list)
     storage: StorageSpec | None = None
-    spares: int = Field(default=1, ge=0, le=1024)
+    spares: Whole = Field(default=1, ge=0, le=1024)
     accounting: bool = False
     # Where slurmdbd keeps its records, for backends that do not run a database (Slinky).
     accounting_storage: AccountingStorage | None = None

@@ -51,6 +51,19 @@ STEP_STARTED_HELP = "Unix time an open incident entered a step; 0 once the step 
 SPARES_FREE = "gpufleet_spares_free"
 SPARES_FREE_HELP = "Warm spares of this cluster free to claim now (checked every minute by each worker)."
 
+# The worker's configuration as it reads it again (at each incident, and every minute): per source
+# ("policy_file", "configmap": the cluster's remediation ConfigMap), 1 while the source is good, 0
+# while the worker refuses it and goes on with its last good configuration (its log says why).
+CONFIG_OK = "gpufleet_config_ok"
+CONFIG_OK_HELP = (
+    "1 while this worker's configuration source is good; 0 while it refuses it and keeps its last good configuration."
+)
+# Each time a source is refused anew (a bad edit, or another problem than the one before).
+CONFIG_REJECTED = "gpufleet_config_rejected_total"
+CONFIG_REJECTED_HELP = "Edits of a configuration source that this worker refused (keeping its last good configuration)."
+CONFIG_POLICY_FILE = "policy_file"
+CONFIG_CONFIGMAP = "configmap"
+
 # The cluster's fleet guard, set by the guard workflow each time it handles a message.
 GUARD_BREAKER = "gpufleet_guard_breaker_state"
 GUARD_BREAKER_HELP = "The fleet guard's breaker: 0 closed, 1 tripped, 2 paused."

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from models.numbers import Finite, Whole
 from models.sxid import sxid_catalog
 from models.xid import GpuEventKind, RecoveryAction, XidEvent, xid_catalog
 
@@ -97,15 +98,15 @@ class RemediationSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    grace_seconds: float = Field(default=120.0, ge=0, le=86400)
-    spare_recheck_seconds: float = Field(default=60.0, gt=0, le=86400)
-    resume_timeout_seconds: float = Field(default=1800.0, gt=0, le=7 * 86400)
-    eviction_timeout_seconds: float = Field(default=60.0, ge=0, le=86400)
+    grace_seconds: Finite = Field(default=120.0, ge=0, le=86400)
+    spare_recheck_seconds: Finite = Field(default=60.0, gt=0, le=86400)
+    resume_timeout_seconds: Finite = Field(default=1800.0, gt=0, le=7 * 86400)
+    eviction_timeout_seconds: Finite = Field(default=60.0, ge=0, le=86400)
     owner_drained: OwnerDrained = OwnerDrained.ASK
     # The jobs a failure touched: those on the node that still run, and those that ended from
     # this long before the incident's first event (a GPU that fails kills its job within seconds,
     # sometimes before the driver's line reaches the log).
-    failure_window_seconds: float = Field(default=120.0, ge=0, le=3600)
+    failure_window_seconds: Finite = Field(default=120.0, ge=0, le=3600)
 
 
 class GuardSettings(BaseModel):
@@ -118,24 +119,24 @@ class GuardSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # Incidents past their first destructive step and not yet closed.
-    max_in_flight: int = Field(default=2, ge=1, le=100000)
+    max_in_flight: Whole = Field(default=2, ge=1, le=100000)
     # Nodes with incidents inside the sliding window, as a share of the partition's nodes now
     # (retired nodes still count, so a rolling failure adds up). 0: no share limit.
-    max_share: float = Field(default=0.5, ge=0, le=1)
-    window_seconds: float = Field(default=600.0, gt=0, le=7 * 86400)
+    max_share: Finite = Field(default=0.5, ge=0, le=1)
+    window_seconds: Finite = Field(default=600.0, gt=0, le=7 * 86400)
     # Actions that wait for `gpufleet approve` once the node is drained and its jobs requeued
     # (a rejection leaves the node drained), and how often the owner is reminded meanwhile.
     require_approval: list[Action] = Field(default_factory=list)
-    approval_reminder_seconds: float = Field(default=3600.0, gt=0, le=7 * 86400)
+    approval_reminder_seconds: Finite = Field(default=3600.0, gt=0, le=7 * 86400)
     # Lemons: a node that fails again within the cooldown after it was returned to service, or
     # that has this many incidents within the window, is quarantined once its incident has taken
     # it out (label gpufleet.io/quarantine; never a spare, not returned until released). 0: off.
-    cooldown_seconds: float = Field(default=86400.0, ge=0, le=90 * 86400)
-    quarantine_after: int = Field(default=3, ge=0, le=1000)
-    quarantine_window_seconds: float = Field(default=7 * 86400.0, gt=0, le=365 * 86400)
+    cooldown_seconds: Finite = Field(default=86400.0, ge=0, le=90 * 86400)
+    quarantine_after: Whole = Field(default=3, ge=0, le=1000)
+    quarantine_window_seconds: Finite = Field(default=7 * 86400.0, gt=0, le=365 * 86400)
     # A node that reports again within this window after a repair in place escalates one level:
     # RESET_GPU, then REBOOT_NODE, then REPLACE_NODE.
-    escalation_window_seconds: float = Field(default=86400.0, ge=0, le=90 * 86400)
+    escalation_window_seconds: Finite = Field(default=86400.0, ge=0, le=90 * 86400)
 
     @field_validator("require_approval")
     @classmethod
@@ -182,10 +183,10 @@ class RepairSettings(BaseModel):
         ]
     )
     # How long a node may take to come back Ready on a new boot (bare-metal POST included).
-    reboot_timeout_seconds: float = Field(default=1800.0, gt=0, le=86400)
+    reboot_timeout_seconds: Finite = Field(default=1800.0, gt=0, le=86400)
     # A reboot Job that failed with the node still up on its old boot fails the repair after this
     # (at least the time the control plane takes to see a node go: ~40 s).
-    reboot_grace_seconds: float = Field(default=120.0, ge=0, le=3600)
+    reboot_grace_seconds: Finite = Field(default=120.0, ge=0, le=3600)
     # After the repair: does the GPU answer? Same image as the reset. Asked again every 10 s until
     # the Job's deadline: drivers and persistence daemons come up after the kubelet says Ready.
     check_image: str = "nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04"
@@ -204,8 +205,8 @@ class RepairSettings(BaseModel):
             "until nvidia-smi --query-gpu=uuid,pci.bus_id,name --format=csv,noheader; do sleep 10; done",
         ]
     )
-    job_timeout_seconds: float = Field(default=600.0, gt=0, le=86400)
-    settle_seconds: float = Field(default=120.0, ge=0, le=86400)
+    job_timeout_seconds: Finite = Field(default=600.0, gt=0, le=86400)
+    settle_seconds: Finite = Field(default=120.0, ge=0, le=86400)
     # The RuntimeClass that gives a pod the GPUs (e.g. "nvidia") where it is not the default.
     runtime_class: str | None = None
 
@@ -335,19 +336,28 @@ def load_policy(path: Path | None) -> Policy:
     """The default policy, or the defaults overridden by the YAML file at ``path``.
 
     Raises:
-        PolicyError: the file is missing, is not YAML, or names an unknown field or action.
+        PolicyError: the file is missing, is not UTF-8 text, is not YAML, is not a mapping, or names
+            an unknown field or action or a value out of its bounds; one line naming the file.
     """
     if path is None:
         return Policy()
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise PolicyError(f"{path}: cannot read the policy file: {exc.strerror}") from None
+        raise PolicyError(f"{path}: cannot read the policy file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise PolicyError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}): save it as UTF-8") from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise PolicyError(f"{path}: not valid YAML{where}: {problem}") from None
+    except (ValueError, RecursionError) as exc:  # a tagged value that is no such thing (!!int abc, 2001-13-01), nesting
+        raise PolicyError(
+            f"{path}: not valid YAML: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from None
     if not isinstance(data, dict):
         raise PolicyError(
             f"{path}: expected a mapping with 'xids', 'sxids', 'kinds', 'buckets', 'remediation', 'guard' or 'repair'"

@@ -10,8 +10,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from models.clusterops import BUILTIN_BACKENDS
 from models.names import InvalidName, validate_cluster_name
+from models.numbers import Finite, Whole
 from models.plugins import CLUSTER_BACKENDS, cli_default, declared
-from models.policy import OwnerDrained, PolicyError, RemediationSettings, load_policy
+from models.policy import OwnerDrained, RemediationSettings, load_policy
 from models.requests import WorkerConfig
 
 
@@ -46,7 +47,7 @@ class Settings(BaseSettings):
     partition: str = "train"
     slurm_conf: Path | None = None
     slurm_bin_dir: Path | None = None
-    slurm_timeout_seconds: float = 30.0
+    slurm_timeout_seconds: Finite = Field(default=30.0, gt=0, le=3600)
     # How the worker reaches Slurm: its commands (cli), or slurmrestd (rest: clusters reached only
     # through Slurm's REST API). A backend lacking a method the worker needs stops it at start.
     slurm_backend: Literal["cli", "rest"] = "cli"
@@ -63,20 +64,20 @@ class Settings(BaseSettings):
     webhook_url: str | None = None
     policy_file: Path | None = None
     # These five default to the policy file's `remediation:` section; set here, they win over it.
-    grace_seconds: float = Field(default=120.0, ge=0, le=86400)
-    spare_recheck_seconds: float = Field(default=60.0, gt=0, le=86400)
-    resume_timeout_seconds: float = Field(default=1800.0, gt=0, le=7 * 86400)
-    eviction_timeout_seconds: float = Field(default=60.0, ge=0, le=86400)
+    grace_seconds: Finite = Field(default=120.0, ge=0, le=86400)
+    spare_recheck_seconds: Finite = Field(default=60.0, gt=0, le=86400)
+    resume_timeout_seconds: Finite = Field(default=1800.0, gt=0, le=7 * 86400)
+    eviction_timeout_seconds: Finite = Field(default=60.0, ge=0, le=86400)
     owner_drained: OwnerDrained = OwnerDrained.ASK
-    poll_seconds: float = Field(default=0.5, gt=0, le=60)
+    poll_seconds: Finite = Field(default=0.5, gt=0, le=60)
     # How long a workflow task waits on this worker's own (sticky) queue before the server hands
     # it to the cluster's queue, where any worker takes it and replays the workflow's history.
     # Short: a killed worker's incidents move on within seconds. A worker busy with many
     # incidents at once can need longer, or every late task is replayed in full (docs/performance.md).
-    sticky_timeout_seconds: float = Field(default=3.0, gt=0, le=600)
+    sticky_timeout_seconds: Finite = Field(default=3.0, gt=0, le=600)
     # Incidents the worker keeps in memory between their steps (the SDK's workflow cache). One
     # left out is replayed from its history at its next step: fewer is less memory, more CPU.
-    max_cached_workflows: int = Field(default=1000, ge=0, le=100_000)
+    max_cached_workflows: Whole = Field(default=1000, ge=0, le=100_000)
     # How the worker loads gpufleet's workflow code for each workflow run. "shared": the workflows
     # package is imported once and every run uses it; each run still has its own sandbox and its
     # own state. "isolated" (the SDK's default): the sandbox imports the package again for every
@@ -102,7 +103,7 @@ class Settings(BaseSettings):
     slinky_restapi_url: str = ""
     # The worker's Prometheus endpoint (GET /metrics): the Temporal SDK's temporal_* metrics and
     # gpufleet's own (models/metrics.py). 0 or empty turns it off; the address it listens on.
-    metrics_port: int = Field(default=9464, ge=0, le=65535)
+    metrics_port: Whole = Field(default=9464, ge=0, le=65535)
     metrics_bind: str = "0.0.0.0"  # noqa: S104 (a pod's own address: Prometheus scrapes it from outside)
 
     @field_validator("metrics_port", mode="before")
@@ -166,12 +167,7 @@ class Settings(BaseSettings):
         Raises:
             PolicyError: the policy file is missing or wrong, or is not UTF-8 text.
         """
-        try:
-            policy = load_policy(self.policy_file)
-        except UnicodeDecodeError as exc:
-            raise PolicyError(
-                f"{self.policy_file}: not UTF-8 text ({exc.reason} at byte {exc.start}): save it as UTF-8"
-            ) from None
+        policy = load_policy(self.policy_file)
         overrides = {
             name: getattr(self, name) for name in RemediationSettings.model_fields if name in self.model_fields_set
         }

@@ -19,9 +19,13 @@ created (and deleted in reverse):
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
+from pydantic import ValidationError
+
 from models.cluster import ClusterSpec, SecretRef, job_requeue, kill_wait
+from models.policy import PolicyError, RemediationSettings
 
 API = "slinky.slurm.net/v1beta1"
 SLURM_VERSION = "25.11"
@@ -60,6 +64,37 @@ USERS_MOUNT = "/etc/gpufleet/users"
 def cluster_namespace(name: str) -> str:
     """Where a cluster made by gpufleet keeps its objects."""
     return f"slurm-{name}"
+
+
+# The keys `gpufleet cluster create` writes into the REMEDIATION_CONFIGMAP (objects below): the grace
+# is what the cluster's worker takes over its policy file; requeue went into slurm.conf
+# (JobRequeue) and task_queue is there for people to read.
+REMEDIATION_CONFIGMAP_KEYS = ("grace_seconds", "requeue", "task_queue")
+
+
+def configmap_remediation(data: Mapping[str, Any], base: RemediationSettings, *, origin: str) -> RemediationSettings:
+    """``base`` (the worker's remediation settings) with the cluster's ConfigMap over it, checked
+    as the policy file's ``remediation:`` is (a finite grace within its bounds).
+
+    Raises:
+        PolicyError: one line naming ``origin`` (``ConfigMap NAMESPACE/NAME``) and each wrong key.
+    """
+    problems = [
+        f"{key}: not a key of this ConfigMap (it holds {', '.join(REMEDIATION_CONFIGMAP_KEYS)})"
+        for key in sorted(map(str, data))
+        if key not in REMEDIATION_CONFIGMAP_KEYS
+    ]
+    if "requeue" in data and data["requeue"] not in ("true", "false"):
+        problems.append(f"requeue: {data['requeue']!r} is not 'true' or 'false'")
+    overrides = {key: data[key] for key in ("grace_seconds",) if key in data}
+    settings = base
+    try:
+        settings = RemediationSettings.model_validate({**base.model_dump(), **overrides})
+    except ValidationError as exc:
+        problems += [f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in exc.errors()]
+    if problems:
+        raise PolicyError(f"{origin}: {'; '.join(problems)}")
+    return settings
 
 
 def namespace(spec: ClusterSpec) -> str:

@@ -78,4 +78,5 @@ def test_every_alert_reads_metrics_that_are_exported() -> None:
         "GpufleetNoSpareFree",
         "GpufleetBreakerTripped",
         "GpufleetDetectorSilent",
+        "GpufleetConfigRefused",
     } <= alerts

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,11 +39,19 @@ from clients.slurmrest_protocol import require_methods, slurm_client
 from clients.spares import SparePool
 from models.clusterops import CLUSTER_TASK_QUEUE
 from models.constants import guard_task_queue, task_queue
+from models.metrics import (
+    CONFIG_CONFIGMAP,
+    CONFIG_OK,
+    CONFIG_OK_HELP,
+    CONFIG_POLICY_FILE,
+    CONFIG_REJECTED,
+    CONFIG_REJECTED_HELP,
+)
 from models.plugins import CLUSTER_BACKENDS, PluginNotInstalled, declared, load
-from models.policy import PolicyError
+from models.policy import PolicyError, RemediationSettings
 from models.requests import WorkerConfig
 from models.settings import Settings
-from models.slinky import REMEDIATION_CONFIGMAP, cluster_namespace
+from models.slinky import REMEDIATION_CONFIGMAP, cluster_namespace, configmap_remediation
 from workers.metrics import report_spares
 from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
 from workflows.guard import FleetGuardWorkflow
@@ -60,44 +69,126 @@ ACTIVITY_THREADS = CONNECTIONS
 # The guard's own worker: one guard per cluster, its answers a batch per activity.
 GUARD_ACTIVITY_SLOTS = 8
 GUARD_WORKFLOW_TASK_SLOTS = 4
+# How often a running worker reads its configuration again besides each incident's start, so that
+# a bad edit shows in its log and its metrics (gpufleet_config_ok) without waiting for an incident.
+CONFIG_EVERY_SECONDS = 60.0
 
 
 class LastGoodConfig:
     """The worker's configuration, read again at each incident; a broken edit keeps the last good one.
 
     An incident must not wait at classify for ever because someone saved a typo in the policy
-    file: it goes on with what the worker had, and the log says loudly what is wrong.
+    file, or a ``grace_seconds: nan`` in the cluster's ConfigMap: it goes on with what the worker
+    had. Each source is kept apart: a policy file that breaks keeps the last good policy (with the
+    ConfigMap's grace over it still), a ConfigMap that breaks keeps the last grace it gave. The
+    log says once what is wrong with a source (and when it is good again), and ``meter`` counts it
+    (``gpufleet_config_ok`` and ``gpufleet_config_rejected_total``, by source).
     """
 
-    def __init__(self, settings: Settings, cluster_defaults: Callable[[], dict[str, str] | None] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        cluster_defaults: Callable[[], dict[str, str] | None] | None = None,
+        *,
+        meter: MetricMeter | None = None,
+    ) -> None:
         self._settings = settings
         self._defaults = cluster_defaults
-        self._last: WorkerConfig = settings.worker_config()  # broken at start: the worker stops
+        self._configmap = f"ConfigMap {cluster_namespace(settings.cluster)}/{REMEDIATION_CONFIGMAP}"
+        self._lock = threading.Lock()  # incidents' activities and the minute's check read at once
+        self._policy: WorkerConfig = settings.worker_config()  # broken at start: the worker stops
+        self._overrides: dict[str, str] = {}  # the ConfigMap's last good keys over the policy file
+        self._problems: dict[str, str] = {}  # per source, the problem last logged
+        self._unread: str | None = None  # the last failure to read the ConfigMap, logged once
+        meter = meter or MetricMeter.noop
+        self._ok = meter.create_gauge(CONFIG_OK, CONFIG_OK_HELP)
+        self._rejected = meter.create_counter(CONFIG_REJECTED, CONFIG_REJECTED_HELP)
+        self._sources = [CONFIG_POLICY_FILE] + ([CONFIG_CONFIGMAP] if cluster_defaults is not None else [])
+        for source in self._sources:
+            self._rejected.add(0, self._labels(source))
+            self._ok.set(1, self._labels(source))
+
+    def _labels(self, source: str) -> dict[str, str]:
+        return {"cluster": self._settings.cluster, "source": source}
 
     def __call__(self) -> WorkerConfig:
-        try:
-            self._last = self._with_cluster_defaults(self._settings.worker_config())
-        except PolicyError as exc:
-            log.error("policy file not reloaded, incidents use the last good one: %s", exc)
-        return self._last
+        with self._lock:
+            try:
+                self._policy = self._settings.worker_config()
+            except PolicyError as exc:
+                self._refuse(CONFIG_POLICY_FILE, f"policy file not reloaded, incidents use the last good one: {exc}")
+            else:
+                self._accept(CONFIG_POLICY_FILE, "the policy file is good again")
+            return self._with_cluster_defaults(self._policy)
+
+    def _refuse(self, source: str, problem: str) -> None:
+        if self._problems.get(source) != problem:
+            self._problems[source] = problem
+            log.error("%s", problem)
+            self._rejected.add(1, self._labels(source))
+        self._ok.set(0, self._labels(source))
+
+    def _accept(self, source: str, good_again: str) -> None:
+        if self._problems.pop(source, None) is not None:
+            log.warning("%s", good_again)
+        self._ok.set(1, self._labels(source))
 
     def _with_cluster_defaults(self, config: WorkerConfig) -> WorkerConfig:
         """The cluster's own defaults (its ConfigMap, written by `gpufleet cluster create`) over
-        the policy file's; a GPUFLEET_* variable set explicitly still wins."""
+        the policy file's; a GPUFLEET_* variable set explicitly still wins. A ConfigMap that cannot
+        be read (Kubernetes away) or holds a wrong value leaves the last good one it gave."""
         if self._defaults is None or "grace_seconds" in self._settings.model_fields_set:
             return config
         try:
             data = self._defaults()
-            grace = float(data["grace_seconds"]) if data and "grace_seconds" in data else None
-        except (ClientError, ValueError) as exc:
-            log.error("the cluster's remediation ConfigMap was not read, the policy file's grace holds: %s", exc)
+        except ClientError as exc:
+            # Not a bad edit: Kubernetes did not answer. Logged once; the metric is for edits.
+            problem = f"the cluster's {self._configmap} was not read, its last good grace holds: {exc}"
+            if self._unread != problem:
+                self._unread = problem
+                log.error("%s", problem)
+            return self._apply(config, self._overrides)
+        self._unread = None
+        overrides = {key: value for key, value in (data or {}).items() if key == "grace_seconds"}
+        try:
+            configmap_remediation(data or {}, config.settings, origin=self._configmap)
+        except PolicyError as exc:
+            kept = self._overrides.get("grace_seconds")
+            keeps = (
+                f"the last good grace it gave ({kept} s)"
+                if kept is not None
+                else f"the policy file's grace ({config.settings.grace_seconds:g} s)"
+            )
+            self._refuse(CONFIG_CONFIGMAP, f"{exc}; refused: incidents keep {keeps}")
+            return self._apply(config, self._overrides)
+        self._accept(CONFIG_CONFIGMAP, f"the cluster's {self._configmap} is good again")
+        self._overrides = overrides
+        return self._apply(config, overrides)
+
+    @staticmethod
+    def _apply(config: WorkerConfig, overrides: dict[str, str]) -> WorkerConfig:
+        if not overrides:
             return config
-        if grace is None:
-            return config
-        remediation = config.settings.model_copy(update={"grace_seconds": grace})
+        remediation = RemediationSettings.model_validate({**config.settings.model_dump(), **overrides})
         return config.model_copy(
             update={"settings": remediation, "policy": config.policy.model_copy(update={"remediation": remediation})}
         )
+
+
+async def check_config(
+    config: LastGoodConfig, *, stop: asyncio.Event, every_seconds: float = CONFIG_EVERY_SECONDS
+) -> None:
+    """Read the configuration every ``every_seconds`` until ``stop``, so that a bad edit shows in
+    the log and the metric within a minute, not only at the next incident."""
+    while True:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=every_seconds)
+        if stop.is_set():
+            return
+        try:
+            await asyncio.to_thread(config)
+        except Exception as exc:  # a check must never stop the worker: say it and try again
+            log.warning("configuration not checked (%s: %s)", type(exc).__name__, exc)
 
 
 @dataclass(frozen=True)
@@ -138,14 +229,27 @@ def build_clients(settings: Settings, *, slurm: SlurmClient | None = None) -> Cl
     return Clients(kube=kube, slurm=slurm, pool=pool)
 
 
-def build_activities(settings: Settings, clients: Clients | None = None) -> list[Any]:
-    """Every activity, bound to clients built from the settings (or to ``clients``)."""
+def worker_config(settings: Settings, kube: KubernetesApi, meter: MetricMeter | None = None) -> LastGoodConfig:
+    """The worker's configuration: the settings, the policy file and the cluster's ConfigMap.
+
+    Raises:
+        PolicyError: the policy file is broken now (the worker stops, not its first incident).
+    """
+    return LastGoodConfig(
+        settings,
+        lambda: kube.config_map_data(cluster_namespace(settings.cluster), REMEDIATION_CONFIGMAP),
+        meter=meter,
+    )
+
+
+def build_activities(
+    settings: Settings, clients: Clients | None = None, config: LastGoodConfig | None = None
+) -> list[Any]:
+    """Every activity, bound to clients built from the settings (or to ``clients``), reading the
+    configuration through ``config`` (else one of their own, without metrics)."""
     clients = clients or build_clients(settings)
     kube, slurm, pool = clients.kube, clients.slurm, clients.pool
-    # A broken policy file stops the worker now, not the first incident.
-    config = LastGoodConfig(
-        settings, lambda: kube.config_map_data(cluster_namespace(settings.cluster), REMEDIATION_CONFIGMAP)
-    )
+    config = config or worker_config(settings, kube)
     slurm_acts = SlurmActivities(slurm, poll_seconds=settings.poll_seconds)
     kube_acts = KubeActivities(kube)
     spare_acts = SpareActivities(pool)
@@ -367,7 +471,8 @@ async def run_worker(
     if not settings.cluster:
         raise ValueError("GPUFLEET_CLUSTER is not set: a worker serves one named cluster's task queue")
     clients = clients or build_clients(settings)
-    activities = build_activities(settings, clients)
+    config = worker_config(settings, clients.kube, metrics)
+    activities = build_activities(settings, clients, config)
     queue = task_queue(settings.cluster)
     if stop is None:
         stop = asyncio.Event()
@@ -394,6 +499,8 @@ async def run_worker(
                     report_spares(clients.kube, clients.pool, metrics, cluster=settings.cluster, stop=stop)
                 )
                 stack.push_async_callback(_cancel, counting)
+            checking = asyncio.create_task(check_config(config, stop=stop))
+            stack.push_async_callback(_cancel, checking)
             creations = cluster_activities(settings)
             if creations:
                 await stack.enter_async_context(creation_worker(client, settings, creations, executor))

@@ -178,3 +178,31 @@ def test_accounting_storage_is_checked_field_by_field() -> None:
     for field in ("accounting_storage.host", "accounting_storage.port", "accounting_storage.database"):
         assert field in said, said
     assert "accounting_storage.password_secret.namespace" in said and "accounting_storage.password_secret.name" in said
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "problem"),
+    [
+        (("remediation", "grace_seconds"), float("nan"), "Input should be a finite number"),
+        (("remediation", "grace_seconds"), float("inf"), "Input should be a finite number"),
+        (("remediation", "grace_seconds"), True, "a number, not true"),
+        (("remediation", "grace_seconds"), -1, "greater than or equal to 0"),
+        (("remediation", "grace_seconds"), 1e12, "less than or equal to 3600"),
+        (("partitions", 0, "nodes"), True, "a number, not true"),
+        (("partitions", 0, "nodes"), float("nan"), "Input should be a finite number"),
+        (("partitions", 0, "gpus_per_node"), False, "a number, not false"),
+        (("users", 0, "uid"), True, "a number, not true"),
+        (("spares",), True, "a number, not true"),
+        (("spares",), 2.5, "fractional part"),
+    ],
+)
+def test_no_number_in_a_spec_is_nan_infinite_or_a_boolean(where: tuple[Any, ...], value: Any, problem: str) -> None:
+    raw = example()
+    target: Any = raw
+    for key in where[:-1]:
+        target = target.setdefault(key, {}) if isinstance(key, str) else target[key]
+    target[where[-1]] = value
+    field = "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in where).lstrip(".")
+    with pytest.raises(SpecError) as refused:
+        load_spec(raw)
+    assert any(f == field and problem in p for f, p in refused.value.problems), refused.value.problems

@@ -6,8 +6,20 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
-from models.policy import DEFAULT_BUCKET_ACTIONS, Action, Policy, PolicyError, load_policy, policy_from_mapping
+from models.policy import (
+    DEFAULT_BUCKET_ACTIONS,
+    Action,
+    GuardSettings,
+    Policy,
+    PolicyError,
+    PolicyFile,
+    RemediationSettings,
+    RepairSettings,
+    load_policy,
+    policy_from_mapping,
+)
 from models.sxid import sxid_catalog
 from models.xid import GpuEventKind, RecoveryAction, XidEvent, xid_catalog
 
@@ -182,3 +194,81 @@ def test_events_whose_code_does_not_fit_their_kind_are_refused(fields: dict[str,
 
 def load_policy_text(text: str) -> Policy:
     return policy_from_mapping(yaml.safe_load(text))
+
+
+# -- every number of every section: finite, a number, within its bounds -------------------------------
+
+SECTIONS: dict[str, type[BaseModel]] = {
+    "remediation": RemediationSettings,
+    "guard": GuardSettings,
+    "repair": RepairSettings,
+}
+NUMBERS = [
+    (section, name, field.annotation)
+    for section, model in SECTIONS.items()
+    for name, field in model.model_fields.items()
+    if field.annotation in (int, float)
+]
+
+
+# A number added to a section is checked by being counted here.
+assert len(NUMBERS) == 17, NUMBERS
+
+
+@pytest.mark.parametrize(("section", "name"), [(s, n) for s, n, _ in NUMBERS])
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        (".nan", "Input should be a finite number"),
+        (".inf", "Input should be a finite number"),
+        ("-.inf", "Input should be a finite number"),
+        ("true", "a number, not true"),
+        ("-1", "greater than"),
+        ("1.0e+30", "less than or equal to|exceeded maximum size"),
+        ("'soon'", "Input should be a valid"),
+        ("[1]", "Input should be a valid"),
+    ],
+)
+def test_no_number_of_the_policy_is_nan_infinite_negative_absurd_or_of_another_type(
+    tmp_path: Path, section: str, name: str, value: str, said: str
+) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(f"{section}:\n  {name}: {value}\n", encoding="utf-8")
+    with pytest.raises(PolicyError) as refused:
+        load_policy(path)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: {section}.{name}: ") and "\n" not in message, message
+    assert any(part in message for part in said.split("|")), message
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        ("xids:\n  79: REPLACE_NODE  # café\n".encode("latin-1"), "not UTF-8 text (invalid continuation byte at byte"),
+        (b"\xff\xfe\x00x", "not UTF-8 text"),
+        (b"remediation:\n  grace_seconds: !!int soon\n", "not valid YAML: invalid literal for int()"),
+        (b"remediation:\n  grace_seconds: 2001-13-01\n", "not valid YAML: month must be in 1..12"),
+        (b"[" * 5000, "not valid YAML"),
+        (b"remediation: 12\n", "remediation: expected a mapping, got int"),
+        (b"just words\n", "expected a mapping"),
+    ],
+)
+def test_a_file_that_is_not_utf8_yaml_or_a_mapping_is_one_line_naming_it(
+    tmp_path: Path, content: bytes, said: str
+) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_bytes(content)
+    with pytest.raises(PolicyError) as refused:
+        load_policy(path)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: ") and said in message and "\n" not in message, message
+
+
+def test_the_detector_keeps_its_last_good_policy_when_the_file_stops_being_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text("xids:\n  79: RESET_GPU\n", encoding="utf-8")
+    policy = PolicyFile(path)
+    assert policy.current().decide([79]) is Action.RESET_GPU
+    path.write_bytes("xids:\n  79: OBSERVE  # café\n".encode("latin-1"))
+    assert policy.current().decide([79]) is Action.RESET_GPU
+    assert policy.reload_error is not None and "not UTF-8 text" in policy.reload_error
