@@ -21,3 +21,11 @@ PAGE_ON_FAILURE = "page-operators-on-failure"
 # FleetGuardWorkflow: an incident that asks for a slot while every slot is held waits in line
 # for one instead of tripping the breaker (storms still trip it by the share of nodes drained).
 GUARD_SLOTS_WAIT = "guard-slots-wait"
+
+# NodeRemediationWorkflow: a wait for `gpufleet approve|reject` that a person must answer reminds
+# on a schedule with a short message (kind "approval_reminder"), raises the request again to the
+# owner and the operators when it expires ("approval_expired"; never approved by default), and
+# classifies an Xid that joins meanwhile and tells the owner ("new_xid"); a more severe one raises
+# the action and starts a new wait ("action_raised"), so an answer given for the old action is
+# dropped. Waits that began before it replay as they were.
+APPROVAL_FOLLOW_UP = "approval-follow-up"
