@@ -17,10 +17,11 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
+from models.constants import GUARD_RESUME_SIGNAL
 from models.incident import Approval, IncidentStatus, Outcome, Step
 from models.policy import Action, GuardSettings, Policy
 from models.xid import XidEvent
-from tests.workflows.test_guard import running, until, waiting
+from tests.workflows.test_guard import guarded, paused_guard, running, tell, until, waiting
 from tests.workflows.test_remediation import Fleet, start
 from workflows.remediation import NodeRemediationWorkflow
 
@@ -175,3 +176,31 @@ async def test_an_xid_while_waiting_is_classified_and_a_more_severe_one_needs_it
     assert status.outcome == Outcome.RESOLVED and status.action == Action.REPLACE_NODE
     assert status.spare == "spare1" and not fleet.repairs  # replaced, never reset
     assert any(e.event == "action raised" and "RESET_GPU -> REPLACE_NODE" in e.detail for e in status.timeline)
+
+
+async def test_a_wait_at_the_fleet_guard_reminds_nobody_but_reports_a_worse_xid(env: WorkflowEnvironment) -> None:
+    """The guard pages the operators once for all the incidents it holds: no reminder or expiry
+    per incident. An Xid that joins is still classified and reported, and a worse one raises the
+    action the incident goes on with once the guard lets it."""
+    fleet = guarded(approval_reminder_seconds=MINUTE, approval_expiry_seconds=10 * MINUTE)
+    async with running(env, fleet, manual_clock=True):
+        await paused_guard(env.client, fleet, reason="driver roll-out")
+        handle = await start(env.client, fleet, node="gpu1", xid=48)
+        held = await waiting(handle)
+        assert held.waiting_for_approval == "remediation is paused by ops (driver roll-out)"
+        # Twenty minutes (off the guard's 30-minute re-ask): past two expiries, many reminder times.
+        await env.sleep(timedelta(minutes=20, seconds=17))
+        await handle.signal(NodeRemediationWorkflow.report_xid, XidEvent(node="gpu1", xid=79, source="test"))
+        raised = await until(
+            handle, NodeRemediationWorkflow.status, count("action_raised")(1), "the raised action reported"
+        )
+        assert raised.action == Action.REPLACE_NODE and raised.approval_wait == held.approval_wait + 1
+        assert raised.waiting_for_approval == "remediation is paused by ops (driver roll-out)"
+        await tell(env.client, fleet, GUARD_RESUME_SIGNAL)
+        status = await handle.result()
+    assert not [n for n in fleet.notifications if n.kind in ("approval_reminder", "approval_expired")]
+    [notice] = [n.text for n in fleet.notifications if n.kind == "action_raised"]
+    assert "more severe than RESET_GPU: the incident will now REPLACE_NODE" in notice
+    assert "the fleet guard, or an approval past it, for REPLACE_NODE" in notice
+    assert status.outcome == Outcome.RESOLVED and status.action == Action.REPLACE_NODE
+    assert status.spare == "spare1" and not fleet.repairs
