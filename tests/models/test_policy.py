@@ -182,3 +182,17 @@ def test_events_whose_code_does_not_fit_their_kind_are_refused(fields: dict[str,
 
 def load_policy_text(text: str) -> Policy:
     return policy_from_mapping(yaml.safe_load(text))
+
+
+@pytest.mark.parametrize("value", ["0", "-60", ".inf", ".nan", "2592001", "soon"])
+def test_an_approval_expiry_that_is_not_a_positive_finite_time_is_refused(tmp_path: Path, value: str) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(f"guard:\n  approval_expiry_seconds: {value}\n")
+    with pytest.raises(PolicyError) as error:
+        load_policy(path)
+    assert "approval_expiry_seconds" in str(error.value) and str(path) in str(error.value)
+
+
+def test_an_approval_expires_after_four_hours_unless_the_policy_says() -> None:
+    assert Policy().guard.approval_expiry_seconds == 4 * 3600
+    assert load_policy_text("guard: {approval_expiry_seconds: 86400}\n").guard.approval_expiry_seconds == 86400
