@@ -10,6 +10,7 @@ for the old action does not pass the new one.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -17,6 +18,9 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer
 
+from activities.notify import NotifyActivities
+from clients.notify import WebhookNotifier
+from lab.webhook import WebhookReceiver
 from models.constants import GUARD_RESUME_SIGNAL
 from models.incident import Approval, IncidentStatus, Outcome, Step
 from models.policy import Action, GuardSettings, Policy
@@ -46,8 +50,10 @@ def count(kind: str):  # type: ignore[no-untyped-def]
 
 
 async def test_a_policy_wait_reminds_in_one_line_backing_off_then_expires_to_owner_and_operators(
-    env: WorkflowEnvironment,
+    env: WorkflowEnvironment, webhook: WebhookReceiver
 ) -> None:
+    """The messages go out through the worker's own notify activity to a webhook receiver, which
+    shows what the owner and the operators get."""
     fleet = Fleet(
         policy=Policy(
             guard=GuardSettings(
@@ -58,43 +64,57 @@ async def test_a_policy_wait_reminds_in_one_line_backing_off_then_expires_to_own
         )
     )
     status_of = NodeRemediationWorkflow.status
-    async with running(env, fleet, manual_clock=True):
-        handle = await start(env.client, fleet, node="gpu1")
-        asked = await waiting(handle)
-        incident = asked.incident_id
-        # Reminders 10 and 30 minutes in (each gap twice the one before; the next, at 70, is past
-        # the expiry), the expiry at 60 minutes.
-        await env.sleep(timedelta(minutes=11))
-        await until(handle, status_of, count("approval_reminder")(1), "the first reminder")
-        await env.sleep(timedelta(minutes=20))
-        await until(handle, status_of, count("approval_reminder")(2), "the second reminder")
-        await env.sleep(timedelta(minutes=30))
-        expired = await until(handle, status_of, count("approval_expired")(1), "the request expired")
-        assert expired.approval_expired == 1
-        # Never approved by default: still waiting for the same answer, nothing more done.
-        assert expired.outcome == Outcome.AWAITING_APPROVAL and expired.step == Step.AWAITING_APPROVAL
-        assert expired.approval_wait == asked.approval_wait and expired.approval is None
-        assert "claim_spare" not in fleet.calls and "cordon_and_drain_node" not in fleet.calls
-        assert any(e.event == "approval expired" and "no answer in 1h" in e.detail for e in expired.timeline)
-        await env.sleep(timedelta(minutes=60))  # raised again at each period; no hourly reminders after
-        again = await until(handle, status_of, count("approval_expired")(2), "expired again")
-        assert again.approval_expired == 2
-        await handle.signal(NodeRemediationWorkflow.decide, Approval(approved=True, by="ops", wait=again.approval_wait))
-        status = await handle.result()
-        await replays(env, handle)
+    notify = NotifyActivities(WebhookNotifier(url=webhook.url)).notify
+    activities = [fn for fn in fleet.activities() if getattr(fn, "__name__", "") != "notify"] + [notify]
+    with ThreadPoolExecutor(2) as executor:
+        async with running(env, fleet, manual_clock=True, activities=activities, activity_executor=executor):
+            handle = await start(env.client, fleet, node="gpu1")
+            asked = await waiting(handle)
+            incident = asked.incident_id
+            # Reminders 10 and 30 minutes in (each gap twice the one before; the next, at 70, is past
+            # the expiry), the expiry at 60 minutes.
+            await env.sleep(timedelta(minutes=11))
+            await until(handle, status_of, count("approval_reminder")(1), "the first reminder")
+            await env.sleep(timedelta(minutes=20))
+            await until(handle, status_of, count("approval_reminder")(2), "the second reminder")
+            await env.sleep(timedelta(minutes=30))
+            expired = await until(handle, status_of, count("approval_expired")(1), "the request expired")
+            assert expired.approval_expired == 1
+            # Never approved by default: still waiting for the same answer, nothing more done.
+            assert expired.outcome == Outcome.AWAITING_APPROVAL and expired.step == Step.AWAITING_APPROVAL
+            assert expired.approval_wait == asked.approval_wait and expired.approval is None
+            assert "claim_spare" not in fleet.calls and "cordon_and_drain_node" not in fleet.calls
+            assert any(e.event == "approval expired" and "no answer in 1h" in e.detail for e in expired.timeline)
+            await env.sleep(timedelta(minutes=60))  # raised again at each period; no hourly reminders after
+            again = await until(handle, status_of, count("approval_expired")(2), "expired again")
+            assert again.approval_expired == 2
+            await handle.signal(
+                NodeRemediationWorkflow.decide, Approval(approved=True, by="ops", wait=again.approval_wait)
+            )
+            status = await handle.result()
+            await replays(env, handle)
 
     assert [round(t) for t in kinds(again, "approval_reminder")] == [10 * MINUTE, 30 * MINUTE]
     assert [round(t) for t in kinds(again, "approval_expired")] == [60 * MINUTE, 120 * MINUTE]
-    reminders = [n.text for n in fleet.notifications if n.kind == "approval_reminder"]
+    received = webhook.messages()
+    sent = [m["kind"] for m in received]
+
+    def texts(kind: str) -> list[str]:
+        return [m["text"] for m in received if m["kind"] == kind]
+
+    assert sent.count("approval_reminder") == 2 and sent.count("approval_expired") == 2
+    # Each page carries the incident for machines: which wait, how many times it expired.
+    assert [m["incident"]["approval_expired"] for m in received if m["kind"] == "approval_expired"] == [1, 2]
+    reminders = texts("approval_reminder")
     assert reminders[0] == (
         f"[{incident}] gpu1: waiting 10m for approval of REPLACE_NODE: "
         f"`gpufleet approve {incident}` or `gpufleet reject {incident}`."
     )
     assert "waiting 30m" in reminders[1]
     # The owner is asked again (the first ask, then one per expiry), the operators paged each time.
-    asks = [n.text for n in fleet.notifications if n.kind == "approval_needed"]
+    asks = texts("approval_needed")
     assert len(asks) == 3 and "no answer in 1h" in asks[1] and "never approved by default" in asks[1]
-    pages = [n.text for n in fleet.notifications if n.kind == "approval_expired"]
+    pages = texts("approval_expired")
     assert "no answer in 1h to: REPLACE_NODE needs approval" in pages[0] and "no answer in 2h" in pages[1]
     assert f"gpufleet approve {incident}" in pages[0] and "incidents show" in pages[0]
     assert all("\n" not in text for text in reminders + asks + pages)
