@@ -10,6 +10,7 @@ for the old action does not pass the new one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -45,8 +46,9 @@ async def replays(env: WorkflowEnvironment, handle: Any) -> None:
     await replayer.replay_workflow(history)
 
 
-def count(kind: str):  # type: ignore[no-untyped-def]
-    return lambda n: lambda s: sum(m.kind == kind for m in s.notifications) >= n
+def count(kind: str) -> Callable[[int], Callable[[IncidentStatus], bool]]:
+    """``count(kind)(n)``: the incident has sent at least ``n`` messages of ``kind``."""
+    return lambda n: lambda status: sum(m.kind == kind for m in status.notifications) >= n
 
 
 async def test_a_policy_wait_reminds_in_one_line_backing_off_then_expires_to_owner_and_operators(
