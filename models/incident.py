@@ -205,6 +205,10 @@ class IncidentStatus(BaseModel):
     waiting_for_approval: str | None = None
     # Counts the incident's waits for approval, so that an answer meets only the wait it was for.
     approval_wait: int = 0
+    # When the current wait for approval began, and how many times it expired unanswered since
+    # (each time the owner and the operators were told again; it is never approved by default).
+    approval_asked_at: datetime | None = None
+    approval_expired: int = 0
     approval: Approval | None = None
     # Holds a slot of the cluster's fleet guard (given back when the incident closes).
     guard_slot: bool = False

@@ -125,9 +125,13 @@ class GuardSettings(BaseModel):
     max_share: Finite = Field(default=0.5, ge=0, le=1)
     window_seconds: Finite = Field(default=600.0, gt=0, le=7 * 86400)
     # Actions that wait for `gpufleet approve` once the node is drained and its jobs requeued
-    # (a rejection leaves the node drained), and how often the owner is reminded meanwhile.
+    # (a rejection leaves the node drained), and when the owner is reminded meanwhile: first after
+    # this long, then each time twice as long after the one before, until the request expires.
     require_approval: list[Action] = Field(default_factory=list)
     approval_reminder_seconds: Finite = Field(default=3600.0, gt=0, le=7 * 86400)
+    # A request for approval left unanswered this long is raised again, to the owner and to the
+    # operators (`approval_expired`), and again each time as long passes; never approved by default.
+    approval_expiry_seconds: Finite = Field(default=4 * 3600.0, gt=0, le=30 * 86400)
     # Lemons: a node that fails again within the cooldown after it was returned to service, or
     # that has this many incidents within the window, is quarantined once its incident has taken
     # it out (label gpufleet.io/quarantine; never a spare, not returned until released). 0: off.

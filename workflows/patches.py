@@ -26,3 +26,11 @@ GUARD_SLOTS_WAIT = "guard-slots-wait"
 # requeues the jobs the incident signalled and had not requeued yet, stops its repair Jobs, gives
 # back its claim, slot and lease, closes "cancelled" and says what it leaves drained.
 CANCEL_CLEANS_UP = "cancel-cleans-up"
+
+# NodeRemediationWorkflow: a wait for `gpufleet approve|reject` that a person must answer reminds
+# on a schedule with a short message (kind "approval_reminder"), raises the request again to the
+# owner and the operators when it expires ("approval_expired"; never approved by default), and
+# classifies an Xid that joins meanwhile and tells the owner ("new_xid"); a more severe one raises
+# the action and starts a new wait ("action_raised"), so an answer given for the old action is
+# dropped. Waits that began before it replay as they were.
+APPROVAL_FOLLOW_UP = "approval-follow-up"

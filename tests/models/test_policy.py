@@ -212,7 +212,7 @@ NUMBERS = [
 
 
 # A number added to a section is checked by being counted here.
-assert len(NUMBERS) == 17, NUMBERS
+assert len(NUMBERS) == 18, NUMBERS
 
 
 @pytest.mark.parametrize(("section", "name"), [(s, n) for s, n, _ in NUMBERS])
@@ -272,3 +272,17 @@ def test_the_detector_keeps_its_last_good_policy_when_the_file_stops_being_utf8(
     path.write_bytes("xids:\n  79: OBSERVE  # café\n".encode("latin-1"))
     assert policy.current().decide([79]) is Action.RESET_GPU
     assert policy.reload_error is not None and "not UTF-8 text" in policy.reload_error
+
+
+@pytest.mark.parametrize("value", ["0", "-60", ".inf", ".nan", "2592001", "soon"])
+def test_an_approval_expiry_that_is_not_a_positive_finite_time_is_refused(tmp_path: Path, value: str) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(f"guard:\n  approval_expiry_seconds: {value}\n")
+    with pytest.raises(PolicyError) as error:
+        load_policy(path)
+    assert "approval_expiry_seconds" in str(error.value) and str(path) in str(error.value)
+
+
+def test_an_approval_expires_after_four_hours_unless_the_policy_says() -> None:
+    assert Policy().guard.approval_expiry_seconds == 4 * 3600
+    assert load_policy_text("guard: {approval_expiry_seconds: 86400}\n").guard.approval_expiry_seconds == 86400

@@ -321,7 +321,7 @@ async def test_a_gated_action_waits_for_approval_reminding_meanwhile(env: Workfl
         await handle.signal(NodeRemediationWorkflow.decide, Approval(approved=approved, by="ops"))
         status = await handle.result()
     reminders = [n for n in fleet.notifications if n.kind == "approval_reminder"]
-    assert len(reminders) >= 2 and "still waiting: REPLACE_NODE needs approval" in reminders[0].text
+    assert len(reminders) >= 2 and "waiting 1s for approval of REPLACE_NODE" in reminders[0].text
     assert fleet.drained == ["gpu1"]
     if approved:
         assert status.outcome == Outcome.RESOLVED and status.spare == "spare1"

@@ -131,3 +131,19 @@ class IncidentState:
         )
         self._events_classified = len(events)
         return action
+
+    def _unclassified(self) -> bool:
+        """Events joined since the last classification (a signal appends them)."""
+        return len(self._events) > self._events_classified
+
+    async def _classify_new(self) -> tuple[list[XidEvent], Action]:
+        """Classify the events that joined since the last classification, on their own: what they
+        call for (the incident's action is the most disruptive of its events' actions)."""
+        events = self._events[self._events_classified :]
+        action: Action = await self._activity(
+            PolicyActivities.classify,
+            ClassifyRequest(node=self._input.node, events=events, policy=self._policy),
+            summary="classify the Xids that came while waiting",
+        )
+        self._events_classified += len(events)
+        return events, action
