@@ -204,7 +204,7 @@ def _taint_repr(taint: dict[str, Any]) -> str:
     )
 
 
-def labels(values: Any, path: str) -> list[FieldError]:
+def label_map(values: Any, path: str) -> list[FieldError]:
     """ValidateLabels: each key a qualified name, each value a label value."""
     errors: list[FieldError] = []
     if not isinstance(values, dict):
@@ -215,7 +215,7 @@ def labels(values: Any, path: str) -> list[FieldError]:
     return errors
 
 
-def annotations(values: Any, path: str) -> list[FieldError]:
+def annotation_map(values: Any, path: str) -> list[FieldError]:
     """ValidateAnnotations: each key a qualified name (in any case), 256 KiB in all."""
     errors: list[FieldError] = []
     if not isinstance(values, dict):
@@ -230,7 +230,7 @@ def annotations(values: Any, path: str) -> list[FieldError]:
     return errors
 
 
-def taints(values: Any, path: str) -> list[FieldError]:
+def taint_list(values: Any, path: str) -> list[FieldError]:
     """validateNodeTaints: key a qualified name, value a label value, a known effect, each
     (key, effect) once."""
     errors: list[FieldError] = []
@@ -304,12 +304,12 @@ def check(kind: str, obj: dict[str, Any], *, creating: bool) -> list[FieldError]
         namespace = meta.get("namespace")
         if namespace:
             errors += [invalid("metadata.namespace", namespace, message) for message in dns1123_label(str(namespace))]
-    errors += labels(meta.get("labels"), "metadata.labels")
-    errors += annotations(meta.get("annotations"), "metadata.annotations")
+    errors += label_map(meta.get("labels"), "metadata.labels")
+    errors += annotation_map(meta.get("annotations"), "metadata.annotations")
     spec = obj.get("spec") if isinstance(obj.get("spec"), dict) else {}
     assert isinstance(spec, dict)
     if kind == "Node" and spec.get("taints"):
-        errors += taints(spec["taints"], "metadata.taints")
+        errors += taint_list(spec["taints"], "metadata.taints")
     if kind == "Pod" and spec.get("nodeName"):
         node = str(spec["nodeName"])
         errors += [invalid("spec.nodeName", node, message) for message in dns1123_subdomain(node)]
@@ -319,8 +319,8 @@ def check(kind: str, obj: dict[str, Any], *, creating: bool) -> list[FieldError]
         if kind == "Job" and creating and _name_of(obj):
             # What the server adds to a Job's pod template before it checks it (since 1.27).
             template_labels |= {"batch.kubernetes.io/job-name": _name_of(obj), "job-name": _name_of(obj)}
-        errors += labels(template_labels, "spec.template.labels")
-        errors += annotations(template.get("annotations"), "spec.template.annotations")
+        errors += label_map(template_labels, "spec.template.labels")
+        errors += annotation_map(template.get("annotations"), "spec.template.annotations")
     return errors
 
 

@@ -14,6 +14,8 @@ from kubernetes.client.exceptions import ApiException
 from lab.kubeapi import node_object
 from tests.conftest import KubeApiProcess
 
+apis: Any = kubernetes.client  # the client's typed models are not needed: plain dicts are sent
+
 LONG_LABEL = "a" * 64
 LABEL_RULES = (
     "(e.g. 'MyValue',  or 'my_value',  or '12345', regex used for validation is '(([A-Za-z0-9][-A-Za-z0-9_.]*)?"
@@ -43,7 +45,7 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeApiProcess]:
 
 
 @pytest.fixture(scope="module")
-def client(api: KubeApiProcess) -> kubernetes.client.ApiClient:
+def client(api: KubeApiProcess) -> Any:
     return kubernetes.config.new_client_from_config(config_file=str(api.kubeconfig))
 
 
@@ -52,7 +54,7 @@ def refusal(call: Any) -> dict[str, Any]:
     with pytest.raises(ApiException) as raised:
         call()
     assert raised.value.status == 422, raised.value.body
-    status: dict[str, Any] = json.loads(raised.value.body)
+    status: dict[str, Any] = json.loads(str(raised.value.body))
     assert status["kind"] == "Status" and status["reason"] == "Invalid" and status["code"] == 422
     return status
 
@@ -61,8 +63,8 @@ def node(name: str, **meta: Any) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, **meta}}
 
 
-def test_a_label_value_longer_than_63_characters(client: kubernetes.client.ApiClient) -> None:
-    core = kubernetes.client.CoreV1Api(client)
+def test_a_label_value_longer_than_63_characters(client: Any) -> None:
+    core = apis.CoreV1Api(client)
     status = refusal(lambda: core.create_node(node("n-long-value", labels={"pool": LONG_LABEL})))
     assert status["message"] == (
         f'Node "n-long-value" is invalid: metadata.labels: Invalid value: "{LONG_LABEL}": '
@@ -84,8 +86,8 @@ def test_a_label_value_longer_than_63_characters(client: kubernetes.client.ApiCl
     assert gone.value.status == 404  # nothing was stored
 
 
-def test_bad_label_values_and_keys_on_patch_merge_strategic_and_json(client: kubernetes.client.ApiClient) -> None:
-    core = kubernetes.client.CoreV1Api(client)
+def test_bad_label_values_and_keys_on_patch_merge_strategic_and_json(client: Any) -> None:
+    core = apis.CoreV1Api(client)
     # The official client sends a dict as a strategic-merge patch and a list as a JSON patch.
     status = refusal(lambda: core.patch_node("gpu1", {"metadata": {"labels": {"zone": "a:b"}}}))
     assert status["message"] == (
@@ -109,21 +111,21 @@ def test_bad_label_values_and_keys_on_patch_merge_strategic_and_json(client: kub
     assert core.read_node("gpu1").metadata.labels.get("zone") is None  # nothing changed
 
 
-def test_an_empty_label_value_and_a_prefixed_key_are_fine(client: kubernetes.client.ApiClient) -> None:
-    core = kubernetes.client.CoreV1Api(client)
+def test_an_empty_label_value_and_a_prefixed_key_are_fine(client: Any) -> None:
+    core = apis.CoreV1Api(client)
     patched = core.patch_node("gpu1", {"metadata": {"labels": {"example.com/empty": "", "v": "a" * 63}}})
     assert patched.metadata.labels["example.com/empty"] == ""
 
 
-def test_a_bad_prefix_lists_every_cause(client: kubernetes.client.ApiClient) -> None:
-    core = kubernetes.client.CoreV1Api(client)
+def test_a_bad_prefix_lists_every_cause(client: Any) -> None:
+    core = apis.CoreV1Api(client)
     status = refusal(lambda: core.create_node(node("n-prefix", labels={"Bad_Prefix/name": "v"})))
     causes = status["details"]["causes"]
     assert [c["message"] for c in causes] == [f'Invalid value: "Bad_Prefix/name": prefix part {SUBDOMAIN_REGEX}']
 
 
-def test_annotation_keys_and_their_total_size(client: kubernetes.client.ApiClient) -> None:
-    core = kubernetes.client.CoreV1Api(client)
+def test_annotation_keys_and_their_total_size(client: Any) -> None:
+    core = apis.CoreV1Api(client)
     status = refusal(lambda: core.patch_node("gpu1", {"metadata": {"annotations": {"a b": "x"}}}))
     assert status["message"] == f'Node "gpu1" is invalid: metadata.annotations: Invalid value: "a b": {QNAME_REGEX}'
     # Case does not matter in an annotation key (it does in a label key: neither is refused here).
@@ -142,8 +144,8 @@ def test_annotation_keys_and_their_total_size(client: kubernetes.client.ApiClien
     ]
 
 
-def test_taints(client: kubernetes.client.ApiClient) -> None:
-    core = kubernetes.client.CoreV1Api(client)
+def test_taints(client: Any) -> None:
+    core = apis.CoreV1Api(client)
     current = core.read_node("gpu1")
 
     def taint(*taints: dict[str, str]) -> dict[str, Any]:
@@ -181,8 +183,8 @@ def test_taints(client: kubernetes.client.ApiClient) -> None:
     )
 
 
-def test_object_names_by_kind(client: kubernetes.client.ApiClient) -> None:
-    core = kubernetes.client.CoreV1Api(client)
+def test_object_names_by_kind(client: Any) -> None:
+    core = apis.CoreV1Api(client)
     status = refusal(lambda: core.create_node(node("Gpu_1")))
     assert status["message"] == f'Node "Gpu_1" is invalid: metadata.name: Invalid value: "Gpu_1": {SUBDOMAIN_REGEX}'
     too_long = ".".join(["a" * 63] * 4)  # 255 characters
@@ -202,7 +204,7 @@ def test_object_names_by_kind(client: kubernetes.client.ApiClient) -> None:
     config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "Settings"}}
     status = refusal(lambda: core.create_namespaced_config_map("gpufleet", config))
     assert status["details"]["causes"][0]["field"] == "metadata.name"
-    leases = kubernetes.client.CoordinationV1Api(client)
+    leases = apis.CoordinationV1Api(client)
     lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": "gpu_1"}, "spec": {}}
     status = refusal(lambda: leases.create_namespaced_lease("gpufleet", lease))
     assert status["message"].startswith('Lease.coordination.k8s.io "gpu_1" is invalid: metadata.name: Invalid value')
@@ -219,9 +221,9 @@ def job(name: str) -> dict[str, Any]:
 
 
 def test_a_job_name_longer_than_63_characters_is_refused_for_its_pods_label(
-    client: kubernetes.client.ApiClient,
+    client: Any,
 ) -> None:
-    batch = kubernetes.client.BatchV1Api(client)
+    batch = apis.BatchV1Api(client)
     name = "j" * 64  # a valid subdomain, but not a valid label value
     status = refusal(lambda: batch.create_namespaced_job("gpufleet", job(name)))
     assert status["message"] == (
@@ -231,7 +233,7 @@ def test_a_job_name_longer_than_63_characters_is_refused_for_its_pods_label(
     # Both labels the server adds (job-name and batch.kubernetes.io/job-name) are causes; the message names it once.
     assert [c["field"] for c in status["details"]["causes"]] == ["spec.template.labels", "spec.template.labels"]
     batch.create_namespaced_job("gpufleet", job("j" * 63))
-    pods = kubernetes.client.CoreV1Api(client)
+    pods = apis.CoreV1Api(client)
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
