@@ -74,8 +74,8 @@ def _digest(text: str) -> str:
 def label_value(text: str, limit: int = LABEL_VALUE_MAX) -> str:
     """``text`` as a Kubernetes label value (or a taint's value): ``text`` itself when it is one
     already (so that what was written before still matches), else a readable prefix of it and a
-    hash of the whole (``lab-ip-10-0-12-34.us-west-2.comp-3f9a0c1b2d``), at most ``limit``
-    characters, the same for the same text, different for different texts.
+    hash of the whole (``prod-gpu-node-0001.rack12.row03.dc1.example.com-2026-0d0f0081db``), at
+    most ``limit`` characters, the same for the same text, different for different texts.
 
     Where a value is compared with what was written (a claim, a holder), compare with this form
     of the value, or keep the whole value in an annotation beside it.

@@ -8,7 +8,6 @@ from lab import kubevalidate
 from models.names import InvalidName, dns_name, label_value, validate_cluster_name, validate_node_name
 from models.xid import XidEvent
 
-
 FQDN = "ip-10-0-12-34.us-west-2.compute.internal"
 BARE_METAL = "gpu-node-0001.rack12.dc1.example.com"
 LONGEST_LABEL = "gpu-" + "n" * 59  # 63 characters
