@@ -404,7 +404,8 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
             meta["namespace"] = request.namespace
         name = meta.get("name") or request.name
         if not name:
-            return _status(422, "Invalid", f"{request.resource.plural}: metadata.name is required")
+            refused = self._invalid(request.resource, request.data, creating=True)
+            return refused or _status(422, "Invalid", f"{request.resource.plural}: metadata.name is required")
         if self._find(request.resource, meta.get("namespace") if namespaced else None, name):
             return _status(409, "AlreadyExists", f'{request.resource.plural} "{name}" already exists')
         refused, warnings = self._validate_fields(request, request.data)

@@ -111,6 +111,38 @@ def test_bad_label_values_and_keys_on_patch_merge_strategic_and_json(client: Any
     assert core.read_node("gpu1").metadata.labels.get("zone") is None  # nothing changed
 
 
+def test_a_replace_is_checked_as_a_patch_is(client: Any) -> None:
+    core = apis.CoreV1Api(client)
+    current = core.read_node("gpu1").to_dict()
+    meta = {"name": "gpu1", "resourceVersion": current["metadata"]["resource_version"]}
+    body = {"apiVersion": "v1", "kind": "Node", "metadata": {**meta, "labels": {"gpufleet.io/claim": "x" * 64}}}
+    status = refusal(lambda: core.replace_node("gpu1", body))
+    assert status["details"]["causes"] == [
+        {
+            "reason": "FieldValueInvalid",
+            "message": f'Invalid value: "{"x" * 64}": must be no more than 63 characters',
+            "field": "metadata.labels",
+        }
+    ]
+    apps = apis.AppsV1Api(client)
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "web"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "web"}},
+            "template": {
+                "metadata": {"labels": {"app": "web", "bad key": "v"}},
+                "spec": {"containers": [{"name": "c", "image": "busybox"}]},
+            },
+        },
+    }
+    status = refusal(lambda: apps.create_namespaced_deployment("gpufleet", deployment))
+    assert status["message"].startswith(
+        'Deployment.apps "web" is invalid: spec.template.labels: Invalid value: "bad key"'
+    )
+
+
 def test_an_empty_label_value_and_a_prefixed_key_are_fine(client: Any) -> None:
     core = apis.CoreV1Api(client)
     patched = core.patch_node("gpu1", {"metadata": {"labels": {"example.com/empty": "", "v": "a" * 63}}})
@@ -192,6 +224,9 @@ def test_object_names_by_kind(client: Any) -> None:
     assert status["details"]["causes"][0]["message"] == (
         f'Invalid value: "{too_long}": must be no more than 253 characters'
     )
+    status = refusal(lambda: core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"labels": {}}}))
+    assert status["message"] == 'Node "" is invalid: metadata.name: Required value: name or generateName is required'
+    assert status["details"]["causes"][0]["reason"] == "FieldValueRequired"
     # A fully qualified name, and a single label of 63 characters, are fine for a Node.
     core.create_node(node("ip-10-0-12-34.us-west-2.compute.internal"))
     core.create_node(node("n" * 63))
