@@ -39,6 +39,8 @@ from starters.temporal import report_xid
 from tests.conftest import REPO, KubeApiProcess, _require_slurm
 from tests.workflows.test_remediation import Fleet, worker
 
+pytestmark = pytest.mark.slurm
+
 LONGEST_LABEL = "gpu-" + "n" * 55 + "0001"  # 63 characters, the most a DNS label holds
 BARE_METAL = "gpu-node-0001.rack12.row03.dc1.example.com"  # with its cluster and time, over 63
 CLOUD_SPARE = "ip-10-0-12-34.us-west-2.compute.internal"
