@@ -11,6 +11,7 @@ from clients.dryrun import dry_run
 from clients.errors import NotFound
 from clients.kube import KubeClient
 from models.constants import INCIDENT_ANNOTATION, POOL_LABEL, QUARANTINE_LABEL, REMEDIATION_LABEL, UNHEALTHY_TAINT
+from models.names import label_value
 from models.requests import KubeDrainRequest, KubeDrainResult, NodeFacts, NodeLeaseRequest
 
 
@@ -68,7 +69,8 @@ class KubeActivities:
             except NotFound:
                 # A Slurm-only node has no Kubernetes side to drain.
                 return KubeDrainResult(node_found=False)
-            self._kube.add_taint(request.node, key=UNHEALTHY_TAINT, value=request.incident_id)
+            # A taint's value is a label value (63 characters): the whole ID is in the annotation.
+            self._kube.add_taint(request.node, key=UNHEALTHY_TAINT, value=label_value(request.incident_id))
             self._kube.update_metadata(request.node, annotations={INCIDENT_ANNOTATION: request.incident_id})
             for pod in self._kube.pods_on_node(request.node):
                 if pod.owner_kind == "DaemonSet":

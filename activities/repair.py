@@ -26,7 +26,7 @@ from clients.dryrun import dry_run
 from clients.errors import ClientError, InvalidInput, NotFound
 from clients.kube import KubeClient
 from models.constants import BOOT_ID_ANNOTATION, INCIDENT_ANNOTATION, REPAIR_LABEL, VERDICT_ANNOTATION
-from models.names import InvalidName, validate_node_name
+from models.names import InvalidName, dns_name, validate_node_name
 from models.policy import Action
 from models.requests import RepairRequest, RepairResult, StopRepairsRequest
 
@@ -76,7 +76,8 @@ def repair_job(request: RepairRequest, kind: str | None = None, *, boot_id: str 
         part.replace("{gpu}", request.gpu).replace("{node}", node).replace("{boot_id}", boot_id) for part in command
     ]
     digest = hashlib.sha256(f"{request.incident_id}/{request.attempt}".encode()).hexdigest()[:8]
-    name = f"gpufleet-{kind}-{node}"[:52].rstrip("-.") + f"-{digest}"
+    # A Job's name is its pods' job-name label too: a DNS-1123 name of at most 63 characters.
+    name = dns_name(f"gpufleet-{kind}-{node}"[:52].rstrip("-.") + f"-{digest}")
     annotations = {INCIDENT_ANNOTATION: request.incident_id}
     if kind == "reboot":
         annotations[BOOT_ID_ANNOTATION] = boot_id

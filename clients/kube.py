@@ -34,6 +34,7 @@ from clients.errors import (
     Unavailable,
     checked_node_name,
     error_for_status,
+    redact,
 )
 
 log = logging.getLogger("gpufleet.kube")
@@ -124,10 +125,22 @@ def _translate(exc: Exception, what: str) -> ClientError:
     if isinstance(exc, ApiException):
         status = exc.status or 0
         detail = f"{what}: HTTP {status} {exc.reason}"
+        if status in (400, 422):
+            detail += _refusal(exc.body)
         if status in (401, 403):
             return Forbidden(f"{detail} (check gpufleet's RBAC: deploy/base/worker-rbac.yaml)")
         return error_for_status(status, detail)
     return Unavailable(f"{what}: {exc}")
+
+
+def _refusal(body: Any) -> str:
+    """What the API server says is wrong with a refused write (its Status message), as
+    ``: Node "x" is invalid: metadata.labels: ...``; nothing when it said nothing readable."""
+    try:
+        message = json.loads(body).get("message") if body else None
+    except (ValueError, AttributeError):
+        return ""
+    return f": {redact(str(message), limit=600)}" if message else ""
 
 
 def _node(raw: dict[str, Any]) -> KubeNode:

@@ -33,6 +33,7 @@ from models.constants import (
     UNHEALTHY_TAINT,
     claim_label_value,
 )
+from models.names import label_value
 
 log = logging.getLogger("gpufleet.spares")
 
@@ -345,7 +346,8 @@ class SparePool:
                 log.warning("%s stays in partition %s (%s; drained: %s)", node, partition, exc, state.drained)
         with contextlib.suppress(NotFound):
             self._kube.set_unschedulable(node, True)
-            _retry_conflicts(lambda: self._kube.add_taint(node, key=RETIRED_TAINT, value=incident_id or POOL_RETIRED))
+            value = label_value(incident_id or POOL_RETIRED)  # a taint's value is a label value
+            _retry_conflicts(lambda: self._kube.add_taint(node, key=RETIRED_TAINT, value=value))
             current = self._kube.get_node(node)
             if (
                 current.labels.get(POOL_LABEL) != POOL_RETIRED

@@ -46,7 +46,7 @@ from kmock._internal import enums, parsing, rendering
 from kmock._internal.k8s import KubernetesObjectNotFoundError
 
 from lab import kubetables as tables
-from lab import openapi
+from lab import kubevalidate, openapi
 from lab.patches import APPLY, JSON_PATCH, MERGE, STRATEGIC, PatchError, json_patch, merge_patch, strategic_merge_patch
 from lab.selectors import SelectorError, field_selector, label_selector
 
@@ -404,12 +404,16 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
             meta["namespace"] = request.namespace
         name = meta.get("name") or request.name
         if not name:
-            return _status(422, "Invalid", f"{request.resource.plural}: metadata.name is required")
+            refused = self._invalid(request.resource, request.data, creating=True)
+            return refused or _status(422, "Invalid", f"{request.resource.plural}: metadata.name is required")
         if self._find(request.resource, meta.get("namespace") if namespaced else None, name):
             return _status(409, "AlreadyExists", f'{request.resource.plural} "{name}" already exists')
         refused, warnings = self._validate_fields(request, request.data)
         if refused is not None:
             return refused
+        invalid = self._invalid(request.resource, request.data, creating=True)
+        if invalid is not None:
+            return invalid
         if request.resource == SECRETS:
             _string_data(request.data)
         self._stamp_new(meta)
@@ -508,6 +512,19 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
             return _status(400, "BadRequest", message), []
         return None, [f'unknown field "{path}"' for path in unknown]
 
+    def _invalid(self, resource: kmock.resource, obj: dict[str, Any], *, creating: bool) -> aiohttp.web.Response | None:
+        """422 Invalid, worded as a real API server words it, when a name, label, annotation or
+        taint of what a write would store breaks Kubernetes' rules (lab.kubevalidate)."""
+        kind = RESOURCE_INFO.get(resource, ("",))[0]
+        if not kind:
+            return None
+        errors = kubevalidate.check(kind, obj, creating=creating)
+        if not errors:
+            return None
+        name = str((obj.get("metadata") or {}).get("name") or "")
+        body = kubevalidate.status(kind, str(resource.group or ""), name, errors)
+        return aiohttp.web.json_response(body, status=422)
+
     async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
         """A missing object's 404 worded as a real API server words it (reason NotFound: older
         kubectl and other clients look for exactly that)."""
@@ -587,6 +604,9 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
                 f'Operation cannot be fulfilled on {plural} "{request.name}": the object has been modified; '
                 "please apply your changes to the latest version and try again",
             )
+        invalid = self._invalid(request.resource, obj, creating=False)
+        if invalid is not None:
+            return invalid
         meta["name"] = request.name
         if request.namespace is not None:
             meta["namespace"] = request.namespace

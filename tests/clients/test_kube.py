@@ -135,6 +135,15 @@ def test_missing_node_and_bad_names(kube: KubernetesApi) -> None:
         kube.get_node("gpu2")
 
 
+def test_a_refused_write_says_what_the_api_server_refused(kube: KubernetesApi) -> None:
+    with pytest.raises(InvalidInput) as refused:
+        kube.add_taint("gpu1", key="gpufleet.io/unhealthy", value="lab-" + "n" * 70)
+    assert str(refused.value).startswith("patch node gpu1: HTTP 422 Unprocessable Entity: ")
+    assert 'Node "gpu1" is invalid: metadata.taints[0].value: Invalid value: "lab-' in str(refused.value)
+    assert "must be no more than 63 characters" in str(refused.value)
+    assert kube.get_node("gpu1").taints == []  # nothing changed
+
+
 def test_unreachable_api_server_is_unavailable(tmp_path: Path) -> None:
     from lab.kubeapi import write_kubeconfig
 
