@@ -43,9 +43,7 @@ async def test_a_cancel_in_the_grace_period_requeues_the_signalled_job_and_gives
     async with running(env, fleet):
         handle = await start(env.client, fleet)
         await until(handle, NodeRemediationWorkflow.status, in_grace, "SIGTERM sent, grace running")
-        await handle.signal(
-            NodeRemediationWorkflow.cancel_requested, CancelRequest(by="alice", reason="wrong node")
-        )
+        await handle.signal(NodeRemediationWorkflow.cancel_requested, CancelRequest(by="alice", reason="wrong node"))
         await handle.cancel()
         await closed_by_cancel(handle)
         status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
