@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
@@ -28,6 +29,18 @@ from models.settings import CLUSTER_HELP, ClusterNotSet, Settings
 def node_name(explicit: str | None) -> str:
     """--node, else NODE_NAME (the downward API in the DaemonSet), else the hostname."""
     return validate_node_name(explicit or os.environ.get("NODE_NAME") or socket.gethostname().split(".")[0])
+
+
+def _wrong_numbers(*, fold_seconds: float, spool_max: int, health_port: int) -> list[str]:
+    """What is wrong with the detector's numeric options (empty: nothing)."""
+    wrong = []
+    if not math.isfinite(fold_seconds) or fold_seconds < 0:
+        wrong.append(f"--fold-seconds {fold_seconds:g}: give a number of seconds, 0 or more")
+    if spool_max < 1:
+        wrong.append(f"--spool-max {spool_max}: give a number of events, 1 or more")
+    if not 0 <= health_port <= 65535:
+        wrong.append(f"--health-port {health_port}: give a TCP port (1..65535), or 0 for none")
+    return wrong
 
 
 def detect(
@@ -88,6 +101,9 @@ def detect(
     A source that fails ends the detector (exit code 1), so that its supervisor restarts it.
     """
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s detector: %(message)s")
+    for wrong in _wrong_numbers(fold_seconds=fold_seconds, spool_max=spool_max, health_port=health_port):
+        typer.echo(f"error: {wrong}", err=True)
+        raise typer.Exit(2)
     if ready_file is not None:
         ready_file.unlink(missing_ok=True)  # a stale one from an earlier run must not count
     settings = Settings()
@@ -171,5 +187,9 @@ def detect(
         if health is not None:
             health.stop()
     if delivery is not None and len(delivery.spool):
-        typer.echo(f"{len(delivery.spool)} event(s) still spooled in {delivery.spool.folder}", err=True)
+        typer.echo(
+            f"error: {len(delivery.spool)} event(s) still spooled in {delivery.spool.folder} "
+            "(Temporal did not take them; the next start of the detector delivers them)",
+            err=True,
+        )
         raise typer.Exit(1)

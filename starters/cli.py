@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import getpass
 import json
+import math
 import os
 import re
 import time
@@ -16,6 +17,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowQueryFailedError
 from temporalio.exceptions import ActivityError
@@ -45,7 +47,7 @@ from models.settings import CLUSTER_HELP, ClusterNotSet, Settings
 from models.xid import XidEvent
 from starters.chart import write_chart
 from starters.server import dev_server_argv
-from starters.temporal import TemporalUnreachable, connect, report_xid
+from starters.temporal import TemporalConfigInvalid, TemporalUnreachable, connect, report_xid
 from workflows.guard import FleetGuardWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
@@ -78,8 +80,22 @@ def failure_text(exc: WorkflowFailureError) -> str:
     return str(getattr(cause, "message", cause))
 
 
+def one_line(text: str) -> str:
+    """``text`` on one line: a message quoting a file (a YAML error's context) or a server's
+    answer keeps every word, its line breaks and runs of blanks become one space."""
+    return " ".join(text.split())
+
+
+def say_error(message: str) -> None:
+    """``error: MESSAGE`` in one line on stderr, printed as it is: never wrapped, never read as markup."""
+    err.print(f"[bold red]error:[/] {escape(one_line(message))}", soft_wrap=True, highlight=False)
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
-    err.print(f"[bold red]error:[/] {message}")
+    """Say what was wrong in one line on stderr and exit with ``code``: 2 for bad input (nothing
+    was contacted or changed), 1 for a failure (a server that does not answer, an operation that
+    failed)."""
+    say_error(message)
     raise typer.Exit(code)
 
 
@@ -88,7 +104,7 @@ def run_async(coro: Any) -> Any:
         return asyncio.run(coro)
     except TemporalUnreachable as exc:
         fail(str(exc))
-    except InvalidName as exc:
+    except (InvalidName, TemporalConfigInvalid) as exc:
         fail(str(exc), code=2)
 
 
@@ -241,6 +257,8 @@ def remediate(
     cluster = _cluster(cluster, settings)
     if not 0 <= xid <= XID_MAX:
         fail(f"--xid {xid} is not an Xid: NVIDIA Xids are 0..{XID_MAX} (e.g. 79, fallen off the bus)", code=2)
+    if not math.isfinite(timeout) or timeout <= 0:
+        fail(f"--timeout {timeout:g}: give a number of seconds above 0", code=2)
 
     async def go() -> int:
         client = await _client()
@@ -253,7 +271,7 @@ def remediate(
             handle, until_closed=wait, show_progress=not as_json, timeout=timeout if wait else 60
         )
         if failure:
-            err.print(f"[bold red]error:[/] {failure}")
+            say_error(failure)
             if as_json and status is not None:
                 print(status.model_dump_json())
             return 1

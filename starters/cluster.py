@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -35,7 +36,7 @@ from models.names import InvalidName, validate_cluster_name
 from models.plugins import CLUSTER_BACKENDS, cli_default, declared, present
 from models.settings import cluster_backend_names
 from models.slinky import SLURM_VERSION, slinky_objects
-from starters.cli import _who, console, err, fail, run_async
+from starters.cli import _who, console, fail, run_async, say_error
 from starters.temporal import connect
 from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
 
@@ -53,13 +54,17 @@ def _spec(path: Path) -> ClusterSpec:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         fail(f"cannot read {path}: {exc.strerror or exc}", code=2)
+    except UnicodeDecodeError as exc:
+        fail(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}): save it as UTF-8", code=2)
     except yaml.YAMLError as exc:
         fail(f"{path} is not valid YAML: {exc}", code=2)
+    except RecursionError:
+        fail(f"{path} is not a cluster spec: nested too deep", code=2)
     try:
         return load_spec(raw)
     except SpecError as exc:
-        lines = "\n".join(f"  {where}: {what}" for where, what in exc.problems)
-        fail(f"{path}: {len(exc.problems)} problem(s); nothing was created:\n{lines}", code=2)
+        problems = "; ".join(f"{where}: {what}" for where, what in exc.problems)
+        fail(f"{path}: {len(exc.problems)} problem(s), nothing was created: {problems}", code=2)
 
 
 SLINKY = "slinky"
@@ -343,7 +348,7 @@ def show(name: str, as_json: Annotated[bool, typer.Option("--json")] = False) ->
     for event in status.timeline:
         _say(event)
     if status.error:
-        err.print(f"failed at {status.failed_step}: {status.error}")
+        say_error(f"failed at {status.failed_step}: {status.error}")
 
 
 async def _deleted(client: Client, made: ClusterStatus) -> bool:
@@ -384,6 +389,8 @@ def delete(
         validate_cluster_name(name)
     except InvalidName as exc:
         fail(str(exc), code=2)
+    if not math.isfinite(deadline) or deadline < 0:
+        fail(f"--deadline {deadline:g}: give a number of seconds, 0 or more", code=2)
 
     async def go() -> None:
         client = await connect()
@@ -458,7 +465,7 @@ def delete(
         elif status.outcome == "deleted":
             console.print(f"cluster {name} is deleted ({status.seconds:.1f}s); its nodes are back in the free pool")
         else:
-            err.print(f"cluster {name} not deleted: {status.error}")
+            say_error(f"cluster {name} not deleted: {status.error}")
         if status.outcome != "deleted":
             raise typer.Exit(1)
 
