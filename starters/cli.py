@@ -99,6 +99,12 @@ def fail(message: str, code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
+def unknown(exc: RPCError) -> int:
+    """The exit code for a name Temporal did not find: 2, bad input (nothing was changed);
+    1 for any other error of the server."""
+    return 2 if exc.status == RPCStatusCode.NOT_FOUND else 1
+
+
 def run_async(coro: Any) -> Any:
     try:
         return asyncio.run(coro)
@@ -303,7 +309,7 @@ def _signal_incident(node: str, cluster: str | None, signal: Any, *args: Any) ->
         try:
             await client.get_workflow_handle(workflow_id).signal(signal, *args)
         except RPCError as exc:
-            fail(f"no open incident for {node} ({workflow_id}): {exc.message}")
+            fail(f"no open incident for {node} ({workflow_id}): {exc.message}", code=unknown(exc))
 
     run_async(go())
 
@@ -431,7 +437,7 @@ async def _incident(workflow_id: str) -> tuple[Any, IncidentStatus]:
     try:
         status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
     except RPCError as exc:
-        fail(f"no incident {workflow_id}: {exc.message}")
+        fail(f"no incident {workflow_id}: {exc.message}", code=unknown(exc))
     return handle, status
 
 

@@ -36,7 +36,7 @@ from models.names import InvalidName, validate_cluster_name
 from models.plugins import CLUSTER_BACKENDS, cli_default, declared, present
 from models.settings import cluster_backend_names
 from models.slinky import SLURM_VERSION, slinky_objects
-from starters.cli import _who, console, fail, run_async, say_error
+from starters.cli import _who, console, fail, run_async, say_error, unknown
 from starters.temporal import connect
 from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
 
@@ -259,8 +259,8 @@ def _answer(name: str, *, signal: str, wait: bool, as_json: bool) -> None:
         handle = client.get_workflow_handle(cluster_workflow_id(name))
         try:
             status: ClusterStatus | None = await handle.query(ClusterCreationWorkflow.status)
-        except RPCError:
-            fail(f"no creation of {name} is open (gpufleet cluster list)")
+        except RPCError as exc:
+            fail(f"no creation of {name} is open (gpufleet cluster list)", code=unknown(exc))
         if status is None or status.outcome != ClusterOutcome.FAILED_KEPT:
             fail(f"{name} is not waiting to be resumed (it is {status.outcome if status else 'starting'})")
         await handle.signal(signal)
@@ -338,7 +338,7 @@ def show(name: str, as_json: Annotated[bool, typer.Option("--json")] = False) ->
 
     status, gone = run_async(go())
     if status is None:
-        fail(f"no cluster named {name} (gpufleet cluster list)")
+        fail(f"no cluster named {name} (gpufleet cluster list)", code=2)
     outcome = "deleted" if gone is not None else str(status.outcome)
     if as_json:
         timeline = [e.model_dump(mode="json") for e in status.timeline]
@@ -401,7 +401,7 @@ def delete(
         except RPCError:
             made = None
         if made is None or made.spec is None:
-            fail(f"no cluster named {name} (gpufleet cluster list)")
+            fail(f"no cluster named {name} (gpufleet cluster list)", code=2)
         if made.outcome == ClusterOutcome.CREATING:
             fail(f"{name} is still being created: wait for it (gpufleet cluster show {name})")
         if made.outcome == ClusterOutcome.ROLLED_BACK:

@@ -27,7 +27,7 @@ from models.poolops import (
 )
 from models.rebalance import PRESETS, PoolLimits
 from models.settings import ClusterNotSet, Settings
-from starters.cli import _who, console, fail, run_async
+from starters.cli import _who, console, fail, run_async, unknown
 from starters.temporal import connect
 from workflows.pool import PoolRebalanceWorkflow
 
@@ -68,8 +68,8 @@ async def _handle(client: Client, name: str) -> WorkflowHandle[Any, Any]:
     handle = client.get_workflow_handle(pool_workflow_id(name))
     try:
         await handle.describe()
-    except RPCError:
-        fail(f"no pool {name}: start it with `gpufleet pool start --name {name}`")
+    except RPCError as exc:
+        fail(f"no pool {name}: start it with `gpufleet pool start --name {name}`", code=unknown(exc))
     return handle
 
 

@@ -12,6 +12,7 @@ a server that does not answer among them; 0 for success.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import io
@@ -21,12 +22,14 @@ import socket
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import pytest
 import typer
+from temporalio.testing import WorkflowEnvironment
 
 from lab.procs import free_port
 from starters.temporal import CONNECT_TIMEOUT_SECONDS, connect
@@ -304,3 +307,43 @@ def test_malformed_input_anywhere_is_refused_in_one_line(
     ran = gpufleet(*[a.format(**files) for a in args], env=stopped)
     assert ran.code == 2, (ran.out, ran.err)
     ran.error_line()
+
+
+@pytest.fixture(scope="module")
+def temporal(temporal_test_server: str) -> Iterator[str]:
+    """A Temporal server (the test server) that knows no incident, cluster or pool: its address."""
+    loop = asyncio.new_event_loop()
+    environment = loop.run_until_complete(
+        WorkflowEnvironment.start_time_skipping(
+            test_server_existing_path=temporal_test_server, test_server_startup_timeout=timedelta(seconds=60)
+        )
+    )
+    yield environment.client.service_client.config.target_host
+    loop.run_until_complete(environment.shutdown())
+    loop.close()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["incidents", "show", "gpu9"],
+        ["incidents", "show", "research-gpu9-20260101T000000Z"],
+        ["approve", "gpu9"],
+        ["reject", "dryrun-research-gpu9"],
+        ["spare-available", "gpu9"],
+        ["checkpoint-done", "7", "--node", "gpu9"],
+        ["cluster", "show", "nosuch"],
+        ["cluster", "delete", "nosuch"],
+        ["cluster", "create", "--resume", "nosuch"],
+        ["cluster", "create", "--roll-back", "nosuch"],
+        ["pool", "status", "--name", "nosuch"],
+        ["pool", "pause", "--name", "nosuch"],
+        ["pool", "set-demand", "2", "--name", "nosuch"],
+    ],
+)
+def test_a_name_that_names_nothing_is_bad_input_in_one_line(
+    args: list[str], temporal: str, stopped: dict[str, str]
+) -> None:
+    ran = gpufleet(*args, env={**stopped, "TEMPORAL_ADDRESS": temporal})
+    assert ran.code == 2, (ran.out, ran.err)
+    assert "no " in ran.error_line()
