@@ -341,7 +341,7 @@ def spare_available(
 @incidents_app.command("list")
 def incidents_list(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON array for scripts.")] = False,
-    limit: Annotated[int, typer.Option(help="At most this many, newest first.")] = 50,
+    limit: Annotated[int, typer.Option(min=1, help="At most this many, newest first.")] = 50,
 ) -> None:
     """List incidents, newest first."""
 

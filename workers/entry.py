@@ -157,6 +157,10 @@ def run(args: Sequence[str] | None = None) -> int:
     except TemporalUnreachable as exc:
         say_error(str(exc))
         return 1
+    except OSError as exc:  # a file or folder the command needs (GPUFLEET_HOME, --db, --ready-file)
+        where = f"{exc.filename}: " if exc.filename else ""
+        say_error(f"{where}{exc.strerror or exc}")
+        return 1
     except RPCError as exc:  # the server answered with an error no command expected
         say_error(f"the Temporal server answered {exc.status.name if exc.status else 'an error'}: {exc.message}")
         return 1

@@ -248,14 +248,28 @@ def test_a_malformed_temporal_address_is_bad_input(address: str, said: str, stop
     assert "Temporal address" in line and said in line
 
 
-def test_an_unexpected_failure_is_one_line_naming_how_to_see_more(stopped: dict[str, str], tmp_path: Path) -> None:
-    """A failure no command foresaw (here: a chart file in a folder that is a file) is one line."""
+def test_a_folder_that_cannot_be_made_is_named_in_one_line(stopped: dict[str, str], tmp_path: Path) -> None:
+    """A file where a folder must go (GPUFLEET_HOME, --db, --ready-file) is named, in one line."""
     blocker = tmp_path / "file"
     blocker.write_text("")
-    ran = gpufleet("server", "--db", str(blocker / "temporal.db"), env=stopped)
-    assert ran.code == 1
-    line = ran.error_line()
-    assert "GPUFLEET_DEBUG=1" in line
+    for args in (["server", "--db", str(blocker / "db" / "temporal.db")], ["lab", "down"]):
+        ran = gpufleet(*args, env={**stopped, "GPUFLEET_HOME": str(blocker / "home")})
+        assert ran.code == 1
+        line = ran.error_line()
+        assert str(blocker) in line and "Traceback" not in line
+
+
+def test_an_unexpected_failure_is_one_line_naming_how_to_see_more(stopped: dict[str, str], tmp_path: Path) -> None:
+    """A failure no command foresaw is one line with its type; GPUFLEET_DEBUG=1 lets it through."""
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text((REPO / "examples" / "cluster.yaml").read_text())
+    args = ("cluster", "create", str(spec), "--dry-run", "--backend", "slinky")
+    with mock.patch("starters.cluster.planned_objects", side_effect=LookupError("a bug")):
+        ran = gpufleet(*args, env=stopped)
+        assert ran.code == 1
+        assert ran.error_line() == "error: LookupError: a bug (unexpected: set GPUFLEET_DEBUG=1 for the traceback)"
+        with pytest.raises(LookupError):
+            gpufleet(*args, env={**stopped, "GPUFLEET_DEBUG": "1"})
 
 
 @pytest.mark.parametrize(
@@ -292,6 +306,7 @@ def test_an_unexpected_failure_is_one_line_naming_how_to_see_more(stopped: dict[
         ["lab", "drill", "--effect", "explode"],
         ["lab", "clear-fault", "nosuch"],
         ["lab", "demand", "--", "-1"],
+        ["incidents", "list", "--limit", "-5"],
     ],
 )
 def test_malformed_input_anywhere_is_refused_in_one_line(
