@@ -172,7 +172,7 @@ def print_incident(status: IncidentStatus, *, as_json: bool) -> None:
             "[bold yellow]DRY RUN[/]: every step below is what gpufleet would have done; nothing was changed."
         )
     if status.spare:
-        console.print(f"replacement: {status.spare}")
+        console.print(f"replacement: {escape(status.spare)}")
     if status.requeued or status.unrequeued:
         ended = f" ({len(status.ended)} the failure had ended, requeued at once)" if status.ended else ""
         console.print(
@@ -180,16 +180,16 @@ def print_incident(status: IncidentStatus, *, as_json: bool) -> None:
             f"{len(status.unrequeued)} lost"
         )
     if status.unrequeued:
-        console.print(f"[yellow]lost, to resubmit:[/] {status.unrequeued}")
+        console.print(f"[yellow]lost, to resubmit:[/] {escape(str(status.unrequeued))}")
     if status.waiting_for_approval:
         console.print(
-            f"[yellow]awaiting approval:[/] {status.waiting_for_approval}\n"
+            f"[yellow]awaiting approval:[/] {escape(status.waiting_for_approval)}\n"
             f"  gpufleet approve {status.incident_id}   |   gpufleet reject {status.incident_id}"
         )
     if status.skipped:
-        console.print(f"left alone: {status.skipped}")
+        console.print(f"left alone: {escape(str(status.skipped))}")
     if status.error:
-        console.print(f"[red]error:[/] {status.error}")
+        console.print(f"[red]error:[/] {escape(status.error)}")
     if status.settings:
         knobs = status.settings
         console.print(
@@ -199,12 +199,16 @@ def print_incident(status: IncidentStatus, *, as_json: bool) -> None:
         )
     if status.notifications:
         sent = ", ".join(f"{n.kind} {n.outcome}" + (f" ({n.error})" if n.error else "") for n in status.notifications)
-        console.print(f"notifications: {sent}")
+        console.print(f"notifications: {escape(sent)}")
     table = Table("time (UTC)", "+s", "step", "event", "detail")
     start = status.timeline[0].at if status.timeline else None
     for entry in status.timeline:
         offset = f"{(entry.at - start).total_seconds():.1f}" if start else ""
-        table.add_row(entry.at.strftime("%H:%M:%S.%f")[:-3], offset, entry.step, entry.event, entry.detail)
+        table.add_row(
+            entry.at.strftime("%H:%M:%S.%f")[:-3],
+            offset,
+            *(escape(str(v)) for v in (entry.step, entry.event, entry.detail)),
+        )
     console.print(table)
 
 
@@ -632,11 +636,14 @@ def _print_guard(cluster: str, status: GuardStatus | None, *, as_json: bool) -> 
     console.print(f"cluster {cluster}: breaker {mode}")
     if state.tripped:
         console.print(
-            f"  tripped at {state.tripped_at:%Y-%m-%d %H:%M:%S} UTC: {state.tripped_why}" if state.tripped_at else ""
+            f"  tripped at {state.tripped_at:%Y-%m-%d %H:%M:%S} UTC: {escape(state.tripped_why)}"
+            if state.tripped_at
+            else ""
         )
     if state.paused:
         console.print(
-            f"  paused by {state.paused_by or '?'}" + (f": {state.paused_reason}" if state.paused_reason else "")
+            f"  paused by {escape(state.paused_by or '?')}"
+            + (f": {escape(state.paused_reason)}" if state.paused_reason else "")
         )
     share = (
         f"{len(status.nodes_in_window)} of {status.nodes} nodes"
@@ -659,7 +666,9 @@ def _print_guard(cluster: str, status: GuardStatus | None, *, as_json: bool) -> 
         console.print("  `gpufleet approve INCIDENT` lets one past, `gpufleet reject INCIDENT` closes it.")
     recent = Table("time (UTC)", "event", "node", "detail")
     for event in state.log[-10:]:
-        recent.add_row(event.at.strftime("%H:%M:%S"), event.event, event.node, event.detail)
+        recent.add_row(
+            event.at.strftime("%H:%M:%S"), *(escape(str(v)) for v in (event.event, event.node, event.detail))
+        )
     console.print(recent)
 
 

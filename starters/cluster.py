@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 import yaml
+from rich.markup import escape
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.service import RPCError, RPCStatusCode
@@ -127,7 +128,7 @@ def _say(event: StepEvent) -> None:
     if event.event == "started":
         console.print(f"  … {event.step}")
         return
-    detail = f": {event.detail}" if event.detail else ""
+    detail = f": {escape(event.detail)}" if event.detail else ""
     console.print(f"  {marks.get(event.event, '•')} {event.step} {event.event}{detail}", highlight=False)
 
 
@@ -156,11 +157,13 @@ def _report(status: ClusterStatus, *, as_json: bool) -> None:
         console.print(f"cluster {status.name} is ready ({status.seconds:.1f}s)")
     elif status.outcome == ClusterOutcome.FAILED_KEPT:
         console.print(
-            f"cluster {status.name} failed at {status.failed_step}: {status.error}\n"
+            f"cluster {status.name} failed at {status.failed_step}: {escape(status.error)}\n"
             f"everything made is kept; fix the cause, then `gpufleet cluster create --resume {status.name}`"
         )
     else:
-        console.print(f"cluster {status.name}: {status.outcome} after failing at {status.failed_step}: {status.error}")
+        console.print(
+            f"cluster {status.name}: {status.outcome} after failing at {status.failed_step}: {escape(status.error)}"
+        )
     if status.outcome not in (ClusterOutcome.READY, ClusterOutcome.CREATING):
         raise typer.Exit(1)
 
@@ -444,7 +447,7 @@ def delete(
             if status is not None:
                 if not as_json:
                     for event in status.timeline[shown:]:
-                        detail = f": {event.detail}" if event.detail else ""
+                        detail = f": {escape(event.detail)}" if event.detail else ""
                         console.print(f"  {event.step} {event.event}{detail}", highlight=False)
                     shown = len(status.timeline)
                 if status.outcome != "deleting":

@@ -8,6 +8,7 @@ import math
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
@@ -152,7 +153,7 @@ def start(
                 fail(f"pool {pool} is running already (gpufleet pool status --name {pool})")
             raise
         source = promql or "`gpufleet pool set-demand` only"
-        console.print(f"pool {pool} rebalancing every {interval:g}s; demand from {source}", highlight=False)
+        console.print(f"pool {pool} rebalancing every {interval:g}s; demand from {escape(source)}", highlight=False)
 
     run_async(go())
 
@@ -196,12 +197,12 @@ def status(name: NameOption = None, as_json: Annotated[bool, typer.Option("--jso
     console.print(f"  training:  {', '.join(found['training']) or '-'}", highlight=False)
     console.print(f"  inference: {', '.join(found['inference']) or '-'}", highlight=False)
     for node, why in found["busy"].items():
-        console.print(f"  not movable: {node} ({why})", highlight=False)
+        console.print(f"  not movable: {node} ({escape(why)})", highlight=False)
     for node in found["handed_over"]:
         console.print(f"  handed over: {node} (an incident took it mid-move; settled once it lets go)", highlight=False)
     for node, until in found["kept_until"].items():
         console.print(f"  kept serving by its budget: {node} (tried again after {until})", highlight=False)
-    console.print(f"  decision:  {found['decision']}", highlight=False)
+    console.print(f"  decision:  {escape(str(found['decision']))}", highlight=False)
     for move in found["last_moves"][-5:]:
         console.print(f"  {move['at']} {move['node']} -> {move['to']}: {move['outcome']}", highlight=False)
 

@@ -362,3 +362,30 @@ def test_a_name_that_names_nothing_is_bad_input_in_one_line(
     ran = gpufleet(*args, env={**stopped, "TEMPORAL_ADDRESS": temporal})
     assert ran.code == 2, (ran.out, ran.err)
     assert "no " in ran.error_line()
+
+
+def test_what_a_server_or_person_wrote_is_printed_as_it_is(capsys: pytest.CaptureFixture[str]) -> None:
+    """An error, a reason or a step's detail that looks like markup (``[/x]``) is printed as it
+    is: never read as markup, which would drop it or end the command with a traceback."""
+    from datetime import UTC, datetime
+
+    from models.guard import GuardEvent, GuardState, GuardStatus
+    from models.incident import IncidentStatus, Step, TimelineEntry
+    from models.policy import GuardSettings
+    from starters.cli import _print_guard, print_incident
+
+    now = datetime.now(UTC)
+    incident = IncidentStatus(
+        incident_id="research-gpu1-20260101T000000Z",
+        cluster="research",
+        node="gpu1",
+        error="kubectl said [/x] and [bold]",
+        timeline=[TimelineEntry(step=Step.CLASSIFY, event="failed", at=now, detail="[errno 5] [/oops]")],
+    )
+    print_incident(incident, as_json=False)
+    guard = GuardState(cluster="research", paused=True, paused_by="ops", paused_reason="[/maintenance]")
+    guard.log.append(GuardEvent(at=now, event="paused", detail="[red]x[/red] [/y]"))
+    _print_guard("research", GuardStatus(state=guard, limits=GuardSettings()), as_json=False)
+    out = capsys.readouterr().out
+    for written in ("kubectl said [/x] and [bold]", "[errno 5] [/oops]", "[/maintenance]", "[red]x[/red] [/y]"):
+        assert written in " ".join(out.split()) or written in out, out
