@@ -6,6 +6,7 @@ This is the composition root: it alone may see every room, so it lives with the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -145,8 +146,11 @@ def run(args: Sequence[str] | None = None) -> int:
         say_error(_usage_line(exc))
         return exc.exit_code
     except ValidationError as exc:
-        # Only Settings is validated from outside input before a command runs: GPUFLEET_* values.
-        say_error(settings_error(exc))
+        if exc.title == Settings.__name__:  # GPUFLEET_* values, validated as a command starts
+            say_error(settings_error(exc))
+        else:  # a value a command passed on to a model unchecked: still input, refused as a whole
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(value)'}: {e['msg']}" for e in exc.errors())
+            say_error(f"invalid {exc.title}: {problems}")
         return 2
     except PolicyError as exc:
         say_error(f"policy file: {exc}")
@@ -162,7 +166,7 @@ def run(args: Sequence[str] | None = None) -> int:
         say_error(f"{where}{exc.strerror or exc}")
         return 1
     except RPCError as exc:  # the server answered with an error no command expected
-        say_error(f"the Temporal server answered {exc.status.name if exc.status else 'an error'}: {exc.message}")
+        say_error(f"the Temporal server answered {exc.status.name}: {exc.message}")
         return 1
     except Exception as exc:
         if os.environ.get(DEBUG_VARIABLE):
@@ -184,8 +188,9 @@ def exit_now(code: int) -> None:
     then aborts the process (SIGABRT, "PyGILState_Release: thread state ... must be current")
     after the command has done its work: temporalio/sdk-python issue 300.
     """
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader gone (`| head`), or the stream closed
+            stream.flush()
     os._exit(code)
 
 

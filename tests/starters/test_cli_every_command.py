@@ -389,3 +389,22 @@ def test_what_a_server_or_person_wrote_is_printed_as_it_is(capsys: pytest.Captur
     out = capsys.readouterr().out
     for written in ("kubectl said [/x] and [bold]", "[errno 5] [/oops]", "[/maintenance]", "[red]x[/red] [/y]"):
         assert written in " ".join(out.split()) or written in out, out
+
+
+def test_a_model_refusing_what_a_command_passed_it_is_bad_input_not_a_settings_error(
+    stopped: dict[str, str], tmp_path: Path
+) -> None:
+    """A value a command handed on to a model unchecked (here: an Xid event without a node) is
+    refused in one line naming the model and field, not blamed on GPUFLEET_* settings."""
+    from models.xid import XidEvent
+
+    def refused(*_: Any, **__: Any) -> Any:
+        return XidEvent.model_validate({"xid": 79})  # raises: no node
+
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text((REPO / "examples" / "cluster.yaml").read_text())
+    with mock.patch("starters.cluster.planned_objects", side_effect=refused):
+        ran = gpufleet("cluster", "create", str(spec), "--dry-run", "--backend", "slinky", env=stopped)
+    assert ran.code == 2
+    line = ran.error_line()
+    assert line.startswith("error: invalid XidEvent: node: ") and "GPUFLEET" not in line
