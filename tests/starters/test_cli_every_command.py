@@ -37,6 +37,9 @@ from workers.entry import command, run
 
 REPO = Path(__file__).resolve().parents[2]
 
+# A guard, not a measure: a command that hangs (a connect without its timeout) fails its test here.
+pytestmark = pytest.mark.timeout(60)
+
 # Commands that start a server: run here only with bad input (below), never for real.
 STARTS_SERVERS = {("server",): "starts the Temporal dev server", ("lab", "up"): "starts the lab"}
 

@@ -24,6 +24,9 @@ from hypothesis import strategies as st
 from lab.procs import free_port
 from tests.starters.test_cli_every_command import REPO, Ran, gpufleet
 
+# A guard, not a measure: a command that hangs fails its test here.
+pytestmark = pytest.mark.timeout(180)
+
 EXAMPLES = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
