@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
@@ -23,11 +24,24 @@ from detector.spool import Spool
 from models.names import validate_node_name
 from models.policy import PolicyError, PolicyFile
 from models.settings import CLUSTER_HELP, ClusterNotSet, Settings
+from starters.cli import fail
 
 
 def node_name(explicit: str | None) -> str:
     """--node, else NODE_NAME (the downward API in the DaemonSet), else the hostname."""
     return validate_node_name(explicit or os.environ.get("NODE_NAME") or socket.gethostname().split(".")[0])
+
+
+def _wrong_numbers(*, fold_seconds: float, spool_max: int, health_port: int) -> list[str]:
+    """What is wrong with the detector's numeric options (empty: nothing)."""
+    wrong = []
+    if not math.isfinite(fold_seconds) or fold_seconds < 0:
+        wrong.append(f"--fold-seconds {fold_seconds:g}: give a number of seconds, 0 or more")
+    if spool_max < 1:
+        wrong.append(f"--spool-max {spool_max}: give a number of events, 1 or more")
+    if not 0 <= health_port <= 65535:
+        wrong.append(f"--health-port {health_port}: give a TCP port (1..65535), or 0 for none")
+    return wrong
 
 
 def detect(
@@ -88,6 +102,8 @@ def detect(
     A source that fails ends the detector (exit code 1), so that its supervisor restarts it.
     """
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s detector: %(message)s")
+    for wrong in _wrong_numbers(fold_seconds=fold_seconds, spool_max=spool_max, health_port=health_port):
+        fail(wrong, code=2)
     if ready_file is not None:
         ready_file.unlink(missing_ok=True)  # a stale one from an earlier run must not count
     settings = Settings()
@@ -96,16 +112,13 @@ def detect(
         this_cluster = settings.command_cluster(cluster)
         policy = PolicyFile(settings.policy_file)
     except ClusterNotSet as exc:
-        typer.echo(f"error: {exc}: give --cluster NAME or set GPUFLEET_CLUSTER", err=True)
-        raise typer.Exit(2) from None
+        fail(f"{exc}: give --cluster NAME or set GPUFLEET_CLUSTER", code=2)
     except (ValueError, PolicyError) as exc:  # ValueError: InvalidName, or disagreeing defaults
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(exc), code=2)
     if kmsg is None and not nvml and not journal:
         kmsg = Path("/dev/kmsg")
     if kmsg is not None and str(kmsg) != "-" and not kmsg.exists() and once:
-        typer.echo(f"error: {kmsg} does not exist", err=True)
-        raise typer.Exit(2)
+        fail(f"{kmsg} does not exist", code=2)
     state = state_dir
     if state is None and not dry_run:  # a dry run must not move the daemon's cursors
         state = settings.home / "detector" / this_node
@@ -126,8 +139,7 @@ def detect(
         try:
             health = HealthServer(detector, health_host, health_port).start()
         except OSError as exc:
-            typer.echo(f"error: --health-port {health_port} on {health_host}: {exc.strerror or exc}", err=True)
-            raise typer.Exit(2) from None
+            fail(f"--health-port {health_port} on {health_host}: {exc.strerror or exc}", code=2)
         logging.getLogger("gpufleet.detector").info(
             "liveness and metrics on http://%s:%d/healthz and /metrics", health_host, health.port
         )
@@ -145,16 +157,14 @@ def detect(
         try:
             follower = open_source(kmsg, from_start=from_start or once, resume=resume)
         except PermissionError:
-            typer.echo(f"error: cannot read {kmsg}: run as root or grant CAP_SYSLOG", err=True)
-            raise typer.Exit(2) from None
+            fail(f"cannot read {kmsg}: run as root or grant CAP_SYSLOG", code=2)
         sources.append(KernelLogSource(follower, once=once, cursor=kmsg_cursor))
     if journal:
         journal_cursor, resume = cursor("journal")
         try:
             reader = open_journal(resume=resume, follow=not once)
         except JournalctlMissing as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from None
+            fail(str(exc), code=2)
         sources.append(KernelLogSource(reader, once=once, name="journal", cursor=journal_cursor))
     if nvml:
         sources.append(NvmlSource(once=once))
@@ -165,11 +175,12 @@ def detect(
     try:
         asyncio.run(detector.run(sources, once=once, stop=stop, ready_file=ready_file))
     except SourceFailed as exc:
-        typer.echo(f"error: {exc}; exiting so the DaemonSet restarts it", err=True)
-        raise typer.Exit(1) from None
+        fail(f"{exc}; exiting so the DaemonSet restarts it")
     finally:
         if health is not None:
             health.stop()
     if delivery is not None and len(delivery.spool):
-        typer.echo(f"{len(delivery.spool)} event(s) still spooled in {delivery.spool.folder}", err=True)
-        raise typer.Exit(1)
+        fail(
+            f"{len(delivery.spool)} event(s) still spooled in {delivery.spool.folder} "
+            "(Temporal did not take them; the next start of the detector delivers them)"
+        )

@@ -14,6 +14,7 @@ from rich.table import Table
 from lab.faults import EFFECTS, Effect, Fault, xid_effect
 from lab.fleet import FleetLab, LabError
 from models.settings import Settings
+from starters.cli import fail
 
 lab_app = typer.Typer(
     help="The local fleet lab: Temporal, Slurm, emulated Kubernetes, webhook, worker.", no_args_is_help=True
@@ -33,8 +34,7 @@ def up(
     try:
         state = _lab(home).up(say=console.print)
     except (LabError, TimeoutError, RuntimeError) as exc:
-        console.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(1) from None
+        fail(str(exc))
     console.print(f"lab is up. Temporal UI: {state['services']['temporal']['ui']}")
 
 
@@ -44,8 +44,7 @@ def down(home: Annotated[Path | None, typer.Option(help="State folder.")] = None
     try:
         pids = _lab(home).down(say=console.print)
     except LabError as exc:
-        console.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(1) from None
+        fail(str(exc))
     console.print(f"lab is down ({len(pids)} processes stopped)")
 
 
@@ -62,8 +61,7 @@ def status(
         print(json.dumps(result))
         return
     if not result["running"]:
-        console.print("the lab is not running (start it with `gpufleet lab up`)")
-        raise typer.Exit(1)
+        fail("the lab is not running (start it with `gpufleet lab up`)")
     nodes = Table("node", "Slurm", "reason", "partitions", "Kubernetes", "pool", "GPU fault")
     for n in result["nodes"]:
         nodes.add_row(
@@ -109,15 +107,13 @@ def drill(
     from starters.temporal import TemporalUnreachable
 
     if job is not None and job not in JOBS:
-        console.print(f"[red]error:[/] unknown job {job!r}; choose one of {', '.join(JOBS)}")
-        raise typer.Exit(2)
+        fail(f"unknown job {job!r}; choose one of {', '.join(JOBS)}", code=2)
     lab = _lab(home)
     say = (lambda _: None) if as_json else console.print
     try:
         result = asyncio.run(run_drill(lab, node=node, xid=xid, effect=effect, job_kind=job, timeout=timeout, say=say))
     except (LabError, TemporalUnreachable, TimeoutError) as exc:
-        console.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(1) from None
+        fail(str(exc))
     if not as_json:
         table = Table("step", "start (s)", "end (s)")
         for step in result["steps"]:
@@ -156,13 +152,11 @@ def inject_xid(
     driver-format Xid line goes to NODE's kernel log, where its detector sees it."""
     lab = _lab(home)
     if not lab.running():
-        console.print("[red]error:[/] the lab is not running (start it with `gpufleet lab up`)")
-        raise typer.Exit(1)
+        fail("the lab is not running (start it with `gpufleet lab up`)")
     try:
         line = lab.inject_xid(node, xid, effect)
     except LabError as exc:
-        console.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(1) from None
+        fail(str(exc))
     console.print(f"{node}: {line}")
     console.print(f"{node}: {effect_said(xid, effect, lab.faults.get(node))}")
 
@@ -187,8 +181,7 @@ def clear_fault(
     """Clear NODE's injected GPU fault, as a repair outside gpufleet would (before `gpufleet nodes return`)."""
     lab = _lab(home)
     if node not in lab.all_nodes:
-        console.print(f"[red]error:[/] no lab node {node!r}; nodes: {', '.join(lab.all_nodes)}")
-        raise typer.Exit(1)
+        fail(f"no lab node {node!r}; nodes: {', '.join(lab.all_nodes)}", code=2)
     fault = lab.faults.get(node)
     if fault is None or not lab.faults.clear(node):
         console.print(f"{node}: no GPU fault stands")
@@ -207,8 +200,7 @@ def demand(
 
     lab = _lab(home)
     if not lab.running():
-        console.print("[red]error:[/] the lab is not running (start it with `gpufleet lab up`)")
-        raise typer.Exit(1)
+        fail("the lab is not running (start it with `gpufleet lab up`)")
     write_load(lab.load_file, requests)
     console.print(
         f"inference load: {requests:g} request(s) in flight "

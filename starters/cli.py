@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import getpass
 import json
+import math
 import os
 import re
 import time
@@ -16,6 +17,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowQueryFailedError
 from temporalio.exceptions import ActivityError
@@ -45,7 +47,7 @@ from models.settings import CLUSTER_HELP, ClusterNotSet, Settings
 from models.xid import XidEvent
 from starters.chart import write_chart
 from starters.server import dev_server_argv
-from starters.temporal import TemporalUnreachable, connect, report_xid
+from starters.temporal import TemporalConfigInvalid, TemporalUnreachable, connect, report_xid
 from workflows.guard import FleetGuardWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
@@ -78,9 +80,29 @@ def failure_text(exc: WorkflowFailureError) -> str:
     return str(getattr(cause, "message", cause))
 
 
+def one_line(text: str) -> str:
+    """``text`` on one line: a message quoting a file (a YAML error's context) or a server's
+    answer keeps every word, its line breaks and runs of blanks become one space."""
+    return " ".join(text.split())
+
+
+def say_error(message: str) -> None:
+    """``error: MESSAGE`` in one line on stderr, printed as it is: never wrapped, never read as markup."""
+    err.print(f"[bold red]error:[/] {escape(one_line(message))}", soft_wrap=True, highlight=False)
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
-    err.print(f"[bold red]error:[/] {message}")
+    """Say what was wrong in one line on stderr and exit with ``code``: 2 for bad input (nothing
+    was contacted or changed), 1 for a failure (a server that does not answer, an operation that
+    failed)."""
+    say_error(message)
     raise typer.Exit(code)
+
+
+def unknown(exc: RPCError) -> int:
+    """The exit code for a name Temporal did not find: 2, bad input (nothing was changed);
+    1 for any other error of the server."""
+    return 2 if exc.status == RPCStatusCode.NOT_FOUND else 1
 
 
 def run_async(coro: Any) -> Any:
@@ -88,7 +110,7 @@ def run_async(coro: Any) -> Any:
         return asyncio.run(coro)
     except TemporalUnreachable as exc:
         fail(str(exc))
-    except InvalidName as exc:
+    except (InvalidName, TemporalConfigInvalid) as exc:
         fail(str(exc), code=2)
 
 
@@ -150,7 +172,7 @@ def print_incident(status: IncidentStatus, *, as_json: bool) -> None:
             "[bold yellow]DRY RUN[/]: every step below is what gpufleet would have done; nothing was changed."
         )
     if status.spare:
-        console.print(f"replacement: {status.spare}")
+        console.print(f"replacement: {escape(status.spare)}")
     if status.requeued or status.unrequeued:
         ended = f" ({len(status.ended)} the failure had ended, requeued at once)" if status.ended else ""
         console.print(
@@ -158,16 +180,16 @@ def print_incident(status: IncidentStatus, *, as_json: bool) -> None:
             f"{len(status.unrequeued)} lost"
         )
     if status.unrequeued:
-        console.print(f"[yellow]lost, to resubmit:[/] {status.unrequeued}")
+        console.print(f"[yellow]lost, to resubmit:[/] {escape(str(status.unrequeued))}")
     if status.waiting_for_approval:
         console.print(
-            f"[yellow]awaiting approval:[/] {status.waiting_for_approval}\n"
+            f"[yellow]awaiting approval:[/] {escape(status.waiting_for_approval)}\n"
             f"  gpufleet approve {status.incident_id}   |   gpufleet reject {status.incident_id}"
         )
     if status.skipped:
-        console.print(f"left alone: {status.skipped}")
+        console.print(f"left alone: {escape(str(status.skipped))}")
     if status.error:
-        console.print(f"[red]error:[/] {status.error}")
+        console.print(f"[red]error:[/] {escape(status.error)}")
     if status.settings:
         knobs = status.settings
         console.print(
@@ -177,12 +199,16 @@ def print_incident(status: IncidentStatus, *, as_json: bool) -> None:
         )
     if status.notifications:
         sent = ", ".join(f"{n.kind} {n.outcome}" + (f" ({n.error})" if n.error else "") for n in status.notifications)
-        console.print(f"notifications: {sent}")
+        console.print(f"notifications: {escape(sent)}")
     table = Table("time (UTC)", "+s", "step", "event", "detail")
     start = status.timeline[0].at if status.timeline else None
     for entry in status.timeline:
         offset = f"{(entry.at - start).total_seconds():.1f}" if start else ""
-        table.add_row(entry.at.strftime("%H:%M:%S.%f")[:-3], offset, entry.step, entry.event, entry.detail)
+        table.add_row(
+            entry.at.strftime("%H:%M:%S.%f")[:-3],
+            offset,
+            *(escape(str(v)) for v in (entry.step, entry.event, entry.detail)),
+        )
     console.print(table)
 
 
@@ -241,6 +267,8 @@ def remediate(
     cluster = _cluster(cluster, settings)
     if not 0 <= xid <= XID_MAX:
         fail(f"--xid {xid} is not an Xid: NVIDIA Xids are 0..{XID_MAX} (e.g. 79, fallen off the bus)", code=2)
+    if not math.isfinite(timeout) or timeout <= 0:
+        fail(f"--timeout {timeout:g}: give a number of seconds above 0", code=2)
 
     async def go() -> int:
         client = await _client()
@@ -253,7 +281,7 @@ def remediate(
             handle, until_closed=wait, show_progress=not as_json, timeout=timeout if wait else 60
         )
         if failure:
-            err.print(f"[bold red]error:[/] {failure}")
+            say_error(failure)
             if as_json and status is not None:
                 print(status.model_dump_json())
             return 1
@@ -285,7 +313,7 @@ def _signal_incident(node: str, cluster: str | None, signal: Any, *args: Any) ->
         try:
             await client.get_workflow_handle(workflow_id).signal(signal, *args)
         except RPCError as exc:
-            fail(f"no open incident for {node} ({workflow_id}): {exc.message}")
+            fail(f"no open incident for {node} ({workflow_id}): {exc.message}", code=unknown(exc))
 
     run_async(go())
 
@@ -317,7 +345,7 @@ def spare_available(
 @incidents_app.command("list")
 def incidents_list(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON array for scripts.")] = False,
-    limit: Annotated[int, typer.Option(help="At most this many, newest first.")] = 50,
+    limit: Annotated[int, typer.Option(min=1, help="At most this many, newest first.")] = 50,
 ) -> None:
     """List incidents, newest first."""
 
@@ -413,7 +441,7 @@ async def _incident(workflow_id: str) -> tuple[Any, IncidentStatus]:
     try:
         status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
     except RPCError as exc:
-        fail(f"no incident {workflow_id}: {exc.message}")
+        fail(f"no incident {workflow_id}: {exc.message}", code=unknown(exc))
     return handle, status
 
 
@@ -663,11 +691,14 @@ def _print_guard(cluster: str, status: GuardStatus | None, *, as_json: bool) -> 
     console.print(f"cluster {cluster}: breaker {mode}")
     if state.tripped:
         console.print(
-            f"  tripped at {state.tripped_at:%Y-%m-%d %H:%M:%S} UTC: {state.tripped_why}" if state.tripped_at else ""
+            f"  tripped at {state.tripped_at:%Y-%m-%d %H:%M:%S} UTC: {escape(state.tripped_why)}"
+            if state.tripped_at
+            else ""
         )
     if state.paused:
         console.print(
-            f"  paused by {state.paused_by or '?'}" + (f": {state.paused_reason}" if state.paused_reason else "")
+            f"  paused by {escape(state.paused_by or '?')}"
+            + (f": {escape(state.paused_reason)}" if state.paused_reason else "")
         )
     share = (
         f"{len(status.nodes_in_window)} of {status.nodes} nodes"
@@ -690,7 +721,9 @@ def _print_guard(cluster: str, status: GuardStatus | None, *, as_json: bool) -> 
         console.print("  `gpufleet approve INCIDENT` lets one past, `gpufleet reject INCIDENT` closes it.")
     recent = Table("time (UTC)", "event", "node", "detail")
     for event in state.log[-10:]:
-        recent.add_row(event.at.strftime("%H:%M:%S"), event.event, event.node, event.detail)
+        recent.add_row(
+            event.at.strftime("%H:%M:%S"), *(escape(str(v)) for v in (event.event, event.node, event.detail))
+        )
     console.print(recent)
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 import yaml
+from rich.markup import escape
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy, WorkflowIDReusePolicy
 from temporalio.service import RPCError, RPCStatusCode
@@ -35,7 +37,7 @@ from models.names import InvalidName, validate_cluster_name
 from models.plugins import CLUSTER_BACKENDS, cli_default, declared, present
 from models.settings import cluster_backend_names
 from models.slinky import SLURM_VERSION, slinky_objects
-from starters.cli import _who, console, err, fail, run_async
+from starters.cli import _who, console, fail, run_async, say_error, unknown
 from starters.temporal import connect
 from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
 
@@ -53,13 +55,17 @@ def _spec(path: Path) -> ClusterSpec:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         fail(f"cannot read {path}: {exc.strerror or exc}", code=2)
+    except UnicodeDecodeError as exc:
+        fail(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}): save it as UTF-8", code=2)
     except yaml.YAMLError as exc:
         fail(f"{path} is not valid YAML: {exc}", code=2)
+    except RecursionError:
+        fail(f"{path} is not a cluster spec: nested too deep", code=2)
     try:
         return load_spec(raw)
     except SpecError as exc:
-        lines = "\n".join(f"  {where}: {what}" for where, what in exc.problems)
-        fail(f"{path}: {len(exc.problems)} problem(s); nothing was created:\n{lines}", code=2)
+        problems = "; ".join(f"{where}: {what}" for where, what in exc.problems)
+        fail(f"{path}: {len(exc.problems)} problem(s), nothing was created: {problems}", code=2)
 
 
 SLINKY = "slinky"
@@ -122,7 +128,7 @@ def _say(event: StepEvent) -> None:
     if event.event == "started":
         console.print(f"  … {event.step}")
         return
-    detail = f": {event.detail}" if event.detail else ""
+    detail = f": {escape(event.detail)}" if event.detail else ""
     console.print(f"  {marks.get(event.event, '•')} {event.step} {event.event}{detail}", highlight=False)
 
 
@@ -151,11 +157,13 @@ def _report(status: ClusterStatus, *, as_json: bool) -> None:
         console.print(f"cluster {status.name} is ready ({status.seconds:.1f}s)")
     elif status.outcome == ClusterOutcome.FAILED_KEPT:
         console.print(
-            f"cluster {status.name} failed at {status.failed_step}: {status.error}\n"
+            f"cluster {status.name} failed at {status.failed_step}: {escape(status.error)}\n"
             f"everything made is kept; fix the cause, then `gpufleet cluster create --resume {status.name}`"
         )
     else:
-        console.print(f"cluster {status.name}: {status.outcome} after failing at {status.failed_step}: {status.error}")
+        console.print(
+            f"cluster {status.name}: {status.outcome} after failing at {status.failed_step}: {escape(status.error)}"
+        )
     if status.outcome not in (ClusterOutcome.READY, ClusterOutcome.CREATING):
         raise typer.Exit(1)
 
@@ -254,8 +262,8 @@ def _answer(name: str, *, signal: str, wait: bool, as_json: bool) -> None:
         handle = client.get_workflow_handle(cluster_workflow_id(name))
         try:
             status: ClusterStatus | None = await handle.query(ClusterCreationWorkflow.status)
-        except RPCError:
-            fail(f"no creation of {name} is open (gpufleet cluster list)")
+        except RPCError as exc:
+            fail(f"no creation of {name} is open (gpufleet cluster list)", code=unknown(exc))
         if status is None or status.outcome != ClusterOutcome.FAILED_KEPT:
             fail(f"{name} is not waiting to be resumed (it is {status.outcome if status else 'starting'})")
         await handle.signal(signal)
@@ -333,7 +341,7 @@ def show(name: str, as_json: Annotated[bool, typer.Option("--json")] = False) ->
 
     status, gone = run_async(go())
     if status is None:
-        fail(f"no cluster named {name} (gpufleet cluster list)")
+        fail(f"no cluster named {name} (gpufleet cluster list)", code=2)
     outcome = "deleted" if gone is not None else str(status.outcome)
     if as_json:
         timeline = [e.model_dump(mode="json") for e in status.timeline]
@@ -343,7 +351,7 @@ def show(name: str, as_json: Annotated[bool, typer.Option("--json")] = False) ->
     for event in status.timeline:
         _say(event)
     if status.error:
-        err.print(f"failed at {status.failed_step}: {status.error}")
+        say_error(f"failed at {status.failed_step}: {status.error}")
 
 
 async def _deleted(client: Client, made: ClusterStatus) -> bool:
@@ -384,6 +392,8 @@ def delete(
         validate_cluster_name(name)
     except InvalidName as exc:
         fail(str(exc), code=2)
+    if not math.isfinite(deadline) or deadline < 0:
+        fail(f"--deadline {deadline:g}: give a number of seconds, 0 or more", code=2)
 
     async def go() -> None:
         client = await connect()
@@ -394,7 +404,7 @@ def delete(
         except RPCError:
             made = None
         if made is None or made.spec is None:
-            fail(f"no cluster named {name} (gpufleet cluster list)")
+            fail(f"no cluster named {name} (gpufleet cluster list)", code=2)
         if made.outcome == ClusterOutcome.CREATING:
             fail(f"{name} is still being created: wait for it (gpufleet cluster show {name})")
         if made.outcome == ClusterOutcome.ROLLED_BACK:
@@ -437,7 +447,7 @@ def delete(
             if status is not None:
                 if not as_json:
                     for event in status.timeline[shown:]:
-                        detail = f": {event.detail}" if event.detail else ""
+                        detail = f": {escape(event.detail)}" if event.detail else ""
                         console.print(f"  {event.step} {event.event}{detail}", highlight=False)
                     shown = len(status.timeline)
                 if status.outcome != "deleting":
@@ -458,7 +468,7 @@ def delete(
         elif status.outcome == "deleted":
             console.print(f"cluster {name} is deleted ({status.seconds:.1f}s); its nodes are back in the free pool")
         else:
-            err.print(f"cluster {name} not deleted: {status.error}")
+            say_error(f"cluster {name} not deleted: {status.error}")
         if status.outcome != "deleted":
             raise typer.Exit(1)
 

@@ -8,6 +8,7 @@ import math
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
@@ -27,7 +28,7 @@ from models.poolops import (
 )
 from models.rebalance import PRESETS, PoolLimits
 from models.settings import ClusterNotSet, Settings
-from starters.cli import _who, console, fail, run_async
+from starters.cli import _who, console, fail, run_async, unknown
 from starters.temporal import connect
 from workflows.pool import PoolRebalanceWorkflow
 
@@ -68,8 +69,8 @@ async def _handle(client: Client, name: str) -> WorkflowHandle[Any, Any]:
     handle = client.get_workflow_handle(pool_workflow_id(name))
     try:
         await handle.describe()
-    except RPCError:
-        fail(f"no pool {name}: start it with `gpufleet pool start --name {name}`")
+    except RPCError as exc:
+        fail(f"no pool {name}: start it with `gpufleet pool start --name {name}`", code=unknown(exc))
     return handle
 
 
@@ -152,7 +153,7 @@ def start(
                 fail(f"pool {pool} is running already (gpufleet pool status --name {pool})")
             raise
         source = promql or "`gpufleet pool set-demand` only"
-        console.print(f"pool {pool} rebalancing every {interval:g}s; demand from {source}", highlight=False)
+        console.print(f"pool {pool} rebalancing every {interval:g}s; demand from {escape(source)}", highlight=False)
 
     run_async(go())
 
@@ -196,12 +197,12 @@ def status(name: NameOption = None, as_json: Annotated[bool, typer.Option("--jso
     console.print(f"  training:  {', '.join(found['training']) or '-'}", highlight=False)
     console.print(f"  inference: {', '.join(found['inference']) or '-'}", highlight=False)
     for node, why in found["busy"].items():
-        console.print(f"  not movable: {node} ({why})", highlight=False)
+        console.print(f"  not movable: {node} ({escape(why)})", highlight=False)
     for node in found["handed_over"]:
         console.print(f"  handed over: {node} (an incident took it mid-move; settled once it lets go)", highlight=False)
     for node, until in found["kept_until"].items():
         console.print(f"  kept serving by its budget: {node} (tried again after {until})", highlight=False)
-    console.print(f"  decision:  {found['decision']}", highlight=False)
+    console.print(f"  decision:  {escape(str(found['decision']))}", highlight=False)
     for move in found["last_moves"][-5:]:
         console.print(f"  {move['at']} {move['node']} -> {move['to']}: {move['outcome']}", highlight=False)
 

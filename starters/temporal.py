@@ -25,40 +25,64 @@ from models.names import validate_cluster_name, validate_node_name
 from models.xid import XidEvent
 from workflows.remediation import NodeRemediationWorkflow
 
+# How long a command waits for the Temporal server to answer before it says it cannot reach it.
+CONNECT_TIMEOUT_SECONDS = 5.0
+
 
 class TemporalUnreachable(ConnectionError):
     """The Temporal server did not answer; the message names the address."""
 
 
+class TemporalConfigInvalid(ValueError):
+    """Temporal's env-config (TEMPORAL_* variables, the profile file) cannot be used; the message says why."""
+
+
 def connect_config(profile: str | None = None) -> dict[str, Any]:
-    """Temporal's env-config (``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``, profiles), with our defaults."""
-    config: dict[str, Any] = dict(ClientConfig.load_client_connect_config(profile=profile))
+    """Temporal's env-config (``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``, profiles), with our defaults.
+
+    Raises:
+        TemporalConfigInvalid: a TEMPORAL_* value or the env-config file cannot be used.
+    """
+    try:
+        config: dict[str, Any] = dict(ClientConfig.load_client_connect_config(profile=profile))
+    except Exception as exc:  # the SDK's loader raises what its parser raises (TOML, files, values)
+        raise TemporalConfigInvalid(f"Temporal's env-config (TEMPORAL_*, its profile file): {exc}") from None
     config.setdefault("target_host", "localhost:7233")
     return config
 
 
-async def connect(*, address: str | None = None, profile: str | None = None, timeout_seconds: float = 10.0) -> Client:
+async def connect(
+    *, address: str | None = None, profile: str | None = None, timeout_seconds: float = CONNECT_TIMEOUT_SECONDS
+) -> Client:
     """Connect with the pydantic data converter.
 
     Args:
         address: host:port to use instead of the env-config's (the lab knows its own server).
+        timeout_seconds: give up (TemporalUnreachable) when the server has not answered by then.
 
     Raises:
         TemporalUnreachable: naming the address, when nothing answers there.
+        TemporalConfigInvalid: the env-config cannot be used, or the address is not host:port.
     """
     config = connect_config(profile)
     address = address or config.pop("target_host")
     config.pop("target_host", None)
+    if "://" in address:
+        raise TemporalConfigInvalid(f"Temporal address {address!r}: give host:port, without a scheme")
     try:
         return await asyncio.wait_for(
             Client.connect(address, data_converter=pydantic_data_converter, **config),
             timeout=timeout_seconds,
         )
     except (RuntimeError, OSError, TimeoutError) as exc:
+        cause = str(exc) or f"no answer within {timeout_seconds:g} s"
         raise TemporalUnreachable(
-            f"cannot reach the Temporal server at {address} ({exc}). Start one with `gpufleet server`, "
-            "or set TEMPORAL_ADDRESS (or a Temporal env-config profile) to your cluster."
+            f"cannot reach the Temporal server at {address} ({cause}). Start one with `gpufleet server` "
+            "(in a checkout: `gpufleet lab up`), or set TEMPORAL_ADDRESS (or a Temporal env-config profile) "
+            "to your cluster."
         ) from None
+    except ValueError as exc:  # an address that is not host:port
+        raise TemporalConfigInvalid(f"Temporal address {address!r}: {exc}") from None
 
 
 async def report_xid(

@@ -6,17 +6,28 @@ This is the composition root: it alone may see every room, so it lives with the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Sequence
 
+import typer
 from pydantic import ValidationError
+from temporalio.service import RPCError
 
 from models.plugins import COMMANDS, installed
 from models.policy import PolicyError
 from models.settings import Settings, settings_error
-from starters.cli import app, fail, run_async
-from starters.temporal import connect
+from starters.cli import app, fail, run_async, say_error
+from starters.temporal import TemporalUnreachable, connect
+
+try:  # typer 0.2x carries its own copy of click
+    from typer._click.exceptions import ClickException
+    from typer._click.exceptions import NoArgsIsHelpError as NoArgsIsHelp
+except ImportError:  # pragma: no cover - typer on click
+    from click.exceptions import ClickException  # type: ignore[assignment]
+    from click.exceptions import NoArgsIsHelpError as NoArgsIsHelp  # type: ignore[assignment]
 
 
 @app.command()
@@ -26,7 +37,7 @@ def worker() -> None:
     Settings come from GPUFLEET_* and the policy file (GPUFLEET_POLICY_FILE); Temporal's address,
     namespace and TLS from Temporal's env-config (TEMPORAL_ADDRESS, profiles).
     """
-    from clients.errors import ClientError
+    from clients.errors import ClientError, Unavailable
     from workers.main import BackendNotInstalled, backend_factories, run_worker, slurm_from_settings
     from workers.metrics import install_metrics
 
@@ -44,6 +55,8 @@ def worker() -> None:
         close = getattr(checked, "close", None)
         if callable(close):
             close()  # the worker builds its own; this one only proved the backend serves it
+    except Unavailable as exc:  # a service that does not answer is not bad input: exit 1, as Temporal's
+        fail(f"Slurm backend {settings.slurm_backend}: {exc} (start it, or set GPUFLEET_SLURMRESTD_URL)")
     except (ClientError, ValueError) as exc:
         fail(f"Slurm backend {settings.slurm_backend}: {exc}", code=2)
     if not settings.cluster:
@@ -79,7 +92,17 @@ def _left_out(name: str, exc: ModuleNotFoundError) -> None:
     )
 
 
-def main() -> None:
+# Set to 1 (or anything) to see the traceback of an unexpected failure instead of its one line.
+DEBUG_VARIABLE = "GPUFLEET_DEBUG"
+
+_built: list[typer.Typer] = []
+
+
+def command() -> typer.Typer:
+    """The whole ``gpufleet`` command tree: the starters' commands, ``worker``, ``detect``,
+    ``cluster``, ``pool`` and the commands installed packages add (built once per process)."""
+    if _built:
+        return _built[0]
     from detector.cli import detect
     from starters.cluster import cluster_app
     from starters.pool import pool_app
@@ -92,18 +115,70 @@ def main() -> None:
     # rest of gpufleet still works (the lab installed without its extra); any other error is raised.
     for name, commands in installed(COMMANDS, lacking=_left_out).items():
         app.add_typer(commands, name=name)
+    _built.append(app)
+    return app
+
+
+def _usage_line(exc: ClickException) -> str:
+    """A usage error (an unknown command or option, a value of the wrong type, a missing
+    argument) in one line, with where to find the command's usage."""
+    ctx = getattr(exc, "ctx", None)
+    where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+    return f"{exc.format_message()}{where}"
+
+
+def run(args: Sequence[str] | None = None) -> int:
+    """Run ``gpufleet ARGS`` in this process; its exit code.
+
+    The one place where whatever a command raises becomes one line on stderr (``error: ...``),
+    without a traceback: 2 for bad input (usage, GPUFLEET_* values, the policy file), 1 for
+    anything else that failed. Commands say their own specific errors (starters.cli.fail); this
+    catches the rest. GPUFLEET_DEBUG=1 lets an unexpected failure's traceback through.
+    """
+    tree = command()
     try:
-        app()
+        code = tree(args=list(sys.argv[1:] if args is None else args), prog_name="gpufleet", standalone_mode=False)
     except SystemExit as exc:
-        exit_now(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1))
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except NoArgsIsHelp as exc:  # the help of a group given no command: already printed
+        return exc.exit_code
+    except ClickException as exc:
+        say_error(_usage_line(exc))
+        return exc.exit_code
     except ValidationError as exc:
-        # Only Settings is validated from outside input before a command runs: GPUFLEET_* values.
-        print(f"error: {settings_error(exc)}", file=sys.stderr)
-        exit_now(2)
+        if exc.title == Settings.__name__:  # GPUFLEET_* values, validated as a command starts
+            say_error(settings_error(exc))
+        else:  # a value a command passed on to a model unchecked: still input, refused as a whole
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(value)'}: {e['msg']}" for e in exc.errors())
+            say_error(f"invalid {exc.title}: {problems}")
+        return 2
     except PolicyError as exc:
-        print(f"error: policy file: {exc}", file=sys.stderr)
-        exit_now(2)
-    exit_now(0)
+        say_error(f"policy file: {exc}")
+        return 2
+    except (KeyboardInterrupt, typer.Abort):
+        say_error("interrupted")
+        return 130
+    except TemporalUnreachable as exc:
+        say_error(str(exc))
+        return 1
+    except OSError as exc:  # a file or folder the command needs (GPUFLEET_HOME, --db, --ready-file)
+        where = f"{exc.filename}: " if exc.filename else ""
+        say_error(f"{where}{exc.strerror or exc}")
+        return 1
+    except RPCError as exc:  # the server answered with an error no command expected
+        say_error(f"the Temporal server answered {exc.status.name}: {exc.message}")
+        return 1
+    except Exception as exc:
+        if os.environ.get(DEBUG_VARIABLE):
+            raise
+        said = str(exc) or "no message"
+        say_error(f"{type(exc).__name__}: {said} (unexpected: set {DEBUG_VARIABLE}=1 for the traceback)")
+        return 1
+    return code if isinstance(code, int) else 0
+
+
+def main() -> None:
+    exit_now(run())
 
 
 def exit_now(code: int) -> None:
@@ -113,8 +188,9 @@ def exit_now(code: int) -> None:
     then aborts the process (SIGABRT, "PyGILState_Release: thread state ... must be current")
     after the command has done its work: temporalio/sdk-python issue 300.
     """
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader gone (`| head`), or the stream closed
+            stream.flush()
     os._exit(code)
 
 

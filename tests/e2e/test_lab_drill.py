@@ -81,7 +81,7 @@ def test_inject_xid_refuses_an_unknown_node(lab: tuple[FleetLab, list[str]]) -> 
     fleet, _ = lab
     done = lab_cli(fleet, "inject-xid", "nosuch", "--xid", "79")
     assert done.returncode == 1
-    assert "no lab node 'nosuch'" in done.stdout
+    assert "no lab node 'nosuch'" in done.stderr
     assert not fleet.kmsg_file("nosuch").exists()
 
 
