@@ -16,7 +16,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from models.guard import GuardStatus
 from models.incident import CancelRequest, IncidentStatus, Outcome, Step
-from models.requests import RepairRequest, RepairResult, RequeueJobRequest, StopRepairsRequest
+from models.requests import RepairRequest, RepairResult, RequeueJobRequest, StillRunningRequest, StopRepairsRequest
 from tests.conftest import gpufleet_cli
 from tests.workflows.test_guard import guard, running, until
 from tests.workflows.test_remediation import Fleet, start
@@ -31,16 +31,33 @@ async def closed_by_cancel(handle: Any) -> None:
 
 
 def in_grace(status: IncidentStatus) -> bool:
-    return status.step == Step.CHECKPOINT and status.signalled == [7]
+    return status.step == Step.CHECKPOINT and status.signalled == [7]  # and checking the job
+
+
+def checking_in_grace(fleet: Fleet) -> list[Any]:
+    """The fleet's activities, but the job's check in the grace period watches until the incident
+    is cancelled: a cancel then reaches a running activity, never one finishing at that moment
+    (the test server cannot take a cancel that races an activity's completion)."""
+
+    @activity.defn(name="jobs_still_running")
+    async def still_running(request: StillRunningRequest) -> list[int]:
+        fleet.calls.append("jobs_still_running")
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(0.1)
+
+    return [*without(fleet.activities(), "jobs_still_running"), still_running]
+
+
+def without(activities: list[Any], name: str) -> list[Any]:
+    return [a for a in activities if activity._Definition.must_from_callable(a).name != name]
 
 
 async def test_a_cancel_in_the_grace_period_requeues_the_signalled_job_and_gives_everything_back(
     env: WorkflowEnvironment,
 ) -> None:
     fleet = Fleet(jobs_exit_on_sigterm=False)
-    # The server's clock runs (the grace is 120 s, far longer than the test): a workflow task
-    # failed by a cancel racing an activity's completion is retried after its backoff.
-    async with running(env, fleet):
+    async with running(env, fleet, manual_clock=True, activities=checking_in_grace(fleet)):
         handle = await start(env.client, fleet)
         await until(handle, NodeRemediationWorkflow.status, in_grace, "SIGTERM sent, grace running")
         await handle.signal(NodeRemediationWorkflow.cancel_requested, CancelRequest(by="alice", reason="wrong node"))
@@ -92,8 +109,8 @@ class BlockingRepair:
 async def test_a_cancel_during_a_repair_stops_its_job_and_gives_back_the_slot(env: WorkflowEnvironment) -> None:
     fleet = Fleet()
     blocking = BlockingRepair()
-    acts = [a for a in fleet.activities() if activity._Definition.must_from_callable(a).name != "repair_node"]
-    async with running(env, fleet, manual_clock=True, activities=[*acts, *blocking.activities()]):
+    acts = [*without(fleet.activities(), "repair_node"), *blocking.activities()]
+    async with running(env, fleet, manual_clock=True, activities=acts):
         handle = await start(env.client, fleet, xid=48)  # a reset in place
         await asyncio.wait_for(blocking.started.wait(), timeout=30)
         holding: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
@@ -115,7 +132,7 @@ async def test_a_cancel_during_a_repair_stops_its_job_and_gives_back_the_slot(en
 async def test_incidents_cancel_stops_an_incident_and_says_what_stays_drained(env: WorkflowEnvironment) -> None:
     fleet = Fleet(jobs_exit_on_sigterm=False)
     address = env.client.service_client.config.target_host
-    async with running(env, fleet):
+    async with running(env, fleet, manual_clock=True, activities=checking_in_grace(fleet)):
         handle = await start(env.client, fleet)
         status = await until(handle, NodeRemediationWorkflow.status, in_grace, "SIGTERM sent, grace running")
         done = await asyncio.to_thread(
