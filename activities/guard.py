@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from datetime import timedelta
 
 from temporalio import activity
@@ -13,7 +11,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.errors import client_errors
-from activities.heartbeat import HEARTBEAT_EVERY, heartbeating
+from activities.heartbeat import heartbeating, heartbeats
 from clients.slurm import SlurmClient
 from models.constants import (
     GUARD_DECISION_SIGNAL,
@@ -43,22 +41,6 @@ PASSING = frozenset(
         RPCStatusCode.CANCELLED,
     }
 )
-
-
-@contextlib.asynccontextmanager
-async def heartbeats() -> AsyncIterator[None]:
-    """Heartbeat every second while the body runs, so that a dead worker is noticed in seconds."""
-
-    async def beat() -> None:
-        while True:
-            activity.heartbeat()
-            await asyncio.sleep(HEARTBEAT_EVERY)
-
-    beating = asyncio.create_task(beat())
-    try:
-        yield
-    finally:
-        beating.cancel()
 
 
 def refuse_for_good(exc: RPCError) -> None:

@@ -8,10 +8,12 @@ worker is bounded by the call's own timeout, and that by the start-to-close time
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import contextvars
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import ParamSpec, TypeVar
 
 from temporalio import activity
@@ -47,3 +49,19 @@ def heartbeating(fn: Callable[P, R]) -> Callable[P, R]:
             done.set()
 
     return wrapper
+
+
+@contextlib.asynccontextmanager
+async def heartbeats() -> AsyncIterator[None]:
+    """Heartbeat every second while the body runs, so that a dead worker is noticed in seconds."""
+
+    async def beat() -> None:
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(HEARTBEAT_EVERY)
+
+    beating = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        beating.cancel()

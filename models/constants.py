@@ -11,6 +11,7 @@ RETURN_NODE_WORKFLOW = "ReturnNodeWorkflow"
 GUARD_WORKFLOW = "FleetGuardWorkflow"
 QUARANTINED_NODES_WORKFLOW = "QuarantinedNodesWorkflow"
 RELEASE_NODE_WORKFLOW = "ReleaseNodeWorkflow"
+REAPER_WORKFLOW = "ReaperWorkflow"
 # The guard's signals: an incident asks for a slot, gives it back, is let past the breaker by a
 # person; a person resets the breaker, pauses or resumes. The guard answers an incident with
 # GUARD_DECISION_SIGNAL.
@@ -80,6 +81,11 @@ def dry_run_workflow_id(cluster: str, node: str) -> str:
 def guard_workflow_id(cluster: str) -> str:
     """The one fleet guard per cluster: every incident of the cluster asks it for a slot."""
     return f"guard-{cluster}"
+
+
+def reaper_workflow_id(cluster: str) -> str:
+    """The one reaper per cluster: it gives back what incidents that stopped running still hold."""
+    return f"reaper-{cluster}"
 
 
 def return_workflow_id(cluster: str, node: str) -> str:

@@ -209,3 +209,40 @@ class ReturnNodeRequest(BaseModel):
     node: str
     # "spare" (back into the warm pool, outside the partition) or "training" (into the partition).
     as_: str = "spare"
+
+
+class SignalledJob(BaseModel):
+    """A job an incident sent SIGTERM and never requeued, with its restart count then."""
+
+    job_id: int
+    restarts_before: int = 0
+
+
+class Leftover(BaseModel):
+    """What an incident that is no longer running still holds (the reaper gives it back)."""
+
+    incident_id: str
+    node: str
+    # How its workflow ended, as Temporal says ("terminated", "failed", "gone", ...).
+    ended: str
+    lease: bool = False  # the node's gpufleet.io/lease still names it
+    claim: str = ""  # a spare it claimed and never brought into service
+    repair_jobs: list[str] = Field(default_factory=list)  # its repair Jobs that still run
+    requeue: list[SignalledJob] = Field(default_factory=list)  # from its last status
+
+
+class ReaperInput(BaseModel):
+    cluster: str
+    every_seconds: float = Field(default=300.0, gt=0, le=86400)
+    # Sweeps already made by earlier runs (the count goes on across continue-as-new).
+    sweeps: int = 0
+
+
+class ReaperStatus(BaseModel):
+    """What the reaper's ``status`` query returns: its sweeps and what it gave back."""
+
+    cluster: str
+    sweeps: int = 0
+    last_sweep: datetime | None = None
+    reaped: list[str] = Field(default_factory=list)  # one line per leftover, the latest last
+    error: str = ""

@@ -91,6 +91,9 @@ class Settings(BaseSettings):
     # Every incident the detectors and `gpufleet remediate` open is a dry run: each step recorded
     # as it would be done, nothing changed, nobody notified (workflow ID dryrun-{cluster}-{node}).
     dry_run: bool = False
+    # How often the cluster's reaper looks for leases, spare claims and repair Jobs that incidents
+    # no longer running still hold (a terminated incident runs no cleanup of its own).
+    reaper_seconds: Finite = Field(default=300.0, gt=0, le=86400)
     # Where this worker may create Slurm clusters (comma-separated: slinky, or a backend an
     # installed package adds, such as the lab's); empty: it does not serve cluster creation
     # (task queue gpufleet-clusters) at all.

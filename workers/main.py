@@ -14,7 +14,8 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio.client import Client
-from temporalio.common import MetricMeter
+from temporalio.common import MetricMeter, WorkflowIDConflictPolicy
+from temporalio.service import RPCError
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
@@ -24,6 +25,7 @@ from activities.kube import KubeActivities
 from activities.notify import NotifyActivities
 from activities.policy import PolicyActivities
 from activities.pool import PoolActivities
+from activities.reaper import ReaperActivities
 from activities.repair import RepairActivities
 from activities.slurm import SlurmActivities
 from activities.spares import SpareActivities
@@ -38,7 +40,7 @@ from clients.slurm import SlurmClient
 from clients.slurmrest_protocol import require_methods, slurm_client
 from clients.spares import SparePool
 from models.clusterops import CLUSTER_TASK_QUEUE
-from models.constants import guard_task_queue, task_queue
+from models.constants import guard_task_queue, reaper_workflow_id, task_queue
 from models.metrics import (
     CONFIG_CONFIGMAP,
     CONFIG_OK,
@@ -49,7 +51,7 @@ from models.metrics import (
 )
 from models.plugins import CLUSTER_BACKENDS, PluginNotInstalled, declared, load
 from models.policy import PolicyError, RemediationSettings
-from models.requests import WorkerConfig
+from models.requests import ReaperInput, WorkerConfig
 from models.settings import Settings
 from models.slinky import REMEDIATION_CONFIGMAP, cluster_namespace, configmap_remediation
 from workers.metrics import report_spares
@@ -57,6 +59,7 @@ from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
 from workflows.guard import FleetGuardWorkflow
 from workflows.nodes import QuarantinedNodesWorkflow, ReleaseNodeWorkflow, ReturnNodeWorkflow
 from workflows.pool import PoolRebalanceWorkflow
+from workflows.reaper import ReaperWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
 log = logging.getLogger("gpufleet.worker")
@@ -257,6 +260,7 @@ def build_activities(
     policy_acts = PolicyActivities(config)
     guard_acts = GuardActivities(slurm, cluster=settings.cluster, partition=settings.partition)
     repair_acts = RepairActivities(kube, poll_seconds=settings.poll_seconds)
+    reaper_acts = ReaperActivities(kube, cluster=settings.cluster)
     mover = PoolMover(kube, slurm, pool, poll_seconds=settings.poll_seconds)
     prometheus = PrometheusApi(settings.prometheus_url) if settings.prometheus_url else None
     pool_acts = PoolActivities(
@@ -281,6 +285,7 @@ def build_activities(
         repair_acts.repair,
         repair_acts.start_reboot,
         repair_acts.stop_repairs,
+        reaper_acts.find_leftovers,
         kube_acts.node_facts,
         kube_acts.cordon_and_drain,
         kube_acts.take_node_lease,
@@ -382,6 +387,22 @@ def workflow_runner(settings: Settings) -> SandboxedWorkflowRunner:
     return SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules(WORKFLOW_PACKAGE))
 
 
+async def start_reaper(client: Client, settings: Settings) -> None:
+    """The cluster's reaper (workflows/reaper.py), started by whichever worker comes up first; one
+    already running is left as it is (to apply a new GPUFLEET_REAPER_SECONDS, terminate it: the
+    next worker to start begins it again). Temporal away: the worker says so and goes on."""
+    try:
+        await client.start_workflow(
+            ReaperWorkflow.run,
+            ReaperInput(cluster=settings.cluster, every_seconds=settings.reaper_seconds),
+            id=reaper_workflow_id(settings.cluster),
+            task_queue=task_queue(settings.cluster),
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        )
+    except RPCError as exc:
+        log.error("the cluster's reaper was not started (%s); the next worker to start tries again", exc.message)
+
+
 # The workflows each of the worker's task queues runs.
 CLUSTER_WORKFLOWS: tuple[type, ...] = (
     NodeRemediationWorkflow,
@@ -389,6 +410,7 @@ CLUSTER_WORKFLOWS: tuple[type, ...] = (
     QuarantinedNodesWorkflow,
     ReleaseNodeWorkflow,
     PoolRebalanceWorkflow,
+    ReaperWorkflow,
 )
 GUARD_WORKFLOWS: tuple[type, ...] = (FleetGuardWorkflow,)
 CREATION_WORKFLOWS: tuple[type, ...] = (ClusterCreationWorkflow, ClusterDeletionWorkflow)
@@ -499,6 +521,7 @@ async def run_worker(
                     report_spares(clients.kube, clients.pool, metrics, cluster=settings.cluster, stop=stop)
                 )
                 stack.push_async_callback(_cancel, counting)
+            await start_reaper(client, settings)
             checking = asyncio.create_task(check_config(config, stop=stop))
             stack.push_async_callback(_cancel, checking)
             creations = cluster_activities(settings)
