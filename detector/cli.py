@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -88,6 +89,7 @@ def detect(
     A source that fails ends the detector (exit code 1), so that its supervisor restarts it.
     """
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s detector: %(message)s")
+    started = time.time()
     if ready_file is not None:
         ready_file.unlink(missing_ok=True)  # a stale one from an earlier run must not count
     settings = Settings()
@@ -132,6 +134,10 @@ def detect(
             "liveness and metrics on http://%s:%d/healthz and /metrics", health_host, health.port
         )
 
+    # Keeping cursors, a source that cannot resume from one may read records handled before:
+    # those older than this are not reported again. --from-start asks for the whole log.
+    cutoff = None if state is None or from_start else started - settings.detector_replay_cutoff_seconds
+
     def cursor(name: str) -> tuple[CursorFile | None, Position | None]:
         """The source's cursor file, and the position to resume from (none with --from-start)."""
         if state is None:
@@ -147,7 +153,7 @@ def detect(
         except PermissionError:
             typer.echo(f"error: cannot read {kmsg}: run as root or grant CAP_SYSLOG", err=True)
             raise typer.Exit(2) from None
-        sources.append(KernelLogSource(follower, once=once, cursor=kmsg_cursor))
+        sources.append(KernelLogSource(follower, once=once, cursor=kmsg_cursor, replay_cutoff=cutoff))
     if journal:
         journal_cursor, resume = cursor("journal")
         try:
@@ -155,7 +161,7 @@ def detect(
         except JournalctlMissing as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
-        sources.append(KernelLogSource(reader, once=once, name="journal", cursor=journal_cursor))
+        sources.append(KernelLogSource(reader, once=once, name="journal", cursor=journal_cursor, replay_cutoff=cutoff))
     if nvml:
         sources.append(NvmlSource(once=once))
 
