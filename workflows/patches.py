@@ -21,3 +21,9 @@ PAGE_ON_FAILURE = "page-operators-on-failure"
 # FleetGuardWorkflow: an incident that asks for a slot while every slot is held waits in line
 # for one instead of tripping the breaker (storms still trip it by the share of nodes drained).
 GUARD_SLOTS_WAIT = "guard-slots-wait"
+
+# NodeRemediationWorkflow: the spare claim asks to hear of a claimed spare that could not come
+# in (drained since by someone else: its drain is never undone); the incident says so in its
+# timeline and claims again. An inference node's replacement serves inference (policy
+# spares.inference: a spare into the inference pool, never waited for; or none), never training.
+SPARE_CLAIMS_CHECKED = "spare-claims-checked"
