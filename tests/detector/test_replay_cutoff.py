@@ -20,6 +20,7 @@ import yaml
 from detector.cursor import CursorFile
 from detector.daemon import Detector, KernelLogSource
 from detector.follow import KmsgReader
+from detector.parse import line_time
 from models.policy import Policy
 from tests.conftest import gpufleet_cli
 from tests.detector.test_journal import DATA, detect_journal, recent, stand_in
@@ -138,3 +139,37 @@ async def test_a_deleted_kmsg_cursor_does_not_replay_the_ring_buffer(tmp_path: P
     events = await start()
     assert [e["xid"] for e in events] == [64]  # neither the 48 nor the 79 again
     assert events[0]["gpu_uuid"] == "GPU-2f6a3b4c-5d6e-7f80-91a2-b3c4d5e6f708"
+
+
+async def test_a_cursor_of_an_earlier_boot_vouches_for_this_boot_whole(tmp_path: Path) -> None:
+    """After a reboot the saved cursor is the last boot's: every record of this boot is new,
+    however long before the detector's start (a failure at boot, the detector started late)."""
+    boot_time = time.time() - 3600
+    old = f"4,1,{60 * 1_000_000},-;NVRM: Xid (PCI:0000:3b:00): 79, pid=0, GPU has fallen off the bus.\n".encode()
+    cursor = CursorFile(tmp_path / "state", "kmsg")
+    cursor.save({"kind": "kmsg", "boot_id": "an-earlier-boot", "seq": 812})
+    printed: list[str] = []
+    kmsg = KmsgReader(
+        Path("/dev/kmsg"), read_record=Ring(old).read, boot_id=BOOT, resume=cursor.load(), boot_time=boot_time
+    )
+    source = KernelLogSource(kmsg, once=True, cursor=cursor, replay_cutoff=time.time() - 300)
+    await Detector(node="gpu7", policy=Policy(), delivery=None, out=printed.append).run([source], once=True)
+    assert [json.loads(line)["xid"] for line in printed] == [79]
+
+
+def test_a_lines_own_time_is_read_from_the_formats_logs_use() -> None:
+    utc = "2025-01-21T04:41:44,283302+00:00"
+    assert line_time(f"kern  :warn  : {utc} NVRM: Xid ...") == 1737434504.283302
+    assert line_time("2025-01-21T04:41:44Z gpu1 kernel: NVRM: Xid ...") == 1737434504.0
+    assert line_time("[ 1843.308145] NVRM: Xid ...") is None  # an uptime is no time of day
+    assert line_time("NVRM: Xid (PCI:0000:3b:00): 79, ...") is None
+    local = time.mktime((2025, 2, 23, 16, 24, 18, 0, 0, -1))
+    assert line_time("[Sun Feb 23 16:24:18 2025] NVRM: Xid ...") == local
+    # Syslog gives no year: the one that puts the line at most a day ahead of now.
+    now = time.mktime((2026, 1, 2, 12, 0, 0, 0, 0, -1))
+    assert line_time("Dec 31 23:59:59 gpu1 kernel: NVRM: Xid ...", now=now) == time.mktime(
+        (2025, 12, 31, 23, 59, 59, 0, 0, -1)
+    )
+    assert line_time("Jan  2 11:00:00 gpu1 kernel: NVRM: Xid ...", now=now) == time.mktime(
+        (2026, 1, 2, 11, 0, 0, 0, 0, -1)
+    )
