@@ -86,6 +86,11 @@ def detect(
     next. --from-start ignores the cursor. --once reads what there is (a file from its start, or
     from its cursor) and exits. Lines written before --ready-file appears may be missed.
 
+    Keeping cursors, a source that starts without one it can resume from (a first start, a
+    cursor lost or refused) skips events whose records are older than the detector's start less
+    $GPUFLEET_DETECTOR_REPLAY_CUTOFF_SECONDS (300), by the record's own time, and says how many:
+    they were most likely reported before. --from-start skips nothing.
+
     A source that fails ends the detector (exit code 1), so that its supervisor restarts it.
     """
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s detector: %(message)s")
