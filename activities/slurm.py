@@ -58,6 +58,9 @@ def requeued_mark(incident_id: str, run: int) -> str:
 ENDED_BY_FAILURE = frozenset({"FAILED", "NODE_FAIL"})
 
 _SIGNALLABLE = {"RUNNING", "SUSPENDED", "CONFIGURING"}
+# A requeued job (more restarts than before) in one of these ran again: running now, or already
+# done (a short job may start and complete between two looks of the resume watch).
+RAN_AGAIN = frozenset({"RUNNING", "COMPLETED"})
 _QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"}
 
 
@@ -262,7 +265,10 @@ class SlurmActivities:
             check = ResumeCheck()
             for job_id in request.job_ids:
                 job = jobs.get(job_id) or JobInfo(job_id=job_id, state="UNKNOWN")
-                back = job.state == "RUNNING" and job.restarts > request.restarts_before.get(job_id, 0)
+                # Requeued since (more restarts), and running, or already done: a short job may
+                # run and complete between two looks. A requeue leaves the job PENDING (or
+                # COMPLETING while its old processes end), so COMPLETED means it ran after it.
+                back = job.state in RAN_AGAIN and job.restarts > request.restarts_before.get(job_id, 0)
                 (check.resumed if back else check.waiting).append(job)
             if not check.waiting or time.monotonic() >= deadline:
                 return check

@@ -23,13 +23,20 @@ class SpareActivities:
     @heartbeating
     def claim_spare(self, request: ClaimRequest) -> str | None:
         """The spare claimed for this incident (the same one on every retry), or None if none is free.
-        A dry run answers with the spare a claim would take, claiming nothing."""
+        A dry run answers with the spare a claim would take, claiming nothing. SpareLost (not
+        retried; only when the request asks): the claimed spare could not come in and was released."""
         with activity.shield_thread_cancel_exception(), client_errors(), dry_run(request.dry_run):
             if request.dry_run:
                 return self._provider.candidate()
             # A retry may follow an attempt that claimed before it died: look wide for that claim.
             retry = activity.info().attempt > 1
-            return self._provider.claim(request.incident_id, partitions=request.partitions, retry=retry)
+            return self._provider.claim(
+                request.incident_id,
+                partitions=request.partitions,
+                retry=retry,
+                pool=request.pool,
+                report_lost=request.report_lost,
+            )
 
     @activity.defn(name="release_spare")
     @heartbeating

@@ -10,6 +10,7 @@ import secrets
 import socket
 import zlib
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Protocol, TypeVar
 
 from clients.errors import Conflict, InvalidInput, LastNodeOfPartition, NotFound, NotOwned
@@ -22,8 +23,10 @@ from models.constants import (
     CLUSTER_LABEL,
     INCIDENT_ANNOTATION,
     NODE_LEASE_ANNOTATION,
+    POOL_INFERENCE,
     POOL_LABEL,
     POOL_RETIRED,
+    POOL_SINCE_ANNOTATION,
     POOL_SPARE,
     POOL_TRAINING,
     QUARANTINE_LABEL,
@@ -32,6 +35,7 @@ from models.constants import (
     RETIRED_TAINT,
     UNHEALTHY_TAINT,
     claim_label_value,
+    drained_by,
 )
 from models.names import label_value
 
@@ -50,10 +54,23 @@ _OUT_OF_SERVICE = frozenset({"down", "fail"})
 _UNFIT_ERRORS = (NotOwned, NotFound, InvalidInput)
 
 
+class SpareLost(NotOwned):
+    """The claimed spare cannot come in (drained since by someone else, quarantined, gone from
+    Slurm); its claim was released. Raised only to a claim that asked (``report_lost``)."""
+
+
 class NodeProvider(Protocol):
     """Where replacement nodes come from, and where failed and repaired nodes go."""
 
-    def claim(self, incident_id: str, *, partitions: list[str] | None = None, retry: bool = False) -> str | None: ...
+    def claim(
+        self,
+        incident_id: str,
+        *,
+        partitions: list[str] | None = None,
+        retry: bool = False,
+        pool: str = POOL_TRAINING,
+        report_lost: bool = False,
+    ) -> str | None: ...
     def candidate(self) -> str | None: ...
     def release(self, incident_id: str) -> str | None: ...
     def retire(self, node: str, incident_id: str = "") -> None: ...
@@ -175,7 +192,7 @@ class SparePool:
         found = self._kube.list_nodes(label_selector=f"{CLAIM_LABEL}={claim_label_value(incident_id)}")
         own = self._claimed_by(incident_id, found)
         if own is None and wide:
-            pools = f"{POOL_LABEL} in ({POOL_SPARE},{POOL_TRAINING})"
+            pools = f"{POOL_LABEL} in ({POOL_SPARE},{POOL_TRAINING},{POOL_INFERENCE})"
             own = self._claimed_by(incident_id, self._kube.list_nodes(label_selector=pools))
         return own
 
@@ -237,15 +254,38 @@ class SparePool:
             return self._partition
         return partitions[0]
 
-    def _bring_in(self, spare: KubeNode, partition: str) -> None:
-        """Resume the claimed spare in Slurm, put it in ``partition`` and the training pool."""
+    def _bring_in(self, spare: KubeNode, partition: str, incident_id: str, pool: str = POOL_TRAINING) -> None:
+        """Resume the claimed spare in Slurm, put it in ``partition`` and the training pool; or,
+        for ``pool`` inference, label it for inference and leave Slurm as it is.
+
+        The spare was idle and undrained when it was claimed. A drain found now is someone
+        else's (a person's, or another incident's after an Xid on the spare) unless it names
+        this incident: that one is resumed, any other is theirs to keep (NotOwned).
+        """
         name = spare.name
         if QUARANTINE_LABEL in spare.labels:
             raise NotOwned(f"{name} was quarantined after it was claimed")
-        self._slurm.resume(name)  # NotFound: gone from Slurm; NotOwned: taken out by someone else
-        info = self._slurm.node(name)
+        info = self._slurm.node(name)  # NotFound: gone from Slurm
         if info.drained or info.state in _OUT_OF_SERVICE:
-            raise NotOwned(f"{name} is out of service in Slurm ({info.state}, {info.reason!r})")
+            if drained_by(info.reason) != incident_id:
+                raise NotOwned(
+                    f"{name} was taken out of service after it was claimed ({info.state}, {info.reason!r}); "
+                    "not resuming it"
+                )
+            self._slurm.resume(name)
+            info = self._slurm.node(name)
+            if info.drained or info.state in _OUT_OF_SERVICE:
+                raise NotOwned(f"{name} is out of service in Slurm ({info.state}, {info.reason!r})")
+        if pool == POOL_INFERENCE:
+            if spare.labels.get(POOL_LABEL) != POOL_INFERENCE:
+                spare = self._kube.update_metadata(
+                    name,
+                    labels={POOL_LABEL: POOL_INFERENCE},
+                    annotations={POOL_SINCE_ANNOTATION: datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")},
+                )
+            if any(t["key"] == POOL_LABEL for t in spare.taints):  # the training taint keeps inference off
+                self._kube.remove_taint(name, key=POOL_LABEL)
+            return
         partition = spare.annotations.get(CLAIM_PARTITION_ANNOTATION) or partition  # a retry keeps its first
         if partition not in info.partitions:
             if CLAIM_PARTITION_ANNOTATION not in spare.annotations:
@@ -262,13 +302,24 @@ class SparePool:
                 return node.name
         return None
 
-    def claim(self, incident_id: str, *, partitions: list[str] | None = None, retry: bool = False) -> str | None:
-        """Claim a spare for the incident and bring it into the partition and the training pool.
+    def claim(
+        self,
+        incident_id: str,
+        *,
+        partitions: list[str] | None = None,
+        retry: bool = False,
+        pool: str = POOL_TRAINING,
+        report_lost: bool = False,
+    ) -> str | None:
+        """Claim a spare for the incident and bring it into the partition and the training pool
+        (``pool`` inference: into the inference pool, for an inference node's replacement).
 
         ``partitions``: the failed node's; the spare joins ours when the node was in it, else
         the first of them (a cluster with several partitions). ``retry``: an attempt after one
-        that may have claimed already; its claim is looked for among every spare and training
-        node too (one written by an earlier release carries no label).
+        that may have claimed already; its claim is looked for among every spare, training and
+        inference node too (one written by an earlier release carries no label). A claimed
+        spare that cannot come in is released; then, with ``report_lost``, SpareLost says which
+        and why, else the next spare is tried.
 
         Returns:
             The spare's name (the same one on every retry), or None when no spare is free.
@@ -281,11 +332,13 @@ class SparePool:
             if spare.name in tried:
                 raise Conflict(f"the claim of {spare.name} for {incident_id} could not be released; retry")
             try:
-                self._bring_in(spare, self._joins(partitions))
+                self._bring_in(spare, self._joins(partitions), incident_id, pool)
             except _UNFIT_ERRORS as exc:
                 log.warning("spare %s did not come in for %s (%s); releasing it", spare.name, incident_id, exc)
                 tried.add(spare.name)
                 self._release_node(spare.name, incident_id)
+                if report_lost:
+                    raise SpareLost(f"{spare.name}: {exc}; its claim is released") from exc
                 continue
             return spare.name
 

@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -99,11 +100,17 @@ def detect(
     next. --from-start ignores the cursor. --once reads what there is (a file from its start, or
     from its cursor) and exits. Lines written before --ready-file appears may be missed.
 
+    Keeping cursors, a source that starts without one it can resume from (a first start, a
+    cursor lost or refused) skips events whose records are older than the detector's start less
+    $GPUFLEET_DETECTOR_REPLAY_CUTOFF_SECONDS (300), by the record's own time, and says how many:
+    they were most likely reported before. --from-start skips nothing.
+
     A source that fails ends the detector (exit code 1), so that its supervisor restarts it.
     """
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s detector: %(message)s")
     for wrong in _wrong_numbers(fold_seconds=fold_seconds, spool_max=spool_max, health_port=health_port):
         fail(wrong, code=2)
+    started = time.time()
     if ready_file is not None:
         ready_file.unlink(missing_ok=True)  # a stale one from an earlier run must not count
     settings = Settings()
@@ -144,6 +151,10 @@ def detect(
             "liveness and metrics on http://%s:%d/healthz and /metrics", health_host, health.port
         )
 
+    # Keeping cursors, a source that cannot resume from one may read records handled before:
+    # those older than this are not reported again. --from-start asks for the whole log.
+    cutoff = None if state is None or from_start else started - settings.detector_replay_cutoff_seconds
+
     def cursor(name: str) -> tuple[CursorFile | None, Position | None]:
         """The source's cursor file, and the position to resume from (none with --from-start)."""
         if state is None:
@@ -158,14 +169,14 @@ def detect(
             follower = open_source(kmsg, from_start=from_start or once, resume=resume)
         except PermissionError:
             fail(f"cannot read {kmsg}: run as root or grant CAP_SYSLOG", code=2)
-        sources.append(KernelLogSource(follower, once=once, cursor=kmsg_cursor))
+        sources.append(KernelLogSource(follower, once=once, cursor=kmsg_cursor, replay_cutoff=cutoff))
     if journal:
         journal_cursor, resume = cursor("journal")
         try:
             reader = open_journal(resume=resume, follow=not once)
         except JournalctlMissing as exc:
             fail(str(exc), code=2)
-        sources.append(KernelLogSource(reader, once=once, name="journal", cursor=journal_cursor))
+        sources.append(KernelLogSource(reader, once=once, name="journal", cursor=journal_cursor, replay_cutoff=cutoff))
     if nvml:
         sources.append(NvmlSource(once=once))
 

@@ -22,7 +22,7 @@ from temporalio.service import RPCError
 
 from detector.cursor import CursorFile, Position
 from detector.follow import JournalCursorRejected, JournalReader, KmsgReader, LineReader, SourceStats
-from detector.parse import KernelLogParser, XidReport
+from detector.parse import KernelLogParser, XidReport, line_time
 from detector.spool import Spool, SpoolFull
 from models.policy import Action, Policy, PolicyFile
 from models.xid import GpuEventKind, XidEvent
@@ -65,6 +65,11 @@ class KernelLogSource:
     With a ``cursor``, the reader's position is saved after each line that produced an event,
     and otherwise at most every ``save_seconds`` (a burst of other lines costs no fsync each),
     and when the source stops.
+
+    ``replay_cutoff`` (Unix time) guards a start without a cursor the reader accepted (lost,
+    unreadable, refused by journalctl): what it reads may have been handled before, so an event
+    whose record carries an older time is skipped, not reported again. Records read after a
+    cursor the reader accepted, and records whose time is unknown, are always reported.
     """
 
     def __init__(
@@ -75,6 +80,7 @@ class KernelLogSource:
         name: str = "kmsg",
         cursor: CursorFile | None = None,
         save_seconds: float = 0.5,
+        replay_cutoff: float | None = None,
     ) -> None:
         self.name = name
         self._reader = reader
@@ -87,6 +93,9 @@ class KernelLogSource:
         self._save_seconds = save_seconds
         self._saved: Position | None = None
         self._saved_at = float("-inf")
+        self._cutoff = replay_cutoff
+        self.skipped = 0  # events older than the cutoff, not reported
+        self._skipped_said = 0
 
     @property
     def stats(self) -> SourceStats:
@@ -95,17 +104,30 @@ class KernelLogSource:
     def run(self, emit: Emit, stop: threading.Event, ready: Ready) -> None:
         self._reader.prime()
         ready()
+        cutoff = None if self._reader.resumed else self._cutoff
+        if cutoff is not None:
+            log.info(
+                "%s: no saved cursor to resume from: events whose records are older than %s are taken as "
+                "handled before and not reported",
+                self.name,
+                datetime.fromtimestamp(cutoff, UTC).isoformat(timespec="seconds"),
+            )
+
+        def idle() -> None:
+            self._say_skipped()
+            self._checkpoint(emit, now=False)
+
         try:
-            if self._once:
-                lines = self._reader.read_available()
-            else:
-                lines = self._reader.follow(stop=stop.is_set, idle=lambda: self._checkpoint(emit, now=False))
+            lines = self._reader.read_available() if self._once else self._reader.follow(stop=stop.is_set, idle=idle)
             feed, countdown = self._parser.feed, _LINES_BETWEEN_CLOCK_LOOKS
             for line in lines:
                 reports = feed(line)
                 if reports:
-                    for report in reports:
-                        emit(report, self.name)
+                    if cutoff is not None and self._older(line, cutoff):
+                        self.skipped += len(reports)
+                    else:
+                        for report in reports:
+                            emit(report, self.name)
                     self._checkpoint(emit, now=True)
                     continue
                 countdown -= 1
@@ -113,12 +135,31 @@ class KernelLogSource:
                     countdown = _LINES_BETWEEN_CLOCK_LOOKS
                     self._checkpoint(emit, now=False)
             self._checkpoint(emit, now=True)
+            self._say_skipped()
         except JournalCursorRejected as exc:
             if self._cursor is not None:  # so that the restart this failure brings does not fail again
                 self._cursor.drop(str(exc))
             raise
         finally:
             self._reader.close()
+
+    def _older(self, line: str, cutoff: float) -> bool:
+        """Whether the record of ``line`` carries a time before ``cutoff`` (unknown: not older)."""
+        when = self._reader.last_time
+        if when is None:
+            when = line_time(line)
+        return when is not None and when < cutoff
+
+    def _say_skipped(self) -> None:
+        """Say how many events were skipped as older than the cutoff, when that number has grown."""
+        if self.skipped > self._skipped_said:
+            log.warning(
+                "%s: %d event(s) older than the replay cutoff skipped: read again without a cursor, they "
+                "were most likely handled before",
+                self.name,
+                self.skipped,
+            )
+            self._skipped_said = self.skipped
 
     def _checkpoint(self, emit: Emit, *, now: bool) -> None:
         """Ask for the position to be saved: ``now``, or if the last save is ``save_seconds`` old."""

@@ -47,9 +47,17 @@ class SourceStats:
 
 
 class LineReader(Protocol):
-    """What every reader offers the kernel-log source."""
+    """What every reader offers the kernel-log source.
+
+    ``resumed``: reading started from a saved cursor this reader accepted (so every record read
+    is one not handled before). ``last_time``: the Unix time the record of the last line yielded
+    carries, when the source says it (the kmsg timestamp, the journal's ``__REALTIME_TIMESTAMP``);
+    None for text, whose time, if any, is in the line itself.
+    """
 
     stats: SourceStats
+    resumed: bool
+    last_time: float | None
 
     def prime(self) -> None: ...
 
@@ -123,6 +131,8 @@ class LogFollower:
         self._partial_at = 0  # the file offset of ``_partial``
         self._line_end = 0  # the file offset just after the last line yielded
         self.stats = SourceStats()
+        self.resumed = False
+        self.last_time: float | None = None
 
     def _open(self, *, at_end: bool) -> bool:
         try:
@@ -145,6 +155,7 @@ class LogFollower:
         if resume is not None:
             same_file = (resume.get("kind"), resume.get("dev"), resume.get("ino")) == ("file", info.st_dev, info.st_ino)
             offset = resume.get("offset")
+            self.resumed = True  # the cursor names this log: whatever is read from here came after it
             if same_file and isinstance(offset, int) and 0 <= offset <= info.st_size:
                 log.info("%s: resuming at byte %d, after the last line handled", self.path, offset)
                 return offset
@@ -271,6 +282,7 @@ class KmsgReader:
         boot_id: str | None = None,
         poll_seconds: float = 0.05,
         read_record: Callable[[], bytes] | None = None,
+        boot_time: float | None = None,
     ) -> None:
         self.path = path
         self._fd: int | None = None
@@ -281,6 +293,10 @@ class KmsgReader:
             read_record = functools.partial(os.read, self._fd, 8192)
         self._read_record = read_record
         self.boot_id = read_boot_id() if boot_id is None else boot_id
+        # The Unix time of the kernel's clock zero: a record's timestamp counts microseconds from it.
+        self._boot_time = time.time() - time.clock_gettime(time.CLOCK_MONOTONIC) if boot_time is None else boot_time
+        self.last_time: float | None = None
+        self.resumed = False
         self._poll = poll_seconds
         self._skip_through = self._resume_seq(resume)  # records up to this one were handled before
         self._seq: int | None = None  # the last record read
@@ -293,7 +309,10 @@ class KmsgReader:
         seq = resume.get("seq")
         if resume.get("kind") == "kmsg" and resume.get("boot_id") == self.boot_id and isinstance(seq, int):
             log.info("%s: resuming after record %d of this boot", self.path, seq)
+            self.resumed = True
             return seq
+        # A cursor of an earlier boot vouches for this one: nothing of it was handled yet.
+        self.resumed = resume.get("kind") == "kmsg" and isinstance(resume.get("boot_id"), str)
         log.info("%s: the saved cursor is from another boot; reading this boot's records from the oldest", self.path)
         return None
 
@@ -354,6 +373,7 @@ class KmsgReader:
                 f"not the kernel: {message[:80]!r}"
             )
             return None
+        self.last_time = self._boot_time + int(fields[2]) / 1e6 if fields[2].isdigit() else None
         return line
 
     def follow(self, *, stop: Callable[[], bool] = lambda: False, idle: Idle = _nothing) -> Iterator[str]:
@@ -375,6 +395,8 @@ class StreamReader:
     def __init__(self, stream: IO[bytes]) -> None:
         self._stream = stream
         self.stats = SourceStats()
+        self.resumed = False
+        self.last_time: float | None = None
 
     def prime(self) -> None:
         """A stream has no position to fix: what is written to it from now on is read."""
@@ -406,6 +428,7 @@ class JournalEntry:
     facility: str | None
     identifier: str | None
     message: str | None
+    realtime: float | None = None  # __REALTIME_TIMESTAMP, as Unix time
 
     @property
     def from_kernel(self) -> bool:
@@ -431,7 +454,14 @@ def parse_journal_entry(raw: bytes) -> JournalEntry | None:
         facility=journal_text(fields.get("SYSLOG_FACILITY")),
         identifier=journal_text(fields.get("SYSLOG_IDENTIFIER")),
         message=journal_text(fields.get("MESSAGE")),
+        realtime=_journal_time(fields.get("__REALTIME_TIMESTAMP")),
     )
+
+
+def _journal_time(value: object) -> float | None:
+    """``__REALTIME_TIMESTAMP`` (microseconds since the epoch, as a string) as Unix time."""
+    text = journal_text(value)
+    return int(text) / 1e6 if text is not None and text.isdigit() else None
 
 
 class JournalctlMissing(RuntimeError):
@@ -467,6 +497,8 @@ class JournalReader:
         self._stream = stream
         self._process = process
         self._after_cursor = after_cursor
+        self.resumed = after_cursor is not None  # journalctl refusing it ends the reader
+        self.last_time: float | None = None
         self._entries = 0
         self._poll = poll_seconds
         self._cursor: str | None = None
@@ -525,6 +557,7 @@ class JournalReader:
                 f"from {entry.identifier!r}, not the kernel: {(entry.message or '')[:80]!r}"
             )
         elif entry.message:
+            self.last_time = entry.realtime
             *first, last = entry.message.splitlines() or [""]
             yield from first
             if entry.cursor is not None:

@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any
 
 _HEX_PCI = r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}"
@@ -192,6 +194,57 @@ def _unwrap_json(line: str) -> list[str] | None:
         if value is not None:
             return value.splitlines()
     return None
+
+
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+# journald short-iso, dmesg --time-format iso, RFC 5424 syslog: 2025-01-25T10:34:54,859532+00:00
+_ISO_TIME = re.compile(
+    r"(?P<date>\d{4}-\d{2}-\d{2})[T ](?P<time>\d{2}:\d{2}:\d{2})(?:[.,](?P<frac>\d{1,9}))?"
+    r"(?P<zone>Z|[+-]\d{2}:?\d{2})?"
+)
+# dmesg -T: [Mon Aug  5 03:54:13 2024]
+_DMESG_T = re.compile(r"\[\w{3} (?P<mon>\w{3}) +(?P<day>\d{1,2}) (?P<time>\d{2}:\d{2}:\d{2}) (?P<year>\d{4})\]")
+# RFC 3164 syslog, English month names: Aug  5 03:54:13 host kernel: ...
+_SYSLOG_TIME = re.compile(r"(?P<mon>[A-Z][a-z]{2}) +(?P<day>\d{1,2}) (?P<time>\d{2}:\d{2}:\d{2})\b")
+_TIME_SEARCH = 48  # a line's time is near its start: behind a dmesg --decode facility at most
+
+
+def line_time(line: str, *, now: float | None = None) -> float | None:
+    """The Unix time a text log line carries at its start, if it says one this parser knows.
+
+    ISO 8601 (journald ``short-iso``, ``dmesg --time-format iso``, RFC 5424; local time when no
+    zone is given), ``dmesg -T`` and RFC 3164 syslog with English month names (local time; the
+    year is the one that puts the line no more than a day ahead of ``now``). A dmesg uptime
+    (``[ 1843.308145]``) is no time of day: None, as for a line without any.
+    """
+    head = line[:_TIME_SEARCH]
+    if iso := _ISO_TIME.search(head):
+        zone = iso.group("zone") or ""
+        if zone and zone != "Z" and ":" not in zone:
+            zone = f"{zone[:3]}:{zone[3:]}"
+        frac = (iso.group("frac") or "0")[:6]
+        try:
+            stamp = datetime.fromisoformat(f"{iso.group('date')}T{iso.group('time')}.{frac:0<6}{zone}")
+        except ValueError:
+            return None
+        return stamp.timestamp()  # a naive stamp is local time
+    if (dmesg := _DMESG_T.match(head)) and dmesg.group("mon") in _MONTHS:
+        return _local(int(dmesg.group("year")), dmesg.group("mon"), dmesg.group("day"), dmesg.group("time"))
+    if (syslog := _SYSLOG_TIME.match(head)) and syslog.group("mon") in _MONTHS:
+        now = time.time() if now is None else now
+        year = datetime.fromtimestamp(now).year
+        when = _local(year, syslog.group("mon"), syslog.group("day"), syslog.group("time"))
+        if when is not None and when > now + 86400:  # December's line read in January
+            when = _local(year - 1, syslog.group("mon"), syslog.group("day"), syslog.group("time"))
+        return when
+    return None
+
+
+def _local(year: int, month: str, day: str, clock: str) -> float | None:
+    try:
+        return time.mktime(time.strptime(f"{year} {_MONTHS.index(month) + 1} {day} {clock}", "%Y %m %d %H:%M:%S"))
+    except (ValueError, OverflowError):
+        return None
 
 
 @dataclass

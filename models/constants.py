@@ -37,6 +37,8 @@ DRAIN_REASON_PREFIX = "gpufleet:"
 POOL_LABEL = "gpufleet.io/pool"
 POOL_SPARE = "spare"
 POOL_TRAINING = "training"
+# A node of the shared pool serving inference (Kubernetes, outside every Slurm partition).
+POOL_INFERENCE = "inference"
 POOL_RETIRED = "retired"
 # When a node of a shared pool took its pool label (RFC 3339, UTC): the last to go to inference
 # is the first to come back.
@@ -115,6 +117,14 @@ def drained_for(reason: str) -> str | None:
         return None
     words = reason.split()
     return next((word for word in words if word.isupper() and "_" in word), None)
+
+
+def drained_by(reason: str) -> str | None:
+    """The incident a gpufleet drain reason names (``... incident <id>``), or None."""
+    if not owned_reason(reason):
+        return None
+    words = reason.split()
+    return words[-1] if len(words) >= 2 and words[-2] == "incident" else None
 
 
 # Reasons Slurm writes itself when a node fails: they are the failure, not an owner's hold.

@@ -198,6 +198,9 @@ class IncidentStatus(BaseModel):
     # The failed node's Slurm partitions, as the incident found them: the spare joins the first
     # (the worker's own when it is one of them).
     partitions: list[str] = Field(default_factory=list)
+    # The failed node's pool (its gpufleet.io/pool label) as the incident found it: an inference
+    # node's replacement serves inference (policy spares.inference).
+    pool: str = ""
     # Set while the incident holds the node's lease (gpufleet.io/lease), carried across
     # continue-as-new; let go when the incident closes.
     node_leased: bool = False

@@ -109,6 +109,25 @@ class RemediationSettings(BaseModel):
     failure_window_seconds: Finite = Field(default=120.0, ge=0, le=3600)
 
 
+class InferenceSpare(StrEnum):
+    """What replaces a node of the inference pool (gpufleet.io/pool=inference) that an incident retires."""
+
+    # A free spare, brought in for inference (labelled inference; Slurm left as it is). None
+    # free: the incident does not wait; the shared pool's rebalancing makes up the capacity.
+    SAME_POOL = "same-pool"
+    # No spare: the shared pool's rebalancing alone makes up the capacity.
+    NONE = "none"
+
+
+class SpareSettings(BaseModel):
+    """Which spare an incident claims. A training node's replacement joins its Slurm partition;
+    an inference node's never does (a spare claimed into training would not serve inference)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    inference: InferenceSpare = InferenceSpare.SAME_POOL
+
+
 class GuardSettings(BaseModel):
     """How much of a cluster gpufleet may take down on its own (the fleet guard, per cluster).
 
@@ -257,8 +276,10 @@ class Policy(BaseModel):
     remediation: RemediationSettings = Field(default_factory=RemediationSettings)
     # ... how much of the cluster it may take down on its own...
     guard: GuardSettings = Field(default_factory=GuardSettings)
-    # ... and how it resets a GPU or reboots a node.
+    # ... how it resets a GPU or reboots a node...
     repair: RepairSettings = Field(default_factory=RepairSettings)
+    # ... and which spare replaces a retired node.
+    spares: SpareSettings = Field(default_factory=SpareSettings)
 
     @field_validator("kinds")
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -130,6 +131,13 @@ class ClaimRequest(BaseModel):
     # The failed node's partitions (empty: the worker's own): the spare joins the first of them,
     # or the worker's own partition when it is one of them.
     partitions: list[str] = Field(default_factory=list)
+    # The pool the spare serves: "training" (resumed in Slurm, into the partition) or "inference"
+    # (labelled for inference; Slurm left as it is), for the replacement of an inference node.
+    pool: Literal["training", "inference"] = "training"
+    # A claimed spare that cannot come in (drained since by someone else, quarantined, gone) is
+    # released, then: True, the claim fails with SpareLost naming it (the incident says so and
+    # claims again); False (incidents before patch spare-claims-checked), the next spare is tried.
+    report_lost: bool = False
 
 
 class RetireRequest(BaseModel):

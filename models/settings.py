@@ -70,6 +70,10 @@ class Settings(BaseSettings):
     eviction_timeout_seconds: Finite = Field(default=60.0, ge=0, le=86400)
     owner_drained: OwnerDrained = OwnerDrained.ASK
     poll_seconds: Finite = Field(default=0.5, gt=0, le=60)
+    # The detector, starting without a cursor it can resume from (lost, unreadable, refused by
+    # journalctl), skips events whose records are older than its start less this many seconds:
+    # they were most likely handled before. Newer ones, a boot's own failures among them, count.
+    detector_replay_cutoff_seconds: Finite = Field(default=300.0, ge=0, le=3650 * 86400)
     # How long a workflow task waits on this worker's own (sticky) queue before the server hands
     # it to the cluster's queue, where any worker takes it and replays the workflow's history.
     # Short: a killed worker's incidents move on within seconds. A worker busy with many

@@ -34,3 +34,9 @@ CANCEL_CLEANS_UP = "cancel-cleans-up"
 # the action and starts a new wait ("action_raised"), so an answer given for the old action is
 # dropped. Waits that began before it replay as they were.
 APPROVAL_FOLLOW_UP = "approval-follow-up"
+
+# NodeRemediationWorkflow: the spare claim asks to hear of a claimed spare that could not come
+# in (drained since by someone else: its drain is never undone); the incident says so in its
+# timeline and claims again. An inference node's replacement serves inference (policy
+# spares.inference: a spare into the inference pool, never waited for; or none), never training.
+SPARE_CLAIMS_CHECKED = "spare-claims-checked"

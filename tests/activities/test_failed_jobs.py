@@ -25,7 +25,7 @@ from lab.faults import FAULTS_ENV, GpuFaults
 from lab.procs import wait_for
 from lab.slurm import SlurmLab
 from models.incident import JobInfo, RequeueOutcome
-from models.requests import FailureJobsRequest, RequeueJobRequest
+from models.requests import FailureJobsRequest, RequeueJobRequest, ResumeCheckRequest
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slurm
@@ -133,6 +133,39 @@ def test_a_hung_job_is_on_the_node_and_its_requeue_after_the_signal_runs_it_agai
         what="the hung job to run again (after Slurm's SIGKILL)",
     )
     assert "gpu2" not in client.hostnames(back.nodes)
+
+
+def test_a_requeued_job_that_ran_again_and_completed_before_the_watch_looked_counts_as_resumed(
+    cluster: tuple[SlurmCli, SlurmActivities], slurm_lab: SlurmLab, tmp_path: Path
+) -> None:
+    """A short job: its run after the requeue starts and completes between two looks of the
+    resume watch. It ran again: the incident counts it resumed, not lost."""
+    client, acts = cluster
+    script = tmp_path / "short-after-requeue.sh"
+    # The first run waits (as a job does on a failing node); the run after the requeue is short.
+    script.write_text('#!/bin/bash\nif [ "${SLURM_RESTART_COUNT:-0}" -eq 0 ]; then sleep 600; fi\nsleep 1\n')
+    job_id = slurm_lab.sbatch(script, "--requeue", "-w", "gpu2", "-o", "/dev/null")
+    running = wait_for(
+        lambda: (job := client.job(job_id)).state == "RUNNING" and job, timeout=60, what="the job to start"
+    )
+    outcome = run(
+        acts.requeue_job,
+        RequeueJobRequest(job_id=job_id, restarts_before=running.restarts, signalled=True, incident_id="lab-gpu2-3"),
+    )
+    assert outcome.outcome is RequeueOutcome.REQUEUED
+    done = wait_for(
+        lambda: (job := client.job(job_id)).state == "COMPLETED" and job,
+        timeout=120,
+        what="the job to run again and complete",
+    )
+    assert done.restarts == running.restarts + 1
+
+    check = run(acts.jobs_resumed, ResumeCheckRequest(job_ids=[job_id], restarts_before={job_id: running.restarts}))
+    assert [(job.job_id, job.state) for job in check.resumed] == [(job_id, "COMPLETED")]
+    assert check.waiting == []
+    # Without the requeue it would not count: the same COMPLETED job, compared with its own restarts.
+    unchanged = run(acts.jobs_resumed, ResumeCheckRequest(job_ids=[job_id], restarts_before={job_id: done.restarts}))
+    assert [job.job_id for job in unchanged.waiting] == [job_id]
 
 
 def test_completed_and_owner_cancelled_jobs_are_never_requeued_and_no_requeue_is_said_so(

@@ -14,7 +14,7 @@ import pytest
 from clients.errors import Conflict, InvalidInput, NotOwned
 from clients.kube import KubernetesApi
 from clients.slurm import SlurmCli
-from clients.spares import SparePool, partition_lease_name
+from clients.spares import SpareLost, SparePool, partition_lease_name
 from lab.procs import wait_for
 from lab.slurm import SlurmLab
 from models.constants import claim_label_value
@@ -143,6 +143,48 @@ def test_a_claimed_spare_that_cannot_come_in_is_released_for_the_next(pool: Pool
     assert_untouched_spare(kube, slurm, "spare1")
     assert slurm.node("spare1").reason == OPS_REASON
     assert "spare2" in slurm.partition_nodes("train")
+
+
+THEIRS = "gpufleet: xid 79 REPLACE_NODE incident lab-spare1-20261205T050000Z"
+
+
+def test_a_spare_drained_by_another_incident_after_the_claim_is_not_resumed(pool: Pool, slurm_lab: SlurmLab) -> None:
+    """incident-a claimed spare1 and its attempt stopped there; then an Xid on spare1 opened an
+    incident of its own, which drained it. The retry must not undo that drain."""
+    spares, kube, slurm = pool
+    kube.update_metadata("spare1", annotations={"gpufleet.io/claimed-by": "incident-a"})
+    slurm_lab.scontrol("update", "NodeName=spare1", "State=DRAIN", f"Reason={THEIRS}")
+    with pytest.raises(SpareLost, match="spare1 was taken out of service after it was claimed"):
+        spares.claim("incident-a", retry=True, report_lost=True)
+    spare1 = slurm.node("spare1")
+    assert spare1.drained and spare1.reason == THEIRS  # still theirs
+    assert_untouched_spare(kube, slurm, "spare1")  # the claim released
+    assert spares.claim("incident-a", retry=True, report_lost=True) == "spare2"  # the next one
+    assert slurm.node("spare1").reason == THEIRS
+
+
+def test_a_drain_naming_the_claiming_incident_is_its_own_to_resume(pool: Pool, slurm_lab: SlurmLab) -> None:
+    spares, kube, slurm = pool
+    kube.update_metadata("spare1", annotations={"gpufleet.io/claimed-by": "incident-a"})
+    ours = "gpufleet: claim REPLACE_NODE incident incident-a"
+    slurm_lab.scontrol("update", "NodeName=spare1", "State=DRAIN", f"Reason={ours}")
+    assert spares.claim("incident-a", retry=True, report_lost=True) == "spare1"
+    assert not slurm.node("spare1").drained
+    assert "spare1" in slurm.partition_nodes("train")
+
+
+def test_an_inference_nodes_spare_joins_the_inference_pool_not_the_partition(pool: Pool) -> None:
+    spares, kube, slurm = pool
+    assert spares.claim("incident-a", pool="inference") == "spare1"
+    assert spares.claim("incident-a", pool="inference", retry=True) == "spare1"  # the same on a retry
+    node = kube.get_node("spare1")
+    assert node.labels["gpufleet.io/pool"] == "inference"
+    assert node.annotations["gpufleet.io/claimed-by"] == "incident-a"
+    assert "gpufleet.io/pool-since" in node.annotations
+    assert "spare1" not in slurm.partition_nodes("train")
+    assert "gpufleet.io/claim-partition" not in node.annotations
+    assert spares.release("incident-a") == "spare1"
+    assert_untouched_spare(kube, slurm, "spare1")
 
 
 def test_release_puts_the_spare_back(pool: Pool) -> None:

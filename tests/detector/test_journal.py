@@ -8,6 +8,9 @@ message is three entries; one process name is not UTF-8, so that MESSAGE is a li
 
 ``gpufleet detect --journal`` is run against a stand-in ``journalctl`` that prints the entries
 (after ``--after-cursor`` when given) and records its arguments: this machine has no journald.
+The stand-in's entries are the recorded ones moved in time to end a few seconds ago (``recent``),
+as a journal read right after it was written; the replay cutoff (a start without a cursor skips
+what is older than the detector's start less a few minutes) is tested on them as recorded.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import sys
+import time
 from pathlib import Path
 
 from detector.follow import JournalReader, parse_journal_entry
@@ -87,8 +90,23 @@ def test_a_multi_line_message_is_fed_line_by_line_and_the_cursor_moves_after_it(
     assert list(lines) == []
 
 
+def recent(entries: Path, into: Path, *, last_at: float | None = None) -> Path:
+    """``entries`` with every ``__REALTIME_TIMESTAMP`` moved by as much, so that the last is ``last_at``
+    (default: 5 seconds ago)."""
+    records = [json.loads(line) for line in entries.read_text().splitlines()]
+    end = int(records[-1]["__REALTIME_TIMESTAMP"])
+    shift = int(((time.time() - 5) if last_at is None else last_at) * 1e6) - end
+    for entry in records:
+        entry["__REALTIME_TIMESTAMP"] = str(int(entry["__REALTIME_TIMESTAMP"]) + shift)
+    into.write_text("".join(json.dumps(entry) + "\n" for entry in records))
+    return into
+
+
 def stand_in(tmp_path: Path, entries: Path, *, exit_code: int = 0) -> tuple[dict[str, str], Path]:
-    """A folder with the stand-in journalctl first on PATH; returns the env and its argument log."""
+    """A folder with the stand-in journalctl first on PATH, printing ``entries`` moved to end just
+    now (``recent``); returns the env and its argument log."""
+    if entries == DATA:
+        entries = recent(DATA, tmp_path / "recent.json")
     folder = tmp_path / "bin"
     folder.mkdir(exist_ok=True)
     calls = tmp_path / "journalctl.calls"
@@ -109,8 +127,7 @@ def detect_journal(env: dict[str, str], state: Path, *extra: str) -> tuple[int, 
 
 
 def test_gpufleet_detect_journal_resumes_after_its_cursor(tmp_path: Path) -> None:
-    entries = tmp_path / "journal.json"
-    shutil.copy(DATA, entries)
+    entries = recent(DATA, tmp_path / "journal.json")
     env, calls = stand_in(tmp_path, entries)
     state = tmp_path / "state"
 

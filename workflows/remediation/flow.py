@@ -178,6 +178,7 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
             KubeActivities.node_facts, params.node, summary=f"look up {params.node} in Kubernetes"
         )
         pool: str | None = facts.pool if facts.found else None
+        status.pool = pool or ""
         status.action = await self._classify()
         self._done(Step.CLASSIFY, f"{status.action} for {self._events_seen()}")
         if pool == POOL_RETIRED:

@@ -10,7 +10,9 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
+from temporalio.exceptions import ActivityError, ApplicationError
 
+from workflows.patches import SPARE_CLAIMS_CHECKED
 from workflows.remediation.close import Closing
 from workflows.remediation.jobs import Jobs
 from workflows.retries import KUBE_DRAIN_STEP, SPARE_STEP
@@ -18,14 +20,18 @@ from workflows.retries import KUBE_DRAIN_STEP, SPARE_STEP
 with workflow.unsafe.imports_passed_through():
     from activities.kube import KubeActivities
     from activities.spares import SpareActivities
+    from models.constants import POOL_INFERENCE
     from models.incident import CarriedIncident, RemediationInput, Step
-    from models.policy import RemediationSettings
+    from models.policy import InferenceSpare, Policy, RemediationSettings
     from models.requests import ClaimRequest, KubeDrainRequest, RetireRequest
 
 # Spare checks per run before continuing as new (about ten history events each).
 SPARE_CHECKS_PER_RUN = 30
 # ... or sooner, when a run with many jobs has a long history already.
 HISTORY_SOFT_LIMIT = 400
+# Claimed spares lost one after another (each drained by someone else before it came in) before
+# the incident waits as for no free spare, instead of claiming again at once.
+LOST_SPARES_BEFORE_WAITING = 3
 
 
 class _ContinueAsNew(Exception):
@@ -62,9 +68,9 @@ class Replacement(Closing, Jobs):
         jobs = self._resolved()
         if self._dry_run:
             self._mark(Step.RESUME, "dry run", "resolved as planned; nothing was changed")
+        replaced = f"replaced by {status.spare}" if status.spare is not None else "retired, not replaced by a spare"
         self._notify(
-            str(status.outcome),
-            f"{self._message_prefix()}: {status.outcome}. {params.node} replaced by {status.spare}; {jobs}.",
+            str(status.outcome), f"{self._message_prefix()}: {status.outcome}. {params.node} {replaced}; {jobs}."
         )
         await self._close()
 
@@ -131,24 +137,65 @@ class Replacement(Closing, Jobs):
         self._status.jobs = resumed
         self._done(Step.RESUME, ", ".join(f"{job.job_id} on {job.nodes}" for job in resumed))
 
+    def _spare_lost(self, exc: ActivityError) -> str | None:
+        """What a claim that failed with SpareLost says (which spare, why), else None."""
+        cause = exc.cause
+        if isinstance(cause, ApplicationError) and cause.type == "SpareLost":
+            return cause.message
+        return None
+
     async def _bring_in_spare(self, params: RemediationInput) -> None:
         status = self._status
+        # From v0.3.0 (patch spare-claims-checked): a lost spare is said, and an inference
+        # node's replacement serves inference (or there is none), never training.
+        checked = workflow.patched(SPARE_CLAIMS_CHECKED)
+        for_inference = checked and status.pool == POOL_INFERENCE
+        if for_inference and (self._policy or Policy()).spares.inference is InferenceSpare.NONE:
+            self._enter(Step.CLAIM_SPARE)
+            self._done(
+                Step.CLAIM_SPARE,
+                "none claimed: an inference node is not replaced by a spare (policy spares.inference: none)",
+            )
+            return
         self._enter(Step.WAIT_FOR_SPARE if status.waiting_for_spare else Step.CLAIM_SPARE)
         checks = 0
+        lost = 0
         while True:
             # Cleared before the claim, so a spare_available that arrives during it is not lost.
             self._spare_signalled = False
             self._claim_attempted = True
-            spare: str | None = await self._activity(
-                SpareActivities.claim_spare,
-                ClaimRequest(incident_id=status.incident_id, dry_run=self._dry_run, partitions=status.partitions),
-                summary="claim a spare",
-                timeout=SPARE_STEP,
-            )
+            try:
+                spare: str | None = await self._activity(
+                    SpareActivities.claim_spare,
+                    ClaimRequest(
+                        incident_id=status.incident_id,
+                        dry_run=self._dry_run,
+                        partitions=status.partitions,
+                        pool=POOL_INFERENCE if for_inference else "training",
+                        report_lost=checked,
+                    ),
+                    summary="claim a spare for inference" if for_inference else "claim a spare",
+                    timeout=SPARE_STEP,
+                )
+            except ActivityError as exc:
+                why = self._spare_lost(exc) if checked else None
+                if why is None:
+                    raise
+                # Drained by someone else (an Xid on the spare: its own incident) before it came
+                # in: theirs. Its claim is released; the next free spare is claimed, or waited for.
+                lost += 1
+                self._mark(Step.CLAIM_SPARE, "spare lost", why)
+                if lost < LOST_SPARES_BEFORE_WAITING:
+                    continue
+                lost, spare = 0, None
             if spare is not None:
                 break
             if self._dry_run:
                 self._done(Step.CLAIM_SPARE, "dry run: no free spare; would wait for one")
+                return
+            if for_inference:
+                # Inference is not queued behind a spare: the shared pool makes up its capacity.
+                self._done(Step.CLAIM_SPARE, "no free spare; inference's capacity is left to the shared pool")
                 return
             if not status.waiting_for_spare:
                 status.waiting_for_spare = True
@@ -172,6 +219,5 @@ class Replacement(Closing, Jobs):
                 )
         status.spare = spare
         status.waiting_for_spare = False
-        self._done(
-            Step.CLAIM_SPARE, f"dry run: would claim {spare}" if self._dry_run else f"{spare} joined the partition"
-        )
+        joined = "the inference pool" if for_inference else "the partition"
+        self._done(Step.CLAIM_SPARE, f"dry run: would claim {spare}" if self._dry_run else f"{spare} joined {joined}")
