@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from temporalio import activity
+from temporalio.client import WorkflowExecutionStatus
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.errors import client_errors
-from activities.heartbeat import heartbeating
+from activities.heartbeat import heartbeating, heartbeats
 from clients import pool
 from clients.clusters import ClusterBackend, StepFailed
 from clients.errors import ClientError
@@ -17,7 +20,13 @@ from clients.kube import KubeClient
 from clients.notify import Notifier
 from models.cluster import SpecError, load_spec
 from models.clusterops import ClusterRequest, JobsResult, StepResult
-from models.incident import Notification
+from models.constants import REMEDIATION_WORKFLOW, guard_workflow_id, reaper_workflow_id, task_queue
+from models.incident import CancelRequest, Notification
+
+# How long a deletion waits for the cluster's incidents to stop once cancelled (each gives back
+# what it holds first): past it the deletion stops, the cluster whole, and says which still run.
+INCIDENTS_STOP_SECONDS = 120.0
+INCIDENTS_POLL_SECONDS = 0.5
 
 
 def _wanted(request: ClusterRequest) -> dict[str, int]:
@@ -184,6 +193,62 @@ class ClusterActivities:
             return f"{text} (not sent: {exc})"
         return text if sent else f"{text} (no webhook configured: logged only)"
 
+    @activity.defn(name="cluster_stop_incidents")
+    async def stop_incidents(self, request: ClusterRequest) -> StepResult:
+        """Cancel the cluster's open incidents (each requeues what it signalled and gives back its
+        lease, claim and slot), wait for them to stop, then end its fleet guard and its reaper.
+        Idempotent: a retry finds fewer incidents, or none."""
+        name = request.spec.name
+        client = activity.client()
+        query = (
+            f"WorkflowType='{REMEDIATION_WORKFLOW}' AND ExecutionStatus='Running' AND TaskQueue='{task_queue(name)}'"
+        )
+        why = f"cluster {name} is being deleted"
+        async with heartbeats():
+            open_ids = [execution.id async for execution in client.list_workflows(query)]
+            for workflow_id in open_ids:
+                handle = client.get_workflow_handle(workflow_id)
+                try:
+                    await handle.signal("cancel_requested", CancelRequest(by="gpufleet cluster delete", reason=why))
+                    await handle.cancel(reason=why)
+                except RPCError as exc:
+                    if exc.status != RPCStatusCode.NOT_FOUND:
+                        raise
+            still = await self._still_running(open_ids)
+            if still:
+                raise ApplicationError(
+                    f"{len(still)} incident(s) of cluster {name} did not stop within {INCIDENTS_STOP_SECONDS:g}s of "
+                    f"their cancel: {', '.join(still)}; is the cluster's worker running? Start it and delete again",
+                    type="StepFailed",
+                    non_retryable=True,
+                )
+            ended = []
+            for workflow_id in (guard_workflow_id(name), reaper_workflow_id(name)):
+                try:
+                    await client.get_workflow_handle(workflow_id).terminate(reason=why)
+                    ended.append(workflow_id)
+                except RPCError as exc:
+                    if exc.status != RPCStatusCode.NOT_FOUND:
+                        raise
+        return StepResult(
+            detail=f"cancelled {len(open_ids)} open incident(s)"
+            + (f"; ended {', '.join(ended)}" if ended else "; no fleet guard or reaper was running")
+        )
+
+    async def _still_running(self, workflow_ids: list[str]) -> list[str]:
+        """Those of ``workflow_ids`` still running once the wait is over (at once when none is)."""
+        client = activity.client()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + INCIDENTS_STOP_SECONDS
+        running = list(workflow_ids)
+        while running:
+            described = [await client.get_workflow_handle(w).describe() for w in running]
+            running = [d.id for d in described if d.status == WorkflowExecutionStatus.RUNNING]
+            if not running or loop.time() > deadline:
+                break
+            await asyncio.sleep(INCIDENTS_POLL_SECONDS)
+        return running
+
     @activity.defn(name="cluster_drain")
     @heartbeating
     def drain(self, request: ClusterRequest) -> StepResult:
@@ -223,6 +288,7 @@ class ClusterActivities:
             self.make_remediable,
             self.unmake_remediable,
             self.notify,
+            self.stop_incidents,
             self.drain,
             self.running_jobs,
             self.cancel_jobs,

@@ -113,6 +113,7 @@ class ClusterStatus(BaseModel):
 
 
 class DeleteStep(StrEnum):
+    STOP_INCIDENTS = "stop_incidents"
     DRAIN = "drain"
     WAIT_JOBS = "wait_for_jobs"
     UNMAKE_REMEDIABLE = "stop_remediation"

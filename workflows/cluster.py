@@ -17,6 +17,7 @@ from typing import Any
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
+from workflows.patches import DELETE_STOPS_INCIDENTS
 from workflows.retries import CLUSTER_DELETE_STEP, CLUSTER_HEARTBEAT, CLUSTER_RETRY, CLUSTER_SLOW_STEP, CLUSTER_STEP
 
 with workflow.unsafe.imports_passed_through():
@@ -221,6 +222,8 @@ class ClusterDeletionWorkflow:
         )
         work = ClusterRequest(spec=request.spec, backend=request.backend, creation=request.creation)
         try:
+            if workflow.patched(DELETE_STOPS_INCIDENTS):
+                await self._step(DeleteStep.STOP_INCIDENTS, "cluster_stop_incidents", work)
             await self._step(DeleteStep.DRAIN, "cluster_drain", work)
             await self._wait_for_jobs(request, work)
             await self._step(DeleteStep.UNMAKE_REMEDIABLE, "cluster_unmake_remediable", work)

@@ -40,3 +40,8 @@ APPROVAL_FOLLOW_UP = "approval-follow-up"
 # timeline and claims again. An inference node's replacement serves inference (policy
 # spares.inference: a spare into the inference pool, never waited for; or none), never training.
 SPARE_CLAIMS_CHECKED = "spare-claims-checked"
+
+# ClusterDeletionWorkflow: before anything is removed, the cluster's open incidents are cancelled
+# (each gives back what it holds and requeues what it signalled) and its fleet guard and reaper
+# end; a deletion whose incidents do not stop (their worker is down) stops there, the cluster whole.
+DELETE_STOPS_INCIDENTS = "delete-stops-incidents"

@@ -24,7 +24,7 @@ def refused(monkeypatch: pytest.MonkeyPatch, variable: str, value: str) -> str:
 
 # A number added to the settings is checked by being counted here.
 assert "slurm_timeout_seconds" in FLOATS and "grace_seconds" in FLOATS and "metrics_port" in INTS
-assert len(FLOATS) == 7 and len(INTS) == 2, (FLOATS, INTS)
+assert len(FLOATS) == 9 and len(INTS) == 2, (FLOATS, INTS)
 
 
 @pytest.mark.parametrize("name", FLOATS)

@@ -210,6 +210,7 @@ class Cluster:
             return run
 
         names = [
+            "cluster_stop_incidents",
             "cluster_drain",
             "cluster_running_jobs",
             "cluster_cancel_jobs",
@@ -252,7 +253,8 @@ async def test_a_deletion_waits_for_running_jobs_then_takes_everything_down(env:
     cluster = Cluster(running=[2, 1, 0])
     status = await delete(env, cluster)
     assert status.outcome == "deleted"
-    assert cluster.calls == ["cluster_drain", *["cluster_running_jobs"] * 3, *TEARDOWN]
+    # The cluster's incidents are cancelled and its guard ended before anything is removed.
+    assert cluster.calls == ["cluster_stop_incidents", "cluster_drain", *["cluster_running_jobs"] * 3, *TEARDOWN]
     assert "cluster_cancel_jobs" not in cluster.calls
 
 
@@ -261,14 +263,15 @@ async def test_jobs_still_running_at_the_deadline_keep_the_cluster_drained(env: 
     status = await delete(env, cluster, deadline_seconds=60)
     assert status.outcome == "failed" and status.step == DeleteStep.WAIT_JOBS
     assert "1 job(s) still running after 60s" in status.error and "--force" in status.error
-    assert cluster.calls[0] == "cluster_drain" and not set(TEARDOWN) & set(cluster.calls)  # nothing torn down
+    assert cluster.calls[:2] == ["cluster_stop_incidents", "cluster_drain"]
+    assert not set(TEARDOWN) & set(cluster.calls)  # nothing torn down
 
 
 async def test_force_cancels_the_jobs_and_says_so(env: WorkflowEnvironment) -> None:
     cluster = Cluster(running=[3])
     status = await delete(env, cluster, force=True)
     assert status.outcome == "deleted" and status.cancelled_jobs == 3
-    assert cluster.calls == ["cluster_drain", "cluster_cancel_jobs", *TEARDOWN]
+    assert cluster.calls == ["cluster_stop_incidents", "cluster_drain", "cluster_cancel_jobs", *TEARDOWN]
     assert any("cancelled 3 job(s), not requeued" in e.detail for e in status.timeline)
 
 
