@@ -16,6 +16,7 @@ import re
 
 from temporalio import activity
 from temporalio.client import WorkflowExecutionStatus
+from temporalio.exceptions import TemporalError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.errors import client_errors
@@ -79,8 +80,14 @@ class ReaperActivities:
             incident_id = job.annotations.get(INCIDENT_ANNOTATION, "")
             if job.active and incident_id and (found := of(incident_id, job.node or None)) is not None:
                 found.repair_jobs.append(job.name)
-        checked = await asyncio.gather(*(self._ended(leftover) for leftover in held.values()))
-        return [leftover for leftover in checked if leftover is not None]
+        checked = await asyncio.gather(*(self._ended(leftover) for leftover in held.values()), return_exceptions=True)
+        leftovers: list[Leftover] = []
+        for leftover, result in zip(held.values(), checked, strict=True):
+            if isinstance(result, BaseException):
+                activity.logger.warning("left alone this sweep: %s (%s)", leftover.incident_id, result)
+            elif result is not None:
+                leftovers.append(result)
+        return leftovers
 
     def _unused_claim(self, node: KubeNode) -> bool:
         """A spare of this cluster claimed and not brought into service (still labelled a spare)."""
@@ -96,19 +103,23 @@ class ReaperActivities:
             described = await handle.describe()
         except RPCError as exc:
             if exc.status == RPCStatusCode.NOT_FOUND:
-                leftover.ended = "gone"
+                leftover.ended = "gone"  # past the namespace's retention: no status to read
                 return leftover
             return None
         if described.workflow_type != REMEDIATION_WORKFLOW:
             return None
         try:
             status: IncidentStatus = await handle.query("status", result_type=IncidentStatus)
-        except RPCError:
-            status = None  # type: ignore[assignment]
+        except (TemporalError, RPCError) as exc:
+            # Its status is what says which jobs it left signalled: without it, nothing is touched.
+            activity.logger.warning("%s: its status could not be read (%s); left alone", leftover.incident_id, exc)
+            return None
         running = described.status == WorkflowExecutionStatus.RUNNING
-        if running and (status is None or status.incident_id == leftover.incident_id):
-            return None  # its own incident runs (or cannot be told apart): it holds what it holds
-        if status is not None and status.incident_id == leftover.incident_id:
+        if running and status.incident_id == leftover.incident_id:
+            return None  # its own incident runs: it holds what it holds
+        if status.incident_id == leftover.incident_id:
+            if status.spare and status.spare == leftover.claim:
+                leftover.claim = ""  # brought into service by the incident: the spare serves now
             done = {*status.requeued, *status.unrequeued, *status.skipped}
             restarts = {job.job_id: job.restarts for job in status.jobs}
             leftover.requeue = [
@@ -118,4 +129,5 @@ class ReaperActivities:
             ]
         ended = described.status.name.lower() if described.status and not running else "replaced"
         leftover.ended = ended.replace("_", " ")
-        return leftover
+        holds = leftover.lease or leftover.claim or leftover.repair_jobs or leftover.requeue
+        return leftover if holds else None

@@ -59,8 +59,12 @@ ENDED_BY_FAILURE = frozenset({"FAILED", "NODE_FAIL"})
 
 _SIGNALLABLE = {"RUNNING", "SUSPENDED", "CONFIGURING"}
 # A requeued job (more restarts than before) in one of these ran again: running now, or already
-# done (a short job may start and complete between two looks of the resume watch).
-RAN_AGAIN = frozenset({"RUNNING", "COMPLETED"})
+# ended after it started (a short job may start and end between two looks of the resume watch;
+# how its new run ended is its own, not the failure's). CANCELLED is not among them: a job
+# cancelled while it waited in the queue never ran again.
+RAN_AGAIN = frozenset(
+    {"RUNNING", "SUSPENDED", "COMPLETING", "COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED"}
+)
 _QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"}
 
 

@@ -43,7 +43,7 @@ class SpareActivities:
     def release_spare(self, request: ClaimRequest) -> str | None:
         """Give back the spare this incident claimed and did not use (None: it holds none)."""
         with activity.shield_thread_cancel_exception(), client_errors():
-            return self._provider.release(request.incident_id)
+            return self._provider.release(request.incident_id, unused_only=request.unused_only)
 
     @activity.defn(name="retire_node")
     @heartbeating

@@ -72,7 +72,7 @@ class NodeProvider(Protocol):
         report_lost: bool = False,
     ) -> str | None: ...
     def candidate(self) -> str | None: ...
-    def release(self, incident_id: str) -> str | None: ...
+    def release(self, incident_id: str, *, unused_only: bool = False) -> str | None: ...
     def retire(self, node: str, incident_id: str = "") -> None: ...
     def return_node(self, node: str, *, as_: str) -> None: ...
     def quarantine(self, node: str, *, code: str, reason: str, incident_id: str) -> None: ...
@@ -342,14 +342,18 @@ class SparePool:
                 continue
             return spare.name
 
-    def _release_node(self, name: str, incident_id: str) -> bool:
-        """Undo ``incident_id``'s claim on ``name``; False when it holds no claim there."""
+    def _release_node(self, name: str, incident_id: str, *, unused_only: bool = False) -> bool:
+        """Undo ``incident_id``'s claim on ``name``; False when it holds no claim there (or, with
+        ``unused_only``, when the node already serves: it is no longer labelled a spare). The
+        write is made at the resourceVersion read, so a node brought in meanwhile is not touched."""
         for _ in range(_ATTEMPTS):
             try:
                 node = self._kube.get_node(name)
             except NotFound:
                 return False
             if node.annotations.get(CLAIMED_BY_ANNOTATION) != incident_id:
+                return False
+            if unused_only and node.labels.get(POOL_LABEL) != POOL_SPARE:
                 return False
             partition = node.annotations.get(CLAIM_PARTITION_ANNOTATION)
             if partition:
@@ -368,17 +372,18 @@ class SparePool:
             return True
         raise Conflict(f"could not release {name} from {incident_id}: the Node kept changing")
 
-    def release(self, incident_id: str) -> str | None:
+    def release(self, incident_id: str, *, unused_only: bool = False) -> str | None:
         """Give back the spare claimed by an incident that did not use it.
 
         The claim is removed, the spare leaves the partition if the claim had put it there and
-        is labelled a spare again. Idempotent.
+        is labelled a spare again. Idempotent. ``unused_only`` (the reaper, which cannot ask the
+        incident): only a claimed node still labelled a spare, never one already serving.
 
         Returns:
             The released spare's name, or None when the incident holds no claim.
         """
         spare = self._own_claim(incident_id, wide=True)
-        if spare is None or not self._release_node(spare.name, incident_id):
+        if spare is None or not self._release_node(spare.name, incident_id, unused_only=unused_only):
             return None
         return spare.name
 

@@ -145,7 +145,7 @@ class ReaperWorkflow:
             (
                 bool(leftover.claim),
                 SpareActivities.release_spare,
-                ClaimRequest(incident_id=incident),
+                ClaimRequest(incident_id=incident, unused_only=True),
                 f"claim on spare {leftover.claim} released",
                 f"the claim on {leftover.claim}",
             ),

@@ -73,6 +73,10 @@ async def test_the_reaper_gives_back_what_a_terminated_incident_held(
         kube.update_metadata("gpu2", annotations={NODE_LEASE_ANNOTATION: living.incident_id})
         kube.update_metadata("gpu3", annotations={NODE_LEASE_ANNOTATION: "pool-train-move-1"})
         kube.update_metadata("spare1", annotations={CLAIMED_BY_ANNOTATION: gone.incident_id})
+        # Another spare it had claimed and brought into service (training): it serves, and stays.
+        kube.update_metadata(
+            "spare2", labels={POOL_LABEL: "training"}, annotations={CLAIMED_BY_ANNOTATION: gone.incident_id}
+        )
         job = repair_job(RepairRequest(node="gpu1", action=Action.REBOOT_NODE, incident_id=gone.incident_id), "reboot")
         kube.create_job("gpufleet", job)
         await dead.terminate("by hand, in the Temporal UI")
@@ -102,6 +106,8 @@ async def test_the_reaper_gives_back_what_a_terminated_incident_held(
     assert gpu2.annotations[NODE_LEASE_ANNOTATION] == living.incident_id  # its incident runs
     assert gpu3.annotations[NODE_LEASE_ANNOTATION] == "pool-train-move-1"  # a pool move's
     assert CLAIMED_BY_ANNOTATION not in spare1.annotations and spare1.labels[POOL_LABEL] == "spare"
+    spare2 = kube.get_node("spare2")
+    assert spare2.labels[POOL_LABEL] == "training" and spare2.annotations[CLAIMED_BY_ANNOTATION] == gone.incident_id
     stopped = kube.job_annotations("gpufleet", job["metadata"]["name"])
     assert stopped[VERDICT_ANNOTATION] == f"stopped: incident {gone.incident_id} terminated"
     told = [n.text for n in fleet.notifications if n.kind == "incident_reaped"]

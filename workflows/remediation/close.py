@@ -105,6 +105,7 @@ class Closing(GuardSlot, Notifications):
         tried once it has failed: workflows/retries.py), never resumes the node (drained, it waits
         for a person), tells the owner and pages the operators. Returns the workflow's failure."""
         status = self._status
+        self._cancel_handled = True  # a cancel now must not cut the release short
         message = failure_text(exc)
         status.outcome = Outcome.FAILED
         status.error = message
@@ -158,16 +159,18 @@ class Closing(GuardSlot, Notifications):
         self._mark(stopped_at, "cancelled", status.cancelled)
         self._count_closed()
         left: list[str] = []
-        with contextlib.suppress(ActivityError):
-            await self._requeue_signalled(left)
+        requeued_all = await self._requeue_signalled(left)
         await self._stop_repairs(left)
         await self._release_unused_claim()
         await self._release_slot("cancelled")
-        await self._give_back_node()
+        if requeued_all:
+            await self._give_back_node()
+        else:  # the reaper finds the incident by its lease and requeues what is left
+            left.append(f"{self._input.node} stays leased to the incident until the cluster's reaper requeues them")
         node = self._input.node
         if self._took_node_out:
             left.append(f"{node} stays drained in Slurm: `gpufleet nodes return {node}` once it is checked")
-        if status.node_leased:
+        if status.node_leased and requeued_all:
             left.append(f"its lease could not be given back (`kubectl annotate node {node} {NODE_LEASE_ANNOTATION}-`)")
         status.left = left
         self._enter(Step.CLOSED)
@@ -179,36 +182,41 @@ class Closing(GuardSlot, Notifications):
         )
         await self._flush_notifications()
 
-    async def _requeue_signalled(self, left: list[str]) -> None:
+    async def _requeue_signalled(self, left: list[str]) -> bool:
         """The jobs this incident sent SIGTERM and has not requeued go back in the queue now
-        (each guarded by its restart count, as in the flow): none is left to end on the node."""
+        (each guarded by its restart count, as in the flow): none is left to end on the node.
+        False when a requeue could not be made (Slurm away): named in ``left``."""
         status = self._status
         done = {*status.requeued, *status.unrequeued, *status.skipped}
         pending = [job_id for job_id in status.signalled if job_id not in done]
         if not pending or self._dry_run:
-            return
-        requeues: list[JobRequeue] = [
-            await self._activity(
-                SlurmActivities.requeue_job,
-                RequeueJobRequest(
-                    job_id=job_id,
-                    restarts_before=self._restarts_before.get(job_id, 0),
-                    signalled=True,
-                    incident_id=status.incident_id,
-                ),
-                summary=f"requeue job {job_id} (cancelled)",
-            )
-            for job_id in pending
-        ]
-        for requeue in requeues:
+            return True
+        all_made = True
+        for job_id in pending:
+            try:
+                requeue: JobRequeue = await self._activity(
+                    SlurmActivities.requeue_job,
+                    RequeueJobRequest(
+                        job_id=job_id,
+                        restarts_before=self._restarts_before.get(job_id, 0),
+                        signalled=True,
+                        incident_id=status.incident_id,
+                    ),
+                    summary=f"requeue job {job_id} (cancelled)",
+                )
+            except ActivityError as exc:
+                all_made = False
+                left.append(f"job {job_id} was sent SIGTERM and not requeued yet ({exc.cause or exc})")
+                continue
             if requeue.outcome is RequeueOutcome.REQUEUED:
-                status.requeued.append(requeue.job_id)
+                status.requeued.append(job_id)
             elif requeue.outcome is RequeueOutcome.SKIPPED:
-                status.skipped.setdefault(requeue.job_id, requeue.why)
+                status.skipped.setdefault(job_id, requeue.why)
             else:
-                status.unrequeued[requeue.job_id] = requeue.why
-                left.append(f"job {requeue.job_id} could not be requeued ({requeue.why}): resubmit it")
+                status.unrequeued[job_id] = requeue.why
+                left.append(f"job {job_id} could not be requeued ({requeue.why}): resubmit it")
         self._mark(status.step, "requeued", f"{len(pending)} signalled job(s) on cancel")
+        return all_made
 
     async def _stop_repairs(self, left: list[str]) -> None:
         """A repair Job of this incident that still runs is stopped (suspended, with why)."""

@@ -216,6 +216,7 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
                 KubeActivities.take_node_lease,
                 NodeLeaseRequest(node=params.node, holder=status.incident_id),
                 summary=f"hold {params.node} (gpufleet.io/lease)",
+                on_result=lambda _: setattr(status, "node_leased", True),
             )
             status.node_leased = True
             if taken_from:
@@ -314,6 +315,7 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
                 dry_run=self._dry_run,
             ),
             summary=f"drain {params.node} in Slurm",
+            on_result=lambda _: setattr(self, "_took_node_out", not self._dry_run),
         )
         self._done(Step.DRAIN_SLURM, f"state={node.state} reason={node.reason!r}")
         self._took_node_out = not self._dry_run

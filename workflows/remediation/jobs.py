@@ -163,6 +163,7 @@ class Jobs(Notifications):
                         dry_run=self._dry_run,
                     ),
                     summary=f"SIGTERM job {job.job_id}",
+                    on_result=self._record_signal,
                 )
                 for job in jobs
             )
@@ -246,13 +247,28 @@ class Jobs(Notifications):
             + (f"; left alone: {status.skipped}" if status.skipped else ""),
         )
 
+    def _record_signal(self, result: SignalJobResult) -> None:
+        """A SIGTERM sent is on record at once (a cancel meanwhile requeues the job)."""
+        if result.signalled and result.job_id not in self._status.signalled:
+            self._status.signalled.append(result.job_id)
+
+    def _record_requeue(self, requeue: JobRequeue) -> None:
+        """A requeue done is on record at once (a cancel meanwhile does not requeue it again)."""
+        if requeue.outcome is RequeueOutcome.REQUEUED and requeue.job_id not in self._status.requeued:
+            self._status.requeued.append(requeue.job_id)
+
     async def _requeue_each(self, requests: list[RequeueJobRequest], *, ended: bool = False) -> dict[int, str]:
         """Requeue each job on its own, so that one's refusal holds back none of the others;
         returns those that could not be, with why."""
         status = self._status
         requeues: list[JobRequeue] = await asyncio.gather(
             *(
-                self._activity(SlurmActivities.requeue_job, request, summary=f"requeue job {request.job_id}")
+                self._activity(
+                    SlurmActivities.requeue_job,
+                    request,
+                    summary=f"requeue job {request.job_id}",
+                    on_result=self._record_requeue,
+                )
                 for request in requests
             )
         )

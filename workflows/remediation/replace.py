@@ -175,6 +175,7 @@ class Replacement(Closing, Jobs):
                         report_lost=checked,
                     ),
                     summary="claim a spare for inference" if for_inference else "claim a spare",
+                    on_result=lambda claimed: setattr(status, "spare", claimed),
                     timeout=SPARE_STEP,
                 )
             except ActivityError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -80,9 +81,19 @@ class IncidentState:
         if event.label not in self._status.events:
             self._status.events.append(event.label)
 
-    async def _activity(self, method: Any, *args: Any, summary: str, timeout: timedelta = SHORT_STEP) -> Any:
-        """Run one activity: ``timeout`` per attempt, retried within the call's budget (_budget)."""
+    async def _activity(
+        self,
+        method: Any,
+        *args: Any,
+        summary: str,
+        timeout: timedelta = SHORT_STEP,
+        on_result: Callable[[Any], None] | None = None,
+    ) -> Any:
+        """Run one activity: ``timeout`` per attempt, retried within the call's budget (_budget).
+        ``on_result`` records what it did, before a cancel that came meanwhile stops the flow."""
         result = await self._run_activity(method, *args, summary=summary, timeout=timeout)
+        if on_result is not None:
+            on_result(result)
         if self._cancel_absorbed():
             raise asyncio.CancelledError
         return result
