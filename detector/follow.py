@@ -311,8 +311,10 @@ class KmsgReader:
             log.info("%s: resuming after record %d of this boot", self.path, seq)
             self.resumed = True
             return seq
-        # A cursor of an earlier boot vouches for this one: nothing of it was handled yet.
-        self.resumed = resume.get("kind") == "kmsg" and isinstance(resume.get("boot_id"), str)
+        # A cursor of an earlier boot vouches for this one: nothing of it was handled yet. One of
+        # this boot without a usable record number vouches for nothing (the replay cutoff holds).
+        boot = resume.get("boot_id")
+        self.resumed = resume.get("kind") == "kmsg" and isinstance(boot, str) and boot != self.boot_id
         log.info("%s: the saved cursor is from another boot; reading this boot's records from the oldest", self.path)
         return None
 

@@ -516,9 +516,15 @@ def incidents_cancel(
         description = await handle.describe()
         if description.status != WorkflowExecutionStatus.RUNNING:
             fail(f"incident {status.incident_id} is not open ({status.outcome}); nothing to cancel")
+        # This run only: if it closes meanwhile and the node's next incident starts, that one
+        # is not cancelled by mistake (the cancel of a closed run fails, and says so).
+        handle = (await _client()).get_workflow_handle(workflow_id, run_id=description.run_id)
         request = CancelRequest(by=_who(), reason=reason, incident_id=status.incident_id)
-        await handle.signal(NodeRemediationWorkflow.cancel_requested, request)
-        await handle.cancel(reason=f"gpufleet incidents cancel by {request.by}: {reason}".rstrip(": "))
+        try:
+            await handle.signal(NodeRemediationWorkflow.cancel_requested, request)
+            await handle.cancel(reason=f"gpufleet incidents cancel by {request.by}: {reason}".rstrip(": "))
+        except RPCError as exc:
+            fail(f"incident {status.incident_id} could not be cancelled: {exc.message} (did it just close?)")
         if wait <= 0:
             return status, None
         deadline = time.monotonic() + wait

@@ -226,6 +226,10 @@ class ClusterDeletionWorkflow:
                 await self._step(DeleteStep.STOP_INCIDENTS, "cluster_stop_incidents", work)
             await self._step(DeleteStep.DRAIN, "cluster_drain", work)
             await self._wait_for_jobs(request, work)
+            if workflow.patched(DELETE_STOPS_INCIDENTS):
+                # Again: an Xid while the jobs drained may have opened an incident (and restarted
+                # the guard); none must outlive the cluster's worker.
+                await self._step(DeleteStep.STOP_INCIDENTS, "cluster_stop_incidents", work)
             await self._step(DeleteStep.UNMAKE_REMEDIABLE, "cluster_unmake_remediable", work)
             # Its associations leave the accounting database, which may outlive the cluster.
             await self._accounts(request, work)

@@ -157,6 +157,22 @@ async def test_a_cursor_of_an_earlier_boot_vouches_for_this_boot_whole(tmp_path:
     assert [json.loads(line)["xid"] for line in printed] == [79]
 
 
+async def test_a_damaged_cursor_of_this_boot_vouches_for_nothing(tmp_path: Path) -> None:
+    """A cursor of this very boot whose record number cannot be used (damaged, hand-edited) does
+    not say where reading stopped: the cutoff holds, and the old Xid is not reported again."""
+    boot_time = time.time() - 86400
+    old = f"4,1,{int((86400 - 7200) * 1e6)},-;NVRM: Xid (PCI:0000:3b:00): 79, pid=0, GPU has fallen off the bus.\n"
+    cursor = CursorFile(tmp_path / "state", "kmsg")
+    cursor.save({"kind": "kmsg", "boot_id": BOOT, "seq": "812"})
+    printed: list[str] = []
+    kmsg = KmsgReader(
+        Path("/dev/kmsg"), read_record=Ring(old.encode()).read, boot_id=BOOT, resume=cursor.load(), boot_time=boot_time
+    )
+    source = KernelLogSource(kmsg, once=True, cursor=cursor, replay_cutoff=time.time() - 300)
+    await Detector(node="gpu7", policy=Policy(), delivery=None, out=printed.append).run([source], once=True)
+    assert printed == []
+
+
 def test_a_lines_own_time_is_read_from_the_formats_logs_use() -> None:
     utc = "2025-01-21T04:41:44,283302+00:00"
     assert line_time(f"kern  :warn  : {utc} NVRM: Xid ...") == 1737434504.283302
