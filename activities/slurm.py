@@ -10,7 +10,7 @@ from temporalio.exceptions import ApplicationError
 from activities.errors import client_errors
 from activities.heartbeat import heartbeating
 from clients.dryrun import dry_run
-from clients.errors import ClientError
+from clients.errors import ClientError, Unavailable
 from clients.slurm import ACTIVE_STATES as ACTIVE_STATES  # the workflows' word for a job on its node
 from clients.slurm import SlurmClient, owned_reason
 from models.incident import JobInfo, JobRequeue, NodeInfo, RequeueOutcome
@@ -62,9 +62,13 @@ _SIGNALLABLE = {"RUNNING", "SUSPENDED", "CONFIGURING"}
 # ended after it started (a short job may start and end between two looks of the resume watch;
 # how its new run ended is its own, not the failure's). CANCELLED is not among them: a job
 # cancelled while it waited in the queue never ran again.
+# COMPLETING is not among them either: a requeue leaves the job COMPLETING while its old run ends.
 RAN_AGAIN = frozenset(
-    {"RUNNING", "SUSPENDED", "COMPLETING", "COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED"}
+    {"RUNNING", "SUSPENDED", "COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED"}
 )
+# A job whose processes are still being cleaned up (COMPLETING) has not said how it ended yet: a
+# requeue waits this long for its final state, then tries again later.
+COMPLETING_WAIT_SECONDS = 40.0
 _QUEUED = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"}
 
 
@@ -221,7 +225,7 @@ class SlurmActivities:
 
         try:
             with client_errors(), dry_run(request.dry_run):
-                job = self._slurm.jobs_by_id([job_id]).get(job_id)
+                job = self._ended_state(job_id)
                 if job is None:
                     return outcome(
                         RequeueOutcome.FAILED, "Slurm no longer knows the job (purged after MinJobAge): resubmit it"
@@ -257,6 +261,19 @@ class SlurmActivities:
                 raise
             return outcome(RequeueOutcome.FAILED, _requeue_refused(str(exc)))
         return outcome(RequeueOutcome.REQUEUED)
+
+    def _ended_state(self, job_id: int) -> JobInfo | None:
+        """The job as Slurm shows it once it is past COMPLETING (a rank crashed with its GPU leaves
+        the job COMPLETING while slurmd cleans up: FAILED or COMPLETED only then says which);
+        Unavailable (retried) when it is still COMPLETING after COMPLETING_WAIT_SECONDS."""
+        deadline = time.monotonic() + COMPLETING_WAIT_SECONDS
+        while True:
+            job = self._slurm.jobs_by_id([job_id]).get(job_id)
+            if job is None or job.state != "COMPLETING":
+                return job
+            if time.monotonic() > deadline:
+                raise Unavailable(f"job {job_id} is still COMPLETING after {COMPLETING_WAIT_SECONDS:g}s; looking again")
+            time.sleep(self._poll)
 
     @activity.defn(name="jobs_resumed")
     @heartbeating
