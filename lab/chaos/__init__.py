@@ -42,12 +42,13 @@ from typing import Any
 
 from lab.chaos.fleet import chaos_lab, record_and_stop
 from lab.chaos.guard import SATURATED, STORM, guard_saturated, storm
+from lab.chaos.leftovers import CURSOR_LOST, TERMINATED, detector_cursor_lost, terminated_in_grace
 from lab.chaos.outages import Context, Say, Scenario
 from lab.chaos.scenarios import RACE, race_two_incidents, run_scenario, scenarios
 from lab.fleet import FleetLab
 from lab.provenance import provenance, write_result
 
-__all__ = ["RACE", "SATURATED", "STORM", "Scenario", "chaos", "main", "scenarios"]
+__all__ = ["CURSOR_LOST", "RACE", "SATURATED", "STORM", "TERMINATED", "Scenario", "chaos", "main", "scenarios"]
 
 TOTALS = ("jobs_lost", "double_claims", "nodes_undrained_not_ours", "claims_leaked")
 
@@ -79,6 +80,12 @@ async def chaos(home: Path, *, short: bool, say: Say, only: set[str] | None = No
         if not short and (only is None or RACE in only):
             say("scenario: two workers, two incidents at once")
             results.append(await race_two_incidents(ctx, baseline))
+        if not short and (only is None or TERMINATED in only):
+            say(f"scenario: {TERMINATED}")
+            results.append(await terminated_in_grace(ctx))
+        if not short and (only is None or CURSOR_LOST in only):
+            say(f"scenario: {CURSOR_LOST}")
+            results.append(await detector_cursor_lost(ctx))
     finally:
         await record_and_stop(lab)
     if not short and (only is None or STORM in only):
@@ -111,7 +118,7 @@ def main() -> None:
     args = parser.parse_args()
     started = provenance()  # the code this run loaded, the machine it runs on
     only = {name.strip() for name in args.only.split(",") if name.strip()} if args.only else None
-    known = {scenario.name for scenario in scenarios(short=False)} | {RACE, STORM, SATURATED}
+    known = {scenario.name for scenario in scenarios(short=False)} | {RACE, TERMINATED, CURSOR_LOST, STORM, SATURATED}
     if only is not None and only - known:
         parser.error(f"unknown scenario(s): {', '.join(sorted(only - known))}; known: {', '.join(sorted(known))}")
     home = args.home or Path(tempfile.mkdtemp(prefix="gpufleet-chaos-"))
