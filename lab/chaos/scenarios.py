@@ -79,9 +79,11 @@ def scenarios(*, short: bool) -> list[Scenario]:
         # looks), or it hangs deaf to SIGTERM until the requeue's SIGKILL.
         Scenario(name="job_crashes_with_its_gpu", effect=Effect.CRASH),
         Scenario(name="job_hangs_with_its_gpu", effect=Effect.HANG),
-        # A bad value in the cluster's ConfigMap: the incident keeps the last good grace.
+        # A bad value in the cluster's ConfigMap: the incident keeps the last good grace, spent
+        # on the job's checkpoint (the job lives on after its Xid, to be signalled).
         Scenario(
             name=CONFIGMAP_BAD,
+            effect=Effect.NONE,
             before=configmap_nan,
             after=configmap_restored,
             verify=configmap_kept_last_good,
