@@ -218,6 +218,8 @@ class FleetLab:
             name = f"detector-{node}"
             if running(name):
                 continue
+            self.kmsg_file(node).parent.mkdir(parents=True, exist_ok=True)
+            self.kmsg_file(node).touch()
             self.detector_ready_file(node).unlink(missing_ok=True)
             argv = self.detector_argv(node)
             services[name] = {"pid": spawn(argv, log=logs / f"{name}.log", env=self.env(), cwd=REPO_ROOT)}
@@ -324,18 +326,14 @@ class FleetLab:
         )
 
     def detector_argv(self, node: str) -> list[str]:
-        """The node's detector: following its kernel log (created empty), its cursor in
-        ``$GPUFLEET_HOME/detector/NODE``."""
-        kmsg = self.kmsg_file(node)
-        kmsg.parent.mkdir(parents=True, exist_ok=True)
-        kmsg.touch()
+        """The node's detector, following its kernel log, its cursor in ``$GPUFLEET_HOME/detector/NODE``."""
         return [
             sys.executable,
             "-m",
             "workers.entry",
             "detect",
             "--kmsg",
-            str(kmsg),
+            str(self.kmsg_file(node)),
             "--node",
             node,
             "--cluster",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import re
 from datetime import UTC, datetime
 from pathlib import Path
@@ -253,13 +254,22 @@ async def detector_cursor_lost(ctx: Context) -> dict[str, Any]:
                 text.seek(offset)
                 return text.read().decode(errors="replace")
 
+        # Without a cursor a detector reads /dev/kmsg from the oldest record of the boot, but a log
+        # file from its end (its past unread: nothing to replay). The lab's kernel log stands in
+        # for /dev/kmsg, so it is read whole here: put back only once the detector follows it (a
+        # log that appears after the start is read from its start).
+        away = kmsg.with_name(f"{kmsg.name}.away")
+        os.replace(kmsg, away)
         ready = lab.detector_ready_file(node)
         ready.unlink(missing_ok=True)
         pid = spawn(lab.detector_argv(node), log=log, env={**lab.env(), **env}, cwd=REPO_ROOT)
         state = lab.state()
         state["services"][name]["pid"] = pid
         lab._save(state)
-        await asyncio.to_thread(wait_for, ready.exists, timeout=60, what=f"{name} to follow its kernel log again")
+        try:
+            await asyncio.to_thread(wait_for, ready.exists, timeout=60, what=f"{name} to follow its kernel log again")
+        finally:
+            os.replace(away, kmsg)
         ctx.fired.append(f"{name} restarted without its cursor ({old} Xid line(s) in its kernel log)")
         said = await asyncio.to_thread(
             wait_for,
