@@ -4,14 +4,17 @@ Each scenario is a fresh incident on a node of the running job, with one fault o
 the worker SIGKILLed at each step (and restarted 2 s later), the Temporal server killed and
 restarted, slurmctld stopped for 30 s, the Kubernetes API answering 500 and 429 in bursts, a
 PodDisruptionBudget blocking the eviction, the webhook refusing connections or hanging, two
-workers racing over two incidents at once, a node an operator drained before its Xid, and the
-job crashing or hanging with its GPU. Every Xid does to the job's processes on its node what
-the real failure does (lab/faults.py: for Xid 79, the rank dies with a CUDA error). Last, each
-in a four-node lab of its own: a storm, Xids on every training node at once with the default
-fleet guard (``storm_drained``, ``storm_waiting``, ``storm_paged``); and a guard saturated by two
-incidents waiting for spares when a third Xid comes, whose node must be drained at once and
-whose ended job requeued. A drill in the same run is the baseline. Between scenarios the retired
-nodes are returned as spares (``gpufleet nodes return``), as an operator would after a repair.
+workers racing over two incidents at once, a node an operator drained before its Xid, the
+job crashing or hanging with its GPU, a ``grace_seconds: nan`` in the cluster's ConfigMap, an
+incident terminated by a person in its grace period (the reaper gives back what it held), and a
+detector restarted without its cursor (old Xids not reported again, a fresh one reported).
+Every Xid does to the job's processes on its node what the real failure does (lab/faults.py:
+for Xid 79, the rank dies with a CUDA error). Last, each in a four-node lab of its own: a
+storm, Xids on every training node at once with the default fleet guard (``storm_drained``,
+``storm_waiting``, ``storm_paged``); and a guard saturated by two incidents waiting for spares
+when a third Xid comes, whose node must be drained at once and whose ended job requeued. A drill
+in the same run is the baseline. Between scenarios the retired nodes are returned as spares
+(``gpufleet nodes return``), as an operator would after a repair.
 
 A scenario whose fault did not fire (never, or only after the incident passed the step it was
 meant for, or a job that never met its GPU's failure) fails, saying so in ``reason``.

@@ -10,6 +10,7 @@ import contextlib
 import math
 import os
 import re
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,7 @@ async def terminated_in_grace(ctx: Context) -> dict[str, Any]:
         incident = status.incident_id
         result["incident"] = incident
         await handle.terminate(reason="chaos: terminated by a person during the grace period")
+        terminated = time.monotonic()
         described = await handle.describe()
         ctx.fired.append(f"{incident} terminated at {status.step.value}, job {job.job_id} SIGTERMed")
         result["fault_fired"] = described.status is not None and described.status.name == "TERMINATED"
@@ -160,6 +162,7 @@ async def terminated_in_grace(ctx: Context) -> dict[str, Any]:
             await asyncio.to_thread(
                 wait_for, given_back, timeout=60, what="the reaper to requeue the job and let go of the lease"
             )
+            result["given_back_s"] = round(time.monotonic() - terminated, 3)
         except TimeoutError as exc:
             problems.append(str(exc))
         reaper_status: ReaperStatus = await reaper.query(ReaperWorkflow.status)
