@@ -208,6 +208,10 @@ async def terminated_in_grace(ctx: Context) -> dict[str, Any]:
 # -- detector_cursor_lost ----------------------------------------------------------------------------
 
 
+class _Failed(Exception):
+    """The scenario failed for a reason already in its problems: stop it there."""
+
+
 def _cursor(ctx: Context, node: str) -> Path:
     """Where the lab's detector of ``node`` keeps its kernel log's cursor ($GPUFLEET_HOME/detector/NODE)."""
     return ctx.lab.home / "detector" / node / "kmsg.json"
@@ -274,18 +278,23 @@ async def detector_cursor_lost(ctx: Context) -> dict[str, Any]:
         finally:
             os.replace(away, kmsg)
         ctx.fired.append(f"{name} restarted without its cursor ({old} Xid line(s) in its kernel log)")
-        said = await asyncio.to_thread(
+        # Read whole, the log either yields its old Xids (skipped, and said) or reports them.
+        reported = " -> incident "
+        await asyncio.to_thread(
             wait_for,
-            lambda: SKIPPED.search(since_restart()),
+            lambda: SKIPPED.search(text := since_restart()) or reported in text,
             timeout=60,
-            what=f"{name} to say it skipped the old Xids",
+            what=f"{name} to skip or report the old Xids",
         )
-        result["skipped"] = int(said.group(1))
+        said = SKIPPED.search(since_restart())
+        result["skipped"] = int(said.group(1)) if said else 0
         if result["skipped"] != old:
             problems.append(f"the detector skipped {result['skipped']} of the {old} old Xid(s)")
         again = await handle.describe()
-        if again.run_id != handled.run_id or " -> incident " in since_restart():
-            problems.append(f"the old Xids opened an incident again on {node} (run {again.run_id})")
+        if again.run_id != handled.run_id or reported in since_restart():
+            problems.append(f"the old Xids were reported again: a new incident on {node} (run {again.run_id})")
+            result["fault_fired"] = True  # the restart without a cursor did happen
+            raise _Failed
         # A fresh Xid after the restart is reported: on the retired node, a new incident records it.
         fresh_at = datetime.now(UTC)
         lab.inject_xid(node, 79, Effect.NONE)
@@ -294,6 +303,8 @@ async def detector_cursor_lost(ctx: Context) -> dict[str, Any]:
         if fresh.outcome != Outcome.ALREADY_RETIRED:
             problems.append(f"the fresh Xid's incident ended {fresh.outcome.value}, not already_retired")
         result["fault_fired"] = True
+    except _Failed:
+        pass  # said in problems; what the replayed incident did is closed below
     except Exception as exc:  # reported, and the run goes on
         result.update(outcome="error", error=f"{type(exc).__name__}: {exc}")
         problems.append(f"{type(exc).__name__}: {exc}")
