@@ -206,16 +206,33 @@ _ISO_TIME = re.compile(
 _DMESG_T = re.compile(r"\[\w{3} (?P<mon>\w{3}) +(?P<day>\d{1,2}) (?P<time>\d{2}:\d{2}:\d{2}) (?P<year>\d{4})\]")
 # RFC 3164 syslog, English month names: Aug  5 03:54:13 host kernel: ...
 _SYSLOG_TIME = re.compile(r"(?P<mon>[A-Z][a-z]{2}) +(?P<day>\d{1,2}) (?P<time>\d{2}:\d{2}:\d{2})\b")
+# dmesg's default, journalctl -o short-monotonic: [ 1843.308145], seconds since boot, at the
+# line's start or behind a dmesg --decode facility (kern  :warn  : [ 1843.308145] ...).
+_UPTIME = re.compile(r"(?:^|:\s+)\[\s*(?P<seconds>\d+\.\d{1,9})\]")
 _TIME_SEARCH = 48  # a line's time is near its start: behind a dmesg --decode facility at most
 
 
-def line_time(line: str, *, now: float | None = None) -> float | None:
+def boot_time() -> float:
+    """The Unix time this machine booted, as the kernel's record stamps count from it.
+
+    A kernel record's stamp (dmesg's ``[ 1843.308145]``, /dev/kmsg's microseconds) is read from
+    a clock that stops while the machine is suspended, as CLOCK_MONOTONIC does; so boot is taken
+    as now less CLOCK_MONOTONIC, not as /proc/stat ``btime`` (now less CLOCK_BOOTTIME, suspend
+    included). After a suspend a record older than it is then placed later than it happened,
+    never earlier: a record this makes look old is old.
+    """
+    return time.time() - time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+def line_time(line: str, *, now: float | None = None, boot: float | None = None) -> float | None:
     """The Unix time a text log line carries at its start, if it says one this parser knows.
 
     ISO 8601 (journald ``short-iso``, ``dmesg --time-format iso``, RFC 5424; local time when no
     zone is given), ``dmesg -T`` and RFC 3164 syslog with English month names (local time; the
     year is the one that puts the line no more than a day ahead of ``now``). A dmesg uptime
-    (``[ 1843.308145]``) is no time of day: None, as for a line without any.
+    (``[ 1843.308145]``, seconds since boot) is placed after ``boot`` (default: this machine's,
+    ``boot_time()``); a line printed in an earlier boot is then placed later than it was written,
+    never earlier.
     """
     head = line[:_TIME_SEARCH]
     if iso := _ISO_TIME.search(head):
@@ -237,6 +254,8 @@ def line_time(line: str, *, now: float | None = None) -> float | None:
         if when is not None and when > now + 86400:  # December's line read in January
             when = _local(year - 1, syslog.group("mon"), syslog.group("day"), syslog.group("time"))
         return when
+    if uptime := _UPTIME.search(head):
+        return (boot_time() if boot is None else boot) + float(uptime.group("seconds"))
     return None
 
 

@@ -28,6 +28,11 @@ from starters.server import dev_server_argv
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The lab's worker polls Slurm this often while it waits for a job (GPUFLEET_POLL_SECONDS).
 LAB_POLL_SECONDS = "0.25"
+# The lab's worker's reaper looks for what stopped incidents still hold this often
+# (GPUFLEET_REAPER_SECONDS, 300 s by default): an incident terminated in the UI is cleaned up at once.
+LAB_REAPER_SECONDS = "5"
+# Where the lab's worker serves its metrics, when the port is free (else a free one, in lab.json).
+LAB_METRICS_PORT = 9464
 Say = Callable[[str], None]
 
 
@@ -213,26 +218,10 @@ class FleetLab:
             name = f"detector-{node}"
             if running(name):
                 continue
-            kmsg = self.kmsg_file(node)
-            kmsg.parent.mkdir(parents=True, exist_ok=True)
-            kmsg.touch()
-            argv = [
-                sys.executable,
-                "-m",
-                "workers.entry",
-                "detect",
-                "--kmsg",
-                str(kmsg),
-                "--node",
-                node,
-                "--cluster",
-                self.config.cluster,
-                "--fold-seconds",
-                "2",
-                "--ready-file",
-                str(self.detector_ready_file(node)),
-            ]
+            self.kmsg_file(node).parent.mkdir(parents=True, exist_ok=True)
+            self.kmsg_file(node).touch()
             self.detector_ready_file(node).unlink(missing_ok=True)
+            argv = self.detector_argv(node)
             services[name] = {"pid": spawn(argv, log=logs / f"{name}.log", env=self.env(), cwd=REPO_ROOT)}
             self._save({**state, "services": services})
             started.append(self.detector_ready_file(node))
@@ -242,13 +231,17 @@ class FleetLab:
         if running("worker"):
             say("worker already running")
         else:
+            metrics_port = self._port(LAB_METRICS_PORT, "the worker's metrics", say)
+            env = {
+                **self.env(),
+                "GPUFLEET_REAPER_SECONDS": LAB_REAPER_SECONDS,
+                "GPUFLEET_METRICS_PORT": str(metrics_port),
+                "GPUFLEET_METRICS_BIND": "127.0.0.1",
+            }
             pid = spawn(
-                [sys.executable, "-m", "workers.entry", "worker"],
-                log=logs / "worker.log",
-                env=self.env(),
-                cwd=REPO_ROOT,
+                [sys.executable, "-m", "workers.entry", "worker"], log=logs / "worker.log", env=env, cwd=REPO_ROOT
             )
-            services["worker"] = {"pid": pid}
+            services["worker"] = {"pid": pid, "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
             self._save({**state, "services": services})
             time.sleep(1.0)
             if not alive(pid):
@@ -331,6 +324,25 @@ class FleetLab:
             "  settle_seconds: 5\n",
             encoding="utf-8",
         )
+
+    def detector_argv(self, node: str) -> list[str]:
+        """The node's detector, following its kernel log, its cursor in ``$GPUFLEET_HOME/detector/NODE``."""
+        return [
+            sys.executable,
+            "-m",
+            "workers.entry",
+            "detect",
+            "--kmsg",
+            str(self.kmsg_file(node)),
+            "--node",
+            node,
+            "--cluster",
+            self.config.cluster,
+            "--fold-seconds",
+            "2",
+            "--ready-file",
+            str(self.detector_ready_file(node)),
+        ]
 
     def detector_ready_file(self, node: str) -> Path:
         """Written by the node's detector once it follows its kernel log."""

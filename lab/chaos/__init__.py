@@ -4,14 +4,17 @@ Each scenario is a fresh incident on a node of the running job, with one fault o
 the worker SIGKILLed at each step (and restarted 2 s later), the Temporal server killed and
 restarted, slurmctld stopped for 30 s, the Kubernetes API answering 500 and 429 in bursts, a
 PodDisruptionBudget blocking the eviction, the webhook refusing connections or hanging, two
-workers racing over two incidents at once, a node an operator drained before its Xid, and the
-job crashing or hanging with its GPU. Every Xid does to the job's processes on its node what
-the real failure does (lab/faults.py: for Xid 79, the rank dies with a CUDA error). Last, each
-in a four-node lab of its own: a storm, Xids on every training node at once with the default
-fleet guard (``storm_drained``, ``storm_waiting``, ``storm_paged``); and a guard saturated by two
-incidents waiting for spares when a third Xid comes, whose node must be drained at once and
-whose ended job requeued. A drill in the same run is the baseline. Between scenarios the retired
-nodes are returned as spares (``gpufleet nodes return``), as an operator would after a repair.
+workers racing over two incidents at once, a node an operator drained before its Xid, the
+job crashing or hanging with its GPU, a ``grace_seconds: nan`` in the cluster's ConfigMap, an
+incident terminated by a person in its grace period (the reaper gives back what it held), and a
+detector restarted without its cursor (old Xids not reported again, a fresh one reported).
+Every Xid does to the job's processes on its node what the real failure does (lab/faults.py:
+for Xid 79, the rank dies with a CUDA error). Last, each in a four-node lab of its own: a
+storm, Xids on every training node at once with the default fleet guard (``storm_drained``,
+``storm_waiting``, ``storm_paged``); and a guard saturated by two incidents waiting for spares
+when a third Xid comes, whose node must be drained at once and whose ended job requeued. A drill
+in the same run is the baseline. Between scenarios the retired nodes are returned as spares
+(``gpufleet nodes return``), as an operator would after a repair.
 
 A scenario whose fault did not fire (never, or only after the incident passed the step it was
 meant for, or a job that never met its GPU's failure) fails, saying so in ``reason``.
@@ -42,12 +45,13 @@ from typing import Any
 
 from lab.chaos.fleet import chaos_lab, record_and_stop
 from lab.chaos.guard import SATURATED, STORM, guard_saturated, storm
+from lab.chaos.leftovers import CURSOR_LOST, TERMINATED, detector_cursor_lost, terminated_in_grace
 from lab.chaos.outages import Context, Say, Scenario
 from lab.chaos.scenarios import RACE, race_two_incidents, run_scenario, scenarios
 from lab.fleet import FleetLab
 from lab.provenance import provenance, write_result
 
-__all__ = ["RACE", "SATURATED", "STORM", "Scenario", "chaos", "main", "scenarios"]
+__all__ = ["CURSOR_LOST", "RACE", "SATURATED", "STORM", "TERMINATED", "Scenario", "chaos", "main", "scenarios"]
 
 TOTALS = ("jobs_lost", "double_claims", "nodes_undrained_not_ours", "claims_leaked")
 
@@ -79,6 +83,12 @@ async def chaos(home: Path, *, short: bool, say: Say, only: set[str] | None = No
         if not short and (only is None or RACE in only):
             say("scenario: two workers, two incidents at once")
             results.append(await race_two_incidents(ctx, baseline))
+        if not short and (only is None or TERMINATED in only):
+            say(f"scenario: {TERMINATED}")
+            results.append(await terminated_in_grace(ctx))
+        if not short and (only is None or CURSOR_LOST in only):
+            say(f"scenario: {CURSOR_LOST}")
+            results.append(await detector_cursor_lost(ctx))
     finally:
         await record_and_stop(lab)
     if not short and (only is None or STORM in only):
@@ -111,7 +121,7 @@ def main() -> None:
     args = parser.parse_args()
     started = provenance()  # the code this run loaded, the machine it runs on
     only = {name.strip() for name in args.only.split(",") if name.strip()} if args.only else None
-    known = {scenario.name for scenario in scenarios(short=False)} | {RACE, STORM, SATURATED}
+    known = {scenario.name for scenario in scenarios(short=False)} | {RACE, TERMINATED, CURSOR_LOST, STORM, SATURATED}
     if only is not None and only - known:
         parser.error(f"unknown scenario(s): {', '.join(sorted(only - known))}; known: {', '.join(sorted(known))}")
     home = args.home or Path(tempfile.mkdtemp(prefix="gpufleet-chaos-"))

@@ -78,6 +78,9 @@ class Scenario:
     before: Callable[[Context, str], Awaitable[None]] | None = None
     after: Callable[[Context], Awaitable[None]] | None = None
     expect_approval: bool = False
+    # Once the incident closed (before ``after``): what it and the fleet must show besides the
+    # usual checks; each problem returned fails the scenario.
+    verify: Callable[[Context, dict[str, Any]], Awaitable[list[str]]] | None = None
     # What the Xid does to the job's processes on the node (None: the Xid's own, lab/faults.py).
     effect: Effect | None = None
     # Added delay allowed against the baseline (None: only correctness is checked).

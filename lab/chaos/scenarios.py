@@ -21,6 +21,7 @@ from lab.chaos.fleet import (
     step_end,
     undrained_not_ours,
 )
+from lab.chaos.leftovers import CONFIGMAP_BAD, configmap_kept_last_good, configmap_nan, configmap_restored
 from lab.chaos.outages import (
     KILL_STEPS,
     STEP_ORDER,
@@ -78,6 +79,15 @@ def scenarios(*, short: bool) -> list[Scenario]:
         # looks), or it hangs deaf to SIGTERM until the requeue's SIGKILL.
         Scenario(name="job_crashes_with_its_gpu", effect=Effect.CRASH),
         Scenario(name="job_hangs_with_its_gpu", effect=Effect.HANG),
+        # A bad value in the cluster's ConfigMap: the incident keeps the last good grace, spent
+        # on the job's checkpoint (the job lives on after its Xid, to be signalled).
+        Scenario(
+            name=CONFIGMAP_BAD,
+            effect=Effect.NONE,
+            before=configmap_nan,
+            after=configmap_restored,
+            verify=configmap_kept_last_good,
+        ),
     ]
     if short:
         names = {"worker_killed_at_checkpoint", "webhook_hangs"}
@@ -143,6 +153,7 @@ async def run_scenario(ctx: Context, scenario: Scenario, baseline: dict[str, Any
 
     result: dict[str, Any] = {"name": scenario.name}
     injected = time.time()
+    verified: list[str] = []
     try:
         drill = await run_drill(
             lab,
@@ -154,6 +165,8 @@ async def run_scenario(ctx: Context, scenario: Scenario, baseline: dict[str, Any
             on_status=on_status,
             require_running=False,
         )
+        if scenario.verify is not None:
+            verified = await scenario.verify(ctx, drill)
     except Exception as exc:  # a scenario that breaks is reported, and the run goes on
         result.update(passed=False, correct=False, outcome="error", error=f"{type(exc).__name__}: {exc}")
         drill = None
@@ -167,7 +180,7 @@ async def run_scenario(ctx: Context, scenario: Scenario, baseline: dict[str, Any
         "nodes_undrained_not_ours": undrained_not_ours(before, after),
         "claims_leaked": leaked_claims(after),
     }
-    missed = fault_missed(scenario, ctx, fired_at, seen)
+    missed = fault_missed(scenario, ctx, fired_at, seen) + verified
     if drill is not None:
         effect = drill["effect"]
         if effect != Effect.NONE.value and met_gpu_fault(lab, drill["job_id"], [drill["node"]], effect, since=injected):

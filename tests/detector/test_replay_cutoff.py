@@ -69,6 +69,19 @@ def test_a_lost_cursor_does_not_replay_old_xids_from_a_log_file(tmp_path: Path) 
     assert [e["xid"] for e in events] == [119, 13]  # the second 119 folded into the first
 
 
+def test_a_lost_cursor_does_not_replay_old_xids_of_a_dmesg_uptime_log(tmp_path: Path) -> None:
+    # dmesg's own format (and the lab's kernel logs): seconds since boot, from the clock the
+    # kernel stamps its records with. One Xid ten minutes old, one just now.
+    uptime = time.clock_gettime(time.CLOCK_MONOTONIC)
+    line = "NVRM: Xid (PCI:0000:3b:00): {}, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+    log = tmp_path / "kern.log"
+    log.write_text(f"[{uptime - 600:12.6f}] {line.format(79)}\n[{uptime:12.6f}] {line.format(48)}\n")
+
+    events, stderr = run_once(log, tmp_path / "state")  # no cursor: lost
+    assert [e["xid"] for e in events] == [48]
+    assert "1 event(s) older than the replay cutoff skipped" in stderr
+
+
 def test_a_journal_cursor_refused_does_not_replay_the_boot(tmp_path: Path) -> None:
     """journalctl refuses the saved cursor; the restart reads the boot whole (``-n all``): the
     Xids recorded long ago are skipped and said, the one written since is reported."""
@@ -177,7 +190,9 @@ def test_a_lines_own_time_is_read_from_the_formats_logs_use() -> None:
     utc = "2025-01-21T04:41:44,283302+00:00"
     assert line_time(f"kern  :warn  : {utc} NVRM: Xid ...") == 1737434504.283302
     assert line_time("2025-01-21T04:41:44Z gpu1 kernel: NVRM: Xid ...") == 1737434504.0
-    assert line_time("[ 1843.308145] NVRM: Xid ...") is None  # an uptime is no time of day
+    # dmesg's uptime: seconds since the boot given (by default this machine's).
+    assert line_time("[ 1843.308145] NVRM: Xid ...", boot=1737430000.0) == 1737430000.0 + 1843.308145
+    assert line_time("kern  :warn  : [    3.500000] NVRM: Xid ...", boot=1000.0) == 1003.5
     assert line_time("NVRM: Xid (PCI:0000:3b:00): 79, ...") is None
     local = time.mktime((2025, 2, 23, 16, 24, 18, 0, 0, -1))
     assert line_time("[Sun Feb 23 16:24:18 2025] NVRM: Xid ...") == local

@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from lab.chaos import SATURATED, scenarios
+from lab.chaos import CURSOR_LOST, SATURATED, TERMINATED, scenarios
 from lab.chaos.fleet import job_lost, met_gpu_fault
+from lab.chaos.leftovers import CONFIGMAP_BAD, config_ok
 from lab.chaos.outages import Context, Scenario, kill_worker, operator_drains
 from lab.chaos.scenarios import at_or_after, fault_missed
 from lab.faults import Effect
@@ -74,3 +75,24 @@ def test_the_new_scenarios_are_in_the_full_run_only() -> None:
     assert SATURATED == "guard_saturated"
     short = [scenario.name for scenario in scenarios(short=True)]
     assert short == ["worker_killed_at_checkpoint", "webhook_hangs"]
+
+
+def test_the_leftover_scenarios_are_in_the_full_run_only() -> None:
+    full = {scenario.name: scenario for scenario in scenarios(short=False)}
+    bad = full[CONFIGMAP_BAD]
+    assert bad.before is not None and bad.after is not None and bad.verify is not None
+    assert CONFIGMAP_BAD not in {scenario.name for scenario in scenarios(short=True)}
+    assert {TERMINATED, CURSOR_LOST} == {"incident_terminated_in_grace", "detector_cursor_lost"}
+
+
+def test_the_configmaps_health_is_read_from_the_workers_metrics() -> None:
+    scrape = (
+        "# HELP gpufleet_config_ok 1 while the source's last read was good\n"
+        "# TYPE gpufleet_config_ok gauge\n"
+        'gpufleet_config_ok{cluster="lab",source="policy_file"} 1\n'
+        'gpufleet_config_ok{cluster="lab",source="configmap"} 0\n'
+        'gpufleet_config_rejected_total{cluster="lab",source="configmap"} 1\n'
+    )
+    assert config_ok(scrape, "configmap") == 0
+    assert config_ok(scrape, "policy_file") == 1
+    assert config_ok(scrape, "elsewhere") is None
