@@ -55,6 +55,7 @@ REMEDIATION = {
     "job_state",
     "job_annotations",
     "stop_job",
+    "list_jobs",
     "lease",
     "config_map_data",
 }
@@ -339,6 +340,9 @@ def drive_remediation(kube: KubernetesApi, worker: Deployed) -> set[str]:
     assert not kube.job_state(worker.repair_namespace, name).finished
     kube.stop_job(worker.repair_namespace, name, annotations={"gpufleet.io/verdict": "did not finish; Job stopped"})
     assert kube.job_annotations(worker.repair_namespace, name)["gpufleet.io/verdict"].endswith("Job stopped")
+    # A cancelled incident (or the reaper) lists the repair Jobs to stop those still running.
+    listed = kube.list_jobs(worker.repair_namespace, label_selector="gpufleet.io/repair")
+    assert [(j.name, j.active) for j in listed] == [(name, False)]
     # The node put back: taint off, uncordoned.
     kube.remove_taint("gpu1", key="gpufleet.io/unhealthy")
     kube.set_unschedulable("gpu1", False)
@@ -356,6 +360,7 @@ def drive_remediation(kube: KubernetesApi, worker: Deployed) -> set[str]:
         "job_state",
         "stop_job",
         "job_annotations",
+        "list_jobs",
         "remove_taint",
     }
 

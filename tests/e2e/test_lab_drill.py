@@ -121,7 +121,7 @@ def test_a_drill_without_a_free_spare_says_so_and_injects_nothing(lab: tuple[Fle
     logs = {node: fleet.kmsg_file(node).read_text() for node in fleet.all_nodes}
     done = lab_cli(fleet, "drill", "--job", "ddp")
     assert done.returncode == 1
-    assert "no free spare" in done.stdout
+    assert "no free spare" in done.stderr
     assert {node: fleet.kmsg_file(node).read_text() for node in fleet.all_nodes} == logs
 
 
