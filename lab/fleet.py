@@ -141,8 +141,10 @@ class FleetLab:
 
     # -- up ---------------------------------------------------------------------------------------
 
-    def up(self, say: Say = lambda _: None) -> dict[str, Any]:
-        """Start what is not running yet; a second call reuses what runs."""
+    def up(self, say: Say = lambda _: None, *, keep_slurm: bool = False) -> dict[str, Any]:
+        """Start what is not running yet; a second call reuses what runs. ``keep_slurm`` (a
+        service brought back after a fault on purpose): a Slurm with a daemon down is said, never
+        stopped and started afresh, which would cancel its jobs."""
         state = self._load()
         services: dict[str, Any] = state.get("services", {})
         state["config"] = asdict(self.config)
@@ -165,9 +167,14 @@ class FleetLab:
             self._save({**state, "services": services})
             wait_for(lambda: port_in_use(port), timeout=60, what="the Temporal dev server")
 
-        if self.slurm.pids() and all(alive(pid) for pid in self.slurm.pids().values()):
+        down = sorted(name for name, pid in self.slurm.pids().items() if not alive(pid))
+        if self.slurm.pids() and not down:
             say("Slurm already running")
+        elif self.slurm.pids() and keep_slurm:
+            say(f"Slurm kept as it is, though down: {', '.join(down)}")
         else:
+            if down:
+                say(f"Slurm's {', '.join(down)} down: starting it afresh")
             say(
                 f"starting Slurm: partition {self.config.partition} = {', '.join(self.config.training)}; "
                 f"spares {', '.join(self.config.spares)}"

@@ -363,7 +363,7 @@ def test_worker_may_run_repair_jobs_in_its_namespace_only(name: str) -> None:
     role = the(objects, "Role")
     assert role["metadata"]["namespace"] == "gpufleet"
     rules = {resource: set(rule["verbs"]) for rule in role["rules"] for resource in rule["resources"]}
-    assert rules["jobs"] == {"get", "create", "patch"}  # never delete: a Job is its attempt's record
+    assert rules["jobs"] == {"get", "list", "create", "patch"}  # never delete: a Job is its attempt's record
     cluster_role = the(objects, "ClusterRole")
     assert all("jobs" not in rule["resources"] for rule in cluster_role["rules"])
 

@@ -92,12 +92,17 @@ def _pid(lab: FleetLab, service: str) -> int:
     return int(lab.state()["services"][service]["pid"])
 
 
+def _slurm_news(ctx: Context) -> Say:
+    """What ``lab up`` says about Slurm, when it brings a service back (a daemon found down)."""
+    return lambda line: ctx.say(line) if "down" in line else None
+
+
 async def kill_worker(ctx: Context) -> None:
     pid = _pid(ctx.lab, "worker")
     os.kill(pid, signal.SIGKILL)
     ctx.fired.append(f"worker {pid} SIGKILLed")
     await asyncio.sleep(WORKER_RESTART_DELAY)  # the scenario: a worker back 2 s later
-    await asyncio.to_thread(ctx.lab.up)
+    await asyncio.to_thread(ctx.lab.up, _slurm_news(ctx), keep_slurm=True)
     ctx.fired.append(f"worker restarted as {_pid(ctx.lab, 'worker')}")
 
 
@@ -107,7 +112,7 @@ async def kill_temporal(ctx: Context) -> None:
     ctx.fired.append("Temporal dev server SIGKILLed")
     await asyncio.to_thread(wait_for, lambda: not alive(pid), timeout=30, what="the server to die")
     await asyncio.sleep(WORKER_RESTART_DELAY)
-    await asyncio.to_thread(ctx.lab.up)
+    await asyncio.to_thread(ctx.lab.up, _slurm_news(ctx), keep_slurm=True)
     ctx.fired.append("Temporal dev server restarted on the same port and database")
 
 
