@@ -26,6 +26,7 @@ from models.constants import (
     CLAIMED_BY_ANNOTATION,
     CLUSTER_LABEL,
     INCIDENT_ANNOTATION,
+    INCIDENT_STAMP,
     NODE_LEASE_ANNOTATION,
     POOL_LABEL,
     POOL_SPARE,
@@ -36,13 +37,11 @@ from models.constants import (
 from models.incident import IncidentStatus
 from models.requests import Leftover, SignalledJob
 
-_STAMP = r"\d{8}T\d{6}Z"
-
 
 def incident_node(cluster: str, incident_id: str) -> str | None:
     """The node an incident ID of ``cluster`` names (CLUSTER-NODE-STAMP); None for anything else
     (a pool move's lease, a dry run, another cluster's incident)."""
-    found = re.fullmatch(rf"{re.escape(cluster)}-(?P<node>.+)-{_STAMP}", incident_id)
+    found = re.fullmatch(rf"{re.escape(cluster)}-(?P<node>.+)-{INCIDENT_STAMP}", incident_id)
     return found.group("node") if found else None
 
 

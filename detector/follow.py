@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from detector.cursor import Position
+from detector.parse import boot_time as parse_boot_time
 from detector.parse import journal_text, marked_user_space
 
 log = logging.getLogger("gpufleet.detector")
@@ -294,7 +295,7 @@ class KmsgReader:
         self._read_record = read_record
         self.boot_id = read_boot_id() if boot_id is None else boot_id
         # The Unix time of the kernel's clock zero: a record's timestamp counts microseconds from it.
-        self._boot_time = time.time() - time.clock_gettime(time.CLOCK_MONOTONIC) if boot_time is None else boot_time
+        self._boot_time = parse_boot_time() if boot_time is None else boot_time
         self.last_time: float | None = None
         self.resumed = False
         self._poll = poll_seconds

@@ -70,6 +70,10 @@ def guard_task_queue(cluster: str) -> str:
     return f"gpufleet-{cluster}.guard"
 
 
+# The start time that ends an incident ID (CLUSTER-NODE-20261205T054018Z), as a pattern.
+INCIDENT_STAMP = r"\d{8}T\d{6}Z"
+
+
 def remediation_workflow_id(cluster: str, node: str) -> str:
     """The one open incident per node: repeated Xids on a node join it through this ID."""
     return f"remediate-{cluster}-{node}"

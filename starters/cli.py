@@ -28,6 +28,7 @@ from models.constants import (
     GUARD_RESET_SIGNAL,
     GUARD_RESUME_SIGNAL,
     GUARD_WORKFLOW,
+    INCIDENT_STAMP,
     QUARANTINED_NODES_WORKFLOW,
     RELEASE_NODE_WORKFLOW,
     REMEDIATION_WORKFLOW,
@@ -410,7 +411,7 @@ def incidents_show(
 INCIDENT_HELP = (
     "Incident ID (CLUSTER-NODE-TIMESTAMP), workflow ID (remediate-CLUSTER-NODE, dryrun-CLUSTER-NODE) or a node name."
 )
-_STAMP = re.compile(r"-\d{8}T\d{6}Z$")
+_STAMP = re.compile(rf"-{INCIDENT_STAMP}$")
 
 
 def _incident_workflow_id(incident: str, cluster: str | None) -> str:
