@@ -41,7 +41,6 @@ from temporalio.service import RPCError
 
 from bench.parse_bench import detector_idle_cpu, parse_throughput, source_throughput
 from clients.kube import KubernetesApi
-from clients.slurm import SlurmCli
 from lab.drill import log_path, reset_breaker, run_drill, training_job
 from lab.fleet import LAB_POLL_SECONDS, REPO_ROOT, FleetLab, LabConfig
 from lab.procs import free_port, port_in_use, spawn, stop, wait_for
@@ -251,7 +250,7 @@ def pool_bench(rounds: int, *, home: Path, say: Any) -> dict[str, Any]:
 
     try:
         kube = KubernetesApi(kubeconfig=lab.home / "kubeconfig")
-        slurm = SlurmCli(slurm_conf=lab.slurm.conf)
+        slurm = lab.slurm.client()
         job = training_job(lab, slurm, job_kind="counter", say=say)  # on both training nodes
         log = log_path(job)
         # No query: demand comes from a person alone, so only the asked moves happen.

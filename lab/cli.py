@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -13,6 +14,7 @@ from rich.table import Table
 
 from lab.faults import EFFECTS, Effect, Fault, xid_effect
 from lab.fleet import FleetLab, LabError
+from lab.slurmroots import DEFAULT_RELEASE, RELEASES
 from models.settings import Settings
 from starters.cli import fail
 
@@ -29,10 +31,25 @@ def _lab(home: Path | None) -> FleetLab:
 @lab_app.command()
 def up(
     home: Annotated[Path | None, typer.Option(help="State folder (default $GPUFLEET_HOME or ./.gpufleet).")] = None,
+    slurm: Annotated[
+        str | None,
+        typer.Option(
+            help=f"Slurm release: {', '.join(RELEASES)} (default: what the lab last ran, else {DEFAULT_RELEASE}). "
+            "A release the host does not carry runs in a Debian root made once (about a minute, as root) "
+            "and cached in $GPUFLEET_SLURM_ROOTS (default ~/.cache/gpufleet).",
+        ),
+    ] = None,
 ) -> None:
     """Start the lab, detached; a second call reuses what already runs."""
+    lab = _lab(home)
+    if slurm is not None and slurm != lab.config.slurm:
+        if slurm not in RELEASES:
+            fail(f"no Slurm release {slurm!r} in the lab; choose one of {', '.join(RELEASES)}")
+        if lab.running():
+            fail(f"the lab runs Slurm {lab.config.slurm}; stop it first (gpufleet lab down) to run Slurm {slurm}")
+        lab = FleetLab(lab.home, replace(lab.config, slurm=slurm))
     try:
-        state = _lab(home).up(say=console.print)
+        state = lab.up(say=console.print)
     except (LabError, TimeoutError, RuntimeError) as exc:
         fail(str(exc))
     console.print(f"lab is up. Temporal UI: {state['services']['temporal']['ui']}")

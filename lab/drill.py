@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import re
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
@@ -55,8 +54,11 @@ MILESTONES = {
 }
 
 
-def default_job() -> str:
-    return "ddp" if importlib.util.find_spec("torch") else "counter"
+def default_job(lab: FleetLab | None = None) -> str:
+    """PyTorch DDP where torch is installed and the lab's jobs run on the host's interpreter;
+    else the counter (a newer Slurm's root has python3 and no torch)."""
+    on_host = lab is None or lab.slurm.install.on_host
+    return "ddp" if on_host and importlib.util.find_spec("torch") else "counter"
 
 
 def log_path(job: JobInfo) -> Path:
@@ -67,11 +69,16 @@ def submit_job(lab: FleetLab, job_kind: str, *sbatch_args: str) -> int:
     """Submit the lab's training job ``job_kind`` (its checkpoint and log under the lab's home,
     its ranks reading the nodes' GPU faults); returns the job ID."""
     script, name = JOBS[job_kind]
+    if job_kind == "ddp" and not lab.slurm.install.on_host:
+        raise LabError(
+            f"the ddp job needs torch, which the lab's Slurm {lab.slurm.install.version} root lacks: use --job counter"
+        )
     folder = lab.home / "drill"
     folder.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%f")
     env = {
-        "PYTHON": sys.executable,
+        # The interpreter the nodes have: the host's, or the Slurm root's (the checkout is bound there).
+        "PYTHON": lab.slurm.install.python(),
         "CHECKPOINT": str(folder / f"{name}-{stamp}.ckpt"),
         "PYTHONPATH": str(REPO_ROOT),
         FAULTS_ENV: str(lab.faults.folder),
@@ -233,7 +240,7 @@ async def run_drill(
     """
     if require_running and not lab.running():
         raise LabError("the lab is not running: start it with `gpufleet lab up`")
-    slurm = SlurmCli(slurm_conf=lab.slurm.conf)
+    slurm = lab.slurm.client()
     if node is not None:
         try:
             validate_node_name(node)
@@ -256,7 +263,7 @@ async def run_drill(
             "no free spare is left in the lab, so the incident would wait for one; "
             "start a fresh lab with `gpufleet lab down && rm -r $GPUFLEET_HOME && gpufleet lab up`"
         )
-    job = training_job(lab, slurm, job_kind=job_kind or default_job(), say=say)
+    job = training_job(lab, slurm, job_kind=job_kind or default_job(lab), say=say)
     job_nodes = slurm.hostnames(job.nodes)
     target = node or job_nodes[0]
     if target not in job_nodes:

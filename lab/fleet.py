@@ -22,6 +22,7 @@ from lab.kubeapi import inference_workloads, lab_workloads, merge_seeds, node_ob
 from lab.procs import alive, free_port, port_in_use, spawn, stop, wait_for
 from lab.prometheus import prometheus_installed, start_prometheus
 from lab.slurm import SlurmLab, SlurmLabSpec
+from lab.slurmroots import DEFAULT_RELEASE, LAB_SLURM_ENV, RootError, install_for, release
 from models.xid import xid_catalog
 from starters.server import dev_server_argv
 
@@ -52,6 +53,9 @@ class LabConfig:
     ui_port: int = 8233
     grace_seconds: float = 120.0
     requeue_delay_seconds: int = 5
+    # The Slurm release the lab runs (lab/slurmroots.py): the host's 22.05, or 24.11 or 26.05 in
+    # a cached Debian root.
+    slurm: str = DEFAULT_RELEASE
 
 
 def _runs(services: dict[str, Any], name: str) -> bool:
@@ -80,6 +84,9 @@ class FleetLab:
                 partition=self.config.partition,
                 requeue_delay_seconds=self.config.requeue_delay_seconds,
             ),
+            release=self.config.slurm,
+            # The jobs' checkpoints and logs, and the nodes' GPU faults, live under the home.
+            binds=[self.home],
         )
 
     # -- state ------------------------------------------------------------------------------------
@@ -100,6 +107,12 @@ class FleetLab:
     def running(self) -> bool:
         state = self._load()
         return bool(state) and all(alive(pid) for pid in self.recorded_pids())
+
+    def slurm_release(self) -> dict[str, Any]:
+        """The Slurm the lab runs: its release, full version and where it runs from."""
+        state = self._load()
+        found: dict[str, Any] = {"release": self.config.slurm, **state.get("slurm", {})}
+        return found
 
     def recorded_pids(self) -> list[int]:
         state = self._load()
@@ -128,7 +141,13 @@ class FleetLab:
             "PYTHONPATH": str(REPO_ROOT),
             # The nodes' GPU faults: what the lab's jobs read at every step and its repairs clear.
             FAULTS_ENV: str(self.faults.folder),
+            # The clusters the worker creates run the same Slurm release.
+            LAB_SLURM_ENV: self.config.slurm,
         }
+        bin_dir = self.slurm.bin_dir if state.get("services") else None
+        if bin_dir is not None:  # a newer Slurm: its commands, through wrappers, for sbatch and the worker
+            env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', os.defpath)}"
+            env["GPUFLEET_SLURM_BIN_DIR"] = str(bin_dir)
         if "temporal" in services:
             env["TEMPORAL_ADDRESS"] = services["temporal"]["address"]
         if "kubeapi" in services:
@@ -147,9 +166,22 @@ class FleetLab:
         stopped and started afresh, which would cancel its jobs."""
         state = self._load()
         services: dict[str, Any] = state.get("services", {})
+        saved = state.get("config", {}).get("slurm", DEFAULT_RELEASE)
+        if services and self.running() and saved != self.config.slurm:
+            raise LabError(
+                f"the lab runs Slurm {saved}; stop it first (gpufleet lab down) to run Slurm {self.config.slurm}"
+            )
         state["config"] = asdict(self.config)
         self.home.mkdir(parents=True, exist_ok=True)
         self._write_policy()
+        try:
+            release(self.config.slurm)
+            install = install_for(self.config.slurm, say=say)
+        except RootError as exc:
+            raise LabError(str(exc)) from None
+        where = "the host's packages" if install.on_host else f"a Debian {install.release.suite} root, {install.root}"
+        say(f"Slurm {install.version} ({where})")
+        state["slurm"] = {"version": install.version, "root": str(install.root) if install.root else None}
         logs = self.home / "logs"
 
         def running(name: str) -> bool:

@@ -8,7 +8,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -105,5 +105,23 @@ def pids_with_env(name: str, value: str) -> list[int]:
         except OSError:
             continue
         if wanted in environ.split(b"\0") and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def pids_holding(folder: Path, roots: Iterable[Path] = ()) -> list[int]:
+    """Processes with a file open under ``folder``, as the host sees it or through one of
+    ``roots`` (a process changed into a root sees ``folder`` bound there): the job steps a newer
+    Slurm's slurmd left behind, which clear their environment but keep the node's log open."""
+    prefixes = tuple(f"{base}{folder}/" for base in ("", *(str(root) for root in roots)))
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            targets = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+        except OSError:
+            continue
+        if any(target.startswith(prefixes) for target in targets) and alive(int(entry.name)):
             found.append(int(entry.name))
     return found

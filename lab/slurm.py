@@ -1,4 +1,10 @@
-"""A real Slurm cluster on one machine: a private munged, slurmctld and one ``slurmd -N`` per node."""
+"""A real Slurm cluster on one machine: slurmctld and one ``slurmd -N`` per node.
+
+On the host's Slurm (Debian 12's 22.05) the cluster authenticates with a private munged; on a
+newer release (lab/slurmroots.py: 24.11, 26.05 in a cached Debian root) with ``auth/slurm`` and a
+key beside its slurm.conf, every daemon and command running in the root through lab/inroot.py,
+and the client commands offered as wrappers in ``root/bin`` (``env`` puts them first on PATH).
+"""
 
 from __future__ import annotations
 
@@ -12,8 +18,10 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clients.slurm import SlurmCli
 from lab.accounting import Accounting, accounting_installed, conf_value
-from lab.procs import alive, free_port, pids_with_env, spawn, stop, wait_for
+from lab.procs import alive, free_port, pids_holding, pids_with_env, spawn, stop, wait_for
+from lab.slurmroots import LAB_SLURM_ENV, SlurmInstall, cached_root, host_install, install_for
 
 
 def slurm_installed() -> bool:
@@ -34,11 +42,27 @@ class SlurmLab:
     """Start and stop the daemons under ``root``; every PID is recorded in ``root/pids.json``."""
 
     def __init__(
-        self, root: Path, spec: SlurmLabSpec | None = None, *, conf: str | None = None, nodes: list[str] | None = None
+        self,
+        root: Path,
+        spec: SlurmLabSpec | None = None,
+        *,
+        conf: str | None = None,
+        nodes: list[str] | None = None,
+        release: str | None = None,
+        binds: list[Path] | None = None,
     ) -> None:
         """``conf`` (with ``nodes``, the slurmd to start): run from that slurm.conf instead of
-        the lab's own; it must use this lab's munge socket and paths (``site_lines``)."""
+        the lab's own; it must use this lab's munge socket and paths (``site_lines``).
+        ``release``: the Slurm release (``22.05``, ``24.11``, ``26.05``; default
+        ``$GPUFLEET_LAB_SLURM``, else the host's own). ``binds``: folders beyond ``/tmp``, the
+        checkout and ``root`` that the daemons and jobs of a release in a root must see."""
         self.root = root.resolve()
+        # A cluster started earlier keeps the release it was started on (its file says which).
+        started_on = self.root / "release"
+        self.release = release or (started_on.read_text().strip() if started_on.exists() else None)
+        self.release = self.release or os.environ.get(LAB_SLURM_ENV) or None
+        self._install: SlurmInstall | None = None
+        self.binds = [self.root, *(binds or [])]
         self.spec = spec or SlurmLabSpec()
         self._conf_text = conf
         self._nodes = nodes
@@ -48,9 +72,45 @@ class SlurmLab:
         self._pids_file = self.root / "pids.json"
 
     @property
+    def install(self) -> SlurmInstall:
+        """Where this cluster's Slurm runs (a root is made the first time it is asked for)."""
+        if self._install is None:
+            host = host_install()
+            if self.release is None or (host is not None and host.release.version == self.release):
+                if host is None:
+                    raise RuntimeError(
+                        "Slurm is not installed: apt-get install slurm-wlm munge (or run make test as root)"
+                    )
+                self._install = host
+            else:
+                self._install = install_for(self.release)
+        return self._install
+
+    @property
+    def bin_dir(self) -> Path | None:
+        """The folder of this cluster's client commands when they are not the host's."""
+        if self.install.on_host:
+            return None
+        folder = self.root / "bin"
+        if not (folder / "scontrol").exists():
+            self.install.write_wrappers(folder, self.binds)
+        return folder
+
+    def client(self) -> SlurmCli:
+        """gpufleet's Slurm client for this cluster, on its release's commands."""
+        return SlurmCli(slurm_conf=self.conf, bin_dir=self.bin_dir)
+
+    def argv(self, command: list[str]) -> list[str]:
+        """``command`` (a Slurm daemon or command) as it runs on this cluster's install."""
+        return self.install.argv(command, self.binds)
+
+    @property
     def env(self) -> dict[str, str]:
         """The environment in which the Slurm commands talk to this cluster."""
-        return {**os.environ, "SLURM_CONF": str(self.conf)}
+        env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        if self.bin_dir is not None:
+            env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', os.defpath)}"
+        return env
 
     def pids(self) -> dict[str, int]:
         if not self._pids_file.exists():
@@ -66,18 +126,26 @@ class SlurmLab:
     # -- start ------------------------------------------------------------------------------------
 
     def start(self, *, timeout: float = 60.0) -> None:
-        if not slurm_installed():
+        if self.install.on_host and not slurm_installed():
             raise RuntimeError("Slurm is not installed: apt-get install slurm-wlm munge (or run make test as root)")
         for folder in ("munge", "state", "spool", "log"):
             (self.root / folder).mkdir(parents=True, exist_ok=True)
         os.chmod(self.root / "munge", 0o700)
-        self._start_munge()
+        (self.root / "release").write_text(self.install.release.version + "\n")
+        if self.install.on_host:
+            self._start_munge()
+        else:
+            self._write_slurm_key()
         self._write_conf()
         if self.accounting is not None:
             self._start_accounting(self.accounting, timeout=timeout)
         self._record(
             "slurmctld",
-            spawn(["slurmctld", "-D", "-c", "-i", "-f", str(self.conf)], log=self.logs / "slurmctld.out", env=self.env),
+            spawn(
+                self.argv(["slurmctld", "-D", "-c", "-i", "-f", str(self.conf)]),
+                log=self.logs / "slurmctld.out",
+                env=self.env,
+            ),
         )
         wait_for(self._controller_up, timeout=timeout, what="slurmctld to answer")
         for node in self.all_nodes:
@@ -85,7 +153,7 @@ class SlurmLab:
             self._record(
                 f"slurmd-{node}",
                 spawn(
-                    ["slurmd", "-D", "-N", node, "-f", str(self.conf)],
+                    self.argv(["slurmd", "-D", "-N", node, "-f", str(self.conf)]),
                     log=self.logs / f"slurmd-{node}.out",
                     env=self.env,
                 ),
@@ -94,7 +162,9 @@ class SlurmLab:
 
     def expected(self) -> set[str]:
         """The names under which a whole cluster's daemons are recorded."""
-        names = {"munged", "slurmctld", *(f"slurmd-{node}" for node in self.all_nodes)}
+        names = {"slurmctld", *(f"slurmd-{node}" for node in self.all_nodes)}
+        if self.install.on_host:
+            names.add("munged")
         return names | ({"mariadbd", "slurmdbd"} if self.accounting is not None else set())
 
     def whole(self) -> bool:
@@ -114,6 +184,10 @@ class SlurmLab:
         text = self._conf_text if self._conf_text is not None else (self.conf.read_text() if self.conf.exists() else "")
         if conf_value(text, "AccountingStorageType") != "accounting_storage/slurmdbd":
             return None
+        if not self.install.on_host:
+            raise RuntimeError(
+                f"accounting (slurmdbd) runs in the lab on the host's Slurm only, not on Slurm {self.install.version}"
+            )
         return Accounting(self.root, self.munge_socket)
 
     def _start_accounting(self, accounting: Accounting, *, timeout: float) -> None:
@@ -134,15 +208,25 @@ class SlurmLab:
         """What a slurm.conf needs to run here: this lab's host, users, free ports, munge
         socket and paths, and plugins that need nothing from the machine."""
         user = getpass.getuser()
+        if self.install.on_host:
+            auth = [
+                "AuthType=auth/munge",
+                "CredType=cred/munge",
+                f"AuthInfo=socket={self.munge_socket},cred_expire={self.spec.requeue_delay_seconds}",
+            ]
+        else:  # the key is slurm.key beside slurm.conf (_write_slurm_key)
+            auth = [
+                "AuthType=auth/slurm",
+                "CredType=cred/slurm",
+                f"AuthInfo=cred_expire={self.spec.requeue_delay_seconds}",
+            ]
         return [
             "SlurmctldHost=localhost",
             f"SlurmUser={user}",
             f"SlurmdUser={user}",
             f"SlurmctldPort={free_port()}",
             f"SlurmdPort={free_port()}",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket},cred_expire={self.spec.requeue_delay_seconds}",
+            *auth,
             f"StateSaveLocation={self.root / 'state'}",
             f"SlurmdSpoolDir={self.root / 'spool'}/%n",
             f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
@@ -191,6 +275,13 @@ class SlurmLab:
         self._record("munged", spawn(argv, log=self.logs / "munged.out"))
         wait_for(self.munge_socket.exists, timeout=10, what="munged to create its socket")
 
+    def _write_slurm_key(self) -> None:
+        """auth/slurm's shared key, read by every daemon and command from beside slurm.conf."""
+        key = self.root / "slurm.key"
+        if not key.exists():
+            key.write_bytes(os.urandom(1024))
+            key.chmod(0o600)
+
     def _write_conf(self) -> None:
         if self._conf_text is not None:
             self.conf.write_text(self._conf_text)
@@ -210,7 +301,9 @@ class SlurmLab:
         self.conf.write_text("\n".join(lines) + "\n")
 
     def scontrol(self, *args: str) -> str:
-        done = subprocess.run(["scontrol", *args], env=self.env, capture_output=True, text=True, timeout=15, check=True)
+        done = subprocess.run(
+            self.argv(["scontrol", *args]), env=self.env, capture_output=True, text=True, timeout=15, check=True
+        )
         return done.stdout
 
     def _controller_up(self) -> bool:
@@ -230,7 +323,7 @@ class SlurmLab:
     def sbatch(self, script: Path, *args: str, env: dict[str, str] | None = None) -> int:
         """Submit a batch script; returns the job ID."""
         done = subprocess.run(
-            ["sbatch", "--parsable", *args, str(script)],
+            self.argv(["sbatch", "--parsable", *args, str(script)]),
             env={**self.env, **(env or {})},
             capture_output=True,
             text=True,
@@ -247,7 +340,11 @@ class SlurmLab:
         if self.conf.exists() and alive(pids.get("slurmctld", 0)):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 subprocess.run(
-                    ["scancel", "--user", getpass.getuser()], env=self.env, capture_output=True, timeout=15, check=False
+                    self.argv(["scancel", "--user", getpass.getuser()]),
+                    env=self.env,
+                    capture_output=True,
+                    timeout=15,
+                    check=False,
                 )
         daemons = [pid for name, pid in pids.items() if name.startswith("slurmd")]
         stop(daemons)
@@ -261,8 +358,10 @@ class SlurmLab:
             if f"--pid-file={pid_file}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
                 database.append(pid)
         stop([pid for pid in set(database) if alive(pid)], timeout=30)
-        # slurmstepd and the job processes carry the lab's SLURM_CONF in their environment.
-        stop(pids_with_env("SLURM_CONF", str(self.conf)), timeout=3)
+        # slurmstepd and the job processes carry the lab's SLURM_CONF in their environment; a newer
+        # release's slurmstepd clears it but keeps its node's log open.
+        roots = [root] if self.release and (root := cached_root(self.release)) else []
+        stop(sorted({*pids_with_env("SLURM_CONF", str(self.conf)), *pids_holding(self.root, roots)}), timeout=3)
         stop([pid for name, pid in pids.items() if name == "munged"])
         if self._pids_file.exists():
             self._pids_file.unlink()

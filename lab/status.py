@@ -9,7 +9,6 @@ from temporalio.client import WorkflowExecutionStatus
 
 from clients.errors import ClientError
 from clients.kube import KubernetesApi
-from clients.slurm import SlurmCli
 from lab.fleet import FleetLab
 from models.constants import POOL_LABEL, REMEDIATION_WORKFLOW
 from starters.temporal import TemporalUnreachable, connect
@@ -20,6 +19,7 @@ def lab_status(lab: FleetLab) -> dict[str, Any]:
     env = lab.env()
     result: dict[str, Any] = {
         "running": lab.running(),
+        "slurm": lab.slurm_release(),
         "services": lab.state().get("services", {}),
         "nodes": [],
         "jobs": [],
@@ -27,7 +27,7 @@ def lab_status(lab: FleetLab) -> dict[str, Any]:
     }
     if not result["running"]:
         return result
-    slurm = SlurmCli(slurm_conf=lab.slurm.conf)
+    slurm = lab.slurm.client()
     kube_nodes: dict[str, Any] = {}
     try:
         kube = KubernetesApi(kubeconfig=lab.home / "kubeconfig")

@@ -13,7 +13,6 @@ from typing import Any
 from temporalio.service import RPCError
 
 from clients.kube import KubernetesApi
-from clients.slurm import SlurmCli
 from lab.chaos.outages import Say, slurm_update
 from lab.fleet import REPO_ROOT, FleetLab, LabConfig
 from lab.histories import record_histories_async
@@ -26,7 +25,7 @@ from workflows.remediation import NodeRemediationWorkflow
 def fleet_facts(lab: FleetLab) -> dict[str, Any]:
     """What the totals are computed from: claims on nodes, pools, Slurm reasons, the jobs."""
     kube = KubernetesApi(kubeconfig=lab.home / "kubeconfig")
-    slurm = SlurmCli(slurm_conf=lab.slurm.conf)
+    slurm = lab.slurm.client()
     nodes = {node.name: node for node in kube.list_nodes()}
     return {
         "claims": {n: k.annotations.get(CLAIMED_BY_ANNOTATION) for n, k in nodes.items()},
@@ -92,7 +91,7 @@ async def return_retired(
         returned.append(node)
         say(f"returned {node} as a spare")
     # A returned node is briefly "not responding" after its resume: wait until Slurm shows it idle.
-    slurm = SlurmCli(slurm_conf=lab.slurm.conf)
+    slurm = lab.slurm.client()
     await asyncio.to_thread(
         wait_for,
         lambda: all(

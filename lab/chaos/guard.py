@@ -84,8 +84,8 @@ async def storm(home: Path, *, say: Say) -> dict[str, Any]:
     config = lab.config
     result: dict[str, Any] = {"name": STORM, "jobs_lost": 0}
     try:
-        slurm = SlurmCli(slurm_conf=lab.slurm.conf)
-        job = await asyncio.to_thread(training_job, lab, slurm, job_kind=default_job(), say=say)
+        slurm = lab.slurm.client()
+        job = await asyncio.to_thread(training_job, lab, slurm, job_kind=default_job(lab), say=say)
         client = await connect(address=lab.env()["TEMPORAL_ADDRESS"])
         handles = {
             node: client.get_workflow_handle(f"remediate-{config.cluster}-{node}", result_type=IncidentStatus)
@@ -210,7 +210,7 @@ async def guard_saturated(home: Path, *, say: Say) -> dict[str, Any]:
     lab = chaos_lab(home, training, spares=spares, say=say)
     lab.policy_file.write_text(lab.policy_file.read_text() + IN_FLIGHT_ONLY)
     kube = KubernetesApi(kubeconfig=lab.home / "kubeconfig")
-    slurm = SlurmCli(slurm_conf=lab.slurm.conf)
+    slurm = lab.slurm.client()
     result: dict[str, Any] = {"name": SATURATED}
     problems: list[str] = []
     jobs: list[JobInfo] = []
@@ -218,7 +218,7 @@ async def guard_saturated(home: Path, *, say: Say) -> dict[str, Any]:
     try:
         for spare in spares:
             kube.set_unschedulable(spare, True)  # held by an operator: no spare is free
-        kind = default_job()
+        kind = default_job(lab)
         # One after the other, not pinned (-w would pin their requeues to the failed nodes too):
         # Slurm places the first on gpu1 and gpu2, the second on gpu3 and gpu4.
         for _ in range(2):

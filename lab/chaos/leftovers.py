@@ -20,7 +20,6 @@ from kubernetes.client.exceptions import ApiException
 from temporalio.service import RPCError
 
 from clients.kube import KubernetesApi
-from clients.slurm import SlurmCli
 from lab.chaos.fleet import (
     closed,
     double_claims,
@@ -112,9 +111,9 @@ async def terminated_in_grace(ctx: Context) -> dict[str, Any]:
     lab, say = ctx.lab, ctx.say
     ctx.fired = []
     cluster = lab.config.cluster
-    slurm = SlurmCli(slurm_conf=lab.slurm.conf)
+    slurm = lab.slurm.client()
     kube = KubernetesApi(kubeconfig=lab.home / "kubeconfig")
-    job = await asyncio.to_thread(training_job, lab, slurm, job_kind=default_job(), say=say)
+    job = await asyncio.to_thread(training_job, lab, slurm, job_kind=default_job(lab), say=say)
     target = slurm.hostnames(job.nodes)[0]
     before = fleet_facts(lab)
     client = await connect(address=lab.env()["TEMPORAL_ADDRESS"])
@@ -234,7 +233,7 @@ async def detector_cursor_lost(ctx: Context) -> dict[str, Any]:
     # old for it as for a detector back after a real outage.
     env = {"GPUFLEET_DETECTOR_REPLAY_CUTOFF_SECONDS": "1"}
     try:
-        drill = await run_drill(lab, job_kind=default_job(), timeout=300, say=say, require_running=False)
+        drill = await run_drill(lab, job_kind=default_job(lab), timeout=300, say=say, require_running=False)
         node = drill["node"]
         result.update(node=node, incident=drill["incident_id"], outcome=drill["outcome"])
         now = JobInfo(job_id=drill["job_id"], state=drill["job_state"], restarts=drill["job_restarts"])

@@ -9,7 +9,6 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from clients.slurm import SlurmCli
 from lab.chaos.fleet import (
     closed,
     double_claims,
@@ -129,8 +128,8 @@ def repaired_in_place(ctx: Context) -> None:
 async def run_scenario(ctx: Context, scenario: Scenario, baseline: dict[str, Any] | None) -> dict[str, Any]:
     lab, say = ctx.lab, ctx.say
     ctx.fired = []
-    slurm = SlurmCli(slurm_conf=lab.slurm.conf)
-    job = await asyncio.to_thread(training_job, lab, slurm, job_kind=default_job(), say=say)
+    slurm = lab.slurm.client()
+    job = await asyncio.to_thread(training_job, lab, slurm, job_kind=default_job(lab), say=say)
     target = slurm.hostnames(job.nodes)[0]
     if scenario.before is not None:
         await scenario.before(ctx, target)
@@ -159,7 +158,7 @@ async def run_scenario(ctx: Context, scenario: Scenario, baseline: dict[str, Any
             lab,
             node=target,
             effect=scenario.effect,
-            job_kind=default_job(),
+            job_kind=default_job(lab),
             timeout=300,
             say=say,
             on_status=on_status,
@@ -241,8 +240,8 @@ async def run_scenario(ctx: Context, scenario: Scenario, baseline: dict[str, Any
 async def race_two_incidents(ctx: Context, baseline: dict[str, Any]) -> dict[str, Any]:
     """Two workers at once, Xids on both nodes of the job at once: two spares, one requeue."""
     lab, say = ctx.lab, ctx.say
-    slurm = SlurmCli(slurm_conf=lab.slurm.conf)
-    job = await asyncio.to_thread(training_job, lab, slurm, job_kind=default_job(), say=say)
+    slurm = lab.slurm.client()
+    job = await asyncio.to_thread(training_job, lab, slurm, job_kind=default_job(lab), say=say)
     targets = slurm.hostnames(job.nodes)[:2]
     second = spawn(
         [sys.executable, "-m", "workers.entry", "worker"],

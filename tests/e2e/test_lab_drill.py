@@ -15,7 +15,6 @@ from collections.abc import Iterator
 import pytest
 from temporalio.client import Client
 
-from clients.slurm import SlurmCli
 from lab.fleet import FleetLab, LabConfig
 from lab.procs import alive, free_port, pids_with_env
 from tests.conftest import gpufleet_cli
@@ -67,7 +66,7 @@ def test_lab_up_again_reuses_what_runs(lab: tuple[FleetLab, list[str]]) -> None:
 
 def test_drill_on_an_unknown_node_changes_nothing(lab: tuple[FleetLab, list[str]]) -> None:
     fleet, _ = lab
-    slurm = SlurmCli(slurm_conf=fleet.slurm.conf)
+    slurm = fleet.slurm.client()
     jobs_before = slurm.jobs()
     done = lab_cli(fleet, "drill", "--node", "nosuch")
     assert done.returncode == 1
@@ -131,7 +130,7 @@ def test_an_xid_48_drill_resets_the_gpu_in_place_and_a_second_escalates(lab: tup
     resumed on the same node; no spare needed. The same node reporting again soon after starts at
     REBOOT_NODE."""
     fleet, _ = lab
-    slurm = SlurmCli(slurm_conf=fleet.slurm.conf)
+    slurm = fleet.slurm.client()
     # A second node of this three-node partition within ten minutes would trip the breaker.
     assert gpufleet(fleet, "breaker", "reset", "--reason", "the next drill").returncode == 0
     first = lab_cli(fleet, "drill", "--xid", "48")

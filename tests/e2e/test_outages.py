@@ -14,7 +14,6 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
 
 from clients.kube import KubernetesApi
-from clients.slurm import SlurmCli
 from lab.fleet import FleetLab, LabConfig
 from models.incident import IncidentStatus
 from models.xid import XidEvent
@@ -80,4 +79,4 @@ def test_slurm_away_then_back(fleet: FleetLab) -> None:
     pid = fleet.slurm.pids()["slurmctld"]
     status = run_outage(fleet, node="gpu2", pid=pid, activity="slurm_node_state")
     assert status.outcome == "resolved"
-    assert SlurmCli(slurm_conf=fleet.slurm.conf).node("gpu2").reason.startswith("gpufleet:")
+    assert fleet.slurm.client().node("gpu2").reason.startswith("gpufleet:")

@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from clients.kube import KubernetesApi
-from clients.slurm import SlurmCli
 from lab.drill import log_path, training_job
 from lab.fleet import FleetLab, LabConfig
 from lab.histories import record_histories
@@ -98,7 +97,7 @@ def test_the_lab_has_the_shape_of_a_shared_pool(lab: FleetLab) -> None:
 
 def test_demand_moves_nodes_to_inference_and_back_and_the_job_runs_on(lab: FleetLab) -> None:
     kube = KubernetesApi(kubeconfig=lab.home / "kubeconfig")
-    slurm = SlurmCli(slurm_conf=lab.slurm.conf)
+    slurm = lab.slurm.client()
     job = training_job(lab, slurm, job_kind="counter", say=lambda _: None)  # on two training nodes
     started = gpufleet_cli(
         "pool", "start", "--preset", "vllm", "--interval", "2", "--cooldown", "0", "--min-inference", "0",

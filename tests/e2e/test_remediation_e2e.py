@@ -25,7 +25,6 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
 
 from clients.kube import KubernetesApi
-from clients.slurm import SlurmCli
 from lab.fleet import REPO_ROOT, FleetLab, LabConfig
 from lab.histories import record_histories
 from lab.procs import alive, wait_for
@@ -73,7 +72,7 @@ def activity_types(lab: FleetLab, workflow_id: str) -> list[str]:
 
 
 def test_xid_79_recovers_a_running_job(fleet: FleetLab, tmp_path: Path) -> None:
-    slurm = SlurmCli(slurm_conf=fleet.slurm.conf)
+    slurm = fleet.slurm.client()
     kube = KubernetesApi(kubeconfig=Path(fleet.env()["GPUFLEET_KUBECONFIG"]))
     log = tmp_path / "counter.log"
     job_id = fleet.slurm.sbatch(
@@ -137,7 +136,7 @@ def fleet_state(fleet: FleetLab) -> dict[str, Any]:
     """What a dry run must leave alone: every Node's and Pod's resourceVersion, each Slurm node's
     state, reason and partitions, each job's state and restarts."""
     kube = KubernetesApi(kubeconfig=Path(fleet.env()["GPUFLEET_KUBECONFIG"]))
-    slurm = SlurmCli(slurm_conf=fleet.slurm.conf)
+    slurm = fleet.slurm.client()
     return {
         "nodes": {node.name: node.resource_version for node in kube.list_nodes()},
         "slurm": {n.name: (n.state, n.reason, n.partitions) for n in slurm.nodes()},
@@ -236,7 +235,7 @@ def test_one_policy_file_decides_for_the_detector_and_the_worker(fleet: FleetLab
     repaired = next(e.detail for e in status.timeline if e.step == "repair" and e.event == "finished")
     # Judged by the node's new boot ID (the reboot Job's pod died with it), then the GPUs answer.
     assert "gpu2 rebooted: Ready on boot ID" in repaired and "answers (lab stand-in)" in repaired
-    assert not SlurmCli(slurm_conf=fleet.slurm.conf).node("gpu2").drained
+    assert not fleet.slurm.client().node("gpu2").drained
 
 
 def test_no_spare_waits_until_a_repaired_node_is_returned(fleet: FleetLab) -> None:
@@ -265,7 +264,7 @@ def test_no_spare_waits_until_a_repaired_node_is_returned(fleet: FleetLab) -> No
     gpu1 = kube.get_node("gpu1")
     assert not any(taint["key"] == "gpufleet.io/retired" for taint in gpu1.taints)
     assert gpu1.labels["gpufleet.io/pool"] == "training"
-    assert "gpu1" in SlurmCli(slurm_conf=fleet.slurm.conf).partition_nodes("train")
+    assert "gpu1" in fleet.slurm.client().partition_nodes("train")
 
 
 async def _incident_until(fleet: FleetLab, node: str, done: Any, what: str) -> IncidentStatus:
@@ -328,7 +327,7 @@ def test_a_rejected_repair_leaves_the_node_drained_and_a_later_xid_is_only_recor
     edited = yaml.safe_load(policy)
     edited.setdefault("guard", {})["require_approval"] = ["RESET_GPU"]
     fleet.policy_file.write_text(yaml.safe_dump(edited))
-    slurm = SlurmCli(slurm_conf=fleet.slurm.conf)
+    slurm = fleet.slurm.client()
     try:
         assert gpufleet(fleet, "remediate", "spare1", "--xid", "48").returncode == 0
         waiting = asyncio.run(

@@ -25,7 +25,6 @@ from activities.repair import RepairActivities
 from activities.slurm import SlurmActivities
 from activities.spares import SpareActivities
 from clients.kube import KubernetesApi
-from clients.slurm import SlurmCli
 from clients.spares import SparePool
 from lab import kubevalidate
 from lab.kubeapi import node_object
@@ -100,7 +99,7 @@ def activities(lab: Lab, fleet: Fleet) -> list[Any]:
     """The worker's activities on the lab's Slurm and Kubernetes; the configuration, the
     classification and the webhook as the other workflow tests stand them in."""
     kube = KubernetesApi(kubeconfig=lab.api.kubeconfig, poll_seconds=0.05)
-    slurm = SlurmCli(slurm_conf=lab.slurm.conf)
+    slurm = lab.slurm.client()
     pool = SparePool(kube=kube, slurm=slurm, partition="train", cluster=fleet.cluster, namespace="gpufleet")
     slurm_acts = SlurmActivities(slurm, poll_seconds=0.05)
     kube_acts = KubeActivities(kube)
