@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv system-deps test test-fast test-stress lint demo bench bench-scale chaos benchmarks-doc gpu-check clean
+.PHONY: venv system-deps slurm-roots test test-fast test-stress lint demo bench bench-scale chaos benchmarks-doc gpu-check clean
 
 # Where make bench, make chaos and make bench-scale keep their last run's JSON (with its commit,
 # date and machine), and what makes docs/benchmarks.md from them (bench/report.py).
@@ -22,7 +22,13 @@ $(STAMP): pyproject.toml setup.py
 system-deps:
 	scripts/system-deps.sh
 
-test: venv system-deps
+# Slurm 24.11 and 26.05 for the lab and the tests: Debian roots made once (about a minute, as
+# root) and cached in $$GPUFLEET_SLURM_ROOTS (default ~/.cache/gpufleet); REFRESH=1 checks them
+# against Debian's archive now (else once a day) and remakes one whose packages moved.
+slurm-roots: venv system-deps
+	$(BIN)/python -m lab.slurmroots $(if $(REFRESH),--refresh)
+
+test: venv system-deps slurm-roots
 	$(BIN)/pytest -q
 
 test-fast: venv
@@ -42,7 +48,7 @@ demo: venv system-deps
 # Remediation on a bad day: worker kills at every step, outages, a hanging webhook, a race... (JSON last line,
 # kept in $(RESULTS)/chaos.json). A failed run is kept and shown too, and still exits non-zero.
 chaos: venv system-deps
-	$(BIN)/python -m lab.chaos --output $(RESULTS)/chaos.json; status=$$?; $(REPORT) && exit $$status
+	$(BIN)/python -m lab.chaos $(if $(SLURM),--slurm $(SLURM)) --output $(RESULTS)/chaos.json; status=$$?; $(REPORT) && exit $$status
 
 # The whole suite three times from a fresh clone, with a CPU hog beside it (not part of .ci/run).
 test-stress: venv system-deps

@@ -176,7 +176,7 @@ class FleetLab:
         self._write_policy()
         try:
             release(self.config.slurm)
-            install = install_for(self.config.slurm, say=say)
+            install = install_for(self.config.slurm, say=say, check=True)
         except RootError as exc:
             raise LabError(str(exc)) from None
         where = "the host's packages" if install.on_host else f"a Debian {install.release.suite} root, {install.root}"

@@ -223,10 +223,13 @@ class Roots:
             return {}
         return data
 
-    def install(self, version: str, *, say: Say = lambda _: None, refresh: bool = False) -> SlurmInstall:
+    def install(
+        self, version: str, *, say: Say = lambda _: None, check: bool = False, refresh: bool = False
+    ) -> SlurmInstall:
         """The install of ``version``: the host's when it is that release, else the cached root,
-        made when missing or broken and remade when its archive moved (checked once a day, or
-        now with ``refresh``). Raises RootError saying what is missing."""
+        made when missing or not at its pinned release, and remade when its packages moved in the
+        archive (asked with ``check`` once a day, with ``refresh`` now). Raises RootError saying
+        what is missing."""
         item = release(version)
         host = host_install()
         if host is not None and host.release == item:
@@ -241,7 +244,7 @@ class Roots:
                 if root.exists():
                     say(f"the cached Slurm {version} root at {root} holds {installed or 'no Slurm'}: making it again")
                 self._make(item, say)
-            elif refresh or self._check_due(item):
+            elif refresh or (check and self._check_due(item)):
                 moved = self._archive_moved(item, installed, say)
                 if moved:
                     say(f"Slurm {version}'s packages moved ({installed} -> {moved}): making the root again")
@@ -256,22 +259,24 @@ class Roots:
     def _archive_moved(self, item: Release, installed: str, say: Say) -> str:
         """The archive's version of slurm-wlm when it differs from ``installed``, else ''. An
         archive out of reach keeps the root as it is (said once)."""
-        probe = SlurmInstall(item, _upstream(installed), self.path(item))
         try:
-            subprocess.run(
-                probe.argv(["apt-get", "update", "-qq"]), capture_output=True, text=True, timeout=300, check=True
-            )
-            done = subprocess.run(
-                probe.argv(["apt-cache", "policy", "slurm-wlm"]), capture_output=True, text=True, timeout=60, check=True
-            )
+            candidate = self._candidate(item)
         except (subprocess.SubprocessError, OSError) as exc:
             say(f"could not check Slurm {item.version}'s archive ({exc}); keeping the cached root")
             return ""
-        candidate = re.search(r"Candidate: (\S+)", done.stdout)
         self._write_manifest(item, installed)
-        if candidate and candidate.group(1) not in ("(none)", installed):
-            return candidate.group(1)
-        return ""
+        return candidate if candidate and candidate != installed else ""
+
+    def _candidate(self, item: Release) -> str:
+        """The version of slurm-wlm the suite's archive offers now ('' when it offers none)."""
+        probe = SlurmInstall(item, "", self.path(item))
+        update = probe.argv(["apt-get", "update", "-qq"])
+        subprocess.run(update, capture_output=True, text=True, timeout=300, check=True)
+        done = subprocess.run(
+            probe.argv(["apt-cache", "policy", "slurm-wlm"]), capture_output=True, text=True, timeout=60, check=True
+        )
+        found = re.search(r"Candidate: (\S+)", done.stdout)
+        return found.group(1) if found and found.group(1) != "(none)" else ""
 
     def _make(self, item: Release, say: Say) -> None:
         root = self.path(item)
@@ -294,6 +299,7 @@ class Roots:
             done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=1800, check=False)
         installed = _installed_version(building)
         if done.returncode != 0 or not _upstream(installed).startswith(item.version + "."):
+            shutil.rmtree(building, ignore_errors=True)
             tail = log.read_text(errors="replace").strip().splitlines()[-3:]
             raise RootError(
                 f"debootstrap of Debian {item.suite} for Slurm {item.version} "
@@ -326,9 +332,9 @@ def cached_root(version: str) -> Path | None:
     return Roots().path(item)
 
 
-def install_for(version: str, *, say: Say = lambda _: None) -> SlurmInstall:
-    """The install of ``version`` (made when needed): what the lab and the tests call."""
-    return Roots().install(version, say=say)
+def install_for(version: str, *, say: Say = lambda _: None, check: bool = False) -> SlurmInstall:
+    """The install of ``version`` (made when needed; ``check``: its archive asked once a day)."""
+    return Roots().install(version, say=say, check=check)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def provide(version: str) -> bool:
         try:
-            install = roots.install(version, say=lambda line: print(line, flush=True), refresh=args.refresh)
+            install = roots.install(
+                version, say=lambda line: print(line, flush=True), check=True, refresh=args.refresh
+            )
         except RootError as exc:
             print(f"Slurm {version}: {exc}", file=sys.stderr, flush=True)
             return False

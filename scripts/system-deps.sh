@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs Debian's slurm-wlm and munge, slurmdbd and mariadb-server (for clusters with accounting),
+# Installs Debian's slurm-wlm and munge, debootstrap (the lab's newer Slurm roots), slurmdbd and mariadb-server (for clusters with accounting),
 # slurmrestd and its JWT plugin (Slurm's REST API), prometheus (the lab's shared pool), kubectl (Debian's kubernetes-client) and docker-compose when missing (as root), else says what to install.
 # A kubectl already on PATH (e.g. 1.32) is used as it is.
 set -euo pipefail
@@ -10,6 +10,15 @@ if ! command -v kubectl >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends kubernetes-client >/dev/null
   else
     echo "kubectl is missing: the kubectl tests are skipped (install kubectl, or apt-get install kubernetes-client)" >&2
+  fi
+fi
+if ! command -v debootstrap >/dev/null 2>&1; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing debootstrap (the lab's Slurm 24.11 and 26.05 roots)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap >/dev/null
+  else
+    echo "debootstrap is missing: Slurm 24.11 and 26.05 are not offered in the lab (apt-get install debootstrap, as root)" >&2
   fi
 fi
 if ! command -v docker-compose >/dev/null 2>&1; then

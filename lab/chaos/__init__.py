@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -50,6 +51,7 @@ from lab.chaos.outages import Context, Say, Scenario
 from lab.chaos.scenarios import RACE, race_two_incidents, run_scenario, scenarios
 from lab.fleet import FleetLab
 from lab.provenance import provenance, write_result
+from lab.slurmroots import DEFAULT_RELEASE, LAB_SLURM_ENV, RELEASES
 
 __all__ = ["CURSOR_LOST", "RACE", "SATURATED", "STORM", "TERMINATED", "Scenario", "chaos", "main", "scenarios"]
 
@@ -118,7 +120,14 @@ def main() -> None:
     parser.add_argument(
         "--output", type=Path, help="also write the JSON here, passed or not (make chaos: docs/results/chaos.json)"
     )
+    parser.add_argument(
+        "--slurm",
+        choices=list(RELEASES),
+        default=os.environ.get(LAB_SLURM_ENV, DEFAULT_RELEASE),
+        help=f"the Slurm release of every chaos lab (default {DEFAULT_RELEASE}; lab/slurmroots.py)",
+    )
     args = parser.parse_args()
+    os.environ[LAB_SLURM_ENV] = args.slurm  # read by chaos_lab for each of its labs
     started = provenance()  # the code this run loaded, the machine it runs on
     only = {name.strip() for name in args.only.split(",") if name.strip()} if args.only else None
     known = {scenario.name for scenario in scenarios(short=False)} | {RACE, TERMINATED, CURSOR_LOST, STORM, SATURATED}
@@ -142,7 +151,7 @@ def main() -> None:
             lab = FleetLab(folder)
             if lab.state().get("services"):
                 lab.down()  # never leave a lab running, however the run ended
-    result = {"provenance": started, **result}
+    result = {"provenance": started, "slurm": args.slurm, **result}
     if args.output is not None:
         write_result(result, args.output)
     print(json.dumps(result), flush=True)
