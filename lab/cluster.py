@@ -56,6 +56,8 @@ class LabClusterBackend:
         return SlurmLab(self.root(spec), conf=conf, nodes=nodes)
 
     def unsupported(self, spec: ClusterSpec) -> str:
+        if spec.accounting and not self._slurm(spec).install.on_host:
+            return f"accounting runs in the lab on the host's Slurm only, not on Slurm {self._slurm(spec).release}"
         missing = accounting_installed() if spec.accounting else ""
         return f"accounting needs MariaDB and slurmdbd on this machine: {missing}" if missing else ""
 

@@ -54,8 +54,8 @@ class LabConfig:
     grace_seconds: float = 120.0
     requeue_delay_seconds: int = 5
     # The Slurm release the lab runs (lab/slurmroots.py): the host's 22.05, or 24.11 or 26.05 in
-    # a cached Debian root.
-    slurm: str = DEFAULT_RELEASE
+    # a cached Debian root; $GPUFLEET_LAB_SLURM sets the default (any test's lab on another release).
+    slurm: str = field(default_factory=lambda: os.environ.get(LAB_SLURM_ENV) or DEFAULT_RELEASE)
 
 
 def _runs(services: dict[str, Any], name: str) -> bool:

@@ -4,7 +4,6 @@ from them, the job's fate, `gpufleet` commands, returning retired nodes, labs of
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 from datetime import datetime
@@ -18,7 +17,6 @@ from lab.chaos.outages import Say, slurm_update
 from lab.fleet import REPO_ROOT, FleetLab, LabConfig
 from lab.histories import record_histories_async
 from lab.procs import free_port, wait_for
-from lab.slurmroots import DEFAULT_RELEASE, LAB_SLURM_ENV
 from models.constants import CLAIMED_BY_ANNOTATION, POOL_LABEL, POOL_RETIRED, owned_reason
 from models.incident import IncidentStatus, JobInfo, Step
 from workflows.remediation import NodeRemediationWorkflow
@@ -116,7 +114,6 @@ def chaos_lab(home: Path, training: list[str], *, say: Say, spares: list[str] | 
         temporal_port=free_port(),
         ui_port=free_port(),
         grace_seconds=60,
-        slurm=os.environ.get(LAB_SLURM_ENV, DEFAULT_RELEASE),
     )
     lab = FleetLab(home, config)
     lab.up(say=say)

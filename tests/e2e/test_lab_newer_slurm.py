@@ -1,0 +1,104 @@
+"""The lab on Slurm 26.05 (a cached Debian forky root), as a user drives it from the command line:
+lab up --slurm 26.05, lab status --json saying the release, lab drill --json resolving with the job
+running again from its checkpoint, and lab down leaving no daemon, job step or mount behind."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lab.procs import pids_holding
+from lab.slurmroots import cached_root, root_unavailable
+from tests.conftest import gpufleet_cli
+
+RELEASE = "26.05"
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.slurm,
+    pytest.mark.skipif(bool(root_unavailable(RELEASE)), reason=root_unavailable(RELEASE) or ""),
+]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    home = tmp_path_factory.mktemp("lab-26.05")
+    up = gpufleet_cli(
+        "lab", "up", "--slurm", RELEASE, env={"GPUFLEET_HOME": str(home)}, unset=("TEMPORAL_ADDRESS",), timeout=600
+    )
+    try:
+        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
+        assert f"Slurm {RELEASE}." in up.stdout
+        yield home
+    finally:
+        gpufleet_cli("lab", "down", env={"GPUFLEET_HOME": str(home)}, unset=("TEMPORAL_ADDRESS",), timeout=120)
+
+
+def _status(home: Path) -> dict[str, object]:
+    done = gpufleet_cli("lab", "status", "--json", env={"GPUFLEET_HOME": str(home)}, unset=("TEMPORAL_ADDRESS",))
+    assert done.returncode == 0, done.stderr
+    status: dict[str, object] = json.loads(done.stdout)
+    return status
+
+
+def test_lab_status_says_the_release_and_reads_the_nodes_through_it(home: Path) -> None:
+    status = _status(home)
+    slurm = status["slurm"]
+    assert isinstance(slurm, dict)
+    assert slurm["release"] == RELEASE and str(slurm["version"]).startswith(RELEASE + ".")
+    assert slurm["root"] == str(cached_root(RELEASE))
+    nodes = {node["name"]: node for node in status["nodes"]}  # type: ignore[attr-defined]
+    assert {"gpu1", "gpu2", "spare1"} <= set(nodes)
+    assert nodes["gpu1"]["partitions"] == ["train"] and nodes["spare1"]["partitions"] == []
+
+
+def test_another_release_is_refused_while_the_lab_runs(home: Path) -> None:
+    done = gpufleet_cli("lab", "up", "--slurm", "24.11", env={"GPUFLEET_HOME": str(home)}, unset=("TEMPORAL_ADDRESS",))
+    assert done.returncode != 0
+    assert f"the lab runs Slurm {RELEASE}; stop it first (gpufleet lab down)" in done.stderr + done.stdout
+    assert _status(home)["running"] is True
+
+
+def test_an_unknown_release_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    done = gpufleet_cli("lab", "up", "--slurm", "23.02", env={"GPUFLEET_HOME": str(tmp_path)})
+    assert done.returncode != 0
+    assert "no Slurm release '23.02' in the lab; choose one of 22.05, 24.11, 26.05" in done.stderr + done.stdout
+    assert not (tmp_path / "lab.json").exists()
+
+
+def test_the_drill_resolves_and_the_job_runs_again_from_its_checkpoint(home: Path) -> None:
+    done = gpufleet_cli(
+        "lab", "drill", "--json", env={"GPUFLEET_HOME": str(home)}, unset=("TEMPORAL_ADDRESS",), timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    drill = json.loads(done.stdout.strip().splitlines()[-1])
+    assert drill["outcome"] == "resolved", drill
+    assert drill["job_resumed"] is True and drill["job_state"] == "RUNNING"
+    assert drill["job_restarts"] == drill["restarts_before"] + 1
+    assert drill["resumed_from_step"] is not None and drill["resumed_from_step"] >= 1
+    assert drill["replacement_node"] in {"spare1", "spare2"}
+    nodes = {node["name"]: node for node in _status(home)["nodes"]}  # type: ignore[attr-defined]
+    assert nodes[drill["node"]]["reason"].startswith("gpufleet:")  # drained on 26.05, by gpufleet
+    assert "train" in nodes[drill["replacement_node"]]["partitions"]
+
+
+def test_lab_down_leaves_no_daemon_job_step_or_mount(home: Path) -> None:
+    root = cached_root(RELEASE)
+    assert root is not None
+    done = gpufleet_cli("lab", "down", env={"GPUFLEET_HOME": str(home)}, unset=("TEMPORAL_ADDRESS",), timeout=120)
+    assert done.returncode == 0, done.stderr
+    # Another lab may use the same root: only what holds this lab's files, or names them, counts.
+    left = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.readlink(entry / "root") == str(root) and str(home).encode() in (entry / "cmdline").read_bytes():
+                    left.append(int(entry.name))
+            except OSError:
+                continue
+    in_root = sorted({*left, *pids_holding(home, [root])})
+    assert in_root == []
+    assert str(root) not in Path("/proc/self/mountinfo").read_text()
