@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from lab import slurmroots
+from lab.slurm import SlurmLab, SlurmLabSpec
 from lab.slurmroots import (
     PACKAGES,
     RELEASES,
@@ -218,3 +219,19 @@ def test_a_command_the_root_lacks_is_named(newest: SlurmInstall) -> None:
     done = subprocess.run(newest.argv(["no-such-command"]), capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 127
     assert f"no-such-command is not in the Slurm root {newest.root}" in done.stderr
+
+
+@LIVE
+def test_two_clusters_on_one_root_each_sign_with_their_own_key(tmp_path: Path) -> None:
+    """Slurm 23.11+'s commands have their credentials signed through a socket under /run: each
+    cluster has its own, or the second cluster's commands would be refused by its controller."""
+    first = SlurmLab(tmp_path / "first", SlurmLabSpec(nodes=["a1"], spares=[]), release=NEWEST)
+    second = SlurmLab(tmp_path / "second", SlurmLabSpec(nodes=["b1"], spares=[]), release=NEWEST)
+    try:
+        first.start(timeout=30)
+        second.start(timeout=30)
+        assert [node.name for node in first.client().nodes()] == ["a1"]
+        assert [node.name for node in second.client().nodes()] == ["b1"]
+    finally:
+        second.stop()
+        first.stop()
