@@ -1,12 +1,15 @@
 """Run one command inside a cached Slurm root (lab/slurmroots.py), in a private mount namespace.
 
 Started as ``unshare --mount --propagation private -- python -I -S lab/inroot.py ROOT [--bind DIR]...
-[--bind-at DIR PATH]... -- COMMAND [ARG]...`` (``SlurmInstall.argv`` builds that): it binds the host's
-``/proc``, ``/dev``, ``/sys`` and each ``--bind`` folder into the root at the same path, each
-``--bind-at`` folder at PATH in the root (a cluster's own ``/run/slurm``: where Slurm 23.11 and later
-keep the socket through which commands have their credentials signed, which two clusters on one
-root must not share), changes root, keeps the working folder when the root has it, and becomes the
-command. The binds exist only in that namespace and vanish
+-- COMMAND [ARG]...`` (``SlurmInstall.argv`` builds that): it binds the host's ``/proc``, ``/dev``,
+``/sys`` and each ``--bind`` folder into the root at the same path, changes root, keeps the working
+folder when the root has it, and becomes the command.
+
+Slurm 23.11 and later keep, under ``/run/slurm`` and ``/run/slurmctld``, the sockets through which
+commands have their credentials signed with the cluster's key: two clusters on one root must not
+share them. So, where ``$SLURM_CONF`` names a cluster's slurm.conf, the folders ``run/slurm`` and
+``run/slurmctld`` beside it are bound there: the daemons and the commands of one cluster, and only
+they, meet at the same sockets, whichever wrapper started them. The binds exist only in that namespace and vanish
 with its last process, so the cached root never holds a mount of the host's devices: removing it
 touches nothing of the host.
 
@@ -31,41 +34,42 @@ def _bind(source: str, root: Path, at: str | None = None) -> None:
     subprocess.run(["mount", "--rbind", source, str(target)], check=True)
 
 
-def _options(options: list[str]) -> tuple[list[str], list[tuple[str, str]]] | None:
-    """The ``--bind DIR`` and ``--bind-at DIR PATH`` options (None: malformed)."""
+def _options(options: list[str]) -> list[str] | None:
+    """The folders of the ``--bind DIR`` options (None: malformed)."""
     binds: list[str] = []
-    binds_at: list[tuple[str, str]] = []
     words = iter(options)
     for word in words:
-        if word == "--bind":
-            binds.append(next(words, ""))
-        elif word == "--bind-at":
-            binds_at.append((next(words, ""), next(words, "")))
-        else:
+        if word != "--bind":
             return None
-    if "" in binds or any("" in pair for pair in binds_at):
-        return None
-    return binds, binds_at
+        binds.append(next(words, ""))
+    return None if "" in binds else binds
+
+
+def _cluster_run(conf: str | None) -> list[tuple[str, str]]:
+    """The cluster's own run folders (beside its slurm.conf) and where they go in the root."""
+    if not conf or not os.path.isabs(conf):
+        return []
+    folder = Path(conf).parent / "run"
+    return [(str(folder / name), f"/run/{name}") for name in ("slurm", "slurmctld")]
 
 
 def main(argv: list[str]) -> int:
-    usage = "usage: inroot.py ROOT [--bind DIR]... [--bind-at DIR PATH]... -- COMMAND [ARG]..."
+    usage = "usage: inroot.py ROOT [--bind DIR]... -- COMMAND [ARG]..."
     if "--" not in argv or len(argv) < 3:
         print(usage, file=sys.stderr)
         return 2
     split = argv.index("--")
     options, command = argv[:split], argv[split + 1 :]
     root = Path(options[0]).resolve()
-    parsed = _options(options[1:])
-    if not command or parsed is None:
+    binds = _options(options[1:])
+    if not command or binds is None:
         print(usage, file=sys.stderr)
         return 2
-    binds, binds_at = parsed
     cwd = os.getcwd()
     for source in (*SYSTEM_BINDS, *binds):
         if os.path.isdir(source):
             _bind(source, root)
-    for source, at in binds_at:
+    for source, at in _cluster_run(os.environ.get("SLURM_CONF")):
         os.makedirs(source, exist_ok=True)
         _bind(source, root, at)
     os.chroot(root)

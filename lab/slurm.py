@@ -93,7 +93,7 @@ class SlurmLab:
             return None
         folder = self.root / "bin"
         if not (folder / "scontrol").exists():
-            self.install.write_wrappers(folder, self.binds, self.run_dir)
+            self.install.write_wrappers(folder, self.binds)
         return folder
 
     def client(self) -> SlurmCli:
@@ -102,13 +102,7 @@ class SlurmLab:
 
     def argv(self, command: list[str]) -> list[str]:
         """``command`` (a Slurm daemon or command) as it runs on this cluster's install."""
-        return self.install.argv(command, self.binds, self.run_dir)
-
-    @property
-    def run_dir(self) -> Path:
-        """This cluster's own ``/run`` folders in a root (two clusters on one root never share
-        the sockets that sign their commands' credentials)."""
-        return self.root / "run"
+        return self.install.argv(command, self.binds)
 
     @property
     def env(self) -> dict[str, str]:
@@ -142,7 +136,7 @@ class SlurmLab:
             self._start_munge()
         else:
             self._write_slurm_key()
-            self.install.write_wrappers(self.root / "bin", self.binds, self.run_dir)
+            self.install.write_wrappers(self.root / "bin", self.binds)
         self._write_conf()
         if self.accounting is not None:
             self._start_accounting(self.accounting, timeout=timeout)

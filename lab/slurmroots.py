@@ -105,18 +105,14 @@ class SlurmInstall:
     def on_host(self) -> bool:
         return self.root is None
 
-    def argv(self, command: list[str], binds: Sequence[Path] = (), run: Path | None = None) -> list[str]:
+    def argv(self, command: list[str], binds: Sequence[Path] = ()) -> list[str]:
         """``command`` as it runs on this install: as is on the host, else in the root, with
-        ``binds`` seen at their own paths and ``run`` (a cluster's own folder) as the root's
-        ``/run/slurm`` and ``/run/slurmctld``: the sockets through which a newer Slurm's commands
-        have their credentials signed, one set per cluster."""
+        ``binds`` seen at their own paths (and the cluster's run folders beside ``$SLURM_CONF``
+        as the root's ``/run/slurm`` and ``/run/slurmctld``: lab/inroot.py)."""
         if self.root is None:
             return list(command)
         folders = ["/tmp", str(REPO_ROOT), *(str(b) for b in binds)]
         options = [word for folder in dict.fromkeys(folders) for word in ("--bind", folder)]
-        if run is not None:
-            for name in ("slurm", "slurmctld"):
-                options += ["--bind-at", str(run / name), f"/run/{name}"]
         return [
             "unshare",
             "--mount",
@@ -137,13 +133,13 @@ class SlurmInstall:
         """The interpreter a job started by this install's slurmd runs under."""
         return sys.executable if self.root is None else "/usr/bin/python3"
 
-    def write_wrappers(self, folder: Path, binds: Sequence[Path] = (), run: Path | None = None) -> Path | None:
+    def write_wrappers(self, folder: Path, binds: Sequence[Path] = ()) -> Path | None:
         """A folder of the client commands, each running this install's own (None on the host)."""
         if self.root is None:
             return None
         folder.mkdir(parents=True, exist_ok=True)
         for command in CLIENT_COMMANDS:
-            words = " ".join(shlex.quote(word) for word in self.argv([command], binds, run))
+            words = " ".join(shlex.quote(word) for word in self.argv([command], binds))
             path = folder / command
             path.write_text(f'#!/bin/sh\n# {command} of Slurm {self.version}, in {self.root}\nexec {words} "$@"\n')
             path.chmod(0o755)

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lab.procs import pids_holding
 from lab.slurmroots import cached_root, root_unavailable
@@ -83,6 +86,52 @@ def test_the_drill_resolves_and_the_job_runs_again_from_its_checkpoint(home: Pat
     nodes = {node["name"]: node for node in _status(home)["nodes"]}  # type: ignore[attr-defined]
     assert nodes[drill["node"]]["reason"].startswith("gpufleet:")  # drained on 26.05, by gpufleet
     assert "train" in nodes[drill["replacement_node"]]["partitions"]
+
+
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGbRLO3ZFsuyq0E7A3y5lV8Kfy2kOQH9S+8q0q3JmfpH"
+
+
+def _cluster_spec(tmp_path: Path, name: str, **extra: object) -> Path:
+    body = {
+        "name": name,
+        "partitions": [{"name": "train", "nodes": 1, "default": True}],
+        "users": [{"name": "alice", "uid": 20001, "account": "vision", "ssh_keys": [f"{KEY} alice"]}],
+        "spares": 0,
+        **extra,
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def test_a_cluster_created_in_the_lab_runs_the_same_release(home: Path, tmp_path: Path) -> None:
+    env = {"GPUFLEET_HOME": str(home)}
+    done = gpufleet_cli("cluster", "create", str(_cluster_spec(tmp_path, "tiny")), "--json", env=env, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["outcome"] == "ready"
+    # Its controller is 26.05, asked with the lab's own commands pointed at its slurm.conf.
+    conf = home / "clusters" / "tiny" / "slurm.conf"
+    wrappers = home / "slurm" / "bin"
+    shown = subprocess.run(
+        [str(wrappers / "scontrol"), "show", "config"],
+        env={**os.environ, "SLURM_CONF": str(conf)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert re.search(rf"^SLURM_VERSION\s*=\s*{re.escape(RELEASE)}\.\d+$", shown.stdout, re.M), shown.stdout[-500:]
+    gone = gpufleet_cli("cluster", "delete", "tiny", "--force", "--json", env=env, timeout=300)
+    assert gone.returncode == 0, gone.stdout[-2000:] + gone.stderr[-2000:]
+    assert not conf.parent.exists()
+
+
+def test_accounting_is_refused_on_a_newer_release_saying_why(home: Path, tmp_path: Path) -> None:
+    spec = _cluster_spec(tmp_path, "ledger", accounting=True)
+    done = gpufleet_cli("cluster", "create", str(spec), env={"GPUFLEET_HOME": str(home)}, timeout=300)
+    assert done.returncode != 0
+    assert f"accounting runs in the lab on the host's Slurm only, not on Slurm {RELEASE}" in done.stderr + done.stdout
+    assert not (home / "clusters" / "ledger").exists()
 
 
 def test_lab_down_leaves_no_daemon_job_step_or_mount(home: Path) -> None:
