@@ -79,6 +79,9 @@ def status(
         return
     if not result["running"]:
         fail("the lab is not running (start it with `gpufleet lab up`)")
+    slurm = result["slurm"]
+    where = f"a Debian root, {slurm['root']}" if slurm.get("root") else "the host's packages"
+    console.print(f"Slurm {slurm.get('version') or slurm['release']} ({where})")
     nodes = Table("node", "Slurm", "reason", "partitions", "Kubernetes", "pool", "GPU fault")
     for n in result["nodes"]:
         nodes.add_row(

@@ -56,6 +56,8 @@ def test_lab_status_says_the_release_and_reads_the_nodes_through_it(home: Path) 
     nodes = {node["name"]: node for node in status["nodes"]}  # type: ignore[attr-defined]
     assert {"gpu1", "gpu2", "spare1"} <= set(nodes)
     assert nodes["gpu1"]["partitions"] == ["train"] and nodes["spare1"]["partitions"] == []
+    text = gpufleet_cli("lab", "status", env={"GPUFLEET_HOME": str(home)}, unset=("TEMPORAL_ADDRESS",))
+    assert f"Slurm {slurm['version']} (a Debian root, {cached_root(RELEASE)})" in text.stdout
 
 
 def test_another_release_is_refused_while_the_lab_runs(home: Path) -> None:
