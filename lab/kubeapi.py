@@ -11,7 +11,10 @@ gpufleet relies on and a real API server does:
 - JSON merge, strategic-merge and JSON patches applied as the API server applies them
   (``lab.patches``), with the merge keys of Kubernetes' own schemas;
 - ``fieldValidation`` (Strict, Warn, Ignore) of unknown fields on create, replace and patch;
-- the OpenAPI v3 documents kubectl reads (``lab.openapi``) and watches in kubectl's format.
+- the OpenAPI v3 documents kubectl reads (``lab.openapi``) and watches in kubectl's format;
+- Slinky's CustomResourceDefinitions (``lab.crds``, slurm-operator's pinned release): served
+  read-only, their kinds discovered from them, and each custom resource pruned, defaulted and
+  validated against its CRD's schema and CEL rules (422 Invalid naming each field).
 
 For bad days on purpose (chaos runs and tests): ``PUT /_faults`` with
 ``{"status": 500, "count": N, "retry_after": S}`` makes the next N API requests answer that
