@@ -11,7 +11,10 @@ gpufleet relies on and a real API server does:
 - JSON merge, strategic-merge and JSON patches applied as the API server applies them
   (``lab.patches``), with the merge keys of Kubernetes' own schemas;
 - ``fieldValidation`` (Strict, Warn, Ignore) of unknown fields on create, replace and patch;
-- the OpenAPI v3 documents kubectl reads (``lab.openapi``) and watches in kubectl's format.
+- the OpenAPI v3 documents kubectl reads (``lab.openapi``) and watches in kubectl's format;
+- Slinky's CustomResourceDefinitions (``lab.crds``, slurm-operator's pinned release): served
+  read-only, their kinds discovered from them, and each custom resource pruned, defaulted and
+  validated against its CRD's schema and CEL rules (422 Invalid naming each field).
 
 For bad days on purpose (chaos runs and tests): ``PUT /_faults`` with
 ``{"status": 500, "count": N, "retry_after": S}`` makes the next N API requests answer that
@@ -45,8 +48,8 @@ import kmock
 from kmock._internal import enums, parsing, rendering
 from kmock._internal.k8s import KubernetesObjectNotFoundError
 
+from lab import crds, kubevalidate, openapi
 from lab import kubetables as tables
-from lab import kubevalidate, openapi
 from lab.patches import APPLY, JSON_PATCH, MERGE, STRATEGIC, PatchError, json_patch, merge_patch, strategic_merge_patch
 from lab.selectors import SelectorError, field_selector, label_selector
 
@@ -58,6 +61,7 @@ DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")
 REPLICASETS = kmock.resource("apps", "v1", "replicasets")
 DAEMONSETS = kmock.resource("apps", "v1", "daemonsets")
 SECRETS = kmock.resource("", "v1", "secrets")
+CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
 # resource: (kind, short names, namespaced, subresources)
 RESOURCE_INFO: dict[kmock.resource, tuple[str, list[str], bool, list[str]]] = {
@@ -76,18 +80,26 @@ RESOURCE_INFO: dict[kmock.resource, tuple[str, list[str], bool, list[str]]] = {
     SECRETS: ("Secret", [], True, []),
     kmock.resource("", "v1", "persistentvolumeclaims"): ("PersistentVolumeClaim", ["pvc"], True, []),
     kmock.resource("batch", "v1", "jobs"): ("Job", [], True, []),
-    # Slinky's slurm-operator kinds (gpufleet cluster create --backend slinky): stored as given,
-    # with no schema (no `kubectl explain`) and no operator acting on them.
-    kmock.resource("slinky.slurm.net", "v1beta1", "controllers"): ("Controller", [], True, []),
-    kmock.resource("slinky.slurm.net", "v1beta1", "nodesets"): ("NodeSet", ["nss"], True, []),
-    kmock.resource("slinky.slurm.net", "v1beta1", "loginsets"): ("LoginSet", ["lss"], True, []),
-    kmock.resource("slinky.slurm.net", "v1beta1", "accountings"): ("Accounting", [], True, []),
-    kmock.resource("slinky.slurm.net", "v1beta1", "restapis"): ("RestApi", [], True, []),
     kmock.resource("rbac.authorization.k8s.io", "v1", "roles"): ("Role", [], True, []),
     kmock.resource("rbac.authorization.k8s.io", "v1", "rolebindings"): ("RoleBinding", [], True, []),
     kmock.resource("rbac.authorization.k8s.io", "v1", "clusterroles"): ("ClusterRole", [], False, []),
     kmock.resource("rbac.authorization.k8s.io", "v1", "clusterrolebindings"): ("ClusterRoleBinding", [], False, []),
+    # Served read-only: the CRDs of slurm-operator's pinned release (lab.crds).
+    CRDS: ("CustomResourceDefinition", ["crd", "crds"], False, []),
 }
+# Slinky's slurm-operator kinds (gpufleet cluster create --backend slinky), served from their CRDs:
+# discovery from the CRD's names and subresources, each write pruned, defaulted and validated
+# against its openAPIV3Schema and its CEL rules as a real API server does (lab.crds). No operator
+# acts on them.
+CUSTOM: dict[kmock.resource, crds.CustomResource] = {
+    kmock.resource(cr.group, cr.version, cr.plural): cr for cr in crds.served()
+}
+RESOURCE_INFO.update(
+    {res: (cr.kind, list(cr.short_names), cr.namespaced, sorted(cr.subresources)) for res, cr in CUSTOM.items()}
+)
+for _custom in CUSTOM.values():
+    tables.COLUMNS[_custom.kind] = crds.columns(_custom)
+SUBRESOURCE_VERBS = ["get", "patch", "update"]
 
 
 def _string_data(secret: dict[str, Any]) -> None:
@@ -219,10 +231,12 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
                 kind=kind,
                 singular=kind.lower(),
                 namespaced=namespaced,
-                verbs=VERBS,
+                verbs=["get", "list", "watch"] if res == CRDS else VERBS,
                 shortnames=short,
                 subresources=subresources,
             )
+        for crd in crds.definitions():
+            self.seed(CRDS, crds.stored_definition(crd))
 
     async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
         """An APIResourceList as a real API server writes it (the core group is plain "v1";
@@ -234,6 +248,12 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         for entry in payload.get("resources", []):
             if entry["name"] == "pods/eviction":
                 entry.update(kind="Eviction", group="policy", version="v1", verbs=["create"], singularName="")
+            elif entry["name"].endswith("/status"):
+                entry.update(verbs=SUBRESOURCE_VERBS, singularName="", shortNames=[], categories=[])
+            elif entry["name"].endswith("/scale"):
+                entry.update(kind="Scale", group="autoscaling", version="v1", verbs=SUBRESOURCE_VERBS)
+                entry.update(singularName="", shortNames=[], categories=[])
+        payload["resources"] = sorted(payload.get("resources", []), key=lambda entry: entry["name"])
         return payload
 
     async def _serve_server_version(self, request: rendering.Request) -> rendering.Payload:
@@ -253,8 +273,13 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
             served: dict[tuple[str, str], list[tuple[str, str, bool]]] = {}
             for res, (kind, _short, namespaced, _sub) in RESOURCE_INFO.items():
                 served.setdefault((str(res.group), str(res.version)), []).append((kind, str(res.plural), namespaced))
+            schemas: dict[tuple[str, str], dict[str, openapi.Schema]] = {}
+            for custom in CUSTOM.values():
+                schemas.setdefault((custom.group, custom.version), {}).update(crds.openapi_schema(custom))
             self._documents = {
-                openapi.group_version_path(group, version): openapi.document(group, version, kinds)
+                openapi.group_version_path(group, version): openapi.document(
+                    group, version, kinds, schemas.get((group, version))
+                )
                 for (group, version), kinds in served.items()
             }
         return self._documents
@@ -371,6 +396,19 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         if request.resource == PODS and request.subresource == "eviction" and request.method == enums.method.POST:
             async with self._write_lock:
                 return await self._evict(request)
+        if request.resource == CRDS and request.method not in (enums.method.GET, enums.method.HEAD):
+            return _status(
+                405,
+                "MethodNotAllowed",
+                f"the emulated API serves the CustomResourceDefinitions of slurm-operator {crds.RELEASE} "
+                "as vendored (lab/crds); they cannot be changed here",
+            )
+        custom = CUSTOM.get(request.resource)
+        if custom is not None and request.subresource is not None and request.subresource not in custom.subresources:
+            return _status(404, "NotFound", "the server could not find the requested resource")
+        if custom is not None and request.subresource == "scale" and request.name is not None:
+            async with self._write_lock:
+                return await self._scale(request, custom)
         if request.subresource not in (None, "status") and request.method != enums.method.GET:
             # A real server serves more (scale, ephemeralcontainers...); this one does not.
             return _status(404, "NotFound", "the server could not find the requested resource")
@@ -411,6 +449,7 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         refused, warnings = self._validate_fields(request, request.data)
         if refused is not None:
             return refused
+        self._prepare_custom(request, request.data, None)
         invalid = self._invalid(request.resource, request.data, creating=True)
         if invalid is not None:
             return invalid
@@ -421,6 +460,8 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
             created: aiohttp.web.StreamResponse = aiohttp.web.json_response(request.data, status=201)
         else:
             created = await super()._handle(request)
+            if created.status == 200:
+                created.set_status(201)  # Created, as a real server answers (some clients read only that)
         _warn(created, warnings)
         return created
 
@@ -496,12 +537,18 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         mode = request.params.get("fieldValidation", "Warn")
         if mode not in ("Strict", "Warn", "Ignore"):
             return _status(400, "BadRequest", f"fieldValidation must be Strict, Warn or Ignore, not {mode!r}"), []
-        schema = self._schema(request.resource)
-        if schema is None:
-            return None, []
-        known = set(openapi.unknown_fields(schema, before)) if before is not None else set()
-        unknown = [path for path in openapi.unknown_fields(schema, obj) if path not in known]
-        openapi.prune(schema, obj)  # what a real server does with fields it does not know
+        custom = CUSTOM.get(request.resource)
+        if custom is not None:
+            known = set(crds.unknown_fields(custom.schema, before)) if before is not None else set()
+            unknown = [path for path in crds.unknown_fields(custom.schema, obj) if path not in known]
+            crds.prune(custom.schema, obj)  # a structural schema keeps only what it declares
+        else:
+            schema = self._schema(request.resource)
+            if schema is None:
+                return None, []
+            known = set(openapi.unknown_fields(schema, before)) if before is not None else set()
+            unknown = [path for path in openapi.unknown_fields(schema, obj) if path not in known]
+            openapi.prune(schema, obj)  # what a real server does with fields it does not know
         if mode == "Ignore":
             return None, []
         if unknown and mode == "Strict":
@@ -519,6 +566,9 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         if not kind:
             return None
         errors = kubevalidate.check(kind, obj, creating=creating)
+        custom = CUSTOM.get(resource)
+        if custom is not None:
+            errors += crds.check(custom, obj)
         if not errors:
             return None
         name = str((obj.get("metadata") or {}).get("name") or "")
@@ -562,6 +612,13 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
                 patched = json_patch(original, request.data)
             elif content_type == MERGE:
                 patched = merge_patch(original, request.data)
+            elif content_type == STRATEGIC and request.resource in CUSTOM:
+                return _status(
+                    415,
+                    "UnsupportedMediaType",
+                    "the body of the request was in an unknown format - accepted media types include: "
+                    f"{JSON_PATCH}, {MERGE}, {APPLY}",
+                )
             elif content_type == STRATEGIC:
                 patched = strategic_merge_patch(original, request.data, self._schema(request.resource))
             else:
@@ -604,6 +661,8 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
                 f'Operation cannot be fulfilled on {plural} "{request.name}": the object has been modified; '
                 "please apply your changes to the latest version and try again",
             )
+        self._prepare_custom(request, obj, dict(current.raw))
+        meta = obj["metadata"]
         invalid = self._invalid(request.resource, obj, creating=False)
         if invalid is not None:
             return invalid
@@ -614,7 +673,14 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
             if kept in have:
                 meta[kept] = have[kept]
         generation = int(have.get("generation") or 1)
-        meta["generation"] = generation + 1 if obj.get("spec") != current.raw.get("spec") else generation
+        if request.resource in CUSTOM:
+            # A custom resource's generation counts changes to anything but its metadata and status.
+            changed = {k: v for k, v in obj.items() if k not in ("metadata", "status")} != {
+                k: v for k, v in current.raw.items() if k not in ("metadata", "status")
+            }
+        else:
+            changed = obj.get("spec") != current.raw.get("spec")
+        meta["generation"] = generation + 1 if changed else generation
         meta["resourceVersion"] = self.next_version()
         if not _dry_run(request):
             self.objects[request.resource, request.namespace, request.name] = obj
@@ -625,6 +691,98 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         response = aiohttp.web.json_response(obj)
         _warn(response, warnings)
         return response
+
+    def _prepare_custom(self, request: rendering.Request, obj: dict[str, Any], current: dict[str, Any] | None) -> None:
+        """What the server does to a custom resource before validating a write, in place: with a
+        status subresource, a create drops ``status``, an update of the object keeps the stored
+        status and an update of ``/status`` changes nothing else; then the schema's defaults."""
+        custom = CUSTOM.get(request.resource) if request.resource is not None else None
+        if custom is None:
+            return
+        if custom.has_status:
+            if current is None:
+                obj.pop("status", None)
+            elif request.subresource == "status":
+                status = obj.get("status")
+                wanted = (obj.get("metadata") or {}).get("resourceVersion")
+                obj.clear()
+                obj.update(copy.deepcopy(current))
+                obj.pop("status", None)
+                if status is not None:
+                    obj["status"] = status
+                if wanted:
+                    obj["metadata"]["resourceVersion"] = wanted
+            elif "status" in current:
+                obj["status"] = copy.deepcopy(current["status"])
+            else:
+                obj.pop("status", None)
+        crds.default(custom.schema, obj)
+
+    async def _scale(self, request: rendering.Request, custom: crds.CustomResource) -> aiohttp.web.StreamResponse:
+        """The scale subresource (autoscaling/v1 Scale) of a custom resource that declares it:
+        read from, and written to, the paths its CRD names."""
+        assert request.resource is not None and request.name is not None and custom.scale is not None
+        found = self._find(request.resource, request.namespace, request.name)
+        if found is None:
+            return _status(404, "NotFound", f'{request.resource.plural}.{custom.group} "{request.name}" not found')
+        spec_path = str(custom.scale["specReplicasPath"]).strip(".").split(".")
+        status_path = str(custom.scale["statusReplicasPath"]).strip(".").split(".")
+        selector_path = str(custom.scale.get("labelSelectorPath") or "").strip(".").split(".")
+
+        def at(obj: Any, path: list[str]) -> Any:
+            for part in path:
+                obj = obj.get(part) if isinstance(obj, dict) else None
+            return obj
+
+        def scale(obj: dict[str, Any]) -> dict[str, Any]:
+            meta = obj["metadata"]
+            status: dict[str, Any] = {"replicas": at(obj, status_path) or 0}
+            if at(obj, selector_path):
+                status["selector"] = at(obj, selector_path)
+            return {
+                "kind": "Scale",
+                "apiVersion": "autoscaling/v1",
+                "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")},
+                "spec": {"replicas": at(obj, spec_path) or 0},
+                "status": status,
+            }
+
+        current = dict(found.raw)
+        if request.method in (enums.method.GET, enums.method.HEAD):
+            return aiohttp.web.json_response(scale(current))
+        if request.method == enums.method.PUT:
+            wanted = request.data
+        elif request.method == enums.method.PATCH:
+            content_type = request.headers.get("Content-Type", "").split(";")[0].strip()
+            try:
+                if content_type == JSON_PATCH:
+                    wanted = json_patch(scale(current), request.data)
+                elif content_type == MERGE:
+                    wanted = merge_patch(scale(current), request.data)
+                else:
+                    return _status(415, "UnsupportedMediaType", f"send {MERGE} or {JSON_PATCH} to a scale subresource")
+            except PatchError as exc:
+                return _status(422, "Invalid", f"the patch cannot be applied: {exc}")
+        else:
+            return _status(405, "MethodNotAllowed", f"{request.method} is not served on a scale subresource")
+        replicas = (wanted.get("spec") or {}).get("replicas") if isinstance(wanted, dict) else None
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+            error = kubevalidate.invalid("spec.replicas", replicas, "must be greater than or equal to 0")
+            return aiohttp.web.json_response(
+                kubevalidate.status("Scale", "autoscaling", request.name, [error]), status=422
+            )
+        obj = copy.deepcopy(current)
+        holder = obj
+        for part in spec_path[:-1]:
+            holder = holder.setdefault(part, {})
+        holder[spec_path[-1]] = replicas
+        wanted_version = ((wanted.get("metadata") or {}) if isinstance(wanted, dict) else {}).get("resourceVersion")
+        obj["metadata"]["resourceVersion"] = wanted_version or current["metadata"].get("resourceVersion")
+        stored = await self._store(request, found, obj)
+        if stored.status != 200:
+            return stored
+        after = self._find(request.resource, request.namespace, request.name)
+        return aiohttp.web.json_response(scale(dict(after.raw) if after is not None else obj))
 
     def _set_faults(self, request: rendering.Request) -> aiohttp.web.Response:
         if request.method == enums.method.GET:

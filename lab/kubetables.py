@@ -133,6 +133,10 @@ COLUMNS: dict[str, list[Column]] = {
         ("Available", 0, lambda d: _status_of(d, "numberAvailable")),
         ("Age", 0, age),
     ],
+    "CustomResourceDefinition": [
+        ("Name", 0, _name),
+        ("Created At", 0, lambda crd: crd.get("metadata", {}).get("creationTimestamp") or ""),
+    ],
     "Lease": [
         ("Name", 0, _name),
         ("Holder", 0, lambda lease: lease.get("spec", {}).get("holderIdentity") or ""),

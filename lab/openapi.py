@@ -179,6 +179,11 @@ def _closure(names: Iterable[str]) -> dict[str, Schema]:
     return found
 
 
+def _references(schemas: dict[str, Schema]) -> list[str]:
+    """The names of Kubernetes' schemas that ``schemas`` reference."""
+    return [ref[len(_REF) :] for ref in re.findall(r'"\$ref": "([^"]+)"', json.dumps(schemas))]
+
+
 _FIELD_VALIDATION = {
     "name": "fieldValidation",
     "in": "query",
@@ -217,8 +222,12 @@ def group_version_path(group: str, version: str) -> str:
     return f"apis/{group}/{version}" if group else f"api/{version}"
 
 
-def document(group: str, version: str, kinds: Iterable[tuple[str, str, bool]]) -> dict[str, Any]:
-    """One group-version's document; ``kinds`` are (kind, plural, namespaced) of what it serves."""
+def document(
+    group: str, version: str, kinds: Iterable[tuple[str, str, bool]], schemas: dict[str, Schema] | None = None
+) -> dict[str, Any]:
+    """One group-version's document; ``kinds`` are (kind, plural, namespaced) of what it serves;
+    ``schemas`` those of kinds Kubernetes does not define (a CRD's, by name), which may
+    reference Kubernetes' own."""
     paths: dict[str, Any] = {}
     names = []
     for kind, plural, namespaced in kinds:
@@ -230,7 +239,9 @@ def document(group: str, version: str, kinds: Iterable[tuple[str, str, bool]]) -
         "openapi": "3.0.0",
         "info": {"title": "Kubernetes (gpufleet lab)", "version": release()},
         "paths": paths,
-        "components": {"schemas": dict(sorted(_closure(names).items()))},
+        "components": {
+            "schemas": dict(sorted((_closure(names + _references(schemas or {})) | (schemas or {})).items()))
+        },
     }
 
 
