@@ -357,9 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Slurm {version}: not made here: {unavailable}; what needs it is skipped", flush=True)
             return True
         try:
-            install = roots.install(
-                version, say=lambda line: print(line, flush=True), check=True, refresh=args.refresh
-            )
+            install = roots.install(version, say=lambda line: print(line, flush=True), check=True, refresh=args.refresh)
         except RootError as exc:
             print(f"Slurm {version}: {exc}", file=sys.stderr, flush=True)
             return False
