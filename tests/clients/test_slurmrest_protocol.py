@@ -501,13 +501,19 @@ def test_drain_down_and_resume_update_the_node_once(newer: Newer, version: str) 
         assert drained.drained and drained.reason == DRAIN_REASON and drained.state == "idle"
         assert cli.node("gpu3").drained and cli.node("gpu3").reason == DRAIN_REASON
         assert newer.writes()[before:] == [f"POST /slurm/{version}/node/gpu3"]
-        assert rest.drain("gpu3", reason=DRAIN_REASON) == drained and len(newer.writes()) == before + 1  # once only
+        again = rest.drain("gpu3", reason=DRAIN_REASON)
+        assert again.drained and again.reason == DRAIN_REASON and len(newer.writes()) == before + 1  # once only
         rest.down("gpu3", reason=DRAIN_REASON)
         assert cli.node("gpu3").state == "down" and cli.node("gpu3").reason == DRAIN_REASON
         rest.down("gpu3", reason=DRAIN_REASON)
         assert len(newer.writes()) == before + 2
         rest.resume("gpu3")
-        back = wait_for(lambda: (n := cli.node("gpu3")).state == "idle" and n, timeout=30, what="gpu3 to return")
+        # Back idle, and answering again (26.05 marks it not responding until its slurmd registers).
+        back = wait_for(
+            lambda: (n := cli.node("gpu3")).state == "idle" and "NOT_RESPONDING" not in n.flags and n,
+            timeout=60,
+            what="gpu3 to return",
+        )
         # Slurm 24.11 keeps an idle node's reason after RESUME (scontrol's as well); 26.05 clears it.
         assert not back.drained and back.reason == ("" if newer.release == "26.05" else DRAIN_REASON)
         rest.resume("gpu3")  # in service already: nothing sent
