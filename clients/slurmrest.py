@@ -10,8 +10,12 @@ Two shapes of the API are spoken, chosen by the version in the path:
 
 - ``v0.0.38`` (Slurm 22.05 and 23.02): the script beside the job, the environment an object,
   states plain strings. Tested against Debian's ``slurmrestd`` 22.05.
-- ``v0.0.40`` to ``v0.0.44`` (Slurm 23.11 to 25.11, what Slinky runs): the script inside the
-  job, the environment a list of ``KEY=value``, states lists of flags.
+- ``v0.0.40`` to ``v0.0.45`` (Slurm 23.11 to 26.05, what Slinky runs): the script inside the
+  job, the environment a list of ``KEY=value``, states lists of flags. Tested against the real
+  slurmrestd of Slurm 24.11 (v0.0.40-v0.0.42) and 26.05 (v0.0.42-v0.0.45) through the Slurm
+  Protocol client (``tests/clients/test_slurmrest_protocol.py``); v0.0.43 and v0.0.44 are the
+  versions 25.05 and 25.11 bring, tested as 26.05 serves them. v0.0.45's ping says
+  ``responding`` rather than ``pinged``.
 
 ``detect_version`` asks the server, newest first, which one it serves.
 """
@@ -29,7 +33,7 @@ import httpx
 
 from clients.errors import redact
 
-VERSIONS = ("v0.0.44", "v0.0.43", "v0.0.42", "v0.0.41", "v0.0.40", "v0.0.38")
+VERSIONS = ("v0.0.45", "v0.0.44", "v0.0.43", "v0.0.42", "v0.0.41", "v0.0.40", "v0.0.38")
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"}
 TOKEN_SECONDS = 300
 
@@ -56,6 +60,15 @@ def _state(value: Any) -> str:
     if isinstance(value, list):
         return "+".join(str(v).upper() for v in value) or "?"
     return str(value).upper() if value else "?"
+
+
+def _up(ping: Any) -> bool:
+    """One controller of a ping reply answers: ``"pinged": "UP"`` (to v0.0.44) or
+    ``"responding": true`` (v0.0.45, which no longer says ``pinged``)."""
+    if not isinstance(ping, dict):
+        return False
+    said = ping.get("ping", ping.get("pinged"))
+    return str(said).upper() == "UP" if said is not None else ping.get("responding") is True
 
 
 def _error(entry: Any) -> str:
@@ -151,7 +164,7 @@ class SlurmRestClient:
         """The controller's Slurm release, once it answers through slurmrestd."""
         data = self._request("GET", f"/slurm/{self.version}/ping", user=user)
         pings = data.get("pings") or []
-        if not pings or not all(str(p.get("ping", p.get("pinged", ""))).upper() == "UP" for p in pings):
+        if not pings or not all(_up(p) for p in pings):
             raise SlurmRestError(f"slurmrestd answers but the controller does not: {redact(str(pings))}")
         release = (data.get("meta") or {}).get("Slurm", (data.get("meta") or {}).get("slurm", {})).get("release", "?")
         return str(release)

@@ -1,19 +1,44 @@
 """The Slurm Protocol (``clients.slurm.SlurmClient``) over slurmrestd, for deployments that reach
 Slurm only through its REST API (a Slinky cluster's ``RestApi``).
 
-What each API version can serve, from SchedMD's OpenAPI documents and checked against a real
-22.05 slurmrestd (``tests/clients/test_slurmrest_protocol.py``):
+What each API version can serve, from the OpenAPI documents the real servers publish
+(``GET /openapi/v3`` of Slurm 24.11's and 26.05's slurmrestd) and checked against real servers
+(``tests/clients/test_slurmrest_protocol.py``): Slurm 22.05 (v0.0.38), 24.11 (v0.0.40 to
+v0.0.42) and 26.05 (v0.0.42 to v0.0.45), each beside a real slurmctld and compared with the CLI
+client on the same cluster.
+
+=========================  ========  ===================  ======================================
+method                     v0.0.38   v0.0.40 to v0.0.44   v0.0.45
+=========================  ========  ===================  ======================================
+reads (nodes, jobs, ...)   yes       yes                  yes
+drain, down, resume        no        POST /node/{name}    POST /node/{name}
+mark_job (admin_comment)   no        POST /job/{id}       POST /job/{id}
+signal_job (steps only)    no        DELETE /job/{id}     DELETE /job/{id}
+                                     ?flags=FULL_STEPS_ONLY
+requeue                    no        no                   POST /jobs/requeue
+add/remove_from_partition  no        no                   POST /partitions/ (nodes.configured)
+=========================  ========  ===================  ======================================
 
 - **v0.0.38** (Slurm 22.05, 23.02) reads nodes, partitions and jobs, and nothing else that
-  gpufleet needs: it has no node update (no drain, down, resume); its job update does not take
-  ``admin_comment`` (no job marks: "Unknown key"); and its ``DELETE /job/{id}?signal=`` signals
-  the whole job, batch shell included, a SIGTERM cancelling it outright, so the tasks never get
-  the time to save a checkpoint that ``signal_job`` promises.
-- **v0.0.40 to v0.0.44** (Slurm 23.11 to 25.11) also update nodes (``POST /node/{name}`` with
-  ``state`` and ``reason``), job marks (``POST /job/{id}`` with ``admin_comment``) and signal a
-  job's steps and not its batch shell (``DELETE /job/{id}?signal=&flags=FULL_STEPS_ONLY``, what
-  ``scancel --signal`` does).
-- **No version** requeues a job or edits a partition's nodes: those need the CLI backend.
+  gpufleet needs: it has no node update; its job update does not take ``admin_comment`` ("Unknown
+  key"); and its ``DELETE /job/{id}?signal=`` signals the whole job, batch shell included, a
+  SIGTERM cancelling it outright, so the tasks never get the time to save a checkpoint that
+  ``signal_job`` promises.
+- **v0.0.40 to v0.0.44** (Slurm 23.11 to 25.11) also update nodes (``state`` and ``reason``), job
+  marks, and signal a job's steps and not its batch shell (what ``scancel --signal`` does). They
+  have no requeue and no partition update: no such path in 24.11's document (v0.0.40-v0.0.42) nor
+  in 26.05's (v0.0.42-v0.0.44).
+- **v0.0.45** (Slurm 26.05) adds ``POST /jobs/requeue`` (and ``GET /job/{id}/requeue``, a write
+  behind a GET, which gpufleet does not use) and ``POST /partitions/``, which creates or updates
+  partitions: gpufleet checks that the partition exists first (an unknown name would be created)
+  and sends only its name and node list (the rest of the partition is left as it is).
+
+What the real servers answer, beyond the documents: one node read alone names the first
+partition for a node in none (22.05 and 24.11, every version they serve; the partitions' node
+lists are read instead); an unknown node read is ``200`` with the
+error "Failure to query node" (error number 0); an unknown partition is a warning and no
+partition (v0.0.45) or an error (before); a signal to an unknown or finished job is ``200``, with
+the error in ``status`` (v0.0.42+) or nowhere (v0.0.40, v0.0.41): the job is read first.
 
 A method a version cannot serve raises ``Unsupported`` before anything is sent;
 ``unsupported_methods`` lists them, so that a worker refuses to start on a backend that lacks
@@ -39,6 +64,7 @@ from clients.errors import (
     ClientError,
     Forbidden,
     InvalidInput,
+    LastNodeOfPartition,
     NotFound,
     NotOwned,
     Unavailable,
@@ -104,10 +130,13 @@ _LACKING_IN_38 = {
     ),
     "mark_job": ("v0.0.38's job update does not take admin_comment", _NEWER),
 }
-_LACKING_EVERYWHERE = {
-    "requeue": ("slurmrestd has no requeue, in any API version up to v0.0.44", _CLI),
-    "add_to_partition": ("slurmrestd cannot change a partition, in any API version up to v0.0.44", _CLI),
-    "remove_from_partition": ("slurmrestd cannot change a partition, in any API version up to v0.0.44", _CLI),
+_V45 = f"slurmrestd of Slurm 26.05 or later (API v0.0.45), or {_CLI}"
+# Checked against the OpenAPI documents of the real 24.11 and 26.05 servers: v0.0.38 to v0.0.44
+# have no path that requeues a job or changes a partition; v0.0.45 has both.
+_LACKING_BEFORE_45 = {
+    "requeue": ("slurmrestd has no requeue before API v0.0.45 (POST /jobs/requeue)", _V45),
+    "add_to_partition": ("slurmrestd cannot change a partition before API v0.0.45 (POST /partitions/)", _V45),
+    "remove_from_partition": ("slurmrestd cannot change a partition before API v0.0.45 (POST /partitions/)", _V45),
 }
 
 _SIGNALS = {"TERM", "INT", "USR1", "USR2", "HUP"}
@@ -115,6 +144,8 @@ _NODE_BASE_STATES = ("UNKNOWN", "DOWN", "IDLE", "ALLOCATED", "ERROR", "MIXED", "
 _UNREACHABLE = ("unable to contact slurm controller", "connection refused", "socket timed out", "zero bytes")
 _NOT_FOUND_NUMBERS = {2017, 2018}  # Slurm's "Invalid job id specified", "Invalid node name specified"
 _NOT_FOUND_TEXT = ("invalid job id", "invalid node name", "invalid partition name", "unable to find")
+_PENDING_ALREADY = ("pending execution",)  # requeue of a job that is pending again
+_REFUSED = ("presently disabled", "not requeueable", "only batch jobs")  # requeue of a --no-requeue job
 _FINISHED = ("already completing or completed", "already finished", "job has already completed")
 _MAX_HOSTS = 65536
 
@@ -281,17 +312,18 @@ class SlurmRest:
 
     # -- plumbing ---------------------------------------------------------------------------------
 
+    def _lacking_here(self) -> dict[str, tuple[str, str]]:
+        lacking = {} if self.version == "v0.0.45" else dict(_LACKING_BEFORE_45)
+        if self.version == "v0.0.38":
+            lacking.update(_LACKING_IN_38)
+        return lacking
+
     def unsupported(self) -> dict[str, str]:
         """Method name -> why this API version cannot serve it, and what would."""
-        lacking = dict(_LACKING_EVERYWHERE)
-        if self.version == "v0.0.38":
-            lacking.update(_LACKING_IN_38)
-        return {method: f"{why}; use {by}" for method, (why, by) in lacking.items()}
+        return {method: f"{why}; use {by}" for method, (why, by) in self._lacking_here().items()}
 
     def _lacking(self, method: str) -> Unsupported | None:
-        lacking = dict(_LACKING_EVERYWHERE)
-        if self.version == "v0.0.38":
-            lacking.update(_LACKING_IN_38)
+        lacking = self._lacking_here()
         if method not in lacking:
             return None
         why, served_by = lacking[method]
@@ -348,10 +380,13 @@ class SlurmRest:
         message = f"slurmrestd refused {what} ({reply.status_code}): {said}"
         lowered = said.lower()
         numbers = {e.get("error_number", e.get("errno")) for e in errors if isinstance(e, dict)}
-        if numbers & _NOT_FOUND_NUMBERS or any(text in lowered for text in _NOT_FOUND_TEXT):
-            raise NotFound(message)
         if any(text in lowered for text in _UNREACHABLE) or reply.status_code in (502, 503, 504):
             raise Unavailable(message)
+        if numbers & _NOT_FOUND_NUMBERS or any(text in lowered for text in _NOT_FOUND_TEXT):
+            raise NotFound(message)
+        # An unknown node, read alone: "Failure to query node" with error number 0 (24.11, 26.05).
+        if "failure to query node" in lowered and numbers <= {0, None}:
+            raise NotFound(message)
         raise ClientError(message)
 
     def _path(self, *parts: str) -> str:
@@ -372,17 +407,14 @@ class SlurmRest:
         found = [node_from_rest(raw) for raw in data.get("nodes") or []]
         if not found or found[0].name != name:
             raise NotFound(f"Slurm has no node named {name!r}")
-        if self.version == "v0.0.38":
-            # 22.05 names the wrong partitions for one node read alone (a node in no partition
-            # comes back in the first one); its partitions' own node lists are right.
-            return found[0].model_copy(update={"partitions": self._partitions_holding(name)})
-        return found[0]
+        # 22.05 and 24.11 (every API version they serve) name the wrong partitions for one node
+        # read alone: a node in no partition comes back in the first one (26.05 does not). The
+        # partitions' own node lists are right, on every release.
+        return found[0].model_copy(update={"partitions": self._partitions_holding(name)})
 
     def _partitions_holding(self, name: str) -> list[str]:
         partitions = self._call("GET", self._path("partitions")).get("partitions") or []
-        return [
-            str(p["name"]) for p in partitions if p.get("name") and name in expand_hostlist(str(p.get("nodes") or ""))
-        ]
+        return [str(p["name"]) for p in partitions if p.get("name") and name in expand_hostlist(_partition_nodes(p))]
 
     def _update_node(self, name: str, state: str, reason: str | None) -> None:
         body: dict[str, Any] = {"state": [state]}
@@ -510,12 +542,42 @@ class SlurmRest:
         self._refuse_unsupported("signal_job")
         if signal not in _SIGNALS:
             raise InvalidInput(f"refusing to send signal {signal!r}")
-        path = self._path("job", str(checked_job_id(job_id)))
-        self._call("DELETE", path, params={"signal": signal, "flags": "FULL_STEPS_ONLY"})
+        job_id = checked_job_id(job_id)
+        refuse_writes(f"slurmrestd signal {signal} to job {job_id}")
+        # v0.0.40 and v0.0.41 answer a signal to a job they do not know with no error at all.
+        if self._one_job(job_id) is None:
+            raise NotFound(f"Slurm has no job {job_id}")
+        path = self._path("job", str(job_id))
+        data = self._call("DELETE", path, params={"signal": signal, "flags": "FULL_STEPS_ONLY"})
+        # v0.0.42+ answer 200 and say in ``status`` what each job made of it.
+        for entry in data.get("status") or []:
+            error = entry.get("error") if isinstance(entry, dict) else None
+            if isinstance(error, dict) and error.get("code"):
+                said = str(error.get("string") or error.get("message") or error)
+                message = f"slurmrestd could not signal job {job_id}: {said}"
+                if error.get("code") in _NOT_FOUND_NUMBERS:
+                    raise NotFound(message)
+                raise ClientError(message)
 
     def requeue(self, job_id: int) -> None:
-        checked_job_id(job_id)
-        raise Unsupported("requeue", self.version, *_LACKING_EVERYWHERE["requeue"])
+        """Requeue a running (or finished) job, as ``scontrol requeue`` does (v0.0.45); a job
+        already pending again is left as it is; one submitted with ``--no-requeue`` is refused."""
+        job_id = checked_job_id(job_id)
+        self._refuse_unsupported("requeue")
+        job = self.job(job_id)
+        if job.state in {"PENDING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING"}:
+            return
+        if not job.requeue:
+            raise InvalidInput(f"job {job_id} was submitted with --no-requeue")
+        try:
+            self._call("POST", self._path("jobs", "requeue"), body={"jobs": [str(job_id)]})
+        except ClientError as exc:
+            lowered = str(exc).lower()
+            if any(text in lowered for text in _PENDING_ALREADY):
+                return  # back to pending between the read and the requeue
+            if any(text in lowered for text in _REFUSED):
+                raise InvalidInput(str(exc)) from None
+            raise
 
     # -- marks ------------------------------------------------------------------------------------
 
@@ -554,22 +616,62 @@ class SlurmRest:
         partition = checked_node_name(partition)
         return [node.name for node in self.nodes() if partition in node.partitions]
 
+    def _require_partition(self, partition: str) -> None:
+        """NotFound unless the partition exists: ``POST /partitions/`` would create it."""
+        try:
+            data = self._call("GET", self._path("partition", partition))
+        except NotFound:
+            raise NotFound(f"Slurm has no partition named {partition!r}") from None
+        if not any(p.get("name") == partition for p in data.get("partitions") or [] if isinstance(p, dict)):
+            raise NotFound(f"Slurm has no partition named {partition!r}")
+
+    def _set_partition(self, partition: str, nodes: list[str]) -> None:
+        body = {"partitions": [{"name": partition, "nodes": {"configured": ",".join(nodes)}}]}
+        self._call("POST", self._path("partitions", ""), body=body)
+
     def add_to_partition(self, partition: str, node: str) -> None:
-        checked_node_name(partition)
-        checked_node_name(node)
-        raise Unsupported("add_to_partition", self.version, *_LACKING_EVERYWHERE["add_to_partition"])
+        partition = checked_node_name(partition)
+        node = checked_node_name(node)
+        self._refuse_unsupported("add_to_partition")
+        with self._lock:
+            self._require_partition(partition)
+            members = self.partition_nodes(partition)
+            if node not in members:
+                self._set_partition(partition, [*members, node])
 
     def remove_from_partition(self, partition: str, node: str) -> None:
-        checked_node_name(partition)
-        checked_node_name(node)
-        raise Unsupported("remove_from_partition", self.version, *_LACKING_EVERYWHERE["remove_from_partition"])
+        partition = checked_node_name(partition)
+        node = checked_node_name(node)
+        self._refuse_unsupported("remove_from_partition")
+        with self._lock:
+            self._require_partition(partition)
+            members = self.partition_nodes(partition)
+            if node in members:
+                # slurmrestd would take an empty list (scontrol refuses one): the last node stays.
+                remaining = [member for member in members if member != node]
+                if not remaining:
+                    raise LastNodeOfPartition(f"{node} is the last node of partition {partition}")
+                self._set_partition(partition, remaining)
 
 
 def _said(entry: Any) -> str:
+    """One entry of a reply's ``errors``: what failed and why (v0.0.40+ put the why in ``error``:
+    "Job update requested failed: Job has already finished"), then where."""
     if not isinstance(entry, dict):
         return str(entry)
-    said = str(entry.get("description") or entry.get("error") or entry)
+    description, error = str(entry.get("description") or ""), str(entry.get("error") or "")
+    said = f"{description}: {error}" if description and error and error != "No error" else description or error
+    said = said or str(entry)
     return f"{said} ({entry['source']})" if entry.get("source") else said
+
+
+def _partition_nodes(raw: dict[str, Any]) -> str:
+    """A partition's hostlist: v0.0.38's ``"nodes": "gpu[1-3]"``, v0.0.40+'s
+    ``"nodes": {"configured": "gpu[1-3]", ...}``."""
+    nodes = raw.get("nodes")
+    if isinstance(nodes, dict):
+        nodes = nodes.get("configured")
+    return str(nodes or "")
 
 
 def _count(value: object) -> int:

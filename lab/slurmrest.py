@@ -1,8 +1,13 @@
 """A real slurmrestd beside a lab cluster, for what gpufleet does through Slurm's REST API.
 
 The cluster's slurm.conf takes ``jwt_lines`` (slurmctld then accepts tokens signed with the
-key, as well as munge); slurmrestd authenticates requests by those tokens and must not run as
-root or as the SlurmUser, so as root it drops to ``nobody`` once its socket is open.
+key, as well as munge or auth/slurm); slurmrestd authenticates requests by those tokens and must
+not run as root or as the SlurmUser, so as root it drops to ``nobody`` once its socket is open.
+
+On the host's Slurm (22.05) it is the host's slurmrestd serving ``openapi/v0.0.38``; on a newer
+release (lab/slurmroots.py) it is the root's, run inside the root like the cluster's daemons,
+serving ``openapi/slurmctld`` (every data parser the release has: 24.11 v0.0.40-v0.0.42, 26.05
+v0.0.42-v0.0.45).
 """
 
 from __future__ import annotations
@@ -15,14 +20,24 @@ from pathlib import Path
 
 from lab.procs import free_port, port_in_use, spawn, stop, wait_for
 from lab.slurm import SlurmLab
+from lab.slurmroots import SlurmInstall
+
+PLUGIN_FOLDERS = ("usr/lib/x86_64-linux-gnu/slurm-wlm", "usr/lib/slurm", "usr/lib64/slurm")
 
 
-def slurmrestd_installed() -> str:
-    """'' when slurmrestd and its JWT plugin are installed, else what to install."""
+def slurmrestd_installed(install: SlurmInstall | None = None) -> str:
+    """'' when slurmrestd and its JWT plugin are installed (on the host, or in ``install``'s
+    root when it has one), else what to install."""
+    if install is not None and install.root is not None:
+        root = install.root
+        if not (root / "usr" / "sbin" / "slurmrestd").exists():
+            return f"slurmrestd is missing from the Slurm {install.version} root {root}: python -m lab.slurmroots"
+        if not any((root / folder / "rest_auth_jwt.so").exists() for folder in PLUGIN_FOLDERS):
+            return f"the JWT plugin is missing from the Slurm {install.version} root {root}: python -m lab.slurmroots"
+        return ""
     if not shutil.which("slurmrestd"):
         return "slurmrestd is missing: apt-get install slurmrestd slurm-wlm-jwt-plugin"
-    plugins = [Path(p) for p in ("/usr/lib/x86_64-linux-gnu/slurm-wlm", "/usr/lib/slurm", "/usr/lib64/slurm")]
-    if not any((folder / "auth_jwt.so").exists() for folder in plugins):
+    if not any((Path("/") / folder / "auth_jwt.so").exists() for folder in PLUGIN_FOLDERS):
         return "Slurm's JWT plugin is missing: apt-get install slurm-wlm-jwt-plugin"
     return ""
 
@@ -30,6 +45,12 @@ def slurmrestd_installed() -> str:
 def jwt_lines(key: Path) -> list[str]:
     """slurm.conf lines for tokens signed with ``key`` (a file of at least 32 bytes, mode 600)."""
     return ["AuthAltTypes=auth/jwt", f"AuthAltParameters=jwt_key={key}"]
+
+
+def default_plugins(slurm: SlurmLab) -> str:
+    """The OpenAPI plugins of the cluster's release: 22.05 names one per version, newer releases
+    name one plugin that serves every version of their data parsers."""
+    return "openapi/v0.0.38" if slurm.install.release.version == "22.05" else "openapi/slurmctld"
 
 
 @dataclass
@@ -43,23 +64,27 @@ class Slurmrestd:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def start_slurmrestd(slurm: SlurmLab, *, plugins: str = "openapi/v0.0.38", timeout: float = 30.0) -> Slurmrestd:
-    """slurmrestd for ``slurm`` on a free port, serving ``plugins`` (the accounting ones,
-    ``openapi/dbv0.0.38``, only where the cluster has slurmdbd).
+def start_slurmrestd(slurm: SlurmLab, *, plugins: str | None = None, timeout: float = 30.0) -> Slurmrestd:
+    """slurmrestd for ``slurm`` on a free port, serving ``plugins`` (default: the release's
+    controller API, ``default_plugins``; the accounting ones, ``openapi/dbv0.0.38`` or
+    ``openapi/slurmdbd``, only where the cluster has slurmdbd).
 
     As ``nobody`` it cannot read the cluster's folder, so it reads a copy of slurm.conf in a
-    folder of its own (the copy holds no secret: the JWT key stays with slurmctld), as Slinky's
-    slurmrestd reads a slurm.conf of its own.
+    folder of its own under /tmp (which a root's commands see), as Slinky's slurmrestd reads a
+    slurm.conf of its own. The copy holds no secret and nothing else is beside it: the JWT key
+    stays with slurmctld, and on auth/slurm slurmrestd needs no slurm.key (it speaks to the
+    controller with each request's token, through auth/jwt).
     """
-    folder = Path(tempfile.mkdtemp(prefix="gpufleet-slurmrestd-"))
+    folder = Path(tempfile.mkdtemp(prefix="gpufleet-slurmrestd-", dir="/tmp"))
     folder.chmod(0o755)
     conf = folder / "slurm.conf"
     shutil.copyfile(slurm.conf, conf)
     conf.chmod(0o644)
     port = free_port()
-    as_user = ["-u", "nobody"] if os.geteuid() == 0 else []
+    as_user = ["-u", "65534"] if os.geteuid() == 0 else []
+    command = ["slurmrestd", "-a", "rest_auth/jwt", "-s", plugins or default_plugins(slurm), *as_user]
     pid = spawn(
-        ["slurmrestd", "-a", "rest_auth/jwt", "-s", plugins, *as_user, f"127.0.0.1:{port}"],
+        slurm.argv([*command, "-f", str(conf), f"127.0.0.1:{port}"]),
         log=slurm.logs / "slurmrestd.out",
         env={**slurm.env, "SLURM_CONF": str(conf), "SLURM_JWT": "daemon"},
     )

@@ -1,6 +1,10 @@
-"""SlurmCli against real slurmctld and slurmd daemons: drain ownership, signals, requeue, partitions.
+"""SlurmCli against real slurmctld and slurmd daemons: drain ownership, signals, requeue, partitions,
+on each Slurm release the lab runs (22.05 on the host, 24.11 and 26.05 in cached Debian roots:
+lab/slurmroots.py), one cluster per release for the module.
 
-The parsers of squeue's outputs (both JSON shapes, the --Format records) are tested without Slurm.
+The parsers of squeue's outputs are tested without Slurm: ``squeue --json`` as real clusters
+printed it (tests/clients/data, 24.11 and 26.05 captured by tests/clients/data/capture.py), the
+--Format records.
 """
 
 from __future__ import annotations
@@ -26,16 +30,41 @@ from clients.slurm import (
     primary_state,
 )
 from lab.procs import free_port, wait_for
-from lab.slurm import SlurmLab
+from lab.slurm import SlurmLab, SlurmLabSpec, slurm_installed
+from lab.slurmroots import RootError, root_unavailable
 from models.incident import JobInfo
 
 DATA = Path(__file__).parent / "data"
 slurm_daemons = pytest.mark.slurm
 
 
+@pytest.fixture(scope="module", params=["22.05", "24.11", "26.05"], ids=lambda release: f"slurm{release}")
+def slurm_lab(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmLab]:
+    """A real Slurm cluster of each release: gpu1..gpu3 in partition 'train', spare1 and spare2 outside it."""
+    release = str(request.param)
+    why = root_unavailable(release)
+    if why:
+        pytest.skip(f"Slurm {release} cannot run here: {why}")
+    lab = SlurmLab(
+        tmp_path_factory.mktemp(f"slurm-{release}"),
+        SlurmLabSpec(nodes=["gpu1", "gpu2", "gpu3"], spares=["spare1", "spare2"]),
+        release=release,
+    )
+    try:
+        if lab.install.on_host and not slurm_installed():
+            pytest.fail("Slurm is not installed: run `make test` as root, or apt-get install slurm-wlm munge")
+    except RootError as exc:
+        pytest.skip(f"Slurm {release} cannot run here: {exc}")
+    try:
+        lab.start()
+        yield lab
+    finally:
+        lab.stop()
+
+
 @pytest.fixture
 def slurm(slurm_lab: SlurmLab) -> Iterator[SlurmCli]:
-    client = SlurmCli(slurm_conf=slurm_lab.conf)
+    client = slurm_lab.client()
     yield client
     subprocess.run(["scancel", "--user", "root"], env=slurm_lab.env, check=False)
     for node in slurm_lab.all_nodes:
@@ -104,7 +133,7 @@ def test_unreachable_controller_is_unavailable(slurm_lab: SlurmLab, tmp_path: Pa
     dead = tmp_path / "slurm.conf"
     dead.write_text(conf.replace(port, f"SlurmctldPort={free_port()}"))
     with pytest.raises(Unavailable):
-        SlurmCli(slurm_conf=dead, timeout_seconds=20).node("gpu1")
+        SlurmCli(slurm_conf=dead, bin_dir=slurm_lab.bin_dir, timeout_seconds=20).node("gpu1")
 
 
 @slurm_daemons
@@ -178,8 +207,8 @@ def test_parse_node_record_with_reason_and_flags() -> None:
 class RecordingSlurmCli(SlurmCli):
     """A real SlurmCli that also records the argv of every command it runs."""
 
-    def __init__(self, *, slurm_conf: Path) -> None:
-        super().__init__(slurm_conf=slurm_conf)
+    def __init__(self, lab: SlurmLab) -> None:
+        super().__init__(slurm_conf=lab.conf, bin_dir=lab.bin_dir)
         self.calls: list[list[str]] = []
 
     def _run(self, argv: list[str]) -> str:
@@ -193,7 +222,7 @@ def test_jobs_on_node_reads_only_that_node(slurm: SlurmCli, slurm_lab: SlurmLab,
     wide = submit(slurm_lab, tmp_path, "sleep 300\n", "-N", "2", "-w", "gpu2,gpu3")
     wait_for(lambda: slurm.job(alone).state == "RUNNING", timeout=60, what="the job on gpu1 to run")
     wait_for(lambda: slurm.job(wide).state == "RUNNING", timeout=60, what="the job on gpu[2-3] to run")
-    client = RecordingSlurmCli(slurm_conf=slurm_lab.conf)
+    client = RecordingSlurmCli(slurm_lab)
 
     assert [job.job_id for job in client.jobs_on_node("gpu1")] == [alone]
     assert len(client.calls) == 1
@@ -220,7 +249,7 @@ def test_jobs_by_id_reads_several_jobs_in_one_query(slurm: SlurmCli, slurm_lab: 
     running = submit(slurm_lab, tmp_path, "sleep 300\n", "-w", "gpu1", "-J", odd_name)
     wait_for(lambda: slurm.job(running).state == "RUNNING", timeout=60, what="the job to run")
     pending = submit(slurm_lab, tmp_path, "sleep 300\n", "-w", "gpu1")  # gpu1 is busy: it waits
-    client = RecordingSlurmCli(slurm_conf=slurm_lab.conf)
+    client = RecordingSlurmCli(slurm_lab)
 
     jobs = client.jobs_by_id([pending, running, finished, 2_000_000_000, running])
     assert len(client.calls) == 1
@@ -248,7 +277,14 @@ def test_whole_cluster_json_listing_agrees_with_the_scoped_reads(
     job_id = submit(slurm_lab, tmp_path, "sleep 300\n", "-w", "gpu2")
     wait_for(lambda: slurm.job(job_id).state == "RUNNING", timeout=60, what="the job to run")
     listed = {job.job_id: job for job in slurm.jobs()}
-    assert listed[job_id] == slurm.job(job_id)
+    scoped = slurm.job(job_id)
+    if slurm_lab.release == "24.11":
+        # 24.11's squeue --json names the output file as the job writes it (job-42.out); its
+        # --Format, slurmrestd and every other release keep the pattern given (job-%j.out).
+        assert listed[job_id].stdout == str(tmp_path / f"job-{job_id}.out")
+        assert scoped.stdout == str(tmp_path / "job-%j.out")
+        scoped = scoped.model_copy(update={"stdout": listed[job_id].stdout})
+    assert listed[job_id] == scoped
 
 
 def test_job_ids_are_checked_before_any_command_runs(tmp_path: Path) -> None:
@@ -309,28 +345,26 @@ def test_parse_squeue_json_of_slurm_22_05() -> None:
     }
 
 
-def test_parse_squeue_json_of_slurm_23_11() -> None:
-    jobs = {job.job_id: job for job in parse_squeue_json(_sample("squeue_23.11.json"))}
-    assert {job_id: (job.state, job.restarts, job.nodes, job.requeue) for job_id, job in jobs.items()} == {
-        1001: ("RUNNING", 2, "gpu[1-2]", True),
-        1002: ("REQUEUED", 1, "", True),
-        1003: ("COMPLETED", 3, "gpu3", True),
-        1004: ("COMPLETING", 0, "gpu4", True),
-        1005: ("CONFIGURING", 0, "gpu5", True),
-        1007: ("PENDING", 0, "", False),
+@pytest.mark.parametrize("release", ["24.11", "26.05"])
+def test_parse_squeue_json_as_real_clusters_print_it(release: str) -> None:
+    """``squeue --json --states=all`` of a real cluster (data_parser v0.0.42 on 24.11, v0.0.45 on
+    26.05): states as lists, counts as numbers or {set, infinite, number}, times as objects."""
+    data = _sample(f"squeue_{release}.json")
+    assert data["meta"]["slurm"]["version"]["major"] == release.split(".")[0]
+    jobs = {job.name: job for job in parse_squeue_json(data)}
+    assert {name: (job.state, job.restarts, job.nodes, job.requeue, job.user) for name, job in jobs.items()} == {
+        "prep": ("COMPLETED", 0, "gpu2", True, "root"),
+        "ddp-train": ("RUNNING", 0, "gpu1", True, "root"),
+        "sweep": ("PENDING", 1, "", True, "root"),  # requeued once, held
+        "eval": ("PENDING", 0, "", False, "root"),
     }
-    assert jobs[1001] == JobInfo(
-        job_id=1001,
-        name="ddp-train",
-        user="alice",
-        state="RUNNING",
-        restarts=2,
-        nodes="gpu[1-2]",
-        requeue=True,
-        stdout="/home/alice/runs/ddp-%j.out",
-        start_time=datetime.fromtimestamp(1733141400, tz=UTC),
-    )
-    assert jobs[1002].start_time is None  # requeued: not started again
+    prep, train, sweep = jobs["prep"], jobs["ddp-train"], jobs["sweep"]
+    assert prep.start_time is not None and prep.end_time is not None and prep.end_time >= prep.start_time
+    assert train.start_time is not None and train.end_time is None  # running: its EndTime is its limit's
+    assert sweep.end_time is None and jobs["eval"].start_time is None
+    assert sorted(job.job_id for job in jobs.values()) == [1, 2, 3, 4]
+    # 24.11 prints the output file as the job will write it; 26.05 as it was given.
+    assert train.stdout.endswith("/ddp-train-2.out" if release == "24.11" else "/%x-%j.out")
 
 
 @pytest.mark.parametrize(

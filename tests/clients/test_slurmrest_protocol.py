@@ -1,15 +1,18 @@
-"""The Slurm Protocol over slurmrestd (clients/slurmrest_protocol.py).
+"""The Slurm Protocol over slurmrestd (clients/slurmrest_protocol.py), against real servers.
 
-Against a real slurmrestd (Debian's 22.05, API v0.0.38) in front of a real slurmctld: every
-read gives what the CLI client gives on the same cluster, and every method v0.0.38 cannot serve
-raises Unsupported before anything is sent. The shapes of v0.0.40 to v0.0.44, where no server
-of those versions can run, against a stand-in server over real HTTP, answering in the shapes of
-SchedMD's OpenAPI documents. Hostlists are expanded as ``scontrol show hostnames`` expands them.
+Debian's 22.05 slurmrestd (API v0.0.38) in front of a real slurmctld: every read gives what the
+CLI client gives on the same cluster, and every method v0.0.38 cannot serve raises Unsupported
+before anything is sent. Slurm 24.11 (v0.0.40 to v0.0.42) and 26.05 (v0.0.42 to v0.0.45), each
+in its cached Debian root (lab/slurmroots.py), one cluster and one slurmrestd per release for the
+module, every test run once per API version the release serves: nodes drained, downed and
+resumed, job marks written, signals sent to a real job's steps and not its batch shell, v0.0.45's
+requeue and partition edits, all checked with the CLI client on the same cluster; what the
+client must not send (a dry run, a node someone else drained) is checked in slurmrestd's own log
+of the requests it served. Hostlists are expanded as ``scontrol show hostnames`` expands them.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import re
@@ -22,15 +25,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qsl, urlsplit
 
 import pytest
 
 from clients.dryrun import DryRunViolation, dry_run
-from clients.errors import ClientError, InvalidInput, NotFound, Unavailable
+from clients.errors import ClientError, Forbidden, InvalidInput, NotFound, NotOwned, Unavailable
 from clients.slurm import SlurmCli
-from clients.slurmrest import VERSIONS, jwt_token
+from clients.slurmrest import SlurmRestClient, jwt_token
 from clients.slurmrest_protocol import (
     PROTOCOL_METHODS,
     WORKER_METHODS,
@@ -45,10 +46,14 @@ from clients.slurmrest_protocol import (
 from lab.procs import free_port, wait_for
 from lab.slurm import SlurmLab, slurm_installed
 from lab.slurmrest import jwt_lines, slurmrestd_installed, start_slurmrestd
+from lab.slurmroots import RELEASES, RootError, install_for, root_unavailable
 from models.incident import JobInfo, NodeInfo
 
 REPO = Path(__file__).resolve().parents[2]
-NEWER = [v for v in VERSIONS if v != "v0.0.38"]
+# The newer releases the lab runs, and each API version their slurmrestd serves.
+NEWER_RELEASES = ("24.11", "26.05")
+SERVED_BY = {release: RELEASES[release].api_versions for release in NEWER_RELEASES}
+SERVED = [(release, version) for release in NEWER_RELEASES for version in SERVED_BY[release]]
 LIVE = pytest.mark.skipif(
     not slurm_installed() or bool(slurmrestd_installed()), reason=slurmrestd_installed() or "Slurm is not installed"
 )
@@ -335,294 +340,408 @@ def test_a_token_file_is_read_at_each_request(live: Live, tmp_path: Path) -> Non
         rest.nodes()
 
 
-# -- v0.0.40 to v0.0.44, against a stand-in server over HTTP -------------------------------------
+# -- Slurm 24.11 and 26.05 (v0.0.40 to v0.0.45), real servers in cached Debian roots -------------
 
-# From SchedMD's OpenAPI documents of v0.0.40 to v0.0.44: update_node_msg.state items and the
-# flags of DELETE /job/{job_id} that gpufleet sends are in every one of them.
-NODE_UPDATE_STATES = {"DOWN", "IDLE", "RESUME", "DRAIN", "UNDRAIN", "FAIL"}
-DELETE_FLAGS = {"BATCH_JOB", "ARRAY_TASK", "FULL_STEPS_ONLY", "FULL_JOB", "HURRY"}
-UPDATE_NODE_FIELDS = {"comment", "extra", "features", "gres", "name", "state", "reason", "reason_uid", "weight"}
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test of the newer servers runs once per (release, API version it serves); the cluster
+    is module-scoped per release, so pytest runs one release's tests, then the next's."""
+    if "newer" in metafunc.fixturenames:
+        metafunc.parametrize(
+            ("newer", "version"),
+            SERVED,
+            indirect=["newer"],
+            scope="module",
+            ids=[f"slurm{release}-{version}" for release, version in SERVED],
+        )
 
 
 @dataclass
-class Seen:
-    method: str
-    path: str
-    query: dict[str, str]
-    headers: dict[str, str]
-    body: Any
+class Newer:
+    slurm: SlurmLab
+    url: str
+    key_file: Path
+    cli: SlurmCli
+    jobs: dict[str, int]
+    folder: Path
+    release: str
+
+    def rest(self, version: str) -> SlurmRest:
+        return SlurmRest(self.url, version=version, key_file=self.key_file)
+
+    def served(self, *methods: str) -> list[str]:
+        """The requests slurmrestd logged serving, of ``methods``: what was sent, from the server's side."""
+        log = (self.slurm.logs / "slurmrestd.out").read_text(errors="replace")
+        return re.findall(rf"operations_router: \S+ ((?:{'|'.join(methods)}) /slurm/\S+)", log)
+
+    def writes(self) -> list[str]:
+        return self.served("POST", "DELETE", "PUT", "PATCH")
+
+    def sbatch(self, *args: str) -> int:
+        return self.slurm.sbatch(self.folder / "sleep.sh", "-o", "/dev/null", *args)
 
 
-class StandIn:
-    """slurmrestd of one API version, its nodes and jobs in memory, answering in that version's shapes."""
-
-    def __init__(self, version: str) -> None:
-        self.version = version
-        self.seen: list[Seen] = []
-        self.nodes: dict[str, dict[str, Any]] = {
-            "gpu1": {"name": "gpu1", "state": ["ALLOCATED"], "reason": "", "partitions": ["train"]},
-            "gpu2": {"name": "gpu2", "state": ["IDLE", "DRAIN"], "reason": "site maintenance", "partitions": ["train"]},
-            "spare1": {"name": "spare1", "state": ["IDLE"], "reason": "", "partitions": []},
-        }
-        self.jobs: dict[int, dict[str, Any]] = {
-            42: _job(42, ["RUNNING"], "gpu[1-2]", "train"),
-            43: _job(43, ["COMPLETED"], "gpu1", "train"),
-            44: {**_job(44, ["PENDING"], "", "train,debug"), "tres_per_node": "gres/gpu:4"},
-            45: {**_job(45, ["PENDING"], "", "train"), "state_reason": "JobHeldUser"},
-        }
-        self.jobs[44]["node_count"] = {"set": True, "infinite": False, "number": 2}
-        stand_in = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _answer(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(length) if length else b""
-                url = urlsplit(self.path)
-                stand_in.seen.append(
-                    Seen(
-                        self.command,
-                        url.path,
-                        dict(parse_qsl(url.query)),
-                        dict(self.headers),
-                        json.loads(raw) if raw else None,
-                    )
-                )
-                status, body = stand_in.answer(self.command, url.path, stand_in.seen[-1])
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = do_DELETE = _answer
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-    def writes(self) -> list[Seen]:
-        return [seen for seen in self.seen if seen.method != "GET"]
-
-    def answer(self, method: str, path: str, seen: Seen) -> tuple[int, dict[str, Any]]:
-        prefix = f"/slurm/{self.version}/"
-        if not path.startswith(prefix):
-            return 404, {}
-        parts = path.removeprefix(prefix).strip("/").split("/")
-        ok: dict[str, Any] = {"errors": [], "warnings": []}
-        if parts == ["ping"]:
-            return 200, {**ok, "pings": [{"hostname": "ctld", "pinged": "UP"}]}
-        if parts == ["nodes"]:
-            return 200, {**ok, "nodes": list(self.nodes.values())}
-        if parts[0] == "node" and len(parts) == 2:
-            node = self.nodes.get(parts[1])
-            if node is None:
-                return 500, {"errors": [{"error_number": 2018, "description": "Invalid node name specified"}]}
-            if method == "POST":
-                states = seen.body["state"]
-                if "RESUME" in states:
-                    node.update(state=[node["state"][0] if node["state"][0] != "DOWN" else "IDLE"], reason="")
-                else:
-                    base = "DOWN" if "DOWN" in states else node["state"][0]
-                    node.update(state=[base, *(s for s in states if s != "DOWN")], reason=seen.body.get("reason", ""))
-                return 200, ok
-            return 200, {**ok, "nodes": [node]}
-        if parts == ["jobs"]:
-            return 200, {**ok, "jobs": list(self.jobs.values())}
-        if parts[0] == "job" and len(parts) == 2:
-            job = self.jobs.get(int(parts[1]))
-            if job is None:
-                return 500, {"errors": [{"error_number": 2017, "description": "Invalid job id specified"}]}
-            if method == "POST":
-                if job["job_state"] == ["COMPLETED"]:
-                    return 500, {"errors": [{"description": "Job/step already completing or completed"}]}
-                job.update(seen.body)
-                return 200, {**ok, "results": [{"job_id": job["job_id"]}]}
-            if method == "DELETE":
-                return 200, {**ok, "status": []}
-            return 200, {**ok, "jobs": [job]}
-        return 500, {"errors": [{"description": f"stand-in: nothing at {path}"}]}
-
-
-def _job(job_id: int, state: list[str], nodes: str, partition: str) -> dict[str, Any]:
-    """A job in the v0.0.40+ shape: states as lists, numbers as {set, infinite, number}."""
-    return {
-        "job_id": job_id,
-        "name": f"job{job_id}",
-        "user_name": "alice",
-        "job_state": state,
-        "restart_cnt": 0,
-        "nodes": nodes,
-        "requeue": True,
-        "standard_output": "/tmp/out",
-        "start_time": {"set": True, "infinite": False, "number": 1_800_000_000 if nodes else 0},
-        "comment": "",
-        "admin_comment": "",
-        "partition": partition,
-        "node_count": {"set": True, "infinite": False, "number": 1},
-        "tres_per_node": "",
-        "state_reason": "Resources" if state == ["PENDING"] else "None",
-    }
-
-
-@pytest.fixture(params=NEWER)
-def stand_in(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[StandIn, SlurmRest]]:
-    server = StandIn(request.param)
-    key = tmp_path / "jwt.key"
-    key.write_bytes(b"k" * 32)
-    client = slurm_client("rest", restd_url=server.url, restd_key_file=key, restd_user="slurm")
-    assert isinstance(client, SlurmRest)
-    yield server, client
-    client.close()
-    server.stop()
-
-
-def _sun(seen: Seen) -> str:
-    part = seen.headers["X-SLURM-USER-TOKEN"].split(".")[1]
-    return str(json.loads(base64.urlsafe_b64decode(part + "=" * (-len(part) % 4)))["sun"])
-
-
-def test_a_newer_server_is_found_and_lacks_only_requeue_and_partition_edits(
-    stand_in: tuple[StandIn, SlurmRest],
-) -> None:
-    server, client = stand_in
-    assert client.version == server.version
-    assert set(unsupported_methods(client)) == {"requeue", "add_to_partition", "remove_from_partition"}
-    with pytest.raises(MissingSlurmMethods, match=r"lacks 3 method\(s\).*add_to_partition: .*requeue: "):
-        require_methods(client)
-
-
-def test_drain_down_and_resume_post_the_node_update(stand_in: tuple[StandIn, SlurmRest]) -> None:
-    server, client = stand_in
-    drained = client.drain("gpu1", reason=DRAIN_REASON)
-    assert drained.drained and drained.reason == DRAIN_REASON and drained.state == "allocated"
-    post = server.writes()[-1]
-    assert (post.method, post.path) == ("POST", f"/slurm/{server.version}/node/gpu1")
-    assert post.body == {"state": ["DRAIN"], "reason": DRAIN_REASON}
-    assert set(post.body) <= UPDATE_NODE_FIELDS and set(post.body["state"]) <= NODE_UPDATE_STATES
-    assert post.headers["X-SLURM-USER-NAME"] == "slurm" and _sun(post) == "slurm"
-    assert client.drain("gpu1", reason=DRAIN_REASON) == drained and len(server.writes()) == 1  # once only
-    client.down("gpu1", reason=DRAIN_REASON)
-    assert server.writes()[-1].body == {"state": ["DOWN"], "reason": DRAIN_REASON}
-    assert client.node("gpu1").state == "down"
-    client.resume("gpu1")
-    assert server.writes()[-1].body == {"state": ["RESUME"]}
-    assert not client.node("gpu1").drained
-    client.resume("gpu1")  # in service already: nothing sent
-    assert len(server.writes()) == 3
-
-
-def test_a_node_drained_by_someone_else_is_left_alone(stand_in: tuple[StandIn, SlurmRest]) -> None:
-    server, client = stand_in
-    assert client.drain("gpu2", reason=DRAIN_REASON).reason == "site maintenance"
-    with pytest.raises(Exception, match="taken out by someone else"):
-        client.resume("gpu2")
-    assert server.writes() == []
-
-
-def test_jobs_are_read_from_the_newer_shapes(stand_in: tuple[StandIn, SlurmRest]) -> None:
-    _, client = stand_in
-    assert [job.job_id for job in client.jobs_on_node("gpu2")] == [42]
-    assert [job.job_id for job in client.recent_jobs_on_node("gpu1")] == [42, 43]
-    assert [job.job_id for job in client.partition_jobs("train")] == [42]
-    running = client.job(42)
-    assert (running.state, running.nodes, running.user) == ("RUNNING", "gpu[1-2]", "alice")
-    assert running.start_time is not None and running.start_time.timestamp() == 1_800_000_000
-    assert client.pending("train").model_dump() == {"jobs": 1, "nodes": 2, "gpus": 8}  # 45 is held
-    assert client.pending("debug").jobs == 1
-    assert set(client.jobs_by_id([42, 43, 7])) == {42, 43}
-    assert client.partition_nodes("train") == ["gpu1", "gpu2"]
-
-
-def test_a_signal_goes_to_the_steps_alone(stand_in: tuple[StandIn, SlurmRest]) -> None:
-    server, client = stand_in
-    client.signal_job(42, signal="USR1")
-    sent = server.writes()[-1]
-    assert (sent.method, sent.path, sent.body) == ("DELETE", f"/slurm/{server.version}/job/42", None)
-    assert sent.query == {"signal": "USR1", "flags": "FULL_STEPS_ONLY"} and sent.query["flags"] in DELETE_FLAGS
-    with pytest.raises(InvalidInput, match="KILL"):
-        client.signal_job(42, signal="KILL")
-    assert len(server.writes()) == 1
-
-
-def test_marks_go_into_the_admin_comment_once(stand_in: tuple[StandIn, SlurmRest]) -> None:
-    server, client = stand_in
-    server.jobs[42]["admin_comment"] = "site note"
-    mark = "gpufleet:signalled:lab-gpu1-20261202T000000Z"
-    assert client.mark_job(42, mark) and client.mark_job(42, mark)
-    assert [(w.method, w.path, w.body) for w in server.writes()] == [
-        ("POST", f"/slurm/{server.version}/job/42", {"admin_comment": f"site note; {mark}"})
+@pytest.fixture(scope="module")
+def newer(request: pytest.FixtureRequest) -> Iterator[Newer]:
+    """A cluster of Slurm ``request.param`` (gpu1..gpu3 in train, spare1 outside) and its
+    slurmrestd, with a running job on gpu1, a finished one on gpu2, one pending for nodes and
+    one held."""
+    release = str(request.param)
+    why = root_unavailable(release)
+    if why:
+        pytest.skip(f"Slurm {release} cannot run here: {why}")
+    try:
+        install = install_for(release)
+    except RootError as exc:
+        pytest.skip(f"Slurm {release} cannot run here: {exc}")
+    missing = slurmrestd_installed(install)
+    if missing:
+        pytest.skip(missing)
+    root = Path(tempfile.mkdtemp(prefix=f"gpufleet-restproto-{release}-", dir="/tmp"))
+    root.chmod(0o755)
+    key_file = root / "jwt.key"
+    key_file.write_bytes(b"gpufleet-test-key-" + b"0" * 32)
+    key_file.chmod(0o600)
+    (root / "sleep.sh").write_text("#!/bin/sh\nsleep 600\n")
+    (root / "true.sh").write_text("#!/bin/sh\ntrue\n")
+    nodes = ["gpu1", "gpu2", "gpu3", "spare1"]
+    site = SlurmLab(root, release=release)
+    conf = [
+        "ClusterName=restproto",
+        # A node set DOWN stays down until resumed (with 2, its slurmd's next ping returns it).
+        *(line.replace("ReturnToService=2", "ReturnToService=1") for line in site.site_lines()),
+        *jwt_lines(key_file),
+        "AccountingStorageType=accounting_storage/none",
+        *(f"NodeName={node} {site.node_options()} State=UNKNOWN" for node in nodes),
+        "PartitionName=train Nodes=gpu1,gpu2,gpu3 Default=YES MaxTime=INFINITE State=UP",
     ]
-    assert client.job_marks(42) == [mark]
-    assert client.mark_job(43, mark) is False  # finished: Slurm refuses
-    with pytest.raises(InvalidInput):
-        client.mark_job(42, "gpufleet:x:y; rm -rf /")
+    slurm = SlurmLab(root, conf="\n".join(conf) + "\n", nodes=nodes, release=release)
+    restd = None
+    try:
+        slurm.start()
+        restd = start_slurmrestd(slurm)
+        server = Newer(slurm, restd.url, key_file, slurm.client(), {}, root, release)
+        cli = server.cli
+        server.jobs["running"] = server.sbatch("-w", "gpu1")
+        server.jobs["finished"] = slurm.sbatch(root / "true.sh", "-o", "/dev/null", "-w", "gpu2")
+        wait_for(lambda: cli.job(server.jobs["running"]).state == "RUNNING", timeout=60, what="the job to run")
+        wait_for(lambda: cli.job(server.jobs["finished"]).state == "COMPLETED", timeout=60, what="the job to end")
+        server.jobs["pending"] = server.sbatch("-N", "3")  # gpu1 is busy: waits for resources
+        server.jobs["held"] = server.sbatch("--hold", "-N", "2")
+        wait_for(lambda: cli.pending("train").jobs == 1, timeout=30, what="the pending job's reason")
+        yield server
+    finally:
+        if restd is not None:
+            restd.stop()
+        slurm.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
-def test_requeue_and_partition_edits_are_refused_without_a_request(stand_in: tuple[StandIn, SlurmRest]) -> None:
-    server, client = stand_in
-    before = len(server.seen)
-    calls: tuple[Callable[[], object], ...] = (
-        lambda: client.requeue(42),
-        lambda: client.add_to_partition("train", "spare1"),
-        lambda: client.remove_from_partition("train", "gpu2"),
+def _resume(slurm: SlurmLab, node: str) -> None:
+    """Back in service, whatever the test left it in (an idle node refuses RESUME: no matter)."""
+    subprocess.run(slurm.argv(["scontrol", "update", f"NodeName={node}", "State=RESUME"]), env=slurm.env, check=False)
+
+
+def test_a_newer_server_is_found_and_says_what_its_version_lacks(newer: Newer, version: str) -> None:
+    found = slurm_client("rest", restd_url=newer.url, restd_key_file=newer.key_file, restd_user="root")
+    assert isinstance(found, SlurmRest) and found.version == SERVED_BY[newer.release][-1]
+    rest = newer.rest(version)
+    if version == "v0.0.45":
+        assert unsupported_methods(rest) == {}
+        require_methods(rest)
+        return
+    assert set(unsupported_methods(rest)) == {"requeue", "add_to_partition", "remove_from_partition"}
+    with pytest.raises(MissingSlurmMethods, match=r"lacks 3 method\(s\).*add_to_partition: .*requeue: .*v0\.0\.45"):
+        require_methods(rest)
+
+
+def test_newer_nodes_read_as_the_cli_reads_them(newer: Newer, version: str) -> None:
+    newer.slurm.scontrol("update", "NodeName=gpu3", "State=DRAIN", "Reason=site maintenance")
+    try:
+        rest = newer.rest(version)
+        assert sorted(map(_node, rest.nodes()), key=lambda n: n.name) == sorted(
+            map(_node, newer.cli.nodes()), key=lambda n: n.name
+        )
+        drained = rest.node("gpu3")
+        assert _node(drained) == _node(newer.cli.node("gpu3"))
+        assert drained.drained and drained.reason == "site maintenance"
+        assert rest.node("spare1").partitions == []
+        assert rest.partition_nodes("train") == newer.cli.partition_nodes("train") == ["gpu1", "gpu2", "gpu3"]
+        with pytest.raises(NotFound, match="no node named 'gpu9'"):
+            rest.node("gpu9")
+        with pytest.raises(NotFound, match="gpu9"):
+            rest.jobs_on_node("gpu9")
+    finally:
+        _resume(newer.slurm, "gpu3")
+
+
+def test_newer_jobs_read_as_the_cli_reads_them(newer: Newer, version: str) -> None:
+    rest, cli, jobs = newer.rest(version), newer.cli, newer.jobs
+    assert _by_id(rest.jobs_on_node("gpu1")) == _by_id(cli.jobs_on_node("gpu1"))
+    assert jobs["running"] in _by_id(rest.jobs_on_node("gpu1"))
+    recent = _by_id(rest.recent_jobs_on_node("gpu2"))
+    assert recent[jobs["finished"]] == cli.job(jobs["finished"]) and recent[jobs["finished"]].state == "COMPLETED"
+    assert _by_id(rest.partition_jobs("train")) == _by_id(cli.partition_jobs("train"))
+    wanted = [jobs["running"], jobs["finished"], jobs["pending"], 99999]
+    assert rest.jobs_by_id(wanted) == cli.jobs_by_id(wanted)
+    assert set(rest.jobs_by_id(wanted)) == set(wanted) - {99999}
+    assert rest.jobs_by_id([99999]) == {} == cli.jobs_by_id([99999])
+    assert rest.job(jobs["running"]) == cli.job(jobs["running"])
+    with pytest.raises(NotFound, match="no job 99999"):
+        rest.job(99999)
+    demand = rest.pending("train")
+    assert demand == cli.pending("train") and (demand.jobs, demand.nodes) == (1, 3)  # the held job asks for nothing
+
+
+def test_drain_down_and_resume_update_the_node_once(newer: Newer, version: str) -> None:
+    rest, cli = newer.rest(version), newer.cli
+    try:
+        before = len(newer.writes())
+        drained = rest.drain("gpu3", reason=DRAIN_REASON)
+        assert drained.drained and drained.reason == DRAIN_REASON and drained.state == "idle"
+        assert cli.node("gpu3").drained and cli.node("gpu3").reason == DRAIN_REASON
+        assert newer.writes()[before:] == [f"POST /slurm/{version}/node/gpu3"]
+        again = rest.drain("gpu3", reason=DRAIN_REASON)
+        assert again.drained and again.reason == DRAIN_REASON and len(newer.writes()) == before + 1  # once only
+        rest.down("gpu3", reason=DRAIN_REASON)
+        assert cli.node("gpu3").state == "down" and cli.node("gpu3").reason == DRAIN_REASON
+        rest.down("gpu3", reason=DRAIN_REASON)
+        assert len(newer.writes()) == before + 2
+        rest.resume("gpu3")
+        # Back idle, and answering again (26.05 marks it not responding until its slurmd registers).
+        back = wait_for(
+            lambda: (n := cli.node("gpu3")).state == "idle" and "NOT_RESPONDING" not in n.flags and n,
+            timeout=60,
+            what="gpu3 to return",
+        )
+        # Slurm 24.11 keeps an idle node's reason after RESUME (scontrol's as well); 26.05 clears it.
+        assert not back.drained and back.reason == ("" if newer.release == "26.05" else DRAIN_REASON)
+        rest.resume("gpu3")  # in service already: nothing sent
+        assert len(newer.writes()) == before + 3
+    finally:
+        _resume(newer.slurm, "gpu3")
+
+
+def test_a_node_drained_by_someone_else_is_left_alone(newer: Newer, version: str) -> None:
+    rest = newer.rest(version)
+    newer.slurm.scontrol("update", "NodeName=gpu3", "State=DRAIN", "Reason=disk swap by ops")
+    try:
+        before = len(newer.writes())
+        assert rest.drain("gpu3", reason=DRAIN_REASON).reason == "disk swap by ops"
+        with pytest.raises(NotOwned, match="taken out by someone else"):
+            rest.resume("gpu3")
+        with pytest.raises(NotOwned, match="held by someone else"):
+            rest.down("gpu3", reason=DRAIN_REASON)
+        assert len(newer.writes()) == before
+        node = newer.cli.node("gpu3")
+        assert node.drained and node.reason == "disk swap by ops"
+    finally:
+        _resume(newer.slurm, "gpu3")
+
+
+def test_a_signal_reaches_the_steps_and_not_the_batch_shell(newer: Newer, version: str) -> None:
+    """A batch script that traps TERM and runs one step that traps it too: the step gets the
+    signal and ends; the batch shell never sees it and goes on."""
+    folder = Path(tempfile.mkdtemp(prefix="gpufleet-signal-", dir=newer.folder))
+    script = folder / "job.sh"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"trap 'touch {folder}/batch-got-term; exit 0' TERM\n"
+        f'srun bash -c \'trap "touch {folder}/step-got-term; exit 0" TERM; touch {folder}/step-ready; '
+        "while true; do sleep 0.1; done'\n"
+        f"touch {folder}/step-ended\n"
+        "while true; do sleep 0.1; done\n"
     )
-    for call in calls:
-        with pytest.raises(Unsupported, match=rf"through slurmrestd {server.version}: .*CLI backend"):
-            call()
-    assert len(server.seen) == before
+    job_id = newer.slurm.sbatch(script, "-o", str(folder / "out"), "-w", "gpu2")
+    try:
+        wait_for((folder / "step-ready").exists, timeout=60, what="the step to set its trap")
+        newer.rest(version).signal_job(job_id)
+        wait_for((folder / "step-ended").exists, timeout=30, what="the step to end on SIGTERM")
+        assert (folder / "step-got-term").exists() and not (folder / "batch-got-term").exists()
+        assert newer.cli.job(job_id).state == "RUNNING"  # the batch shell goes on
+        assert newer.writes()[-1] == f"DELETE /slurm/{version}/job/{job_id}"
+        with pytest.raises(InvalidInput, match="KILL"):
+            newer.rest(version).signal_job(job_id, signal="KILL")
+        with pytest.raises(NotFound, match="no job 99999"):
+            newer.rest(version).signal_job(99999)
+    finally:
+        subprocess.run(newer.slurm.argv(["scancel", str(job_id)]), env=newer.slurm.env, check=False, timeout=30)
+    wait_for(lambda: newer.cli.job(job_id).state == "CANCELLED", timeout=30, what="the job to end")
 
 
-def test_a_dry_run_sends_no_write(stand_in: tuple[StandIn, SlurmRest]) -> None:
-    server, client = stand_in
+def test_marks_go_into_the_admin_comment_once(newer: Newer, version: str) -> None:
+    rest, cli = newer.rest(version), newer.cli
+    job_id = newer.sbatch("-w", "gpu1", "--hold")  # held: never runs, stays in the controller
+    newer.slurm.scontrol("update", f"JobId={job_id}", "AdminComment=site note")
+    mark = "gpufleet:signalled:lab-gpu1-20261202T000000Z"
+    before = len(newer.writes())
+    assert rest.mark_job(job_id, mark) and rest.mark_job(job_id, mark)
+    assert newer.writes()[before:] == [f"POST /slurm/{version}/job/{job_id}"]
+    assert rest.job_marks(job_id) == cli.job_marks(job_id) == [mark]
+    assert cli._admin_comment(job_id) == f"site note; {mark}"
+    assert rest.job_marks(newer.jobs["pending"]) == []
+    assert rest.mark_job(newer.jobs["finished"], mark) is False  # finished: Slurm refuses
+    assert cli.job_marks(newer.jobs["finished"]) == []
+    with pytest.raises(InvalidInput):
+        rest.mark_job(job_id, "gpufleet:x:y; rm -rf /")
+    with pytest.raises(NotFound):
+        rest.mark_job(99999, mark)
+
+
+def test_requeue_and_partition_edits_are_served_from_v0_0_45_only(newer: Newer, version: str) -> None:
+    rest, cli, slurm = newer.rest(version), newer.cli, newer.slurm
+    if version != "v0.0.45":
+        before = len(newer.served("GET", "POST", "DELETE"))
+        calls: tuple[Callable[[], object], ...] = (
+            lambda: rest.requeue(newer.jobs["running"]),
+            lambda: rest.add_to_partition("train", "spare1"),
+            lambda: rest.remove_from_partition("train", "gpu3"),
+        )
+        for call in calls:
+            with pytest.raises(Unsupported, match=rf"through slurmrestd {version}: .*v0\.0\.45.*CLI backend"):
+                call()
+        assert len(newer.served("GET", "POST", "DELETE")) == before  # nothing sent at all
+        return
+    # Requeue, as scontrol requeue does: a running job goes back to pending and runs again.
+    job_id = newer.sbatch("-w", "gpu3", "--requeue")
+    wait_for(lambda: cli.job(job_id).state == "RUNNING", timeout=60, what="the job to run")
+    rest.requeue(job_id)
+    assert newer.writes()[-1] == "POST /slurm/v0.0.45/jobs/requeue"
+    requeued = cli.job(job_id)
+    assert requeued.restarts == 1 and requeued.state in {"PENDING", "REQUEUED", "CONFIGURING", "RUNNING"}
+    rest.requeue(job_id)  # pending again, or running again: requeued once more only if it runs
+    stuck = newer.sbatch("-w", "gpu2", "--no-requeue")
+    wait_for(lambda: cli.job(stuck).state == "RUNNING", timeout=60, what="the --no-requeue job to run")
+    with pytest.raises(InvalidInput, match="--no-requeue"):
+        rest.requeue(stuck)
+    with pytest.raises(NotFound):
+        rest.requeue(99999)
+    slurm.scontrol("update", "PartitionName=train", "Nodes=gpu1,gpu2,gpu3")
+    subprocess.run(slurm.argv(["scancel", str(job_id), str(stuck)]), env=slurm.env, check=True, timeout=30)
+    # Partition membership: only the node list changes.
+    settings = re.sub(r"\b(Nodes|TotalCPUs|TotalNodes|TRES)=\S+", "", slurm.scontrol("show", "partition", "train"))
+    try:
+        rest.add_to_partition("train", "spare1")
+        rest.add_to_partition("train", "spare1")
+        assert cli.partition_nodes("train") == ["gpu1", "gpu2", "gpu3", "spare1"]
+        rest.remove_from_partition("train", "gpu3")
+        assert cli.partition_nodes("train") == ["gpu1", "gpu2", "spare1"] == rest.partition_nodes("train")
+        assert cli.node("gpu3").partitions == []
+        after = re.sub(r"\b(Nodes|TotalCPUs|TotalNodes|TRES)=\S+", "", slurm.scontrol("show", "partition", "train"))
+        assert after == settings
+        # An unknown partition is not created (POST /partitions/ would).
+        with pytest.raises(NotFound, match="no partition named 'nosuch'"):
+            rest.add_to_partition("nosuch", "spare1")
+        assert "nosuch" not in slurm.scontrol("show", "partition")
+    finally:
+        slurm.scontrol("update", "PartitionName=train", "Nodes=gpu1,gpu2,gpu3")
+
+
+def test_a_dry_run_sends_no_write(newer: Newer, version: str) -> None:
+    rest = newer.rest(version)
+    before = len(newer.writes())
+    running = newer.jobs["running"]
     with dry_run(True):
-        assert client.node("gpu1").state == "allocated"
-        with pytest.raises(DryRunViolation):
-            client.drain("gpu1", reason=DRAIN_REASON)
-        with pytest.raises(DryRunViolation):
-            client.signal_job(42)
-    assert server.writes() == []
+        assert rest.node("gpu3").state == "idle"
+        calls: list[Callable[[], object]] = [
+            lambda: rest.drain("gpu3", reason=DRAIN_REASON),
+            lambda: rest.signal_job(running),
+            lambda: rest.mark_job(running, "gpufleet:signalled:lab-gpu1-20261202T000000Z"),
+        ]
+        if version == "v0.0.45":
+            calls += [lambda: rest.requeue(running), lambda: rest.add_to_partition("train", "spare1")]
+        for call in calls:
+            with pytest.raises(DryRunViolation):
+                call()
+    assert len(newer.writes()) == before
+    assert not newer.cli.node("gpu3").drained and newer.cli.job(running).state == "RUNNING"
 
 
 def test_the_token_is_never_in_an_error_or_the_log(
-    stand_in: tuple[StandIn, SlurmRest], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    newer: Newer, version: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A server (or a proxy before it) that echoes the request's headers in its refusal: the error
-    says what it said, with the token left out; and a refused token is named, not shown."""
-    server, client = stand_in
+    """Refused (a key that is not the cluster's) or failing (an unknown node): the errors and the
+    log say what happened and never carry the token."""
     caplog.set_level(logging.DEBUG)
-    tokens: list[str] = []
+    wrong = tmp_path / "wrong.key"
+    wrong.write_bytes(b"not-the-cluster-key-" + b"1" * 32)
+    token_file = tmp_path / "token"
+    token = jwt_token(wrong.read_bytes(), "root")
+    token_file.write_text(token + "\n")
+    refused = SlurmRest(newer.url, version=version, token_file=token_file)
+    with pytest.raises(ClientError) as first:
+        refused.node("gpu1")
+    assert isinstance(first.value, Forbidden) or "refused" in str(first.value)
+    good = jwt_token(newer.key_file.read_bytes(), "root")
+    token_file.write_text(good + "\n")
+    with pytest.raises(NotFound) as second:
+        SlurmRest(newer.url, version=version, token_file=token_file).node("gpu9")
+    for secret in (token, good):
+        assert secret not in str(first.value) and secret not in str(second.value) and secret not in caplog.text
 
-    def echoing(method: str, path: str, seen: Seen) -> tuple[int, dict[str, Any]]:
-        tokens.append(seen.headers["X-SLURM-USER-TOKEN"])
-        return 500, {"errors": [{"description": f"bad request, headers {seen.headers}"}]}
 
-    monkeypatch.setattr(server, "answer", echoing)
-    with pytest.raises(ClientError) as echoed:
-        client.node("gpu1")
-    assert "bad request, headers" in str(echoed.value) and "[token]" in str(echoed.value)
-    monkeypatch.setattr(server, "answer", lambda *_: (401, {"errors": [{"description": "unauthorized"}]}))
-    with pytest.raises(ClientError, match="refused the token") as refused:
-        client.node("gpu1")
-    assert tokens
-    for token in tokens:
-        assert token not in str(echoed.value) and token not in str(refused.value) and token not in caplog.text
-
-
-def test_an_empty_token_file_is_said_to_be_empty(stand_in: tuple[StandIn, SlurmRest], tmp_path: Path) -> None:
+def test_an_empty_token_file_is_said_to_be_empty(newer: Newer, version: str, tmp_path: Path) -> None:
     """A token file caught empty (mid-rotation): the call says so, and sends nothing."""
-    server, _ = stand_in
     token_file = tmp_path / "token"
     token_file.write_text("\n")
-    rest = slurm_client("rest", restd_url=server.url, restd_version=server.version, restd_token_file=token_file)
-    sent = len(server.seen)
+    rest = slurm_client("rest", restd_url=newer.url, restd_version=version, restd_token_file=token_file)
+    sent = len(newer.served("GET", "POST", "DELETE"))
     with pytest.raises(Unavailable, match=r"token file .* is empty"):
         rest.node("gpu1")
-    assert len(server.seen) == sent
+    assert len(newer.served("GET", "POST", "DELETE")) == sent
+
+
+# -- what no server here does: a proxy that echoes the request's headers ---------------------------
+
+
+def test_a_token_a_proxy_echoes_back_is_left_out_of_the_error(tmp_path: Path) -> None:
+    """A proxy before slurmrestd that quotes the request's headers in its refusal: the error says
+    what it said, with the token left out."""
+    seen: list[str] = []
+
+    class Echo(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            seen.append(self.headers["X-SLURM-USER-TOKEN"])
+            data = json.dumps({"errors": [{"description": f"bad request, headers {dict(self.headers)}"}]}).encode()
+            self.send_response(502)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    key = tmp_path / "jwt.key"
+    key.write_bytes(b"k" * 32)
+    try:
+        client = SlurmRest(f"http://127.0.0.1:{server.server_address[1]}", version="v0.0.45", key_file=key)
+        with pytest.raises(Unavailable) as echoed:
+            client.node("gpu1")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "bad request, headers" in str(echoed.value) and "[token]" in str(echoed.value)
+    assert seen and all(token not in str(echoed.value) for token in seen)
+
+
+def test_the_raw_client_submits_and_reads_in_each_version(newer: Newer, version: str) -> None:
+    """clients/slurmrest.py (the Slinky backend's client): the script inside the job, the
+    environment a list, states lists of flags; ping as each version words it."""
+    client = SlurmRestClient(newer.url, newer.key_file.read_bytes(), version=version)
+    assert SlurmRestClient(newer.url, newer.key_file.read_bytes()).detect_version() == SERVED_BY[newer.release][-1]
+    assert client.ping().startswith(newer.release + ".")
+    job_id = client.submit(
+        "#!/bin/sh\nsleep 600\n", user="root", partition="train", name="raw-smoke", cwd=str(newer.folder)
+    )
+    try:
+        submitted = newer.cli.job(job_id)
+        assert (submitted.name, submitted.user, submitted.stdout) == ("raw-smoke", "root", "/dev/null")
+        assert client.job_state(job_id, user="root").split("+")[0] in {"PENDING", "RUNNING"}
+        assert client.jobs()[job_id] == client.job_state(job_id)
+        assert client.nodes()["spare1"] == ("IDLE", [])
+    finally:
+        client.cancel(job_id)
+    assert wait_for(lambda: newer.cli.job(job_id).state == "CANCELLED", timeout=30, what="the cancel")
