@@ -473,18 +473,25 @@ ENDED_STATES = frozenset(
 
 _FIELD = re.compile(r"(?:^| )(NodeName|State|Partitions)=(\S*)")
 _REASON = re.compile(r" Reason=(.*?)(?: \[[^\]]*\])?$")
+# State flags that say how a node was made (``slurmd -Z``, ``-F``: Slinky's NodeSet pods are
+# ``DYNAMIC_NORM``), not what is wrong with it: not reported as flags.
+_ORIGIN_FLAGS = frozenset({"DYNAMIC_NORM", "DYNAMIC_FUTURE"})
 
 
 def parse_node_record(line: str) -> NodeInfo:
-    """One line of ``scontrol show -o node``: ``State=IDLE+DRAIN``, ``Reason=... [user@time]`` last."""
+    """One line of ``scontrol show -o node``: ``State=IDLE+DRAIN``, ``Reason=... [user@time]`` last.
+
+    A dynamic node (``State=IDLE+DRAIN+DYNAMIC_NORM``) reads as a static one: its flag of origin is
+    dropped, so an idle dynamic node has no flags."""
     fields = dict(_FIELD.findall(line))
-    base, *flags = fields.get("State", "UNKNOWN").split("+")
+    base, *words = fields.get("State", "UNKNOWN").split("+")
+    flags = [word.upper() for word in words] + (["NOT_RESPONDING"] if base.endswith("*") else [])
     reason = _REASON.search(line.rstrip())
     partitions = fields.get("Partitions", "")
     return NodeInfo(
         name=fields["NodeName"],
         state=base.rstrip("*~#%$@^!").lower(),
-        flags=[flag.upper() for flag in flags] + (["NOT_RESPONDING"] if base.endswith("*") else []),
+        flags=[flag for flag in dict.fromkeys(flags) if flag not in _ORIGIN_FLAGS],
         reason=reason.group(1).strip() if reason else "",
         partitions=[p for p in partitions.split(",") if p and p != "(null)"],
     )

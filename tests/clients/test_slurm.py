@@ -201,6 +201,25 @@ def test_parse_node_record_with_reason_and_flags() -> None:
     assert node.reason == "gpufleet: xid 79 incident a=b"
 
 
+def test_parse_node_record_of_a_dynamic_node() -> None:
+    """A ``slurmd -Z`` node (a Slinky NodeSet pod) as Slurm 26.05 prints it: ``DYNAMIC_NORM``
+    says how it was made and is no flag of its condition; 26.05 may spell not responding as a flag."""
+    line = (
+        "NodeName=slinky-0 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 CPUEfctv=1 CPUTot=1 "
+        "AvailableFeatures=slinky ActiveFeatures=slinky Gres=(null) NodeAddr=127.0.0.1 NodeHostName=vm "
+        "Port=35059 Version=26.05.5 RealMemory=256 State=IDLE+DRAIN+DYNAMIC_NORM ThreadsPerCore=1 "
+        "Partitions=slinky  SlurmdStartTime=2026-12-05T09:13:31 "
+        "Reason=gpufleet: xid 79 [root@2026-12-05T09:14:33]"
+    )
+    node = parse_node_record(line)
+    assert (node.name, node.state, node.flags, node.partitions) == ("slinky-0", "idle", ["DRAIN"], ["slinky"])
+    assert node.drained and node.reason == "gpufleet: xid 79"
+    idle = parse_node_record("NodeName=slinky-1 State=IDLE+DYNAMIC_NORM Partitions=slinky")
+    assert (idle.state, idle.flags) == ("idle", [])
+    lost = parse_node_record("NodeName=slinky-1 State=IDLE*+DYNAMIC_NORM+NOT_RESPONDING Partitions=slinky")
+    assert (lost.state, lost.flags) == ("idle", ["NOT_RESPONDING"])
+
+
 # -- scoped job queries (real Slurm) -------------------------------------------------------------
 
 
