@@ -740,7 +740,9 @@ def test_the_raw_client_submits_and_reads_in_each_version(newer: Newer, version:
         submitted = newer.cli.job(job_id)
         assert (submitted.name, submitted.user, submitted.stdout) == ("raw-smoke", "root", "/dev/null")
         assert client.job_state(job_id, user="root").split("+")[0] in {"PENDING", "RUNNING"}
-        assert client.jobs()[job_id] == client.job_state(job_id)
+        # Once it runs (its state no longer moving), the listing and the job's own read agree.
+        wait_for(lambda: client.job_state(job_id) == "RUNNING", timeout=30, what="the job to run")
+        assert client.jobs()[job_id] == client.job_state(job_id) == "RUNNING"
         assert client.nodes()["spare1"] == ("IDLE", [])
     finally:
         client.cancel(job_id)
