@@ -40,6 +40,20 @@ error "Failure to query node" (error number 0); an unknown partition is a warnin
 partition (v0.0.45) or an error (before); a signal to an unknown or finished job is ``200``, with
 the error in ``status`` (v0.0.42+) or nowhere (v0.0.40, v0.0.41): the job is read first.
 
+What setting a node DOWN does to its jobs instead, measured on real Slurm 26.05 daemons and
+slurmrestd (``tests/clients/test_slurmrest_requeue_by_down.py``; ``POST /node/{name}`` with
+``state: [DOWN]`` on a node gpufleet drained first): a running batch job that may be requeued
+(``--requeue``, or ``JobRequeue=1``, the default) is requeued at once (PENDING, restart count +1)
+and runs again on another node; a ``--no-requeue`` one ends NODE_FAIL; a ``--no-kill`` job
+spanning several nodes loses that node and keeps running on the others; ended and pending jobs
+are not touched; the DRAIN flag and the reason stay (a slurmd that answers brings the node back
+as IDLE+DRAIN, still out of service), and RESUME clears both. ``requeue_by_down`` does that for
+the jobs of a node gpufleet drained. A job that has already ended cannot be requeued over
+v0.0.42 to v0.0.44: every job update of an ended job (``requeue``, ``hold``, ``priority``,
+``begin_time``) is refused ("Job update requested failed"), and the API has no requeue call;
+``scontrol requeue`` (the CLI, e.g. through ``pods/exec`` in a Slinky controller pod) or v0.0.45's
+``GET /job/{id}/requeue`` (Slurm 26.05) requeues one that allows it.
+
 A method a version cannot serve raises ``Unsupported`` before anything is sent;
 ``unsupported_methods`` lists them, so that a worker refuses to start on a backend that lacks
 what it needs (``require_methods``).
@@ -76,6 +90,7 @@ from clients.slurm import (
     _MARK,
     _MARK_SAFE,
     _NOT_WAITING_FOR_NODES,
+    ENDED_STATES,
     Pending,
     SlurmCli,
     SlurmClient,
@@ -148,6 +163,14 @@ _PENDING_ALREADY = ("pending execution",)  # requeue of a job that is pending ag
 _REFUSED = ("presently disabled", "not requeueable", "only batch jobs")  # requeue of a --no-requeue job
 _FINISHED = ("already completing or completed", "already finished", "job has already completed")
 _MAX_HOSTS = 65536
+
+# What ``SlurmRest.requeue_by_down`` reports for each job.
+REQUEUED = "requeued"  # back to PENDING (restart count +1), or already running again elsewhere
+KILLED = "killed"  # ended NODE_FAIL: it did not allow requeue (--no-requeue), or was not a batch job
+KEPT_RUNNING = "kept running"  # --no-kill: lost the node, runs on its other nodes
+ENDED = "ended"  # had ended before: left alone (over REST it cannot be requeued before v0.0.45)
+PENDING = "pending"  # had not started: left alone
+_WAITING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"}
 
 
 class Unsupported(ClientError):
@@ -579,6 +602,45 @@ class SlurmRest:
                 raise InvalidInput(str(exc)) from None
             raise
 
+    def requeue_by_down(self, name: str, *, reason: str, job_ids: Iterable[int] = ()) -> dict[int, str]:
+        """Requeue the running jobs of a node that gpufleet drained, by setting it DOWN with
+        ``reason`` (slurmrestd has no requeue before v0.0.45): job ID -> what happened to it
+        (REQUEUED, KILLED, KEPT_RUNNING, ENDED, PENDING), read from the jobs before and after.
+
+        What Slurm does, and so what this reports: a running batch job that allows requeue is
+        requeued; one that does not (``--no-requeue``) is killed, its owner to be told; a
+        ``--no-kill`` job spanning other nodes keeps running on them; a job that had ended or
+        not started is left alone. The node keeps its DRAIN flag and gpufleet's reason.
+
+        The node must be drained (or down) with gpufleet's own reason: NotOwned when someone
+        else's reason holds it, InvalidInput when it is not drained (a slurmd that answers
+        would bring a node that is only DOWN back into service). The jobs reported are those
+        Slurm lists on the node and ``job_ids`` (the jobs gpufleet saw there, so that a later
+        call reports them after they left it); the node is set DOWN only while one of them
+        still runs on it, so a second call sends nothing and touches no job twice."""
+        self._refuse_unsupported("down")
+        name = checked_node_name(name)
+        if not owned_reason(reason):
+            raise InvalidInput(f"refusing to set {name} DOWN with a reason that is not gpufleet's: {reason!r}")
+        wanted = {checked_job_id(job_id) for job_id in job_ids}
+        current = self.node(name)
+        if current.reason and not owned_reason(current.reason):
+            raise NotOwned(f"{name} is held by someone else ({current.reason!r}); not setting it DOWN")
+        if not current.reason or not (current.drained or current.state == "down"):
+            raise InvalidInput(f"{name} is not drained by gpufleet; drain it before requeueing its jobs")
+        before = self._jobs_for(name, wanted)
+        running = {job.job_id for job in before.values() if job.state in _ACTIVE_STATES and _on(job, name)}
+        after = before
+        if running:
+            self._update_node(name, "DOWN", reason)
+            after = self._jobs_for(name, set(before))
+        return {job_id: _outcome(job, after.get(job_id), job_id in running) for job_id, job in sorted(before.items())}
+
+    def _jobs_for(self, name: str, wanted: set[int]) -> dict[int, JobInfo]:
+        """The jobs Slurm lists on the node, and those of ``wanted`` it still knows."""
+        jobs = (job_from_json(raw) for raw in self._raw_jobs())
+        return {job.job_id: job for job in jobs if job.job_id in wanted or _on(job, name)}
+
     # -- marks ------------------------------------------------------------------------------------
 
     def _admin_comment(self, job_id: int) -> str:
@@ -652,6 +714,26 @@ class SlurmRest:
                 if not remaining:
                     raise LastNodeOfPartition(f"{node} is the last node of partition {partition}")
                 self._set_partition(partition, remaining)
+
+
+def _on(job: JobInfo, name: str) -> bool:
+    return bool(job.nodes) and name in expand_hostlist(job.nodes)
+
+
+def _outcome(before: JobInfo, after: JobInfo | None, was_running: bool) -> str:
+    """What happened to a job of the node that was set DOWN (or, ``was_running`` False, what
+    had happened to it before this call)."""
+    if after is None:  # slurmctld forgot it (MinJobAge): it had ended
+        return ENDED
+    if was_running and after.restarts > before.restarts:
+        return REQUEUED
+    if after.state in ENDED_STATES:
+        return KILLED if after.state == "NODE_FAIL" else ENDED
+    if after.state in _WAITING:
+        return REQUEUED if was_running or after.restarts > 0 else PENDING
+    if was_running:
+        return KEPT_RUNNING
+    return REQUEUED if after.restarts > 0 else KEPT_RUNNING
 
 
 def _said(entry: Any) -> str:
