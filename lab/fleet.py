@@ -176,7 +176,9 @@ class FleetLab:
         self._write_policy()
         try:
             release(self.config.slurm)
-            install = install_for(self.config.slurm, say=say, check=True)
+            # The archive is asked (once a day) only when no Slurm of this lab runs on the root.
+            slurm_runs = any(alive(pid) for pid in self.slurm.pids().values())
+            install = install_for(self.config.slurm, say=say, check=not slurm_runs)
         except RootError as exc:
             raise LabError(str(exc)) from None
         where = "the host's packages" if install.on_host else f"a Debian {install.release.suite} root, {install.root}"

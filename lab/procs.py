@@ -109,19 +109,22 @@ def pids_with_env(name: str, value: str) -> list[int]:
     return found
 
 
-def pids_holding(folder: Path, roots: Iterable[Path] = ()) -> list[int]:
-    """Processes with a file open under ``folder``, as the host sees it or through one of
-    ``roots`` (a process changed into a root sees ``folder`` bound there): the job steps a newer
-    Slurm's slurmd left behind, which clear their environment but keep the node's log open."""
-    prefixes = tuple(f"{base}{folder}/" for base in ("", *(str(root) for root in roots)))
+def pids_holding(folder: Path, roots: Iterable[Path]) -> list[int]:
+    """Processes running in one of ``roots`` (a cached Slurm root) with a file open under
+    ``folder`` as bound there: the job steps a newer Slurm's slurmd left behind, which clear their
+    environment but keep the node's log open. Nothing outside those roots is ever picked."""
+    inside = {str(root) for root in roots}
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
+            root = os.readlink(entry / "root")
+            if root not in inside:
+                continue
             targets = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
         except OSError:
             continue
-        if any(target.startswith(prefixes) for target in targets) and alive(int(entry.name)):
+        if any(target.startswith(f"{root}{folder}/") for target in targets) and alive(int(entry.name)):
             found.append(int(entry.name))
     return found

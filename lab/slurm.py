@@ -21,7 +21,7 @@ from pathlib import Path
 from clients.slurm import SlurmCli
 from lab.accounting import Accounting, accounting_installed, conf_value
 from lab.procs import alive, free_port, pids_holding, pids_with_env, spawn, stop, wait_for
-from lab.slurmroots import LAB_SLURM_ENV, SlurmInstall, cached_root, host_install, install_for
+from lab.slurmroots import LAB_SLURM_ENV, RootError, Roots, SlurmInstall, host_install, install_for
 
 
 def slurm_installed() -> bool:
@@ -73,18 +73,18 @@ class SlurmLab:
 
     @property
     def install(self) -> SlurmInstall:
-        """Where this cluster's Slurm runs (a root is made the first time it is asked for)."""
+        """Where this cluster's Slurm runs (as it is: ``start`` makes a missing root)."""
         if self._install is None:
-            host = host_install()
-            if self.release is None or (host is not None and host.release.version == self.release):
-                if host is None:
-                    raise RuntimeError(
-                        "Slurm is not installed: apt-get install slurm-wlm munge (or run make test as root)"
-                    )
-                self._install = host
-            else:
-                self._install = install_for(self.release)
+            self._install = self._resolve(make=False)
         return self._install
+
+    def _resolve(self, *, make: bool) -> SlurmInstall:
+        host = host_install()
+        if self.release is None or (host is not None and host.release.version == self.release):
+            if host is None:
+                raise RuntimeError("Slurm is not installed: apt-get install slurm-wlm munge (or run make test as root)")
+            return host
+        return install_for(self.release) if make else Roots().existing(self.release)
 
     @property
     def bin_dir(self) -> Path | None:
@@ -126,6 +126,7 @@ class SlurmLab:
     # -- start ------------------------------------------------------------------------------------
 
     def start(self, *, timeout: float = 60.0) -> None:
+        self._install = self._resolve(make=True)
         if self.install.on_host and not slurm_installed():
             raise RuntimeError("Slurm is not installed: apt-get install slurm-wlm munge (or run make test as root)")
         for folder in ("munge", "state", "spool", "log"):
@@ -335,13 +336,29 @@ class SlurmLab:
 
     # -- stop -------------------------------------------------------------------------------------
 
+    def _started_install(self) -> SlurmInstall | None:
+        """The install this cluster was started on (its ``release`` file), never made here."""
+        started_on = self.root / "release"
+        release = started_on.read_text().strip() if started_on.exists() else self.release
+        if release is None or release == self.release:
+            try:
+                return self.install
+            except (RootError, RuntimeError):
+                return None
+        try:
+            return SlurmLab(self.root, release=release).install
+        except (RootError, RuntimeError):
+            return None
+
     def stop(self) -> None:
-        """Stop every daemon this lab started and every job step they left behind."""
+        """Stop every daemon this lab started and every job step they left behind, on the
+        release it was started on."""
         pids = self.pids()
-        if self.conf.exists() and alive(pids.get("slurmctld", 0)):
+        install = self._started_install()
+        if install is not None and self.conf.exists() and alive(pids.get("slurmctld", 0)):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 subprocess.run(
-                    self.argv(["scancel", "--user", getpass.getuser()]),
+                    install.argv(["scancel", "--user", getpass.getuser()], self.binds),
                     env=self.env,
                     capture_output=True,
                     timeout=15,
@@ -361,7 +378,7 @@ class SlurmLab:
         stop([pid for pid in set(database) if alive(pid)], timeout=30)
         # slurmstepd and the job processes carry the lab's SLURM_CONF in their environment; a newer
         # release's slurmstepd clears it but keeps its node's log open.
-        roots = [root] if self.release and (root := cached_root(self.release)) else []
+        roots = [install.root] if install is not None and install.root is not None else []
         stop(sorted({*pids_with_env("SLURM_CONF", str(self.conf)), *pids_holding(self.root, roots)}), timeout=3)
         stop([pid for name, pid in pids.items() if name == "munged"])
         if self._pids_file.exists():

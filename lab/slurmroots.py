@@ -22,6 +22,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -40,6 +41,8 @@ PACKAGES = ("slurm-wlm", "slurmrestd", "slurm-wlm-jwt-plugin", "slurmdbd", "pyth
 CLIENT_COMMANDS = ("scontrol", "squeue", "sbatch", "scancel", "sinfo", "sacct", "sacctmgr", "srun", "sreport")
 # How often an existing root is checked against its archive (a moved package rebuilds it).
 CHECK_EVERY_SECONDS = 24 * 3600
+# How long making one root may take (about a minute on a good link).
+MAKE_TIMEOUT_SECONDS = 1800
 Say = Callable[[str], None]
 
 
@@ -53,10 +56,13 @@ class Release:
     script: str = ""
     # The REST API versions its slurmrestd serves (its data_parser plugins).
     api_versions: tuple[str, ...] = field(default=())
+    # Whether it can run from a root: 23.11 and later authenticate with auth/slurm and a key; 22.05
+    # needs MUNGE, which the lab runs only with the host's own Slurm.
+    in_root: bool = True
 
 
 RELEASES: dict[str, Release] = {
-    "22.05": Release("22.05", "bookworm", api_versions=("v0.0.38",)),
+    "22.05": Release("22.05", "bookworm", api_versions=("v0.0.38",), in_root=False),
     "24.11": Release("24.11", "trixie", api_versions=("v0.0.40", "v0.0.41", "v0.0.42")),
     "26.05": Release("26.05", "forky", script="sid", api_versions=("v0.0.42", "v0.0.43", "v0.0.44", "v0.0.45")),
 }
@@ -90,7 +96,7 @@ def host_version() -> str:
 
 def cache_dir() -> Path:
     configured = os.environ.get("GPUFLEET_SLURM_ROOTS")
-    return Path(configured) if configured else Path.home() / ".cache" / "gpufleet"
+    return (Path(configured).expanduser() if configured else Path.home() / ".cache" / "gpufleet").resolve()
 
 
 @dataclass(frozen=True)
@@ -187,10 +193,11 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _missing_for_roots() -> str:
+def _missing_for_roots(*, making: bool = True) -> str:
+    """What running (and, with ``making``, making) a root lacks here ('' when nothing)."""
     if os.geteuid() != 0:
         return "making and running a Slurm root needs root (debootstrap, a private mount namespace, chroot)"
-    for tool in ("debootstrap", "unshare", "mount"):
+    for tool in ("debootstrap", "unshare", "mount") if making else ("unshare", "mount"):
         if not shutil.which(tool):
             return f"{tool} is missing (apt-get install debootstrap util-linux mount)"
     return ""
@@ -202,7 +209,22 @@ def root_unavailable(version: str) -> str:
     host = host_install()
     if host is not None and host.release == item:
         return ""
+    if not item.in_root:
+        return f"Slurm {version} runs in the lab only as the host's own: apt-get install slurm-wlm munge"
     return _missing_for_roots()
+
+
+def users_of(root: Path) -> list[int]:
+    """The processes running in ``root`` (a lab's daemons, its jobs)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.readlink(entry / "root") == str(root):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
 
 
 class Roots:
@@ -236,23 +258,50 @@ class Roots:
         host = host_install()
         if host is not None and host.release == item:
             return host
-        missing = _missing_for_roots()
+        unavailable = root_unavailable(version)
+        if not item.in_root:
+            raise RootError(unavailable)
+        root = self.path(item)
+        at_pin = _upstream(_installed_version(root)).startswith(item.version + ".")
+        missing = _missing_for_roots(making=not at_pin or refresh or check)
         if missing:
             raise RootError(f"Slurm {version} runs here only in a Debian root: {missing}")
         with _locked(self.folder / f".slurm-{item.version}.lock"):
-            root = self.path(item)
             installed = _installed_version(root)
             if not _upstream(installed).startswith(item.version + "."):
+                self._refuse_in_use(item)
                 if root.exists():
                     say(f"the cached Slurm {version} root at {root} holds {installed or 'no Slurm'}: making it again")
                 self._make(item, say)
             elif refresh or (check and self._check_due(item)):
                 moved = self._archive_moved(item, installed, say)
-                if moved:
+                if moved and users_of(root):
+                    say(f"Slurm {version}'s packages moved ({installed} -> {moved}), but the root is in use: kept")
+                elif moved:
                     say(f"Slurm {version}'s packages moved ({installed} -> {moved}): making the root again")
                     self._make(item, say)
             installed = _installed_version(root)
             return SlurmInstall(item, _upstream(installed), root)
+
+    def existing(self, version: str) -> SlurmInstall:
+        """The install of ``version`` as it is now, never made nor checked (stopping, reading)."""
+        item = release(version)
+        host = host_install()
+        if host is not None and host.release == item:
+            return host
+        installed = _installed_version(self.path(item))
+        if not item.in_root or not _upstream(installed).startswith(item.version + "."):
+            raise RootError(f"no Slurm {version} here: make it with `make slurm-roots` (or `gpufleet lab up`)")
+        return SlurmInstall(item, _upstream(installed), self.path(item))
+
+    def _refuse_in_use(self, item: Release) -> None:
+        """A root is never replaced under the processes running in it."""
+        running = users_of(self.path(item))
+        if running:
+            raise RootError(
+                f"the Slurm {item.version} root at {self.path(item)} must be made again, but processes run in it "
+                f"(PIDs {', '.join(map(str, running[:8]))}): stop its labs first (gpufleet lab down)"
+            )
 
     def _check_due(self, item: Release) -> bool:
         checked = self.manifest(item).get("checked_at")
@@ -267,6 +316,12 @@ class Roots:
             say(f"could not check Slurm {item.version}'s archive ({exc}); keeping the cached root")
             return ""
         self._write_manifest(item, installed)
+        if candidate and not _upstream(candidate).startswith(item.version + "."):
+            say(
+                f"Debian {item.suite} now carries Slurm {_upstream(candidate)}, not {item.version}: "
+                f"keeping the cached {_upstream(installed)} root"
+            )
+            return ""
         return candidate if candidate and candidate != installed else ""
 
     def _candidate(self, item: Release) -> str:
@@ -297,15 +352,25 @@ class Roots:
         say(f"making a Slurm {item.version} root (Debian {item.suite}) in {root}: about a minute, once")
         log = self.folder / f"slurm-{item.version}.debootstrap.log"
         started = time.monotonic()
+        # debootstrap mounts /proc and /sys in the root it makes: in a namespace of its own, so
+        # that no mount is left on the host's side however it ends.
+        private = ["unshare", "--mount", "--propagation", "private", "--"]
+        returncode: int | str
         with open(log, "w") as out:
-            done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=1800, check=False)
+            proc = subprocess.Popen([*private, *argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                returncode = proc.wait(timeout=MAKE_TIMEOUT_SECONDS)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                returncode = f"stopped after {MAKE_TIMEOUT_SECONDS}s"
         installed = _installed_version(building)
-        if done.returncode != 0 or not _upstream(installed).startswith(item.version + "."):
+        if returncode != 0 or not _upstream(installed).startswith(item.version + "."):
             shutil.rmtree(building, ignore_errors=True)
             tail = log.read_text(errors="replace").strip().splitlines()[-3:]
             raise RootError(
                 f"debootstrap of Debian {item.suite} for Slurm {item.version} "
-                + (f"gave Slurm {installed}" if done.returncode == 0 else f"failed ({done.returncode})")
+                + (f"gave Slurm {installed or 'none'}" if returncode == 0 else f"failed ({returncode})")
                 + f"; see {log}: {' | '.join(tail)}"
             )
         if root.exists():
@@ -329,7 +394,7 @@ def cached_root(version: str) -> Path | None:
     """Where ``version``'s root is cached, when the host's packages do not serve it (nothing made)."""
     item = RELEASES.get(version)
     host = host_install()
-    if item is None or (host is not None and host.release == item):
+    if item is None or not item.in_root or (host is not None and host.release == item):
         return None
     return Roots().path(item)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from lab import slurmroots
+from lab.procs import pids_holding, wait_for
 from lab.slurm import SlurmLab, SlurmLabSpec
 from lab.slurmroots import (
     PACKAGES,
@@ -51,7 +53,7 @@ def roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Roots:
     """Roots cached in a folder of the test's own, the host taken as having no Slurm of its own
     and every tool a root needs (nothing here runs debootstrap for real)."""
     monkeypatch.setattr(slurmroots, "host_install", lambda: None)
-    monkeypatch.setattr(slurmroots, "_missing_for_roots", lambda: "")
+    monkeypatch.setattr(slurmroots, "_missing_for_roots", lambda making=True: "")
     return Roots(tmp_path / "cache")
 
 
@@ -144,19 +146,51 @@ def test_an_archive_out_of_reach_keeps_the_root(roots: Roots, monkeypatch: pytes
     assert any("keeping the cached root" in line for line in said)
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("debootstrap"), reason="needs root and debootstrap")
 def test_a_failed_debootstrap_says_why_and_leaves_no_half_made_root(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if root_unavailable(NEWEST) and "debootstrap" in root_unavailable(NEWEST):
-        pytest.skip(root_unavailable(NEWEST))
     monkeypatch.setattr(slurmroots, "host_install", lambda: None)
-    monkeypatch.setattr(slurmroots, "_missing_for_roots", lambda: "")
+    monkeypatch.setattr(slurmroots, "_missing_for_roots", lambda making=True: "")
     # Nothing listens on port 9: the archive is out of reach at once.
     roots = Roots(tmp_path / "cache", mirror="http://127.0.0.1:9/debian")
     with pytest.raises(RootError, match=r"debootstrap of Debian trixie for Slurm 24\.11 failed .*debootstrap\.log"):
         roots.install("24.11")
     assert not roots.path(RELEASES["24.11"]).exists()
     assert not list(roots.folder.glob(".slurm-24.11.building*"))
+
+
+def test_a_root_in_use_is_never_made_again_under_its_processes(roots: Roots, monkeypatch: pytest.MonkeyPatch) -> None:
+    item = RELEASES["26.05"]
+    _fake_root(roots.path(item), _all_packages("26.05.4-1"))
+    monkeypatch.setattr(slurmroots, "users_of", lambda root: [4242])
+    monkeypatch.setattr(Roots, "_candidate", lambda self, item: "26.05.5-1")
+    monkeypatch.setattr(Roots, "_make", lambda self, item, say: pytest.fail("remade under a running lab"))
+    said: list[str] = []
+    assert roots.install("26.05", refresh=True, say=said.append).version == "26.05.4"
+    assert any("the root is in use: kept" in line for line in said)
+    _fake_root(roots.path(item), _all_packages("24.11.5-4"))  # broken: must be remade, but it runs
+    with pytest.raises(RootError, match=r"processes run in it \(PIDs 4242\): stop its labs first"):
+        roots.install("26.05")
+
+
+def test_a_suite_that_moved_to_another_release_keeps_the_root(roots: Roots, monkeypatch: pytest.MonkeyPatch) -> None:
+    item = RELEASES["26.05"]
+    _fake_root(roots.path(item), _all_packages("26.05.5-1"))
+    monkeypatch.setattr(Roots, "_candidate", lambda self, item: "26.11.1-1")
+    monkeypatch.setattr(Roots, "_make", lambda self, item, say: pytest.fail("made a root of another release"))
+    said: list[str] = []
+    assert roots.install("26.05", refresh=True, say=said.append).version == "26.05.5"
+    assert any("now carries Slurm 26.11.1, not 26.05: keeping the cached 26.05.5 root" in line for line in said)
+
+
+def test_22_05_is_the_hosts_own_or_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(slurmroots, "host_install", lambda: None)
+    assert root_unavailable("22.05") == (
+        "Slurm 22.05 runs in the lab only as the host's own: apt-get install slurm-wlm munge"
+    )
+    with pytest.raises(RootError, match="only as the host's own"):
+        Roots(tmp_path).install("22.05")
 
 
 def test_without_root_a_newer_release_says_what_it_needs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -219,6 +253,36 @@ def test_a_command_the_root_lacks_is_named(newest: SlurmInstall) -> None:
     done = subprocess.run(newest.argv(["no-such-command"]), capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 127
     assert f"no-such-command is not in the Slurm root {newest.root}" in done.stderr
+
+
+@LIVE
+def test_stopping_a_cluster_spares_the_hosts_readers_and_uses_the_release_it_started_on(tmp_path: Path) -> None:
+    slurm = SlurmLab(tmp_path / "c", SlurmLabSpec(nodes=["n1"], spares=[]), release=NEWEST)
+    slurm.start(timeout=30)
+    reader = subprocess.Popen(["tail", "-f", str(slurm.logs / "slurmctld.log")], stdout=subprocess.DEVNULL)
+    try:
+        script = tmp_path / "sleep.sh"
+        script.write_text("#!/bin/sh\nsleep 300\n")
+        job = slurm.sbatch(script, "-o", str(tmp_path / "job.out"))
+        wait_for(lambda: slurm.client().job(job).state == "RUNNING", timeout=30, what="the job to run")
+        # Stopped by a process whose default is another release: the cluster's own file says 26.05.
+        SlurmLab(tmp_path / "c", release="22.05").stop()
+        assert reader.poll() is None  # a reader of its log on the host is not the cluster's
+        root = slurm.install.root
+        assert root is not None
+        left = [pid for pid in slurmroots.users_of(root) if str(tmp_path).encode() in _cmdline(pid)]
+        assert left == [] and pids_holding(tmp_path / "c", [root]) == []
+    finally:
+        reader.kill()
+        reader.wait()
+        slurm.stop()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 @LIVE
