@@ -156,6 +156,15 @@ class DynamicSlurmLab(SlurmLab):
         pods.pop(name, None)
         self._save(pods)
 
+    def stop_node(self, name: str, *, timeout: float = 30.0) -> None:
+        """The pod gone and not (yet) back: its preStop hook sets the node DOWN (its jobs are
+        requeued) and its slurmd stops; Slurm keeps the node, and a pod of the same name started
+        later (``add_node``) registers again under it, on its port."""
+        name = checked_node_name(name)
+        if self._record_of(name) is not None:
+            self._prestop(name, timeout=timeout)
+        self._stop_pod(name)
+
     def move_node(self, name: str, *, prestop: bool = True, timeout: float = 30.0) -> Pod:
         """The pod recreated under the same name (on another Kubernetes node, StatefulSet mode):
         its preStop hook sets the node DOWN (its jobs are requeued), its slurmd stops and starts
