@@ -417,7 +417,7 @@ class Operator:
                 elif self.started.get(name) not in (None, uid):
                     self.slurm.move_node(name)  # recreated: preStop on the old one, then start again
                     self.log(f"restarted slurmd {name} for its recreated pod")
-            except (RuntimeError, ValueError, subprocess.SubprocessError) as exc:
+            except (RuntimeError, ValueError, TimeoutError, subprocess.SubprocessError) as exc:
                 self.log(f"slurmd {name}: {exc}")
                 continue
             self.started[name] = uid
@@ -658,7 +658,7 @@ def main() -> None:
         while not stop.is_set():
             try:
                 operator.reconcile()
-            except (httpx.HTTPError, subprocess.SubprocessError, RuntimeError) as exc:
+            except (httpx.HTTPError, subprocess.SubprocessError, RuntimeError, TimeoutError) as exc:
                 print(f"reconcile failed: {exc}", flush=True)
             stop.wait(POLL_SECONDS)
 
