@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from lab.faults import EFFECTS, Effect, Fault, xid_effect
-from lab.fleet import FleetLab, LabError
+from lab.fleet import FleetLab, LabConfig, LabError
+from lab.slinkylab import FLAVORS, SLINKY_RELEASE
 from lab.slurmroots import DEFAULT_RELEASE, RELEASES
 from models.settings import Settings
 from starters.cli import fail
@@ -39,9 +40,27 @@ def up(
             "and cached in $GPUFLEET_SLURM_ROOTS (default ~/.cache/gpufleet).",
         ),
     ] = None,
+    flavor: Annotated[
+        str | None,
+        typer.Option(
+            help=f"What the lab runs: default (static Slurm nodes) or slinky (a Slinky cluster: NodeSet pods as "
+            f"dynamic Slurm {SLINKY_RELEASE} nodes, slurmrestd; docs/lab.md). Default: what the lab last ran, "
+            "else default.",
+        ),
+    ] = None,
 ) -> None:
     """Start the lab, detached; a second call reuses what already runs."""
     lab = _lab(home)
+    if flavor is not None and flavor not in FLAVORS:
+        fail(f"no lab flavor {flavor!r}; choose one of {', '.join(FLAVORS)}", code=2)
+    wanted = flavor or lab.config.flavor
+    if wanted == "slinky" and slurm not in (None, SLINKY_RELEASE):
+        fail(f"the slinky flavor runs Slurm {SLINKY_RELEASE} (dynamic nodes); --slurm {slurm} is refused", code=2)
+    if wanted != lab.config.flavor:
+        if lab.running():
+            fail(f"the lab runs the {lab.config.flavor} flavor; stop it first (gpufleet lab down) to run {wanted}")
+        release = SLINKY_RELEASE if wanted == "slinky" else (slurm or LabConfig().slurm)
+        lab = FleetLab(lab.home, replace(lab.config, flavor=wanted, slurm=release))
     if slurm is not None and slurm != lab.config.slurm:
         if slurm not in RELEASES:
             fail(f"no Slurm release {slurm!r} in the lab; choose one of {', '.join(RELEASES)}")
@@ -81,19 +100,23 @@ def status(
         fail("the lab is not running (start it with `gpufleet lab up`)")
     slurm = result["slurm"]
     where = f"a Debian root, {slurm['root']}" if slurm.get("root") else "the host's packages"
-    console.print(f"Slurm {slurm.get('version') or slurm['release']} ({where})")
-    nodes = Table("node", "Slurm", "reason", "partitions", "Kubernetes", "pool", "GPU fault")
+    console.print(f"flavor {result['flavor']}; Slurm {slurm.get('version') or slurm['release']} ({where})")
+    nodes = Table("node", "Slurm", "reason", "partitions", "pod", "Kubernetes node", "Kubernetes", "pool", "GPU fault")
     for n in result["nodes"]:
         nodes.add_row(
             n["name"],
             n["slurm_state"],
             n["reason"],
             ",".join(n["partitions"]),
+            n["pod"] or "-",
+            n["kubernetes_node"] or "-",
             n["kubernetes"],
             n["pool"],
             n["gpu_fault"],
         )
     console.print(nodes)
+    if result.get("kubernetes_only"):
+        console.print(f"Kubernetes nodes with no Slurm node: {', '.join(result['kubernetes_only'])}")
     jobs = Table("job", "name", "state", "nodes", "restarts")
     for j in result["jobs"]:
         jobs.add_row(str(j["job_id"]), j["name"], j["state"], j["nodes"], str(j["restarts"]))
@@ -129,6 +152,12 @@ def drill(
     if job is not None and job not in JOBS:
         fail(f"unknown job {job!r}; choose one of {', '.join(JOBS)}", code=2)
     lab = _lab(home)
+    if lab.slinky:
+        fail(
+            "the drill does not run on the slinky flavor yet: remediation on Slinky (NodeSet pods as Slurm "
+            "nodes) is not wired; use the default flavor (gpufleet lab down; gpufleet lab up --flavor default)",
+            code=2,
+        )
     say = (lambda _: None) if as_json else console.print
     try:
         result = asyncio.run(run_drill(lab, node=node, xid=xid, effect=effect, job_kind=job, timeout=timeout, say=say))

@@ -77,8 +77,10 @@ class DynamicSlurmLab(SlurmLab):
         *,
         release: str = RELEASE,
         binds: list[Path] | None = None,
+        extra_lines: Sequence[str] = (),
     ) -> None:
-        """``nodesets``: one partition each, named after it (the first is the default one)."""
+        """``nodesets``: one partition each, named after it (the first is the default one);
+        ``extra_lines``: more slurm.conf lines (the JWT key's, for slurmrestd)."""
         if not nodesets:
             raise ValueError("a dynamic cluster needs at least one NodeSet")
         super().__init__(
@@ -90,6 +92,7 @@ class DynamicSlurmLab(SlurmLab):
         )
         self.nodesets = [checked_node_name(name) for name in nodesets]
         self._pods_file = self.root / "pods.json"
+        self.extra_lines = list(extra_lines)
 
     def _write_conf(self) -> None:
         lines = [
@@ -98,6 +101,7 @@ class DynamicSlurmLab(SlurmLab):
             "AccountingStorageType=accounting_storage/none",
             f"MaxNodeCount={MAX_NODE_COUNT}",
             "KillWait=5",
+            *self.extra_lines,
         ]
         for index, nodeset in enumerate(self.nodesets):
             lines.append(f"NodeSet={nodeset} Feature={nodeset}")

@@ -6,9 +6,11 @@ every PID is recorded in ``home/lab.json`` so that ``down`` stops exactly what `
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import secrets
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -17,11 +19,23 @@ from pathlib import Path
 from typing import Any
 
 from lab.cluster import stop_all
+from lab.dynamic import DynamicSlurmLab
 from lab.faults import FAULTS_ENV, Effect, GpuFaults
 from lab.kubeapi import inference_workloads, lab_workloads, merge_seeds, node_object, training_node
 from lab.procs import alive, free_port, port_in_use, spawn, stop, wait_for
 from lab.prometheus import prometheus_installed, start_prometheus
+from lab.slinkylab import (
+    FLAVORS,
+    SLINKY_RELEASE,
+    cluster_objects,
+    create_objects,
+    nodeset_name,
+    nodeset_pods,
+    slinky_nodes,
+    write_jwt_key,
+)
 from lab.slurm import SlurmLab, SlurmLabSpec
+from lab.slurmrest import jwt_lines, slurmrestd_installed, start_slurmrestd
 from lab.slurmroots import DEFAULT_RELEASE, LAB_SLURM_ENV, RootError, install_for, release
 from models.xid import xid_catalog
 from starters.server import dev_server_argv
@@ -56,6 +70,9 @@ class LabConfig:
     # The Slurm release the lab runs (lab/slurmroots.py): the host's 22.05, or 24.11 or 26.05 in
     # a cached Debian root; $GPUFLEET_LAB_SLURM sets the default (any test's lab on another release).
     slurm: str = field(default_factory=lambda: os.environ.get(LAB_SLURM_ENV) or DEFAULT_RELEASE)
+    # default: static Slurm nodes named after the Kubernetes nodes; slinky: a Slinky cluster's
+    # objects in the API, its NodeSet's pods as dynamic Slurm 26.05 nodes, slurmrestd (lab/slinkylab.py).
+    flavor: str = "default"
 
 
 def _runs(services: dict[str, Any], name: str) -> bool:
@@ -75,6 +92,20 @@ class FleetLab:
         self.config = (
             LabConfig(**saved["config"]) if saved.get("config") and config is None else (config or LabConfig())
         )
+        if self.config.flavor not in FLAVORS:
+            raise LabError(f"no lab flavor {self.config.flavor!r}; choose one of {', '.join(FLAVORS)}")
+        if self.slinky and self.config.slurm != SLINKY_RELEASE:
+            raise LabError(f"the slinky flavor runs Slurm {SLINKY_RELEASE}, not {self.config.slurm}")
+        self.slurm: SlurmLab
+        if self.slinky:
+            self.slurm = DynamicSlurmLab(
+                self.home / "slurm",
+                [self.partition],
+                release=SLINKY_RELEASE,
+                binds=[self.home],
+                extra_lines=jwt_lines(self.jwt_key_file),
+            )
+            return
         self.slurm = SlurmLab(
             self.home / "slurm",
             SlurmLabSpec(
@@ -88,6 +119,20 @@ class FleetLab:
             # The jobs' checkpoints and logs, and the nodes' GPU faults, live under the home.
             binds=[self.home],
         )
+
+    @property
+    def slinky(self) -> bool:
+        return self.config.flavor == "slinky"
+
+    @property
+    def partition(self) -> str:
+        """The training partition: the config's, or on the slinky flavor its NodeSet's (named after it)."""
+        return nodeset_name(self.config.cluster, self.config.partition) if self.slinky else self.config.partition
+
+    @property
+    def jwt_key_file(self) -> Path:
+        """The slinky flavor's JWT key, which slurmctld, slurmrestd and the worker share."""
+        return self.home / "slurm" / "jwt.key"
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -106,7 +151,8 @@ class FleetLab:
 
     def running(self) -> bool:
         state = self._load()
-        return bool(state) and all(alive(pid) for pid in self.recorded_pids())
+        # After lab down the state keeps only the config: nothing runs.
+        return bool(state.get("services")) and all(alive(pid) for pid in self.recorded_pids())
 
     def slurm_release(self) -> dict[str, Any]:
         """The Slurm the lab runs: its release, full version and where it runs from."""
@@ -128,7 +174,7 @@ class FleetLab:
             **os.environ,
             "GPUFLEET_HOME": str(self.home),
             "GPUFLEET_CLUSTER": self.config.cluster,
-            "GPUFLEET_PARTITION": self.config.partition,
+            "GPUFLEET_PARTITION": self.partition,
             "GPUFLEET_SLURM_CONF": str(self.slurm.conf),
             # One policy file for the detectors and the worker: Xid overrides and the worker's grace.
             "GPUFLEET_POLICY_FILE": str(self.policy_file),
@@ -171,6 +217,12 @@ class FleetLab:
             raise LabError(
                 f"the lab runs Slurm {saved}; stop it first (gpufleet lab down) to run Slurm {self.config.slurm}"
             )
+        flavor = state.get("config", {}).get("flavor", "default")
+        if services and self.running() and flavor != self.config.flavor:
+            raise LabError(
+                f"the lab runs the {flavor} flavor; stop it first (gpufleet lab down) "
+                f"to run the {self.config.flavor} one"
+            )
         state["config"] = asdict(self.config)
         self.home.mkdir(parents=True, exist_ok=True)
         self._write_policy()
@@ -209,13 +261,29 @@ class FleetLab:
         else:
             if down:
                 say(f"Slurm's {', '.join(down)} down: starting it afresh")
-            say(
-                f"starting Slurm: partition {self.config.partition} = {', '.join(self.config.training)}; "
-                f"spares {', '.join(self.config.spares)}"
-            )
+            if self.slinky:
+                say(f"starting Slurm: NodeSet partition {self.partition}, its nodes the NodeSet's pods (slurmd -Z)")
+            else:
+                say(
+                    f"starting Slurm: partition {self.config.partition} = {', '.join(self.config.training)}; "
+                    f"spares {', '.join(self.config.spares)}"
+                )
             if self.slurm.pids():
                 self.slurm.stop()  # a partial cluster from an earlier run
             self.faults.clear_all()  # fresh nodes: no GPU fault stands
+            if self.slinky:
+                missing = slurmrestd_installed(install)
+                if missing:
+                    raise LabError(missing)
+                if not self.jwt_key_file.exists():
+                    write_jwt_key(self.jwt_key_file)
+                # slurmrestd reads a copy of slurm.conf, and the worker its URL: both start again.
+                for name in ("worker", "slurmrestd"):
+                    if name in services:
+                        gone = services.pop(name)
+                        stop([gone["pid"]])
+                        if "folder" in gone:
+                            shutil.rmtree(gone["folder"], ignore_errors=True)
             self.slurm.start()
 
         if running("kubeapi"):
@@ -253,6 +321,8 @@ class FleetLab:
             self._save({**state, "services": services})
 
         self._start_shared_pool(state, services, say)
+        if self.slinky:
+            self._start_slinky(state, services, say)
 
         started: list[Path] = []
         for node in self.all_nodes:
@@ -278,6 +348,7 @@ class FleetLab:
                 "GPUFLEET_REAPER_SECONDS": LAB_REAPER_SECONDS,
                 "GPUFLEET_METRICS_PORT": str(metrics_port),
                 "GPUFLEET_METRICS_BIND": "127.0.0.1",
+                **self._worker_slurm_env(services),
             }
             pid = spawn(
                 [sys.executable, "-m", "workers.entry", "worker"], log=logs / "worker.log", env=env, cwd=REPO_ROOT
@@ -287,10 +358,61 @@ class FleetLab:
             time.sleep(1.0)
             if not alive(pid):
                 raise LabError(f"the worker exited at once; see {logs / 'worker.log'}")
-            say(f"worker running on task queue gpufleet-{self.config.cluster}")
+            backend = f" (Slurm through slurmrestd {services['slurmrestd']['url']})" if self.slinky else ""
+            say(f"worker running on task queue gpufleet-{self.config.cluster}{backend}")
         state = {**state, "services": services}
         self._save(state)
         return state
+
+    def _worker_slurm_env(self, services: dict[str, Any]) -> dict[str, str]:
+        """On the slinky flavor the worker reaches Slurm through slurmrestd (API v0.0.45), with
+        the cluster's JWT key."""
+        if not self.slinky:
+            return {}
+        return {
+            "GPUFLEET_SLURM_BACKEND": "rest",
+            "GPUFLEET_SLURMRESTD_URL": services["slurmrestd"]["url"],
+            "GPUFLEET_SLURMRESTD_VERSION": "v0.0.45",
+            "GPUFLEET_SLURMRESTD_USER": getpass.getuser(),
+            "GPUFLEET_SLURMRESTD_JWT_KEY_FILE": str(self.jwt_key_file),
+        }
+
+    def _start_slinky(self, state: dict[str, Any], services: dict[str, Any], say: Say) -> None:
+        """The Slinky cluster's objects, the operator stand-in running its NodeSet's pods (each a
+        slurmd -Z named after it), and slurmrestd; returns once every pod runs and its Slurm node is idle."""
+        api = services["kubeapi"]["url"]
+        replicas = len(self.config.training)
+        objects = cluster_objects(self.config.cluster, self.config.partition, replicas, self.jwt_key_file.read_bytes())
+        create_objects(api, objects)
+        names = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in objects if o["kind"] != "Namespace")
+        say(f"Slinky cluster {self.config.cluster} in namespace slurm-{self.config.cluster}: {names}")
+        if not _runs(services, "operator"):
+            pid, _ = self._start_module(
+                "operator",
+                ["--api", api, "--slurm-root", str(self.slurm.root), "--bind", str(self.home)],
+                what="the lab's NodeSet controller",
+            )
+            services["operator"] = {"pid": pid}
+            self._save({**state, "services": services})
+
+        def ready() -> bool:
+            pods = nodeset_pods(api, self.config.cluster, self.partition)
+            running = [p for p in pods.values() if (p.get("status") or {}).get("phase") == "Running"]
+            if len(running) < replicas:
+                return False
+            states = {n.name: n.state for n in self.slurm.client().nodes()}
+            return all(states.get(name) == "idle" for name in pods)
+
+        wait_for(ready, timeout=120, what=f"NodeSet {self.partition}'s pods to run and their Slurm nodes to be idle")
+        pods = nodeset_pods(api, self.config.cluster, self.partition)
+        placed = ", ".join(f"{name} on {pod['spec']['nodeName']}" for name, pod in sorted(pods.items()))
+        say(f"NodeSet {self.partition}: {replicas} pods, each a slurmd -Z: {placed}")
+        if not _runs(services, "slurmrestd"):
+            restd = start_slurmrestd(self.slurm)
+            services["slurmrestd"] = {"pid": restd.pid, "url": restd.url, "folder": str(restd.folder)}
+            self._save({**state, "services": services})
+            secret = f"slurm-{self.config.cluster}/{self.config.cluster}-jwt-key"
+            say(f"slurmrestd on {restd.url} (its JWT key in Secret {secret})")
 
     def _start_shared_pool(self, state: dict[str, Any], services: dict[str, Any], say: Say) -> None:
         """What a shared training/inference pool needs around the API: the ReplicaSet controller
@@ -431,8 +553,11 @@ class FleetLab:
         return port
 
     def _kube_seed(self) -> dict[str, Any]:
-        nodes = [training_node(n) for n in self.config.training]
-        nodes += [node_object(n, pool="spare") for n in self.config.spares]
+        if self.slinky:  # training nodes eligible for the NodeSet, spares not
+            nodes = slinky_nodes(self.config.cluster, self.config.partition, self.config.training, self.config.spares)
+        else:
+            nodes = [training_node(n) for n in self.config.training]
+            nodes += [node_object(n, pool="spare") for n in self.config.spares]
         nodes += [node_object(n, pool="inference") for n in self.config.inference]
         nodes += [node_object(n, pool="free") for n in self.config.free]
         every = [*self.config.training, *self.config.spares, *self.config.inference, *self.config.free]
@@ -454,10 +579,22 @@ class FleetLab:
         if detectors:
             say("stopping the detectors")
             stop(detectors)
-        for name in ("worker", "prometheus", "loadgen", "scheduler", "jobrunner", "webhook", "kubeapi"):
+        for name in (
+            "worker",
+            "slurmrestd",
+            "operator",
+            "prometheus",
+            "loadgen",
+            "scheduler",
+            "jobrunner",
+            "webhook",
+            "kubeapi",
+        ):
             if name in services:
                 say(f"stopping {name}")
                 stop([services[name]["pid"]])
+        if "slurmrestd" in services:
+            shutil.rmtree(services["slurmrestd"]["folder"], ignore_errors=True)
         for root in stop_all(self.home):
             say(f"stopped cluster {root.name} (its Slurm daemons and worker)")
         say("stopping Slurm")

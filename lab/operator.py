@@ -33,7 +33,7 @@ The lab has no kubelet: a bound pod is Running and Ready at once. A pod-cordon t
 for a cordoned node or a scale-in is marked with ``lab.gpufleet.io/cordoned-by`` so that it
 undoes only its own.
 
-Run it as ``python -m lab.operator --api URL --slurm-root DIR [--ready-file F]``.
+Run it as ``python -m lab.operator --api URL --slurm-root DIR [--bind DIR] [--ready-file F]``.
 """
 
 from __future__ import annotations
@@ -647,8 +647,11 @@ def main() -> None:
     parser.add_argument("--api", required=True, help="the emulated Kubernetes API's URL")
     parser.add_argument("--slurm-root", required=True, type=Path, help="the DynamicSlurmLab's root (started)")
     parser.add_argument("--ready-file", type=Path, help="written once it polls")
+    parser.add_argument(
+        "--bind", type=Path, action="append", default=[], help="a folder the slurmd see (the jobs' files), repeatable"
+    )
     args = parser.parse_args()
-    slurm = DynamicSlurmLab(args.slurm_root, nodesets_of(args.slurm_root / "slurm.conf"))
+    slurm = DynamicSlurmLab(args.slurm_root, nodesets_of(args.slurm_root / "slurm.conf"), binds=args.bind)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with httpx.Client(base_url=args.api, timeout=10) as http:

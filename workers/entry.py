@@ -38,7 +38,13 @@ def worker() -> None:
     namespace and TLS from Temporal's env-config (TEMPORAL_ADDRESS, profiles).
     """
     from clients.errors import ClientError, Unavailable
-    from workers.main import BackendNotInstalled, backend_factories, run_worker, slurm_from_settings
+    from workers.main import (
+        BackendNotInstalled,
+        backend_factories,
+        run_worker,
+        slurm_backend_said,
+        slurm_from_settings,
+    )
     from workers.metrics import install_metrics
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -52,6 +58,7 @@ def worker() -> None:
     try:
         # Before anything else: a Slurm backend that cannot serve the worker stops it, saying why.
         checked = slurm_from_settings(settings)
+        logging.getLogger("gpufleet.worker").info("Slurm backend %s", slurm_backend_said(settings, checked))
         close = getattr(checked, "close", None)
         if callable(close):
             close()  # the worker builds its own; this one only proved the backend serves it

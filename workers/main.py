@@ -221,6 +221,14 @@ def slurm_from_settings(settings: Settings) -> SlurmClient:
     return slurm
 
 
+def slurm_backend_said(settings: Settings, slurm: object) -> str:
+    """The Slurm backend in a few words, for the worker's log: ``cli``, or ``rest`` with
+    slurmrestd's URL and the API version in use (never its key or token)."""
+    if settings.slurm_backend != "rest":
+        return settings.slurm_backend
+    return f"rest ({settings.slurmrestd_url}, API {getattr(slurm, 'version', settings.slurmrestd_version or '?')})"
+
+
 def build_clients(settings: Settings, *, slurm: SlurmClient | None = None) -> Clients:
     """The worker's clients from the settings; ``slurm`` in place of the one they name (the scale
     bench's simulated Slurm, bench/simulated_worker.py)."""
