@@ -63,6 +63,11 @@ class PodRef(BaseModel):
     namespace: str
     name: str
     owner_kind: str = ""
+    owner_name: str = ""  # the controller that owns it (a NodeSet's name for a Slinky worker pod)
+    uid: str = ""  # this pod's, not a successor's under the same name
+    node: str = ""  # spec.nodeName ("" while Pending)
+    labels: dict[str, str] = Field(default_factory=dict)
+    ready: bool = False  # its Ready condition is True
     phase: str = ""  # Pending, Running, Succeeded, Failed
     terminating: bool = False  # deleted (or evicted), and not gone yet
     tolerations: list[dict[str, str]] = Field(default_factory=list)  # key, operator, value, effect
@@ -109,6 +114,8 @@ class KubeClient(Protocol):
         resource_version: str | None = None,
     ) -> KubeNode: ...
     def pods_on_node(self, name: str) -> list[PodRef]: ...
+    def find_pod(self, namespace: str, name: str) -> PodRef | None: ...
+    def get_nodeset(self, namespace: str, name: str) -> dict[str, Any]: ...
     def evict(
         self, pod: PodRef, *, timeout_seconds: float, progress: Progress | None = None, force: bool = True
     ) -> str: ...
@@ -161,6 +168,34 @@ def _node(raw: dict[str, Any]) -> KubeNode:
             for t in spec.get("taints") or []
         ],
         boot_id=(status.get("nodeInfo") or {}).get("bootID") or "",
+    )
+
+
+def _pod_ref(item: Any) -> PodRef:
+    """A Pod as the client's model has it, as gpufleet reads it."""
+    owners = item.metadata.owner_references or []
+    owner = next((o for o in owners if o.controller), owners[0] if owners else None)
+    status = item.status
+    return PodRef(
+        namespace=item.metadata.namespace,
+        name=item.metadata.name,
+        owner_kind=owner.kind if owner else "",
+        owner_name=owner.name if owner else "",
+        uid=item.metadata.uid or "",
+        node=(item.spec.node_name if item.spec else None) or "",
+        labels=dict(item.metadata.labels or {}),
+        ready=any(c.type == "Ready" and c.status == "True" for c in ((status.conditions if status else None) or [])),
+        phase=(status.phase if status else "") or "",
+        terminating=item.metadata.deletion_timestamp is not None,
+        tolerations=[
+            {
+                "key": t.key or "",
+                "operator": t.operator or "Equal",
+                "value": t.value or "",
+                "effect": t.effect or "",
+            }
+            for t in ((item.spec.tolerations if item.spec else None) or [])
+        ],
     )
 
 
@@ -331,28 +366,34 @@ class KubernetesApi:
             self._api.list_pod_for_all_namespaces,
             field_selector=f"spec.nodeName={name}",
         )
-        pods = []
-        for item in result.items:
-            owners = item.metadata.owner_references or []
-            pods.append(
-                PodRef(
-                    namespace=item.metadata.namespace,
-                    name=item.metadata.name,
-                    owner_kind=owners[0].kind if owners else "",
-                    phase=(item.status.phase if item.status else "") or "",
-                    terminating=item.metadata.deletion_timestamp is not None,
-                    tolerations=[
-                        {
-                            "key": t.key or "",
-                            "operator": t.operator or "Equal",
-                            "value": t.value or "",
-                            "effect": t.effect or "",
-                        }
-                        for t in ((item.spec.tolerations if item.spec else None) or [])
-                    ],
-                )
-            )
-        return pods
+        return [_pod_ref(item) for item in result.items]
+
+    def find_pod(self, namespace: str, name: str) -> PodRef | None:
+        """The pod of that name now (a successor under the same name has another ``uid``); None
+        when there is none. Listed by name rather than read: the worker lists pods, never reads one."""
+        namespace = checked_namespace(namespace)
+        result = self._call(
+            f"find pod {namespace}/{name}",
+            self._api.list_namespaced_pod,
+            namespace,
+            field_selector=f"metadata.name={name}",
+        )
+        found = [_pod_ref(item) for item in result.items if item.metadata.name == name]
+        return found[0] if found else None
+
+    def get_nodeset(self, namespace: str, name: str) -> dict[str, Any]:
+        """A Slinky NodeSet (``slinky.slurm.net/v1beta1``) as the API server has it; NotFound when none."""
+        namespace = checked_namespace(namespace)
+        found: dict[str, Any] = self._call(
+            f"read NodeSet {namespace}/{name}",
+            self._custom.get_namespaced_custom_object,
+            "slinky.slurm.net",
+            "v1beta1",
+            namespace,
+            "nodesets",
+            name,
+        )
+        return found
 
     def evict(
         self, pod: PodRef, *, timeout_seconds: float, progress: Progress | None = None, force: bool = True
@@ -361,9 +402,15 @@ class KubernetesApi:
         raise TooManyRequests: the PodDisruptionBudget is kept.
 
         Returns:
-            ``"evicted"``, ``"deleted"`` (forced after the deadline) or ``"gone"``.
+            ``"evicted"``, ``"deleted"`` (forced after the deadline) or ``"gone"`` (no such pod, or,
+            when ``pod.uid`` is known, only a successor of that name).
         """
-        body = k8s.V1Eviction(metadata=k8s.V1ObjectMeta(name=pod.name, namespace=pod.namespace))
+        # With the pod's UID as a precondition: a successor under the same name (a NodeSet's pod
+        # recreated while this retried) is never the one evicted; the API server answers 409.
+        preconditions = k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=pod.uid)) if pod.uid else None
+        body = k8s.V1Eviction(
+            metadata=k8s.V1ObjectMeta(name=pod.name, namespace=pod.namespace), delete_options=preconditions
+        )
         deadline = time.monotonic() + timeout_seconds
         while True:
             try:
@@ -377,6 +424,10 @@ class KubernetesApi:
                 return "evicted"
             except NotFound:
                 return "gone"
+            except Conflict:
+                if not pod.uid:
+                    raise
+                return "gone"  # the UID differs: the pod meant is gone, another has its name
             except TooManyRequests:
                 if time.monotonic() >= deadline:
                     if not force:

@@ -50,6 +50,8 @@ REMEDIATION = {
     "remove_taint",
     "update_metadata",
     "pods_on_node",
+    "find_pod",
+    "get_nodeset",
     "evict",
     "create_job",
     "job_state",
@@ -215,6 +217,17 @@ def seed(cluster: str) -> dict[str, list[dict[str, Any]]]:
             for n in ("serving", "db", cluster_namespace(cluster))
         ],
         "pods": [_pod("inference-a", "gpu1", {"app": "inference"}), _pod("batch-a", "gpu1", {"app": "batch"})],
+        "nodesets": [
+            {
+                "apiVersion": "slinky.slurm.net/v1beta1",
+                "kind": "NodeSet",
+                "metadata": {"name": f"{cluster}-train", "namespace": cluster_namespace(cluster)},
+                "spec": {
+                    "controllerRef": {"name": cluster},
+                    "template": {"spec": {"nodeSelector": {"gpufleet.io/cluster": cluster}}},
+                },
+            }
+        ],
         "pdbs": [
             {
                 "apiVersion": "policy/v1",
@@ -316,6 +329,12 @@ def drive_remediation(kube: KubernetesApi, worker: Deployed) -> set[str]:
     assert kube.evict(pods["batch-a"], timeout_seconds=5) == "evicted"
     assert kube.evict(pods["inference-a"], timeout_seconds=0.2) == "deleted"
     assert kube.evict(PodRef(namespace="serving", name="batch-a"), timeout_seconds=5) == "gone"
+    # On Slinky: a Slurm node's pod found again by name after its eviction (on the spare, under the
+    # same name), and the NodeSet read for the labels that make a spare eligible.
+    assert kube.find_pod("serving", "batch-a") is None
+    assert kube.find_pod("serving", "inference-a") is None
+    nodeset = kube.get_nodeset(cluster_namespace(worker.cluster), f"{worker.cluster}-train")
+    assert nodeset["spec"]["template"]["spec"]["nodeSelector"] == {"gpufleet.io/cluster": worker.cluster}
     # The partition edited under its Lease; then another worker takes it and holds it long enough to renew it.
     spares = SparePool(
         kube=kube,
@@ -354,6 +373,8 @@ def drive_remediation(kube: KubernetesApi, worker: Deployed) -> set[str]:
         "add_taint",
         "update_metadata",
         "pods_on_node",
+        "find_pod",
+        "get_nodeset",
         "evict",
         "lease",
         "create_job",
