@@ -76,7 +76,8 @@ def reap() -> None:
 
 
 def stop(pids: list[int], *, timeout: float = 10.0) -> None:
-    """SIGTERM each process group, then SIGKILL whatever is left after ``timeout``."""
+    """SIGTERM each process group, then SIGKILL whatever is left after ``timeout``, and wait
+    (a few seconds at most) until the killed ones are gone."""
     for pid in pids:
         for send in (os.killpg, os.kill):
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -90,7 +91,15 @@ def stop(pids: list[int], *, timeout: float = 10.0) -> None:
             for send in (os.killpg, os.kill):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     send(pid, signal.SIGKILL)
+    deadline = time.monotonic() + KILLED_GONE_SECONDS
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        reap()
+        time.sleep(0.05)
     reap()
+
+
+# How long a SIGKILLed process may take to be gone (its exit is the kernel's, but not instant).
+KILLED_GONE_SECONDS = 5.0
 
 
 def pids_with_env(name: str, value: str) -> list[int]:

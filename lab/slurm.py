@@ -380,6 +380,8 @@ class SlurmLab:
         # release's slurmstepd clears it but keeps its node's log open.
         roots = [install.root] if install is not None and install.root is not None else []
         stop(sorted({*pids_with_env("SLURM_CONF", str(self.conf)), *pids_holding(self.root, roots)}), timeout=3)
+        # A step its slurmd was starting as it stopped opens the node's log only then: once more.
+        stop(pids_holding(self.root, roots), timeout=3)
         stop([pid for name, pid in pids.items() if name == "munged"])
         if self._pids_file.exists():
             self._pids_file.unlink()

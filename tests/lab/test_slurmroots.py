@@ -262,9 +262,11 @@ def test_stopping_a_cluster_spares_the_hosts_readers_and_uses_the_release_it_sta
     reader = subprocess.Popen(["tail", "-f", str(slurm.logs / "slurmctld.log")], stdout=subprocess.DEVNULL)
     try:
         script = tmp_path / "sleep.sh"
-        script.write_text("#!/bin/sh\nsleep 300\n")
-        job = slurm.sbatch(script, "-o", str(tmp_path / "job.out"))
-        wait_for(lambda: slurm.client().job(job).state == "RUNNING", timeout=30, what="the job to run")
+        script.write_text("#!/bin/sh\necho started\nsleep 300\n")
+        out = tmp_path / "job.out"
+        job = slurm.sbatch(script, "-o", str(out))
+        # Running on its node: its step wrote its first line (its slurmstepd is up, files open).
+        wait_for(lambda: out.exists() and "started" in out.read_text(), timeout=30, what=f"job {job} to start")
         # Stopped by a process whose default is another release: the cluster's own file says 26.05.
         SlurmLab(tmp_path / "c", release="22.05").stop()
         assert reader.poll() is None  # a reader of its log on the host is not the cluster's
