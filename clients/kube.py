@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
@@ -197,6 +197,20 @@ def _pod_ref(item: Any) -> PodRef:
             for t in ((item.spec.tolerations if item.spec else None) or [])
         ],
     )
+
+
+T = TypeVar("T")
+
+
+def retry_conflicts(write: Callable[[], T], *, attempts: int) -> T:
+    """Run a read-modify-write guarded by a resourceVersion again (from a fresh read) while it
+    loses races to other writers, ``attempts`` times in all."""
+    for _ in range(attempts - 1):
+        try:
+            return write()
+        except Conflict:
+            continue
+    return write()
 
 
 def lease_name(text: str) -> str:

@@ -22,12 +22,11 @@ and writes with the resourceVersion it read wherever it replaces what someone el
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from clients.errors import ClientError, Conflict, InvalidInput, TooManyRequests
-from clients.kube import KubeNode, KubernetesApi, PodRef
+from clients.errors import ClientError, InvalidInput, TooManyRequests
+from clients.kube import KubeNode, KubernetesApi, PodRef, retry_conflicts
 from models.constants import POOL_LABEL
 
 PREFIX = "nodeset.slinky.slurm.net/"
@@ -44,8 +43,6 @@ ELIGIBLE_ANNOTATION = "gpufleet.io/nodeset-eligibility"
 POOL_TAINT = POOL_LABEL
 POOL_TAINT_VALUE = "training"
 _CONFLICT_RETRIES = 5
-
-T = TypeVar("T")
 
 
 def cordon_reason(incident_id: str) -> str:
@@ -120,16 +117,6 @@ class EligibilityResult:
     kept: dict[str, str] = field(default_factory=dict)  # selector labels left, not gpufleet's to remove
 
 
-def _retry_conflicts(write: Callable[[], T]) -> T:
-    """A write guarded by the resourceVersion it read, again from a fresh read while others win."""
-    for _ in range(_CONFLICT_RETRIES - 1):
-        try:
-            return write()
-        except Conflict:
-            continue
-    return write()
-
-
 def _as_nodeset_pod(pod: PodRef) -> NodeSetPod:
     return NodeSetPod.model_validate(pod.model_dump())
 
@@ -187,7 +174,7 @@ class NodeSets:
                 node, annotations={NODE_CORDON_REASON: wanted}, resource_version=current.resource_version
             )
 
-        current = _retry_conflicts(annotate)
+        current = retry_conflicts(annotate, attempts=_CONFLICT_RETRIES)
         if not current.unschedulable:
             current = self._kube.set_unschedulable(node, True)
             changed = True
@@ -294,9 +281,11 @@ class NodeSets:
                 resource_version=current.resource_version,
             )
 
-        current = _retry_conflicts(label)
+        current = retry_conflicts(label, attempts=_CONFLICT_RETRIES)
         if wants_taint and not any(t["key"] == POOL_TAINT for t in current.taints):
-            _retry_conflicts(lambda: self._kube.add_taint(spare, key=POOL_TAINT, value=POOL_TAINT_VALUE))
+            retry_conflicts(
+                lambda: self._kube.add_taint(spare, key=POOL_TAINT, value=POOL_TAINT_VALUE), attempts=_CONFLICT_RETRIES
+            )
             taint_said = "added"
         return EligibilityResult(spare, nodeset.key, selector, changed=added, taint=taint_said)
 
@@ -344,7 +333,7 @@ class NodeSets:
                 resource_version=current.resource_version,
             )
 
-        _retry_conflicts(unlabel)
+        retry_conflicts(unlabel, attempts=_CONFLICT_RETRIES)
         taint_said = ""
         if drop_taint:
             self._kube.remove_taint(node, key=POOL_TAINT)
@@ -361,7 +350,7 @@ class NodeSets:
                     resource_version=current.resource_version,
                 )
 
-            _retry_conflicts(forget)
+            retry_conflicts(forget, attempts=_CONFLICT_RETRIES)
         return EligibilityResult(node, nodeset.key, selector, changed=removed, taint=taint_said, kept=kept)
 
     # -- coming back ----------------------------------------------------------------------------------

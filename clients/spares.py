@@ -9,12 +9,11 @@ import os
 import secrets
 import socket
 import zlib
-from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 from clients.errors import Conflict, InvalidInput, LastNodeOfPartition, NotFound, NotOwned
-from clients.kube import KubeClient, KubeNode, checked_namespace, lease_name
+from clients.kube import KubeClient, KubeNode, checked_namespace, lease_name, retry_conflicts
 from clients.slurm import SlurmClient, owned_reason
 from models.constants import (
     CLAIM_LABEL,
@@ -41,7 +40,6 @@ from models.names import label_value
 
 log = logging.getLogger("gpufleet.spares")
 
-T = TypeVar("T")
 
 # Conflicts (someone else wrote the Node between our read and our write) are retried this often.
 _ATTEMPTS = 10
@@ -88,16 +86,6 @@ def default_holder() -> str:
 def partition_lease_name(partition: str) -> str:
     """The Lease that serialises every edit of ``partition``'s membership, in every worker process."""
     return lease_name(f"gpufleet-partition-{partition}")
-
-
-def _retry_conflicts(write: Callable[[], T]) -> T:
-    """Run a read-modify-write guarded by a resourceVersion again while it loses races."""
-    for _ in range(_ATTEMPTS - 1):
-        try:
-            return write()
-        except Conflict:
-            continue
-    return write()
 
 
 class SparePool:
@@ -405,7 +393,7 @@ class SparePool:
         with contextlib.suppress(NotFound):
             self._kube.set_unschedulable(node, True)
             value = label_value(incident_id or POOL_RETIRED)  # a taint's value is a label value
-            _retry_conflicts(lambda: self._kube.add_taint(node, key=RETIRED_TAINT, value=value))
+            retry_conflicts(lambda: self._kube.add_taint(node, key=RETIRED_TAINT, value=value), attempts=_ATTEMPTS)
             current = self._kube.get_node(node)
             if (
                 current.labels.get(POOL_LABEL) != POOL_RETIRED
@@ -511,7 +499,7 @@ class SparePool:
                 self.add_to_partition(node, partition=partition)
         with contextlib.suppress(NotFound):
             for taint in (RETIRED_TAINT, UNHEALTHY_TAINT):
-                _retry_conflicts(functools.partial(self._kube.remove_taint, node, key=taint))
+                retry_conflicts(functools.partial(self._kube.remove_taint, node, key=taint), attempts=_ATTEMPTS)
             self._kube.update_metadata(
                 node,
                 labels={POOL_LABEL: as_, CLAIM_LABEL: None},
