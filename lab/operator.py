@@ -44,6 +44,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -640,6 +641,21 @@ class Operator:
 def nodesets_of(conf: Path) -> list[str]:
     """The NodeSets a dynamic cluster's slurm.conf declares (``NodeSet=<name> Feature=...``)."""
     return re.findall(r"^NodeSet=(\S+)", conf.read_text(), flags=re.MULTILINE)
+
+
+def start(api_url: str, cluster: DynamicSlurmLab, *, ready_file: Path, log: Path) -> subprocess.Popen[bytes]:
+    """This stand-in as a process of its own for ``cluster``, its output in ``log``; it writes
+    ``ready_file`` once it reconciles (the caller waits for it)."""
+    repo = Path(__file__).resolve().parents[1]
+    argv = [sys.executable, "-m", "lab.operator", "--api", api_url, "--slurm-root", str(cluster.root)]
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [*argv, "--ready-file", str(ready_file)],
+            cwd=repo,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**cluster.env, "PYTHONPATH": str(repo)},
+        )
 
 
 def main() -> None:

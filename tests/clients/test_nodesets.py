@@ -8,7 +8,6 @@ import functools
 import json
 import re
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,10 +27,11 @@ from clients.nodesets import (
     NotEligible,
 )
 from lab.kubeapi import node_object
+from lab.operator import start as start_operator
 from lab.procs import wait_for
 from lab.slurmroots import root_unavailable
 from models.slinky import API
-from tests.conftest import REPO, KubeApiProcess
+from tests.conftest import KubeApiProcess
 
 NS = "slurm-research"
 SELECTOR = {"gpufleet.io/cluster": "research", "gpufleet.io/partition": "train"}
@@ -364,24 +364,7 @@ def operated(tmp_path: Path) -> Iterator[tuple[KubernetesApi, Any, Path]]:
         with httpx.Client(base_url=api.url, timeout=10) as http:
             http.post(f"/apis/{API}/namespaces/{NS}/nodesets", json=body).raise_for_status()
         ready = tmp_path / "operator.ready"
-        with open(log, "wb") as out:
-            operator = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "lab.operator",
-                    "--api",
-                    api.url,
-                    "--slurm-root",
-                    str(cluster.root),
-                    "--ready-file",
-                    str(ready),
-                ],
-                cwd=REPO,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={**cluster.env, "PYTHONPATH": str(REPO)},
-            )
+        operator = start_operator(api.url, cluster, ready_file=ready, log=log)
         wait_for(ready.exists, timeout=20, what="the operator to start")
         yield KubernetesApi(kubeconfig=api.kubeconfig, poll_seconds=0.05), cluster, log
     finally:

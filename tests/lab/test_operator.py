@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +32,12 @@ from lab.operator import (
     place,
     slurm_conditions,
 )
+from lab.operator import start as start_operator
 from lab.procs import wait_for
 from lab.slurmroots import root_unavailable
 from models.incident import NodeInfo
 from models.slinky import API
-from tests.conftest import REPO, KubeApiProcess
+from tests.conftest import KubeApiProcess
 
 RELEASE = "26.05"
 NS = "slurm"
@@ -131,24 +131,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
             for body in (_nodeset("slinky", 2), _nodeset("pinned", 1, pinToNode=True)):
                 http.post(f"/apis/{API}/namespaces/{NS}/nodesets", json=body).raise_for_status()
             ready = base / "operator.ready"
-            with open(log, "wb") as out:
-                operator = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "lab.operator",
-                        "--api",
-                        api.url,
-                        "--slurm-root",
-                        str(cluster.root),
-                        "--ready-file",
-                        str(ready),
-                    ],
-                    cwd=REPO,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env={**cluster.env, "PYTHONPATH": str(REPO)},
-                )
+            operator = start_operator(api.url, cluster, ready_file=ready, log=log)
             wait_for(ready.exists, timeout=20, what="the operator to start")
             yield Env(http, cluster, log)
     finally:
