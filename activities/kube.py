@@ -10,14 +10,17 @@ from clients import nodelease
 from clients.dryrun import dry_run
 from clients.errors import NotFound
 from clients.kube import KubeClient
+from clients.onslinky import SlinkyDrain
 from models.constants import INCIDENT_ANNOTATION, POOL_LABEL, QUARANTINE_LABEL, REMEDIATION_LABEL, UNHEALTHY_TAINT
 from models.names import label_value
 from models.requests import KubeDrainRequest, KubeDrainResult, NodeFacts, NodeLeaseRequest
 
 
 class KubeActivities:
-    def __init__(self, kube: KubeClient) -> None:
+    def __init__(self, kube: KubeClient, *, slinky: SlinkyDrain | None = None) -> None:
         self._kube = kube
+        # On Slinky: a node hosting NodeSet pods is drained the operator's way (clients/onslinky.py).
+        self._slinky = slinky
 
     @activity.defn(name="kube_node_facts")
     @heartbeating
@@ -53,8 +56,8 @@ class KubeActivities:
     @activity.defn(name="cordon_and_drain_node")
     @heartbeating
     def cordon_and_drain(self, request: KubeDrainRequest) -> KubeDrainResult:
-        """Cordon, taint and evict every pod but DaemonSet pods; force past the eviction deadline.
-        A dry run answers with the pods it would evict."""
+        """Cordon, taint and evict every pod but DaemonSet pods; force past the eviction deadline
+        (on Slinky, never a NodeSet pod). A dry run answers with the pods it would evict."""
         result = KubeDrainResult()
         with client_errors(), dry_run(request.dry_run):
             if request.dry_run:
@@ -64,6 +67,16 @@ class KubeActivities:
                     return KubeDrainResult(node_found=False)
                 pods = self._kube.pods_on_node(request.node)
                 return KubeDrainResult(evicted=[pod.key for pod in pods if pod.owner_kind != "DaemonSet"])
+            if self._slinky is not None and self._slinky.stands_for_slurm_nodes(request.node):
+                # Cordoned with the incident's reason, out of its NodeSets; NodeSet pods evicted
+                # once they may go, never forced (PodStillProtected ends the incident, saying so).
+                evicted, forced = self._slinky.cordon_and_drain(
+                    request.node,
+                    request.incident_id,
+                    timeout_seconds=request.eviction_timeout_seconds,
+                    progress=activity.heartbeat,
+                )
+                return KubeDrainResult(evicted=evicted, forced=forced)
             try:
                 self._kube.set_unschedulable(request.node, True)
             except NotFound:

@@ -36,6 +36,7 @@ class SpareActivities:
                 retry=retry,
                 pool=request.pool,
                 report_lost=request.report_lost,
+                node=request.node,
             )
 
     @activity.defn(name="release_spare")

@@ -116,6 +116,7 @@ class KubeClient(Protocol):
     def pods_on_node(self, name: str) -> list[PodRef]: ...
     def find_pod(self, namespace: str, name: str) -> PodRef | None: ...
     def get_nodeset(self, namespace: str, name: str) -> dict[str, Any]: ...
+    def list_nodesets(self, namespace: str) -> list[dict[str, Any]]: ...
     def evict(
         self, pod: PodRef, *, timeout_seconds: float, progress: Progress | None = None, force: bool = True
     ) -> str: ...
@@ -408,6 +409,23 @@ class KubernetesApi:
             name,
         )
         return found
+
+    def list_nodesets(self, namespace: str) -> list[dict[str, Any]]:
+        """The Slinky NodeSets of ``namespace``; none when the API server does not serve the
+        NodeSet resource at all (slurm-operator's CRDs not installed)."""
+        namespace = checked_namespace(namespace)
+        try:
+            found: dict[str, Any] = self._call(
+                f"list NodeSets in {namespace}",
+                self._custom.list_namespaced_custom_object,
+                "slinky.slurm.net",
+                "v1beta1",
+                namespace,
+                "nodesets",
+            )
+        except NotFound:
+            return []
+        return list(found.get("items") or [])
 
     def evict(
         self, pod: PodRef, *, timeout_seconds: float, progress: Progress | None = None, force: bool = True

@@ -35,6 +35,8 @@ PREFIX = "nodeset.slinky.slurm.net/"
 NODE_CORDON_REASON = PREFIX + "node-cordon-reason"
 # Set by the operator on a busy pod; its PodDisruptionBudget (maxUnavailable 0) selects it.
 POD_PROTECT = PREFIX + "pod-protect"
+# Set by the operator on each pod: the pod's hostname, which is its Slurm node's name.
+POD_HOSTNAME = PREFIX + "pod-hostname"
 # On a node: the labels (and taint) gpufleet set to make it eligible, by NodeSet, as JSON
 # ``{"<namespace>/<nodeset>": {"labels": {key: value}, "taint": bool}}``; only these are undone.
 ELIGIBLE_ANNOTATION = "gpufleet.io/nodeset-eligibility"
@@ -45,11 +47,19 @@ POOL_TAINT_VALUE = "training"
 _CONFLICT_RETRIES = 5
 
 
+_CORDON_REASON_PREFIX = "gpufleet: incident "
+
+
 def cordon_reason(incident_id: str) -> str:
     """gpufleet's cordon reason: it names the incident (and comes back in Slurm's drain reason)."""
     if not incident_id:
         raise InvalidInput("a cordon for an incident needs the incident's ID")
-    return f"gpufleet: incident {incident_id}"
+    return f"{_CORDON_REASON_PREFIX}{incident_id}"
+
+
+def ours_cordon_reason(reason: str) -> bool:
+    """Whether a ``node-cordon-reason`` is one gpufleet wrote (for any incident)."""
+    return reason.startswith(_CORDON_REASON_PREFIX)
 
 
 class NotEligible(ClientError):
@@ -76,7 +86,9 @@ class NodeSetPod(PodRef):
 
     @property
     def slurm_node(self) -> str:
-        return self.name
+        """Its slurmd's node name: the pod's hostname, which the operator labels it with (the
+        pod's name unless the NodeSet's template names a hostname, then that and the ordinal)."""
+        return self.labels.get(POD_HOSTNAME, "") or self.name
 
     @property
     def protected(self) -> bool:

@@ -68,6 +68,7 @@ class NodeProvider(Protocol):
         retry: bool = False,
         pool: str = POOL_TRAINING,
         report_lost: bool = False,
+        node: str = "",
     ) -> str | None: ...
     def candidate(self) -> str | None: ...
     def release(self, incident_id: str, *, unused_only: bool = False) -> str | None: ...
@@ -242,7 +243,9 @@ class SparePool:
             return self._partition
         return partitions[0]
 
-    def _bring_in(self, spare: KubeNode, partition: str, incident_id: str, pool: str = POOL_TRAINING) -> None:
+    def _bring_in(
+        self, spare: KubeNode, partition: str, incident_id: str, pool: str = POOL_TRAINING, failed: str = ""
+    ) -> None:
         """Resume the claimed spare in Slurm, put it in ``partition`` and the training pool; or,
         for ``pool`` inference, label it for inference and leave Slurm as it is.
 
@@ -298,6 +301,7 @@ class SparePool:
         retry: bool = False,
         pool: str = POOL_TRAINING,
         report_lost: bool = False,
+        node: str = "",
     ) -> str | None:
         """Claim a spare for the incident and bring it into the partition and the training pool
         (``pool`` inference: into the inference pool, for an inference node's replacement).
@@ -320,7 +324,7 @@ class SparePool:
             if spare.name in tried:
                 raise Conflict(f"the claim of {spare.name} for {incident_id} could not be released; retry")
             try:
-                self._bring_in(spare, self._joins(partitions), incident_id, pool)
+                self._bring_in(spare, self._joins(partitions), incident_id, pool, failed=node)
             except _UNFIT_ERRORS as exc:
                 log.warning("spare %s did not come in for %s (%s); releasing it", spare.name, incident_id, exc)
                 tried.add(spare.name)
@@ -390,6 +394,10 @@ class SparePool:
                 # Slurm keeps a partition's last node; drained (by the incident), it runs nothing there.
                 state = self._slurm.node(node)
                 log.warning("%s stays in partition %s (%s; drained: %s)", node, partition, exc, state.drained)
+        self._retire_in_kube(node, incident_id)
+
+    def _retire_in_kube(self, node: str, incident_id: str) -> None:
+        """The Node kept cordoned, tainted gpufleet.io/retired and labelled retired (not deleted)."""
         with contextlib.suppress(NotFound):
             self._kube.set_unschedulable(node, True)
             value = label_value(incident_id or POOL_RETIRED)  # a taint's value is a label value

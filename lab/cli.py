@@ -152,12 +152,6 @@ def drill(
     if job is not None and job not in JOBS:
         fail(f"unknown job {job!r}; choose one of {', '.join(JOBS)}", code=2)
     lab = _lab(home)
-    if lab.slinky:
-        fail(
-            "the drill does not run on the slinky flavor yet: remediation on Slinky (NodeSet pods as Slurm "
-            "nodes) is not wired; use the default flavor (gpufleet lab down; gpufleet lab up --flavor default)",
-            code=2,
-        )
     say = (lambda _: None) if as_json else console.print
     try:
         result = asyncio.run(run_drill(lab, node=node, xid=xid, effect=effect, job_kind=job, timeout=timeout, say=say))

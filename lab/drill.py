@@ -22,6 +22,7 @@ from clients.slurm import SlurmCli
 from lab.faults import FAULTS_ENV, Effect, default_effect
 from lab.fleet import REPO_ROOT, FleetLab, LabError
 from lab.procs import wait_for
+from lab.slinkylab import nodeset_pods
 from models.constants import (
     CLAIMED_BY_ANNOTATION,
     GUARD_RESET_SIGNAL,
@@ -84,6 +85,14 @@ def submit_job(lab: FleetLab, job_kind: str, *sbatch_args: str) -> int:
         FAULTS_ENV: str(lab.faults.folder),
     }
     return lab.slurm.sbatch(script, "-o", str(folder / f"{name}-{stamp}-%j.log"), *sbatch_args, env=env)
+
+
+def pod_hosts(lab: FleetLab) -> dict[str, str]:
+    """On the slinky flavor, the Kubernetes node each NodeSet pod (Slurm node) runs on; else nothing."""
+    if not lab.slinky:
+        return {}
+    pods = nodeset_pods(lab.state()["services"]["kubeapi"]["url"], lab.config.cluster, lab.partition)
+    return {name: (pod.get("spec") or {}).get("nodeName") or "" for name, pod in pods.items()}
 
 
 def running_and_checkpointed(slurm: SlurmCli, job_id: int) -> JobInfo:
@@ -241,14 +250,19 @@ async def run_drill(
     if require_running and not lab.running():
         raise LabError("the lab is not running: start it with `gpufleet lab up`")
     slurm = lab.slurm.client()
+    # On the slinky flavor a Slurm node is a pod, an Xid hits the Kubernetes node under it, and the
+    # incident is keyed on that node: ``hosts`` says where each pod runs (else each is its own).
+    hosts = pod_hosts(lab)
     if node is not None:
         try:
             validate_node_name(node)
         except InvalidName as exc:
             raise LabError(str(exc)) from None
-        members = slurm.partition_nodes(lab.config.partition)
-        if node not in members:
-            raise LabError(f"no node {node!r} in partition {lab.config.partition}; nodes: {', '.join(members)}")
+        members = slurm.partition_nodes(lab.partition)
+        targets = sorted({hosts.get(m, m) for m in members})
+        if node not in targets:
+            where = f"under partition {lab.partition}" if lab.slinky else f"in partition {lab.partition}"
+            raise LabError(f"no node {node!r} {where}; nodes: {', '.join(targets)}")
     free = [
         node.name
         for node in KubernetesApi(kubeconfig=lab.home / "kubeconfig").list_nodes(
@@ -265,9 +279,12 @@ async def run_drill(
         )
     job = training_job(lab, slurm, job_kind=job_kind or default_job(lab), say=say)
     job_nodes = slurm.hostnames(job.nodes)
-    target = node or job_nodes[0]
-    if target not in job_nodes:
+    target = node or hosts.get(job_nodes[0], job_nodes[0])
+    hit = sorted(n for n in job_nodes if hosts.get(n, n) == target)  # the job's Slurm nodes on it
+    if not hit:
         say(f"note: {target} does not run job {job.job_id} (it runs on {job.nodes})")
+    elif lab.slinky:
+        say(f"{target} hosts the job's Slurm node(s) {', '.join(hit)}")
     restarts_before = job.restarts
 
     effect = default_effect(xid) if effect is None else effect
@@ -284,7 +301,7 @@ async def run_drill(
 
     after = slurm.job(job.job_id)
     resumed_from, job_resumed = None, None
-    if target in job_nodes:
+    if hit:
         resumed_from = resumed_step(after, restarts_before) if status.outcome == Outcome.RESOLVED else None
         job_resumed = resumed_from is not None
         if not job_resumed:
@@ -310,5 +327,9 @@ async def run_drill(
         "job_state": after.state,
         "restarts_before": restarts_before,
         "timings_s": timings(status, detected=detected, workflow_start=description.start_time),
+        # Slinky: the job's Slurm nodes the failed node hosted, and where each runs now.
+        **(
+            {"flavor": "slinky", "slurm_nodes_moved": {n: pod_hosts(lab).get(n, "") for n in hit}} if lab.slinky else {}
+        ),
         "steps": steps(status, detected=detected),
     }

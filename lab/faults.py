@@ -41,6 +41,8 @@ from typing import Any, NoReturn
 from models.names import validate_node_name
 
 FAULTS_ENV = "GPUFLEET_LAB_FAULTS"
+# Where the operator stand-in records each pod's Kubernetes node (a dot first: no node is named so).
+PLACEMENT = ".placement.json"
 # Where the ranks record the faults they met (a dot first: no node is named so).
 HITS_FILE = ".hits.jsonl"
 
@@ -191,6 +193,33 @@ class GpuFaults:
 
     def path(self, node: str) -> Path:
         return self.folder / validate_node_name(node)
+
+    # On the slinky flavor a Slurm node is a pod, and a fault is its Kubernetes node's GPU: the
+    # operator stand-in records where each pod runs, and a rank meets the fault of that node.
+    @property
+    def placement_file(self) -> Path:
+        return self.folder / PLACEMENT
+
+    def place(self, hosts: dict[str, str]) -> None:
+        """Record the Kubernetes node each Slurm node (pod) runs on now (kept for others)."""
+        current = self.placement()
+        if all(current.get(k) == v for k, v in hosts.items()):
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.placement_file.with_name(f".placement.tmp.{os.getpid()}")
+        tmp.write_text(json.dumps({**current, **hosts}, sort_keys=True), encoding="utf-8")
+        tmp.replace(self.placement_file)
+
+    def placement(self) -> dict[str, str]:
+        try:
+            data = json.loads(self.placement_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+    def host_of(self, node: str) -> str:
+        """Whose GPU a Slurm node uses: its Kubernetes node's on the slinky flavor, else its own."""
+        return self.placement().get(node, node)
 
     def inject(self, node: str, xid: int, effect: Effect | None = None) -> Fault | None:
         """Give ``node``'s GPU the fault of ``xid`` (its default effect unless ``effect`` says).
@@ -356,11 +385,13 @@ class RankFaults:
     def due(self) -> tuple[Fault, Effect] | None:
         """The fault this rank meets now and what it does: its own node's first, else a peer's
         (which stops it as a collective waiting for that peer would)."""
-        own = self.faults.get(self.node) if self.node else None
+        host = self.faults.host_of(self.node) if self.node else ""
+        own = self.faults.get(host) if host else None
         if own is not None and own.hits(self.started):
             return own, own.effect
         for peer in self.peers:
-            fault = self.faults.get(peer)
+            peer_host = self.faults.host_of(peer)
+            fault = self.faults.get(peer_host) if peer_host != host else None
             if fault is not None and fault.hits(self.started):
                 return fault, Effect.HANG
         return None
@@ -379,7 +410,7 @@ class RankFaults:
                 "node": self.node,
                 "fault_node": fault.node,
                 "xid": fault.xid,
-                "effect": effect.value if fault.node == self.node else "stalled",
+                "effect": effect.value if fault.node in (self.node, self.faults.host_of(self.node)) else "stalled",
                 "step": step,
                 "at": time.time(),
             }

@@ -389,7 +389,16 @@ class FleetLab:
         if not _runs(services, "operator"):
             pid, _ = self._start_module(
                 "operator",
-                ["--api", api, "--slurm-root", str(self.slurm.root), "--bind", str(self.home)],
+                [
+                    "--api",
+                    api,
+                    "--slurm-root",
+                    str(self.slurm.root),
+                    "--bind",
+                    str(self.home),
+                    "--faults",
+                    str(self.faults.folder),
+                ],
                 what="the lab's NodeSet controller",
             )
             services["operator"] = {"pid": pid}

@@ -54,6 +54,7 @@ import httpx
 
 from clients.slurm import parse_node_record
 from lab.dynamic import DynamicSlurmLab
+from lab.faults import GpuFaults
 from lab.scheduler import fits
 from models.incident import NodeInfo
 
@@ -67,6 +68,7 @@ NODE_CORDON_REASON = PREFIX + "node-cordon-reason"
 POD_PROTECT = PREFIX + "pod-protect"
 POD_NAME_LABEL = PREFIX + "pod-name"
 POD_INDEX_LABEL = PREFIX + "pod-index"
+POD_HOSTNAME_LABEL = PREFIX + "pod-hostname"  # its Slurm node's name
 CLUSTER_LABEL = "slinky.slurm.net/cluster"
 # Which of the operator's own causes set a pod's pod-cordon (the lab's bookkeeping, see above).
 CORDONED_BY = "lab.gpufleet.io/cordoned-by"
@@ -320,6 +322,7 @@ def pod_body(nodeset: dict[str, Any], ordinal: int, node: str | None, pod_spec: 
                 CLUSTER_LABEL: controller,
                 POD_NAME_LABEL: name,
                 POD_INDEX_LABEL: str(ordinal),
+                POD_HOSTNAME_LABEL: name,  # the lab's templates name no hostname: the pod's name
             },
             "annotations": dict(template_meta.get("annotations") or {}),
             "ownerReferences": [
@@ -369,10 +372,19 @@ def pdb_body(nodeset: dict[str, Any]) -> dict[str, Any]:
 class Operator:
     """One NodeSet controller over the emulated API and a dynamic Slurm cluster."""
 
-    def __init__(self, http: httpx.Client, slurm: DynamicSlurmLab, *, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        http: httpx.Client,
+        slurm: DynamicSlurmLab,
+        *,
+        log: Callable[[str], None] = print,
+        faults: GpuFaults | None = None,
+    ) -> None:
         self.http = http
         self.slurm = slurm
         self.log = log
+        # The lab's GPU faults: told where each pod runs, so that a rank meets its node's fault.
+        self.faults = faults
         # The pod (by UID) each running slurmd was started for: a new UID is a recreated pod.
         self.started: dict[str, str] = {}
 
@@ -549,6 +561,10 @@ class Operator:
         going = condemned(pods, replicas)
         keep = [p for p in pods if p not in going]
         self._sync_slurmd(name, pods)
+        if self.faults is not None:
+            self.faults.place(
+                {p["metadata"]["name"]: p["spec"]["nodeName"] for p in pods if (p.get("spec") or {}).get("nodeName")}
+            )
         slurm = self._slurm_nodes()
 
         # Drain and Cordon Design.
@@ -666,12 +682,16 @@ def main() -> None:
     parser.add_argument(
         "--bind", type=Path, action="append", default=[], help="a folder the slurmd see (the jobs' files), repeatable"
     )
+    parser.add_argument(
+        "--faults", type=Path, help="the lab's GPU faults folder: where each pod runs is recorded there"
+    )
     args = parser.parse_args()
     slurm = DynamicSlurmLab(args.slurm_root, nodesets_of(args.slurm_root / "slurm.conf"), binds=args.bind)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with httpx.Client(base_url=args.api, timeout=10) as http:
-        operator = Operator(http, slurm, log=lambda line: print(line, flush=True))
+        faults = GpuFaults(args.faults) if args.faults else None
+        operator = Operator(http, slurm, log=lambda line: print(line, flush=True), faults=faults)
         if args.ready_file is not None:
             args.ready_file.write_text(args.api, encoding="utf-8")
         while not stop.is_set():

@@ -138,6 +138,9 @@ class ClaimRequest(BaseModel):
     # released, then: True, the claim fails with SpareLost naming it (the incident says so and
     # claims again); False (incidents before patch spare-claims-checked), the next spare is tried.
     report_lost: bool = False
+    # The failed node ("" before v0.3.0): on Slinky the spare is made eligible for its NodeSets
+    # and the claim waits for its pods to come back there.
+    node: str = ""
     # A release by the cluster's reaper: only a claimed node still labelled a spare (never one
     # the incident already brought into service).
     unused_only: bool = False

@@ -58,6 +58,13 @@ class Settings(BaseSettings):
     # the key or the token itself in the environment). Exactly one of the two.
     slurmrestd_jwt_key_file: Path | None = None
     slurmrestd_token_file: Path | None = None
+    # How a failed node is remediated: "slurm" (its Slurm node is named after it; a spare joins
+    # the partition by an edit) or "slinky" (slurm-operator: its Slurm nodes are NodeSet pods on
+    # it; a spare is made eligible for their NodeSet, no partition is edited). "auto": slinky when
+    # the cluster's namespace (slinky_namespace) holds NodeSets, read once at the worker's start.
+    remediation_mode: Literal["auto", "slurm", "slinky"] = "auto"
+    # The namespace of the cluster's slurm-operator objects; empty: slurm-<cluster>.
+    slinky_namespace: str = ""
     kubeconfig: Path | None = None
     # Where gpufleet keeps its Leases (one per Slurm partition, serialising membership edits).
     namespace: str = "gpufleet"

@@ -52,6 +52,7 @@ REMEDIATION = {
     "pods_on_node",
     "find_pod",
     "get_nodeset",
+    "list_nodesets",
     "evict",
     "create_job",
     "job_state",
@@ -335,6 +336,9 @@ def drive_remediation(kube: KubernetesApi, worker: Deployed) -> set[str]:
     assert kube.find_pod("serving", "inference-a") is None
     nodeset = kube.get_nodeset(cluster_namespace(worker.cluster), f"{worker.cluster}-train")
     assert nodeset["spec"]["template"]["spec"]["nodeSelector"] == {"gpufleet.io/cluster": worker.cluster}
+    # At the worker's start (GPUFLEET_REMEDIATION_MODE auto): NodeSets in its cluster's namespace mean Slinky.
+    listed = kube.list_nodesets(cluster_namespace(worker.cluster))
+    assert [n["metadata"]["name"] for n in listed] == [f"{worker.cluster}-train"]
     # The partition edited under its Lease; then another worker takes it and holds it long enough to renew it.
     spares = SparePool(
         kube=kube,
@@ -375,6 +379,7 @@ def drive_remediation(kube: KubernetesApi, worker: Deployed) -> set[str]:
         "pods_on_node",
         "find_pod",
         "get_nodeset",
+        "list_nodesets",
         "evict",
         "lease",
         "create_job",

@@ -33,11 +33,12 @@ from clients.clusters import ClusterBackend
 from clients.errors import ClientError
 from clients.kube import CONNECTIONS, KubernetesApi
 from clients.notify import WebhookNotifier
+from clients.onslinky import PARTITION_EDITS, SlinkyDrain, SlinkyPool, SlinkySlurm, detect_slinky, slinky_unsupported
 from clients.poolmoves import PoolMover
 from clients.prometheus import PrometheusApi
 from clients.slinky import SlinkyBackend
 from clients.slurm import SlurmClient
-from clients.slurmrest_protocol import require_methods, slurm_client
+from clients.slurmrest_protocol import WORKER_METHODS, MissingSlurmMethods, require_methods, slurm_client
 from clients.spares import SparePool
 from models.clusterops import CLUSTER_TASK_QUEUE
 from models.constants import guard_task_queue, reaper_workflow_id, task_queue
@@ -196,11 +197,17 @@ async def check_config(
 
 @dataclass(frozen=True)
 class Clients:
-    """The worker's Kubernetes, Slurm and spare-pool clients, shared by its activities and its metrics."""
+    """The worker's Kubernetes, Slurm and spare-pool clients, shared by its activities and its
+    metrics; on Slinky, the drain of a node hosting NodeSet pods too."""
 
     kube: KubernetesApi
     slurm: SlurmClient
     pool: SparePool
+    slinky: SlinkyDrain | None = None
+
+    @property
+    def mode(self) -> str:
+        return "slinky" if self.slinky is not None else "slurm"
 
 
 def slurm_from_settings(settings: Settings) -> SlurmClient:
@@ -217,8 +224,46 @@ def slurm_from_settings(settings: Settings) -> SlurmClient:
         restd_key_file=settings.slurmrestd_jwt_key_file,
         restd_token_file=settings.slurmrestd_token_file,
     )
-    require_methods(slurm)
+    on_slinky = slinky_unsupported_view(slurm)
+    if settings.remediation_mode == "slinky":  # some are served otherwise there, or never called
+        require_methods(on_slinky, WORKER_METHODS - PARTITION_EDITS)
+        return slurm
+    try:
+        require_methods(slurm)
+    except MissingSlurmMethods:
+        if settings.remediation_mode == "slurm":
+            raise
+        try:  # auto: enough for Slinky is enough for now; checked again once the cluster says which
+            require_methods(on_slinky, WORKER_METHODS - PARTITION_EDITS)
+        except MissingSlurmMethods:
+            pass
+        else:
+            return slurm
+        raise
     return slurm
+
+
+class slinky_unsupported_view:
+    """What ``slurm`` lacks on Slinky, in the shape ``require_methods`` reads."""
+
+    def __init__(self, slurm: object) -> None:
+        self._slurm = slurm
+
+    def unsupported(self) -> dict[str, str]:
+        return slinky_unsupported(self._slurm)
+
+
+def remediation_mode(settings: Settings, kube: KubernetesApi) -> str:
+    """``slurm`` or ``slinky``: the setting, or (``auto``) slinky when the cluster's namespace holds NodeSets."""
+    if settings.remediation_mode != "auto":
+        return settings.remediation_mode
+    if not settings.cluster:
+        return "slurm"
+    return "slinky" if detect_slinky(kube, slinky_namespace(settings)) else "slurm"
+
+
+def slinky_namespace(settings: Settings) -> str:
+    return settings.slinky_namespace or cluster_namespace(settings.cluster)
 
 
 def slurm_backend_said(settings: Settings, slurm: object) -> str:
@@ -233,7 +278,27 @@ def build_clients(settings: Settings, *, slurm: SlurmClient | None = None) -> Cl
     """The worker's clients from the settings; ``slurm`` in place of the one they name (the scale
     bench's simulated Slurm, bench/simulated_worker.py)."""
     kube = KubernetesApi(kubeconfig=settings.kubeconfig, poll_seconds=settings.poll_seconds)
+    given = slurm is not None
     slurm = slurm if slurm is not None else slurm_from_settings(settings)
+    mode = remediation_mode(settings, kube) if not given or settings.remediation_mode == "slinky" else "slurm"
+    if mode == "slinky":
+        on_slinky = SlinkySlurm(slurm, kube)
+        if not given:
+            require_methods(on_slinky, WORKER_METHODS - PARTITION_EDITS)
+        log.info("remediation on Slinky: NodeSet pods are the Slurm nodes (namespace %s)", slinky_namespace(settings))
+        pool: SparePool = SlinkyPool(
+            kube=kube,
+            slurm=on_slinky,
+            partition=settings.partition,
+            cluster=settings.cluster,
+            namespace=settings.namespace,
+            poll_seconds=settings.poll_seconds,
+        )
+        return Clients(
+            kube=kube, slurm=on_slinky, pool=pool, slinky=SlinkyDrain(kube, poll_seconds=settings.poll_seconds)
+        )
+    if not given and settings.remediation_mode == "auto":
+        require_methods(slurm)
     pool = SparePool(
         kube=kube, slurm=slurm, partition=settings.partition, cluster=settings.cluster, namespace=settings.namespace
     )
@@ -262,7 +327,7 @@ def build_activities(
     kube, slurm, pool = clients.kube, clients.slurm, clients.pool
     config = config or worker_config(settings, kube)
     slurm_acts = SlurmActivities(slurm, poll_seconds=settings.poll_seconds)
-    kube_acts = KubeActivities(kube)
+    kube_acts = KubeActivities(kube, slinky=clients.slinky)
     spare_acts = SpareActivities(pool)
     notify_acts = NotifyActivities(WebhookNotifier(url=settings.webhook_url))
     policy_acts = PolicyActivities(config)

@@ -97,7 +97,8 @@ def test_the_worker_methods_are_what_the_worker_calls() -> None:
     called: set[str] = set()
     for folder in ("activities", "clients"):
         for path in (REPO / folder).glob("*.py"):
-            if folder == "clients" and path.name.startswith("slurm"):
+            # The Slurm clients themselves, and the Slinky adapter over one, serve these methods.
+            if folder == "clients" and (path.name.startswith("slurm") or path.name == "onslinky.py"):
                 continue
             called |= set(re.findall(r"slurm\.(\w+)\(", path.read_text()))
     assert called & set(PROTOCOL_METHODS) == WORKER_METHODS

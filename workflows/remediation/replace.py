@@ -173,6 +173,7 @@ class Replacement(Closing, Jobs):
                         partitions=status.partitions,
                         pool=POOL_INFERENCE if for_inference else "training",
                         report_lost=checked,
+                        node=params.node,
                     ),
                     summary="claim a spare for inference" if for_inference else "claim a spare",
                     on_result=lambda claimed: setattr(status, "spare", claimed),
