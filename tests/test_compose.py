@@ -92,6 +92,7 @@ def test_docker_compose_config_accepts_the_file() -> None:
     assert {s["source"] for s in services["gpufleet-worker"]["secrets"]} >= {"slurm_conf", "munge_key", "kubeconfig"}
     assert rendered["secrets"]["slurm_conf"]["file"] == str(ROOT / "secrets" / "slurm.conf")
     assert services["gpufleet-worker"]["environment"]["TEMPORAL_ADDRESS"] == "temporal:7233"
+    assert services["gpufleet-worker"]["build"]["args"] == {"SLURM_CLIENT": "22.05"}
 
 
 def test_every_image_is_pinned() -> None:
@@ -148,7 +149,14 @@ def test_schema_step_creates_sets_up_and_updates_both_databases() -> None:
 
 def test_worker_is_built_from_the_dockerfile_and_runs_gpufleet_worker() -> None:
     worker = service("gpufleet-worker")
-    assert worker["build"] == {"context": ".", "dockerfile": "Dockerfile"}
+    # With the Slurm client of the cluster's release (tests/test_image_slurm_client.py): the
+    # Dockerfile's default unless GPUFLEET_SLURM_CLIENT names another.
+    default = next(rest for keyword, rest in dockerfile_instructions() if keyword == "ARG").partition("=")[2]
+    assert worker["build"] == {
+        "context": ".",
+        "dockerfile": "Dockerfile",
+        "args": {"SLURM_CLIENT": f"${{GPUFLEET_SLURM_CLIENT:-{default}}}"},
+    }
     commands = lines(script("gpufleet-worker"))
     assert commands[-1] == "exec gpufleet worker"
     munged = next(i for i, c in enumerate(commands) if c.startswith("munged "))
@@ -166,9 +174,12 @@ def test_dockerfile_runs_as_a_numeric_non_root_user_with_the_slurm_client() -> N
     uid, _, gid = users[-1].partition(":")
     assert uid.isdigit() and int(uid) != 0, f"USER {users[-1]}: not a numeric non-root UID"
     assert not gid or (gid.isdigit() and int(gid) != 0)
+    # The Slurm client and munge (scripts/image-slurm-client.sh) of the compose file's release.
+    assert ("ARG", "SLURM_CLIENT=22.05") in instructions
+    script = (ROOT / "scripts" / "image-slurm-client.sh").read_text()
+    packages = set(re.findall(r"apt-get install -y --no-install-recommends ([^&;\n]*)", script)[0].split())
+    assert packages == {"slurm-client", "munge"}
     installs = " ".join(rest for keyword, rest in instructions if keyword == "RUN")
-    packages = set(re.findall(r"apt-get install ([^&;]*)", installs)[0].split())
-    assert {"slurm-client", "munge"} <= packages
     assert f"-o {uid} " in installs and "/run/munge" in installs, "the MUNGE socket directory is the user's"
     assert instructions[-1] == ("ENTRYPOINT", '["gpufleet"]')
 

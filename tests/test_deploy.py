@@ -128,8 +128,9 @@ def invalid(objects: Objects) -> list[str]:
     return problems
 
 
-# What gets deployed: the example overlay; and the base it is made of.
-DEPLOYED = ["base", "overlays/example"]
+# What gets deployed: the example overlay (Slurm's commands), the Slinky overlay (slurmrestd,
+# tests/test_deploy_slinky.py); and the base they are made of.
+DEPLOYED = ["base", "overlays/example", "overlays/slinky"]
 COMPONENTS = sorted(path.name for path in (DEPLOY / "components").iterdir() if path.is_dir())
 
 
@@ -259,7 +260,10 @@ def test_everything_namespaced_lives_in_one_namespace(name: str) -> None:
 def test_the_worker_runs_unprivileged_as_the_images_user(name: str) -> None:
     deployment = the(rendered(name), "Deployment")
     pod = deployment["spec"]["template"]["spec"]
-    assert pod["securityContext"] == {
+    security = dict(pod["securityContext"])
+    # A Secret's files are root's: an overlay mounting one makes them the worker's group's.
+    assert security.pop("fsGroup", 10001) == 10001
+    assert security == {
         "runAsNonRoot": True,
         "runAsUser": 10001,
         "runAsGroup": 10001,
@@ -277,6 +281,21 @@ def test_the_worker_runs_unprivileged_as_the_images_user(name: str) -> None:
     assert deployment["spec"]["replicas"] >= 2
     env = {e["name"]: e for e in container["env"]}
     assert env["GPUFLEET_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+
+
+def test_the_example_worker_runs_slurms_commands_with_the_nodes_munge() -> None:
+    """components/slurm-cli, in the example overlay: slurm.conf from its ConfigMap, read-only, and
+    the node's /run/munge, where the commands find munged's socket; the base alone has neither."""
+    pod = the(rendered("overlays/example"), "Deployment")["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    conf = mounts[str(Path(env["GPUFLEET_SLURM_CONF"]).parent)]
+    assert conf["readOnly"] is True and volumes[conf["name"]]["configMap"] == {"name": "slurm-conf"}
+    assert volumes[mounts["/run/munge"]["name"]]["hostPath"] == {"path": "/run/munge", "type": "Directory"}
+    base = the(rendered("base"), "Deployment")["spec"]["template"]["spec"]
+    assert not [v for v in base["volumes"] if "hostPath" in v or v["name"] == "slurm-conf"]
 
 
 @pytest.mark.parametrize("name", DEPLOYED)
