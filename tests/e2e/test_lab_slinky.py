@@ -2,7 +2,8 @@
 Slinky cluster's objects in the emulated API, its NodeSet's pods as dynamic Slurm 26.05 nodes
 named after them, slurmrestd, the worker on the rest backend), lab status --json saying which pod
 and Kubernetes node each Slurm node is, the drill's job on two pods, another flavor refused while
-it runs, the drill saying it does not run here yet, and lab down leaving nothing behind."""
+it runs, the drill resolving there (the job back on a former spare under the same Slurm node name),
+one incident for a Kubernetes node hosting two Slurm nodes, and lab down leaving nothing behind."""
 
 from __future__ import annotations
 
@@ -137,11 +138,94 @@ def test_a_wrong_flavor_or_release_is_refused_before_anything_starts(tmp_path: P
     assert not (tmp_path / "lab.json").exists()
 
 
-def test_the_drill_says_it_does_not_run_on_this_flavor_yet(home: Path) -> None:
-    done = _cli(home, "lab", "drill", "--json")
-    assert done.returncode == 2
-    assert "the drill does not run on the slinky flavor yet" in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and done.stdout == ""
+def _node(home: Path, name: str) -> dict[str, Any]:
+    api = _status(home)["services"]["kubeapi"]["url"]
+    with httpx.Client(base_url=api, timeout=10) as http:
+        node: dict[str, Any] = http.get(f"/api/v1/nodes/{name}").raise_for_status().json()
+    return node
+
+
+def test_the_drill_resolves_and_the_job_runs_again_on_a_former_spare_under_the_same_slurm_node_name(
+    home: Path,
+) -> None:
+    before = {n["name"]: n["kubernetes_node"] for n in _status(home)["nodes"]}
+    done = _cli(home, "lab", "drill", "--json", timeout=420)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # The incident is the Kubernetes node's; the job's Slurm node on it (a pod) moved to the spare.
+    failed = result["node"]
+    assert failed in TRAINING and result["workflow_id"] == f"remediate-lab-{failed}"
+    assert result["outcome"] == "resolved" and result["action"] == "REPLACE_NODE"
+    spare = result["replacement_node"]
+    assert spare in SPARES
+    moved = [pod for pod, node in before.items() if node == failed]
+    assert result["slurm_nodes_moved"] == dict.fromkeys(moved, spare)
+    assert result["job_resumed"] is True and result["resumed_from_step"] >= 1
+    assert result["job_restarts"] == result["restarts_before"] + 1
+    status = _status(home)
+    nodes = {n["name"]: n for n in status["nodes"]}
+    # Same Slurm node names, the same partition (no edit): the moved one now on the spare, in service.
+    assert sorted(nodes) == sorted(before)
+    for pod in moved:
+        assert nodes[pod]["kubernetes_node"] == spare and nodes[pod]["partitions"] == [NODESET]
+        assert nodes[pod]["slurm_state"] in {"allocated", "mixed", "idle"} and nodes[pod]["reason"] == ""
+    assert spare not in status["kubernetes_only"]
+    # The failed node: cordoned with the incident's reason, out of the NodeSet, retired.
+    gone = _node(home, failed)
+    labels, annotations = gone["metadata"]["labels"], gone["metadata"]["annotations"]
+    assert gone["spec"]["unschedulable"] is True
+    assert annotations["nodeset.slinky.slurm.net/node-cordon-reason"] == f"gpufleet: incident {result['incident_id']}"
+    assert labels["gpufleet.io/pool"] == "retired" and "gpufleet.io/cluster" not in labels
+    # The worker did it through slurmrestd on Slurm 26.05, never with a Slurm command.
+    log = (home / "logs" / "worker.log").read_text()
+    assert "remediation on Slinky" in log
+    assert status["slurm"]["version"].startswith(RELEASE + ".")
+    kinds = [
+        n["kind"]
+        for n in FleetLab(home).notifications()
+        if n.get("incident", {}).get("incident_id") == result["incident_id"]
+    ]
+    assert kinds[0] == "opened" and kinds[-1] == "resolved", kinds
+
+
+def test_one_incident_covers_every_slurm_node_its_kubernetes_node_hosts(home: Path) -> None:
+    """Two NodeSet pods on one Kubernetes node: an Xid there opens one incident, keyed on that
+    node, which drains both Slurm nodes, evicts both pods and waits for both to be back."""
+    api = _status(home)["services"]["kubeapi"]["url"]
+    base = "/apis/slinky.slurm.net/v1beta1/namespaces/slurm-lab/nodesets"
+    with httpx.Client(base_url=api, timeout=10) as http:
+        http.patch(
+            f"{base}/{NODESET}",
+            json={"spec": {"replicas": len(TRAINING) + 1}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        ).raise_for_status()
+
+    def doubled() -> str | bool:
+        nodes = _status(home)["nodes"]
+        if len(nodes) != len(TRAINING) + 1 or any(
+            n["slurm_state"] not in {"idle", "allocated", "mixed"} for n in nodes
+        ):
+            return False
+        hosts = [n["kubernetes_node"] for n in nodes]
+        return next((h for h in hosts if hosts.count(h) == 2), False)
+
+    target = wait_for(doubled, timeout=60, what="a fifth pod to run beside another one")
+    assert isinstance(target, str)
+    pods = sorted(n["name"] for n in _status(home)["nodes"] if n["kubernetes_node"] == target)
+    done = _cli(home, "lab", "drill", "--json", "--node", target, timeout=420)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["workflow_id"] == f"remediate-lab-{target}" and result["outcome"] == "resolved"
+    spare = result["replacement_node"]
+    assert spare in SPARES
+    # Both came back under their names, in service, off the failed node: the spare took one at
+    # least; the other goes wherever the NodeSet may run it (a node with the fewest pods).
+    nodes = {n["name"]: n for n in _status(home)["nodes"]}
+    hosts = {pod: nodes[pod]["kubernetes_node"] for pod in pods}
+    assert target not in hosts.values() and spare in hosts.values(), hosts
+    assert all(nodes[pod]["reason"] == "" and nodes[pod]["partitions"] == [NODESET] for pod in pods), nodes
+    recorded = json.loads(_node(home, target)["metadata"]["annotations"]["gpufleet.io/slurm-nodes"])
+    assert sorted(p["slurm_node"] for p in recorded) == pods
 
 
 def test_lab_down_leaves_no_process_slurmd_or_mount(home: Path) -> None:
@@ -150,7 +234,8 @@ def test_lab_down_leaves_no_process_slurmd_or_mount(home: Path) -> None:
     status = _status(home)
     pids = [svc["pid"] for svc in status["services"].values() if "pid" in svc]
     pids += list(FleetLab(home).slurm.pids().values())
-    assert len([name for name in FleetLab(home).slurm.pids() if name.startswith(f"slurmd-{NODESET}-")]) == 4
+    slurmds = [name for name in FleetLab(home).slurm.pids() if name.startswith(f"slurmd-{NODESET}-")]
+    assert len(slurmds) == len(status["nodes"]) >= len(TRAINING)
     done = _cli(home, "lab", "down", timeout=120)
     assert done.returncode == 0, done.stderr
     assert [pid for pid in pids if alive(pid)] == []
