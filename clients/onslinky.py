@@ -338,6 +338,8 @@ class SlinkySlurm:
                 f"job {job_id} has ended ({job.state}) and slurmrestd {self.version} cannot requeue an ended job "
                 "(v0.0.45, Slurm 26.05, can): its owner resubmits it"
             )
+        if not job.requeue:
+            raise InvalidInput(f"job {job_id} was submitted with --no-requeue")
         by_down = getattr(self._slurm, "requeue_by_down")  # noqa: B009 - present (see unsupported)
         for slurm_node in self._slurm.hostnames(job.nodes) if job.nodes else []:
             info = self._slurm.node(slurm_node)
