@@ -332,6 +332,16 @@ def _activity_medians(result: Result) -> dict[str, float]:
     return {name: round(statistics.median(values), 3) for name, values in sorted(runs.items())}
 
 
+def _nodes(result: Result) -> str:
+    return cell(", ".join(str(drill.get("node") or NONE) for drill in result.get("drills") or []) or NONE)
+
+
+def _ended(result: Result) -> str:
+    drills = result.get("drills") or []
+    ended = sum(1 for drill in drills if drill.get("jobs_ended_by_failure"))
+    return f"{ended} of {len(drills)}" if drills else NONE
+
+
 def _difference(default: Any, other: Any) -> str:
     if not isinstance(default, int | float) or not isinstance(other, int | float):
         return ""
@@ -366,6 +376,11 @@ def _beside(result: Result, default: Result | None) -> list[str]:
     rows.append(["lab flavor", cell(there.get("flavor") or "default"), cell(here.get("flavor") or "slinky"), "", ""])
     for key, label in SETUP_ROWS.items():
         rows.append([label, cell(there.get(key) or "not recorded"), cell(here.get(key) or "not recorded"), "", ""])
+    for label, shown in (
+        ("nodes failed, drill by drill", _nodes),
+        ("drills whose job the failure had ended before the incident looked (else SIGTERM, checkpoint)", _ended),
+    ):
+        rows.append([label, shown(default), shown(result), "", ""])
     medians, theirs = result.get("medians_s") or {}, default.get("medians_s") or {}
     targets = result.get("targets_s") or {}
     for name in dict.fromkeys([*theirs, *medians]):

@@ -20,9 +20,16 @@ PROVENANCE = {
 
 
 def drill(
-    resumed: float, overhead: float, replaced: float = 1.4, running: dict[str, float] | None = None
+    resumed: float,
+    overhead: float,
+    replaced: float = 1.4,
+    running: dict[str, float] | None = None,
+    node: str = "gpu1",
+    ended: list[int] | None = None,
 ) -> dict[str, Any]:
     return {
+        "node": node,
+        "jobs_ended_by_failure": ended or [],
         "outcome": "resolved",
         "timings_s": {
             "detect_to_workflow": 0.1,
@@ -56,7 +63,7 @@ BENCH = {
     },
     "detector_idle": {"seconds": 10.0, "cpu_percent_of_one_core": 1.2},
     "detector": {"samples": 20, "median_line_to_incident_s": 0.09, "target_median_s": 1.0},
-    "drills": [drill(7.1, 0.6), drill(7.2, 0.62), drill(7.3, 0.64)],
+    "drills": [drill(7.1, 0.6, ended=[1]), drill(7.2, 0.62, node="gpu2"), drill(7.3, 0.64, node="gpu3")],
     "medians_s": {
         "detect_to_workflow": 0.1,
         "detect_to_drained": 0.27,
@@ -94,7 +101,13 @@ SLINKY = {
     },
     "drills": [
         drill(9.1, 0.7, replaced=4.2, running={"claim_spare": 2.9, "jobs_resumed": 4.9, "classify_xids": 0.01}),
-        drill(9.4, 0.72, replaced=4.4, running={"claim_spare": 3.2, "jobs_resumed": 5.0, "classify_xids": 0.02}),
+        drill(
+            9.4,
+            0.72,
+            replaced=4.4,
+            running={"claim_spare": 3.2, "jobs_resumed": 5.0, "classify_xids": 0.02},
+            node="spare1",
+        ),
     ],
     "medians_s": {
         "detect_to_workflow": 0.1,
@@ -277,6 +290,9 @@ def test_the_slinky_flavor_sits_beside_the_default_one_each_with_its_commit(tmp_
     # What the drills ran on: recorded for the slinky run, not for a default run from before.
     assert row("the worker's Slurm backend") == "| the worker's Slurm backend | not recorded | rest |  |  |"
     assert row("training job") == "| training job | not recorded | counter |  |  |"
+    # Which nodes failed, and how the jobs ended: the drills' own record.
+    assert row("nodes failed") == "| nodes failed, drill by drill | gpu1, gpu2, gpu3 | gpu1, spare1 |  |  |"
+    assert row("drills whose job the failure had ended").endswith("| 1 of 3 | 0 of 2 |  |  |")
     # The activities that take the time; those under 0.1 s on both flavors left to the JSON.
     assert row("activity `claim_spare` running") == "| activity `claim_spare` running | 0.08 s | 3.05 s | +2.97 s |  |"
     assert "`classify_xids`" not in section
