@@ -55,8 +55,11 @@ test-stress: venv system-deps
 	scripts/test-stress.sh
 
 # The detector's figures, K recovery drills (3), cluster creation and pool moves, as JSON ($(RESULTS)/bench.json).
+# FLAVOR=slinky: the K drills on the lab's slinky flavor alone ($(RESULTS)/bench-slinky.json; the rest skipped, saying why).
+FLAVOR ?= default
 bench: venv system-deps
-	$(BIN)/python -m bench.bench --drills $(or $(K),3) --output $(RESULTS)/bench.json
+	$(BIN)/python -m bench.bench --flavor $(FLAVOR) --drills $(or $(K),3) \
+		--output $(RESULTS)/bench$(if $(filter-out default,$(FLAVOR)),-$(FLAVOR)).json
 	$(REPORT)
 
 # A burst of 1,000 Xids on a simulated fleet of 10,000 nodes (Slurm simulated, all else real), as JSON

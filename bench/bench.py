@@ -14,8 +14,14 @@ workflow history: the control-plane overhead (activities and workflow tasks wait
 picked up, and workflow tasks being decided) apart from the time spent in Slurm, Kubernetes
 and the job itself (activities running, timers between checks).
 
-The JSON begins with its ``provenance`` (the commit, the date, the machine: lab/provenance.py);
-``make bench`` keeps it in docs/results/bench.json and regenerates docs/benchmarks.md.
+``--flavor slinky`` (``make bench FLAVOR=slinky``) runs the drills on the lab's slinky flavor
+(NodeSet pods as dynamic Slurm 26.05 nodes, the worker on slurmrestd) and nothing else: the parts
+that do not depend on the flavor, or that it does not serve, are skipped and the JSON says why
+(``skipped``: ``SLINKY_SKIPS``).
+
+The JSON begins with its ``provenance`` (the commit, the date, the machine: lab/provenance.py),
+then the ``flavor``; ``make bench`` keeps it in docs/results/bench.json (``FLAVOR=slinky``:
+bench-slinky.json) and regenerates docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -41,15 +47,43 @@ from temporalio.service import RPCError
 
 from bench.parse_bench import detector_idle_cpu, parse_throughput, source_throughput
 from clients.kube import KubernetesApi
-from lab.drill import log_path, reset_breaker, run_drill, training_job
+from lab.drill import default_job, log_path, reset_breaker, run_drill, training_job
 from lab.fleet import LAB_POLL_SECONDS, REPO_ROOT, FleetLab, LabConfig
 from lab.procs import free_port, port_in_use, spawn, stop, wait_for
 from lab.provenance import provenance, write_result
+from lab.slinkylab import FLAVORS, SLINKY_RELEASE
 from starters.server import dev_server_argv
 from starters.temporal import connect
 
 _SCHEDULED = EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
 _STARTED = EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED
+# The parts of the bench the slinky flavor skips (their option, why): the JSON's ``skipped``.
+SLINKY_SKIPS = {
+    "parse": (
+        "--parse-lines",
+        "the parser on one core runs no lab: the same code and figures on either flavor (make bench's)",
+    ),
+    "detector_idle": (
+        "--idle-seconds",
+        "a detector on a quiet log runs no lab: the same on either flavor (make bench's)",
+    ),
+    "detector": (
+        "--detector-samples",
+        "a kernel-log line to its incident goes through a detector and Temporal alone, no lab: the same on "
+        "either flavor (make bench's)",
+    ),
+    "clusters": (
+        "--clusters",
+        "gpufleet cluster create on the lab's free pool runs the lab backend's static Slurm daemons; a Slinky "
+        "cluster (--backend slinky) needs a real slurm-operator, which the lab's stand-in is not",
+    ),
+    "pool": (
+        "--pool-moves",
+        "shared-pool moves add nodes to a partition and take them out of it, and no partition is edited on "
+        "Slinky (slurm-operator makes each NodeSet's partition)",
+    ),
+}
+
 _CLOSED = {
     EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED,
     EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED,
@@ -147,17 +181,29 @@ def _median(values: list[float | None]) -> float | None:
     return round(statistics.median(present), 3) if present else None
 
 
-async def bench(drills: int, *, home: Path, job_kind: str | None, say: Any) -> dict[str, Any]:
+async def bench(drills: int, *, home: Path, job_kind: str | None, say: Any, flavor: str = "default") -> dict[str, Any]:
     config = LabConfig(
         training=["gpu1", "gpu2", "gpu3", "gpu4"],
         spares=[f"spare{i + 1}" for i in range(drills)],
         temporal_port=0,
         ui_port=0,
+        flavor=flavor,
     )
+    if flavor == "slinky":
+        config.slurm = SLINKY_RELEASE  # its dynamic nodes need it
     lab = FleetLab(home, config)
     lab.up(say=say)
     results = []
     try:
+        job_kind = job_kind or default_job(lab)
+        # What the drills ran on: two flavors' figures differ by these as much as by the flavor.
+        setup = {
+            "flavor": flavor,
+            "slurm": lab.slurm.install.version,
+            "slurm_backend": "rest" if lab.slinky else "cli",  # slurmrestd, or the Slurm commands
+            "job": job_kind,
+            "partition": lab.partition,
+        }
         client = await connect(address=lab.env()["TEMPORAL_ADDRESS"])
         for index in range(drills):
             say(f"drill {index + 1} of {drills}")
@@ -172,6 +218,7 @@ async def bench(drills: int, *, home: Path, job_kind: str | None, say: Any) -> d
         lab.down(say=say)
     names = list(results[0]["timings_s"]) if results else []
     return {
+        "lab": setup,
         "drills": results,
         "medians_s": {name: _median([r["timings_s"][name] for r in results]) for name in names},
         "median_control_plane_overhead_s": _median([r["history"]["control_plane_overhead_s"] for r in results]),
@@ -386,26 +433,63 @@ async def detector_latency(samples: int, *, home: Path, say: Any) -> dict[str, A
     }
 
 
+# The parts' sizes on the default flavor, where an option is not given.
+_DEFAULTS: dict[str, float] = {
+    "parse_lines": 1_000_000,
+    "idle_seconds": 10,
+    "detector_samples": 20,
+    "clusters": 1,
+    "pool_moves": 1,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--drills", type=int, default=3, help="how many drills (default 3)")
-    parser.add_argument("--job", choices=["ddp", "counter"], help="training job (default: ddp if torch is there)")
-    parser.add_argument("--detector-samples", type=int, default=20, help="detector latency samples (0: skip)")
     parser.add_argument(
-        "--parse-lines", type=int, default=1_000_000, help="lines for the parse-throughput figure (0: skip)"
+        "--flavor",
+        choices=FLAVORS,
+        default="default",
+        help="the lab's flavor for the drills (default: default); slinky runs the drills alone (SLINKY_SKIPS)",
     )
-    parser.add_argument("--idle-seconds", type=float, default=10, help="detector idle-CPU sample (0: skip)")
-    parser.add_argument("--clusters", type=int, default=1, help="cluster create/delete rounds (0: skip)")
-    parser.add_argument("--pool-moves", type=int, default=1, help="pool move rounds, there and back (0: skip)")
-    parser.add_argument("--output", type=Path, help="also write the JSON here (make bench: docs/results/bench.json)")
+    parser.add_argument(
+        "--job", choices=["ddp", "counter"], help="training job (default: ddp if torch is there and Slurm on the host)"
+    )
+    parser.add_argument("--detector-samples", type=int, help="detector latency samples (default 20; 0: skip)")
+    parser.add_argument(
+        "--parse-lines", type=int, help="lines for the parse-throughput figure (default 1000000; 0: skip)"
+    )
+    parser.add_argument("--idle-seconds", type=float, help="detector idle-CPU sample (default 10; 0: skip)")
+    parser.add_argument("--clusters", type=int, help="cluster create/delete rounds (default 1; 0: skip)")
+    parser.add_argument("--pool-moves", type=int, help="pool move rounds, there and back (default 1; 0: skip)")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        help="also write the JSON here (make bench: docs/results/bench.json; FLAVOR=slinky: bench-slinky.json)",
+    )
     args = parser.parse_args()
+    skipped: dict[str, str] = {}
+    for part, (option, why) in SLINKY_SKIPS.items():
+        name = option.removeprefix("--").replace("-", "_")
+        if args.flavor != "slinky":
+            if getattr(args, name) is None:
+                setattr(args, name, _DEFAULTS[name])
+        elif getattr(args, name):  # asked for on the slinky flavor
+            parser.error(f"{option} is not run on the slinky flavor: {why}")
+        else:
+            setattr(args, name, 0)
+            skipped[part] = why
     started = provenance()  # the code this run loaded, the machine it runs on
 
     def say(message: str) -> None:
         print(message, file=sys.stderr)
 
     with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
-        result: dict[str, Any] = {"provenance": started}
+        result: dict[str, Any] = {"provenance": started, "flavor": args.flavor}
+        if skipped:
+            result["skipped"] = skipped
+            for part, why in skipped.items():
+                say(f"skipped on the {args.flavor} flavor: {part} ({why})")
         if args.parse_lines:
             say(f"parse throughput over {args.parse_lines} lines")
             result["parse"] = parse_throughput(args.parse_lines)
@@ -416,7 +500,8 @@ def main() -> None:
         if args.detector_samples:
             result["detector"] = asyncio.run(detector_latency(args.detector_samples, home=Path(tmp), say=say))
         if args.drills:
-            result.update(asyncio.run(bench(args.drills, home=Path(tmp) / "lab", job_kind=args.job, say=say)))
+            drilled = bench(args.drills, home=Path(tmp) / "lab", job_kind=args.job, say=say, flavor=args.flavor)
+            result.update(asyncio.run(drilled))
         if args.clusters:
             result["clusters"] = cluster_bench(args.clusters, home=Path(tmp) / "clusters", say=say)
             result["cluster_create_seconds"] = result["clusters"]["cluster_create_seconds"]

@@ -1,10 +1,12 @@
 """docs/benchmarks.md, made from the JSON results in docs/results/ and from nothing else.
 
-``make bench``, ``make chaos`` and ``make bench-scale`` each keep their last run's JSON there
-(bench.json, chaos.json, bench-scale.json), with its provenance (the commit, the date, the
-machine: lab/provenance.py), and regenerate the page; ``make benchmarks-doc`` regenerates it
-alone. A result that is missing is said to be missing, never filled in. Every word of the page
-comes from here: change this script, not the page (tests/bench/test_report.py compares them).
+``make bench``, ``make bench FLAVOR=slinky``, ``make chaos`` and ``make bench-scale`` each keep
+their last run's JSON there (bench.json, bench-slinky.json, chaos.json, bench-scale.json), with its
+provenance (the commit, the date, the machine: lab/provenance.py), and regenerate the page;
+``make benchmarks-doc`` regenerates it alone. The slinky flavor's drills are set beside the default
+flavor's, each with the commit it was measured at. A result that is missing is said to be
+missing, never filled in. Every word of the page comes from here: change this script, not the page
+(tests/bench/test_report.py compares them).
 
 ``python -m bench.report`` writes the page; ``--check`` only says whether it is up to date.
 """
@@ -13,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -270,15 +273,178 @@ def _pool(result: Result) -> list[str]:
     return [*lines, "", *table(["figure", "median", "rounds"], rows), ""]
 
 
+def _setup(result: Result) -> list[str]:
+    """What the drills ran on, where the run recorded it (a run from before it did says nothing)."""
+    setup = result.get("lab")
+    if not isinstance(setup, dict):
+        return []
+    return [
+        f"The drills ran on the {cell(setup.get('flavor', NONE))} flavor: Slurm {cell(setup.get('slurm') or NONE)}, "
+        f"the worker on its `{cell(setup.get('slurm_backend') or NONE)}` backend, partition "
+        f"`{cell(setup.get('partition') or NONE)}`, the `{cell(setup.get('job') or NONE)}` training job.",
+        "",
+    ]
+
+
 def render_bench(result: Result) -> list[str]:
     return [
         "What each figure means and what it is held to: [performance.md](performance.md).",
         "",
         *_detector(result),
+        *_setup(result),
         *_drills(result),
         *_clusters(result),
         *_pool(result),
     ]
+
+
+# -- make bench FLAVOR=slinky ----------------------------------------------------------------------
+
+SKIPPED_PARTS = {
+    "parse": "the parser's throughput",
+    "detector_idle": "the detector's idle CPU",
+    "detector": "kernel-log line to incident",
+    "clusters": "cluster creation and deletion",
+    "pool": "shared-pool moves",
+}
+# An activity's running time is set beside the other flavor's when either median is at least this.
+ACTIVITY_SHOWN_S = 0.1
+SETUP_ROWS = {
+    "slurm": "Slurm",
+    "slurm_backend": "the worker's Slurm backend",
+    "partition": "partition",
+    "job": "training job",
+}
+
+
+def _commit(result: Result) -> str:
+    found = result.get("provenance")
+    commit = found.get("commit") if isinstance(found, dict) else None
+    return f"`{commit[:12]}`" if commit else "an unknown commit"
+
+
+def _activity_medians(result: Result) -> dict[str, float]:
+    """Each activity's running time, the median over the drills that ran it."""
+    runs: dict[str, list[float]] = {}
+    for drill in result.get("drills") or []:
+        for name, spent in ((drill.get("history") or {}).get("activity_running_s") or {}).items():
+            runs.setdefault(name, []).append(spent)
+    return {name: round(statistics.median(values), 3) for name, values in sorted(runs.items())}
+
+
+def _nodes(result: Result) -> str:
+    return cell(", ".join(str(drill.get("node") or NONE) for drill in result.get("drills") or []) or NONE)
+
+
+def _ended(result: Result) -> str:
+    drills = result.get("drills") or []
+    ended = sum(1 for drill in drills if drill.get("jobs_ended_by_failure"))
+    return f"{ended} of {len(drills)}" if drills else NONE
+
+
+def _difference(default: Any, other: Any) -> str:
+    if not isinstance(default, int | float) or not isinstance(other, int | float):
+        return ""
+    change = other - default
+    return f"+{seconds(change)}" if change > 0 else seconds(change)
+
+
+def _beside(result: Result, default: Result | None) -> list[str]:
+    """The slinky flavor's medians beside the default flavor's (bench.json), figure by figure."""
+    lines = ["### Beside the default flavor", ""]
+    if default is None:
+        return [
+            *lines,
+            "The default flavor is not measured yet: run `make bench` (it writes `docs/results/bench.json`).",
+            "",
+        ]
+    count = len(default.get("drills") or [])
+    apart = (
+        "The two were measured at different commits. "
+        if _commit(default) != _commit(result) or _commit(result) == "an unknown commit"
+        else ""
+    )
+    lines += [
+        f"Medians: the default flavor's from `docs/results/bench.json` ({count} drills, commit {_commit(default)}), "
+        f"the slinky flavor's from this run ({len(result.get('drills') or [])} drills, commit {_commit(result)}). "
+        f"{apart}The drills time the same steps from the Xid line written; what they ran on (the rows below) "
+        "may differ beside the flavor.",
+        "",
+    ]
+    rows: list[list[str]] = []
+    here, there = result.get("lab") or {}, default.get("lab") or {}
+    rows.append(["lab flavor", cell(there.get("flavor") or "default"), cell(here.get("flavor") or "slinky"), "", ""])
+    for key, label in SETUP_ROWS.items():
+        rows.append([label, cell(there.get(key) or "not recorded"), cell(here.get(key) or "not recorded"), "", ""])
+    for label, shown in (
+        ("nodes failed, drill by drill", _nodes),
+        ("drills whose job the failure had ended before the incident looked (else SIGTERM, checkpoint)", _ended),
+    ):
+        rows.append([label, shown(default), shown(result), "", ""])
+    medians, theirs = result.get("medians_s") or {}, default.get("medians_s") or {}
+    targets = result.get("targets_s") or {}
+    for name in dict.fromkeys([*theirs, *medians]):
+        target = targets.get(name)
+        rows.append(
+            [
+                DRILL_FIGURES.get(name, f"`{name}`"),
+                seconds(theirs.get(name)),
+                seconds(medians.get(name)),
+                _difference(theirs.get(name), medians.get(name)),
+                f"≤ {seconds(target)}" if target is not None else "",
+            ]
+        )
+    for key, label, target in (
+        (
+            "median_control_plane_overhead_s",
+            "control-plane overhead per incident",
+            targets.get("control_plane_overhead"),
+        ),
+        ("median_polling_delay_bound_s", "of which a bound on gpufleet's own polling", None),
+    ):
+        rows.append(
+            [
+                label,
+                seconds(default.get(key)),
+                seconds(result.get(key)),
+                _difference(default.get(key), result.get(key)),
+                f"≤ {seconds(target)}" if target is not None else "",
+            ]
+        )
+    ours, others = _activity_medians(result), _activity_medians(default)
+    for name in sorted(set(ours) | set(others)):
+        if max(ours.get(name, 0.0), others.get(name, 0.0)) < ACTIVITY_SHOWN_S:
+            continue
+        rows.append(
+            [
+                f"activity `{name}` running",
+                seconds(others.get(name)),
+                seconds(ours.get(name)),
+                _difference(others.get(name), ours.get(name)),
+                "",
+            ]
+        )
+    header = ["figure (median)", "default flavor", "slinky flavor", "slinky minus default", "target"]
+    note = (
+        f"Activities are those that ran at least {seconds(ACTIVITY_SHOWN_S)} at the median on either flavor "
+        "(the JSON has every one); n/a: not run on that flavor."
+    )
+    return [*lines, *table(header, rows), "", note, ""]
+
+
+def render_bench_slinky(result: Result, kept: Mapping[str, Result]) -> list[str]:
+    lines = [
+        "What each figure means and what it is held to: [performance.md](performance.md). The lab's slinky "
+        "flavor: NodeSet pods as dynamic Slurm nodes, the operator stand-in, the worker on slurmrestd "
+        "([lab.md](lab.md#the-slinky-flavor)).",
+        "",
+    ]
+    skipped = result.get("skipped")
+    if isinstance(skipped, dict) and skipped:
+        lines += ["### Not run on this flavor", ""]
+        lines += [f"- {SKIPPED_PARTS.get(part, cell(part))}: {cell(why)}." for part, why in skipped.items()]
+        lines.append("")
+    return [*lines, *_beside(result, kept.get("bench.json")), *_setup(result), *_drills(result)]
 
 
 # -- make chaos ------------------------------------------------------------------------------------
@@ -429,12 +595,28 @@ def render_scale(result: Result) -> list[str]:
 
 # -- the page --------------------------------------------------------------------------------------
 
-Renderer = Callable[[Result], list[str]]
+# A section's renderer: its result, and every result kept (a section may set another's beside it).
+Renderer = Callable[[Result, Mapping[str, Result]], list[str]]
+
+
+def alone(renderer: Callable[[Result], list[str]]) -> Renderer:
+    """A renderer of its own result only."""
+    return lambda result, _kept: renderer(result)
+
+
 SOURCES: tuple[tuple[str, str, Renderer], ...] = (
-    ("bench.json", "make bench", render_bench),
-    ("chaos.json", "make chaos", render_chaos),
-    ("bench-scale.json", "make bench-scale", render_scale),
+    ("bench.json", "make bench", alone(render_bench)),
+    ("bench-slinky.json", "make bench FLAVOR=slinky", render_bench_slinky),
+    ("chaos.json", "make chaos", alone(render_chaos)),
+    ("bench-scale.json", "make bench-scale", alone(render_scale)),
 )
+
+
+def _load(path: Path) -> Result:
+    result = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(result, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return result
 
 
 def render(results: Path = RESULTS) -> str:
@@ -445,20 +627,18 @@ def render(results: Path = RESULTS) -> str:
         f"<!-- Generated by `{COMMAND}` (python -m bench.report) from docs/results/*.json: do not edit by hand. -->",
         "",
         "The figures of the last run kept in `docs/results/`, each with the commit, date and machine it was "
-        "measured on. `make bench`, `make chaos` and `make bench-scale` write their JSON there and regenerate "
-        f"this page; `{COMMAND}` regenerates it alone.",
+        "measured on. `make bench`, `make bench FLAVOR=slinky`, `make chaos` and `make bench-scale` write their "
+        f"JSON there and regenerate this page; `{COMMAND}` regenerates it alone.",
         "",
     ]
+    kept = {name: _load(results / name) for name, _, _ in SOURCES if (results / name).exists()}
     for file_name, command, renderer in SOURCES:
         lines += [f"## `{command}`", ""]
-        path = results / file_name
-        if not path.exists():
+        result = kept.get(file_name)
+        if result is None:
             lines += [f"Not measured yet: run `{command}` (it writes `docs/results/{file_name}`).", ""]
             continue
-        result = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(result, dict):
-            raise ValueError(f"{path}: not a JSON object")
-        lines += [f"From `docs/results/{file_name}`. {provenance_line(result)}", "", *renderer(result)]
+        lines += [f"From `docs/results/{file_name}`. {provenance_line(result)}", "", *renderer(result, kept)]
     while lines and not lines[-1]:
         lines.pop()
     return "\n".join(lines) + "\n"

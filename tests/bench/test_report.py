@@ -19,17 +19,30 @@ PROVENANCE = {
 }
 
 
-def drill(resumed: float, overhead: float) -> dict[str, Any]:
+def drill(
+    resumed: float,
+    overhead: float,
+    replaced: float = 1.4,
+    running: dict[str, float] | None = None,
+    node: str = "gpu1",
+    ended: list[int] | None = None,
+) -> dict[str, Any]:
     return {
+        "node": node,
+        "jobs_ended_by_failure": ended or [],
         "outcome": "resolved",
         "timings_s": {
             "detect_to_workflow": 0.1,
             "detect_to_drained": 0.27,
             "detect_to_requeued": 1.25,
-            "detect_to_replaced": 1.4,
+            "detect_to_replaced": replaced,
             "detect_to_resumed": resumed,
         },
-        "history": {"control_plane_overhead_s": overhead, "polling_delay_bound_s": 0.5},
+        "history": {
+            "control_plane_overhead_s": overhead,
+            "polling_delay_bound_s": 0.5,
+            "activity_running_s": running or {"claim_spare": 0.08, "jobs_resumed": resumed - 1.4},
+        },
     }
 
 
@@ -50,7 +63,7 @@ BENCH = {
     },
     "detector_idle": {"seconds": 10.0, "cpu_percent_of_one_core": 1.2},
     "detector": {"samples": 20, "median_line_to_incident_s": 0.09, "target_median_s": 1.0},
-    "drills": [drill(7.1, 0.6), drill(7.2, 0.62), drill(7.3, 0.64)],
+    "drills": [drill(7.1, 0.6, ended=[1]), drill(7.2, 0.62, node="gpu2"), drill(7.3, 0.64, node="gpu3")],
     "medians_s": {
         "detect_to_workflow": 0.1,
         "detect_to_drained": 0.27,
@@ -69,6 +82,43 @@ BENCH = {
         "create_s": [7.8, 8.5, 19.3],
         "delete_s": [2.1, 2.4, 1.2],
     },
+}
+# What bench/bench.py --flavor slinky writes: the drills alone, the rest skipped with the reason.
+SLINKY = {
+    "provenance": {**PROVENANCE, "commit": "fedcba9876543210fedcba9876543210fedcba98", "dirty": False},
+    "flavor": "slinky",
+    "skipped": {
+        "parse": "the parser on one core runs no lab",
+        "clusters": "a Slinky cluster needs a real slurm-operator",
+        "pool": "no partition is edited on Slinky",
+    },
+    "lab": {
+        "flavor": "slinky",
+        "slurm": "26.05.5",
+        "slurm_backend": "rest",
+        "job": "counter",
+        "partition": "lab-train",
+    },
+    "drills": [
+        drill(9.1, 0.7, replaced=4.2, running={"claim_spare": 2.9, "jobs_resumed": 4.9, "classify_xids": 0.01}),
+        drill(
+            9.4,
+            0.72,
+            replaced=4.4,
+            running={"claim_spare": 3.2, "jobs_resumed": 5.0, "classify_xids": 0.02},
+            node="spare1",
+        ),
+    ],
+    "medians_s": {
+        "detect_to_workflow": 0.1,
+        "detect_to_drained": 0.3,
+        "detect_to_requeued": 1.3,
+        "detect_to_replaced": 4.3,
+        "detect_to_resumed": 9.25,
+    },
+    "median_control_plane_overhead_s": 0.71,
+    "median_polling_delay_bound_s": 0.5,
+    "targets_s": {"detect_to_replaced": 10, "detect_to_resumed": 30, "control_plane_overhead": 1},
 }
 CHAOS = {
     "provenance": {**PROVENANCE, "dirty": False},
@@ -155,7 +205,12 @@ def test_the_committed_page_is_what_the_committed_results_give() -> None:
 
 def test_a_missing_result_is_said_to_be_missing_and_nothing_is_invented(tmp_path: Path) -> None:
     page = render(tmp_path)
-    for command, name in (("make bench", "bench"), ("make chaos", "chaos"), ("make bench-scale", "bench-scale")):
+    for command, name in (
+        ("make bench", "bench"),
+        ("make bench FLAVOR=slinky", "bench-slinky"),
+        ("make chaos", "chaos"),
+        ("make bench-scale", "bench-scale"),
+    ):
         assert f"Not measured yet: run `{command}` (it writes `docs/results/{name}.json`)." in page
     assert "|" not in page and "Measured at" not in page
     only_chaos = render(results(tmp_path, chaos=CHAOS))
@@ -163,14 +218,16 @@ def test_a_missing_result_is_said_to_be_missing_and_nothing_is_invented(tmp_path
 
 
 def test_each_result_gives_its_provenance_and_figures(tmp_path: Path) -> None:
-    page = render(results(tmp_path, bench=BENCH, chaos=CHAOS, bench_scale=SCALE))
+    page = render(results(tmp_path, bench=BENCH, bench_slinky=SLINKY, chaos=CHAOS, bench_scale=SCALE))
     assert "Not measured yet" not in page
     assert (
         "From `docs/results/bench.json`. Measured at commit `0123456789ab` with uncommitted changes, on "
         "2026-12-04T10:00:00+00:00; machine: 2 cores, AMD EPYC, 23.5 GiB of memory, Python 3.11.7." in page
     )
     assert "From `docs/results/chaos.json`. Measured at commit `0123456789ab`, on" in page  # not dirty
-    lines = page.splitlines()
+    # The slinky section repeats the drills' rows: the test below reads it.
+    slinky = page[page.index("## `make bench FLAVOR=slinky`") : page.index("## `make chaos`")]
+    lines = page.replace(slinky, "").splitlines()
 
     def row(starting: str) -> str:
         found = [line for line in lines if line.startswith(f"| {starting}")]
@@ -204,6 +261,48 @@ def test_each_result_gives_its_provenance_and_figures(tmp_path: Path) -> None:
     assert row("every incident of the open burst resolved").endswith("| resolved: 1,000 | all resolved | yes |")
     assert "3 of 4 judged met, 1 not measured" in page
     assert f"As the run names it: {SCALE['bound']}." in lines
+
+
+def test_the_slinky_flavor_sits_beside_the_default_one_each_with_its_commit(tmp_path: Path) -> None:
+    page = render(results(tmp_path, bench=BENCH, bench_slinky=SLINKY))
+    section = page[page.index("## `make bench FLAVOR=slinky`") :]
+    lines = section.splitlines()
+    beside, drills = section.split("### Recovery drills")
+
+    def row(starting: str, part: str = beside) -> str:
+        found = [line for line in part.splitlines() if line.startswith(f"| {starting}")]
+        assert len(found) == 1, (starting, found)
+        return found[0]
+
+    assert "From `docs/results/bench-slinky.json`. Measured at commit `fedcba987654`, on" in section
+    # What the flavor does not run, and why, as the run said.
+    assert "- cluster creation and deletion: a Slinky cluster needs a real slurm-operator." in lines
+    assert "- shared-pool moves: no partition is edited on Slinky." in lines
+    # Each median beside the default flavor's, the difference and the target; the commits of both.
+    assert "(3 drills, commit `0123456789ab`)" in section and "(2 drills, commit `fedcba987654`)" in section
+    assert row("Xid → spare in the partition") == (
+        "| Xid → spare in the partition (`detect_to_replaced`) | 1.40 s | 4.30 s | +2.90 s | ≤ 10 s |"
+    )
+    assert row("Xid → job running again") == (
+        "| Xid → job running again (`detect_to_resumed`) | 7.20 s | 9.25 s | +2.05 s | ≤ 30 s |"
+    )
+    assert row("control-plane overhead").endswith("| 0.62 s | 0.71 s | +0.09 s | ≤ 1 s |")
+    # What the drills ran on: recorded for the slinky run, not for a default run from before.
+    assert row("the worker's Slurm backend") == "| the worker's Slurm backend | not recorded | rest |  |  |"
+    assert row("training job") == "| training job | not recorded | counter |  |  |"
+    # Which nodes failed, and how the jobs ended: the drills' own record.
+    assert row("nodes failed") == "| nodes failed, drill by drill | gpu1, gpu2, gpu3 | gpu1, spare1 |  |  |"
+    assert row("drills whose job the failure had ended").endswith("| 1 of 3 | 0 of 2 |  |  |")
+    # The activities that take the time; those under 0.1 s on both flavors left to the JSON.
+    assert row("activity `claim_spare` running") == "| activity `claim_spare` running | 0.08 s | 3.05 s | +2.97 s |  |"
+    assert "`classify_xids`" not in section
+    assert "The drills ran on the slinky flavor: Slurm 26.05.5, the worker on its `rest` backend" in section
+    assert row("Xid → job running again", drills).endswith("| 9.25 s | 9.10, 9.40 s | ≤ 30 s |")
+    # Without the default flavor's result, it says so and invents nothing.
+    (tmp_path / "alone").mkdir()
+    alone = render(results(tmp_path / "alone", bench_slinky=SLINKY))
+    assert "The default flavor is not measured yet: run `make bench`" in alone
+    assert "slinky minus default" not in alone
 
 
 def test_a_result_from_before_provenance_says_so(tmp_path: Path) -> None:

@@ -40,4 +40,28 @@ def test_make_bench_keeps_its_json_with_its_provenance(tmp_path: Path, monkeypat
         bench.main()
     assert stopped.value.code == 0
     kept = json.loads(out.read_text())
-    assert set(kept) == {"provenance"} and kept["provenance"]["commit"]
+    assert set(kept) == {"provenance", "flavor"} and kept["provenance"]["commit"] and kept["flavor"] == "default"
+
+
+def test_make_bench_on_slinky_says_what_it_skips_and_refuses_to_run_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def leave(code: int) -> NoReturn:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", leave)
+    out = tmp_path / "results" / "bench-slinky.json"
+    monkeypatch.setattr(sys, "argv", ["bench", "--flavor", "slinky", "--drills", "0", "--output", str(out)])
+    with pytest.raises(SystemExit) as stopped:
+        bench.main()
+    assert stopped.value.code == 0
+    kept = json.loads(out.read_text())
+    assert list(kept)[:3] == ["provenance", "flavor", "skipped"] and kept["flavor"] == "slinky"
+    assert set(kept["skipped"]) == {"parse", "detector_idle", "detector", "clusters", "pool"}
+    assert "no partition is edited on Slinky" in kept["skipped"]["pool"]
+    # Asked for a part the flavor does not run: refused, saying why, before any lab starts.
+    monkeypatch.setattr(sys, "argv", ["bench", "--flavor", "slinky", "--pool-moves", "1"])
+    with pytest.raises(SystemExit) as refused:
+        bench.main()
+    assert refused.value.code == 2
+    assert "--pool-moves is not run on the slinky flavor: shared-pool moves" in capsys.readouterr().err
