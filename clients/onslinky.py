@@ -47,7 +47,7 @@ from clients.nodesets import (
     ours_cordon_reason,
 )
 from clients.slurm import Pending, SlurmClient
-from clients.slurmrest_protocol import unsupported_methods
+from clients.slurmrest_protocol import PENDING, REQUEUED, unsupported_methods
 from clients.spares import SparePool
 from models.constants import (
     CLAIM_LABEL,
@@ -345,7 +345,7 @@ class SlinkySlurm:
             info = self._slurm.node(slurm_node)
             if owned_reason(info.reason) and (info.drained or info.state == "down"):
                 outcome = by_down(slurm_node, reason=info.reason, job_ids=[job_id]).get(job_id, "")
-                if outcome in ("REQUEUED", "PENDING"):
+                if outcome in (REQUEUED, PENDING):
                     return
                 raise InvalidInput(
                     f"job {job_id}: setting {slurm_node} DOWN left it {outcome or 'unknown'}, not requeued"
