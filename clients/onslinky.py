@@ -552,6 +552,8 @@ class SlinkyPool(SparePool):
             return False
         if node.annotations.get(CLAIMED_BY_ANNOTATION) != incident_id:
             return False
+        if unused_only and node.labels.get(POOL_LABEL) != POOL_SPARE:
+            return False  # brought in (the pods on their way): left whole, as SparePool leaves it
         serving = self.of.nodesets.nodeset_pods_on(name)
         if serving:
             if unused_only:
