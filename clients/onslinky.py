@@ -626,5 +626,8 @@ def detect_slinky(kube: KubeClient, namespace: str) -> bool:
     try:
         return bool(lister(namespace))
     except ClientError as exc:
-        log.warning("NodeSets in %s not read (%s): remediating as plain Slurm", namespace, exc)
-        return False
+        # Guessing wrong would remediate a Slinky cluster by editing partitions: say it and stop.
+        raise type(exc)(
+            f"cannot tell whether namespace {namespace} holds NodeSets ({exc}); set GPUFLEET_REMEDIATION_MODE "
+            "to slurm or slinky, or let the worker list NodeSets there"
+        ) from exc

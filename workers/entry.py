@@ -87,6 +87,8 @@ def worker() -> None:
         run_async(go())
     except PolicyError as exc:
         fail(f"policy file: {exc}", code=2)
+    except ClientError as exc:  # a service it needs at start (e.g. Kubernetes, to tell Slinky from Slurm)
+        fail(f"worker: {exc}")
     except KeyboardInterrupt:
         pass
 

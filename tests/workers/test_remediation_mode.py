@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from clients.errors import ClientError
 from clients.kube import KubernetesApi
 from clients.onslinky import SlinkyDrain, SlinkyPool, SlinkySlurm
 from clients.slurm import SlurmCli
@@ -93,6 +94,16 @@ def test_auto_without_slinkys_crds_is_plain_slurm(api: KubeApiProcess, token: Pa
     httpx.put(f"{api.url}/_faults", json={"status": 404, "count": 1}, timeout=5).raise_for_status()
     assert remediation_mode(settings(api, token), kube_of(api)) == "slurm"
     assert httpx.get(f"{api.url}/_faults", timeout=5).json() == {"pending": 0, "served": 1}
+
+
+def test_auto_stops_rather_than_guess_when_the_api_does_not_answer(api: KubeApiProcess, token: Path) -> None:
+    """A 500 for the NodeSet list (or no answer): guessing plain Slurm would edit a Slinky
+    cluster's partitions, so the worker says what to set instead of starting."""
+    httpx.put(f"{api.url}/_faults", json={"status": 500, "count": 10}, timeout=5).raise_for_status()
+    with pytest.raises(ClientError, match="set GPUFLEET_REMEDIATION_MODE to slurm or slinky"):
+        remediation_mode(settings(api, token), kube_of(api))
+    # Set explicitly, the mode is not asked of the API at all.
+    assert remediation_mode(settings(api, token, remediation_mode="slinky"), kube_of(api)) == "slinky"
 
 
 def test_the_mode_set_explicitly_wins(api: KubeApiProcess, token: Path) -> None:
