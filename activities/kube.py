@@ -93,6 +93,8 @@ class KubeActivities:
                     pod,
                     timeout_seconds=request.eviction_timeout_seconds,
                     progress=activity.heartbeat,
+                    # A Slurm node's pod (Slinky) is never forced past its disruption budget.
+                    force=pod.owner_kind != "NodeSet",
                 )
                 (result.forced if outcome == "deleted" else result.evicted).append(pod.key)
         return result

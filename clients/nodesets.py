@@ -45,6 +45,19 @@ ELIGIBLE_ANNOTATION = "gpufleet.io/nodeset-eligibility"
 POOL_TAINT = POOL_LABEL
 POOL_TAINT_VALUE = "training"
 _CONFLICT_RETRIES = 5
+# Labels other controllers keep on a node (the GPU operator, node feature discovery, the kubelet,
+# the cloud): never taken off, even by ``also_unrecorded`` (they would come back, and the GPU
+# detector's DaemonSet selects on one). The failed node's cordon and untolerated taint keep the
+# NodeSet's pods off it all the same.
+FOREIGN_LABEL_PREFIXES = (
+    "nvidia.com/",
+    "feature.node.kubernetes.io/",
+    "kubernetes.io/",
+    "node.kubernetes.io/",
+    "topology.kubernetes.io/",
+    "beta.kubernetes.io/",
+    "node-role.kubernetes.io/",
+)
 
 
 _CORDON_REASON_PREFIX = "gpufleet: incident "
@@ -309,7 +322,8 @@ class NodeSets:
 
         ``also_unrecorded``: the failed node, made eligible before gpufleet kept records (at the
         cluster's creation, or by a person): every selector label it carries comes off, recorded
-        as gpufleet's act in the result. Without it, such labels stay and are named in ``kept``.
+        as gpufleet's act in the result, but those other controllers keep (FOREIGN_LABEL_PREFIXES).
+        Without it, such labels stay and are named in ``kept``.
         """
         selector = self._selector(nodeset, self._template(nodeset))
         removed: dict[str, str | None] = {}
@@ -327,7 +341,9 @@ class NodeSets:
             gone = sorted(
                 k
                 for k, v in selector.items()
-                if current.labels.get(k) == v and (k in ours or also_unrecorded) and k not in still_needed
+                if current.labels.get(k) == v
+                and (k in ours or (also_unrecorded and not k.startswith(FOREIGN_LABEL_PREFIXES)))
+                and k not in still_needed
             )
             kept = {k: v for k, v in selector.items() if current.labels.get(k) == v and k not in gone}
             removed = dict.fromkeys(gone)

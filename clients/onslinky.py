@@ -94,13 +94,14 @@ def _quiet(_: str) -> None:
 # -- which Slurm nodes a Kubernetes node stands for -------------------------------------------------
 
 
-def _recorded(node: KubeNode) -> list[NodeSetPod]:
+def _recorded(node: KubeNode) -> tuple[str, list[NodeSetPod]]:
+    """The incident that recorded the node's pods, and the pods ("" and none when no record)."""
     raw = node.annotations.get(SLURM_NODES_ANNOTATION)
     if not raw:
-        return []
+        return "", []
     try:
         data = json.loads(raw)
-        return [
+        pods = [
             NodeSetPod(
                 namespace=p["namespace"],
                 name=p["name"],
@@ -109,34 +110,36 @@ def _recorded(node: KubeNode) -> list[NodeSetPod]:
                 owner_name=p["nodeset"],
                 labels={POD_HOSTNAME: p.get("slurm_node") or p["name"]},
             )
-            for p in data
+            for p in data["pods"]
         ]
+        return str(data.get("incident") or ""), pods
     except (ValueError, KeyError, TypeError):
         raise ClientError(
             f"{node.name}: annotation {SLURM_NODES_ANNOTATION} is not what gpufleet wrote: {raw[:200]!r}"
         ) from None
 
 
-def _record(pods: list[NodeSetPod]) -> str:
-    return json.dumps(
-        [
-            {
-                "namespace": p.namespace,
-                "name": p.name,
-                "uid": p.uid,
-                "nodeset": p.owner_name,
-                "slurm_node": p.slurm_node,
-            }
-            for p in pods
-        ],
-        sort_keys=True,
-        separators=(",", ":"),
-    )
+def _record(incident_id: str, pods: list[NodeSetPod]) -> str:
+    entries = [
+        {"namespace": p.namespace, "name": p.name, "uid": p.uid, "nodeset": p.owner_name, "slurm_node": p.slurm_node}
+        for p in sorted(pods, key=lambda p: p.key)
+    ]
+    return json.dumps({"incident": incident_id, "pods": entries}, sort_keys=True, separators=(",", ":"))
+
+
+def _joined(first: list[NodeSetPod], then: list[NodeSetPod]) -> list[NodeSetPod]:
+    """``first``, and each of ``then`` not among them by namespace and name (the first UID kept)."""
+    known = {p.key for p in first}
+    return [*first, *(p for p in then if p.key not in known)]
 
 
 class SlurmNodesOf:
-    """The NodeSet pods (so the Slurm nodes) a Kubernetes node stands for: those on it now, else
-    those an incident recorded there before they left."""
+    """The NodeSet pods (so the Slurm nodes) a Kubernetes node stands for: those on it now, and
+    those an incident recorded there before they left (evicted, back elsewhere under their names).
+
+    The record names its incident: a later incident's record replaces it, the same incident's
+    (a retry after some pods left) only adds to it, so a pod once recorded is never forgotten
+    until the node is returned (``return_node`` removes the record)."""
 
     def __init__(self, kube: KubernetesApi) -> None:
         self._kube = kube
@@ -145,26 +148,28 @@ class SlurmNodesOf:
     def pods(self, node: str) -> list[NodeSetPod]:
         node = checked_node_name(node)
         live = self.nodesets.nodeset_pods_on(node)
-        if live:
-            return live
         try:
-            return _recorded(self._kube.get_node(node))
+            _, recorded = _recorded(self._kube.get_node(node))
         except NotFound:
-            return []
+            recorded = []
+        return _joined(recorded, live)
 
-    def record(self, node: str) -> list[NodeSetPod]:
-        """Record the pods on ``node`` now (kept when none are there any more); returns what the node stands for."""
+    def record(self, node: str, incident_id: str) -> list[NodeSetPod]:
+        """Record the pods on ``node`` now for ``incident_id`` (beside those it recorded before);
+        returns every pod the node stands for."""
         live = self.nodesets.nodeset_pods_on(checked_node_name(node))
-        if not live:
-            return self.pods(node)
-        wanted = _record(live)
         try:
             current = self._kube.get_node(node)
         except NotFound:
             return live
+        by, recorded = _recorded(current)
+        pods = _joined(recorded, live) if by == incident_id else live
+        if not pods:
+            return recorded  # nothing here to record (someone else's record, if any, stays)
+        wanted = _record(incident_id, pods)
         if current.annotations.get(SLURM_NODES_ANNOTATION) != wanted:
             self._kube.update_metadata(node, annotations={SLURM_NODES_ANNOTATION: wanted})
-        return live
+        return pods
 
 
 # The Slurm methods a worker on Slinky never calls: the NodeSets' partitions are the operator's.
@@ -229,9 +234,9 @@ class SlinkySlurm:
         pods = self.of.pods(name)
         return [pod.slurm_node for pod in pods] if pods else [checked_node_name(name)]
 
-    def _each(self, name: str, *, record: bool = False) -> list[str]:
-        if record:
-            pods = self.of.record(name)
+    def _each(self, name: str, *, incident_id: str | None = None) -> list[str]:
+        if incident_id is not None:
+            pods = self.of.record(name, incident_id)
             return [pod.slurm_node for pod in pods] if pods else [checked_node_name(name)]
         return self.slurm_nodes(name)
 
@@ -257,7 +262,7 @@ class SlinkySlurm:
     def drain(self, name: str, *, reason: str) -> NodeInfo:
         """Each Slurm node drained with ``reason`` (one drained by someone else keeps theirs); the
         pods are recorded on the Node first."""
-        for slurm_node in self._each(name, record=True):
+        for slurm_node in self._each(name, incident_id=drained_by(reason) or reason):
             self._slurm.drain(slurm_node, reason=reason)
         return self.node(name)
 
@@ -344,6 +349,18 @@ class SlinkySlurm:
         for slurm_node in self._slurm.hostnames(job.nodes) if job.nodes else []:
             info = self._slurm.node(slurm_node)
             if owned_reason(info.reason) and (info.drained or info.state == "down"):
+                # DOWN ends every job there: none may be one that would be lost rather than requeued.
+                lost = [
+                    other.job_id
+                    for other in self._slurm.jobs_on_node(slurm_node)
+                    if other.job_id != job_id and other.state in {"RUNNING", "SUSPENDED"} and not other.requeue
+                ]
+                if lost:
+                    raise InvalidInput(
+                        f"setting {slurm_node} DOWN to requeue it would also end job(s) "
+                        f"{', '.join(map(str, sorted(lost)))} there, which may not be requeued; left running: "
+                        "resubmit it once it ends, or requeue it by hand"
+                    )
                 outcome = by_down(slurm_node, reason=info.reason, job_ids=[job_id]).get(job_id, "")
                 if outcome in (REQUEUED, PENDING):
                     return
@@ -392,7 +409,7 @@ class SlinkyDrain:
             PodStillProtected: a NodeSet pod still protected at the deadline (not forced; the node
                 stays cordoned, its Slurm nodes drained).
         """
-        recorded = self.of.record(node)
+        recorded = self.of.record(node, incident_id)
         self.of.nodesets.cordon_for_incident(node, incident_id)
         self._kube.add_taint(node, key=UNHEALTHY_TAINT, value=label_value(incident_id))
         self._kube.update_metadata(node, annotations={INCIDENT_ANNOTATION: incident_id})
@@ -488,6 +505,7 @@ class SlinkyPool(SparePool):
         if pool == POOL_INFERENCE:
             log.info("no spare for inference on Slinky (%s): the shared pool makes up its capacity", incident_id)
             return None
+        self._nodesets_of(node)  # no NodeSet to serve is the incident's error, not a spare's (tried one by one)
         return super().claim(
             incident_id, partitions=partitions, retry=retry, pool=pool, report_lost=report_lost, node=node
         )
@@ -558,10 +576,18 @@ class SlinkyPool(SparePool):
         if serving:
             if unused_only:
                 return False
-            log.warning("%s keeps its NodeSet labels: %s already run there", name, ", ".join(p.key for p in serving))
-        else:
-            for nodeset in self._eligible_for(node):
-                self.of.nodesets.make_ineligible(name, nodeset)
+            # In service already (the incident failed after a pod came back here): it stays a
+            # training node of the NodeSet, no longer anyone's claim, never a free spare again.
+            log.warning("%s stays in service: %s already run there", name, ", ".join(p.key for p in serving))
+            self._kube.update_metadata(
+                name,
+                labels={POOL_LABEL: POOL_TRAINING, CLAIM_LABEL: None},
+                annotations={CLAIMED_BY_ANNOTATION: None},
+                resource_version=node.resource_version,
+            )
+            return False
+        for nodeset in self._eligible_for(node):
+            self.of.nodesets.make_ineligible(name, nodeset)
         return super()._release_node(name, incident_id, unused_only=unused_only)
 
     @staticmethod
@@ -587,7 +613,8 @@ class SlinkyPool(SparePool):
 
     def return_node(self, node: str, *, as_: str) -> None:
         """Back as a bare spare (no NodeSet labels), or for training: eligible again for the
-        NodeSets it recorded. Its Slurm nodes left with their pods: nothing to resume here."""
+        NodeSets it recorded. A Slurm node still there (its pod never left) drained by gpufleet is
+        resumed; the record goes last, so that a retry after a crash still knows the NodeSets."""
         if as_ not in (POOL_SPARE, POOL_TRAINING):
             raise InvalidInput(f"a node returns as {POOL_SPARE!r} or {POOL_TRAINING!r}, not {as_!r}")
         current = self._kube.get_node(node)
@@ -596,10 +623,33 @@ class SlinkyPool(SparePool):
                 f"{node} is quarantined ({QUARANTINE_LABEL}={current.labels[QUARANTINE_LABEL]}): not returning it; "
                 f"`gpufleet nodes release {node}` first, once it is really repaired"
             )
+        live = self.of.nodesets.nodeset_pods_on(node)
+        if live and as_ == POOL_SPARE:
+            raise NotOwned(
+                f"{node} still runs NodeSet pod(s) {', '.join(p.key for p in live)}: a spare runs none; "
+                "return it for training"
+            )
+        for pod in live:
+            info = self._plain.node(pod.slurm_node)
+            if (info.drained or info.state in _GONE_STATES) and info.reason and not owned_reason(info.reason):
+                raise NotOwned(
+                    f"{pod.slurm_node} on {node} was taken out of Slurm by someone else ({info.reason!r}); "
+                    "not returning it: resume it by hand once its owner is done"
+                )
         nodesets = sorted({pod.nodeset for pod in self.of.pods(node)}, key=lambda n: n.key)
         reason = current.annotations.get(NODE_CORDON_REASON, "")
         for taint in (RETIRED_TAINT, UNHEALTHY_TAINT):
             self._kube.remove_taint(node, key=taint)
+        self._kube.set_unschedulable(node, False)
+        if as_ == POOL_TRAINING:
+            for nodeset in nodesets:
+                self.of.nodesets.make_eligible(node, nodeset)
+        else:  # a bare spare: no NodeSet's labels that gpufleet set
+            for nodeset in self._eligible_for(current):
+                self.of.nodesets.make_ineligible(node, nodeset)
+        for pod in live:
+            if owned_reason(self._plain.node(pod.slurm_node).reason):
+                self._plain.resume(pod.slurm_node)
         self._kube.update_metadata(
             node,
             labels={POOL_LABEL: as_, CLAIM_LABEL: None},
@@ -612,10 +662,6 @@ class SlinkyPool(SparePool):
                 **({NODE_CORDON_REASON: None} if ours_cordon_reason(reason) else {}),
             },
         )
-        self._kube.set_unschedulable(node, False)
-        if as_ == POOL_TRAINING:
-            for nodeset in nodesets:
-                self.of.nodesets.make_eligible(node, nodeset)
 
 
 def detect_slinky(kube: KubeClient, namespace: str) -> bool:

@@ -158,7 +158,7 @@ def recreate(api: KubeApiProcess, name: str, node: str, **options: Any) -> None:
 
 def recorded(kube: KubernetesApi, node: str) -> list[dict[str, str]]:
     raw = kube.get_node(node).annotations.get(SLURM_NODES_ANNOTATION)
-    return json.loads(raw) if raw else []
+    return json.loads(raw)["pods"] if raw else []
 
 
 def eligibility(kube: KubernetesApi, node: str) -> dict[str, Any]:
@@ -427,6 +427,27 @@ def test_a_drain_tried_again_after_the_pods_left_touches_nothing(api: KubeApiPro
     assert kube.get_node("gpu1").annotations[NODE_CORDON_REASON] == f"gpufleet: incident {INC}"
 
 
+def test_a_retry_after_some_pods_left_still_knows_every_one_the_incident_recorded(
+    api: KubeApiProcess, kube: KubernetesApi
+) -> None:
+    """One pod evicted, another protected, the worker killed: the retry's record keeps the pod
+    that left (the claim waits for it, its NodeSet gets the spare); another incident's record
+    starts from what the node hosts then."""
+    recreate(api, "research-train-5", "gpu1", protect=True)  # busy beside the two others
+    with pytest.raises(PodStillProtected):
+        SlinkyDrain(kube, poll_seconds=0.05).cordon_and_drain("gpu1", INC, timeout_seconds=0.5)
+    assert [p.name for p in NodeSets(kube).nodeset_pods_on("gpu1")] == ["research-train-5"]
+
+    with pytest.raises(PodStillProtected):  # the retry, with only the busy one left on gpu1
+        SlinkyDrain(kube, poll_seconds=0.05).cordon_and_drain("gpu1", INC, timeout_seconds=0.2)
+
+    everyone = ["research-train-0", "research-train-1", "research-train-5"]
+    assert [p["name"] for p in recorded(kube, "gpu1")] == everyone
+    assert [p.name for p in SlurmNodesOf(kube).pods("gpu1")] == everyone
+    assert SlurmNodesOf(kube).record("gpu1", "another-incident") == NodeSets(kube).nodeset_pods_on("gpu1")
+    assert [p["name"] for p in recorded(kube, "gpu1")] == ["research-train-5"]
+
+
 # -- the spare pool --------------------------------------------------------------------------------
 
 
@@ -582,13 +603,18 @@ def test_a_returned_node_is_eligible_again_for_training_or_a_bare_spare(
     for gone in (SLURM_NODES_ANNOTATION, INCIDENT_ANNOTATION, NODE_CORDON_REASON):
         assert gone not in node.annotations
 
-    # gpu2, retired with its busy pod recorded; a person cordoned it meanwhile, with a reason.
-    SlurmNodesOf(kube).record("gpu2")
+    # gpu2, retired with its busy pod still there: a spare runs no NodeSet pod.
+    SlurmNodesOf(kube).record("gpu2", INC)
     pool.retire("gpu2", INC)
-    kube.update_metadata("gpu2", annotations={NODE_CORDON_REASON: OPS})
-    pool.return_node("gpu2", as_="spare")
-    node = kube.get_node("gpu2")
-    assert selector_labels(kube, "gpu2") == {} and node.labels[POOL_LABEL] == "spare"
+    with pytest.raises(NotOwned, match="still runs NodeSet pod"):
+        pool.return_node("gpu2", as_="spare")
+
+    # gpu1 again, retired by another incident; a person cordoned it meanwhile, with a reason.
+    pool.retire("gpu1", INC)
+    kube.update_metadata("gpu1", annotations={NODE_CORDON_REASON: OPS})
+    pool.return_node("gpu1", as_="spare")
+    node = kube.get_node("gpu1")
+    assert selector_labels(kube, "gpu1") == {} and node.labels[POOL_LABEL] == "spare"  # a bare spare
     assert node.annotations[NODE_CORDON_REASON] == OPS  # a person's reason is theirs to take off
 
     kube.update_metadata("gpu2", labels={QUARANTINE_LABEL: "xid-79"})

@@ -233,3 +233,21 @@ def test_a_job_submitted_with_no_requeue_is_refused_and_left_running(live: Live)
     assert (live.job("no_requeue").state, live.job("no_requeue").restarts) == ("RUNNING", 0)
     node = live.cli.node("research-train-1")
     assert node.state != "down" and node.drained and node.reason == REASON
+
+
+def test_no_down_that_would_also_end_a_no_requeue_job_beside_it(live: Live) -> None:
+    """A requeue-able job beside the --no-requeue one on research-train-1: setting the node DOWN
+    for the first would end the second (NODE_FAIL), so neither is touched and the owner is told."""
+    live.cluster.scontrol("update", "nodename=research-train-1", "state=resume")
+    live.jobs["beside"] = live.sbatch("--requeue", "-w", "research-train-1", "--wrap", "sleep 600")
+    wait_for(lambda: live.job("beside").state == "RUNNING", timeout=60, what="a job beside the --no-requeue one")
+    live.slinky().drain("gpu1", reason=REASON)
+
+    outcome, why = requeue(live, live.job("beside"))
+
+    assert outcome is RequeueOutcome.FAILED, why
+    assert f"would also end job(s) {live.jobs['no_requeue']} there, which may not be requeued" in why, why
+    assert (live.job("beside").state, live.job("beside").restarts) == ("RUNNING", 0)
+    assert live.job("no_requeue").state == "RUNNING"
+    node = live.cli.node("research-train-1")
+    assert node.state != "down" and node.drained and node.reason == REASON
