@@ -318,6 +318,23 @@ def test_the_failed_node_lets_go_only_when_asked_to_take_unrecorded_labels(
     assert versions(kube, "gpu1") == version
 
 
+def test_labels_other_controllers_keep_are_never_taken_off_the_failed_node(
+    nodesets: NodeSets, kube: KubernetesApi, api: KubeApiProcess
+) -> None:
+    """A NodeSet selecting on the GPU operator's label: the failed node keeps it (the detector's
+    DaemonSet selects on it, and the GPU operator would put it back); its own label goes."""
+    gpu = {**SELECTOR, "nvidia.com/gpu.present": "true"}
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        http.post(f"/apis/{API}/namespaces/{NS}/nodesets", json=nodeset("research-gpu", gpu)).raise_for_status()
+    kube.update_metadata("gpu1", labels={"nvidia.com/gpu.present": "true"})
+
+    out = nodesets.make_ineligible("gpu1", NodeSetName(NS, "research-gpu"), also_unrecorded=True)
+
+    assert out.changed == dict.fromkeys(sorted(SELECTOR))
+    assert out.kept == {"nvidia.com/gpu.present": "true"}
+    assert kube.get_node("gpu1").labels["nvidia.com/gpu.present"] == "true"
+
+
 # -- coming back ----------------------------------------------------------------------------------
 
 
