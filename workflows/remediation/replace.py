@@ -76,17 +76,22 @@ class Replacement(Closing, Jobs):
 
     async def _retire(self, params: RemediationInput) -> None:
         self._enter(Step.DRAIN_KUBERNETES)
-        drained = await self._activity(
-            KubeActivities.cordon_and_drain,
-            KubeDrainRequest(
-                node=params.node,
-                incident_id=self._status.incident_id,
-                eviction_timeout_seconds=self._settings.eviction_timeout_seconds,
-                dry_run=self._dry_run,
-            ),
-            summary=f"cordon and drain {params.node} in Kubernetes",
-            timeout=KUBE_DRAIN_STEP,
-        )
+        try:
+            drained = await self._activity(
+                KubeActivities.cordon_and_drain,
+                KubeDrainRequest(
+                    node=params.node,
+                    incident_id=self._status.incident_id,
+                    eviction_timeout_seconds=self._settings.eviction_timeout_seconds,
+                    dry_run=self._dry_run,
+                ),
+                summary=f"cordon and drain {params.node} in Kubernetes",
+                timeout=KUBE_DRAIN_STEP,
+            )
+        except ActivityError:
+            # The spare's claim, beside it, entered its step last: the incident fails at the drain.
+            self._status.step = Step.DRAIN_KUBERNETES
+            raise
         self._done(
             Step.DRAIN_KUBERNETES,
             "no Kubernetes node"
