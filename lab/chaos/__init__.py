@@ -59,7 +59,7 @@ from lab.chaos.guard import SATURATED, STORM, guard_saturated, storm
 from lab.chaos.leftovers import CURSOR_LOST, TERMINATED, detector_cursor_lost, terminated_in_grace
 from lab.chaos.outages import Context, Say, Scenario
 from lab.chaos.scenarios import RACE, race_two_incidents, run_scenario, scenarios
-from lab.chaos.slinky import EVICTION_TIMEOUT, POD_PROTECT_BLOCKS, pod_protect_blocks_eviction, slinky_scenarios
+from lab.chaos.slinky import POD_PROTECT_BLOCKS, pod_protect_blocks_eviction, slinky_scenarios
 from lab.fleet import FleetLab
 from lab.provenance import provenance, write_result
 from lab.slinkylab import FLAVORS, SLINKY_RELEASE
@@ -98,15 +98,12 @@ async def chaos(
     # (for the job that pod-protect keeps there).
     lab = chaos_lab(home, ["gpu1", "gpu2", "gpu3"] if slinky else ["gpu1", "gpu2"], say=say, flavor=flavor)
     # Evictions a budget forbids are forced after 5 s here (60 s by default), to keep the run short
-    # (on the slinky flavor the default: lab/chaos/slinky.py EVICTION_TIMEOUT); the partition has
-    # two nodes (three on slinky), each hit again and again (returned between scenarios), so the
-    # fleet guard's share limit and its lemon rules are off here (the storm scenario runs the
-    # default guard in a four-node lab of its own).
-    eviction = EVICTION_TIMEOUT if slinky else 5
+    # (on the slinky flavor a NodeSet pod is never forced: its incident fails after 5 s, unless a
+    # scenario sets another timeout); the partition has two nodes (three on slinky), each hit again
+    # and again (returned between scenarios), so the fleet guard's share limit and its lemon rules
+    # are off here (the storm scenario runs the default guard in a four-node lab of its own).
     lab.policy_file.write_text(
-        lab.policy_file.read_text().replace(
-            "remediation:\n", f"remediation:\n  eviction_timeout_seconds: {eviction:g}\n"
-        )
+        lab.policy_file.read_text().replace("remediation:\n", "remediation:\n  eviction_timeout_seconds: 5\n")
         + "guard:\n  max_share: 0\n  cooldown_seconds: 0\n  quarantine_after: 0\n"
     )
     ctx = Context(lab=lab, say=say)

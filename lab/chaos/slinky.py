@@ -50,12 +50,14 @@ SLURMRESTD_STOPPED = "slurmrestd_down_30s"
 OPERATOR_STOPPED = "operator_down_at_{step}"
 POD_PROTECT_BLOCKS = "pod_protect_blocks_eviction"
 SLURMRESTD_STOP = 30.0
-# The eviction timeout on the slinky flavor: the production default. While the operator is down a
-# busy pod's pod-protect label is stale (nobody takes it off once gpufleet's requeue left the node
-# idle), and gpufleet never forces past it: the operator's 20 s outage must fit in the timeout.
-EVICTION_TIMEOUT = 60.0
-# ... but where the pod stays protected on purpose, the incident fails after this.
+# The chaos lab's eviction timeout (lab/chaos/__init__.py): where the pod stays protected on
+# purpose, the incident fails after it.
 PROTECTED_EVICTION_TIMEOUT = 5.0
+# While the operator is down a busy pod's pod-protect label is stale (nobody takes it off once
+# gpufleet's requeue left its Slurm node idle), and gpufleet never forces past it: for the
+# operator's outage at the drain the incident has the production default, which the 20 s outage
+# fits in.
+OPERATOR_DOWN_EVICTION_TIMEOUT = 60.0
 # How long the operator stand-in stays down: the evicted pod is not recreated meanwhile, so the
 # spare's claim waits for it (the claim's own wait is 150 s).
 OPERATOR_STOP = 20.0
@@ -90,7 +92,13 @@ def slinky_scenarios(*, short: bool) -> list[Scenario]:
         # Down as the drain starts (the busy pod's pod-protect label goes stale: the eviction waits
         # for the operator's return, within the eviction timeout), and once the drain is done while
         # the claim waits for the evicted pod to come back on the spare (it is recreated only then).
-        Scenario(name=OPERATOR_STOPPED.format(step="drain_kubernetes"), fault=stop_operator, at=Step.DRAIN_KUBERNETES),
+        Scenario(
+            name=OPERATOR_STOPPED.format(step="drain_kubernetes"),
+            fault=stop_operator,
+            at=Step.DRAIN_KUBERNETES,
+            before=default_eviction_timeout,
+            after=chaos_eviction_timeout,
+        ),
         Scenario(
             name=OPERATOR_STOPPED.format(step="claim_spare"),
             fault=stop_operator,
@@ -145,19 +153,34 @@ async def stop_operator(ctx: Context) -> None:
 # -- pod-protect blocks the eviction ---------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def eviction_timeout(lab: FleetLab, seconds: float) -> Iterator[None]:
+def set_eviction_timeout(lab: FleetLab, seconds: float) -> str:
     """The lab's policy with ``remediation.eviction_timeout_seconds: SECONDS`` for the incidents
-    started meanwhile (each reads the policy as it starts); the lab's own timeout afterwards."""
+    started from now (each reads the policy as it starts); returns the policy as it was."""
     text = lab.policy_file.read_text()
     found = re.search(r"^  eviction_timeout_seconds: .*$", text, flags=re.MULTILINE)
     if found is None:
         raise RuntimeError(f"{lab.policy_file} sets no remediation.eviction_timeout_seconds")
     lab.policy_file.write_text(text.replace(found.group(0), f"  eviction_timeout_seconds: {seconds:g}"))
+    return text
+
+
+@contextlib.contextmanager
+def eviction_timeout(lab: FleetLab, seconds: float) -> Iterator[None]:
+    """The eviction timeout SECONDS for the incidents started meanwhile; the lab's own afterwards."""
+    text = set_eviction_timeout(lab, seconds)
     try:
         yield
     finally:
         lab.policy_file.write_text(text)
+
+
+async def default_eviction_timeout(ctx: Context, node: str) -> None:
+    set_eviction_timeout(ctx.lab, OPERATOR_DOWN_EVICTION_TIMEOUT)
+    ctx.fired.append(f"eviction timeout {OPERATOR_DOWN_EVICTION_TIMEOUT:g} s for this incident (the default)")
+
+
+async def chaos_eviction_timeout(ctx: Context) -> None:
+    set_eviction_timeout(ctx.lab, PROTECTED_EVICTION_TIMEOUT)
 
 
 def _pods(lab: FleetLab) -> dict[str, dict[str, Any]]:
