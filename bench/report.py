@@ -302,7 +302,10 @@ def _notes(scenario: Result) -> str:
     if scenario.get("fault_at_step"):
         notes.append(f"fault at {scenario['fault_at_step']}")
     if scenario.get("failed_at"):
-        notes.append(f"incident failed at {scenario['failed_at']}")
+        notes.append(
+            f"incident failed at {scenario['failed_at']}"
+            + (f", {seconds(scenario['detect_to_failed'])} after the Xid" if scenario.get("detect_to_failed") else "")
+        )
     if "pod_kept" in scenario:
         notes.append("pod kept on its node" if scenario["pod_kept"] else "pod evicted or deleted")
     if scenario.get("within_budget") is False:

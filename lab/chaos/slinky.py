@@ -260,7 +260,7 @@ async def pod_protect_blocks_eviction(ctx: Context) -> dict[str, Any]:
             outcome=status.outcome.value,
             incident=status.incident_id,
             failed_at=failed_at,
-            error=status.error,
+            incident_error=status.error,
             unrequeued={str(k): v for k, v in status.unrequeued.items()},
             # The eviction is tried from the drain's start for the eviction timeout; the incident
             # fails once the spare's claim beside it has stopped too.

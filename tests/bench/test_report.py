@@ -111,6 +111,8 @@ CHAOS_SLINKY = {
             "passed": True,
             "outcome": "failed",
             "failed_at": "drain_kubernetes",
+            "detect_to_failed": 211.3,
+            "incident_error": "PodStillProtected: slurm-lab/lab-train-1 did not leave gpu2 within 5 s",
             "pod_kept": True,
         },
     ],
@@ -243,8 +245,8 @@ def test_the_slinky_chaos_run_has_a_section_of_its_own(tmp_path: Path) -> None:
     assert "each incident is keyed on the Kubernetes node under one" in section
     # The pod-protect incident fails where it must, its pod kept.
     assert (
-        "| `pod_protect_blocks_eviction` | yes | failed | n/a | n/a | incident failed at drain_kubernetes; "
-        "pod kept on its node |"
+        "| `pod_protect_blocks_eviction` | yes | failed | n/a | n/a | incident failed at drain_kubernetes, "
+        "211 s after the Xid; pod kept on its node |"
     ) in section.splitlines()
     assert "Not measured yet: run `make chaos` (it writes `docs/results/chaos.json`)." in page
 
