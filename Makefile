@@ -47,8 +47,11 @@ demo: venv system-deps
 
 # Remediation on a bad day: worker kills at every step, outages, a hanging webhook, a race... (JSON last line,
 # kept in $(RESULTS)/chaos.json). A failed run is kept and shown too, and still exits non-zero.
+# FLAVOR=slinky: the slinky flavor's lab and scenarios (slurmrestd, the operator stand-in, pod-protect),
+# kept in $(RESULTS)/chaos-slinky.json (not part of .ci/run).
+CHAOS_JSON = chaos$(if $(filter-out default,$(FLAVOR)),-$(FLAVOR)).json
 chaos: venv system-deps
-	$(BIN)/python -m lab.chaos $(if $(SLURM),--slurm $(SLURM)) --output $(RESULTS)/chaos.json; status=$$?; $(REPORT) && exit $$status
+	$(BIN)/python -m lab.chaos $(if $(SLURM),--slurm $(SLURM)) $(if $(FLAVOR),--flavor $(FLAVOR)) --output $(RESULTS)/$(CHAOS_JSON); status=$$?; $(REPORT) && exit $$status
 
 # The whole suite three times from a fresh clone, with a CPU hog beside it (not part of .ci/run).
 test-stress: venv system-deps

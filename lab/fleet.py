@@ -322,7 +322,7 @@ class FleetLab:
 
         self._start_shared_pool(state, services, say)
         if self.slinky:
-            self._start_slinky(state, services, say)
+            self._start_slinky(state, services, say, settle=not keep_slurm)
 
         started: list[Path] = []
         for node in self.all_nodes:
@@ -377,9 +377,11 @@ class FleetLab:
             "GPUFLEET_SLURMRESTD_JWT_KEY_FILE": str(self.jwt_key_file),
         }
 
-    def _start_slinky(self, state: dict[str, Any], services: dict[str, Any], say: Say) -> None:
+    def _start_slinky(self, state: dict[str, Any], services: dict[str, Any], say: Say, *, settle: bool = True) -> None:
         """The Slinky cluster's objects, the operator stand-in running its NodeSet's pods (each a
-        slurmd -Z named after it), and slurmrestd; returns once every pod runs and its Slurm node is idle."""
+        slurmd -Z named after it), and slurmrestd; returns once every pod runs and its Slurm node is
+        idle. Without ``settle`` (a service brought back mid-incident, whose nodes are drained or
+        busy on purpose) it does not wait for that."""
         api = services["kubeapi"]["url"]
         replicas = len(self.config.training)
         objects = cluster_objects(self.config.cluster, self.config.partition, replicas, self.jwt_key_file.read_bytes())
@@ -412,10 +414,12 @@ class FleetLab:
             states = {n.name: n.state for n in self.slurm.client().nodes()}
             return all(states.get(name) == "idle" for name in pods)
 
-        wait_for(ready, timeout=120, what=f"NodeSet {self.partition}'s pods to run and their Slurm nodes to be idle")
-        pods = nodeset_pods(api, self.config.cluster, self.partition)
-        placed = ", ".join(f"{name} on {pod['spec']['nodeName']}" for name, pod in sorted(pods.items()))
-        say(f"NodeSet {self.partition}: {replicas} pods, each a slurmd -Z: {placed}")
+        if settle:
+            what = f"NodeSet {self.partition}'s pods to run and their Slurm nodes to be idle"
+            wait_for(ready, timeout=120, what=what)
+            pods = nodeset_pods(api, self.config.cluster, self.partition)
+            placed = ", ".join(f"{name} on {pod['spec']['nodeName']}" for name, pod in sorted(pods.items()))
+            say(f"NodeSet {self.partition}: {replicas} pods, each a slurmd -Z: {placed}")
         if not _runs(services, "slurmrestd"):
             restd = start_slurmrestd(self.slurm)
             services["slurmrestd"] = {"pid": restd.pid, "url": restd.url, "folder": str(restd.folder)}

@@ -64,10 +64,13 @@ class Slurmrestd:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def start_slurmrestd(slurm: SlurmLab, *, plugins: str | None = None, timeout: float = 30.0) -> Slurmrestd:
-    """slurmrestd for ``slurm`` on a free port, serving ``plugins`` (default: the release's
-    controller API, ``default_plugins``; the accounting ones, ``openapi/dbv0.0.38`` or
-    ``openapi/slurmdbd``, only where the cluster has slurmdbd).
+def start_slurmrestd(
+    slurm: SlurmLab, *, plugins: str | None = None, port: int | None = None, timeout: float = 30.0
+) -> Slurmrestd:
+    """slurmrestd for ``slurm`` on ``port`` (default: a free one), serving ``plugins`` (default:
+    the release's controller API, ``default_plugins``; the accounting ones, ``openapi/dbv0.0.38``
+    or ``openapi/slurmdbd``, only where the cluster has slurmdbd). A slurmrestd started again on
+    its old port is found again by whoever was given its URL.
 
     As ``nobody`` it cannot read the cluster's folder, so it reads a copy of slurm.conf in a
     folder of its own under /tmp (which a root's commands see), as Slinky's slurmrestd reads a
@@ -80,7 +83,7 @@ def start_slurmrestd(slurm: SlurmLab, *, plugins: str | None = None, timeout: fl
     conf = folder / "slurm.conf"
     shutil.copyfile(slurm.conf, conf)
     conf.chmod(0o644)
-    port = free_port()
+    port = port or free_port()
     as_user = ["-u", "65534"] if os.geteuid() == 0 else []
     command = ["slurmrestd", "-a", "rest_auth/jwt", "-s", plugins or default_plugins(slurm), *as_user]
     pid = spawn(

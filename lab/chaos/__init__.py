@@ -27,9 +27,19 @@ the drain), the outcome, ``detect_to_drained``, ``detect_to_resumed`` and ``adde
 not run again), ``double_claims``, ``nodes_undrained_not_ours``, ``claims_leaked`` and
 ``max_added_delay_s``.
 
-Run it as ``python -m lab.chaos [--short] [--only NAMES] [--home DIR] [--output FILE]``; ``make
-chaos`` keeps its JSON, with the commit, date and machine (``provenance``), in
-docs/results/chaos.json.
+With ``--flavor slinky`` (``make chaos FLAVOR=slinky``) the lab is the slinky flavor's (Slurm
+nodes that are NodeSet pods run by the operator stand-in, the worker on slurmrestd; three training
+nodes, so that a pod stays free beside the two-node job) and the scenarios are its own
+(lab/chaos/slinky.py): the worker killed at each step, slurmrestd down for 30 s, the operator
+stand-in down at the Kubernetes drain and at the spare's claim, pod-protect blocking the eviction
+(the incident must fail at ``drain_kubernetes``, the pod not forced), and two workers, two
+incidents at once; the same totals, claims and partitions read on Kubernetes nodes, drains on the
+pods' Slurm nodes.
+
+Run it as ``python -m lab.chaos [--flavor default|slinky] [--short] [--only NAMES] [--home DIR]
+[--output FILE]``; ``make chaos`` keeps its JSON, with the commit, date and machine
+(``provenance``), in docs/results/chaos.json (``make chaos FLAVOR=slinky`` in
+docs/results/chaos-slinky.json).
 """
 
 from __future__ import annotations
@@ -49,21 +59,49 @@ from lab.chaos.guard import SATURATED, STORM, guard_saturated, storm
 from lab.chaos.leftovers import CURSOR_LOST, TERMINATED, detector_cursor_lost, terminated_in_grace
 from lab.chaos.outages import Context, Say, Scenario
 from lab.chaos.scenarios import RACE, race_two_incidents, run_scenario, scenarios
+from lab.chaos.slinky import POD_PROTECT_BLOCKS, pod_protect_blocks_eviction, slinky_scenarios
 from lab.fleet import FleetLab
 from lab.provenance import provenance, write_result
+from lab.slinkylab import FLAVORS, SLINKY_RELEASE
 from lab.slurmroots import DEFAULT_RELEASE, LAB_SLURM_ENV, RELEASES
 
-__all__ = ["CURSOR_LOST", "RACE", "SATURATED", "STORM", "TERMINATED", "Scenario", "chaos", "main", "scenarios"]
+__all__ = [
+    "CURSOR_LOST",
+    "POD_PROTECT_BLOCKS",
+    "RACE",
+    "SATURATED",
+    "STORM",
+    "TERMINATED",
+    "Scenario",
+    "chaos",
+    "main",
+    "scenario_names",
+    "scenarios",
+    "slinky_scenarios",
+]
 
 TOTALS = ("jobs_lost", "double_claims", "nodes_undrained_not_ours", "claims_leaked")
 
 
-async def chaos(home: Path, *, short: bool, say: Say, only: set[str] | None = None) -> dict[str, Any]:
-    lab = chaos_lab(home, ["gpu1", "gpu2"], say=say)
-    # Evictions a budget forbids are forced after 5 s here (60 s by default), to keep the run short;
-    # the partition has two nodes, each hit again and again (returned between scenarios), so the
-    # fleet guard's share limit and its lemon rules are off here (the storm scenario runs the
-    # default guard in a four-node lab of its own).
+def scenario_names(flavor: str) -> set[str]:
+    """Every scenario a full run of the flavor has, besides the baseline."""
+    if flavor == "slinky":
+        return {scenario.name for scenario in slinky_scenarios(short=False)} | {POD_PROTECT_BLOCKS, RACE}
+    return {scenario.name for scenario in scenarios(short=False)} | {RACE, TERMINATED, CURSOR_LOST, STORM, SATURATED}
+
+
+async def chaos(
+    home: Path, *, short: bool, say: Say, only: set[str] | None = None, flavor: str = "default"
+) -> dict[str, Any]:
+    slinky = flavor == "slinky"
+    # On the slinky flavor a third training node keeps a NodeSet pod free beside the two-node job
+    # (for the job that pod-protect keeps there).
+    lab = chaos_lab(home, ["gpu1", "gpu2", "gpu3"] if slinky else ["gpu1", "gpu2"], say=say, flavor=flavor)
+    # Evictions a budget forbids are forced after 5 s here (60 s by default), to keep the run short
+    # (on the slinky flavor a NodeSet pod is never forced: its incident fails after 5 s, unless a
+    # scenario sets another timeout); the partition has two nodes (three on slinky), each hit again
+    # and again (returned between scenarios), so the fleet guard's share limit and its lemon rules
+    # are off here (the storm scenario runs the default guard in a four-node lab of its own).
     lab.policy_file.write_text(
         lab.policy_file.read_text().replace("remediation:\n", "remediation:\n  eviction_timeout_seconds: 5\n")
         + "guard:\n  max_share: 0\n  cooldown_seconds: 0\n  quarantine_after: 0\n"
@@ -78,25 +116,28 @@ async def chaos(home: Path, *, short: bool, say: Say, only: set[str] | None = No
         baseline = {key: clean.get(key) for key in ("detect_to_drained", "detect_to_resumed")}
         if None in baseline.values():
             raise RuntimeError(f"the baseline drill did not resolve: {clean}")
-        for scenario in scenarios(short=short):
+        for scenario in slinky_scenarios(short=short) if slinky else scenarios(short=short):
             if only is None or scenario.name in only:
                 say(f"scenario: {scenario.name}")
                 results.append(await run_scenario(ctx, scenario, baseline))
+        if slinky and not short and (only is None or POD_PROTECT_BLOCKS in only):
+            say(f"scenario: {POD_PROTECT_BLOCKS}")
+            results.append(await pod_protect_blocks_eviction(ctx))
         if not short and (only is None or RACE in only):
             say("scenario: two workers, two incidents at once")
             results.append(await race_two_incidents(ctx, baseline))
-        if not short and (only is None or TERMINATED in only):
+        if not slinky and not short and (only is None or TERMINATED in only):
             say(f"scenario: {TERMINATED}")
             results.append(await terminated_in_grace(ctx))
-        if not short and (only is None or CURSOR_LOST in only):
+        if not slinky and not short and (only is None or CURSOR_LOST in only):
             say(f"scenario: {CURSOR_LOST}")
             results.append(await detector_cursor_lost(ctx))
     finally:
         await record_and_stop(lab)
-    if not short and (only is None or STORM in only):
+    if not slinky and not short and (only is None or STORM in only):
         say(f"scenario: {STORM} (a four-node lab of its own, the default fleet guard)")
         results.append(await storm(home / "storm", say=say))
-    if not short and (only is None or SATURATED in only):
+    if not slinky and not short and (only is None or SATURATED in only):
         say(f"scenario: {SATURATED} (a four-node lab of its own, the guard's in-flight limit)")
         results.append(await guard_saturated(home / "saturated", say=say))
     delays = [r["added_delay_s"] for r in results if r.get("added_delay_s") is not None]
@@ -123,14 +164,27 @@ def main() -> None:
     parser.add_argument(
         "--slurm",
         choices=list(RELEASES),
-        default=os.environ.get(LAB_SLURM_ENV, DEFAULT_RELEASE),
-        help=f"the Slurm release of every chaos lab (default {DEFAULT_RELEASE}; lab/slurmroots.py)",
+        help=f"the Slurm release of every chaos lab (default {DEFAULT_RELEASE}, or ${LAB_SLURM_ENV}; "
+        f"the slinky flavor runs {SLINKY_RELEASE} only; lab/slurmroots.py)",
+    )
+    parser.add_argument(
+        "--flavor",
+        choices=list(FLAVORS),
+        default="default",
+        help="the lab's flavor: default (static Slurm nodes), or slinky (NodeSet pods, slurmrestd) and its "
+        "own scenarios (default: default)",
     )
     args = parser.parse_args()
+    if args.flavor == "slinky":
+        if args.slurm not in (None, SLINKY_RELEASE):
+            parser.error(f"the slinky flavor runs Slurm {SLINKY_RELEASE}, not {args.slurm}")
+        args.slurm = SLINKY_RELEASE
+    elif args.slurm is None:
+        args.slurm = os.environ.get(LAB_SLURM_ENV) or DEFAULT_RELEASE
     os.environ[LAB_SLURM_ENV] = args.slurm  # read by chaos_lab for each of its labs
     started = provenance()  # the code this run loaded, the machine it runs on
     only = {name.strip() for name in args.only.split(",") if name.strip()} if args.only else None
-    known = {scenario.name for scenario in scenarios(short=False)} | {RACE, TERMINATED, CURSOR_LOST, STORM, SATURATED}
+    known = scenario_names(args.flavor)
     if only is not None and only - known:
         parser.error(f"unknown scenario(s): {', '.join(sorted(only - known))}; known: {', '.join(sorted(known))}")
     home = args.home or Path(tempfile.mkdtemp(prefix="gpufleet-chaos-"))
@@ -145,13 +199,13 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, interrupted)
     try:
-        result = asyncio.run(chaos(home, short=args.short, say=say, only=only))
+        result = asyncio.run(chaos(home, short=args.short, say=say, only=only, flavor=args.flavor))
     finally:
         for folder in (home, home / "storm", home / "saturated"):
             lab = FleetLab(folder)
             if lab.state().get("services"):
                 lab.down()  # never leave a lab running, however the run ended
-    result = {"provenance": started, "slurm": args.slurm, **result}
+    result = {"provenance": started, "slurm": args.slurm, "flavor": args.flavor, **result}
     if args.output is not None:
         write_result(result, args.output)
     print(json.dumps(result), flush=True)

@@ -1,5 +1,10 @@
 """What a chaos run reads and does around its scenarios: the fleet's facts and the totals computed
-from them, the job's fate, `gpufleet` commands, returning retired nodes, labs of its own."""
+from them, the job's fate, `gpufleet` commands, returning retired nodes, labs of its own.
+
+On the slinky flavor the Slurm nodes are NodeSet pods named after themselves, wherever they run,
+and claims, pools and incidents are on Kubernetes nodes: the partition, for the claims, is the
+Kubernetes nodes its pods run on (``fleet_facts``), and a Slurm node's drain is followed under its
+pod's name."""
 
 from __future__ import annotations
 
@@ -13,26 +18,56 @@ from typing import Any
 from temporalio.service import RPCError
 
 from clients.kube import KubernetesApi
+from clients.nodesets import NodeSets
 from lab.chaos.outages import Say, slurm_update
+from lab.drill import pod_hosts
 from lab.fleet import REPO_ROOT, FleetLab, LabConfig
 from lab.histories import record_histories_async
 from lab.procs import free_port, wait_for
+from lab.slinkylab import SLINKY_RELEASE
 from models.constants import CLAIMED_BY_ANNOTATION, POOL_LABEL, POOL_RETIRED, owned_reason
 from models.incident import IncidentStatus, JobInfo, Step
 from workflows.remediation import NodeRemediationWorkflow
 
 
 def fleet_facts(lab: FleetLab) -> dict[str, Any]:
-    """What the totals are computed from: claims on nodes, pools, Slurm reasons, the jobs."""
+    """What the totals are computed from: claims on nodes, pools, Slurm reasons, the jobs.
+
+    ``partition`` holds Kubernetes node names as the claims do: on the slinky flavor the nodes the
+    partition's pods run on (``slurm_partition`` their Slurm nodes, ``hosts`` where each runs)."""
     kube = KubernetesApi(kubeconfig=lab.home / "kubeconfig")
     slurm = lab.slurm.client()
     nodes = {node.name: node for node in kube.list_nodes()}
+    members = slurm.partition_nodes(lab.partition)
+    hosts = pod_hosts(lab)
+    partition = sorted({hosts[m] for m in members if hosts.get(m)}) if lab.slinky else members
     return {
         "claims": {n: k.annotations.get(CLAIMED_BY_ANNOTATION) for n, k in nodes.items()},
         "pools": {n: k.labels.get(POOL_LABEL, "") for n, k in nodes.items()},
         "slurm": {node.name: (node.drained, node.reason) for node in slurm.nodes()},
-        "partition": slurm.partition_nodes(lab.config.partition),
+        "partition": partition,
+        "slurm_partition": members,
+        "hosts": hosts,
     }
+
+
+def pods_placed(lab: FleetLab) -> bool:
+    """Whether every pod of the lab's NodeSet (one per training node) runs on a node."""
+    hosts = pod_hosts(lab)
+    return len(hosts) >= len(lab.config.training) and all(hosts.values())
+
+
+def on_node(lab: FleetLab, node: str, slurm_nodes: list[str]) -> list[str]:
+    """Those of ``slurm_nodes`` that run on ``node``: on the slinky flavor the pods it hosts, else
+    ``node`` itself if it is one of them."""
+    hosts = pod_hosts(lab)
+    return [name for name in slurm_nodes if hosts.get(name, name) == node]
+
+
+def host_of(lab: FleetLab, slurm_node: str) -> str:
+    """The node an Xid for ``slurm_node`` is injected on: on the slinky flavor the Kubernetes node
+    its pod runs on, else the node itself."""
+    return pod_hosts(lab).get(slurm_node, slurm_node)
 
 
 def double_claims(facts: dict[str, Any]) -> int:
@@ -83,21 +118,26 @@ async def return_retired(
     for node, pool in facts["pools"].items():
         if pool != POOL_RETIRED or (only is not None and node not in only):
             continue
-        drained, reason = facts["slurm"][node]
+        # On the slinky flavor a retired node hosts no Slurm node: its pods left with their names.
+        drained, reason = facts["slurm"].get(node, (False, ""))
         if drained and not owned_reason(reason):
             slurm_update(lab, node, "State=RESUME")  # the operator finishes their work
         lab.faults.clear(node)  # repaired: its GPU works again
         await gpufleet(lab, "nodes", "return", node, "--as", "spare")
         returned.append(node)
         say(f"returned {node} as a spare")
-    # A returned node is briefly "not responding" after its resume: wait until Slurm shows it idle.
+    # A returned node is briefly "not responding" after its resume: wait until Slurm shows it idle
+    # (on the slinky flavor, and every NodeSet pod runs on a node).
     slurm = lab.slurm.client()
     await asyncio.to_thread(
         wait_for,
-        lambda: all(
-            not n.flags and n.state in {"idle", "allocated", "mixed"}
-            for n in slurm.nodes()
-            if all_healthy or n.name in returned
+        lambda: (
+            all(
+                not n.flags and n.state in {"idle", "allocated", "mixed"}
+                for n in slurm.nodes()
+                if all_healthy or n.name in returned
+            )
+            and (not lab.slinky or pods_placed(lab))
         ),
         timeout=60,
         what="every node to be healthy in Slurm" if all_healthy else f"{', '.join(returned)} to be healthy in Slurm",
@@ -105,16 +145,34 @@ async def return_retired(
     return returned
 
 
-def chaos_lab(home: Path, training: list[str], *, say: Say, spares: list[str] | None = None) -> FleetLab:
+async def return_failed(lab: FleetLab, node: str, say: Say) -> None:
+    """On the slinky flavor, a node an incident left cordoned when it failed (its pods not evicted)
+    is brought back as its failure's message says a person would: each NodeSet pod still on it
+    evicted once its Slurm node is idle (never forced), and the node returned for training."""
+    kube = KubernetesApi(kubeconfig=lab.home / "kubeconfig")
+    for pod in await asyncio.to_thread(NodeSets(kube).nodeset_pods_on, node):
+        said = await asyncio.to_thread(kube.evict, pod, timeout_seconds=60, force=False)
+        say(f"{pod.key}: {said} once its Slurm node was idle")
+    lab.faults.clear(node)
+    await gpufleet(lab, "nodes", "return", node, "--as", "training")
+    say(f"returned {node} for training")
+
+
+def chaos_lab(
+    home: Path, training: list[str], *, say: Say, spares: list[str] | None = None, flavor: str = "default"
+) -> FleetLab:
     """A lab of the chaos run's own: these training nodes, two spares (unless said), a 60 s grace,
-    free ports."""
+    free ports; on the slinky flavor a NodeSet of one pod per training node, on Slurm 26.05."""
     config = LabConfig(
         training=training,
         spares=["spare1", "spare2"] if spares is None else spares,
         temporal_port=free_port(),
         ui_port=free_port(),
         grace_seconds=60,
+        flavor=flavor,
     )
+    if flavor == "slinky":
+        config.slurm = SLINKY_RELEASE
     lab = FleetLab(home, config)
     lab.up(say=say)
     return lab

@@ -74,6 +74,9 @@ class Scenario:
     # fires only after the incident passed ``at``, fails the scenario.
     fault: Callable[[Context], Awaitable[None]] | None = None
     at: Step | None = None
+    # And only once this step has finished (``at`` runs beside it: the spare's claim once the
+    # Kubernetes drain beside it is done).
+    once_done: Step | None = None
     # Before the Xid is injected (with the target node) and after the incident closed.
     before: Callable[[Context, str], Awaitable[None]] | None = None
     after: Callable[[Context], Awaitable[None]] | None = None

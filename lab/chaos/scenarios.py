@@ -9,13 +9,17 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from clients.errors import ClientError
 from lab.chaos.fleet import (
     closed,
     double_claims,
     fleet_facts,
+    host_of,
     job_lost,
     leaked_claims,
     met_gpu_fault,
+    on_node,
+    return_failed,
     return_retired,
     step_end,
     undrained_not_ours,
@@ -45,6 +49,7 @@ from lab.procs import spawn, stop, wait_for
 from models.incident import Approval, IncidentStatus, JobInfo, Outcome, Step
 from starters.temporal import connect
 from workflows.remediation import NodeRemediationWorkflow
+from workflows.remediation.timeline import open_steps
 
 RACE = "two_workers_two_incidents"
 
@@ -130,7 +135,11 @@ async def run_scenario(ctx: Context, scenario: Scenario, baseline: dict[str, Any
     ctx.fired = []
     slurm = lab.slurm.client()
     job = await asyncio.to_thread(training_job, lab, slurm, job_kind=default_job(lab), say=say)
-    target = slurm.hostnames(job.nodes)[0]
+    job_nodes = slurm.hostnames(job.nodes)
+    # The node the Xid hits (on the slinky flavor the Kubernetes node under the job's first pod)
+    # and the job's Slurm nodes there, whose ranks meet its GPU's failure.
+    target = host_of(lab, job_nodes[0])
+    hit = on_node(lab, target, job_nodes)
     if scenario.before is not None:
         await scenario.before(ctx, target)
     before = fleet_facts(lab)
@@ -141,9 +150,14 @@ async def run_scenario(ctx: Context, scenario: Scenario, baseline: dict[str, Any
     async def on_status(status: IncidentStatus) -> None:
         if not seen or seen[-1] != status.step.value:
             seen.append(status.step.value)
-        due = scenario.at is not None and at_or_after(status.step, scenario.at) and status.step != Step.CLOSED
+        # Steps run side by side (the Kubernetes drain beside the spare's claim): the incident is
+        # at the scenario's step while it runs, whichever of them it entered last.
+        step = scenario.at if scenario.at is not None and scenario.at in open_steps(status.timeline) else status.step
+        due = scenario.at is not None and at_or_after(step, scenario.at) and status.step != Step.CLOSED
+        if scenario.once_done is not None:
+            due = due and any(e.step == scenario.once_done and e.event == "finished" for e in status.timeline)
         if scenario.fault is not None and due and not fired_at:
-            fired_at.append(status.step.value)
+            fired_at.append(step.value)
             await scenario.fault(ctx)
         if scenario.expect_approval and status.waiting_for_approval and "approved" not in ctx.fired:
             ctx.fired.append("approved")
@@ -182,8 +196,8 @@ async def run_scenario(ctx: Context, scenario: Scenario, baseline: dict[str, Any
     missed = fault_missed(scenario, ctx, fired_at, seen) + verified
     if drill is not None:
         effect = drill["effect"]
-        if effect != Effect.NONE.value and met_gpu_fault(lab, drill["job_id"], [drill["node"]], effect, since=injected):
-            missed.append(f"the job's rank on {drill['node']} never met its GPU fault ({effect})")
+        if effect != Effect.NONE.value and met_gpu_fault(lab, drill["job_id"], hit, effect, since=injected):
+            missed.append(f"the job's rank on {', '.join(hit)} never met its GPU fault ({effect})")
         timings = drill["timings_s"]
         now = JobInfo(job_id=drill["job_id"], state=drill["job_state"], restarts=drill["job_restarts"])
         resumed_once = now.state == "RUNNING" and now.restarts == drill["restarts_before"] + 1
@@ -228,8 +242,10 @@ async def run_scenario(ctx: Context, scenario: Scenario, baseline: dict[str, Any
         result["reason"] = "; ".join(missed)
     result.update(checks)
     try:
+        if lab.slinky and result.get("outcome") in (Outcome.FAILED.value, "error"):
+            await return_failed(lab, target, say)  # the next scenario needs its node back
         await return_retired(lab, say)
-    except (RuntimeError, TimeoutError) as exc:  # reported with the scenario; the run goes on
+    except (ClientError, RuntimeError, TimeoutError) as exc:  # reported with the scenario; the run goes on
         result.update(passed=False, error=f"after the scenario: {exc}")
     repaired_in_place(ctx)
     said = f" ({result['reason']})" if missed else ""
@@ -242,7 +258,10 @@ async def race_two_incidents(ctx: Context, baseline: dict[str, Any]) -> dict[str
     lab, say = ctx.lab, ctx.say
     slurm = lab.slurm.client()
     job = await asyncio.to_thread(training_job, lab, slurm, job_kind=default_job(lab), say=say)
-    targets = slurm.hostnames(job.nodes)[:2]
+    job_nodes = slurm.hostnames(job.nodes)
+    # On the slinky flavor the Kubernetes nodes under the job's pods; their pods meet the failure.
+    targets = list(dict.fromkeys(host_of(lab, node) for node in job_nodes))[:2]
+    hit = [node for target in targets for node in on_node(lab, target, job_nodes)]
     second = spawn(
         [sys.executable, "-m", "workers.entry", "worker"],
         log=lab.home / "logs" / "worker-2.log",
@@ -282,8 +301,8 @@ async def race_two_incidents(ctx: Context, baseline: dict[str, Any]) -> dict[str
     }
     # A rank that saw its peer fail first may have stopped before its own GPU failed: one is enough.
     effect = default_effect(79).value
-    missing = met_gpu_fault(lab, job.job_id, targets, effect, since=injected) if effect != "none" else []
-    missing = missing if len(missing) == len(targets) else []
+    missing = met_gpu_fault(lab, job.job_id, hit, effect, since=injected) if effect != "none" else []
+    missing = missing if len(missing) == len(hit) else []
     if missing:
         result["reason"] = f"no rank of the job met its GPU fault ({effect}) on {', '.join(targets)}"
     result["fault_fired"] = not missing
@@ -312,6 +331,9 @@ async def race_two_incidents(ctx: Context, baseline: dict[str, Any]) -> dict[str
         )
     result.update(checks)
     say(f"{RACE}: {'passed' if result.get('passed') else 'FAILED'}")
-    await return_retired(lab, say)
+    try:
+        await return_retired(lab, say)
+    except (RuntimeError, TimeoutError) as exc:  # reported with the scenario
+        result.update(passed=False, error=f"after the scenario: {exc}")
     repaired_in_place(ctx)
     return result

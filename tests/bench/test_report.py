@@ -151,6 +151,29 @@ CHAOS = {
     "max_added_delay_s": 2.1,
     "baseline": {"detect_to_drained": 0.46, "detect_to_resumed": 8.9},
 }
+CHAOS_SLINKY = {
+    "provenance": {**PROVENANCE, "dirty": False},
+    "flavor": "slinky",
+    "scenarios": [
+        {"name": "baseline", "passed": True, "outcome": "resolved", "added_delay_s": None},
+        {
+            "name": "pod_protect_blocks_eviction",
+            "passed": True,
+            "outcome": "failed",
+            "failed_at": "drain_kubernetes",
+            "detect_to_failed": 211.3,
+            "incident_error": "PodStillProtected: slurm-lab/lab-train-1 did not leave gpu2 within 5 s",
+            "pod_kept": True,
+        },
+    ],
+    "passed": True,
+    "jobs_lost": 0,
+    "double_claims": 0,
+    "nodes_undrained_not_ours": 0,
+    "claims_leaked": 0,
+    "max_added_delay_s": None,
+    "baseline": {"detect_to_drained": 0.29, "detect_to_resumed": 10.9},
+}
 SCALE = {
     "provenance": PROVENANCE,
     "fleet": {
@@ -209,6 +232,7 @@ def test_a_missing_result_is_said_to_be_missing_and_nothing_is_invented(tmp_path
         ("make bench", "bench"),
         ("make bench FLAVOR=slinky", "bench-slinky"),
         ("make chaos", "chaos"),
+        ("make chaos FLAVOR=slinky", "chaos-slinky"),
         ("make bench-scale", "bench-scale"),
     ):
         assert f"Not measured yet: run `{command}` (it writes `docs/results/{name}.json`)." in page
@@ -219,7 +243,9 @@ def test_a_missing_result_is_said_to_be_missing_and_nothing_is_invented(tmp_path
 
 def test_each_result_gives_its_provenance_and_figures(tmp_path: Path) -> None:
     page = render(results(tmp_path, bench=BENCH, bench_slinky=SLINKY, chaos=CHAOS, bench_scale=SCALE))
-    assert "Not measured yet" not in page
+    assert [line for line in page.splitlines() if "Not measured yet" in line] == [
+        "Not measured yet: run `make chaos FLAVOR=slinky` (it writes `docs/results/chaos-slinky.json`)."
+    ]
     assert (
         "From `docs/results/bench.json`. Measured at commit `0123456789ab` with uncommitted changes, on "
         "2026-12-04T10:00:00+00:00; machine: 2 cores, AMD EPYC, 23.5 GiB of memory, Python 3.11.7." in page
@@ -254,6 +280,7 @@ def test_each_result_gives_its_provenance_and_figures(tmp_path: Path) -> None:
     )
     assert row("`webhook_hangs`").endswith("| **no** | error | n/a | n/a | error: TimeoutError: it \\| hung |")
     assert "drained 2, waiting 2, paged 1" in row("`storm_four_nodes_at_once`")
+
     # make bench-scale: headline figures, targets met, the bound.
     assert row("`incidents_started_per_s`").endswith("| 58.5 /s | >= 50 | yes |")
     assert row("`history_events_per_incident`").endswith("| 200 (median 148) | <= 150 | **no** |")
@@ -303,6 +330,20 @@ def test_the_slinky_flavor_sits_beside_the_default_one_each_with_its_commit(tmp_
     alone = render(results(tmp_path / "alone", bench_slinky=SLINKY))
     assert "The default flavor is not measured yet: run `make bench`" in alone
     assert "slinky minus default" not in alone
+
+
+def test_the_slinky_chaos_run_has_a_section_of_its_own(tmp_path: Path) -> None:
+    page = render(results(tmp_path, chaos_slinky=CHAOS_SLINKY))
+    section = page[page.index("## `make chaos FLAVOR=slinky`") : page.index("## `make bench-scale`")]
+    assert "From `docs/results/chaos-slinky.json`. Measured at commit `0123456789ab`, on" in section
+    assert "Passed: yes (every scenario passed and the four totals are 0), 2 scenarios." in section
+    assert "each incident is keyed on the Kubernetes node under one" in section
+    # The pod-protect incident fails where it must, its pod kept.
+    assert (
+        "| `pod_protect_blocks_eviction` | yes | failed | n/a | n/a | incident failed at drain_kubernetes, "
+        "211 s after the Xid; pod kept on its node |"
+    ) in section.splitlines()
+    assert "Not measured yet: run `make chaos` (it writes `docs/results/chaos.json`)." in page
 
 
 def test_a_result_from_before_provenance_says_so(tmp_path: Path) -> None:

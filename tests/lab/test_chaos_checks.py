@@ -6,11 +6,22 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from lab.chaos import CURSOR_LOST, SATURATED, TERMINATED, scenarios
-from lab.chaos.fleet import job_lost, met_gpu_fault
+from lab.chaos import (
+    CURSOR_LOST,
+    POD_PROTECT_BLOCKS,
+    RACE,
+    SATURATED,
+    STORM,
+    TERMINATED,
+    scenario_names,
+    scenarios,
+    slinky_scenarios,
+)
+from lab.chaos.fleet import double_claims, job_lost, leaked_claims, met_gpu_fault
 from lab.chaos.leftovers import CONFIGMAP_BAD, config_ok
-from lab.chaos.outages import Context, Scenario, kill_worker, operator_drains
+from lab.chaos.outages import KILL_STEPS, Context, Scenario, kill_worker, operator_drains
 from lab.chaos.scenarios import at_or_after, fault_missed
+from lab.chaos.slinky import eviction_timeout
 from lab.faults import Effect
 from lab.fleet import FleetLab, LabConfig
 from models.incident import JobInfo, Step
@@ -96,3 +107,42 @@ def test_the_configmaps_health_is_read_from_the_workers_metrics() -> None:
     assert config_ok(scrape, "configmap") == 0
     assert config_ok(scrape, "policy_file") == 1
     assert config_ok(scrape, "elsewhere") is None
+
+
+def test_the_slinky_flavor_runs_its_own_scenarios() -> None:
+    names = scenario_names("slinky")
+    assert {f"worker_killed_at_{step.value}" for step in KILL_STEPS} <= names
+    assert {
+        "slurmrestd_down_30s",
+        "operator_down_at_drain_kubernetes",
+        "operator_down_at_claim_spare",
+        POD_PROTECT_BLOCKS,
+        RACE,
+    } <= names
+    # What needs the default flavor's lab (static nodes, four-node labs of their own) is not there.
+    assert not {STORM, SATURATED, TERMINATED, CURSOR_LOST, "slurmctld_stopped_30s"} & names
+    # The operator's outage during the claim waits for the Kubernetes drain beside it to be done.
+    claim = {s.name: s for s in slinky_scenarios(short=False)}["operator_down_at_claim_spare"]
+    assert claim.at is Step.CLAIM_SPARE and claim.once_done is Step.DRAIN_KUBERNETES
+    assert [s.name for s in slinky_scenarios(short=True)] == ["worker_killed_at_checkpoint", "slurmrestd_down_30s"]
+
+
+def test_on_slinky_a_claim_is_used_when_the_partitions_pods_run_on_its_node() -> None:
+    # fleet_facts on the slinky flavor: the partition as the Kubernetes nodes its pods run on.
+    facts = {
+        "claims": {"spare1": "lab-gpu1-1", "spare2": "lab-gpu2-1", "gpu1": None},
+        "partition": ["gpu2", "gpu3", "spare1"],
+        "slurm_partition": ["lab-train-0", "lab-train-1", "lab-train-2"],
+    }
+    assert leaked_claims(facts) == 1  # spare2 hosts no pod of the partition
+    assert double_claims(facts) == 0
+    assert double_claims({**facts, "claims": {"spare1": "lab-gpu1-1", "spare2": "lab-gpu1-1"}}) == 1
+
+
+def test_a_pod_kept_by_pod_protect_gets_a_short_eviction_timeout_for_its_incident_only(tmp_path: Path) -> None:
+    lab = FleetLab(tmp_path, LabConfig(flavor="slinky", slurm="26.05"))
+    policy = "remediation:\n  eviction_timeout_seconds: 60\n  grace_seconds: 60\n"
+    lab.policy_file.write_text(policy)
+    with eviction_timeout(lab, 5):
+        assert "  eviction_timeout_seconds: 5\n  grace_seconds: 60\n" in lab.policy_file.read_text()
+    assert lab.policy_file.read_text() == policy

@@ -96,6 +96,7 @@ class Fleet:
     notify_gate: asyncio.Event | None = None  # set: the webhook answers; None: it answers at once
     notify_refuses: bool = False
     retire_fails: bool = False
+    kube_drain_refused: str = ""  # the Kubernetes drain fails, not retried, saying this
     calls: list[str] = field(default_factory=list)
     notifications: list[NotifyRequest] = field(default_factory=list)
     signalled: asyncio.Event = field(default_factory=asyncio.Event)
@@ -229,6 +230,8 @@ class Fleet:
             fleet.calls.append("cordon_and_drain_node")
             # Only returns once the spare's claim has begun: proves the two branches overlap.
             await asyncio.wait_for(fleet.claim_started.wait(), timeout=10)
+            if fleet.kube_drain_refused:
+                raise ApplicationError(fleet.kube_drain_refused, type="NotOwned", non_retryable=True)
             return KubeDrainResult(evicted=["default/web-1"])
 
         @activity.defn(name="retire_node")
@@ -682,6 +685,26 @@ async def test_a_failed_incident_releases_its_unused_claim(env: WorkflowEnvironm
             await handle.result()
     assert "release_spare" in fleet.calls
     assert "notify:failed" in fleet.calls
+
+
+async def test_a_kubernetes_drain_that_fails_beside_the_claim_fails_the_incident_at_the_drain(
+    env: WorkflowEnvironment,
+) -> None:
+    """The claim enters its step after the drain (they run side by side): a drain that cannot go
+    on (a pod its budget protects past the eviction timeout) still fails the incident at
+    drain_kubernetes, which is what the owner and the page are told."""
+    refused = "slurm-lab/lab-train-2 did not leave gpu1 within 5 s: a PodDisruptionBudget protects it"
+    fleet = Fleet(spare_free=False, kube_drain_refused=refused)
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet)
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+        status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
+    assert status.outcome == Outcome.FAILED and status.step == Step.DRAIN_KUBERNETES
+    assert [e.step for e in status.timeline if e.event == "failed"] == [Step.DRAIN_KUBERNETES]
+    [failed] = [n for n in fleet.notifications if n.kind == "failed"]
+    assert "stopped at drain_kubernetes" in failed.text and refused in failed.text
+    assert "release_spare" in fleet.calls
 
 
 async def test_a_week_without_a_spare_keeps_each_history_small(env: WorkflowEnvironment) -> None:
