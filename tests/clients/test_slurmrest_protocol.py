@@ -208,8 +208,12 @@ def test_nodes_read_as_the_cli_reads_them(live: Live) -> None:
     live.slurm.scontrol("update", "NodeName=gpu3", "State=DRAIN", "Reason=site maintenance")
     try:
         rest = live.rest()
-        assert sorted(map(_node, rest.nodes()), key=lambda n: n.name) == sorted(
-            map(_node, live.cli.nodes()), key=lambda n: n.name
+        # Read one after the other: a node Slurm updates meanwhile may differ once; they agree again.
+        wait_for(
+            lambda: sorted(map(_node, rest.nodes()), key=lambda n: n.name)
+            == sorted(map(_node, live.cli.nodes()), key=lambda n: n.name),
+            timeout=15,
+            what="REST and CLI to agree on the nodes",
         )
         drained = rest.node("gpu3")
         assert drained == live.cli.node("gpu3") and drained.drained and drained.reason == "site maintenance"
@@ -460,8 +464,12 @@ def test_newer_nodes_read_as_the_cli_reads_them(newer: Newer, version: str) -> N
     newer.slurm.scontrol("update", "NodeName=gpu3", "State=DRAIN", "Reason=site maintenance")
     try:
         rest = newer.rest(version)
-        assert sorted(map(_node, rest.nodes()), key=lambda n: n.name) == sorted(
-            map(_node, newer.cli.nodes()), key=lambda n: n.name
+        # Read one after the other: a node Slurm updates meanwhile may differ once; they agree again.
+        wait_for(
+            lambda: sorted(map(_node, rest.nodes()), key=lambda n: n.name)
+            == sorted(map(_node, newer.cli.nodes()), key=lambda n: n.name),
+            timeout=15,
+            what="REST and CLI to agree on the nodes",
         )
         drained = rest.node("gpu3")
         assert _node(drained) == _node(newer.cli.node("gpu3"))

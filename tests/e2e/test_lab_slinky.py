@@ -224,8 +224,9 @@ def test_one_incident_covers_every_slurm_node_its_kubernetes_node_hosts(home: Pa
     hosts = {pod: nodes[pod]["kubernetes_node"] for pod in pods}
     assert target not in hosts.values() and spare in hosts.values(), hosts
     assert all(nodes[pod]["reason"] == "" and nodes[pod]["partitions"] == [NODESET] for pod in pods), nodes
-    recorded = json.loads(_node(home, target)["metadata"]["annotations"]["gpufleet.io/slurm-nodes"])
-    assert sorted(p["slurm_node"] for p in recorded) == pods
+    record = json.loads(_node(home, target)["metadata"]["annotations"]["gpufleet.io/slurm-nodes"])
+    assert record["incident"] == result["incident_id"]
+    assert sorted(p["slurm_node"] for p in record["pods"]) == pods
 
 
 def test_lab_down_leaves_no_process_slurmd_or_mount(home: Path) -> None:
