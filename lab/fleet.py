@@ -365,11 +365,13 @@ class FleetLab:
         return state
 
     def _worker_slurm_env(self, services: dict[str, Any]) -> dict[str, str]:
-        """On the slinky flavor the worker reaches Slurm through slurmrestd (API v0.0.45), with
-        the cluster's JWT key."""
+        """The remediation mode the flavor is (never guessed at the worker's start: a worker
+        started while the lab's Kubernetes is away on purpose must still start); on the slinky
+        flavor the worker reaches Slurm through slurmrestd (API v0.0.45), with the cluster's JWT key."""
         if not self.slinky:
-            return {}
+            return {"GPUFLEET_REMEDIATION_MODE": "slurm"}
         return {
+            "GPUFLEET_REMEDIATION_MODE": "slinky",
             "GPUFLEET_SLURM_BACKEND": "rest",
             "GPUFLEET_SLURMRESTD_URL": services["slurmrestd"]["url"],
             "GPUFLEET_SLURMRESTD_VERSION": "v0.0.45",

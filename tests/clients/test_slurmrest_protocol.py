@@ -210,8 +210,10 @@ def test_nodes_read_as_the_cli_reads_them(live: Live) -> None:
         rest = live.rest()
         # Read one after the other: a node Slurm updates meanwhile may differ once; they agree again.
         wait_for(
-            lambda: sorted(map(_node, rest.nodes()), key=lambda n: n.name)
-            == sorted(map(_node, live.cli.nodes()), key=lambda n: n.name),
+            lambda: (
+                sorted(map(_node, rest.nodes()), key=lambda n: n.name)
+                == sorted(map(_node, live.cli.nodes()), key=lambda n: n.name)
+            ),
             timeout=15,
             what="REST and CLI to agree on the nodes",
         )
@@ -466,8 +468,10 @@ def test_newer_nodes_read_as_the_cli_reads_them(newer: Newer, version: str) -> N
         rest = newer.rest(version)
         # Read one after the other: a node Slurm updates meanwhile may differ once; they agree again.
         wait_for(
-            lambda: sorted(map(_node, rest.nodes()), key=lambda n: n.name)
-            == sorted(map(_node, newer.cli.nodes()), key=lambda n: n.name),
+            lambda: (
+                sorted(map(_node, rest.nodes()), key=lambda n: n.name)
+                == sorted(map(_node, newer.cli.nodes()), key=lambda n: n.name)
+            ),
             timeout=15,
             what="REST and CLI to agree on the nodes",
         )
