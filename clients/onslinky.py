@@ -127,6 +127,11 @@ def _record(incident_id: str, pods: list[NodeSetPod]) -> str:
     return json.dumps({"incident": incident_id, "pods": entries}, sort_keys=True, separators=(",", ":"))
 
 
+def nodesets_of(pods: list[NodeSetPod]) -> list[NodeSetName]:
+    """The NodeSets the pods belong to, each once, in order."""
+    return sorted({pod.nodeset for pod in pods}, key=lambda n: n.key)
+
+
 def _joined(first: list[NodeSetPod], then: list[NodeSetPod]) -> list[NodeSetPod]:
     """``first``, and each of ``then`` not among them by namespace and name (the first UID kept)."""
     known = {p.key for p in first}
@@ -413,7 +418,7 @@ class SlinkyDrain:
         self.of.nodesets.cordon_for_incident(node, incident_id)
         self._kube.add_taint(node, key=UNHEALTHY_TAINT, value=label_value(incident_id))
         self._kube.update_metadata(node, annotations={INCIDENT_ANNOTATION: incident_id})
-        for nodeset in sorted({pod.nodeset for pod in recorded}, key=lambda n: n.key):
+        for nodeset in nodesets_of(recorded):
             self.of.nodesets.make_ineligible(node, nodeset, also_unrecorded=True)
         evicted: list[str] = []
         forced: list[str] = []
@@ -490,7 +495,7 @@ class SlinkyPool(SparePool):
                 f"{failed or 'the failed node'} hosts no NodeSet pod and records none: no NodeSet to make a spare "
                 "eligible for"
             )
-        return sorted({pod.nodeset for pod in pods}, key=lambda n: n.key)
+        return nodesets_of(pods)
 
     def claim(
         self,
@@ -604,7 +609,7 @@ class SlinkyPool(SparePool):
     def retire(self, node: str, incident_id: str = "") -> None:
         """No partition to leave: the node's NodeSet labels come off (also those set before
         gpufleet kept records), then it is kept cordoned, tainted and retired as anywhere."""
-        for nodeset in sorted({pod.nodeset for pod in self.of.pods(node)}, key=lambda n: n.key):
+        for nodeset in nodesets_of(self.of.pods(node)):
             try:
                 self.of.nodesets.make_ineligible(node, nodeset, also_unrecorded=True)
             except NotFound:
@@ -636,7 +641,7 @@ class SlinkyPool(SparePool):
                     f"{pod.slurm_node} on {node} was taken out of Slurm by someone else ({info.reason!r}); "
                     "not returning it: resume it by hand once its owner is done"
                 )
-        nodesets = sorted({pod.nodeset for pod in self.of.pods(node)}, key=lambda n: n.key)
+        nodesets = nodesets_of(self.of.pods(node))
         reason = current.annotations.get(NODE_CORDON_REASON, "")
         for taint in (RETIRED_TAINT, UNHEALTHY_TAINT):
             self._kube.remove_taint(node, key=taint)
