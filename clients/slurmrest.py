@@ -229,32 +229,52 @@ class SlurmRestClient:
     def add_account(self, account: str, *, cluster: str, user: str = "root") -> None:
         """The account, and its association on ``cluster`` (under ``root``), which a user's
         association needs first."""
-        body = {"accounts": [{"name": account, "description": account, "organization": account}]}
-        self._request("POST", f"/slurmdb/{self.version}/accounts", user=user, body=body)
-        association = {"account": account, "cluster": cluster, "parent_account": "root"}
-        try:
-            self._request(
-                "POST", f"/slurmdb/{self.version}/associations", user=user, body={"associations": [association]}
-            )
-        except SlurmRestError as exc:
-            # Slurm 22.05 adds an account's association yet complains that it names no user;
-            # what counts is whether the association is there.
-            if "Missing required field 'user'" not in str(exc):
-                raise
+        if self._old:
+            body = {"accounts": [{"name": account, "description": account, "organization": account}]}
+            self._request("POST", f"/slurmdb/{self.version}/accounts", user=user, body=body)
+            association = {"account": account, "cluster": cluster, "parent_account": "root"}
+            try:
+                self._request(
+                    "POST", f"/slurmdb/{self.version}/associations", user=user, body={"associations": [association]}
+                )
+            except SlurmRestError as exc:
+                # Slurm 22.05 adds an account's association yet complains that it names no user;
+                # what counts is whether the association is there.
+                if "Missing required field 'user'" not in str(exc):
+                    raise
+        else:
+            # From v0.0.40 an association must name a user (an empty one makes a user association
+            # of no one, under which every such "account" shares one lineage), so the account's
+            # own goes in as sacctmgr adds it: the account with its association on the cluster.
+            body = {
+                "association_condition": {"accounts": [account], "clusters": [cluster]},
+                "account": {"description": account, "organization": account},
+            }
+            self._request("POST", f"/slurmdb/{self.version}/accounts_association", user=user, body=body)
         if (account, "") not in self.associations(cluster, user=user):
             raise SlurmRestError(f"slurmrestd took account {account} but it has no association on {cluster}")
 
     def add_user(self, name: str, *, account: str, cluster: str, admin: bool, user: str = "root") -> None:
         """The user, with ``account`` as default, and its association on ``cluster``."""
         level = "Administrator" if admin else "None"
-        entry = {
-            "name": name,
-            "default": {"account": account},
-            "administrator_level": level if self._old else [level],
+        if self._old:
+            entry = {"name": name, "default": {"account": account}, "administrator_level": level}
+            self._request("POST", f"/slurmdb/{self.version}/users", user=user, body={"users": [entry]})
+            association = {"account": account, "cluster": cluster, "user": name}
+            self._request(
+                "POST", f"/slurmdb/{self.version}/associations", user=user, body={"associations": [association]}
+            )
+            return
+        # The user with its association, as sacctmgr adds them (the account its default when the
+        # user is new); then the user's record, which that leaves as it was for a user known
+        # before, with the admin level and default account asked for.
+        body = {
+            "association_condition": {"users": [name], "accounts": [account], "clusters": [cluster]},
+            "user": {"adminlevel": [level], "defaultaccount": account},
         }
+        self._request("POST", f"/slurmdb/{self.version}/users_association", user=user, body=body)
+        entry = {"name": name, "default": {"account": account}, "administrator_level": [level]}
         self._request("POST", f"/slurmdb/{self.version}/users", user=user, body={"users": [entry]})
-        association = {"account": account, "cluster": cluster, "user": name}
-        self._request("POST", f"/slurmdb/{self.version}/associations", user=user, body={"associations": [association]})
 
     def remove_association(self, cluster: str, account: str, name: str = "", *, user: str = "root") -> None:
         """Remove ``name``'s association with ``account`` on ``cluster`` (no name: the account's

@@ -39,8 +39,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from clients.errors import checked_node_name
+from lab.accounting import accounting_lines
 from lab.procs import alive, free_port, spawn, stop, wait_for
 from lab.slurm import SlurmLab, SlurmLabSpec
+from models.names import validate_cluster_name
 
 RELEASE = "26.05"
 # What Slinky's preStop hook sets on a pod's node before the pod stops.
@@ -49,6 +51,8 @@ PRESTOP_REASON = "slurm-operator: Pod is terminating"
 PARTITION_CONFIG = "MaxTime=UNLIMITED State=UP"
 # How many nodes slurmctld may hold (the operator's default).
 MAX_NODE_COUNT = 1024
+# Slurm's ClusterName unless told otherwise.
+CLUSTER_NAME = "gpufleetdyn"
 _FIELDS = re.compile(r"(?:^| )(NodeName|State|Port|SlurmdStartTime)=(\S*)")
 
 
@@ -78,9 +82,14 @@ class DynamicSlurmLab(SlurmLab):
         release: str = RELEASE,
         binds: list[Path] | None = None,
         extra_lines: Sequence[str] = (),
+        cluster_name: str = CLUSTER_NAME,
+        accounting: bool = False,
     ) -> None:
         """``nodesets``: one partition each, named after it (the first is the default one);
-        ``extra_lines``: more slurm.conf lines (the JWT key's, for slurmrestd)."""
+        ``extra_lines``: more slurm.conf lines (the JWT key's, for slurmrestd); ``cluster_name``:
+        Slurm's ``ClusterName`` (a Slinky Controller's ``clusterName``: the cluster that accounting
+        records jobs and associations under); ``accounting``: ``start`` starts the cluster's own
+        MariaDB and slurmdbd too, and registers it there (lab/accounting.py)."""
         if not nodesets:
             raise ValueError("a dynamic cluster needs at least one NodeSet")
         super().__init__(
@@ -93,12 +102,15 @@ class DynamicSlurmLab(SlurmLab):
         self.nodesets = [checked_node_name(name) for name in nodesets]
         self._pods_file = self.root / "pods.json"
         self.extra_lines = list(extra_lines)
+        self.cluster_name = validate_cluster_name(cluster_name)
+        self.with_accounting = accounting
 
     def _write_conf(self) -> None:
+        storage = accounting_lines(None) if self.with_accounting else ["AccountingStorageType=accounting_storage/none"]
         lines = [
-            "ClusterName=gpufleetdyn",
+            f"ClusterName={self.cluster_name}",
             *self.site_lines(),
-            "AccountingStorageType=accounting_storage/none",
+            *storage,
             f"MaxNodeCount={MAX_NODE_COUNT}",
             "KillWait=5",
             *self.extra_lines,

@@ -5,10 +5,10 @@ Started as ``unshare --mount --propagation private -- python -I -S lab/inroot.py
 ``/sys`` and each ``--bind`` folder into the root at the same path, changes root, keeps the working
 folder when the root has it, and becomes the command.
 
-Slurm 23.11 and later keep, under ``/run/slurm`` and ``/run/slurmctld``, the sockets through which
-commands have their credentials signed with the cluster's key: two clusters on one root must not
-share them. So, where ``$SLURM_CONF`` names a cluster's slurm.conf, the folders ``run/slurm`` and
-``run/slurmctld`` beside it are bound there: the daemons and the commands of one cluster, and only
+Slurm 23.11 and later keep, under ``/run/slurm``, ``/run/slurmctld`` and ``/run/slurmdbd``, the
+sockets through which commands have their credentials signed with the cluster's key: two clusters
+on one root must not share them. So, where ``$SLURM_CONF`` names a cluster's slurm.conf, the
+folders ``run/slurm``, ``run/slurmctld`` and ``run/slurmdbd`` beside it are bound there: the daemons and the commands of one cluster, and only
 they, meet at the same sockets, whichever wrapper started them. The binds exist only in that namespace and vanish
 with its last process, so the cached root never holds a mount of the host's devices: removing it
 touches nothing of the host.
@@ -50,7 +50,7 @@ def _cluster_run(conf: str | None) -> list[tuple[str, str]]:
     if not conf or not os.path.isabs(conf):
         return []
     folder = Path(conf).parent / "run"
-    return [(str(folder / name), f"/run/{name}") for name in ("slurm", "slurmctld")]
+    return [(str(folder / name), f"/run/{name}") for name in ("slurm", "slurmctld", "slurmdbd")]
 
 
 def main(argv: list[str]) -> int:

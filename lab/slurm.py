@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clients.slurm import SlurmCli
-from lab.accounting import Accounting, accounting_installed, conf_value
+from lab.accounting import Accounting, accounting_unavailable, conf_value, with_accounting, without_accounting
 from lab.procs import alive, free_port, pids_holding, pids_with_env, spawn, stop, wait_for
 from lab.slurmroots import LAB_SLURM_ENV, RootError, Roots, SlurmInstall, host_install, install_for
 
@@ -141,14 +141,7 @@ class SlurmLab:
         self._write_conf()
         if self.accounting is not None:
             self._start_accounting(self.accounting, timeout=timeout)
-        self._record(
-            "slurmctld",
-            spawn(
-                self.argv(["slurmctld", "-D", "-c", "-i", "-f", str(self.conf)]),
-                log=self.logs / "slurmctld.out",
-                env=self.env,
-            ),
-        )
+        self._spawn_controller(clear=True)
         wait_for(self._controller_up, timeout=timeout, what="slurmctld to answer")
         for node in self.all_nodes:
             (self.root / "spool" / node).mkdir(exist_ok=True)
@@ -186,19 +179,68 @@ class SlurmLab:
         text = self._conf_text if self._conf_text is not None else (self.conf.read_text() if self.conf.exists() else "")
         if conf_value(text, "AccountingStorageType") != "accounting_storage/slurmdbd":
             return None
-        if not self.install.on_host:
-            raise RuntimeError(
-                f"accounting (slurmdbd) runs in the lab on the host's Slurm only, not on Slurm {self.install.version}"
-            )
-        return Accounting(self.root, self.munge_socket)
+        return self._accounting()
 
-    def _start_accounting(self, accounting: Accounting, *, timeout: float) -> None:
-        missing = accounting_installed()
+    def _accounting(self) -> Accounting:
+        munge = self.munge_socket if self.install.on_host else None  # a root's release: auth/slurm
+        return Accounting(self.root, munge, argv=self.argv)
+
+    def _start_accounting(self, accounting: Accounting, *, timeout: float) -> str:
+        missing = accounting_unavailable(self.install)
         if missing:
             raise RuntimeError(f"accounting needs MariaDB and slurmdbd: {missing}")
-        accounting.start_database(self._record, self.env, timeout=timeout)
-        accounting.start_dbd(self._record, self.env, timeout=timeout)
-        accounting.add_cluster(self.env, conf_value(self.conf.read_text(), "ClusterName"))
+        cluster = conf_value(self.conf.read_text(), "ClusterName")
+        return accounting.start(self._record, self.env, cluster=cluster, timeout=timeout)
+
+    def start_accounting(self, *, timeout: float = 60.0) -> str:
+        """Accounting for this cluster, started or not: its slurm.conf made to ask for slurmdbd,
+        MariaDB and slurmdbd started (those that run already are kept, found by their own
+        files), the cluster registered, and a running slurmctld restarted when its slurm.conf
+        changed (its jobs and nodes kept). Says what it did. A slurmrestd started before reads
+        an old copy of slurm.conf: start it again for the accounting API."""
+        if self._conf_text is not None:
+            raise RuntimeError("a cluster run from a given slurm.conf has accounting when that slurm.conf asks for it")
+        if not self.conf.exists():
+            raise RuntimeError(f"no cluster under {self.root}: start it first")
+        missing = accounting_unavailable(self.install)
+        if missing:
+            raise RuntimeError(f"accounting needs MariaDB and slurmdbd: {missing}")
+        text = self.conf.read_text()
+        changed = with_accounting(text, self._accounting().munge_socket)
+        if changed != text:
+            self.conf.write_text(changed)
+        did = self._start_accounting(self._accounting(), timeout=timeout)
+        if changed != text and alive(self.pids().get("slurmctld", 0)):
+            self._restart_controller(timeout=timeout)
+            did += ", slurmctld restarted"
+        return did
+
+    def stop_accounting(self, *, timeout: float = 60.0) -> str:
+        """No accounting for this cluster: slurmdbd and MariaDB stopped (their data kept), its
+        slurm.conf without slurmdbd, and a running slurmctld restarted when that changed."""
+        if self._conf_text is not None:
+            raise RuntimeError("a cluster run from a given slurm.conf has accounting when that slurm.conf asks for it")
+        pids = self.pids()
+        did = self._accounting().stop(pids)
+        self._pids_file.write_text(json.dumps({k: v for k, v in pids.items() if k not in ("slurmdbd", "mariadbd")}))
+        if self.conf.exists():
+            text = self.conf.read_text()
+            if without_accounting(text) != text:
+                self.conf.write_text(without_accounting(text))
+                if alive(pids.get("slurmctld", 0)):
+                    self._restart_controller(timeout=timeout)
+                    did += ", slurmctld restarted"
+        return did
+
+    def _restart_controller(self, *, timeout: float) -> None:
+        """slurmctld again on the same slurm.conf, from its saved state (jobs and nodes kept)."""
+        stop([self.pids().get("slurmctld", 0)])
+        self._spawn_controller(clear=False)
+        wait_for(self._controller_up, timeout=timeout, what="slurmctld to answer again")
+
+    def _spawn_controller(self, *, clear: bool) -> None:
+        argv = ["slurmctld", "-D", *(["-c"] if clear else []), "-i", "-f", str(self.conf)]
+        self._record("slurmctld", spawn(self.argv(argv), log=self.logs / "slurmctld.out", env=self.env))
 
     @property
     def all_nodes(self) -> list[str]:
@@ -367,15 +409,8 @@ class SlurmLab:
         daemons = [pid for name, pid in pids.items() if name.startswith("slurmd")]
         stop(daemons)
         stop([pid for name, pid in pids.items() if name == "slurmctld"])
-        stop([pid for name, pid in pids.items() if name == "slurmdbd"])
-        database = [pid for name, pid in pids.items() if name == "mariadbd"]
-        with contextlib.suppress(OSError, ValueError):  # one started but not recorded, by its own file
-            pid_file = self.root / "db" / "mariadb.pid"
-            pid = int(pid_file.read_text())
-            # Only the MariaDB of this cluster: a reused PID is someone else's process.
-            if f"--pid-file={pid_file}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-                database.append(pid)
-        stop([pid for pid in set(database) if alive(pid)], timeout=30)
+        # slurmdbd and MariaDB, also where started but not recorded (found by their own files).
+        Accounting(self.root, None).stop(pids)
         # slurmstepd and the job processes carry the lab's SLURM_CONF in their environment; a newer
         # release's slurmstepd clears it but keeps its node's log open.
         roots = [install.root] if install is not None and install.root is not None else []

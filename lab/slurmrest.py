@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from lab.accounting import conf_value
 from lab.procs import free_port, port_in_use, spawn, stop, wait_for
 from lab.slurm import SlurmLab
 from lab.slurmroots import SlurmInstall
@@ -49,8 +50,12 @@ def jwt_lines(key: Path) -> list[str]:
 
 def default_plugins(slurm: SlurmLab) -> str:
     """The OpenAPI plugins of the cluster's release: 22.05 names one per version, newer releases
-    name one plugin that serves every version of their data parsers."""
-    return "openapi/v0.0.38" if slurm.install.release.version == "22.05" else "openapi/slurmctld"
+    name one plugin that serves every version of their data parsers; and the accounting API too
+    where the cluster has slurmdbd (its slurm.conf asks for it)."""
+    accounting = conf_value(slurm.conf.read_text(), "AccountingStorageType") == "accounting_storage/slurmdbd"
+    if slurm.install.release.version == "22.05":
+        return "openapi/v0.0.38,openapi/dbv0.0.38" if accounting else "openapi/v0.0.38"
+    return "openapi/slurmctld,openapi/slurmdbd" if accounting else "openapi/slurmctld"
 
 
 @dataclass
@@ -68,9 +73,10 @@ def start_slurmrestd(
     slurm: SlurmLab, *, plugins: str | None = None, port: int | None = None, timeout: float = 30.0
 ) -> Slurmrestd:
     """slurmrestd for ``slurm`` on ``port`` (default: a free one), serving ``plugins`` (default:
-    the release's controller API, ``default_plugins``; the accounting ones, ``openapi/dbv0.0.38``
-    or ``openapi/slurmdbd``, only where the cluster has slurmdbd). A slurmrestd started again on
-    its old port is found again by whoever was given its URL.
+    ``default_plugins``, the release's controller API, and its accounting API, ``openapi/dbv0.0.38``
+    or ``openapi/slurmdbd``, where the cluster has slurmdbd). A slurmrestd started again on its
+    old port is found again by whoever was given its URL. It reads slurm.conf as it is when it
+    starts: one started before the cluster's accounting must be started again to serve it.
 
     As ``nobody`` it cannot read the cluster's folder, so it reads a copy of slurm.conf in a
     folder of its own under /tmp (which a root's commands see), as Slinky's slurmrestd reads a

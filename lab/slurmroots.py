@@ -114,7 +114,7 @@ class SlurmInstall:
     def argv(self, command: list[str], binds: Sequence[Path] = ()) -> list[str]:
         """``command`` as it runs on this install: as is on the host, else in the root, with
         ``binds`` seen at their own paths (and the cluster's run folders beside ``$SLURM_CONF``
-        as the root's ``/run/slurm`` and ``/run/slurmctld``: lab/inroot.py)."""
+        as the root's ``/run/slurm``, ``/run/slurmctld`` and ``/run/slurmdbd``: lab/inroot.py)."""
         if self.root is None:
             return list(command)
         folders = ["/tmp", str(REPO_ROOT), *(str(b) for b in binds)]
