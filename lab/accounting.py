@@ -46,22 +46,25 @@ def accounting_installed() -> str:
     return f"missing {', '.join(missing)}: apt-get install mariadb-server slurmdbd (or run make test as root)"
 
 
-def accounting_unavailable(install: SlurmInstall, *, which: Which = shutil.which) -> str:
+def accounting_unavailable(install: SlurmInstall, *, which: Which | None = None) -> str:
     """'' when accounting can run for a cluster on ``install``, else what is missing and what to
-    do. On the host's Slurm that is ``accounting_installed``; on a root's, MariaDB comes from the
-    host and slurmdbd from the root."""
+    do. On the host's Slurm that is MariaDB and the host's slurmdbd (``accounting_installed``);
+    on a root's, MariaDB from the host and slurmdbd from the root. ``which``: how a command is
+    found on the host (``shutil.which``)."""
     if install.root is None:
-        return accounting_installed()
-    missing = [tool for tool in MARIADB_TOOLS if not which(tool)]
-    if missing:
+        missing = accounting_installed()
+        return f"accounting needs MariaDB and slurmdbd: {missing}" if missing else ""
+    which = which or shutil.which
+    absent = [tool for tool in MARIADB_TOOLS if not which(tool)]
+    if absent:
         return (
-            f"accounting keeps Slurm {install.version}'s records in this machine's MariaDB, which is missing "
-            f"({', '.join(missing)}): apt-get install mariadb-server (or run make test as root)"
+            f"accounting on Slurm {install.version} keeps its records in this machine's MariaDB, which is not "
+            f"installed (no {', '.join(absent)}): apt-get install mariadb-server (or run make test as root)"
         )
     absent = [path for path in IN_ROOT if not (install.root / path).exists()]
     if absent:
         return (
-            f"slurmdbd is missing from the Slurm {install.version} root {install.root} ({', '.join(absent)}): "
+            f"slurmdbd is missing from the Slurm {install.version} root {install.root} (no /{', /'.join(absent)}): "
             "make slurm-roots makes it again"
         )
     return ""
@@ -113,6 +116,7 @@ class Accounting:
     root: Path
     munge_socket: Path | None
     argv: Callable[[list[str]], list[str]] = list
+
     @property
     def folder(self) -> Path:
         return self.root / "db"

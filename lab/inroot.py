@@ -8,10 +8,11 @@ folder when the root has it, and becomes the command.
 Slurm 23.11 and later keep, under ``/run/slurm``, ``/run/slurmctld`` and ``/run/slurmdbd``, the
 sockets through which commands have their credentials signed with the cluster's key: two clusters
 on one root must not share them. So, where ``$SLURM_CONF`` names a cluster's slurm.conf, the
-folders ``run/slurm``, ``run/slurmctld`` and ``run/slurmdbd`` beside it are bound there: the daemons and the commands of one cluster, and only
-they, meet at the same sockets, whichever wrapper started them. The binds exist only in that namespace and vanish
-with its last process, so the cached root never holds a mount of the host's devices: removing it
-touches nothing of the host.
+folders ``run/slurm``, ``run/slurmctld`` and ``run/slurmdbd`` beside it are bound there: the
+daemons and the commands of one cluster, and only they, meet at the same sockets, whichever
+wrapper started them. The binds exist only in that namespace and vanish with its last process, so
+the cached root never holds a mount of the host's devices: removing it touches nothing of the
+host.
 
 Standard library only, and no import of gpufleet: it runs before and outside any virtualenv setup.
 """

@@ -188,36 +188,34 @@ class SlurmLab:
     def _start_accounting(self, accounting: Accounting, *, timeout: float) -> str:
         missing = accounting_unavailable(self.install)
         if missing:
-            raise RuntimeError(f"accounting needs MariaDB and slurmdbd: {missing}")
+            raise RuntimeError(missing)
         cluster = conf_value(self.conf.read_text(), "ClusterName")
         return accounting.start(self._record, self.env, cluster=cluster, timeout=timeout)
 
     def start_accounting(self, *, timeout: float = 60.0) -> str:
         """Accounting for this cluster, started or not: its slurm.conf made to ask for slurmdbd,
         MariaDB and slurmdbd started (those that run already are kept, found by their own
-        files), the cluster registered, and a running slurmctld restarted when its slurm.conf
-        changed (its jobs and nodes kept). Says what it did. A slurmrestd started before reads
-        an old copy of slurm.conf: start it again for the accounting API."""
+        files), the cluster registered, and a running slurmctld that does not use them yet
+        restarted (its jobs and nodes kept). Says what it did; calling it again does nothing more.
+        A slurmrestd started before reads an old copy of slurm.conf: start it again for the
+        accounting API."""
         if self._conf_text is not None:
             raise RuntimeError("a cluster run from a given slurm.conf has accounting when that slurm.conf asks for it")
         if not self.conf.exists():
             raise RuntimeError(f"no cluster under {self.root}: start it first")
         missing = accounting_unavailable(self.install)
         if missing:
-            raise RuntimeError(f"accounting needs MariaDB and slurmdbd: {missing}")
+            raise RuntimeError(missing)
         text = self.conf.read_text()
-        changed = with_accounting(text, self._accounting().munge_socket)
-        if changed != text:
-            self.conf.write_text(changed)
+        if with_accounting(text, self._accounting().munge_socket) != text:
+            self.conf.write_text(with_accounting(text, self._accounting().munge_socket))
         did = self._start_accounting(self._accounting(), timeout=timeout)
-        if changed != text and alive(self.pids().get("slurmctld", 0)):
-            self._restart_controller(timeout=timeout)
-            did += ", slurmctld restarted"
-        return did
+        return did + self._controller_on_conf(timeout=timeout)
 
     def stop_accounting(self, *, timeout: float = 60.0) -> str:
-        """No accounting for this cluster: slurmdbd and MariaDB stopped (their data kept), its
-        slurm.conf without slurmdbd, and a running slurmctld restarted when that changed."""
+        """No accounting for this cluster: slurmdbd and MariaDB stopped (their data kept for a
+        later start), its slurm.conf without slurmdbd, and a running slurmctld that still uses
+        them restarted. Says what it did; calling it again does nothing more."""
         if self._conf_text is not None:
             raise RuntimeError("a cluster run from a given slurm.conf has accounting when that slurm.conf asks for it")
         pids = self.pids()
@@ -227,10 +225,22 @@ class SlurmLab:
             text = self.conf.read_text()
             if without_accounting(text) != text:
                 self.conf.write_text(without_accounting(text))
-                if alive(pids.get("slurmctld", 0)):
-                    self._restart_controller(timeout=timeout)
-                    did += ", slurmctld restarted"
+            did += self._controller_on_conf(timeout=timeout)
         return did
+
+    def _controller_on_conf(self, *, timeout: float) -> str:
+        """Restart a running slurmctld whose accounting is not its slurm.conf's (after a change,
+        or a change that a crash cut short); ', slurmctld restarted' when it did."""
+        if not alive(self.pids().get("slurmctld", 0)):
+            return ""
+        wanted = conf_value(self.conf.read_text(), "AccountingStorageType") or "accounting_storage/none"
+        found = re.search(r"^AccountingStorageType\s*=\s*(\S+)", self.scontrol("show", "config"), re.M)
+        # Slurm 23.11 and later have no accounting_storage/none plugin: no accounting shows as (null).
+        running = found.group(1) if found is not None and found.group(1) != "(null)" else "accounting_storage/none"
+        if running == wanted:
+            return ""
+        self._restart_controller(timeout=timeout)
+        return ", slurmctld restarted"
 
     def _restart_controller(self, *, timeout: float) -> None:
         """slurmctld again on the same slurm.conf, from its saved state (jobs and nodes kept)."""
