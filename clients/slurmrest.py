@@ -15,7 +15,8 @@ Two shapes of the API are spoken, chosen by the version in the path:
   slurmrestd of Slurm 24.11 (v0.0.40-v0.0.42) and 26.05 (v0.0.42-v0.0.45) through the Slurm
   Protocol client (``tests/clients/test_slurmrest_protocol.py``); v0.0.43 and v0.0.44 are the
   versions 25.05 and 25.11 bring, tested as 26.05 serves them. v0.0.45's ping says
-  ``responding`` rather than ``pinged``.
+  ``responding`` rather than ``pinged``. Their accounting API (accounts, users, associations)
+  is tested against 26.05's slurmrestd with slurmdbd (``tests/lab/test_slinky_accounting.py``).
 
 ``detect_version`` asks the server, newest first, which one it serves.
 """
@@ -230,8 +231,8 @@ class SlurmRestClient:
         """The account, and its association on ``cluster`` (under ``root``), which a user's
         association needs first."""
         if self._old:
-            body = {"accounts": [{"name": account, "description": account, "organization": account}]}
-            self._request("POST", f"/slurmdb/{self.version}/accounts", user=user, body=body)
+            accounts = {"accounts": [{"name": account, "description": account, "organization": account}]}
+            self._request("POST", f"/slurmdb/{self.version}/accounts", user=user, body=accounts)
             association = {"account": account, "cluster": cluster, "parent_account": "root"}
             try:
                 self._request(
@@ -243,10 +244,11 @@ class SlurmRestClient:
                 if "Missing required field 'user'" not in str(exc):
                     raise
         else:
-            # From v0.0.40 an association must name a user (an empty one makes a user association
-            # of no one, under which every such "account" shares one lineage), so the account's
-            # own goes in as sacctmgr adds it: the account with its association on the cluster.
-            body = {
+            # From v0.0.40 (read on Slurm 24.11 and 26.05) an association must name a user, and
+            # one without is refused and not added; an empty user makes a user association of no
+            # one, under which every account so added shares one lineage (removing one removes
+            # them all). So the account goes in as sacctmgr adds it, with its association.
+            body: dict[str, Any] = {
                 "association_condition": {"accounts": [account], "clusters": [cluster]},
                 "account": {"description": account, "organization": account},
             }

@@ -1,8 +1,8 @@
-"""clients/slurmrest.py without a server: the token it signs, the shapes it sends where the lab
-runs no server (the slurmdb API of v0.0.40+: the lab's Slurm roots run no slurmdbd), and how it
-words what a server refuses. Against real servers: Debian's 22.05 (v0.0.38) in test_slurmrest.py,
-Slurm 24.11 (v0.0.40-v0.0.42) and 26.05 (v0.0.42-v0.0.45) in test_slurmrest_protocol.py
-(detecting the version, ping, submitting, reading jobs and nodes)."""
+"""clients/slurmrest.py without a server: the token it signs, the shapes it sends to the slurmdb
+API of v0.0.40+, and how it words what a server refuses. Against real servers: Debian's 22.05
+(v0.0.38) in test_slurmrest.py, Slurm 24.11 (v0.0.40-v0.0.42) and 26.05 (v0.0.42-v0.0.45) in
+test_slurmrest_protocol.py (detecting the version, ping, submitting, reading jobs and nodes), and
+26.05's accounting API (v0.0.42-v0.0.45, with slurmdbd) in tests/lab/test_slinky_accounting.py."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def test_slurms_errors_are_quoted_with_their_source() -> None:
         client.jobs()
 
 
-def test_a_newer_server_gets_the_administrator_level_as_a_list() -> None:
+def test_a_newer_server_gets_the_user_with_its_association_then_its_record() -> None:
     sent: list[tuple[str, dict[str, Any]]] = []
 
     def server(request: httpx.Request) -> httpx.Response:
@@ -122,12 +122,15 @@ def test_a_newer_server_gets_the_administrator_level_as_a_list() -> None:
     client.add_user("alice", account="vision", cluster="research", admin=True)
     assert sent == [
         (
-            "/slurmdb/v0.0.42/users",
-            {"users": [{"name": "alice", "default": {"account": "vision"}, "administrator_level": ["Administrator"]}]},
+            "/slurmdb/v0.0.42/users_association",
+            {
+                "association_condition": {"users": ["alice"], "accounts": ["vision"], "clusters": ["research"]},
+                "user": {"adminlevel": ["Administrator"], "defaultaccount": "vision"},
+            },
         ),
         (
-            "/slurmdb/v0.0.42/associations",
-            {"associations": [{"account": "vision", "cluster": "research", "user": "alice"}]},
+            "/slurmdb/v0.0.42/users",
+            {"users": [{"name": "alice", "default": {"account": "vision"}, "administrator_level": ["Administrator"]}]},
         ),
     ]
 
@@ -141,16 +144,25 @@ def test_accounts_on_a_newer_server_are_checked_by_their_association_and_removed
         sent.append((request.method, request.url.path, body, dict(request.url.params)))
         if request.method == "GET":
             return httpx.Response(200, json={"associations": associations, "errors": []})
-        if request.url.path.endswith("/associations"):
-            associations.extend({**a, "user": a.get("user", "")} for a in body["associations"])
+        if request.url.path.endswith("/accounts_association"):
+            condition = body["association_condition"]
+            associations.extend(
+                {"cluster": cluster, "account": account, "user": ""}
+                for account in condition["accounts"]
+                for cluster in condition["clusters"]
+            )
         return httpx.Response(200, json={"errors": []})
 
     client = SlurmRestClient("http://restapi:6820", KEY, version="v0.0.43", transport=httpx.MockTransport(server))
     client.add_account("vision", cluster="research")
     assert client.associations("research") == {("root", ""), ("vision", "")}
-    assert sent[1][1:3] == (
-        "/slurmdb/v0.0.43/associations",
-        {"associations": [{"account": "vision", "cluster": "research", "parent_account": "root"}]},
+    # One request, as sacctmgr adds an account: never an association naming no user.
+    assert sent[0][1:3] == (
+        "/slurmdb/v0.0.43/accounts_association",
+        {
+            "association_condition": {"accounts": ["vision"], "clusters": ["research"]},
+            "account": {"description": "vision", "organization": "vision"},
+        },
     )
     client.remove_association("research", "vision", "alice")
     assert sent[-1][:2] == ("DELETE", "/slurmdb/v0.0.43/association")
