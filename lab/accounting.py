@@ -189,16 +189,21 @@ class Accounting:
         """MariaDB, slurmdbd, and ``cluster`` registered with it: each started unless it runs
         already (found again after a crash), each PID given to ``record``. Says what it did."""
         did = []
-        pid = self.database_pid()
-        if pid and self.dbd_conf.exists():
-            record("mariadbd", pid)
+        # slurmdbd.conf as slurm.conf wants it (a port moved while they were off is followed).
+        current = self.dbd_conf.exists() and conf_value(self.dbd_conf.read_text(), "DbdPort") == conf_value(
+            self.conf.read_text(), "AccountingStoragePort"
+        )
+        database = self.database_pid()
+        if database and current:
+            record("mariadbd", database)
         else:
             self.start_database(record, env, timeout=timeout)
-            did.append("MariaDB started")
-        pid = self.dbd_pid()
-        if pid:
-            record("slurmdbd", pid)
+            did.append("slurmdbd.conf written" if database else "MariaDB started")
+        dbd = self.dbd_pid()
+        if dbd and current:
+            record("slurmdbd", dbd)
         else:
+            stop_pids([dbd] if dbd else [])  # one on the old port and password
             self.start_dbd(record, env, timeout=timeout)
             did.append("slurmdbd started")
         if self.add_cluster(env, cluster):

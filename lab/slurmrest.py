@@ -7,7 +7,8 @@ not run as root or as the SlurmUser, so as root it drops to ``nobody`` once its 
 On the host's Slurm (22.05) it is the host's slurmrestd serving ``openapi/v0.0.38``; on a newer
 release (lab/slurmroots.py) it is the root's, run inside the root like the cluster's daemons,
 serving ``openapi/slurmctld`` (every data parser the release has: 24.11 v0.0.40-v0.0.42, 26.05
-v0.0.42-v0.0.45).
+v0.0.42-v0.0.45). Where the cluster has slurmdbd (lab/accounting.py) it serves the accounting API
+too: ``openapi/dbv0.0.38`` on 22.05, ``openapi/slurmdbd`` on the newer releases.
 """
 
 from __future__ import annotations
