@@ -6,15 +6,20 @@ counts the Kubernetes nodes hosting NodeSet pods as training."""
 
 from __future__ import annotations
 
+import getpass
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
+import subprocess
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from clients.kube import KubernetesApi
+from clients.onslinky import SlinkyPool, SlinkySlurm
+from clients.slinkymoves import SlinkyPoolMover
+from clients.slurmrest_protocol import SlurmRest
 from lab.drill import log_path, running_and_checkpointed, submit_job
 from lab.fleet import FleetLab, LabConfig
 from lab.procs import alive, wait_for
@@ -70,7 +75,9 @@ def api(lab: FleetLab) -> httpx.Client:
 def nodeset(lab: FleetLab) -> dict[str, Any]:
     with api(lab) as http:
         found: dict[str, Any] = (
-            http.get(f"/apis/slinky.slurm.net/v1beta1/namespaces/slurm-lab/nodesets/{NODESET}").raise_for_status().json()
+            http.get(f"/apis/slinky.slurm.net/v1beta1/namespaces/slurm-lab/nodesets/{NODESET}")
+            .raise_for_status()
+            .json()
         )
     return found
 
@@ -146,3 +153,60 @@ def test_a_node_leaves_slurm_for_inference_and_comes_back_with_no_job_lost(lab: 
     assert not [m for m in pool_view(lab)["last_moves"] if m["outcome"].startswith("failed")]
     worker_log = (lab.home / "logs" / "worker.log").read_text()
     assert "remediation on Slinky" in worker_log
+    subprocess.run(["scancel", str(job.job_id)], env=lab.env(), check=True, timeout=30)
+    wait_for(lambda: slurm.job(job.job_id).state == "CANCELLED", timeout=30, what="the job to be cancelled")
+
+
+class Crash(Exception):
+    """The worker dying right after a step's write."""
+
+
+def crash_after(words: str) -> Callable[[str], None]:
+    def say(line: str) -> None:
+        if words in line:
+            raise Crash(line)
+
+    return say
+
+
+def mover(lab: FleetLab) -> SlinkyPoolMover:
+    """The worker's mover, in this process: Slurm through the lab's slurmrestd."""
+    kube = KubernetesApi(kubeconfig=lab.home / "kubeconfig", poll_seconds=0.1)
+    url = json.loads((lab.home / "lab.json").read_text())["services"]["slurmrestd"]["url"]
+    rest = SlurmRest(url, version="v0.0.45", user=getpass.getuser(), key_file=lab.jwt_key_file)
+    slurm = SlinkySlurm(rest, kube)
+    pool = SlinkyPool(kube=kube, slurm=slurm, partition=NODESET, cluster="lab", poll_seconds=0.1)
+    return SlinkyPoolMover(kube, slurm, pool, namespace="slurm-lab", poll_seconds=0.1)
+
+
+def test_a_move_stopped_after_its_scale_in_or_out_and_run_again_scales_only_once(lab: FleetLab) -> None:
+    """A move whose worker died right after it scaled the NodeSet in, tried again, and one that
+    died right after the scale-out, settled by the pool: each changed the replicas by one only."""
+    assert cli(lab, "pool", "pause").returncode == 0
+    move = mover(lab)
+    replicas = nodeset(lab)["spec"]["replicas"]
+    node = "gpu3"
+    [pod] = pods_by_node(lab)[node]
+    args: dict[str, Any] = {"holder": "pool-test", "partition": NODESET, "grace_seconds": 2, "deadline_seconds": 1}
+    with pytest.raises(Crash):
+        move.to_inference(node, say=crash_after("scaled in"), **args)
+    assert nodeset(lab)["spec"]["replicas"] == replicas - 1
+    assert move.to_inference(node, **args) == f"{node} serves inference"
+    assert nodeset(lab)["spec"]["replicas"] == replicas - 1
+    assert node not in pods_by_node(lab) and pod not in {n.name for n in lab.slurm.client().nodes()}
+    assert kube_node(lab, node)["metadata"]["labels"]["gpufleet.io/pool"] == "inference"
+
+    with pytest.raises(Crash):
+        move.to_training(node, holder="pool-test", partition=NODESET, eviction_timeout_seconds=30,
+                         say=crash_after("scaled out"))  # fmt: skip
+    assert nodeset(lab)["spec"]["replicas"] == replicas
+    settled = move.settle(node, to="training", eviction_timeout_seconds=30, **args)
+    # Its pod may have landed already (then it is wholly in training), or the move is finished.
+    assert settled in {f"{node} serves training", f"{node} is wholly in training"}, settled
+    assert nodeset(lab)["spec"]["replicas"] == replicas
+    assert len(pods_by_node(lab)[node]) == 1
+    assert "gpufleet.io/lease" not in kube_node(lab, node)["metadata"].get("annotations", {})
+    # Settled again, it is wholly in training: nothing left to do.
+    assert move.settle(node, to="training", eviction_timeout_seconds=30, **args) == f"{node} is wholly in training"
+    assert nodeset(lab)["spec"]["replicas"] == replicas
+    assert cli(lab, "pool", "resume").returncode == 0
