@@ -41,7 +41,7 @@ from clients import nodelease
 from clients.errors import ClientError, Conflict, InvalidInput, NotFound, NotOwned
 from clients.kube import KubeNode, KubernetesApi
 from clients.nodesets import ELIGIBLE_ANNOTATION, PREFIX, NodeSetName, NodeSetPod, NotEligible
-from clients.onslinky import SlinkySlurm, SlurmNodesOf, nodesets_of
+from clients.onslinky import SlinkyPool, SlinkySlurm, SlurmNodesOf, nodesets_of
 from clients.poolmoves import (
     INFERENCE,
     TO_INFERENCE_REASON,
@@ -55,7 +55,7 @@ from clients.poolmoves import (
 )
 from clients.slurm import SlurmClient
 from clients.spares import SparePool
-from models.constants import CLAIMED_BY_ANNOTATION, POOL_LABEL, POOL_SINCE_ANNOTATION
+from models.constants import CLAIMED_BY_ANNOTATION, CLUSTER_LABEL, POOL_LABEL, POOL_SINCE_ANNOTATION
 from models.incident import NodeInfo
 
 # On a node moved to inference: the NodeSets it left, as a JSON list of "<namespace>/<name>".
@@ -206,9 +206,13 @@ class SlinkyPoolMover(PoolMover):
             self._left(node, holder=holder, seconds=max(grace_seconds, 60.0), say=say)
             self._ours(node, holder)
             for nodeset in nodesets:  # no pod comes (back) here any more
-                self.of.nodesets.make_ineligible(node, nodeset, also_unrecorded=True)
+                self.of.nodesets.make_ineligible(node, nodeset, also_unrecorded=True, keep=frozenset({CLUSTER_LABEL}))
             for pod in pods:
                 self._scale_in(node, pod, holder=holder, say=say)
+        else:  # no pod here: still, no NodeSet's pod may come here once it serves inference
+            self._ours(node, holder)
+            for nodeset in SlinkyPool._eligible_for(current):
+                self.of.nodesets.make_ineligible(node, nodeset, keep=frozenset({CLUSTER_LABEL}))
         self._ours(node, holder)
         self._label(node, INFERENCE, holder)
         self._kube.remove_taint(node, key=TRAINING_TAINT)

@@ -128,7 +128,8 @@ def test_a_node_leaves_slurm_for_inference_and_comes_back_with_no_job_lost(lab: 
     node = kube_node(lab, moved)
     labels = node["metadata"]["labels"]
     assert labels["gpufleet.io/pool"] == "inference" and not node["spec"].get("unschedulable")
-    assert "gpufleet.io/partition" not in labels  # out of the NodeSet's nodeSelector: no pod comes back
+    # Out of the NodeSet's nodeSelector (no pod comes back there), still the cluster's node.
+    assert "gpufleet.io/partition" not in labels and labels["gpufleet.io/cluster"] == "lab"
     assert not any(t["key"] == "gpufleet.io/pool" for t in node["spec"].get("taints") or [])
     # The job was requeued, not lost; three nodes cannot hold it.
     requeued = slurm.job(job.job_id)
