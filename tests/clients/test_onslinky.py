@@ -703,3 +703,26 @@ def test_a_claim_and_a_pool_move_racing_for_one_spare_never_both_take_it(kube: K
         else:  # the move's lease was there when the claim looked: no spare free for it
             assert CLAIMED_BY_ANNOTATION not in node.annotations and node.labels[POOL_LABEL] == "spare"
         assert kube.get_node("spare1").labels[POOL_LABEL] == "spare"
+
+
+def test_a_move_to_inference_leaves_a_node_drained_by_someone_else_or_a_nodeset_with_a_pod_waiting(
+    kube: KubernetesApi,
+) -> None:
+    """Nothing is written, and the lease is let go: gpu1's Slurm node drained by a person is
+    theirs; and while the NodeSet has a pod that is not running and ready (an incident's evicted
+    pod waiting for a node, say), the operator would scale that one in first."""
+    slinky, memory = on_slinky(
+        kube, {"research-train-0": drained("research-train-0", OPS), "train-b1": idle("train-b1")}
+    )
+    move = SlinkyPoolMover(kube, slinky, pool_for(kube), namespace=NS, poll_seconds=0.05)
+    args: dict[str, Any] = {"holder": "pool-lab", "partition": NODESET, "grace_seconds": 1, "deadline_seconds": 1}
+    before = kube.get_node("gpu1")
+    with pytest.raises(NotOwned, match="drained by someone else"):
+        move.to_inference("gpu1", **args)
+    memory.nodes_["research-train-0"] = idle("research-train-0")
+    # The NodeSet wants 3 replicas; the operator has said of none yet that it runs and is ready.
+    with pytest.raises(NotOwned, match=f"stays in training for now: NodeSet {NS}/{NODESET} has 3 replica"):
+        move.to_inference("gpu1", **args)
+    after = kube.get_node("gpu1")
+    assert after.labels == before.labels and after.annotations == before.annotations
+    assert [call for call in memory.calls if call[0] == "drain"] == []
