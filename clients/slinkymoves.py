@@ -223,18 +223,10 @@ class SlinkyPoolMover(PoolMover):
         return f"{node} serves inference{jobs}"
 
     def _not_ready_to_scale_in(self, nodesets: list[NodeSetName]) -> str:
-        """Why a scale-in now could take another pod than this node's ('' when it cannot): the
-        operator scales in unassigned, Pending and not-ready pods before any running one."""
+        """Why a scale-in now could take another pod than this node's ('' when it cannot)."""
         for nodeset in nodesets:
-            found = self._nodeset(nodeset)
-            wanted = int((found.get("spec") or {}).get("replicas", 1))
-            status = found.get("status") or {}
-            ready, have = int(status.get("readyReplicas") or 0), int(status.get("replicas") or 0)
-            if not (wanted == have == ready):
-                return (
-                    f"NodeSet {nodeset.key} has {wanted} replica(s), {have} pod(s), {ready} ready: a pod waiting for "
-                    "a node (an incident's?) would be scaled in before this node's"
-                )
+            if why := _unready(nodeset, self._nodeset(nodeset)):
+                return why
         return ""
 
     def _scale_in(self, node: str, pod: NodeSetPod, *, holder: str, say: Say) -> None:
@@ -248,6 +240,7 @@ class SlinkyPoolMover(PoolMover):
             self._api.update_pod_metadata(pod.namespace, pod.name, annotations={POD_CORDON: "true"})
         except NotFound:
             pass  # gone already
+        ends = time.monotonic() + self._scale_wait
         while True:
             found = self._nodeset(pod.nodeset)
             if self._annotations(found).get(SCALED_IN_ANNOTATION) == mark:
@@ -256,6 +249,14 @@ class SlinkyPoolMover(PoolMover):
             if now is None or now.uid != pod.uid:
                 break  # gone already, by someone else's scale-in
             self._ours(node, holder)
+            if why := _unready(pod.nodeset, found):
+                # Written at the resourceVersion of a read that found every pod ready: a pod
+                # that stops being ready meanwhile changes the NodeSet's status, and the write fails.
+                if time.monotonic() >= ends:
+                    raise ClientError(f"{node}: {why}; the move waits")
+                say(f"{node}: {why}; waiting")
+                time.sleep(self._poll)
+                continue
             replicas = int((found.get("spec") or {}).get("replicas", 1))
             if replicas < 1:
                 raise ClientError(f"NodeSet {pod.nodeset.key} has no replica to scale in, yet {pod.key} runs")
@@ -474,3 +475,18 @@ class SlinkyPoolMover(PoolMover):
         if waiting := self._waiting_for(current, holder):
             raise NotOwned(f"{node} waits for {waiting}")
         return current
+
+
+def _unready(nodeset: NodeSetName, found: dict[str, Any]) -> str:
+    """Why a scale-in of the NodeSet as read (``found``) could take another pod than the one
+    given the lowest deletion cost ('' when it cannot): the operator scales in unassigned,
+    Pending and not-ready pods before any running one."""
+    wanted = int((found.get("spec") or {}).get("replicas", 1))
+    status = found.get("status") or {}
+    ready, have = int(status.get("readyReplicas") or 0), int(status.get("replicas") or 0)
+    if wanted == have == ready:
+        return ""
+    return (
+        f"NodeSet {nodeset.key} has {wanted} replica(s), {have} pod(s), {ready} ready: a pod waiting for a node "
+        "(an incident's?) would be scaled in before this node's"
+    )
