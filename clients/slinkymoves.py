@@ -41,7 +41,7 @@ from clients import nodelease
 from clients.errors import ClientError, Conflict, InvalidInput, NotFound, NotOwned
 from clients.kube import KubeNode, KubernetesApi
 from clients.nodesets import ELIGIBLE_ANNOTATION, PREFIX, NodeSetName, NodeSetPod, NotEligible
-from clients.onslinky import SlinkyPool, SlinkySlurm, SlurmNodesOf, nodesets_of
+from clients.onslinky import SCALED_IN_ANNOTATION, SlinkyPool, SlinkySlurm, SlurmNodesOf, nodesets_of
 from clients.poolmoves import (
     INFERENCE,
     TO_INFERENCE_REASON,
@@ -60,9 +60,8 @@ from models.incident import NodeInfo
 
 # On a node moved to inference: the NodeSets it left, as a JSON list of "<namespace>/<name>".
 POOL_NODESETS_ANNOTATION = "gpufleet.io/pool-nodesets"
-# On a NodeSet, written with its replicas in one write: the pod (``<name>/<uid>``) a pool move
-# scaled it in for, and the node (``<node>@<pool-since>``) it scaled it out for.
-SCALED_IN_ANNOTATION = "gpufleet.io/scaled-in-for"
+# On a NodeSet, written with its replicas in one write: the node (``<node>@<pool-since>``) a pool
+# move scaled it out for (and SCALED_IN_ANNOTATION, clients/onslinky.py: the pod it scaled it in for).
 SCALED_OUT_ANNOTATION = "gpufleet.io/scaled-out-for"
 POD_CORDON = PREFIX + "pod-cordon"
 POD_DELETION_COST = PREFIX + "pod-deletion-cost"

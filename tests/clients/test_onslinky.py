@@ -25,6 +25,7 @@ from clients.errors import ClientError, InvalidInput, NotFound, NotOwned, Unavai
 from clients.kube import KubernetesApi
 from clients.nodesets import ELIGIBLE_ANNOTATION, NODE_CORDON_REASON, POD_HOSTNAME, POD_PROTECT, NodeSets
 from clients.onslinky import (
+    SCALED_IN_ANNOTATION,
     SLURM_NODES_ANNOTATION,
     PodStillProtected,
     SlinkyDrain,
@@ -726,3 +727,24 @@ def test_a_move_to_inference_leaves_a_node_drained_by_someone_else_or_a_nodeset_
     after = kube.get_node("gpu1")
     assert after.labels == before.labels and after.annotations == before.annotations
     assert [call for call in memory.calls if call[0] == "drain"] == []
+
+
+def test_a_claim_waits_for_no_pod_a_pool_move_scaled_in(api: KubeApiProcess, kube: KubernetesApi) -> None:
+    """An incident took gpu1 over while a pool move was scaling research-train-0's NodeSet in for
+    it: that pod is gone for good, so the claim waits only for the other one to be back."""
+    pod = kube.find_pod(NS, "research-train-0")
+    assert pod is not None
+    found = kube.get_nodeset(NS, NODESET)
+    scaled = {SCALED_IN_ANNOTATION: f"research-train-0/{pod.uid}"}
+    body = {"metadata": {"annotations": scaled, "resourceVersion": found["metadata"]["resourceVersion"]}}
+    kube.patch_nodeset(NS, NODESET, {**body, "spec": {"replicas": 2}})
+    drained_out(kube, "gpu1", INC)  # both pods recorded, both evicted
+    slinky, _ = on_slinky(kube, {"train-b1": idle("train-b1")})
+    pool = SlinkyPool(
+        kube=kube, slurm=slinky, partition=NODESET, cluster="research", back_wait_seconds=0.3, poll_seconds=0.05
+    )
+    with pytest.raises(Unavailable, match="research-train-1") as waiting:
+        pool.claim(INC, node="gpu1")
+    assert "research-train-0" not in str(waiting.value)  # not waited for
+    recreate(api, "research-train-1", "spare1", hostname="train-b1")  # the other one, back on the spare
+    assert pool.claim(INC, node="gpu1", retry=True) == "spare1"
