@@ -11,6 +11,7 @@ from activities.errors import client_errors
 from activities.heartbeat import heartbeating
 from clients.errors import ClientError, NotOwned
 from clients.kube import KubeClient, KubeNode
+from clients.onslinky import combined
 from clients.poolmoves import (
     INFERENCE,
     LEASE_ANNOTATION,
@@ -95,13 +96,21 @@ class PoolActivities:
                 if n.labels.get(CLUSTER_LABEL, settings.cluster) == settings.cluster
             ]
             slurm_nodes = {n.name: n for n in self._slurm.nodes()}
-        reasons = {name: (n.reason if n.drained else "") for name, n in slurm_nodes.items()}
+            # The Slurm nodes each Kubernetes node stands for: itself, or on Slinky its NodeSet pods'.
+            hosted = self._mover.slurm_nodes_of([n.name for n in nodes])
+        host_of = {slurm_node: name for name, names in hosted.items() for slurm_node in names}
+        by_kube: dict[str, NodeInfo] = {}
+        for name, names in hosted.items():
+            infos = [slurm_nodes[n] for n in names if n in slurm_nodes]
+            if infos:
+                by_kube[name] = infos[0] if len(infos) == 1 else combined(name, infos)
+        reasons = {name: (n.reason if n.drained else "") for name, n in by_kube.items()}
         labelled_training = [n.name for n in nodes if n.labels[POOL_LABEL] == TRAINING]
         # Training is what Slurm's partition holds, too: a node labelled training elsewhere
         # serves other jobs and is not this pool's to move.
-        training = [name for name in labelled_training if settings.partition in slurm_nodes.get(name, _NONE).partitions]
+        training = [name for name in labelled_training if settings.partition in by_kube.get(name, _NONE).partitions]
         view = PoolView(
-            training=self._least_loss_first(training, slurm_nodes, settings.partition),
+            training=self._least_loss_first(training, by_kube, settings.partition, host_of),
             # The last to go to inference comes back first; those that always served, last.
             inference=[
                 n.name
@@ -113,10 +122,12 @@ class PoolActivities:
             ],
         )
         for node in nodes:
-            why = _why_busy(node, holder, reasons.get(node.name, ""))
+            why = _why_busy(node, holder, reasons.get(node.name, "")) or self._mover.busy(node)
             if why:
                 view.busy[node.name] = why
-        members = [name for name, info in slurm_nodes.items() if settings.partition in info.partitions]
+        members = sorted(
+            {host_of.get(name, name) for name, info in slurm_nodes.items() if settings.partition in info.partitions}
+        )
         if len(members) == 1 and members[0] not in view.busy:
             # Slurm refuses a partition with no node: its last one stays in training.
             view.busy[members[0]] = f"the last node of partition {settings.partition} (Slurm keeps one)"
@@ -131,7 +142,9 @@ class PoolActivities:
             activity.logger.warning("training demand unknown: %s", exc)
         return view
 
-    def _least_loss_first(self, training: list[str], slurm_nodes: dict[str, NodeInfo], partition: str) -> list[str]:
+    def _least_loss_first(
+        self, training: list[str], slurm_nodes: dict[str, NodeInfo], partition: str, host_of: dict[str, str]
+    ) -> list[str]:
         """The training nodes in the order they should leave: idle ones first; then the one
         whose jobs lose least: fewest running jobs, then the most recent checkpoint (what a job
         said in its Comment, else its start: the work since then is what a requeue loses)."""
@@ -140,7 +153,7 @@ class PoolActivities:
             try:
                 with client_errors():
                     for job in self._slurm.partition_jobs(partition):
-                        for host in self._slurm.hostnames(job.nodes):
+                        for host in {host_of.get(h, h) for h in self._slurm.hostnames(job.nodes)}:
                             jobs_on.get(host, []).append(job)
             except ApplicationError as exc:
                 activity.logger.warning("running jobs unknown, nodes ordered by name: %s", exc)

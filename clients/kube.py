@@ -427,6 +427,41 @@ class KubernetesApi:
             return []
         return list(found.get("items") or [])
 
+    def update_pod_metadata(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        labels: dict[str, str | None] | None = None,
+        annotations: dict[str, str | None] | None = None,
+    ) -> None:
+        """Labels and annotations on one pod (None: removed); NotFound when there is no such pod."""
+        namespace = checked_namespace(namespace)
+        metadata: dict[str, Any] = {}
+        if labels:
+            metadata["labels"] = labels
+        if annotations:
+            metadata["annotations"] = annotations
+        self._call(
+            f"patch pod {namespace}/{name}", self._api.patch_namespaced_pod, name, namespace, {"metadata": metadata}
+        )
+
+    def patch_nodeset(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A JSON merge patch of a Slinky NodeSet (its replicas, an annotation), guarded by the
+        resourceVersion the body names, if any (Conflict when it is stale)."""
+        namespace = checked_namespace(namespace)
+        found: dict[str, Any] = self._call(
+            f"patch NodeSet {namespace}/{name}",
+            self._custom.patch_namespaced_custom_object,
+            "slinky.slurm.net",
+            "v1beta1",
+            namespace,
+            "nodesets",
+            name,
+            body,
+        )
+        return found
+
     def evict(
         self, pod: PodRef, *, timeout_seconds: float, progress: Progress | None = None, force: bool = True
     ) -> str:

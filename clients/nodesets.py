@@ -314,7 +314,14 @@ class NodeSets:
             taint_said = "added"
         return EligibilityResult(spare, nodeset.key, selector, changed=added, taint=taint_said)
 
-    def make_ineligible(self, node: str, nodeset: NodeSetName, *, also_unrecorded: bool = False) -> EligibilityResult:
+    def make_ineligible(
+        self,
+        node: str,
+        nodeset: NodeSetName,
+        *,
+        also_unrecorded: bool = False,
+        keep: frozenset[str] = frozenset(),
+    ) -> EligibilityResult:
         """The NodeSet's labels gpufleet set on ``node`` (its record) taken off, but those another
         NodeSet's record still needs; the pool taint too when gpufleet added it and no record
         needs it any more. With the selector's labels off, the node no longer matches the
@@ -324,6 +331,9 @@ class NodeSets:
         cluster's creation, or by a person): every selector label it carries comes off, recorded
         as gpufleet's act in the result, but those other controllers keep (FOREIGN_LABEL_PREFIXES).
         Without it, such labels stay and are named in ``kept``.
+
+        ``keep``: labels left on the node as long as another of the selector's comes off (which is
+        enough for the node not to match): a node that stays in the cluster keeps its cluster's label.
         """
         selector = self._selector(nodeset, self._template(nodeset))
         removed: dict[str, str | None] = {}
@@ -345,6 +355,8 @@ class NodeSets:
                 and (k in ours or (also_unrecorded and not k.startswith(FOREIGN_LABEL_PREFIXES)))
                 and k not in still_needed
             )
+            if any(k not in keep for k in gone):
+                gone = [k for k in gone if k not in keep]
             kept = {k: v for k, v in selector.items() if current.labels.get(k) == v and k not in gone}
             removed = dict.fromkeys(gone)
             tainted = any(t["key"] == POOL_TAINT for t in current.taints)

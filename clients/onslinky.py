@@ -73,6 +73,9 @@ log = logging.getLogger(__name__)
 # On a Kubernetes node: the NodeSet pods an incident drained there, as JSON
 # ``[{"namespace": ..., "name": ..., "uid": ..., "nodeset": ...}]`` (a pod's name is its Slurm node's).
 SLURM_NODES_ANNOTATION = "gpufleet.io/slurm-nodes"
+# On a NodeSet: the pod (``<name>/<uid>``) a pool move last scaled it in for, written with its
+# replicas in one write (clients/slinkymoves.py).
+SCALED_IN_ANNOTATION = "gpufleet.io/scaled-in-for"
 # How long a claim waits for the failed node's pods to be back on the spare before it is tried
 # again (its step is 3 minutes; a retry finds its own claim and waits on).
 BACK_WAIT_SECONDS = 150.0
@@ -553,6 +556,9 @@ class SlinkyPool(SparePool):
 
     def _back(self, pod: NodeSetPod, failed: str, incident_id: str) -> bool:
         back = self.of.nodesets.pod_back(pod)
+        if back is None and self._scaled_in(pod):
+            log.info("%s is not coming back: a pool move scaled its NodeSet in for it", pod.key)
+            return True
         if back is None or back.node == failed:
             return False
         try:
@@ -565,6 +571,18 @@ class SlinkyPool(SparePool):
             self._plain.resume(pod.slurm_node)
             log.info("resumed %s (its drain was %s's) on %s", pod.slurm_node, incident_id, back.node)
         return True
+
+    def _scaled_in(self, pod: NodeSetPod) -> bool:
+        """Whether a pool move scaled the pod's NodeSet in for this very pod and it is gone: an
+        incident that took the node over mid-move waits for no such pod to come back."""
+        if not pod.uid or self._kube.find_pod(pod.namespace, pod.name) is not None:
+            return False
+        try:
+            found = self._kube.get_nodeset(pod.nodeset.namespace, pod.nodeset.name)
+        except NotFound:
+            return False
+        annotations = (found.get("metadata") or {}).get("annotations") or {}
+        return bool(annotations.get(SCALED_IN_ANNOTATION) == f"{pod.name}/{pod.uid}")
 
     def _release_node(self, name: str, incident_id: str, *, unused_only: bool = False) -> bool:
         """A spare some NodeSet pod already runs on serves: its eligibility stays (taking it off

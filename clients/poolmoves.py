@@ -129,6 +129,16 @@ class PoolMover:
         except NotOwned as exc:
             raise HandedOver(str(exc)) from None
 
+    # -- what the pool reads ------------------------------------------------------------------------
+
+    def slurm_nodes_of(self, nodes: list[str]) -> dict[str, list[str]]:
+        """The Slurm nodes each Kubernetes node of the pool stands for: here, its own name."""
+        return {name: [name] for name in nodes}
+
+    def busy(self, node: KubeNode) -> str:
+        """Why the node may not move now beyond what every flavor checks ('' when nothing)."""
+        return ""
+
     # -- training -> inference --------------------------------------------------------------------
 
     def to_inference(
@@ -354,6 +364,25 @@ class PoolMover:
             time.sleep(self._poll)
         return evicted
 
+    def _waiting_for(self, current: KubeNode, holder: str) -> str:
+        """Whom a settle of the node waits for ('' when nobody else has it): another holder of its
+        lease, its incident (annotation or unhealthy taint), its quarantine, or whoever cordoned it."""
+        tainted = any(t.get("key") == TRAINING_TAINT for t in current.taints)
+        held = current.annotations.get(LEASE_ANNOTATION)
+        return (
+            f"{held} to let go of it"
+            if held and held != holder
+            else f"its incident {current.annotations[INCIDENT_ANNOTATION]}"
+            if current.annotations.get(INCIDENT_ANNOTATION)
+            else "its incident (tainted unhealthy)"
+            if any(t.get("key") == UNHEALTHY_TAINT for t in current.taints)
+            else f"its quarantine ({current.labels[QUARANTINE_LABEL]}) to be released"
+            if current.labels.get(QUARANTINE_LABEL)
+            else "whoever cordoned it"  # a move's cordon comes with the training taint
+            if current.unschedulable and not tainted
+            else ""
+        )
+
     # -- after a hand-over --------------------------------------------------------------------------
 
     def settle(
@@ -384,20 +413,7 @@ class PoolMover:
         if pool not in (TRAINING, INFERENCE):
             raise OutOfPool(f"{node} is no longer in the shared pool ({POOL_LABEL}={pool or 'none'})")
         tainted = any(t.get("key") == TRAINING_TAINT for t in current.taints)
-        held = current.annotations.get(LEASE_ANNOTATION)
-        waiting = (
-            f"{held} to let go of it"
-            if held and held != holder
-            else f"its incident {current.annotations[INCIDENT_ANNOTATION]}"
-            if current.annotations.get(INCIDENT_ANNOTATION)
-            else "its incident (tainted unhealthy)"
-            if any(t.get("key") == UNHEALTHY_TAINT for t in current.taints)
-            else f"its quarantine ({current.labels[QUARANTINE_LABEL]}) to be released"
-            if current.labels.get(QUARANTINE_LABEL)
-            else "whoever cordoned it"  # a move's cordon comes with the training taint
-            if current.unschedulable and not tainted
-            else ""
-        )
+        waiting = self._waiting_for(current, holder)
         if waiting:
             raise NotOwned(f"{node} waits for {waiting}")
         info = self._slurm.node(node)

@@ -139,7 +139,7 @@ def test_the_image_is_the_one_built_without_a_slurm_client() -> None:
     assert repository == "ghcr.io/gpufleet/gpufleet"
 
 
-def test_the_worker_reads_nodesets_and_never_writes_them_nor_reads_a_secret() -> None:
+def test_the_worker_reads_nodesets_patches_them_only_and_never_reads_a_secret() -> None:
     role = the(rendered("overlays/slinky"), "ClusterRole")
     verbs = {
         (group, resource): set(rule["verbs"])
@@ -147,7 +147,8 @@ def test_the_worker_reads_nodesets_and_never_writes_them_nor_reads_a_secret() ->
         for group in rule["apiGroups"]
         for resource in rule["resources"]
     }
-    assert verbs[("slinky.slurm.net", "nodesets")] <= {"get", "list"}
+    # Patched (the shared pool's scale in and out by one), never created, replaced or deleted.
+    assert verbs[("slinky.slurm.net", "nodesets")] == {"get", "list", "patch"}
     assert verbs[("", "nodes")] == {"get", "list", "patch"}
     assert verbs[("", "pods/eviction")] == {"create"}
     assert ("", "secrets") not in verbs  # the key is mounted, never read through the API

@@ -53,6 +53,8 @@ REMEDIATION = {
     "find_pod",
     "get_nodeset",
     "list_nodesets",
+    "update_pod_metadata",
+    "patch_nodeset",
     "evict",
     "create_job",
     "job_state",
@@ -325,6 +327,10 @@ def drive_remediation(kube: KubernetesApi, worker: Deployed) -> set[str]:
         annotations={"gpufleet.io/claimed-by": "remediate-prod-gpu1"},
         resource_version=spare.resource_version,
     )
+    # A pool move on Slinky puts the node's NodeSet pod first in the scale-in order (its deletion cost).
+    kube.update_pod_metadata(
+        "serving", "batch-a", annotations={"nodeset.slinky.slurm.net/pod-deletion-cost": "-2147483648"}
+    )
     # Its pods drained: one evicted, one a budget protects deleted past the deadline, one gone.
     pods = {p.name: p for p in kube.pods_on_node("gpu1")}
     assert kube.evict(pods["batch-a"], timeout_seconds=5) == "evicted"
@@ -339,6 +345,13 @@ def drive_remediation(kube: KubernetesApi, worker: Deployed) -> set[str]:
     # At the worker's start (GPUFLEET_REMEDIATION_MODE auto): NodeSets in its cluster's namespace mean Slinky.
     listed = kube.list_nodesets(cluster_namespace(worker.cluster))
     assert [n["metadata"]["name"] for n in listed] == [f"{worker.cluster}-train"]
+    # A pool move on Slinky: the NodeSet scaled in with the pod named in the same write.
+    version = nodeset["metadata"]["resourceVersion"]
+    body = {"metadata": {"annotations": {"gpufleet.io/scaled-in-for": "x/y"}, "resourceVersion": version}}
+    scaled = kube.patch_nodeset(
+        cluster_namespace(worker.cluster), f"{worker.cluster}-train", {**body, "spec": {"replicas": 0}}
+    )
+    assert scaled["spec"]["replicas"] == 0
     # The partition edited under its Lease; then another worker takes it and holds it long enough to renew it.
     spares = SparePool(
         kube=kube,
@@ -380,6 +393,8 @@ def drive_remediation(kube: KubernetesApi, worker: Deployed) -> set[str]:
         "find_pod",
         "get_nodeset",
         "list_nodesets",
+        "update_pod_metadata",
+        "patch_nodeset",
         "evict",
         "lease",
         "create_job",

@@ -37,6 +37,7 @@ from clients.onslinky import PARTITION_EDITS, SlinkyDrain, SlinkyPool, SlinkySlu
 from clients.poolmoves import PoolMover
 from clients.prometheus import PrometheusApi
 from clients.slinky import SlinkyBackend
+from clients.slinkymoves import SlinkyPoolMover
 from clients.slurm import SlurmClient
 from clients.slurmrest_protocol import WORKER_METHODS, MissingSlurmMethods, require_methods, slurm_client
 from clients.spares import SparePool
@@ -334,7 +335,11 @@ def build_activities(
     guard_acts = GuardActivities(slurm, cluster=settings.cluster, partition=settings.partition)
     repair_acts = RepairActivities(kube, poll_seconds=settings.poll_seconds)
     reaper_acts = ReaperActivities(kube, cluster=settings.cluster)
-    mover = PoolMover(kube, slurm, pool, poll_seconds=settings.poll_seconds)
+    mover = (
+        SlinkyPoolMover(kube, slurm, pool, namespace=slinky_namespace(settings), poll_seconds=settings.poll_seconds)
+        if clients.mode == "slinky"
+        else PoolMover(kube, slurm, pool, poll_seconds=settings.poll_seconds)
+    )
     prometheus = PrometheusApi(settings.prometheus_url) if settings.prometheus_url else None
     pool_acts = PoolActivities(
         kube,

@@ -25,6 +25,7 @@ from clients.errors import ClientError, InvalidInput, NotFound, NotOwned, Unavai
 from clients.kube import KubernetesApi
 from clients.nodesets import ELIGIBLE_ANNOTATION, NODE_CORDON_REASON, POD_HOSTNAME, POD_PROTECT, NodeSets
 from clients.onslinky import (
+    SCALED_IN_ANNOTATION,
     SLURM_NODES_ANNOTATION,
     PodStillProtected,
     SlinkyDrain,
@@ -34,12 +35,14 @@ from clients.onslinky import (
     combined,
     slinky_unsupported,
 )
+from clients.slinkymoves import SlinkyPoolMover
 from clients.slurmrest_protocol import SlurmRest
 from lab.kubeapi import node_object
 from models.constants import (
     CLAIM_LABEL,
     CLAIMED_BY_ANNOTATION,
     INCIDENT_ANNOTATION,
+    NODE_LEASE_ANNOTATION,
     POOL_LABEL,
     QUARANTINE_LABEL,
     RETIRED_TAINT,
@@ -622,3 +625,126 @@ def test_a_returned_node_is_eligible_again_for_training_or_a_bare_spare(
         pool.return_node("gpu2", as_="training")
     with pytest.raises(InvalidInput):
         pool.return_node("gpu1", as_="inference")
+
+
+# -- one spare pool: remediation's spares and the shared pool's moves -------------------------------
+
+
+def mover_for(kube: KubernetesApi) -> SlinkyPoolMover:
+    slurm = nowhere(kube)  # a move that got as far as Slurm would fail here
+    return SlinkyPoolMover(kube, slurm, pool_for(kube), namespace=NS, poll_seconds=0.05)
+
+
+def test_a_claimed_spare_whose_pods_are_on_their_way_is_no_training_node_to_move(
+    api: KubeApiProcess, kube: KubernetesApi
+) -> None:
+    drained_out(kube, "gpu1", INC)
+    with pytest.raises(Unavailable, match=BACK_YET):
+        pool_for(kube).claim(INC, node="gpu1")
+    move = mover_for(kube)
+    before = kube.get_node("spare1")
+    assert before.labels[POOL_LABEL] == "training"  # brought in, its pods not there yet
+
+    assert move.busy(before) == f"claimed by {INC} (its pods on their way)"
+    assert move.slurm_nodes_of(["spare1"]) == {"spare1": []}  # no Slurm node: counted nowhere
+    with pytest.raises(NotOwned, match=f"claimed by {INC}"):
+        move.to_inference("spare1", holder="pool-lab", partition=NODESET, grace_seconds=1, deadline_seconds=1)
+    after = kube.get_node("spare1")
+    assert after.labels == before.labels and NODE_LEASE_ANNOTATION not in after.annotations
+    assert selector_labels(kube, "spare1") == SELECTOR  # still eligible: the pods may land there
+
+    recreate(api, "research-train-0", "spare1")  # back on the spare: a training node like any
+    assert move.busy(kube.get_node("spare1")) == ""
+    assert move.slurm_nodes_of(["spare1"]) == {"spare1": ["research-train-0"]}
+
+
+def claim_and_move(kube: KubernetesApi) -> dict[str, object]:
+    """INC's claim (gpu1 failed) and a move of spare1 to inference, at the same moment; what each said."""
+    said: dict[str, object] = {}
+    start = threading.Barrier(2)
+
+    def claim() -> None:
+        start.wait()
+        try:
+            said["claim"] = pool_for(kube).claim(INC, node="gpu1")
+        except Unavailable as exc:
+            said["claim"] = WAITING if BACK_YET in str(exc) else str(exc)
+
+    def move() -> None:
+        start.wait()
+        try:
+            said["move"] = mover_for(kube).to_inference(
+                "spare1", holder="pool-lab", partition=NODESET, grace_seconds=1, deadline_seconds=1
+            )
+        except NotOwned as exc:  # OutOfPool (a spare), or the claim's (claimed, pods on their way)
+            said["move"] = type(exc).__name__
+
+    threads = [threading.Thread(target=claim), threading.Thread(target=move)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return said
+
+
+def test_a_claim_and_a_pool_move_racing_for_one_spare_never_both_take_it(kube: KubernetesApi) -> None:
+    """The claim (at the resourceVersion it read) and a move (the node lease) at the same moment,
+    many times: the move never moves a spare, and never holds one the claim took."""
+    drained_out(kube, "gpu1", INC)
+    kube.set_unschedulable("spare2", True)  # one free spare
+    for _ in range(8):
+        said = claim_and_move(kube)
+        node = kube.get_node("spare1")
+        assert said["move"] in ("OutOfPool", "NotOwned"), said
+        assert NODE_LEASE_ANNOTATION not in node.annotations  # let go, whoever came first
+        assert said["claim"] in (WAITING, None), said
+        if said["claim"] == WAITING:
+            assert node.annotations[CLAIMED_BY_ANNOTATION] == INC and node.labels[POOL_LABEL] == "training"
+            assert pool_for(kube).release(INC) == "spare1"
+        else:  # the move's lease was there when the claim looked: no spare free for it
+            assert CLAIMED_BY_ANNOTATION not in node.annotations and node.labels[POOL_LABEL] == "spare"
+        assert kube.get_node("spare1").labels[POOL_LABEL] == "spare"
+
+
+def test_a_move_to_inference_leaves_a_node_drained_by_someone_else_or_a_nodeset_with_a_pod_waiting(
+    kube: KubernetesApi,
+) -> None:
+    """Nothing is written, and the lease is let go: gpu1's Slurm node drained by a person is
+    theirs; and while the NodeSet has a pod that is not running and ready (an incident's evicted
+    pod waiting for a node, say), the operator would scale that one in first."""
+    slinky, memory = on_slinky(
+        kube, {"research-train-0": drained("research-train-0", OPS), "train-b1": idle("train-b1")}
+    )
+    move = SlinkyPoolMover(kube, slinky, pool_for(kube), namespace=NS, poll_seconds=0.05)
+    args: dict[str, Any] = {"holder": "pool-lab", "partition": NODESET, "grace_seconds": 1, "deadline_seconds": 1}
+    before = kube.get_node("gpu1")
+    with pytest.raises(NotOwned, match="drained by someone else"):
+        move.to_inference("gpu1", **args)
+    memory.nodes_["research-train-0"] = idle("research-train-0")
+    # The NodeSet wants 3 replicas; the operator has said of none yet that it runs and is ready.
+    with pytest.raises(NotOwned, match=f"stays in training for now: NodeSet {NS}/{NODESET} has 3 replica"):
+        move.to_inference("gpu1", **args)
+    after = kube.get_node("gpu1")
+    assert after.labels == before.labels and after.annotations == before.annotations
+    assert [call for call in memory.calls if call[0] == "drain"] == []
+
+
+def test_a_claim_waits_for_no_pod_a_pool_move_scaled_in(api: KubeApiProcess, kube: KubernetesApi) -> None:
+    """An incident took gpu1 over while a pool move was scaling research-train-0's NodeSet in for
+    it: that pod is gone for good, so the claim waits only for the other one to be back."""
+    pod = kube.find_pod(NS, "research-train-0")
+    assert pod is not None
+    found = kube.get_nodeset(NS, NODESET)
+    scaled = {SCALED_IN_ANNOTATION: f"research-train-0/{pod.uid}"}
+    body = {"metadata": {"annotations": scaled, "resourceVersion": found["metadata"]["resourceVersion"]}}
+    kube.patch_nodeset(NS, NODESET, {**body, "spec": {"replicas": 2}})
+    drained_out(kube, "gpu1", INC)  # both pods recorded, both evicted
+    slinky, _ = on_slinky(kube, {"train-b1": idle("train-b1")})
+    pool = SlinkyPool(
+        kube=kube, slurm=slinky, partition=NODESET, cluster="research", back_wait_seconds=0.3, poll_seconds=0.05
+    )
+    with pytest.raises(Unavailable, match="research-train-1") as waiting:
+        pool.claim(INC, node="gpu1")
+    assert "research-train-0" not in str(waiting.value)  # not waited for
+    recreate(api, "research-train-1", "spare1", hostname="train-b1")  # the other one, back on the spare
+    assert pool.claim(INC, node="gpu1", retry=True) == "spare1"
