@@ -338,13 +338,18 @@ def _where(loc: tuple[Any, ...]) -> str:
     return out or "(spec)"
 
 
+def _listed(value: Any) -> list[Any]:
+    """``value`` when it is a list, else none (its field's own problem is said elsewhere)."""
+    return value if isinstance(value, list) else []
+
+
 def _whole_spec_problems(
     raw: dict[str, Any], uid_range: tuple[int, int], free_nodes: int | None
 ) -> list[tuple[str, str]]:
     """What only the spec as a whole shows; tolerant of fields that are themselves wrong."""
     problems: list[tuple[str, str]] = []
-    partitions = [p for p in raw.get("partitions") or [] if isinstance(p, dict)]
-    users = [u for u in raw.get("users") or [] if isinstance(u, dict)]
+    partitions = [p for p in _listed(raw.get("partitions")) if isinstance(p, dict)]
+    users = [u for u in _listed(raw.get("users")) if isinstance(u, dict)]
     for what, items, key in (("partition", partitions, "name"), ("user", users, "name"), ("uid", users, "uid")):
         seen: dict[Any, int] = {}
         group = "partitions" if what == "partition" else "users"

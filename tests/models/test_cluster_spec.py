@@ -88,6 +88,16 @@ def test_unknown_fields_and_wrong_types_are_named() -> None:
     assert {where for where, _ in caught.value.problems} == {"partitions[0].gpus", "spares"}
 
 
+@pytest.mark.parametrize("field", ["partitions", "users"])
+@pytest.mark.parametrize("value", [3, "train", {"name": "train"}])
+def test_a_list_field_that_is_no_list_is_named_not_a_crash(field: str, value: Any) -> None:
+    raw = example()
+    raw[field] = value
+    with pytest.raises(SpecError) as caught:
+        load_spec(raw, free_nodes=8)
+    assert field in {where for where, _ in caught.value.problems}
+
+
 def parse_conf(text: str) -> tuple[dict[str, str], list[dict[str, str]], list[dict[str, str]]]:
     """slurm.conf read back: the plain keys, the NodeName lines and the PartitionName lines."""
     plain: dict[str, str] = {}
