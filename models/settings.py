@@ -137,9 +137,7 @@ class Settings(BaseSettings):
         except (KeyError, IndexError, ValueError):
             raise ValueError("only {name} may stand in it (the cluster's name)") from None
         if not filled.startswith(("http://", "https://")):
-            raise ValueError(
-                "an http:// or https:// URL, e.g. http://{name}-restapi.slurm-{name}:6820, or service"
-            )
+            raise ValueError("an http:// or https:// URL, e.g. http://{name}-restapi.slurm-{name}:6820, or service")
         return value
 
     @field_validator("cluster_backends")
