@@ -126,7 +126,7 @@ def test_a_job_submitted_for_a_user_runs_as_that_user(cluster: RestCluster) -> N
     job = client.submit("#!/bin/sh\nid -un\n", user="nobody", partition="rest-debug", name="as-nobody")
     assert client.wait_job(job, user="nobody", timeout=60, interval=0.2) == "COMPLETED"
     shown = cluster.slurm.scontrol("show", "-o", "job", str(job))
-    assert "UserId=nobody(" in shown and "Partition=debug" in shown
+    assert "UserId=nobody(" in shown and "Partition=rest-debug" in shown
 
 
 def test_a_token_signed_with_another_key_is_refused_with_the_cause(cluster: RestCluster) -> None:
