@@ -576,7 +576,7 @@ class Operator:
             try:
                 self.reconcile_cluster(key, group)
             except (OSError, RuntimeError, TimeoutError, ValueError, subprocess.SubprocessError) as exc:
-                self.log(f"cluster {key}: {exc}")
+                self._say_once(f"cluster {key}: {exc}")
         self._collect_orphans(nodesets)
 
     def reconcile_cluster(self, key: str, group: ClusterObjects) -> None:

@@ -41,6 +41,8 @@ CLUSTER_LABEL = "slinky.slurm.net/cluster"
 JWT_KEY_FILE = "jwt.key"
 # The lab's Services answer on this machine.
 SERVICE_IP = "127.0.0.1"
+# A UNIX socket's path holds at most 107 bytes; slurmd makes one per job step in its spool.
+MAX_SOCKET_PATH = 107
 
 
 def nodesets_of(conf: Path) -> list[str]:
@@ -127,6 +129,24 @@ def left_out(nodesets: list[dict[str, Any]]) -> list[str]:
         for n in nodesets
         if (extra := (n.get("spec") or {}).get("extraConf"))
     ]
+
+
+def step_socket(folder: Path, nodeset: str) -> str:
+    """The path of a job step's socket in the spool of a pod of ``nodeset``, for the cluster's
+    first jobs (ordinals below 10, job IDs below 100, the batch step): later ones are longer."""
+    pod = f"{nodeset}-9"
+    return f"{folder}/spool/{pod}/{pod}_99.4294967291"
+
+
+def too_deep(folder: Path, nodesets: list[str]) -> str:
+    """Why the cluster's slurmd could not run jobs from ``folder`` ('' when they can)."""
+    longest = max((step_socket(folder, n) for n in nodesets), key=len, default="")
+    if len(longest) <= MAX_SOCKET_PATH:
+        return ""
+    return (
+        f"{folder} is too deep: a job step's socket there ({len(longest)} bytes) would not fit in "
+        f"{MAX_SOCKET_PATH} bytes; use a shorter GPUFLEET_HOME"
+    )
 
 
 def merged_users(system: str, users: str) -> str:
@@ -245,6 +265,8 @@ class SlinkyCluster:
         self, objects: ClusterObjects, jwt_key: bytes, users: dict[str, str], *, timeout: float = 60.0
     ) -> DynamicSlurmLab:
         """slurmctld for the Controller and its NodeSets, with its JWT key and users."""
+        if problem := too_deep(self.folder, objects.nodeset_names):
+            raise ValueError(problem)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.folder.chmod(0o755)  # its users' jobs reach their scripts in its spool
         (self.folder / "controller.json").write_text(

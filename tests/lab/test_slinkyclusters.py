@@ -23,6 +23,7 @@ from lab.slinkyclusters import (
     partition_configs,
     restapi_service,
     secret_value,
+    too_deep,
 )
 from models.cluster import load_spec
 from models.settings import Settings
@@ -94,6 +95,13 @@ def test_the_clusters_users_come_after_the_roots_own_and_never_replace_them() ->
     )
     merged = merged_users(system, users).splitlines()
     assert merged == [*system.splitlines(), "alice:x:20001:20001:alice:/home/alice:/bin/bash"]
+
+
+def test_a_cluster_folder_too_deep_for_slurmds_step_sockets_is_refused_by_name() -> None:
+    assert too_deep(Path("/tmp/gf-slk-abcdefgh/clusters/research"), ["research-train", "research-debug"]) == ""
+    deep = Path("/tmp/gpufleet-slinky-clusters-hvp2mdre/clusters/research")
+    said = too_deep(deep, ["research-train"])
+    assert said.startswith(f"{deep} is too deep") and "use a shorter GPUFLEET_HOME" in said
 
 
 def test_the_jwt_key_is_read_where_the_controller_says() -> None:
