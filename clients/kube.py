@@ -672,6 +672,23 @@ class KubernetesApi:
         found = self.secret(namespace, name)
         return None if found is None else found[0]
 
+    def service_address(self, namespace: str, name: str) -> tuple[str, int] | None:
+        """A Service's cluster IP and first port; None when there is no such Service, or it has
+        neither yet."""
+        try:
+            found = self._call(
+                f"read service {namespace}/{name}",
+                self._api.read_namespaced_service,
+                name,
+                checked_namespace(namespace),
+            )
+        except NotFound:
+            return None
+        spec = found.spec
+        if spec is None or not spec.cluster_ip or spec.cluster_ip == "None" or not spec.ports:
+            return None
+        return str(spec.cluster_ip), int(spec.ports[0].port)
+
     def object_exists(self, obj: dict[str, Any]) -> bool:
         return self.object_annotations(obj) is not None
 

@@ -17,7 +17,17 @@ from clients.clusters import StepFailed
 from clients.kube import KubernetesApi
 from clients.slurmrest import TERMINAL, SlurmRestClient, SlurmRestError
 from models.cluster import ClusterSpec, render_slurm_conf
-from models.slinky import COPIED, COPY_LABEL, GENERATED, cluster_namespace, restapi_url, slinky_objects
+from models.slinky import (
+    COPIED,
+    COPY_LABEL,
+    GENERATED,
+    RESTAPI_FROM_SERVICE,
+    cluster_namespace,
+    nodeset_name,
+    restapi_service,
+    restapi_url,
+    slinky_objects,
+)
 
 CREATION_ANNOTATION = "gpufleet.io/creation"
 JWT_KEY = "jwt_hs256.key"
@@ -28,10 +38,12 @@ DOWN = {"DOWN", "FUTURE", "NOT_RESPONDING", "UNKNOWN", "FAIL", "DRAIN", "INVAL"}
 
 
 def _short_partitions(spec: ClusterSpec, nodes: dict[str, tuple[str, list[str]]]) -> list[str]:
-    """Each partition with fewer nodes up than the spec asks, said as 'train: 1 of 2 up'."""
+    """Each partition with fewer nodes up than the spec asks, said as 'train: 1 of 2 up' (its
+    Slurm partition is its NodeSet's, named after it)."""
     short = []
     for partition in spec.partitions:
-        up = [n for n, (state, parts) in nodes.items() if partition.name in parts and not set(state.split("+")) & DOWN]
+        slurm = nodeset_name(spec.name, partition.name)
+        up = [n for n, (state, parts) in nodes.items() if slurm in parts and not set(state.split("+")) & DOWN]
         if len(up) < partition.nodes:
             short.append(f"{partition.name}: {len(up)} of {partition.nodes} node(s) up")
     return short
@@ -144,7 +156,8 @@ class SlinkyBackend:
         self, kube: KubernetesApi, *, restapi: str = "", wait_seconds: float = 540.0, poll_seconds: float = 5.0
     ) -> None:
         """``restapi``: where slurmrestd answers, ``{name}`` standing for the cluster's name
-        (default: the operator's Service, reached from inside the Kubernetes cluster)."""
+        (default: the operator's Service, reached from inside the Kubernetes cluster), or
+        ``service``: the address that Service holds, read through the API."""
         self._kube = kube
         self._restapi = restapi
         self._wait = wait_seconds
@@ -161,14 +174,24 @@ class SlinkyBackend:
         if not key:
             where = f"Secret {name}-jwt-key of {cluster_namespace(name)}"
             raise StepFailed(f"no JWT key in {where}: were the cluster's objects made?")
-        url = self._restapi.format(name=name) if self._restapi else restapi_url(name)
-        client = SlurmRestClient(url, key, timeout=timeout)
+        client = SlurmRestClient(self._url(name), key, timeout=timeout)
         try:
             client.detect_version()
         except SlurmRestError:
             client.close()
             raise
         return client
+
+    def _url(self, name: str) -> str:
+        """Where the cluster's slurmrestd answers."""
+        if self._restapi != RESTAPI_FROM_SERVICE:
+            return self._restapi.format(name=name) if self._restapi else restapi_url(name)
+        service = restapi_service(name)
+        address = self._kube.service_address(cluster_namespace(name), service)
+        if address is None:
+            raise SlurmRestError(f"no Service {cluster_namespace(name)}/{service} with an address yet")
+        host, port = address
+        return f"http://{host}:{port}"
 
     def unsupported(self, spec: ClusterSpec) -> str:
         if not spec.accounting:
@@ -302,7 +325,8 @@ class SlinkyBackend:
                     raise StepFailed(f"smoke jobs took over {SMOKE_TOTAL:g}s in all; done so far: {'; '.join(ran)}")
                 script = '#!/bin/sh\necho "hello from $SLURMD_NODENAME"\n'
                 try:
-                    job = client.submit(script, user=user, partition=partition.name, name="gpufleet-smoke")
+                    slurm = nodeset_name(spec.name, partition.name)  # the operator's name for it
+                    job = client.submit(script, user=user, partition=slurm, name="gpufleet-smoke")
                     state = client.wait_job(job, user=user, timeout=min(SMOKE_TIMEOUT, left))
                 except SlurmRestError as exc:
                     raise StepFailed(f"smoke job on partition {partition.name}: {exc}") from None

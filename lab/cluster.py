@@ -27,6 +27,7 @@ from clients.pool import SPARES
 from clients.slinky import core_objects, create_all, delete_all
 from lab.accounting import Accounting, accounting_installed
 from lab.procs import alive, spawn, stop
+from lab.slinkyclusters import SlinkyCluster
 from lab.slurm import SlurmLab
 from models.cluster import ClusterSpec, render_slurm_conf
 from models.settings import Settings
@@ -305,6 +306,10 @@ def stop_all(home: Path) -> list[Path]:
         pid_file = root / "worker.pid"
         if pid_file.exists():
             stop([int(pid_file.read_text())])
-        SlurmLab(root).stop()
+        slinky = SlinkyCluster(root)
+        if slinky.controller():  # one the operator stand-in brought up: slurmrestd too
+            slinky.stop()
+        else:
+            SlurmLab(root).stop()
         stopped.append(root)
     return stopped

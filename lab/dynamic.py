@@ -34,7 +34,7 @@ import json
 import re
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,6 +53,35 @@ PARTITION_CONFIG = "MaxTime=UNLIMITED State=UP"
 MAX_NODE_COUNT = 1024
 # Slurm's ClusterName unless told otherwise.
 CLUSTER_NAME = "gpufleetdyn"
+_KEY = re.compile(r"^\s*([A-Za-z]+)\s*=")
+
+
+def conf_key(line: str) -> str:
+    """The slurm.conf key a line sets (lowercased: Slurm's keys are case-insensitive); '' for none."""
+    match = _KEY.match(line)
+    return match.group(1).lower() if match else ""
+
+
+def overridden(base: Sequence[str], extra: Sequence[str]) -> list[str]:
+    """``base`` without the lines whose key one of ``extra`` sets (the NodeSet and partition
+    lines are never dropped: each names its own)."""
+    keys = {conf_key(line) for line in extra} - {"", "nodeset", "partitionname", "nodename"}
+    return [line for line in base if conf_key(line) not in keys]
+
+
+def partition_line(nodeset: str, config: str, *, default: bool) -> str:
+    """The operator's partition of a NodeSet: named after it, its nodes the NodeSet's feature, and
+    the NodeSet's ``partition.config`` (without one, the lab's options; ``Default`` and ``State=UP``
+    added when the config leaves them out)."""
+    options = config.split() if config.strip() else PARTITION_CONFIG.split()
+    keys = {conf_key(option) for option in options}
+    head = [f"PartitionName={nodeset}", f"Nodes={nodeset}"]
+    if "default" not in keys:
+        head.append(f"Default={'YES' if default else 'NO'}")
+    tail = [] if "state" in keys else ["State=UP"]
+    return " ".join([*head, *options, *tail])
+
+
 _FIELDS = re.compile(r"(?:^| )(NodeName|State|Port|SlurmdStartTime)=(\S*)")
 
 
@@ -82,14 +111,17 @@ class DynamicSlurmLab(SlurmLab):
         release: str = RELEASE,
         binds: list[Path] | None = None,
         extra_lines: Sequence[str] = (),
+        partitions: Mapping[str, str] | None = None,
         cluster_name: str = CLUSTER_NAME,
         accounting: bool = False,
     ) -> None:
         """``nodesets``: one partition each, named after it (the first is the default one);
-        ``extra_lines``: more slurm.conf lines (the JWT key's, for slurmrestd); ``cluster_name``:
-        Slurm's ``ClusterName`` (a Slinky Controller's ``clusterName``: the cluster that accounting
-        records jobs and associations under); ``accounting``: ``start`` starts the cluster's own
-        MariaDB and slurmdbd too, and registers it there (lab/accounting.py)."""
+        ``extra_lines``: more slurm.conf lines (the JWT key's, for slurmrestd; the Controller's
+        ``extraConf``), each replacing a line of the lab's that sets the same key;
+        ``partitions``: a NodeSet's ``partition.config`` (its partition line's options);
+        ``cluster_name``: Slurm's ``ClusterName`` (a Slinky Controller's ``clusterName``: the cluster
+        that accounting records jobs and associations under); ``accounting``: ``start`` starts the
+        cluster's own MariaDB and slurmdbd too, and registers it there (lab/accounting.py)."""
         if not nodesets:
             raise ValueError("a dynamic cluster needs at least one NodeSet")
         super().__init__(
@@ -102,23 +134,23 @@ class DynamicSlurmLab(SlurmLab):
         self.nodesets = [checked_node_name(name) for name in nodesets]
         self._pods_file = self.root / "pods.json"
         self.extra_lines = list(extra_lines)
+        self.partitions = dict(partitions or {})
         self.cluster_name = validate_cluster_name(cluster_name)
         self.with_accounting = accounting
 
     def _write_conf(self) -> None:
         storage = accounting_lines(None) if self.with_accounting else ["AccountingStorageType=accounting_storage/none"]
-        lines = [
+        base = [
             f"ClusterName={self.cluster_name}",
             *self.site_lines(),
             *storage,
             f"MaxNodeCount={MAX_NODE_COUNT}",
             "KillWait=5",
-            *self.extra_lines,
         ]
+        lines = [*overridden(base, self.extra_lines), *self.extra_lines]
         for index, nodeset in enumerate(self.nodesets):
             lines.append(f"NodeSet={nodeset} Feature={nodeset}")
-            default = "YES" if index == 0 else "NO"
-            lines.append(f"PartitionName={nodeset} Nodes={nodeset} Default={default} {PARTITION_CONFIG}")
+            lines.append(partition_line(nodeset, self.partitions.get(nodeset, ""), default=index == 0))
         self.conf.write_text("\n".join(lines) + "\n")
 
     # -- pods -------------------------------------------------------------------------------------

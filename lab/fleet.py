@@ -181,8 +181,9 @@ class FleetLab:
             # A local controller answers in milliseconds; give up on a silent one sooner.
             "GPUFLEET_SLURM_TIMEOUT_SECONDS": "10",
             "GPUFLEET_POLL_SECONDS": LAB_POLL_SECONDS,
-            # The lab's worker creates clusters from the free pool, as local Slurm daemons.
-            "GPUFLEET_CLUSTER_BACKENDS": "lab",
+            # The lab's worker creates clusters from the free pool, as local Slurm daemons (and, on
+            # the slinky flavor, as Slinky clusters the operator stand-in brings up).
+            "GPUFLEET_CLUSTER_BACKENDS": "lab,slinky" if self.slinky else "lab",
             "SLURM_CONF": str(self.slurm.conf),
             "PYTHONPATH": str(REPO_ROOT),
             # The nodes' GPU faults: what the lab's jobs read at every step and its repairs clear.
@@ -190,6 +191,8 @@ class FleetLab:
             # The clusters the worker creates run the same Slurm release.
             LAB_SLURM_ENV: self.config.slurm,
         }
+        if self.slinky:  # a created cluster's slurmrestd: where its Service says (lab/slinkyclusters.py)
+            env["GPUFLEET_SLINKY_RESTAPI_URL"] = "service"
         bin_dir = self.slurm.bin_dir if state.get("services") else None
         if bin_dir is not None:  # a newer Slurm: its commands, through wrappers, for sbatch and the worker
             env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', os.defpath)}"
@@ -402,6 +405,11 @@ class FleetLab:
                     str(self.home),
                     "--faults",
                     str(self.faults.folder),
+                    # Clusters `gpufleet cluster create --backend slinky` makes, beside the lab's own.
+                    "--clusters",
+                    str(self.home / "clusters"),
+                    "--own",
+                    f"slurm-{self.config.cluster}/{self.config.cluster}",
                 ],
                 what="the lab's NodeSet controller",
             )

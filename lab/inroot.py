@@ -10,9 +10,12 @@ sockets through which commands have their credentials signed with the cluster's 
 on one root must not share them. So, where ``$SLURM_CONF`` names a cluster's slurm.conf, the
 folders ``run/slurm``, ``run/slurmctld`` and ``run/slurmdbd`` beside it are bound there: the
 daemons and the commands of one cluster, and only they, meet at the same sockets, whichever
-wrapper started them. The binds exist only in that namespace and vanish with its last process, so
-the cached root never holds a mount of the host's devices: removing it touches nothing of the
-host.
+wrapper started them. Where ``etc/passwd`` and ``etc/group`` are beside that slurm.conf (a Slinky
+cluster of the lab, whose users come from its user database Secret, as sssd gives them to the
+pods), they are bound over the root's ``/etc/passwd`` and ``/etc/group``, so that the cluster's
+daemons, its jobs and its commands know its users; the root's own files are never changed. The
+binds exist only in that namespace and vanish with its last process, so the cached root never
+holds a mount of the host's devices: removing it touches nothing of the host.
 
 Standard library only, and no import of gpufleet: it runs before and outside any virtualenv setup.
 """
@@ -35,6 +38,14 @@ def _bind(source: str, root: Path, at: str | None = None) -> None:
     subprocess.run(["mount", "--rbind", source, str(target)], check=True)
 
 
+def _bind_file(source: str, root: Path, at: str) -> None:
+    target = root / at.lstrip("/")
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.touch()
+    subprocess.run(["mount", "--bind", source, str(target)], check=True)
+
+
 def _options(options: list[str]) -> list[str] | None:
     """The folders of the ``--bind DIR`` options (None: malformed)."""
     binds: list[str] = []
@@ -52,6 +63,15 @@ def _cluster_run(conf: str | None) -> list[tuple[str, str]]:
         return []
     folder = Path(conf).parent / "run"
     return [(str(folder / name), f"/run/{name}") for name in ("slurm", "slurmctld", "slurmdbd")]
+
+
+def _cluster_etc(conf: str | None) -> list[tuple[str, str]]:
+    """The cluster's own user database (``etc/passwd``, ``etc/group`` beside its slurm.conf),
+    where it has one, and where each goes in the root."""
+    if not conf or not os.path.isabs(conf):
+        return []
+    folder = Path(conf).parent / "etc"
+    return [(str(folder / name), f"/etc/{name}") for name in ("passwd", "group") if (folder / name).is_file()]
 
 
 def main(argv: list[str]) -> int:
@@ -73,6 +93,8 @@ def main(argv: list[str]) -> int:
     for source, at in _cluster_run(os.environ.get("SLURM_CONF")):
         os.makedirs(source, exist_ok=True)
         _bind(source, root, at)
+    for source, at in _cluster_etc(os.environ.get("SLURM_CONF")):
+        _bind_file(source, root, at)
     os.chroot(root)
     try:
         os.chdir(cwd)

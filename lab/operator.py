@@ -33,7 +33,13 @@ The lab has no kubelet: a bound pod is Running and Ready at once. A pod-cordon t
 for a cordoned node or a scale-in is marked with ``lab.gpufleet.io/cordoned-by`` so that it
 undoes only its own.
 
-Run it as ``python -m lab.operator --api URL --slurm-root DIR [--bind DIR] [--ready-file F]``.
+With ``--clusters DIR`` it also brings up every other Slinky cluster whose ``Controller`` appears
+in the API (but ``--own``, the lab's own), each a ``DynamicSlurmLab`` of its own under
+``DIR/<name>`` with its slurmrestd and Service, and takes each down when its objects go
+(lab/slinkyclusters.py); its NodeSets' pods are reconciled as above, against its Slurm.
+
+Run it as ``python -m lab.operator --api URL --slurm-root DIR [--bind DIR] [--clusters DIR --own
+NS/NAME] [--ready-file F]``.
 """
 
 from __future__ import annotations
@@ -53,9 +59,22 @@ from typing import Any
 import httpx
 
 from clients.slurm import parse_node_record
-from lab.dynamic import DynamicSlurmLab
+from lab.dynamic import RELEASE, DynamicSlurmLab
 from lab.faults import GpuFaults
 from lab.scheduler import fits
+from lab.slinkyclusters import (
+    ClusterObjects,
+    SlinkyCluster,
+    clusters_under,
+    controller_of,
+    group_objects,
+    jwt_ref,
+    nodesets_of,
+    restapi_service,
+    secret_value,
+    service_name,
+    users_secret,
+)
 from models.incident import NodeInfo
 
 POLL_SECONDS = 0.5
@@ -379,10 +398,25 @@ class Operator:
         *,
         log: Callable[[str], None] = print,
         faults: GpuFaults | None = None,
+        clusters: Path | None = None,
+        own: str = "",
+        binds: list[Path] | None = None,
     ) -> None:
+        """``slurm``: the lab's own cluster, whose NodeSets are those of its slurm.conf;
+        ``clusters``: where the other Slinky clusters (one per Controller in the API, but ``own``,
+        ``<namespace>/<name>`` of the lab's own Controller) are brought up (lab/slinkyclusters.py),
+        their daemons seeing ``binds``; None: none are."""
         self.http = http
         self.slurm = slurm
         self.log = log
+        self.clusters_home = clusters
+        self.own = own
+        self.binds = list(binds or [])
+        # The clusters brought up here, by Controller (lab/slinkyclusters.py key_of).
+        self.managed: dict[str, SlinkyCluster] = clusters_under(clusters, binds=self.binds) if clusters else {}
+        # NodeSets seen for a Controller not yet up: it starts once they stay the same for a pass.
+        self._settling: dict[str, list[str]] = {}
+        self._said: set[str] = set()
         # The lab's GPU faults: told where each pod runs, so that a rank meets its node's fault.
         self.faults = faults
         # The pod (by UID) each running slurmd was started for: a new UID is a recreated pod.
@@ -390,53 +424,55 @@ class Operator:
 
     # Slurm side ----------------------------------------------------------------------------------
 
-    def _slurm_nodes(self) -> dict[str, NodeInfo]:
-        out = self.slurm.scontrol("show", "-o", "node")
+    def _slurm_nodes(self, slurm: DynamicSlurmLab) -> dict[str, NodeInfo]:
+        out = slurm.scontrol("show", "-o", "node")
         records = (parse_node_record(line) for line in out.splitlines() if line.startswith("NodeName="))
         return {node.name: node for node in records}
 
-    def _update(self, name: str, *fields: str) -> None:
+    def _update(self, slurm: DynamicSlurmLab, name: str, *fields: str) -> None:
         try:
-            self.slurm.scontrol("update", f"nodename={name}", *fields)
+            slurm.scontrol("update", f"nodename={name}", *fields)
         except subprocess.CalledProcessError as exc:
             self.log(f"scontrol update {name} {' '.join(fields)}: {(exc.stderr or '').strip()}")
 
-    def drain(self, node: NodeInfo, reason: str, *, override: bool = False) -> None:
+    def drain(
+        self, node: NodeInfo, reason: str, *, override: bool = False, slurm: DynamicSlurmLab | None = None
+    ) -> None:
         """MakeNodeDrain: an existing (our) reason stays unless ``override``."""
         wanted = REASON_PREFIX + (reason or "unknown")
         if not override and node.reason:
             wanted = node.reason
         if "DRAIN" in node.flags and node.reason == wanted:
             return
-        self._update(node.name, "state=drain", f"reason={wanted}")
+        self._update(slurm or self.slurm, node.name, "state=drain", f"reason={wanted}")
         self.log(f"drained {node.name}: {wanted}")
 
-    def undrain(self, node: NodeInfo) -> None:
+    def undrain(self, node: NodeInfo, *, slurm: DynamicSlurmLab | None = None) -> None:
         """MakeNodeUndrain: only a node that has the DRAIN flag."""
         if "DRAIN" not in node.flags or "UNDRAIN" in node.flags:
             return
-        self._update(node.name, "state=undrain")
+        self._update(slurm or self.slurm, node.name, "state=undrain")
         self.log(f"undrained {node.name}")
 
-    def _sync_slurmd(self, nodeset: str, pods: list[dict[str, Any]]) -> None:
+    def _sync_slurmd(self, slurm: DynamicSlurmLab, nodeset: str, pods: list[dict[str, Any]]) -> None:
         """Each bound pod's slurmd runs, started for that very pod; a slurmd without a bound pod stops."""
         bound = {p["metadata"]["name"]: p for p in pods if (p.get("spec") or {}).get("nodeName")}
         for name, pod in sorted(bound.items()):
             uid = pod["metadata"].get("uid", "")
             try:
-                if not self.slurm.running(name):
-                    self.slurm.add_node(name, nodeset)
+                if not slurm.running(name):
+                    slurm.add_node(name, nodeset)
                     self.log(f"started slurmd {name}")
                 elif self.started.get(name) not in (None, uid):
-                    self.slurm.move_node(name)  # recreated: preStop on the old one, then start again
+                    slurm.move_node(name)  # recreated: preStop on the old one, then start again
                     self.log(f"restarted slurmd {name} for its recreated pod")
             except (RuntimeError, ValueError, TimeoutError, subprocess.SubprocessError) as exc:
                 self.log(f"slurmd {name}: {exc}")
                 continue
             self.started[name] = uid
-        for name, known in sorted(self.slurm.pods().items()):
-            if known.nodeset == nodeset and name not in bound and self.slurm.running(name):
-                self.slurm.stop_node(name)
+        for name, known in sorted(slurm.pods().items()):
+            if known.nodeset == nodeset and name not in bound and slurm.running(name):
+                slurm.stop_node(name)
                 self.started.pop(name, None)
                 self.log(f"stopped slurmd {name}: its pod is gone")
 
@@ -491,15 +527,177 @@ class Operator:
     def reconcile(self) -> None:
         nodesets = self.http.get(f"{API}/nodesets").raise_for_status().json()["items"]
         nodes = self.http.get("/api/v1/nodes").raise_for_status().json()["items"]
+        if self.clusters_home is not None:
+            self.reconcile_clusters(nodesets)
         for nodeset in sorted(nodesets, key=lambda n: (n["metadata"]["namespace"], n["metadata"]["name"])):
             if (nodeset.get("spec") or {}).get("scalingMode", "StatefulSet") != "StatefulSet":
                 continue
+            slurm = self.slurm_of(nodeset)
+            if slurm is None:
+                continue  # its cluster is not up (yet)
             try:
-                self.reconcile_nodeset(nodeset, nodes)
+                self.reconcile_nodeset(nodeset, nodes, slurm)
             except httpx.HTTPStatusError as exc:
                 self.log(f"NodeSet {nodeset['metadata']['name']}: {exc.response.status_code} {exc.response.text[:500]}")
 
-    def reconcile_nodeset(self, nodeset: dict[str, Any], nodes: list[dict[str, Any]]) -> None:
+    def slurm_of(self, nodeset: dict[str, Any]) -> DynamicSlurmLab | None:
+        """The Slurm a NodeSet's pods join: its Controller's cluster brought up here, else the
+        lab's own when its slurm.conf declares the NodeSet; None: no cluster of it runs."""
+        name = nodeset["metadata"]["name"]
+        cluster = self.managed.get(controller_of(nodeset))
+        if cluster is not None:
+            slurm = cluster.slurm()
+            return slurm if cluster.running() and name in slurm.nodesets else None
+        return self.slurm if name in self.slurm.nodesets else None
+
+    # Other Slinky clusters -------------------------------------------------------------------------
+
+    def _items(self, plural: str) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self.http.get(f"{API}/{plural}").raise_for_status().json()["items"]
+        return items
+
+    def _secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        response = self.http.get(f"/api/v1/namespaces/{namespace}/secrets/{name}")
+        if response.status_code == 404:
+            return None
+        found: dict[str, Any] = response.raise_for_status().json()
+        return found
+
+    def reconcile_clusters(self, nodesets: list[dict[str, Any]]) -> None:
+        """Bring up each Controller's cluster (but the lab's own) once its NodeSets are there,
+        its slurmrestd and Service for a RestApi; take down what lost its objects."""
+        groups = group_objects(
+            self._items("controllers"), nodesets, self._items("restapis"), self._items("accountings")
+        )
+        groups.pop(self.own, None)
+        for key in sorted(set(self.managed) - set(groups)):
+            self.take_down(key)
+        for key, group in sorted(groups.items()):
+            try:
+                self.reconcile_cluster(key, group)
+            except (OSError, RuntimeError, TimeoutError, ValueError, subprocess.SubprocessError) as exc:
+                self._say_once(f"cluster {key}: {exc}")
+        self._collect_orphans(nodesets)
+
+    def reconcile_cluster(self, key: str, group: ClusterObjects) -> None:
+        cluster = self.managed.get(key)
+        names = group.nodeset_names
+        if cluster is not None and cluster.running() and set(names) - set(cluster.nodesets()):
+            # A NodeSet added to a running cluster: the lab starts its Slurm again with it.
+            self.log(f"cluster {key}: NodeSets {', '.join(names)}: starting its Slurm again with them")
+            self.take_down(key, objects=False)
+            cluster = None
+        if cluster is None or not cluster.running():
+            if not names or self._settling.get(key) != names:
+                self._settling[key] = names  # started once its NodeSets stay as they are for a pass
+                return
+            cluster = self.bring_up(key, group)
+            if cluster is None:
+                return
+        self._settling.pop(key, None)
+        for restapi in group.restapis:
+            if not cluster.restapi_port():
+                port = cluster.start_restapi()
+                self.log(f"cluster {key}: slurmrestd on 127.0.0.1:{port}")
+            self._ensure_service(restapi, cluster.restapi_port())
+        if not group.restapis and cluster.restapi_port():
+            cluster.stop_restapi()
+            self.log(f"cluster {key}: slurmrestd stopped, its RestApi is gone")
+        for accounting in group.accountings:
+            said = cluster.start_accounting(accounting)
+            if said and said not in self._said:
+                self._said.add(said)
+                self.log(f"cluster {key}: {said}")
+
+    def bring_up(self, key: str, group: ClusterObjects) -> SlinkyCluster | None:
+        """slurmctld for the Controller, with its JWT key and its users; None while a Secret it
+        needs is not there yet."""
+        assert self.clusters_home is not None
+        secret_name, secret_key = jwt_ref(group.controller)
+        secret = self._secret(group.namespace, secret_name)
+        jwt = secret_value(secret, secret_key) if secret is not None else None
+        if not jwt:
+            self._say_once(f"cluster {key}: waiting for its JWT key (Secret {secret_name}, key {secret_key})")
+            return None
+        users_found = self._secret(group.namespace, users_secret(group.controller)) or {}
+        users = {name: (secret_value(users_found, name) or b"").decode() for name in ("passwd", "group")}
+        cluster = SlinkyCluster(self.clusters_home / group.name, binds=self.binds)
+        if cluster.controller() not in ("", key):
+            self._say_once(f"cluster {key}: {cluster.folder} is another cluster's")
+            return None
+        cluster.stop()  # what a start cut short left
+        cluster.start(group, jwt, users)
+        self.managed[key] = cluster
+        partitions = ", ".join(group.nodeset_names)
+        self.log(f"cluster {key}: slurmctld up (Slurm {RELEASE}), partitions {partitions}, in {cluster.folder}")
+        return cluster
+
+    def take_down(self, key: str, *, objects: bool = True) -> None:
+        """Stop everything the cluster runs (slurmrestd, every slurmd, slurmctld) and, with
+        ``objects``, delete what the operator made for it in the API (its pods, Service, budget)."""
+        cluster = self.managed.pop(key)
+        slurm = cluster.slurm()
+        for name in slurm.pods():
+            self.started.pop(name, None)
+        cluster.stop()
+        self.log(f"cluster {key}: Slurm stopped, {cluster.folder} removed")
+        if not objects:
+            return
+        namespace, name = key.split("/", 1)
+        pods = self.http.get(f"/api/v1/namespaces/{namespace}/pods").raise_for_status().json()["items"]
+        for pod in pods:
+            if (pod["metadata"].get("labels") or {}).get(CLUSTER_LABEL) == name:
+                self._delete_pod(pod)
+        for path in (
+            f"/api/v1/namespaces/{namespace}/services/{name}-restapi",
+            f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets/slurm-workers-pdb-{name}",
+        ):
+            response = self.http.delete(path)
+            if response.status_code != 404:
+                response.raise_for_status()
+
+    def _collect_orphans(self, nodesets: list[dict[str, Any]]) -> None:
+        """The pods of a NodeSet that is gone, in a cluster brought up here: deleted, and their
+        slurmd stopped and Slurm nodes deleted (the garbage collector's and the operator's work)."""
+        there = {(n["metadata"]["namespace"], n["metadata"]["name"]) for n in nodesets}
+        for key, cluster in sorted(self.managed.items()):
+            namespace, name = key.split("/", 1)
+            pods = self.http.get(f"/api/v1/namespaces/{namespace}/pods").raise_for_status().json()["items"]
+            for pod in pods:
+                owner = next(
+                    (o["name"] for o in pod["metadata"].get("ownerReferences") or [] if o.get("kind") == "NodeSet"),
+                    None,
+                )
+                labels = pod["metadata"].get("labels") or {}
+                if owner is None or (namespace, owner) in there or labels.get(CLUSTER_LABEL) != name:
+                    continue
+                pod_name = pod["metadata"]["name"]
+                if cluster.running() and pod_name in cluster.slurm().pods():
+                    cluster.slurm().remove_node(pod_name)
+                self.started.pop(pod_name, None)
+                self._delete_pod(pod)
+                self.log(f"deleted {namespace}/{pod_name}: its NodeSet {owner} is gone")
+
+    def _ensure_service(self, restapi: dict[str, Any], port: int) -> None:
+        namespace = restapi["metadata"]["namespace"]
+        path = f"/api/v1/namespaces/{namespace}/services"
+        found = self.http.get(f"{path}/{service_name(restapi)}")
+        if found.status_code == 200:
+            if ((found.json().get("spec") or {}).get("ports") or [{}])[0].get("port") == port:
+                return
+            self.http.delete(f"{path}/{service_name(restapi)}").raise_for_status()
+        self.http.post(path, json=restapi_service(restapi, port)).raise_for_status()
+        self.log(f"created Service {namespace}/{service_name(restapi)} (127.0.0.1:{port})")
+
+    def _say_once(self, line: str) -> None:
+        if line not in self._said:
+            self._said.add(line)
+            self.log(line)
+
+    def reconcile_nodeset(
+        self, nodeset: dict[str, Any], nodes: list[dict[str, Any]], slurm: DynamicSlurmLab | None = None
+    ) -> None:
+        slurm = slurm or self.slurm
         meta, spec = nodeset["metadata"], nodeset.get("spec") or {}
         namespace, name = meta["namespace"], meta["name"]
         pod_spec = (spec.get("template") or {}).get("spec") or {}
@@ -560,16 +758,16 @@ class Operator:
 
         going = condemned(pods, replicas)
         keep = [p for p in pods if p not in going]
-        self._sync_slurmd(name, pods)
-        if self.faults is not None:
+        self._sync_slurmd(slurm, name, pods)
+        if self.faults is not None and slurm is self.slurm:
             self.faults.place(
                 {p["metadata"]["name"]: p["spec"]["nodeName"] for p in pods if (p.get("spec") or {}).get("nodeName")}
             )
-        slurm = self._slurm_nodes()
+        records = self._slurm_nodes(slurm)
 
         # Drain and Cordon Design.
         for pod in keep:
-            record = slurm.get(pod["metadata"]["name"])
+            record = records.get(pod["metadata"]["name"])
             kube_node = by_name.get((pod.get("spec") or {}).get("nodeName") or "")
             if record is None or kube_node is None:
                 continue
@@ -590,29 +788,31 @@ class Operator:
                     reason = sanitized(node_annotations[NODE_CORDON_REASON])
                 if by is None and annotations.get(POD_CORDON) != "true":
                     self._set_cordon(pod, "node")
-                self.drain(record, reason)
+                self.drain(record, reason, slurm=slurm)
             elif action == "drain":
-                self.drain(record, f"Pod ({pod_ref}) was cordoned")
+                self.drain(record, f"Pod ({pod_ref}) was cordoned", slurm=slurm)
             elif action == "undrain":
                 self._set_cordon(pod, None)
-                self.undrain(record)
+                self.undrain(record, slurm=slurm)
 
         # Scale-in Lifecycle: drained, then deleted.
         for pod in going:
             pod_ref = f"{namespace}/{pod['metadata']['name']}"
-            record = slurm.get(pod["metadata"]["name"])
+            record = records.get(pod["metadata"]["name"])
             if record is not None and not is_drained(slurm_conditions(record)):
                 if (pod["metadata"].get("annotations") or {}).get(POD_CORDON) != "true":
                     self._set_cordon(pod, "scale-in")
                 if ours(record.reason):
-                    self.drain(record, f"Pod ({pod_ref}) is pending termination for scale-in", override=True)
+                    self.drain(
+                        record, f"Pod ({pod_ref}) is pending termination for scale-in", override=True, slurm=slurm
+                    )
                 continue
             self._delete_pod(pod)
             self.log(f"deleted {pod_ref} (scale-in, its Slurm node drained)")
             if record is not None:
-                self.slurm.remove_node(pod["metadata"]["name"])
+                slurm.remove_node(pod["metadata"]["name"])
                 self.started.pop(pod["metadata"]["name"], None)
-                slurm.pop(pod["metadata"]["name"], None)
+                records.pop(pod["metadata"]["name"], None)
             pods.remove(pod)
 
         # Slurm Node State Visibility; Workload Disruption Protection.
@@ -620,7 +820,7 @@ class Operator:
         if protect:
             self._ensure_pdb(nodeset)
         for pod in pods:
-            desired = slurm_conditions(slurm.get(pod["metadata"]["name"]))
+            desired = slurm_conditions(records.get(pod["metadata"]["name"]))
             current = (pod.get("status") or {}).get("conditions") or []
             conditions = with_slurm_conditions(current, desired)
             labels = pod["metadata"].get("labels") or {}
@@ -639,7 +839,7 @@ class Operator:
         status: dict[str, Any] = {
             "replicas": len(pods),
             "readyReplicas": sum(1 for p in pods if _ready(p)),
-            "slurmIdle": sum(1 for p in pods if (n := slurm.get(p["metadata"]["name"])) and n.state == "idle"),
+            "slurmIdle": sum(1 for p in pods if (n := records.get(p["metadata"]["name"])) and n.state == "idle"),
             "selector": f"app.kubernetes.io/instance={name},app.kubernetes.io/name=slurmd",
             "nodeSetHash": template_hash(spec.get("template") or {}),
         }
@@ -652,11 +852,6 @@ class Operator:
             self.http.patch(
                 f"{API}/namespaces/{namespace}/nodesets/{name}/status", json={"status": status}, headers=MERGE
             ).raise_for_status()
-
-
-def nodesets_of(conf: Path) -> list[str]:
-    """The NodeSets a dynamic cluster's slurm.conf declares (``NodeSet=<name> Feature=...``)."""
-    return re.findall(r"^NodeSet=(\S+)", conf.read_text(), flags=re.MULTILINE)
 
 
 def start(api_url: str, cluster: DynamicSlurmLab, *, ready_file: Path, log: Path) -> subprocess.Popen[bytes]:
@@ -685,13 +880,25 @@ def main() -> None:
     parser.add_argument(
         "--faults", type=Path, help="the lab's GPU faults folder: where each pod runs is recorded there"
     )
+    parser.add_argument(
+        "--clusters", type=Path, help="bring up every other Controller's Slinky cluster in a folder of this one"
+    )
+    parser.add_argument("--own", default="", help="NAMESPACE/NAME of the lab's own Controller (--slurm-root's)")
     args = parser.parse_args()
     slurm = DynamicSlurmLab(args.slurm_root, nodesets_of(args.slurm_root / "slurm.conf"), binds=args.bind)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with httpx.Client(base_url=args.api, timeout=10) as http:
         faults = GpuFaults(args.faults) if args.faults else None
-        operator = Operator(http, slurm, log=lambda line: print(line, flush=True), faults=faults)
+        operator = Operator(
+            http,
+            slurm,
+            log=lambda line: print(line, flush=True),
+            faults=faults,
+            clusters=args.clusters,
+            own=args.own,
+            binds=args.bind,
+        )
         if args.ready_file is not None:
             args.ready_file.write_text(args.api, encoding="utf-8")
         while not stop.is_set():

@@ -416,6 +416,7 @@ class SlurmLab:
                     timeout=15,
                     check=False,
                 )
+        stop([pid for name, pid in pids.items() if name == "slurmrestd"])  # a Slinky cluster's (lab/slinkyclusters.py)
         daemons = [pid for name, pid in pids.items() if name.startswith("slurmd")]
         stop(daemons)
         stop([pid for name, pid in pids.items() if name == "slurmctld"])

@@ -71,7 +71,12 @@ class Slurmrestd:
 
 
 def start_slurmrestd(
-    slurm: SlurmLab, *, plugins: str | None = None, port: int | None = None, timeout: float = 30.0
+    slurm: SlurmLab,
+    *,
+    plugins: str | None = None,
+    port: int | None = None,
+    timeout: float = 30.0,
+    users: Path | None = None,
 ) -> Slurmrestd:
     """slurmrestd for ``slurm`` on ``port`` (default: a free one), serving ``plugins`` (default:
     ``default_plugins``, the release's controller API, and its accounting API, ``openapi/dbv0.0.38``
@@ -84,12 +89,20 @@ def start_slurmrestd(
     slurm.conf of its own. The copy holds no secret and nothing else is beside it: the JWT key
     stays with slurmctld, and on auth/slurm slurmrestd needs no slurm.key (it speaks to the
     controller with each request's token, through auth/jwt).
+
+    ``users``: a folder with the cluster's ``passwd`` and ``group`` (a Slinky cluster of the lab),
+    copied beside that slurm.conf as ``etc/`` so that lab/inroot.py gives them to slurmrestd too.
     """
     folder = Path(tempfile.mkdtemp(prefix="gpufleet-slurmrestd-", dir="/tmp"))
     folder.chmod(0o755)
     conf = folder / "slurm.conf"
     shutil.copyfile(slurm.conf, conf)
     conf.chmod(0o644)
+    if users is not None:
+        (folder / "etc").mkdir(mode=0o755)
+        for name in ("passwd", "group"):
+            shutil.copyfile(users / name, folder / "etc" / name)
+            (folder / "etc" / name).chmod(0o644)
     port = port or free_port()
     as_user = ["-u", "65534"] if os.geteuid() == 0 else []
     command = ["slurmrestd", "-a", "rest_auth/jwt", "-s", plugins or default_plugins(slurm), *as_user]

@@ -14,6 +14,7 @@ from models.numbers import Finite, Whole
 from models.plugins import CLUSTER_BACKENDS, cli_default, declared
 from models.policy import OwnerDrained, RemediationSettings, load_policy
 from models.requests import WorkerConfig
+from models.slinky import RESTAPI_FROM_SERVICE
 
 
 class ClusterNotSet(ValueError):
@@ -113,7 +114,8 @@ class Settings(BaseSettings):
     # comes from `gpufleet pool set-demand` only.
     prometheus_url: str | None = None
     # Where a Slinky cluster's slurmrestd answers, `{name}` standing for the cluster's name;
-    # empty: the operator's Service <name>-restapi, for a worker inside the Kubernetes cluster.
+    # empty: the operator's Service <name>-restapi, for a worker inside the Kubernetes cluster;
+    # `service`: the address that Service holds (its clusterIP and port), read through the API.
     slinky_restapi_url: str = ""
     # The worker's Prometheus endpoint (GET /metrics): the Temporal SDK's temporal_* metrics and
     # gpufleet's own (models/metrics.py). 0 or empty turns it off; the address it listens on.
@@ -128,14 +130,14 @@ class Settings(BaseSettings):
     @field_validator("slinky_restapi_url")
     @classmethod
     def _restapi(cls, value: str) -> str:
-        if not value:
+        if not value or value == RESTAPI_FROM_SERVICE:
             return value
         try:
             filled = value.format(name="x")
         except (KeyError, IndexError, ValueError):
             raise ValueError("only {name} may stand in it (the cluster's name)") from None
         if not filled.startswith(("http://", "https://")):
-            raise ValueError("an http:// or https:// URL, e.g. http://{name}-restapi.slurm-{name}:6820")
+            raise ValueError("an http:// or https:// URL, e.g. http://{name}-restapi.slurm-{name}:6820, or service")
         return value
 
     @field_validator("cluster_backends")

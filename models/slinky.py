@@ -38,6 +38,8 @@ IMAGES = {
     "slurmrestd": f"ghcr.io/slinkyproject/slurmrestd:{IMAGE_TAG}",
 }
 RESTAPI_PORT = 6820  # the operator's Service <name>-restapi listens here
+# GPUFLEET_SLINKY_RESTAPI_URL=service: slurmrestd at the address its Service holds, read through the API.
+RESTAPI_FROM_SERVICE = "service"
 GENERATED = "<generated when the Secret is first created>"
 _COPIED = "<copied from Secret {namespace}/{name}, key {key}, when first created>"
 COPIED = re.compile(r"^<copied from Secret ([a-z0-9.-]+)/([a-z0-9.-]+), key ([-._a-zA-Z0-9]+), when first created>$")
@@ -274,7 +276,12 @@ def slinky_objects(spec: ClusterSpec, placement: dict[str, list[str]]) -> list[d
         if partition.gpus_per_node:
             nodeset["extraConf"] = f"Gres=gpu:{partition.gpus_per_node}"
         objects.append(
-            {"apiVersion": API, "kind": "NodeSet", "metadata": _meta(spec, f"{name}-{partition.name}"), "spec": nodeset}
+            {
+                "apiVersion": API,
+                "kind": "NodeSet",
+                "metadata": _meta(spec, nodeset_name(name, partition.name)),
+                "spec": nodeset,
+            }
         )
     admins = "\n".join(key for user in spec.users if user.admin for key in user.ssh_keys)
     login: dict[str, Any] = {
@@ -295,6 +302,16 @@ def slinky_objects(spec: ClusterSpec, placement: dict[str, list[str]]) -> list[d
     restapi = {"controllerRef": {"name": name}, "replicas": 1, "slurmrestd": _container(IMAGES["slurmrestd"])}
     objects.append({"apiVersion": API, "kind": "RestApi", "metadata": _meta(spec, name), "spec": restapi})
     return objects
+
+
+def nodeset_name(cluster: str, partition: str) -> str:
+    """The NodeSet of a cluster's partition; slurm-operator names its Slurm partition after it."""
+    return f"{cluster}-{partition}"
+
+
+def restapi_service(name: str) -> str:
+    """The Service slurm-operator makes for the cluster's RestApi (named after the cluster)."""
+    return f"{name}-restapi"
 
 
 def restapi_url(name: str) -> str:

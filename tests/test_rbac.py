@@ -65,7 +65,15 @@ REMEDIATION = {
     "config_map_data",
 }
 # A worker that creates clusters (deploy/components/cluster-creation), besides the above:
-CLUSTER_CREATION = {"create_object", "delete_object", "object_exists", "object_annotations", "secret", "secret_data"}
+CLUSTER_CREATION = {
+    "create_object",
+    "delete_object",
+    "object_exists",
+    "object_annotations",
+    "secret",
+    "secret_data",
+    "service_address",
+}
 # Called by no worker code, so granted to none (the static test below keeps this true):
 NEVER_CALLED = {
     "delete_node": "retired nodes are kept (tainted and labelled), never deleted from Kubernetes",
@@ -432,9 +440,21 @@ def drive_cluster_creation(kube: KubernetesApi, worker: Deployed) -> set[str]:
         backend.bring_up(spec, placement, "")
     with pytest.raises(StepFailed):
         backend.remove_users(spec)
+    # GPUFLEET_SLINKY_RESTAPI_URL=service: slurmrestd where the RestApi's Service says (none here).
+    by_service = SlinkyBackend(kube, restapi="service", wait_seconds=0.1, poll_seconds=0.05)
+    with pytest.raises(StepFailed, match="no Service slurm-research/research-restapi"):
+        by_service.bring_up(spec, placement, "")
     assert backend.delete_objects(spec, "run-1").startswith("deleted 14 object(s)")
     assert pool.release(kube, spec.name) == (["free1", "free2", "free3"], {})
-    return {"secret", "object_exists", "object_annotations", "create_object", "secret_data", "delete_object"}
+    return {
+        "secret",
+        "object_exists",
+        "object_annotations",
+        "create_object",
+        "secret_data",
+        "delete_object",
+        "service_address",
+    }
 
 
 # -- the tests ------------------------------------------------------------------------------------

@@ -87,6 +87,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestCluster]:
     key_file.chmod(0o600)
     slurm = SlurmLab(slurm_root)
     nodes = ["rest-train-0", "rest-train-1", "rest-debug-0"]
+    # Partitions named after their NodeSets (rest-train, rest-debug), as slurm-operator names them.
     conf = [
         "ClusterName=rest",
         *slurm.site_lines(),
@@ -95,8 +96,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestCluster]:
         *(Accounting.site_lines(slurm.munge_socket) if ACCOUNTING else []),
         f"AccountingStorageType=accounting_storage/{'slurmdbd' if ACCOUNTING else 'none'}",
         *(f"NodeName={node} {slurm.node_options()} State=UNKNOWN" for node in nodes),
-        "PartitionName=train Nodes=rest-train-0,rest-train-1 Default=YES MaxTime=INFINITE State=UP",
-        "PartitionName=debug Nodes=rest-debug-0 MaxTime=INFINITE State=UP",
+        "PartitionName=rest-train Nodes=rest-train-0,rest-train-1 Default=YES MaxTime=INFINITE State=UP",
+        "PartitionName=rest-debug Nodes=rest-debug-0 MaxTime=INFINITE State=UP",
     ]
     slurm = SlurmLab(slurm_root, conf="\n".join(conf) + "\n", nodes=nodes)
     restd = None
@@ -122,10 +123,10 @@ def test_the_server_says_its_version_and_release(cluster: RestCluster) -> None:
 
 def test_a_job_submitted_for_a_user_runs_as_that_user(cluster: RestCluster) -> None:
     client = cluster.client()
-    job = client.submit("#!/bin/sh\nid -un\n", user="nobody", partition="debug", name="as-nobody")
+    job = client.submit("#!/bin/sh\nid -un\n", user="nobody", partition="rest-debug", name="as-nobody")
     assert client.wait_job(job, user="nobody", timeout=60, interval=0.2) == "COMPLETED"
     shown = cluster.slurm.scontrol("show", "-o", "job", str(job))
-    assert "UserId=nobody(" in shown and "Partition=debug" in shown
+    assert "UserId=nobody(" in shown and "Partition=rest-debug" in shown
 
 
 def test_a_token_signed_with_another_key_is_refused_with_the_cause(cluster: RestCluster) -> None:
@@ -151,7 +152,7 @@ def test_a_server_that_is_not_there_is_said_to_be_unreachable() -> None:
 
 def test_jobs_are_listed_and_cancelled(cluster: RestCluster) -> None:
     client = cluster.client()
-    job = client.submit("#!/bin/sh\nsleep 300\n", user="root", partition="train", name="long")
+    job = client.submit("#!/bin/sh\nsleep 300\n", user="root", partition="rest-train", name="long")
     assert client.jobs()[job] in {"PENDING", "RUNNING", "CONFIGURING"}
     client.cancel(job)
     assert client.wait_job(job, user="root", timeout=60, interval=0.2) == "CANCELLED"
@@ -184,7 +185,7 @@ def test_smoke_jobs_run_on_every_partition_as_the_first_user(cluster: RestCluste
 def test_a_deletion_counts_and_cancels_the_jobs_through_slurmrestd(cluster: RestCluster) -> None:
     backend = cluster.backend()
     client = cluster.client()
-    job = client.submit("#!/bin/sh\nsleep 300\n", user="root", partition="train", name="long")
+    job = client.submit("#!/bin/sh\nsleep 300\n", user="root", partition="rest-train", name="long")
     wait_for(lambda: client.job_state(job) == "RUNNING", timeout=60, what="the job to run")
     assert backend.running_jobs(spec()) == 1
     assert backend.cancel_jobs(spec()) == 1

@@ -1,0 +1,354 @@
+"""The Slinky clusters the operator stand-in (lab/operator.py) brings up beside the lab's own:
+each ``Controller`` in the emulated API becomes a ``DynamicSlurmLab`` of its own (Slurm 26.05)
+under ``$GPUFLEET_HOME/clusters/<name>``, as slurm-operator makes a cluster from its objects:
+
+- slurm.conf: the lab's site lines, the Controller's ``extraConf`` (a key it sets replaces the
+  lab's), and per NodeSet referencing the Controller ``NodeSet=<nodeset> Feature=<nodeset>`` and
+  its partition, named after it, with the NodeSet's ``partition.config``. A NodeSet's own
+  ``extraConf`` (``Gres=gpu:N``) is left out, said in a comment: the lab's nodes have no GPUs;
+- the JWT key from the Secret the Controller's ``jwtKeyRef`` names (slurmctld and slurmrestd
+  accept tokens signed with it);
+- the users of the cluster's user database Secret (``<name>-users``: ``passwd`` and ``group``, as
+  sssd gives them to Slinky's pods) after the Slurm root's own, in ``etc/`` beside slurm.conf,
+  which lab/inroot.py binds over the root's ``/etc/passwd`` and ``/etc/group`` for this cluster's
+  daemons, jobs and commands only;
+- a ``RestApi`` referencing the Controller: slurmrestd (lab/slurmrest.py), and the Service
+  ``<restapi>-restapi`` the operator makes, its ``clusterIP`` 127.0.0.1 and its port slurmrestd's;
+- an ``Accounting``: not run in the lab yet (``SlinkyCluster.start_accounting`` is where it goes).
+
+The NodeSet pods themselves (a ``slurmd -Z`` each) are the operator's NodeSet controller's work,
+as for the lab's own cluster. Everything a cluster runs is recorded in its folder (``pids.json``,
+``restapi.json``, ``controller.json``), so a restarted operator finds it again and ``lab down``
+stops it (lab/cluster.py ``stop_all``).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lab.dynamic import RELEASE, DynamicSlurmLab
+from lab.procs import alive, stop
+from lab.slurmrest import jwt_lines, start_slurmrestd
+
+API_VERSION = "slinky.slurm.net/v1beta1"
+CLUSTER_LABEL = "slinky.slurm.net/cluster"
+JWT_KEY_FILE = "jwt.key"
+# The lab's Services answer on this machine.
+SERVICE_IP = "127.0.0.1"
+# A UNIX socket's path holds at most 107 bytes; slurmd makes one per job step in its spool.
+MAX_SOCKET_PATH = 107
+
+
+def nodesets_of(conf: Path) -> list[str]:
+    """The NodeSets a dynamic cluster's slurm.conf declares (``NodeSet=<name> Feature=...``)."""
+    return re.findall(r"^NodeSet=(\S+)", conf.read_text(), flags=re.MULTILINE)
+
+
+def key_of(namespace: str, name: str) -> str:
+    """How the operator names one cluster: its Controller's namespace and name."""
+    return f"{namespace}/{name}"
+
+
+def controller_of(obj: dict[str, Any]) -> str:
+    """The cluster an object of slurm-operator belongs to (its ``controllerRef``), as ``key_of``."""
+    ref = ((obj.get("spec") or {}).get("controllerRef") or {}).get("name", "")
+    return key_of(obj["metadata"]["namespace"], ref)
+
+
+@dataclass
+class ClusterObjects:
+    """What the API holds for one Controller."""
+
+    controller: dict[str, Any]
+    nodesets: list[dict[str, Any]] = field(default_factory=list)
+    restapis: list[dict[str, Any]] = field(default_factory=list)
+    accountings: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def namespace(self) -> str:
+        return str(self.controller["metadata"]["namespace"])
+
+    @property
+    def name(self) -> str:
+        return str(self.controller["metadata"]["name"])
+
+    @property
+    def nodeset_names(self) -> list[str]:
+        return sorted(n["metadata"]["name"] for n in self.nodesets)
+
+
+def group_objects(
+    controllers: list[dict[str, Any]],
+    nodesets: list[dict[str, Any]],
+    restapis: list[dict[str, Any]],
+    accountings: list[dict[str, Any]],
+) -> dict[str, ClusterObjects]:
+    """Each Controller with the NodeSets and RestApis that reference it, and the Accounting it
+    references (``accountingRef``)."""
+    groups = {key_of(c["metadata"]["namespace"], c["metadata"]["name"]): ClusterObjects(c) for c in controllers}
+    for nodeset in nodesets:
+        if (group := groups.get(controller_of(nodeset))) is not None:
+            group.nodesets.append(nodeset)
+    for restapi in restapis:
+        if (group := groups.get(controller_of(restapi))) is not None:
+            group.restapis.append(restapi)
+    for group in groups.values():
+        ref = ((group.controller.get("spec") or {}).get("accountingRef") or {}).get("name")
+        group.accountings = [
+            a
+            for a in accountings
+            if ref and a["metadata"]["namespace"] == group.namespace and a["metadata"]["name"] == ref
+        ]
+    return groups
+
+
+def extra_conf(controller: dict[str, Any]) -> list[str]:
+    """The Controller's ``extraConf`` as slurm.conf lines (blank lines and comments dropped)."""
+    text = str((controller.get("spec") or {}).get("extraConf") or "")
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def partition_configs(nodesets: list[dict[str, Any]]) -> dict[str, str]:
+    """Each NodeSet's ``partition.config`` (its partition line's options)."""
+    return {
+        n["metadata"]["name"]: str(((n.get("spec") or {}).get("partition") or {}).get("config") or "") for n in nodesets
+    }
+
+
+def left_out(nodesets: list[dict[str, Any]]) -> list[str]:
+    """slurm.conf comments for what of the NodeSets the lab does not run (their ``extraConf``)."""
+    return [
+        f"# NodeSet {n['metadata']['name']}: extraConf {' '.join(str(extra).split())!r} left out "
+        "(the lab's nodes have no GPUs)"
+        for n in nodesets
+        if (extra := (n.get("spec") or {}).get("extraConf"))
+    ]
+
+
+def step_socket(folder: Path, nodeset: str) -> str:
+    """The path of a job step's socket in the spool of a pod of ``nodeset``, for the cluster's
+    first jobs (ordinals below 10, job IDs below 100, the batch step): later ones are longer."""
+    pod = f"{nodeset}-9"
+    return f"{folder}/spool/{pod}/{pod}_99.4294967291"
+
+
+def too_deep(folder: Path, nodesets: list[str]) -> str:
+    """Why the cluster's slurmd could not run jobs from ``folder`` ('' when they can)."""
+    longest = max((step_socket(folder, n) for n in nodesets), key=len, default="")
+    if len(longest) <= MAX_SOCKET_PATH:
+        return ""
+    return (
+        f"{folder} is too deep: a job step's socket there ({len(longest)} bytes) would not fit in "
+        f"{MAX_SOCKET_PATH} bytes; use a shorter GPUFLEET_HOME"
+    )
+
+
+def merged_users(system: str, users: str) -> str:
+    """``system`` (the Slurm root's /etc/passwd or /etc/group) and then each line of ``users``
+    whose name and ID the system's lines do not have already."""
+    lines = [line for line in system.splitlines() if line.strip()]
+    names = {line.split(":")[0] for line in lines}
+    ids = {line.split(":")[2] for line in lines if line.count(":") >= 2}
+    for line in users.splitlines():
+        fields = line.split(":")
+        if len(fields) < 3 or fields[0] in names or fields[2] in ids:
+            continue
+        lines.append(line)
+        names.add(fields[0])
+        ids.add(fields[2])
+    return "\n".join(lines) + "\n"
+
+
+def secret_value(secret: dict[str, Any], key: str) -> bytes | None:
+    """A Secret's value for ``key`` (``data``, base64, or ``stringData``); None when absent."""
+    if key in (secret.get("data") or {}):
+        return base64.b64decode(secret["data"][key])
+    if key in (secret.get("stringData") or {}):
+        return str(secret["stringData"][key]).encode()
+    return None
+
+
+def jwt_ref(controller: dict[str, Any]) -> tuple[str, str]:
+    """The Secret and key of the Controller's JWT key (``jwtKeyRef``, or 1.0's ``jwtHs256KeyRef``)."""
+    spec = controller.get("spec") or {}
+    ref = spec.get("jwtKeyRef") or spec.get("jwtHs256KeyRef") or {}
+    name = controller["metadata"]["name"]
+    return str(ref.get("name") or f"{name}-jwt-key"), str(ref.get("key") or "jwt_hs256.key")
+
+
+def users_secret(controller: dict[str, Any]) -> str:
+    """The user database Secret gpufleet makes for the cluster (models/slinky.py)."""
+    return f"{controller['metadata']['name']}-users"
+
+
+def service_name(restapi: dict[str, Any]) -> str:
+    """The operator's Service for a RestApi."""
+    return f"{restapi['metadata']['name']}-restapi"
+
+
+def restapi_service(restapi: dict[str, Any], port: int) -> dict[str, Any]:
+    """The Service ``<restapi>-restapi`` the operator makes for slurmrestd; in the lab its
+    clusterIP is this machine's and its port the one slurmrestd listens on."""
+    meta = restapi["metadata"]
+    controller = ((restapi.get("spec") or {}).get("controllerRef") or {}).get("name", "")
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": service_name(restapi),
+            "namespace": meta["namespace"],
+            "labels": {"app.kubernetes.io/name": "slurmrestd", CLUSTER_LABEL: controller},
+            "ownerReferences": [
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": "RestApi",
+                    "name": meta["name"],
+                    "uid": meta.get("uid", ""),
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "clusterIP": SERVICE_IP,
+            "ports": [{"name": "restapi", "port": port, "targetPort": port, "protocol": "TCP"}],
+            "selector": {"app.kubernetes.io/name": "slurmrestd", "app.kubernetes.io/instance": meta["name"]},
+        },
+    }
+
+
+class SlinkyCluster:
+    """One Slinky cluster's Slurm on this machine: slurmctld (a ``DynamicSlurmLab``), its
+    slurmrestd, and (later) its slurmdbd, all recorded under ``folder``."""
+
+    def __init__(self, folder: Path, *, binds: list[Path] | None = None) -> None:
+        self.folder = folder.resolve()
+        self.binds = list(binds or [])
+
+    @property
+    def conf(self) -> Path:
+        return self.folder / "slurm.conf"
+
+    @property
+    def users_folder(self) -> Path:
+        """``passwd`` and ``group`` beside slurm.conf, which lab/inroot.py binds over the root's."""
+        return self.folder / "etc"
+
+    def slurm(self) -> DynamicSlurmLab:
+        """The cluster's Slurm as it was started (its NodeSets read from its slurm.conf)."""
+        nodesets = nodesets_of(self.conf) if self.conf.exists() else []
+        return DynamicSlurmLab(self.folder, nodesets or ["none"], release=RELEASE, binds=self.binds)
+
+    def controller(self) -> str:
+        """Whose folder this is (``key_of``), '' when no Controller's."""
+        try:
+            data = json.loads((self.folder / "controller.json").read_text())
+        except (OSError, ValueError):
+            return ""
+        return str(data.get("controller", ""))
+
+    def running(self) -> bool:
+        """Whether its slurmctld runs."""
+        return self.conf.exists() and alive(self.slurm().pids().get("slurmctld", 0))
+
+    def nodesets(self) -> list[str]:
+        return self.slurm().nodesets if self.running() else []
+
+    def start(
+        self, objects: ClusterObjects, jwt_key: bytes, users: dict[str, str], *, timeout: float = 60.0
+    ) -> DynamicSlurmLab:
+        """slurmctld for the Controller and its NodeSets, with its JWT key and users."""
+        if problem := too_deep(self.folder, objects.nodeset_names):
+            raise ValueError(problem)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.chmod(0o755)  # its users' jobs reach their scripts in its spool
+        (self.folder / "controller.json").write_text(
+            json.dumps({"controller": key_of(objects.namespace, objects.name)})
+        )
+        key = self.folder / JWT_KEY_FILE
+        key.write_bytes(jwt_key)
+        key.chmod(0o600)
+        slurm = DynamicSlurmLab(
+            self.folder,
+            objects.nodeset_names,
+            release=RELEASE,
+            binds=self.binds,
+            extra_lines=[*jwt_lines(key), *extra_conf(objects.controller), *left_out(objects.nodesets)],
+            partitions=partition_configs(objects.nodesets),
+            cluster_name=str((objects.controller.get("spec") or {}).get("clusterName") or objects.name),
+        )
+        root = slurm.install.root or Path("/")
+        self.users_folder.mkdir(mode=0o755, exist_ok=True)
+        for name in ("passwd", "group"):
+            system = (root / "etc" / name).read_text()
+            target = self.users_folder / name
+            target.write_text(merged_users(system, users.get(name, "")))
+            target.chmod(0o644)
+        slurm.start(timeout=timeout)
+        return slurm
+
+    # -- slurmrestd -------------------------------------------------------------------------------
+
+    def _restapi(self) -> dict[str, Any]:
+        try:
+            data: dict[str, Any] = json.loads((self.folder / "restapi.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        return data
+
+    def restapi_port(self) -> int:
+        """The port its slurmrestd listens on (0: none runs)."""
+        found = self._restapi()
+        return int(found.get("port", 0)) if found and alive(int(found.get("pid", 0))) else 0
+
+    def start_restapi(self) -> int:
+        """slurmrestd for the cluster (its users known to it); returns its port."""
+        slurm = self.slurm()
+        restd = start_slurmrestd(slurm, users=self.users_folder)
+        slurm._record("slurmrestd", restd.pid)
+        port = int(restd.url.rsplit(":", 1)[1])
+        (self.folder / "restapi.json").write_text(
+            json.dumps({"pid": restd.pid, "port": port, "folder": str(restd.folder)})
+        )
+        return port
+
+    def stop_restapi(self) -> None:
+        found = self._restapi()
+        if found:
+            stop([int(found.get("pid", 0))])
+            if found.get("folder"):
+                shutil.rmtree(found["folder"], ignore_errors=True)
+            (self.folder / "restapi.json").unlink(missing_ok=True)
+
+    # -- accounting -------------------------------------------------------------------------------
+
+    def start_accounting(self, accounting: dict[str, Any]) -> str:
+        """What the cluster's ``Accounting`` runs: slurmdbd and its database, in one call once the
+        lab runs them for Slinky clusters; until then, says so."""
+        return f"Accounting {accounting['metadata']['name']}: slurmdbd is not run for Slinky clusters in the lab yet"
+
+    # -- down -------------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop everything the cluster runs and remove its folder."""
+        self.stop_restapi()
+        if self.conf.exists() or (self.folder / "pids.json").exists():
+            self.slurm().stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def clusters_under(home: Path, *, binds: list[Path] | None = None) -> dict[str, SlinkyCluster]:
+    """The Slinky clusters recorded under ``home`` (a folder of cluster folders), by ``key_of``."""
+    found = {}
+    for folder in sorted(home.glob("*")):
+        cluster = SlinkyCluster(folder, binds=binds)
+        if cluster.controller():
+            found[cluster.controller()] = cluster
+    return found

@@ -1,0 +1,141 @@
+"""What the operator stand-in makes of a Slinky cluster's objects (lab/slinkyclusters.py), the
+slurm.conf lines of a dynamic cluster (lab/dynamic.py), where lab/inroot.py finds a cluster's
+users, and GPUFLEET_SLINKY_RESTAPI_URL: each on its own, without Slurm."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from lab.dynamic import overridden, partition_line
+from lab.inroot import _cluster_etc
+from lab.slinkyclusters import (
+    extra_conf,
+    group_objects,
+    jwt_ref,
+    left_out,
+    merged_users,
+    partition_configs,
+    restapi_service,
+    secret_value,
+    too_deep,
+)
+from models.cluster import load_spec
+from models.settings import Settings
+from models.slinky import slinky_objects
+from tests.models.test_cluster_spec import EXAMPLE
+
+
+def example_objects() -> list[dict[str, Any]]:
+    spec = load_spec(yaml.safe_load(EXAMPLE.read_text()))
+    return slinky_objects(spec, {"train": ["free1", "free2"], "debug": ["free3"]})
+
+
+def of(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def test_each_controller_is_grouped_with_its_nodesets_and_restapi() -> None:
+    objects = example_objects()
+    other = {"apiVersion": "x", "kind": "NodeSet", "metadata": {"name": "stray", "namespace": "slurm-research"}}
+    other["spec"] = {"controllerRef": {"name": "elsewhere"}}
+    groups = group_objects(of(objects, "Controller"), [*of(objects, "NodeSet"), other], of(objects, "RestApi"), [])
+    assert list(groups) == ["slurm-research/research"]
+    group = groups["slurm-research/research"]
+    assert group.nodeset_names == ["research-debug", "research-train"]  # not the stray one
+    assert [r["metadata"]["name"] for r in group.restapis] == ["research"] and group.accountings == []
+
+
+def test_the_slurm_conf_of_a_cluster_comes_from_its_controller_and_nodesets() -> None:
+    objects = example_objects()
+    controller, nodesets = of(objects, "Controller")[0], of(objects, "NodeSet")
+    assert extra_conf(controller) == [
+        "JobRequeue=1",
+        "KillWait=120",
+        "GresTypes=gpu",
+        "SchedulerParameters=bf_continue",
+    ]
+    configs = partition_configs(nodesets)
+    assert configs == {
+        "research-train": "Default=YES MaxTime=2-00:00:00",
+        "research-debug": "Default=NO MaxTime=1:00:00 OverSubscribe=NO PriorityTier=2",
+    }
+    assert partition_line("research-debug", configs["research-debug"], default=False) == (
+        "PartitionName=research-debug Nodes=research-debug Default=NO MaxTime=1:00:00 OverSubscribe=NO "
+        "PriorityTier=2 State=UP"
+    )
+    # Without a config: the lab's options, the first NodeSet the default.
+    assert partition_line("lab-train", "", default=True) == (
+        "PartitionName=lab-train Nodes=lab-train Default=YES MaxTime=UNLIMITED State=UP"
+    )
+    # The GPUs a NodeSet asks for are said, not configured: the lab has none.
+    assert left_out(nodesets) == [
+        f"# NodeSet {name}: extraConf 'Gres=gpu:8' left out (the lab's nodes have no GPUs)"
+        for name in ("research-train", "research-debug")
+    ]
+
+
+def test_a_key_of_the_controllers_extra_conf_replaces_the_labs() -> None:
+    base = ["ClusterName=x", "KillWait=5", "SchedulerParameters=sched_interval=1", "SlurmUser=root"]
+    extra = ["killwait=120", "SchedulerParameters=bf_continue", "NodeSet=a Feature=a"]
+    assert overridden(base, extra) == ["ClusterName=x", "SlurmUser=root"]
+
+
+def test_the_clusters_users_come_after_the_roots_own_and_never_replace_them() -> None:
+    system = "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+    users = (
+        "alice:x:20001:20001:alice:/home/alice:/bin/bash\n"
+        "root:x:20002:20002:root:/home/root:/bin/bash\n"  # a name the root has
+        "eve:x:0:0:eve:/:/bin/sh\n"  # an ID the root has
+    )
+    merged = merged_users(system, users).splitlines()
+    assert merged == [*system.splitlines(), "alice:x:20001:20001:alice:/home/alice:/bin/bash"]
+
+
+def test_a_cluster_folder_too_deep_for_slurmds_step_sockets_is_refused_by_name() -> None:
+    assert too_deep(Path("/tmp/gf-slk-abcdefgh/clusters/research"), ["research-train", "research-debug"]) == ""
+    deep = Path("/tmp/gpufleet-slinky-clusters-hvp2mdre/clusters/research")
+    said = too_deep(deep, ["research-train"])
+    assert said.startswith(f"{deep} is too deep") and "use a shorter GPUFLEET_HOME" in said
+
+
+def test_the_jwt_key_is_read_where_the_controller_says() -> None:
+    controller = of(example_objects(), "Controller")[0]
+    assert jwt_ref(controller) == ("research-jwt-key", "jwt_hs256.key")
+    key = b"k" * 40
+    assert secret_value({"data": {"jwt_hs256.key": base64.b64encode(key).decode()}}, "jwt_hs256.key") == key
+    assert secret_value({"stringData": {"passwd": "alice:x"}}, "passwd") == b"alice:x"
+    assert secret_value({"data": {}}, "jwt_hs256.key") is None
+
+
+def test_the_restapi_service_is_the_operators_with_the_labs_address() -> None:
+    restapi = of(example_objects(), "RestApi")[0]
+    service = restapi_service(restapi, 41234)
+    assert service["metadata"]["name"] == "research-restapi" and service["metadata"]["namespace"] == "slurm-research"
+    assert service["spec"]["clusterIP"] == "127.0.0.1" and service["spec"]["ports"][0]["port"] == 41234
+    assert service["metadata"]["ownerReferences"][0]["kind"] == "RestApi"
+
+
+def test_inroot_binds_a_clusters_users_only_where_its_folder_has_them(tmp_path: Path) -> None:
+    conf = tmp_path / "slurm.conf"
+    assert _cluster_etc(str(conf)) == []  # the lab's own cluster, a lab-backend one
+    (tmp_path / "etc").mkdir()
+    for name in ("passwd", "group"):
+        (tmp_path / "etc" / name).write_text("alice:x:20001:\n")
+    assert _cluster_etc(str(conf)) == [
+        (str(tmp_path / "etc" / "passwd"), "/etc/passwd"),
+        (str(tmp_path / "etc" / "group"), "/etc/group"),
+    ]
+    assert _cluster_etc("slurm.conf") == [] and _cluster_etc(None) == []
+
+
+def test_the_restapi_url_setting_takes_a_template_or_service() -> None:
+    assert Settings(slinky_restapi_url="service").slinky_restapi_url == "service"
+    assert Settings(slinky_restapi_url="http://{name}-restapi:6820").slinky_restapi_url.startswith("http://")
+    with pytest.raises(ValidationError, match="or service"):
+        Settings(slinky_restapi_url="services")
