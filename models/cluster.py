@@ -355,8 +355,8 @@ def _whole_spec_problems(
         group = "partitions" if what == "partition" else "users"
         for index, item in enumerate(items):
             value = item.get(key)
-            if value is None:
-                continue
+            if not isinstance(value, (str, int)):
+                continue  # none, or of a type its field's own problem names
             if value in seen:
                 problems.append((f"{group}[{index}].{key}", f"{what} {value!r} is already {group}[{seen[value]}]'s"))
             else:

@@ -98,6 +98,16 @@ def test_a_list_field_that_is_no_list_is_named_not_a_crash(field: str, value: An
     assert field in {where for where, _ in caught.value.problems}
 
 
+@pytest.mark.parametrize(("field", "key"), [("partitions", "name"), ("users", "name"), ("users", "uid")])
+def test_a_name_or_uid_of_the_wrong_type_is_named_not_a_crash(field: str, key: str) -> None:
+    raw = example()
+    raw[field][0][key] = ["not", "scalar"]
+    raw[field][1][key] = {"nor": "this"}
+    with pytest.raises(SpecError) as caught:
+        load_spec(raw, free_nodes=8)
+    assert {f"{field}[0].{key}", f"{field}[1].{key}"} <= {where for where, _ in caught.value.problems}
+
+
 def parse_conf(text: str) -> tuple[dict[str, str], list[dict[str, str]], list[dict[str, str]]]:
     """slurm.conf read back: the plain keys, the NodeName lines and the PartitionName lines."""
     plain: dict[str, str] = {}
