@@ -169,7 +169,6 @@ async def test_incidents_waiting_for_spares_hold_no_slot_and_a_new_node_is_drain
         requeued_ended = next(e for e in status.timeline if e.step == Step.REQUEUE_ENDED and e.event == "finished")
         first_guard = next(e.at for e in status.timeline if e.step == Step.GUARD)
         assert drained <= requeued_ended.at <= first_guard  # drained and requeued before any wait
-        assert (drained - status.timeline[0].at).total_seconds() < 1
         assert status.ended == [8] and 8 in status.requeued and status.requeued.index(8) == 0
         fleet.spare_free = True
         for handle in (*waiting_for_spares, third):
