@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from lab.kubeapi import TRAINING_TAINT, node_object, training_node
+from lab.kubeapi import node_object, training_node
 from models.cluster import ClusterSpec
 from models.slinky import API, CLUSTER_LABEL, PARTITION_LABEL, cluster_namespace, slinky_objects
 
@@ -64,10 +64,6 @@ def cluster_objects(cluster: str, partition: str, replicas: int, jwt_key: bytes)
             obj["data"] = {JWT_KEY: base64.b64encode(jwt_key).decode()}
         elif obj["kind"] not in _KINDS:
             continue
-        if obj["kind"] == "NodeSet":
-            template = obj["spec"]["template"]["spec"]
-            # The training nodes keep inference pods off with a taint; the NodeSet's pods belong there.
-            template["tolerations"] = [{**TRAINING_TAINT, "operator": "Equal"}]
         objects.append(obj)
     return objects
 

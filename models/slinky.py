@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from models.cluster import ClusterSpec, SecretRef, job_requeue, kill_wait
+from models.constants import POOL_LABEL
 from models.policy import PolicyError, RemediationSettings
 
 API = "slinky.slurm.net/v1beta1"
@@ -260,6 +261,9 @@ def slinky_objects(spec: ClusterSpec, placement: dict[str, list[str]]) -> list[d
         }
         pod: dict[str, Any] = {
             "nodeSelector": {CLUSTER_LABEL: name, PARTITION_LABEL: partition.name},
+            # A node the shared pool gave to training carries this taint (docs/pool.md): it keeps
+            # inference pods off, never training's own.
+            "tolerations": [TRAINING_TOLERATION],
         }
         if spec.storage is not None:
             pod["volumes"] = [{"name": "shared", "persistentVolumeClaim": {"claimName": f"{name}-shared"}}]
@@ -302,6 +306,10 @@ def slinky_objects(spec: ClusterSpec, placement: dict[str, list[str]]) -> list[d
     restapi = {"controllerRef": {"name": name}, "replicas": 1, "slurmrestd": _container(IMAGES["slurmrestd"])}
     objects.append({"apiVersion": API, "kind": "RestApi", "metadata": _meta(spec, name), "spec": restapi})
     return objects
+
+
+# Training's own pods tolerate the taint the shared pool puts on its training nodes.
+TRAINING_TOLERATION = {"key": POOL_LABEL, "operator": "Equal", "value": "training", "effect": "NoSchedule"}
 
 
 def nodeset_name(cluster: str, partition: str) -> str:

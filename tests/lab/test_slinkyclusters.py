@@ -14,6 +14,8 @@ from pydantic import ValidationError
 
 from lab.dynamic import overridden, partition_line
 from lab.inroot import _cluster_etc
+from lab.kubeapi import training_node
+from lab.operator import schedulable
 from lab.slinkyclusters import (
     extra_conf,
     group_objects,
@@ -139,3 +141,16 @@ def test_the_restapi_url_setting_takes_a_template_or_service() -> None:
     assert Settings(slinky_restapi_url="http://{name}-restapi:6820").slinky_restapi_url.startswith("http://")
     with pytest.raises(ValidationError, match="or service"):
         Settings(slinky_restapi_url="services")
+
+
+def test_a_created_clusters_pods_may_go_to_a_node_the_pool_gave_to_training() -> None:
+    """The shared pool taints its training nodes (gpufleet.io/pool=training:NoSchedule) to keep
+    inference pods off: a created cluster's NodeSet pods must still be placed there."""
+    node = training_node("free1")
+    node["metadata"]["labels"].update({"gpufleet.io/cluster": "research", "gpufleet.io/partition": "train"})
+    for nodeset in of(example_objects(), "NodeSet"):
+        pod_spec = nodeset["spec"]["template"]["spec"]
+        wanted = pod_spec["nodeSelector"]["gpufleet.io/partition"]
+        assert schedulable(node, pod_spec) == (wanted == "train"), nodeset["metadata"]["name"]
+    inference_pod = {"nodeSelector": {}}
+    assert not schedulable(node, inference_pod)  # the taint still keeps others off
