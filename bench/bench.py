@@ -522,7 +522,7 @@ async def detector_latency(samples: int, *, home: Path, say: Any) -> dict[str, A
     }
 
 
-# The parts' sizes on the default flavor, where an option is not given.
+# The parts' sizes where an option is not given (the slinky flavor's skipped parts apart).
 _DEFAULTS: dict[str, float] = {
     "parse_lines": 1_000_000,
     "idle_seconds": 10,
@@ -568,6 +568,9 @@ def main() -> None:
         else:
             setattr(args, name, 0)
             skipped[part] = why
+    for name, size in _DEFAULTS.items():  # the parts every flavor runs
+        if getattr(args, name) is None:
+            setattr(args, name, size)
     started = provenance()  # the code this run loaded, the machine it runs on
 
     def say(message: str) -> None:
