@@ -285,6 +285,7 @@ def cluster_bench(rounds: int, *, home: Path, say: Any, flavor: str = "default")
     lab.up(say=say)
     creates: list[float | None] = []
     deletes: list[float | None] = []
+    torn_down: list[float | None] = []
     name = str(yaml.safe_load(SPEC.read_text())["name"])
     try:
         for index in range(rounds):
@@ -297,6 +298,8 @@ def cluster_bench(rounds: int, *, home: Path, say: Any, flavor: str = "default")
             if deleted.get("outcome") != "deleted":
                 raise RuntimeError(f"gpufleet cluster delete ended {deleted.get('outcome')}: {deleted}")
             deletes.append(deleted["seconds"])
+            if backend == "slinky":
+                torn_down.append(_torn_down_after(lab.home / "clusters" / name, say=say))
     finally:
         lab.down(say=say)
     result: dict[str, Any] = {
@@ -309,12 +312,29 @@ def cluster_bench(rounds: int, *, home: Path, say: Any, flavor: str = "default")
         "delete_s": deletes,
     }
     if backend == "slinky":
+        result["torn_down_after_delete_s"] = torn_down
+        result["median_torn_down_after_delete_s"] = _median(torn_down)
         result["note"] = (
             "backend slinky: the cluster's Slinky objects applied to the emulated API, the operator stand-in "
             "bringing up Slurm 26.05 from them (slurmctld, slurmrestd, a slurmd -Z per NodeSet pod); the smoke "
-            "jobs through its slurmrestd"
+            "jobs through its slurmrestd. The deletion ends once its objects are deleted and its nodes free; the "
+            "operator stand-in stops the cluster's daemons after that, as slurm-operator does "
+            "(torn_down_after_delete_s: from the deletion's end to its folder gone, daemons stopped; null: not "
+            "within 120 s)"
         )
     return result
+
+
+def _torn_down_after(folder: Path, *, say: Any) -> float | None:
+    """Seconds from now until the operator stand-in has stopped a deleted Slinky cluster's daemons
+    and removed ``folder`` (it does both, in that order); None when it has not within 120 s."""
+    began = time.monotonic()
+    try:
+        wait_for(lambda: not folder.exists(), timeout=120, what=f"{folder} to be torn down")
+    except TimeoutError:
+        say(f"{folder} is still there 120 s after the deletion ended")
+        return None
+    return round(time.monotonic() - began, 3)
 
 
 def slurm_nodes_on(node: str, pods: list[PodRef] | None) -> list[str]:

@@ -244,6 +244,14 @@ def _clusters(result: Result) -> list[str]:
             each(clusters.get("delete_s", [])),
         ],
     ]
+    if "torn_down_after_delete_s" in clusters:
+        rows.append(
+            [
+                "its daemons stopped, after the deletion ended",
+                seconds(clusters.get("median_torn_down_after_delete_s")),
+                each(clusters["torn_down_after_delete_s"]),
+            ]
+        )
     return [*lines, "", *table(["figure", "median", "rounds"], rows), ""]
 
 

@@ -127,6 +127,8 @@ SLINKY = {
         "cluster_delete_seconds": 1.1,
         "create_s": [9.7],
         "delete_s": [1.1],
+        "torn_down_after_delete_s": [0.4],
+        "median_torn_down_after_delete_s": 0.4,
         "note": "backend slinky: the operator stand-in bringing up Slurm 26.05 from the cluster's objects",
     },
     "cluster_create_seconds": 9.7,
@@ -358,6 +360,7 @@ def test_the_slinky_flavor_sits_beside_the_default_one_each_with_its_commit(tmp_
     assert "created and deleted once on the lab's free pool, through the CLI, with `--backend slinky`:" in parts
     assert "Backend slinky: the operator stand-in bringing up Slurm 26.05 from the cluster's objects." in parts
     assert row("`cluster_delete_seconds`", parts) == "| `cluster_delete_seconds` | 1.10 s | 1.10 s |"
+    assert row("its daemons stopped", parts) == "| its daemons stopped, after the deletion ended | 0.40 s | 0.40 s |"
     assert "On the slinky flavor a move scales the NodeSet in" in parts
     assert row("`pool_move_to_inference_seconds`", parts) == "| `pool_move_to_inference_seconds` | 4.30 s | 4.30 s |"
     assert row("`training_steps_lost_per_move`", parts) == "| `training_steps_lost_per_move` | 0 | 0 |"
