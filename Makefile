@@ -58,7 +58,8 @@ test-stress: venv system-deps
 	scripts/test-stress.sh
 
 # The detector's figures, K recovery drills (3), cluster creation and pool moves, as JSON ($(RESULTS)/bench.json).
-# FLAVOR=slinky: the K drills on the lab's slinky flavor alone ($(RESULTS)/bench-slinky.json; the rest skipped, saying why).
+# FLAVOR=slinky: the drills, a cluster created --backend slinky and pool moves on the lab's slinky flavor
+# ($(RESULTS)/bench-slinky.json; the detector's figures skipped, saying why).
 FLAVOR ?= default
 bench: venv system-deps
 	$(BIN)/python -m bench.bench --flavor $(FLAVOR) --drills $(or $(K),3) \

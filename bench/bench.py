@@ -14,10 +14,16 @@ workflow history: the control-plane overhead (activities and workflow tasks wait
 picked up, and workflow tasks being decided) apart from the time spent in Slurm, Kubernetes
 and the job itself (activities running, timers between checks).
 
-``--flavor slinky`` (``make bench FLAVOR=slinky``) runs the drills on the lab's slinky flavor
-(NodeSet pods as dynamic Slurm 26.05 nodes, the worker on slurmrestd) and nothing else: the parts
-that do not depend on the flavor, or that it does not serve, are skipped and the JSON says why
-(``skipped``: ``SLINKY_SKIPS``).
+``--flavor slinky`` (``make bench FLAVOR=slinky``) runs the drills, the cluster creation and the
+pool moves on the lab's slinky flavor (NodeSet pods as dynamic Slurm 26.05 nodes, the worker on
+slurmrestd): the cluster is created with ``--backend slinky`` (the operator stand-in brings it
+up), and a pool move scales the NodeSet in and out. The JSON's ``clusters`` and ``pool`` say so
+(``backend``, ``flavor``). The parts that do not depend on the flavor are skipped and the JSON
+says why (``skipped``: ``SLINKY_SKIPS``).
+
+Every lab's home is a folder of its own under /tmp, short and readable by all: a Slinky
+cluster's users run their jobs from its spool, and a job step's socket there must fit in 108
+bytes (docs/lab.md); the bench refuses to start where it would not (``cluster_home_problem``).
 
 The JSON begins with its ``provenance`` (the commit, the date, the machine: lab/provenance.py),
 then the ``flavor``; ``make bench`` keeps it in docs/results/bench.json (``FLAVOR=slinky``:
@@ -31,6 +37,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,18 +47,21 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import yaml
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client
 from temporalio.service import RPCError
 
 from bench.parse_bench import detector_idle_cpu, parse_throughput, source_throughput
-from clients.kube import KubernetesApi
+from clients.kube import KubernetesApi, PodRef
 from lab.drill import default_job, log_path, reset_breaker, run_drill, training_job
 from lab.fleet import LAB_POLL_SECONDS, REPO_ROOT, FleetLab, LabConfig
 from lab.procs import free_port, port_in_use, spawn, stop, wait_for
 from lab.provenance import provenance, write_result
+from lab.slinkyclusters import too_deep
 from lab.slinkylab import FLAVORS, SLINKY_RELEASE
+from models.slinky import nodeset_name
 from starters.server import dev_server_argv
 from starters.temporal import connect
 
@@ -71,16 +81,6 @@ SLINKY_SKIPS = {
         "--detector-samples",
         "a kernel-log line to its incident goes through a detector and Temporal alone, no lab: the same on "
         "either flavor (make bench's)",
-    ),
-    "clusters": (
-        "--clusters",
-        "gpufleet cluster create on the lab's free pool runs the lab backend's static Slurm daemons; a Slinky "
-        "cluster (--backend slinky) needs a real slurm-operator, which the lab's stand-in is not",
-    ),
-    "pool": (
-        "--pool-moves",
-        "shared-pool moves add nodes to a partition and take them out of it, and no partition is edited on "
-        "Slinky (slurm-operator makes each NodeSet's partition)",
     ),
 }
 
@@ -227,55 +227,143 @@ async def bench(drills: int, *, home: Path, job_kind: str | None, say: Any, flav
     }
 
 
-def cluster_bench(rounds: int, *, home: Path, say: Any) -> dict[str, Any]:
+SPEC = REPO_ROOT / "examples" / "cluster.yaml"
+# The cluster part's lab home, inside the bench's folder: a short name (see cluster_home_problem).
+CLUSTERS_HOME = "c"
+
+
+def bench_folder() -> Path:
+    """The bench's own folder: under /tmp whatever $TMPDIR says, short, and readable by every
+    user (a Slinky cluster's users run their jobs from its spool under it)."""
+    folder = Path(tempfile.mkdtemp(prefix="gf-bench-", dir="/tmp"))
+    folder.chmod(0o755)
+    return folder
+
+
+def cluster_home_problem(home: Path, spec: dict[str, Any]) -> str:
+    """Why the Slinky cluster of ``spec`` could not run its jobs from the lab home ``home`` ('' when
+    it can): a job step's socket in its spool, ``<home>/clusters/<name>/spool/<pod>/...``, must fit
+    in 108 bytes (lab/slinkyclusters.py), and every folder down to the home must let its users in."""
+    name = str(spec["name"])
+    nodesets = [nodeset_name(name, str(p["name"])) for p in spec.get("partitions") or []]
+    if problem := too_deep(home / "clusters" / name, nodesets):
+        return problem
+    for folder in [home, *home.parents]:
+        if folder.exists() and not folder.stat().st_mode & 0o001:
+            return f"{folder} is not reachable by other users: the cluster's users run their jobs from under it"
+    return ""
+
+
+def _cluster_cli(lab: FleetLab, *args: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-m", "workers.entry", "cluster", *args, "--json"],
+        env=lab.env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"gpufleet cluster {' '.join(args)} failed: {done.stdout}{done.stderr}")
+    answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return answer
+
+
+def cluster_bench(rounds: int, *, home: Path, say: Any, flavor: str = "default") -> dict[str, Any]:
     """Create and delete the example cluster (examples/cluster.yaml) on the lab's free pool,
-    ``rounds`` times, through the CLI as a user would: spec to smoke test passed, and back."""
-    lab = FleetLab(home, LabConfig(training=["gpu1"], spares=["spare1"], temporal_port=0, ui_port=0))
+    ``rounds`` times, through the CLI as a user would: spec to smoke test passed, and back. On the
+    slinky flavor with ``--backend slinky`` (the operator stand-in brings the cluster up from its
+    objects); on the default flavor with the lab backend."""
+    backend = "slinky" if flavor == "slinky" else "lab"
+    config = LabConfig(training=["gpu1"], spares=["spare1"], temporal_port=0, ui_port=0, flavor=flavor)
+    if flavor == "slinky":
+        config.slurm = SLINKY_RELEASE
+        if problem := cluster_home_problem(home, yaml.safe_load(SPEC.read_text())):
+            raise RuntimeError(f"a Slinky cluster cannot run its jobs from the bench's lab home: {problem}")
+    lab = FleetLab(home, config)
     lab.up(say=say)
-    spec = REPO_ROOT / "examples" / "cluster.yaml"
     creates: list[float | None] = []
     deletes: list[float | None] = []
-
-    def cli(*args: str) -> dict[str, Any]:
-        done = subprocess.run(
-            [sys.executable, "-m", "workers.entry", "cluster", *args, "--json"],
-            env=lab.env(),
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"gpufleet cluster {' '.join(args)} failed: {done.stdout}{done.stderr}")
-        answer: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-        return answer
-
+    torn_down: list[float | None] = []
+    name = str(yaml.safe_load(SPEC.read_text())["name"])
     try:
         for index in range(rounds):
-            say(f"cluster create and delete, round {index + 1} of {rounds}")
-            creates.append(cli("create", str(spec))["seconds"])
-            deletes.append(cli("delete", "research")["seconds"])
+            say(f"cluster create and delete (backend {backend}), round {index + 1} of {rounds}")
+            created = _cluster_cli(lab, "create", str(SPEC), "--backend", backend)
+            if created.get("outcome") != "ready":
+                raise RuntimeError(f"gpufleet cluster create ended {created.get('outcome')}: {created}")
+            creates.append(created["seconds"])
+            deleted = _cluster_cli(lab, "delete", name)
+            if deleted.get("outcome") != "deleted":
+                raise RuntimeError(f"gpufleet cluster delete ended {deleted.get('outcome')}: {deleted}")
+            deletes.append(deleted["seconds"])
+            if backend == "slinky":
+                torn_down.append(_torn_down_after(lab.home / "clusters" / name, say=say))
     finally:
         lab.down(say=say)
-    return {
+    result: dict[str, Any] = {
         "spec": "examples/cluster.yaml",
+        "backend": backend,
         "rounds": rounds,
         "cluster_create_seconds": _median(creates),
         "cluster_delete_seconds": _median(deletes),
         "create_s": creates,
         "delete_s": deletes,
     }
+    if backend == "slinky":
+        result["torn_down_after_delete_s"] = torn_down
+        result["median_torn_down_after_delete_s"] = _median(torn_down)
+        result["note"] = (
+            "backend slinky: the cluster's Slinky objects applied to the emulated API, the operator stand-in "
+            "bringing up Slurm 26.05 from them (slurmctld, slurmrestd, a slurmd -Z per NodeSet pod); the smoke "
+            "jobs through its slurmrestd. The deletion ends once its objects are deleted and its nodes free; the "
+            "operator stand-in stops the cluster's daemons after that, as slurm-operator does "
+            "(torn_down_after_delete_s: from the deletion's end to its folder gone, daemons stopped; null: not "
+            "within 120 s)"
+        )
+    return result
 
 
-def pool_bench(rounds: int, *, home: Path, say: Any) -> dict[str, Any]:
+def _torn_down_after(folder: Path, *, say: Any) -> float | None:
+    """Seconds from now until the operator stand-in has stopped a deleted Slinky cluster's daemons
+    and removed ``folder`` (it does both, in that order); None when it has not within 120 s."""
+    began = time.monotonic()
+    try:
+        wait_for(lambda: not folder.exists(), timeout=120, what=f"{folder} to be torn down")
+    except TimeoutError:
+        say(f"{folder} is still there 120 s after the deletion ended")
+        return None
+    return round(time.monotonic() - began, 3)
+
+
+def slurm_nodes_on(node: str, pods: list[PodRef] | None) -> list[str]:
+    """The Slurm nodes a Kubernetes node carries: itself on the default flavor (``pods`` None: the
+    Slurm nodes are named after it), its NodeSet pods that are not going on Slinky."""
+    if pods is None:
+        return [node]
+    return sorted(p.name for p in pods if p.owner_kind == "NodeSet" and not p.terminating)
+
+
+def pool_bench(rounds: int, *, home: Path, say: Any, flavor: str = "default") -> dict[str, Any]:
     """Move a node from training to inference and back, ``rounds`` times, through the CLI as a
     person would (``pool rebalance``), with the checkpointing counter job running on it: each move
     from the decision to the node serving on the other side (inference: labelled and a vLLM pod
-    running on it; training: in the partition and resumed), and the training steps lost."""
+    running on it; training: a Slurm node of it in the partition, not drained, and resumed), and
+    the training steps lost. On the slinky flavor the move scales the NodeSet in and out, and the
+    node's Slurm node is its NodeSet pod."""
     config = LabConfig(
-        training=["gpu1", "gpu2"], spares=[], inference=["inf1"], free=[], temporal_port=0, ui_port=0, grace_seconds=5
+        training=["gpu1", "gpu2"],
+        spares=[],
+        inference=["inf1"],
+        free=[],
+        temporal_port=0,
+        ui_port=0,
+        grace_seconds=5,
+        flavor=flavor,
     )
+    if flavor == "slinky":
+        config.slurm = SLINKY_RELEASE
     lab = FleetLab(home, config)
     lab.up(say=say)
     to_inference: list[float | None] = []
@@ -298,13 +386,23 @@ def pool_bench(rounds: int, *, home: Path, say: Any) -> dict[str, Any]:
     try:
         kube = KubernetesApi(kubeconfig=lab.home / "kubeconfig")
         slurm = lab.slurm.client()
+        partition = lab.partition
+        hosts = [*config.training, *config.inference]
+
+        def carried(node: str) -> list[str]:
+            return slurm_nodes_on(node, kube.pods_on_node(node) if lab.slinky else None)
+
+        def training_hosts() -> set[str]:
+            in_partition = set(slurm.partition_nodes(partition))
+            return {node for node in hosts if in_partition & set(carried(node))}
+
         job = training_job(lab, slurm, job_kind="counter", say=say)  # on both training nodes
         log = log_path(job)
         # No query: demand comes from a person alone, so only the asked moves happen.
         cli("pool", "start", "--interval", "1", "--cooldown", "0", "--min-training", "1", "--drain-deadline", "1")
         for index in range(rounds):
             say(f"pool move to inference and back, round {index + 1} of {rounds}")
-            training_before = set(slurm.partition_nodes("train"))
+            training_before = training_hosts()
             began = time.monotonic()
             cli("pool", "rebalance", "--to-inference", "1")
 
@@ -321,13 +419,14 @@ def pool_bench(rounds: int, *, home: Path, say: Any) -> dict[str, Any]:
             to_inference.append(round(time.monotonic() - began, 3))
             say(f"{moved} serves inference")
             stopped = re.findall(r"SIGTERM: checkpoint saved at step (\d+)", log.read_text())
-            training_now = set(slurm.partition_nodes("train"))
+            training_now = training_hosts()
             began = time.monotonic()
             cli("pool", "rebalance", "--to-training", "1")
 
             def back_in_training(training_now: set[str] = training_now) -> str | None:
-                for name in set(slurm.partition_nodes("train")) - training_now:
-                    if not slurm.node(name).drained:
+                in_partition = set(slurm.partition_nodes(partition))
+                for name in set(hosts) - training_now:
+                    if any(s in in_partition and not slurm.node(s).drained for s in carried(name)):
                         return name
                 return None
 
@@ -344,7 +443,18 @@ def pool_bench(rounds: int, *, home: Path, say: Any) -> dict[str, Any]:
             lost.append(float(int(stopped[-1]) - int(resumed[-1])) if stopped and resumed else None)
     finally:
         lab.down(say=say)
+    note = (
+        "decision (pool rebalance) to the node serving the other side; steps lost: the step the job "
+        "reached when SIGTERMed minus the step it resumed from"
+    )
+    if lab.slinky:
+        note += (
+            "; flavor slinky: a move scales the NodeSet in (its pod on the node first) and out again, no "
+            "partition edited; serving training: a NodeSet pod on the node whose Slurm node is in the "
+            "partition, not drained"
+        )
     return {
+        "flavor": flavor,
         "rounds": rounds,
         "pool_move_to_inference_seconds": _median(to_inference),
         "pool_move_to_training_seconds": _median(to_training),
@@ -352,8 +462,7 @@ def pool_bench(rounds: int, *, home: Path, say: Any) -> dict[str, Any]:
         "to_inference_s": to_inference,
         "to_training_s": to_training,
         "steps_lost": lost,
-        "note": "decision (pool rebalance) to the node serving the other side; steps lost: the step the job "
-        "reached when SIGTERMed minus the step it resumed from",
+        "note": note,
     }
 
 
@@ -433,7 +542,7 @@ async def detector_latency(samples: int, *, home: Path, say: Any) -> dict[str, A
     }
 
 
-# The parts' sizes on the default flavor, where an option is not given.
+# The parts' sizes where an option is not given (the slinky flavor's skipped parts apart).
 _DEFAULTS: dict[str, float] = {
     "parse_lines": 1_000_000,
     "idle_seconds": 10,
@@ -450,7 +559,7 @@ def main() -> None:
         "--flavor",
         choices=FLAVORS,
         default="default",
-        help="the lab's flavor for the drills (default: default); slinky runs the drills alone (SLINKY_SKIPS)",
+        help="the lab's flavor (default: default); slinky skips the parts that run no lab (SLINKY_SKIPS)",
     )
     parser.add_argument(
         "--job", choices=["ddp", "counter"], help="training job (default: ddp if torch is there and Slurm on the host)"
@@ -479,12 +588,22 @@ def main() -> None:
         else:
             setattr(args, name, 0)
             skipped[part] = why
+    for name, size in _DEFAULTS.items():  # the parts every flavor runs
+        if getattr(args, name) is None:
+            setattr(args, name, size)
     started = provenance()  # the code this run loaded, the machine it runs on
 
     def say(message: str) -> None:
         print(message, file=sys.stderr)
 
-    with tempfile.TemporaryDirectory(prefix="gpufleet-bench-") as tmp:
+    folder = bench_folder()
+    if args.flavor == "slinky" and args.clusters:
+        problem = cluster_home_problem(folder / CLUSTERS_HOME, yaml.safe_load(SPEC.read_text()))
+        if problem:
+            shutil.rmtree(folder, ignore_errors=True)
+            parser.error(f"a Slinky cluster cannot run its jobs from the bench's lab home: {problem}")
+    try:
+        tmp = str(folder)
         result: dict[str, Any] = {"provenance": started, "flavor": args.flavor}
         if skipped:
             result["skipped"] = skipped
@@ -503,14 +622,17 @@ def main() -> None:
             drilled = bench(args.drills, home=Path(tmp) / "lab", job_kind=args.job, say=say, flavor=args.flavor)
             result.update(asyncio.run(drilled))
         if args.clusters:
-            result["clusters"] = cluster_bench(args.clusters, home=Path(tmp) / "clusters", say=say)
+            result["clusters"] = cluster_bench(args.clusters, home=folder / CLUSTERS_HOME, say=say, flavor=args.flavor)
             result["cluster_create_seconds"] = result["clusters"]["cluster_create_seconds"]
             result["cluster_delete_seconds"] = result["clusters"]["cluster_delete_seconds"]
         if args.pool_moves:
-            result["pool"] = pool_bench(args.pool_moves, home=Path(tmp) / "pool", say=say)
+            result["pool"] = pool_bench(args.pool_moves, home=Path(tmp) / "pool", say=say, flavor=args.flavor)
             for key in ("pool_move_to_inference_seconds", "pool_move_to_training_seconds"):
                 result[key] = result["pool"][key]
             result["training_steps_lost_per_move"] = result["pool"]["training_steps_lost_per_move"]
+    finally:
+        # A Slinky cluster's jobs may leave files of its users' uids: what cannot go stays.
+        shutil.rmtree(folder, ignore_errors=True)
     if args.output:
         write_result(result, args.output)
     print(json.dumps(result, indent=2), flush=True)

@@ -223,11 +223,15 @@ def _clusters(result: Result) -> list[str]:
     clusters = result.get("clusters")
     if not isinstance(clusters, dict):
         return [*lines, "Not in this run (its options skipped it).", ""]
+    backend = clusters.get("backend")
     lines.append(
         f"`{cell(clusters.get('spec', 'the example spec'))}` created and deleted {times(clusters.get('rounds'))} "
-        "on the lab's free pool, through the CLI: from the spec to the smoke test passed, and back to "
-        "free nodes."
+        "on the lab's free pool, through the CLI"
+        + (f", with `--backend {cell(backend)}`" if backend else "")
+        + ": from the spec to the smoke test passed, and back to free nodes."
     )
+    if backend == "slinky" and clusters.get("note"):
+        lines.append(sentence(clusters["note"]))
     rows = [
         [
             "`cluster_create_seconds`",
@@ -240,6 +244,14 @@ def _clusters(result: Result) -> list[str]:
             each(clusters.get("delete_s", [])),
         ],
     ]
+    if "torn_down_after_delete_s" in clusters:
+        rows.append(
+            [
+                "its daemons stopped, after the deletion ended",
+                seconds(clusters.get("median_torn_down_after_delete_s")),
+                each(clusters["torn_down_after_delete_s"]),
+            ]
+        )
     return [*lines, "", *table(["figure", "median", "rounds"], rows), ""]
 
 
@@ -253,6 +265,12 @@ def _pool(result: Result) -> list[str]:
         f"{times(pool.get('rounds'), 'round')}: from the decision to the node serving on the other side, and the "
         "training steps lost."
     )
+    if pool.get("flavor") == "slinky":
+        lines.append(
+            "On the slinky flavor a move scales the NodeSet in (the node's pod first) and out again, and no "
+            "partition is edited; back in training is a NodeSet pod on the node, its Slurm node in the partition "
+            "and not drained."
+        )
     rows = [
         [
             "`pool_move_to_inference_seconds`",
@@ -307,6 +325,14 @@ SKIPPED_PARTS = {
     "clusters": "cluster creation and deletion",
     "pool": "shared-pool moves",
 }
+# The cluster and pool parts' medians, set beside the other flavor's where either run has them.
+BESIDE_PARTS = (
+    "cluster_create_seconds",
+    "cluster_delete_seconds",
+    "pool_move_to_inference_seconds",
+    "pool_move_to_training_seconds",
+    "training_steps_lost_per_move",
+)
 # An activity's running time is set beside the other flavor's when either median is at least this.
 ACTIVITY_SHOWN_S = 0.1
 SETUP_ROWS = {
@@ -347,6 +373,17 @@ def _difference(default: Any, other: Any) -> str:
         return ""
     change = other - default
     return f"+{seconds(change)}" if change > 0 else seconds(change)
+
+
+def _part_figure(result: Result, key: str) -> Any:
+    """A cluster or pool figure: at the top of the JSON, or in its part's (``clusters``, ``pool``)."""
+    if key in result:
+        return result[key]
+    for part in ("clusters", "pool"):
+        found = result.get(part)
+        if isinstance(found, dict) and key in found:
+            return found[key]
+    return None
 
 
 def _beside(result: Result, default: Result | None) -> list[str]:
@@ -411,6 +448,14 @@ def _beside(result: Result, default: Result | None) -> list[str]:
                 f"≤ {seconds(target)}" if target is not None else "",
             ]
         )
+    for key in BESIDE_PARTS:
+        there_fig, here_fig = _part_figure(default, key), _part_figure(result, key)
+        if there_fig is None and here_fig is None:
+            continue
+        steps = key == "training_steps_lost_per_move"
+        figure: Callable[[Any], str] = number if steps else seconds
+        change = "" if steps else _difference(there_fig, here_fig)
+        rows.append([f"`{key}`", figure(there_fig), figure(here_fig), change, ""])
     ours, others = _activity_medians(result), _activity_medians(default)
     for name in sorted(set(ours) | set(others)):
         if max(ours.get(name, 0.0), others.get(name, 0.0)) < ACTIVITY_SHOWN_S:
@@ -444,7 +489,14 @@ def render_bench_slinky(result: Result, kept: Mapping[str, Result]) -> list[str]
         lines += ["### Not run on this flavor", ""]
         lines += [f"- {SKIPPED_PARTS.get(part, cell(part))}: {cell(why)}." for part, why in skipped.items()]
         lines.append("")
-    return [*lines, *_beside(result, kept.get("bench.json")), *_setup(result), *_drills(result)]
+    return [
+        *lines,
+        *_beside(result, kept.get("bench.json")),
+        *_setup(result),
+        *_drills(result),
+        *_clusters(result),
+        *_pool(result),
+    ]
 
 
 # -- make chaos ------------------------------------------------------------------------------------

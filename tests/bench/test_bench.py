@@ -1,14 +1,19 @@
-"""The benchmark's split of an incident's time, over a small synthetic workflow history."""
+"""The benchmark's split of an incident's time, over a small synthetic workflow history; where a
+Slinky cluster's lab home may be, and the Slurm nodes a pool move watches."""
 
 from __future__ import annotations
 
+import shutil
 from datetime import UTC, datetime, timedelta
 
+import yaml
 from google.protobuf.timestamp_pb2 import Timestamp
 from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 
-from bench.bench import breakdown
+from bench.bench import CLUSTERS_HOME, bench_folder, breakdown, cluster_home_problem, slurm_nodes_on
+from clients.kube import PodRef
+from tests.conftest import REPO
 
 T0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 
@@ -117,3 +122,35 @@ def test_the_parse_benchmark_log_holds_what_it_says() -> None:
     figures = parse_throughput(20_000)
     assert figures["non_driver"]["events"] == 0
     assert figures["mixed_1_in_1000"]["events"] == figures["mixed_1_in_1000"]["events_expected"] > 0
+
+
+def test_a_slinky_clusters_lab_home_must_be_short_and_reachable_by_its_users() -> None:
+    spec = yaml.safe_load((REPO / "examples" / "cluster.yaml").read_text())
+    folder = bench_folder()
+    try:
+        assert cluster_home_problem(folder / CLUSTERS_HOME, spec) == ""
+        # Deep enough that a job step's socket of research-train-9 cannot fit in 108 bytes.
+        deep = folder / ("d" * 40)
+        deep.mkdir(mode=0o755)
+        problem = cluster_home_problem(deep, spec)
+        assert "is too deep: a job step's socket there" in problem and "use a shorter GPUFLEET_HOME" in problem
+        # A private folder on the way: the cluster's users cannot reach their jobs' spool.
+        private = folder / "p"
+        private.mkdir(mode=0o700)
+        assert cluster_home_problem(private / "c", spec) == (
+            f"{private} is not reachable by other users: the cluster's users run their jobs from under it"
+        )
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_the_slurm_nodes_of_a_kubernetes_node_are_itself_or_its_nodeset_pods() -> None:
+    assert slurm_nodes_on("gpu1", None) == ["gpu1"]
+    pods = [
+        PodRef(namespace="slurm-lab", name="lab-train-1", owner_kind="NodeSet", owner_name="lab-train"),
+        PodRef(namespace="slurm-lab", name="lab-train-0", owner_kind="NodeSet", owner_name="lab-train"),
+        PodRef(namespace="slurm-lab", name="lab-train-2", owner_kind="NodeSet", terminating=True),
+        PodRef(namespace="serving", name="vllm-abc", owner_kind="ReplicaSet"),
+    ]
+    assert slurm_nodes_on("gpu1", pods) == ["lab-train-0", "lab-train-1"]
+    assert slurm_nodes_on("inf1", []) == []

@@ -83,14 +83,14 @@ BENCH = {
         "delete_s": [2.1, 2.4, 1.2],
     },
 }
-# What bench/bench.py --flavor slinky writes: the drills alone, the rest skipped with the reason.
+# What bench/bench.py --flavor slinky writes: the drills, the cluster (backend slinky) and the pool
+# moves; the parts that run no lab skipped with the reason.
 SLINKY = {
     "provenance": {**PROVENANCE, "commit": "fedcba9876543210fedcba9876543210fedcba98", "dirty": False},
     "flavor": "slinky",
     "skipped": {
         "parse": "the parser on one core runs no lab",
-        "clusters": "a Slinky cluster needs a real slurm-operator",
-        "pool": "no partition is edited on Slinky",
+        "detector": "a kernel-log line to its incident runs no lab",
     },
     "lab": {
         "flavor": "slinky",
@@ -119,6 +119,33 @@ SLINKY = {
     "median_control_plane_overhead_s": 0.71,
     "median_polling_delay_bound_s": 0.5,
     "targets_s": {"detect_to_replaced": 10, "detect_to_resumed": 30, "control_plane_overhead": 1},
+    "clusters": {
+        "spec": "examples/cluster.yaml",
+        "backend": "slinky",
+        "rounds": 1,
+        "cluster_create_seconds": 9.7,
+        "cluster_delete_seconds": 1.1,
+        "create_s": [9.7],
+        "delete_s": [1.1],
+        "torn_down_after_delete_s": [0.4],
+        "median_torn_down_after_delete_s": 0.4,
+        "note": "backend slinky: the operator stand-in bringing up Slurm 26.05 from the cluster's objects",
+    },
+    "cluster_create_seconds": 9.7,
+    "cluster_delete_seconds": 1.1,
+    "pool": {
+        "flavor": "slinky",
+        "rounds": 1,
+        "pool_move_to_inference_seconds": 4.3,
+        "pool_move_to_training_seconds": 2.4,
+        "training_steps_lost_per_move": 0.0,
+        "to_inference_s": [4.3],
+        "to_training_s": [2.4],
+        "steps_lost": [0.0],
+    },
+    "pool_move_to_inference_seconds": 4.3,
+    "pool_move_to_training_seconds": 2.4,
+    "training_steps_lost_per_move": 0.0,
 }
 CHAOS = {
     "provenance": {**PROVENANCE, "dirty": False},
@@ -295,6 +322,7 @@ def test_the_slinky_flavor_sits_beside_the_default_one_each_with_its_commit(tmp_
     section = page[page.index("## `make bench FLAVOR=slinky`") :]
     lines = section.splitlines()
     beside, drills = section.split("### Recovery drills")
+    drills, parts = drills.split("### Cluster creation and deletion")
 
     def row(starting: str, part: str = beside) -> str:
         found = [line for line in part.splitlines() if line.startswith(f"| {starting}")]
@@ -303,8 +331,9 @@ def test_the_slinky_flavor_sits_beside_the_default_one_each_with_its_commit(tmp_
 
     assert "From `docs/results/bench-slinky.json`. Measured at commit `fedcba987654`, on" in section
     # What the flavor does not run, and why, as the run said.
-    assert "- cluster creation and deletion: a Slinky cluster needs a real slurm-operator." in lines
-    assert "- shared-pool moves: no partition is edited on Slinky." in lines
+    assert "- the parser's throughput: the parser on one core runs no lab." in lines
+    assert "- kernel-log line to incident: a kernel-log line to its incident runs no lab." in lines
+    assert "cluster creation and deletion:" not in beside and "shared-pool moves:" not in beside
     # Each median beside the default flavor's, the difference and the target; the commits of both.
     assert "(3 drills, commit `0123456789ab`)" in section and "(2 drills, commit `fedcba987654`)" in section
     assert row("Xid → spare in the partition") == (
@@ -325,6 +354,16 @@ def test_the_slinky_flavor_sits_beside_the_default_one_each_with_its_commit(tmp_
     assert "`classify_xids`" not in section
     assert "The drills ran on the slinky flavor: Slurm 26.05.5, the worker on its `rest` backend" in section
     assert row("Xid → job running again", drills).endswith("| 9.25 s | 9.10, 9.40 s | ≤ 30 s |")
+    # The cluster (backend slinky) and the pool moves beside the default flavor's, and in full.
+    assert row("`cluster_create_seconds`") == "| `cluster_create_seconds` | 8.50 s | 9.70 s | +1.20 s |  |"
+    assert row("`training_steps_lost_per_move`").startswith("| `training_steps_lost_per_move` | ")
+    assert "created and deleted once on the lab's free pool, through the CLI, with `--backend slinky`:" in parts
+    assert "Backend slinky: the operator stand-in bringing up Slurm 26.05 from the cluster's objects." in parts
+    assert row("`cluster_delete_seconds`", parts) == "| `cluster_delete_seconds` | 1.10 s | 1.10 s |"
+    assert row("its daemons stopped", parts) == "| its daemons stopped, after the deletion ended | 0.40 s | 0.40 s |"
+    assert "On the slinky flavor a move scales the NodeSet in" in parts
+    assert row("`pool_move_to_inference_seconds`", parts) == "| `pool_move_to_inference_seconds` | 4.30 s | 4.30 s |"
+    assert row("`training_steps_lost_per_move`", parts) == "| `training_steps_lost_per_move` | 0 | 0 |"
     # Without the default flavor's result, it says so and invents nothing.
     (tmp_path / "alone").mkdir()
     alone = render(results(tmp_path / "alone", bench_slinky=SLINKY))

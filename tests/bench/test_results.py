@@ -51,17 +51,60 @@ def test_make_bench_on_slinky_says_what_it_skips_and_refuses_to_run_it(
 
     monkeypatch.setattr(os, "_exit", leave)
     out = tmp_path / "results" / "bench-slinky.json"
-    monkeypatch.setattr(sys, "argv", ["bench", "--flavor", "slinky", "--drills", "0", "--output", str(out)])
+    argv = ["bench", "--flavor", "slinky", "--drills", "0", "--clusters", "0", "--pool-moves", "0"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--output", str(out)])
     with pytest.raises(SystemExit) as stopped:
         bench.main()
     assert stopped.value.code == 0
     kept = json.loads(out.read_text())
     assert list(kept)[:3] == ["provenance", "flavor", "skipped"] and kept["flavor"] == "slinky"
-    assert set(kept["skipped"]) == {"parse", "detector_idle", "detector", "clusters", "pool"}
-    assert "no partition is edited on Slinky" in kept["skipped"]["pool"]
+    # Cluster creation and pool moves run on Slinky too: only the parts that run no lab are skipped.
+    assert set(kept["skipped"]) == {"parse", "detector_idle", "detector"}
+    assert "runs no lab" in kept["skipped"]["parse"]
+    assert "clusters" not in kept and "pool" not in kept  # asked for none
     # Asked for a part the flavor does not run: refused, saying why, before any lab starts.
-    monkeypatch.setattr(sys, "argv", ["bench", "--flavor", "slinky", "--pool-moves", "1"])
+    monkeypatch.setattr(sys, "argv", ["bench", "--flavor", "slinky", "--parse-lines", "1000"])
     with pytest.raises(SystemExit) as refused:
         bench.main()
     assert refused.value.code == 2
-    assert "--pool-moves is not run on the slinky flavor: shared-pool moves" in capsys.readouterr().err
+    assert "--parse-lines is not run on the slinky flavor: the parser on one core runs no lab" in (
+        capsys.readouterr().err
+    )
+
+
+def test_make_bench_on_slinky_creates_its_cluster_with_the_slinky_backend_and_moves_pool_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def leave(code: int) -> NoReturn:
+        raise SystemExit(code)
+
+    asked: dict[str, Any] = {}
+
+    def clusters(rounds: int, *, home: Path, say: Any, flavor: str) -> dict[str, Any]:
+        # The lab home the Slinky cluster's users run their jobs from: short and reachable.
+        asked["clusters"] = (rounds, flavor, bench.cluster_home_problem(home, {"name": "research", "partitions": []}))
+        return {"backend": "slinky", "cluster_create_seconds": 9.7, "cluster_delete_seconds": 1.1}
+
+    def pool(rounds: int, *, home: Path, say: Any, flavor: str) -> dict[str, Any]:
+        asked["pool"] = (rounds, flavor)
+        return {
+            "flavor": flavor,
+            "pool_move_to_inference_seconds": 4.3,
+            "pool_move_to_training_seconds": 2.4,
+            "training_steps_lost_per_move": 0.0,
+        }
+
+    monkeypatch.setattr(os, "_exit", leave)
+    monkeypatch.setattr(bench, "cluster_bench", clusters)
+    monkeypatch.setattr(bench, "pool_bench", pool)
+    out = tmp_path / "bench-slinky.json"
+    monkeypatch.setattr(sys, "argv", ["bench", "--flavor", "slinky", "--drills", "0", "--output", str(out)])
+    with pytest.raises(SystemExit) as stopped:
+        bench.main()
+    assert stopped.value.code == 0
+    assert asked == {"clusters": (1, "slinky", ""), "pool": (1, "slinky")}
+    kept = json.loads(out.read_text())
+    assert kept["clusters"]["backend"] == "slinky" and kept["pool"]["flavor"] == "slinky"
+    # The same top-level keys as the default flavor's, for the report and whoever reads the JSON.
+    assert kept["cluster_create_seconds"] == 9.7 and kept["cluster_delete_seconds"] == 1.1
+    assert kept["pool_move_to_inference_seconds"] == 4.3 and kept["training_steps_lost_per_move"] == 0.0
