@@ -11,17 +11,21 @@ scaling in with its pod first, and comes back by the NodeSet scaling out onto it
   grace and the requeue, exactly as ``PoolMover`` does (its AdminComment marks, so that a retry
   signals nobody twice); the NodeSets it leaves recorded on the Node
   (``gpufleet.io/pool-nodesets``); the node's eligibility labels off (no pod comes back there);
-  each pod given the lowest ``pod-deletion-cost`` and ``pod-cordon``, and its NodeSet scaled in
-  by one, the pod named in the same write on the NodeSet (``gpufleet.io/scaled-in-for``), so a
-  retry never scales in twice; the pod gone and its Slurm node deleted by the operator; then
-  ``gpufleet.io/pool=inference``, the training taint off, uncordoned. A pod the operator still
-  protects (``pod-protect``: its Slurm node is busy) is waited for, never evicted.
+  once every pod of the NodeSet is ready, each pod given the lowest ``pod-deletion-cost`` and
+  ``pod-cordon`` and right after its NodeSet scaled in by one, the pod added in the same write to
+  the NodeSet's list (``gpufleet.io/scaled-in-for``), so a retry never scales in twice; the pod
+  gone, its Slurm node deleted or left DOWN by the preStop hook (slurm-operator v1.2.1 deletes no
+  Slurm node in StatefulSet mode); then ``gpufleet.io/pool=inference``, a move's cordon lifted,
+  the training taint off. A pod the operator still protects (``pod-protect``: its Slurm node is
+  busy) is waited for, never evicted.
 - **inference -> training**: cordoned and tainted, inference's pods evicted as ``PoolMover`` does
   (a PodDisruptionBudget makes the move wait or undoes it, never breaks); ``gpufleet.io/pool=training``;
   uncordoned (the taint keeps inference off); eligible for the NodeSets it left (recorded, else
-  the NodeSet of the worker's partition); the NodeSet scaled out by one, the node named in the
-  same write (``gpufleet.io/scaled-out-for``); done once a pod of the NodeSet runs on this node
-  and its Slurm node is registered.
+  the NodeSet of the worker's partition); the NodeSet scaled out by one, the node added in the
+  same write to the NodeSet's list (``gpufleet.io/scaled-out-for``); done once a pod of the
+  NodeSet runs on this node and its Slurm node is registered, its mark then removed, and any
+  scale-in marks of a stopped move to inference taken off its pods. Rolled back (or its node out
+  of the pool) before its pod ran there, the scale-out is given back while a pod waits.
 
 **One spare pool.** Remediation's spares and the pool's nodes are the same Kubernetes nodes. A
 spare claim takes only a node labelled a spare that nobody leases, with a resourceVersion
@@ -224,6 +228,8 @@ class SlinkyPoolMover(PoolMover):
             )
             self._left(node, holder=holder, seconds=max(grace_seconds, 60.0), say=say)
             self._ours(node, holder)
+            for nodeset in nodesets:  # its pods are here: a scale-out for it (a rolled-back move's) is spent
+                self._forget_scale_out(node, nodeset)
             for nodeset in nodesets:  # no pod comes (back) here any more
                 self.of.nodesets.make_ineligible(node, nodeset, also_unrecorded=True, keep=frozenset({CLUSTER_LABEL}))
             for pod in pods:
