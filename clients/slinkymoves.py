@@ -439,8 +439,8 @@ class SlinkyPoolMover(PoolMover):
         for nodeset in nodesets:
             self._forget_scale_out(node, nodeset)
         for pod in self._pods(node):
-            if pod.annotations.get(POD_DELETION_COST) != LOWEST_COST and POD_CORDON not in pod.annotations:
-                continue
+            if pod.annotations.get(POD_DELETION_COST) != LOWEST_COST:
+                continue  # no mark of a move's (the two are written together); a pod-cordon stays its owner's
             if f"{pod.name}/{pod.uid}" in marks(self._annotations(self._nodeset(pod.nodeset)), SCALED_IN_ANNOTATION):
                 continue  # its NodeSet scaled in for it: the operator's to take
             try:
