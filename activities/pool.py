@@ -11,7 +11,7 @@ from activities.errors import client_errors
 from activities.heartbeat import heartbeating
 from clients.errors import ClientError, NotOwned
 from clients.kube import KubeClient, KubeNode
-from clients.onslinky import combined
+from clients.onslinky import PRESTOP_REASON, combined
 from clients.poolmoves import (
     INFERENCE,
     LEASE_ANNOTATION,
@@ -125,8 +125,14 @@ class PoolActivities:
             why = _why_busy(node, holder, reasons.get(node.name, "")) or self._mover.busy(node)
             if why:
                 view.busy[node.name] = why
+        # On Slinky a pod scaled in leaves its Slurm node DOWN (slurm-operator v1.2.1): that record
+        # is no member, unless a pod of its name runs again.
         members = sorted(
-            {host_of.get(name, name) for name, info in slurm_nodes.items() if settings.partition in info.partitions}
+            {
+                host_of.get(name, name)
+                for name, info in slurm_nodes.items()
+                if settings.partition in info.partitions and (name in host_of or info.reason != PRESTOP_REASON)
+            }
         )
         if len(members) == 1 and members[0] not in view.busy:
             # Slurm refuses a partition with no node: its last one stays in training.

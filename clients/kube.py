@@ -67,6 +67,7 @@ class PodRef(BaseModel):
     uid: str = ""  # this pod's, not a successor's under the same name
     node: str = ""  # spec.nodeName ("" while Pending)
     labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
     ready: bool = False  # its Ready condition is True
     phase: str = ""  # Pending, Running, Succeeded, Failed
     terminating: bool = False  # deleted (or evicted), and not gone yet
@@ -185,6 +186,7 @@ def _pod_ref(item: Any) -> PodRef:
         uid=item.metadata.uid or "",
         node=(item.spec.node_name if item.spec else None) or "",
         labels=dict(item.metadata.labels or {}),
+        annotations=dict(item.metadata.annotations or {}),
         ready=any(c.type == "Ready" and c.status == "True" for c in ((status.conditions if status else None) or [])),
         phase=(status.phase if status else "") or "",
         terminating=item.metadata.deletion_timestamp is not None,

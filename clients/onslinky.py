@@ -73,9 +73,16 @@ log = logging.getLogger(__name__)
 # On a Kubernetes node: the NodeSet pods an incident drained there, as JSON
 # ``[{"namespace": ..., "name": ..., "uid": ..., "nodeset": ...}]`` (a pod's name is its Slurm node's).
 SLURM_NODES_ANNOTATION = "gpufleet.io/slurm-nodes"
-# On a NodeSet: the pod (``<name>/<uid>``) a pool move last scaled it in for, written with its
-# replicas in one write (clients/slinkymoves.py).
+# On a NodeSet: the pods (``<name>/<uid>``) pool moves scaled it in for, a JSON list, the latest
+# last, written with its replicas in one write (clients/slinkymoves.py). One move's mark is not
+# overwritten by the next move's: an incident that took a node over after its scale-in still
+# knows its pod is gone for good.
 SCALED_IN_ANNOTATION = "gpufleet.io/scaled-in-for"
+# The most marks such a list keeps (the oldest go first).
+MARKS_KEPT = 64
+# The reason the operator's preStop hook gives the Slurm node of a pod it deletes; in StatefulSet
+# mode (slurm-operator v1.2.1) the node then stays in Slurm, DOWN, until a pod of its name is back.
+PRESTOP_REASON = "slurm-operator: Pod is terminating"
 # How long a claim waits for the failed node's pods to be back on the spare before it is tried
 # again (its step is 3 minutes; a retry finds its own claim and waits on).
 BACK_WAIT_SECONDS = 150.0
@@ -139,6 +146,31 @@ def _joined(first: list[NodeSetPod], then: list[NodeSetPod]) -> list[NodeSetPod]
     """``first``, and each of ``then`` not among them by namespace and name (the first UID kept)."""
     known = {p.key for p in first}
     return [*first, *(p for p in then if p.key not in known)]
+
+
+def marks(annotations: dict[str, str], key: str) -> list[str]:
+    """The marks a NodeSet's annotation holds (a JSON list; a single mark as written before)."""
+    raw = annotations.get(key)
+    if not raw:
+        return []
+    try:
+        found = json.loads(raw)
+    except ValueError:
+        return [raw]
+    return [str(m) for m in found] if isinstance(found, list) else [raw]
+
+
+def with_mark(current: list[str], mark: str) -> str:
+    """The annotation's value with ``mark`` added last (at most MARKS_KEPT marks)."""
+    return json.dumps([*(m for m in current if m != mark), mark][-MARKS_KEPT:], separators=(",", ":"))
+
+
+def left_down(info: NodeInfo) -> bool:
+    """Whether a Slurm node is only the record a deleted pod left: DOWN by the operator's preStop
+    hook, or not responding (its slurmd gone)."""
+    if info.state in {"unknown", "future"}:
+        return True
+    return info.state.startswith("down") and (info.reason == PRESTOP_REASON or "NOT_RESPONDING" in info.flags)
 
 
 class SlurmNodesOf:
@@ -582,7 +614,7 @@ class SlinkyPool(SparePool):
         except NotFound:
             return False
         annotations = (found.get("metadata") or {}).get("annotations") or {}
-        return bool(annotations.get(SCALED_IN_ANNOTATION) == f"{pod.name}/{pod.uid}")
+        return f"{pod.name}/{pod.uid}" in marks(annotations, SCALED_IN_ANNOTATION)
 
     def _release_node(self, name: str, incident_id: str, *, unused_only: bool = False) -> bool:
         """A spare some NodeSet pod already runs on serves: its eligibility stays (taking it off

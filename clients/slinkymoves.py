@@ -11,17 +11,21 @@ scaling in with its pod first, and comes back by the NodeSet scaling out onto it
   grace and the requeue, exactly as ``PoolMover`` does (its AdminComment marks, so that a retry
   signals nobody twice); the NodeSets it leaves recorded on the Node
   (``gpufleet.io/pool-nodesets``); the node's eligibility labels off (no pod comes back there);
-  each pod given the lowest ``pod-deletion-cost`` and ``pod-cordon``, and its NodeSet scaled in
-  by one, the pod named in the same write on the NodeSet (``gpufleet.io/scaled-in-for``), so a
-  retry never scales in twice; the pod gone and its Slurm node deleted by the operator; then
-  ``gpufleet.io/pool=inference``, the training taint off, uncordoned. A pod the operator still
-  protects (``pod-protect``: its Slurm node is busy) is waited for, never evicted.
+  once every pod of the NodeSet is ready, each pod given the lowest ``pod-deletion-cost`` and
+  ``pod-cordon`` and right after its NodeSet scaled in by one, the pod added in the same write to
+  the NodeSet's list (``gpufleet.io/scaled-in-for``), so a retry never scales in twice; the pod
+  gone, its Slurm node deleted or left DOWN by the preStop hook (slurm-operator v1.2.1 deletes no
+  Slurm node in StatefulSet mode); then ``gpufleet.io/pool=inference``, a move's cordon lifted,
+  the training taint off. A pod the operator still protects (``pod-protect``: its Slurm node is
+  busy) is waited for, never evicted.
 - **inference -> training**: cordoned and tainted, inference's pods evicted as ``PoolMover`` does
   (a PodDisruptionBudget makes the move wait or undoes it, never breaks); ``gpufleet.io/pool=training``;
   uncordoned (the taint keeps inference off); eligible for the NodeSets it left (recorded, else
-  the NodeSet of the worker's partition); the NodeSet scaled out by one, the node named in the
-  same write (``gpufleet.io/scaled-out-for``); done once a pod of the NodeSet runs on this node
-  and its Slurm node is registered.
+  the NodeSet of the worker's partition); the NodeSet scaled out by one, the node added in the
+  same write to the NodeSet's list (``gpufleet.io/scaled-out-for``); done once a pod of the
+  NodeSet runs on this node and its Slurm node is registered, its mark then removed, and any
+  scale-in marks of a stopped move to inference taken off its pods. Rolled back (or its node out
+  of the pool) before its pod ran there, the scale-out is given back while a pod waits.
 
 **One spare pool.** Remediation's spares and the pool's nodes are the same Kubernetes nodes. A
 spare claim takes only a node labelled a spare that nobody leases, with a resourceVersion
@@ -41,7 +45,16 @@ from clients import nodelease
 from clients.errors import ClientError, Conflict, InvalidInput, NotFound, NotOwned
 from clients.kube import KubeNode, KubernetesApi
 from clients.nodesets import ELIGIBLE_ANNOTATION, PREFIX, NodeSetName, NodeSetPod, NotEligible
-from clients.onslinky import SCALED_IN_ANNOTATION, SlinkyPool, SlinkySlurm, SlurmNodesOf, nodesets_of
+from clients.onslinky import (
+    SCALED_IN_ANNOTATION,
+    SlinkyPool,
+    SlinkySlurm,
+    SlurmNodesOf,
+    left_down,
+    marks,
+    nodesets_of,
+    with_mark,
+)
 from clients.poolmoves import (
     INFERENCE,
     TO_INFERENCE_REASON,
@@ -60,8 +73,9 @@ from models.incident import NodeInfo
 
 # On a node moved to inference: the NodeSets it left, as a JSON list of "<namespace>/<name>".
 POOL_NODESETS_ANNOTATION = "gpufleet.io/pool-nodesets"
-# On a NodeSet, written with its replicas in one write: the node (``<node>@<pool-since>``) a pool
-# move scaled it out for (and SCALED_IN_ANNOTATION, clients/onslinky.py: the pod it scaled it in for).
+# On a NodeSet, written with its replicas in one write: the nodes (``<node>@<pool-since>``, a JSON
+# list) pool moves scaled it out for, each removed once a pod of the NodeSet runs on its node (and
+# SCALED_IN_ANNOTATION, clients/onslinky.py: the pods they scaled it in for).
 SCALED_OUT_ANNOTATION = "gpufleet.io/scaled-out-for"
 POD_CORDON = PREFIX + "pod-cordon"
 POD_DELETION_COST = PREFIX + "pod-deletion-cost"
@@ -135,25 +149,35 @@ class SlinkyPoolMover(PoolMover):
     def _annotations(obj: dict[str, Any]) -> dict[str, str]:
         return dict((obj.get("metadata") or {}).get("annotations") or {})
 
+    @staticmethod
+    def _recorded_nodesets(node: KubeNode) -> list[NodeSetName]:
+        """The NodeSets a node left for inference, as recorded on it (none when no record)."""
+        raw = node.annotations.get(POOL_NODESETS_ANNOTATION)
+        if not raw:
+            return []
+        try:
+            keys = [str(k) for k in json.loads(raw)]
+        except (ValueError, TypeError):
+            raise ClientError(f"{node.name}: annotation {POOL_NODESETS_ANNOTATION} is not a JSON list") from None
+        return [NodeSetName(*key.split("/", 1)) for key in keys if "/" in key]
+
     def _left_nodesets(self, node: KubeNode, partition: str) -> list[NodeSetName]:
         """The NodeSets a node left for inference (recorded), else the NodeSet of the worker's
-        partition in the cluster's namespace (named after it), else its first."""
-        raw = node.annotations.get(POOL_NODESETS_ANNOTATION)
-        if raw:
-            try:
-                keys = [str(k) for k in json.loads(raw)]
-            except (ValueError, TypeError):
-                raise ClientError(f"{node.name}: annotation {POOL_NODESETS_ANNOTATION} is not a JSON list") from None
-            found = [NodeSetName(*key.split("/", 1)) for key in keys if "/" in key]
-            if found:
-                return found
+        partition in the cluster's namespace (named after it); InvalidInput when there is none."""
+        if found := self._recorded_nodesets(node):
+            return found
         names = sorted(
             str((n.get("metadata") or {}).get("name") or "") for n in self._api.list_nodesets(self._namespace)
         )
         if not names:
             raise InvalidInput(f"no NodeSet in namespace {self._namespace}: no NodeSet for {node.name} to join")
-        chosen = partition if partition in names else names[0]
-        return [NodeSetName(self._namespace, chosen)]
+        if partition not in names:
+            raise InvalidInput(
+                f"{node.name} records no NodeSet to join, and GPUFLEET_PARTITION={partition!r} names no NodeSet in "
+                f"namespace {self._namespace} (there: {', '.join(names)}): set GPUFLEET_PARTITION to the name of the "
+                f"NodeSet (its partition) whose pods {node.name} should run"
+            )
+        return [NodeSetName(self._namespace, partition)]
 
     # -- training -> inference ----------------------------------------------------------------------
 
@@ -204,19 +228,25 @@ class SlinkyPoolMover(PoolMover):
             )
             self._left(node, holder=holder, seconds=max(grace_seconds, 60.0), say=say)
             self._ours(node, holder)
+            for nodeset in nodesets:  # its pods are here: a scale-out for it (a rolled-back move's) is spent
+                self._forget_scale_out(node, nodeset)
             for nodeset in nodesets:  # no pod comes (back) here any more
                 self.of.nodesets.make_ineligible(node, nodeset, also_unrecorded=True, keep=frozenset({CLUSTER_LABEL}))
             for pod in pods:
                 self._scale_in(node, pod, holder=holder, say=say)
         else:  # no pod here: still, no NodeSet's pod may come here once it serves inference
+            left = {n.key: n for n in [*SlinkyPool._eligible_for(current), *self._recorded_nodesets(current)]}
             self._ours(node, holder)
             for nodeset in SlinkyPool._eligible_for(current):
                 self.of.nodesets.make_ineligible(node, nodeset, keep=frozenset({CLUSTER_LABEL}))
+            for nodeset in sorted(left.values(), key=lambda n: n.key):
+                # A move to training that scaled out for this node and stops here (rolled back).
+                self._ours(node, holder)
+                self._undo_scale_out(node, nodeset, say=say)
         self._ours(node, holder)
         self._label(node, INFERENCE, holder)
+        self._uncordon_ours(node, holder)
         self._kube.remove_taint(node, key=TRAINING_TAINT)
-        self._ours(node, holder)
-        self._kube.set_unschedulable(node, False)
         self.give_back(node, holder)
         jobs = f"; requeued {', '.join(map(str, requeued))}" if requeued else ""
         return f"{node} serves inference{jobs}"
@@ -233,16 +263,11 @@ class SlinkyPoolMover(PoolMover):
         the same write as its replicas; then wait for the pod and its Slurm node to be gone."""
         mark = f"{pod.name}/{pod.uid}"
         self._await_unprotected(node, pod, holder=holder, say=say)
-        # Lowest deletion cost and cordoned: first in the operator's scale-in order of running pods.
-        try:
-            self._api.update_pod_metadata(pod.namespace, pod.name, annotations={POD_DELETION_COST: LOWEST_COST})
-            self._api.update_pod_metadata(pod.namespace, pod.name, annotations={POD_CORDON: "true"})
-        except NotFound:
-            pass  # gone already
         ends = time.monotonic() + self._scale_wait
         while True:
             found = self._nodeset(pod.nodeset)
-            if self._annotations(found).get(SCALED_IN_ANNOTATION) == mark:
+            scaled_in = marks(self._annotations(found), SCALED_IN_ANNOTATION)
+            if mark in scaled_in:
                 break  # by an earlier attempt
             now = self._api.find_pod(pod.namespace, pod.name)
             if now is None or now.uid != pod.uid:
@@ -259,13 +284,22 @@ class SlinkyPoolMover(PoolMover):
             replicas = int((found.get("spec") or {}).get("replicas", 1))
             if replicas < 1:
                 raise ClientError(f"NodeSet {pod.nodeset.key} has no replica to scale in, yet {pod.key} runs")
+            # Lowest deletion cost and cordoned: first in the operator's scale-in order of running
+            # pods. Written only now, right before the scale-in: a move that stops before it
+            # leaves no mark on a pod that stays (to_training and settle take off any left).
+            try:
+                self._api.update_pod_metadata(
+                    pod.namespace, pod.name, annotations={POD_DELETION_COST: LOWEST_COST, POD_CORDON: "true"}
+                )
+            except NotFound:
+                continue  # gone meanwhile: read again
             try:
                 self._api.patch_nodeset(
                     pod.nodeset.namespace,
                     pod.nodeset.name,
                     {
                         "metadata": {
-                            "annotations": {SCALED_IN_ANNOTATION: mark},
+                            "annotations": {SCALED_IN_ANNOTATION: with_mark(scaled_in, mark)},
                             "resourceVersion": (found.get("metadata") or {}).get("resourceVersion"),
                         },
                         "spec": {"replicas": replicas - 1},
@@ -291,14 +325,19 @@ class SlinkyPoolMover(PoolMover):
         self._await(free, node=node, holder=holder, what=f"{pod.key} to lose pod-protect (its jobs gone)", say=say)
 
     def _gone(self, pod: NodeSetPod) -> bool:
+        """The pod deleted, and its Slurm node deleted or left DOWN: slurm-operator (v1.2.1, StatefulSet
+        mode) never deletes the Slurm node of a pod it scaled in; its preStop hook sets it DOWN, and
+        the record stays until a pod of that name registers again."""
         now = self._api.find_pod(pod.namespace, pod.name)
         if now is not None and now.uid == pod.uid:
             return False
+        if now is not None:
+            return True  # a new pod of that name (a scale-out elsewhere) holds the Slurm node now
         try:
-            self._plain.node(pod.slurm_node)
+            info = self._plain.node(pod.slurm_node)
         except NotFound:
             return True
-        return now is not None  # a new pod of that name (a scale-out elsewhere) holds the Slurm node now
+        return left_down(info)
 
     def _await(self, done: Any, *, node: str, holder: str, what: str, say: Say) -> None:
         ends = time.monotonic() + self._scale_wait
@@ -337,8 +376,7 @@ class SlinkyPoolMover(PoolMover):
             self._label(node, TRAINING, holder)
         # Uncordoned before it is made eligible: the operator binds no pod to a cordoned node (and
         # drains the Slurm node of one there); the training taint keeps inference off.
-        self._ours(node, holder)
-        self._kube.set_unschedulable(node, False)
+        self._uncordon_ours(node, holder)
         since = self._kube.get_node(node).annotations.get(POOL_SINCE_ANNOTATION, "")
         for nodeset in nodesets:
             self._ours(node, holder)
@@ -360,6 +398,7 @@ class SlinkyPoolMover(PoolMover):
             info = self._infos([pod]).get(pod.slurm_node)
             if info is not None and info.drained and info.reason == TO_INFERENCE_REASON:
                 self._plain.resume(pod.slurm_node)
+        self._in_training(node, nodesets)
         self._write_if_held(node, holder, annotations={POOL_NODESETS_ANNOTATION: None})
         self.give_back(node, holder)
         pods = f"; {moved} pod(s) moved away" if moved else ""
@@ -367,12 +406,13 @@ class SlinkyPoolMover(PoolMover):
 
     def _scale_out(self, node: str, nodeset: NodeSetName, *, mark: str, holder: str, say: Say) -> None:
         """One more replica for this node, once: none when a pod of the NodeSet runs here already,
-        or an earlier attempt's write names this node."""
+        or an earlier attempt's write names this node (its mark stays until its pod is here)."""
         while True:
             if any(p.nodeset == nodeset for p in self._pods(node)):
                 return
             found = self._nodeset(nodeset)
-            if self._annotations(found).get(SCALED_OUT_ANNOTATION) == mark:
+            scaled_out = marks(self._annotations(found), SCALED_OUT_ANNOTATION)
+            if any(m.startswith(f"{node}@") for m in scaled_out):
                 return
             replicas = int((found.get("spec") or {}).get("replicas", 1))
             try:
@@ -381,7 +421,7 @@ class SlinkyPoolMover(PoolMover):
                     nodeset.name,
                     {
                         "metadata": {
-                            "annotations": {SCALED_OUT_ANNOTATION: mark},
+                            "annotations": {SCALED_OUT_ANNOTATION: with_mark(scaled_out, mark)},
                             "resourceVersion": (found.get("metadata") or {}).get("resourceVersion"),
                         },
                         "spec": {"replicas": replicas + 1},
@@ -391,6 +431,92 @@ class SlinkyPoolMover(PoolMover):
                 continue
             say(f"NodeSet {nodeset.key} scaled out to {replicas + 1} for {node}")
             return
+
+    def _in_training(self, node: str, nodesets: list[NodeSetName]) -> None:
+        """The node in training for good: the scale-out marks for it gone from its NodeSets, and
+        the scale-in marks gone from its pods that no scale-in is taking away (a move to inference
+        that stopped after it marked them)."""
+        for nodeset in nodesets:
+            self._forget_scale_out(node, nodeset)
+        for pod in self._pods(node):
+            if pod.annotations.get(POD_DELETION_COST) != LOWEST_COST:
+                continue  # no mark of a move's (the two are written together); a pod-cordon stays its owner's
+            if f"{pod.name}/{pod.uid}" in marks(self._annotations(self._nodeset(pod.nodeset)), SCALED_IN_ANNOTATION):
+                continue  # its NodeSet scaled in for it: the operator's to take
+            try:
+                self._api.update_pod_metadata(
+                    pod.namespace, pod.name, annotations={POD_DELETION_COST: None, POD_CORDON: None}
+                )
+            except NotFound:
+                continue
+
+    def _forget_scale_out(self, node: str, nodeset: NodeSetName) -> None:
+        """The NodeSet's scale-out marks for this node removed (its pod is here)."""
+        while True:
+            found = self._nodeset(nodeset)
+            scaled_out = marks(self._annotations(found), SCALED_OUT_ANNOTATION)
+            left = [m for m in scaled_out if not m.startswith(f"{node}@")]
+            if left == scaled_out:
+                return
+            try:
+                self._api.patch_nodeset(
+                    nodeset.namespace,
+                    nodeset.name,
+                    {
+                        "metadata": {
+                            "annotations": {SCALED_OUT_ANNOTATION: json.dumps(left) if left else None},
+                            "resourceVersion": (found.get("metadata") or {}).get("resourceVersion"),
+                        }
+                    },
+                )
+            except Conflict:
+                continue
+            return
+
+    def _undo_scale_out(self, node: str, nodeset: NodeSetName, *, say: Say) -> None:
+        """A scale-out for this node whose pod never ran here, undone: the NodeSet scaled back in
+        while a pod of it waits (the operator takes a Pending pod first), with the mark removed in
+        the same write; a mark whose pod runs (here, or on another node) only removed."""
+        while True:
+            found = self._nodeset(nodeset)
+            scaled_out = marks(self._annotations(found), SCALED_OUT_ANNOTATION)
+            mine = [m for m in scaled_out if m.startswith(f"{node}@")]
+            if not mine:
+                return
+            rest = [m for m in scaled_out if m not in mine]
+            left = json.dumps(rest) if rest else None
+            body: dict[str, Any] = {
+                "metadata": {
+                    "annotations": {SCALED_OUT_ANNOTATION: left},
+                    "resourceVersion": (found.get("metadata") or {}).get("resourceVersion"),
+                }
+            }
+            replicas = int((found.get("spec") or {}).get("replicas", 1))
+            waiting = not any(p.nodeset == nodeset for p in self._pods(node)) and _unready(nodeset, found)
+            if waiting and replicas > 0:
+                body["spec"] = {"replicas": replicas - 1}
+            try:
+                self._api.patch_nodeset(nodeset.namespace, nodeset.name, body)
+            except Conflict:
+                continue
+            if "spec" in body:
+                say(f"NodeSet {nodeset.key} scaled back in to {replicas - 1}: its pod for {node} never ran there")
+            return
+
+    def _undo_scale_outs(self, node: str) -> None:
+        """A node that left the pool mid-move: each NodeSet's scale-out for it that never ran there undone."""
+        for found in self._api.list_nodesets(self._namespace):
+            if any(m.startswith(f"{node}@") for m in marks(self._annotations(found), SCALED_OUT_ANNOTATION)):
+                name = str((found.get("metadata") or {}).get("name") or "")
+                self._undo_scale_out(node, NodeSetName(self._namespace, name), say=lambda _: None)
+
+    def _uncordon_ours(self, node: str, holder: str) -> None:
+        """Uncordoned, when the cordon is a move's (it comes with the training taint); a cordon
+        without it is someone else's and stays."""
+        self._ours(node, holder)
+        current = self._kube.get_node(node)
+        if current.unschedulable and any(t.get("key") == TRAINING_TAINT for t in current.taints):
+            self._kube.set_unschedulable(node, False)
 
     def _serving(self, node: str, nodeset: NodeSetName) -> bool:
         pods = [p for p in self._pods(node) if p.nodeset == nodeset and p.back]
@@ -428,7 +554,8 @@ class SlinkyPoolMover(PoolMover):
             for name, info in self._infos(pods).items():
                 if info.drained and info.reason == TO_INFERENCE_REASON:
                     self._plain.resume(name)
-            if current.unschedulable:
+            self._in_training(node, nodesets_of(pods))
+            if current.unschedulable and tainted:  # a move's cordon (someone else's has no taint)
                 self._kube.set_unschedulable(node, False)
             self.give_back(node, holder)
             return f"{node} is wholly in training"
@@ -457,7 +584,7 @@ class SlinkyPoolMover(PoolMover):
         """A pod a move to inference has begun to take away: its NodeSet scaled in for it, or the
         node no longer eligible for its NodeSet."""
         found = self._nodeset(pod.nodeset)
-        if self._annotations(found).get(SCALED_IN_ANNOTATION) == f"{pod.name}/{pod.uid}":
+        if f"{pod.name}/{pod.uid}" in marks(self._annotations(found), SCALED_IN_ANNOTATION):
             return True
         selector = ((((found.get("spec") or {}).get("template") or {}).get("spec") or {}).get("nodeSelector")) or {}
         return any(node.labels.get(k) != v for k, v in selector.items())
@@ -467,9 +594,11 @@ class SlinkyPoolMover(PoolMover):
         try:
             current = self._kube.get_node(node)
         except NotFound:
+            self._undo_scale_outs(node)
             raise OutOfPool(f"{node} is no longer a Kubernetes node: it has left the shared pool") from None
         pool = _pool_of(current)
         if pool not in (TRAINING, INFERENCE):
+            self._undo_scale_outs(node)
             raise OutOfPool(f"{node} is no longer in the shared pool (gpufleet.io/pool={pool or 'none'})")
         if waiting := self._waiting_for(current, holder):
             raise NotOwned(f"{node} waits for {waiting}")

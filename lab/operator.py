@@ -26,8 +26,10 @@ Every half second, for each NodeSet in StatefulSet mode (the behaviours follow t
   ``nodeset.slinky.slurm.net/pod-protect=true``, which the PodDisruptionBudget
   ``slurm-workers-pdb-<controller>`` (``maxUnavailable: 0``) selects (Workload Disruption Protection);
 - fewer replicas: the pods first in the operator's scale-in order are cordoned, their nodes
-  drained, and each deleted (its Slurm node with it) once its node is drained and not busy
-  (Scale-in Lifecycle, Influencing Scale-in Order).
+  drained, and each deleted once its node is drained and not busy; its preStop hook sets its Slurm
+  node DOWN (``slurm-operator: Pod is terminating``) and, as v1.2.1 does in StatefulSet mode, the
+  Slurm node stays, DOWN, until a pod of its name registers again (Scale-in Lifecycle, Influencing
+  Scale-in Order; ``syncSlurmNodeRecords`` prunes records in DaemonSet mode only).
 
 The lab has no kubelet: a bound pod is Running and Ready at once. A pod-cordon the operator set
 for a cordoned node or a scale-in is marked with ``lab.gpufleet.io/cordoned-by`` so that it
@@ -810,7 +812,9 @@ class Operator:
             self._delete_pod(pod)
             self.log(f"deleted {pod_ref} (scale-in, its Slurm node drained)")
             if record is not None:
-                slurm.remove_node(pod["metadata"]["name"])
+                # StatefulSet mode (v1.2.1): preStop sets the Slurm node DOWN and its record stays
+                # (only DaemonSet mode prunes records); a pod of that name later registers under it.
+                slurm.stop_node(pod["metadata"]["name"])
                 self.started.pop(pod["metadata"]["name"], None)
                 records.pop(pod["metadata"]["name"], None)
             pods.remove(pod)

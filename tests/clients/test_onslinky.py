@@ -33,7 +33,9 @@ from clients.onslinky import (
     SlinkySlurm,
     SlurmNodesOf,
     combined,
+    marks,
     slinky_unsupported,
+    with_mark,
 )
 from clients.slinkymoves import SlinkyPoolMover
 from clients.slurmrest_protocol import SlurmRest
@@ -747,4 +749,42 @@ def test_a_claim_waits_for_no_pod_a_pool_move_scaled_in(api: KubeApiProcess, kub
         pool.claim(INC, node="gpu1")
     assert "research-train-0" not in str(waiting.value)  # not waited for
     recreate(api, "research-train-1", "spare1", hostname="train-b1")  # the other one, back on the spare
+    assert pool.claim(INC, node="gpu1", retry=True) == "spare1"
+
+
+def scale_in_for(kube: KubernetesApi, pod_name: str, uid: str, replicas: int) -> None:
+    """What a pool move writes when it scales research-train in for a pod: its replicas, and the
+    pod added to the NodeSet's scale-in marks, in one write."""
+    found = kube.get_nodeset(NS, NODESET)
+    current = marks(found["metadata"].get("annotations") or {}, SCALED_IN_ANNOTATION)
+    body = {
+        "metadata": {
+            "annotations": {SCALED_IN_ANNOTATION: with_mark(current, f"{pod_name}/{uid}")},
+            "resourceVersion": found["metadata"]["resourceVersion"],
+        },
+        "spec": {"replicas": replicas},
+    }
+    kube.patch_nodeset(NS, NODESET, body)
+
+
+def test_a_claim_waits_for_no_pod_scaled_in_though_a_later_move_scaled_the_nodeset_in_again(
+    api: KubeApiProcess, kube: KubernetesApi
+) -> None:
+    """An incident took gpu1 over after the pool's move scaled research-train in for its pod
+    research-train-0; the batch's next move (gpu2) scaled it in again for its own pod. The claim
+    still knows research-train-0 is gone for good, and waits only for research-train-1."""
+    first = kube.find_pod(NS, "research-train-0")
+    other = kube.find_pod(NS, "research-train-2")
+    assert first is not None and other is not None
+    scale_in_for(kube, "research-train-0", first.uid, 2)  # the move of gpu1
+    drained_out(kube, "gpu1", INC)  # the incident takes gpu1 over: both its pods recorded, evicted
+    scale_in_for(kube, "research-train-2", other.uid, 1)  # the pool's next move, of gpu2
+    slinky, _ = on_slinky(kube, {"train-b1": idle("train-b1")})
+    pool = SlinkyPool(
+        kube=kube, slurm=slinky, partition=NODESET, cluster="research", back_wait_seconds=0.3, poll_seconds=0.05
+    )
+    with pytest.raises(Unavailable, match="research-train-1") as waiting:
+        pool.claim(INC, node="gpu1")
+    assert "research-train-0" not in str(waiting.value)  # gone for good: not waited for
+    recreate(api, "research-train-1", "spare1", hostname="train-b1")
     assert pool.claim(INC, node="gpu1", retry=True) == "spare1"

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from clients.kube import KubernetesApi
-from clients.onslinky import SlinkyPool, SlinkySlurm
+from clients.onslinky import PRESTOP_REASON, SlinkyPool, SlinkySlurm
 from clients.slinkymoves import SlinkyPoolMover
 from clients.slurmrest_protocol import SlurmRest
 from lab.drill import log_path, running_and_checkpointed, submit_job
@@ -121,10 +121,12 @@ def test_a_node_leaves_slurm_for_inference_and_comes_back_with_no_job_lost(lab: 
     [moved] = [n for n in view["inference"] if n not in INFERENCE]
     [pod] = before[moved]
     assert sorted(view["training"]) == sorted(set(TRAINING) - {moved})
-    # The NodeSet scaled in by one, this node's pod gone and its Slurm node with it; no partition edited.
+    # The NodeSet scaled in by one, this node's pod gone; its Slurm node left DOWN by the preStop
+    # hook, as slurm-operator v1.2.1 leaves it (StatefulSet mode); no partition edited.
     assert nodeset(lab)["spec"]["replicas"] == replicas - 1
     assert moved not in pods_by_node(lab)
-    assert pod not in {n.name for n in slurm.nodes()}
+    left = slurm.node(pod)
+    assert left.state.startswith("down") and left.reason == PRESTOP_REASON, left
     node = kube_node(lab, moved)
     labels = node["metadata"]["labels"]
     assert labels["gpufleet.io/pool"] == "inference" and not node["spec"].get("unschedulable")
@@ -194,7 +196,7 @@ def test_a_move_stopped_after_its_scale_in_or_out_and_run_again_scales_only_once
     assert nodeset(lab)["spec"]["replicas"] == replicas - 1
     assert move.to_inference(node, **args) == f"{node} serves inference"
     assert nodeset(lab)["spec"]["replicas"] == replicas - 1
-    assert node not in pods_by_node(lab) and pod not in {n.name for n in lab.slurm.client().nodes()}
+    assert node not in pods_by_node(lab) and lab.slurm.client().node(pod).reason == PRESTOP_REASON
     assert kube_node(lab, node)["metadata"]["labels"]["gpufleet.io/pool"] == "inference"
 
     with pytest.raises(Crash):
