@@ -176,16 +176,12 @@ def test_a_move_to_inference_ends_once_the_operator_deleted_the_pod_though_its_s
     assert mover(kube, slurm).to_inference("gpu1", say=operator, **ARGS) == "gpu1 serves inference"
 
 
-@pytest.mark.xfail(
-    reason="the NodeSets gpufleet renders (models/slinky.py) do not tolerate the pool's training taint yet",
-    strict=False,
-)
 def test_a_node_moved_back_to_training_on_a_cluster_gpufleet_created_gets_its_pod(
     api: KubeApiProcess, kube: KubernetesApi
 ) -> None:
     """inf1 to training on research (NodeSets as `cluster create --backend slinky` renders them):
     the move taints it gpufleet.io/pool=training:NoSchedule, then makes it eligible for a NodeSet
-    whose pods do not tolerate that taint."""
+    whose pods must tolerate that taint."""
     slurm = SmallSlurm(["research-train-0", "research-train-1"])
 
     def operator(line: str) -> None:
