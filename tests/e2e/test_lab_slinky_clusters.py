@@ -2,10 +2,11 @@
 examples/cluster.yaml --backend slinky` applies its objects to the emulated API (checked against
 Slinky's CRDs), the operator stand-in brings the cluster up from them (slurmctld, slurmrestd and
 its Service, one slurmd -Z per NodeSet pod on the reserved nodes, Slurm 26.05), the smoke jobs run
-as the spec's first user, who exists only in the cluster's user database; `cluster delete` takes
-it all down and gives the nodes back. A worker killed during bring-up leaves a creation that ends
-once a worker is back; a creation kept on failure and rolled back leaves nothing. One lab for the
-module."""
+as the spec's first user, who exists only in the cluster's user database; with accounting, the
+cluster's own slurmdbd and MariaDB run for its Accounting and each account and user is added
+through the cluster's slurmrestd. `cluster delete` takes it all down and gives the nodes back. A
+worker killed during bring-up leaves a creation that ends once a worker is back; a creation kept
+on failure and rolled back leaves nothing. One lab for the module."""
 
 from __future__ import annotations
 
@@ -133,8 +134,34 @@ def spec_file(tmp: Path, name: str, **changes: Any) -> Path:
     return path
 
 
-def test_the_example_becomes_a_slinky_cluster_and_its_deletion_leaves_nothing(lab: FleetLab, tmp_path: Path) -> None:
-    done, result = cli(lab, "cluster", "create", "examples/cluster.yaml", "--backend", "slinky", "--wait")
+def accounting_processes(folder: Path) -> list[int]:
+    """Each slurmdbd or mariadbd of the cluster whose folder is ``folder`` (its slurm.conf in
+    slurmdbd's environment, its folder on mariadbd's command line)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            comm = (entry / "comm").read_text().strip()
+            if comm == "slurmdbd":
+                ours = f"SLURM_CONF={folder}/slurm.conf".encode() in (entry / "environ").read_bytes().split(b"\0")
+            else:
+                ours = comm == "mariadbd" and str(folder).encode() in (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if ours:
+            found.append(int(entry.name))
+    return found
+
+
+def test_the_example_with_accounting_becomes_a_slinky_cluster_and_its_deletion_leaves_nothing(
+    lab: FleetLab, tmp_path: Path
+) -> None:
+    # examples/cluster.yaml with accounting, naming the database password Secret the lab seeds.
+    secret_ref = {"namespace": "gpufleet", "name": "lab-db", "key": "password"}
+    storage = {"host": "mariadb.db.svc", "password_secret": secret_ref}
+    path = spec_file(tmp_path, NAME, accounting=True, accounting_storage=storage)
+    done, result = cli(lab, "cluster", "create", str(path), "--backend", "slinky", "--wait")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert result["outcome"] == "ready" and result["backend"] == "slinky"
     assert result["partitions"] == [{"name": "train", "nodes": 2}, {"name": "debug", "nodes": 1}]
@@ -180,11 +207,32 @@ def test_the_example_becomes_a_slinky_cluster_and_its_deletion_leaves_nothing(la
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
+    # Accounting: the cluster's slurmdbd has each account and each user in it, added by the
+    # creation through slurmrestd's accounting API, and sacctmgr on the cluster sees them.
+    users = next(e["detail"] for e in timeline if e["step"] == "accounts_and_users" and e["event"] == "done")
+    for added in ("account language", "account vision", "user alice in vision", "user bob in language"):
+        assert added in users, users
+    wanted = {("language", ""), ("vision", ""), ("vision", "alice"), ("language", "bob")}
+    client = SlurmRestClient(url, base64.b64decode(secret["data"]["jwt_hs256.key"]))
+    client.detect_version()
+    assert wanted <= client.associations(NAME), client.associations(NAME)
+    client.close()
+    shown = slurm(lab, NAME, "sacctmgr", "-n", "-P", "show", "assoc", "format=cluster,account,user")
+    assert {f"{NAME}|{account}|{user}" for account, user in wanted} <= set(shown.split()), shown
+    folder = (lab.home / "clusters" / NAME).resolve()
+    assert len(accounting_processes(folder)) == 2
+
     pids = cluster_pids(lab, NAME)
-    assert len(pids) == 5  # slurmctld, three slurmd, slurmrestd
-    done, result = cli(lab, "cluster", "delete", NAME, "--wait")
-    assert done.returncode == 0 and result["outcome"] == "deleted", done.stdout[-3000:] + done.stderr[-3000:]
+    assert len(pids) == 7  # slurmctld, three slurmd, slurmrestd, slurmdbd, MariaDB
+    # Its deletion removes the cluster's associations, then its slurmdbd and database go.
+    done = gpufleet_cli("cluster", "delete", NAME, "--wait", env=lab.env(), timeout=300)
+    assert done.returncode == 0 and f"cluster {NAME} is deleted" in done.stdout, done.stdout[-3000:] + done.stderr
+    said = " ".join(done.stdout.split())  # as the console wrapped it
+    removed = said[said.index("remove_accounts done") :].split(" remove_accounts ")[0][:400]
+    for gone in ("user alice from vision", "user bob from language", "account language", "account vision"):
+        assert gone in removed, removed
     assert_all_gone(lab, NAME, pids)
+    assert accounting_processes(folder) == []
 
 
 def test_a_worker_killed_during_bring_up_leaves_a_creation_that_ends_once_a_worker_is_back(
