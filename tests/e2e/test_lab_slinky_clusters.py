@@ -3,10 +3,10 @@ examples/cluster.yaml --backend slinky` applies its objects to the emulated API 
 Slinky's CRDs), the operator stand-in brings the cluster up from them (slurmctld, slurmrestd and
 its Service, one slurmd -Z per NodeSet pod on the reserved nodes, Slurm 26.05), the smoke jobs run
 as the spec's first user, who exists only in the cluster's user database; with accounting, the
-cluster's own slurmdbd and MariaDB run for its Accounting and each account and user is added
-through the cluster's slurmrestd. `cluster delete` takes it all down and gives the nodes back. A
-worker killed during bring-up leaves a creation that ends once a worker is back; a creation kept
-on failure and rolled back leaves nothing. One lab for the module."""
+cluster's own slurmdbd and MariaDB run for its Accounting (one added later too) and each account
+and user is added through the cluster's slurmrestd. `cluster delete` takes it all down and gives
+the nodes back. A worker killed during bring-up leaves a creation that ends once a worker is back;
+a creation kept on failure and rolled back leaves nothing. One lab for the module."""
 
 from __future__ import annotations
 
@@ -27,16 +27,20 @@ import yaml
 
 from clients.kube import KubernetesApi
 from clients.pool import free_nodes, holdings
-from clients.slurmrest import SlurmRestClient
+from clients.slurmrest import SlurmRestClient, SlurmRestError
 from lab.fleet import FleetLab
 from lab.procs import alive, wait_for
 from lab.slurmroots import root_unavailable
+from models.cluster import ClusterSpec
+from models.slinky import slinky_objects
 from tests.conftest import REPO, gpufleet_cli
 
 RELEASE = "26.05"
 NAME = "research"
 NS = f"slurm-{NAME}"
 SLINKY = "/apis/slinky.slurm.net/v1beta1"
+# A spec with accounting names the database password Secret `lab up --flavor slinky` seeds.
+STORAGE = {"host": "mariadb.db.svc", "password_secret": {"namespace": "gpufleet", "name": "lab-db", "key": "password"}}
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.slurm,
@@ -154,14 +158,8 @@ def accounting_processes(folder: Path) -> list[int]:
     return found
 
 
-def test_the_example_with_accounting_becomes_a_slinky_cluster_and_its_deletion_leaves_nothing(
-    lab: FleetLab, tmp_path: Path
-) -> None:
-    # examples/cluster.yaml with accounting, naming the database password Secret the lab seeds.
-    secret_ref = {"namespace": "gpufleet", "name": "lab-db", "key": "password"}
-    storage = {"host": "mariadb.db.svc", "password_secret": secret_ref}
-    path = spec_file(tmp_path, NAME, accounting=True, accounting_storage=storage)
-    done, result = cli(lab, "cluster", "create", str(path), "--backend", "slinky", "--wait")
+def test_the_example_becomes_a_slinky_cluster_and_its_deletion_leaves_nothing(lab: FleetLab, tmp_path: Path) -> None:
+    done, result = cli(lab, "cluster", "create", "examples/cluster.yaml", "--backend", "slinky", "--wait")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert result["outcome"] == "ready" and result["backend"] == "slinky"
     assert result["partitions"] == [{"name": "train", "nodes": 2}, {"name": "debug", "nodes": 1}]
@@ -203,35 +201,87 @@ def test_the_example_with_accounting_becomes_a_slinky_cluster_and_its_deletion_l
         )
         assert client.wait_job(job, user="alice", timeout=60) == "COMPLETED"
         assert (out / "id").read_text().strip() == "20001" and (out / "id").stat().st_uid == 20001
-        client.close()
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
-    # Accounting: the cluster's slurmdbd has each account and each user in it, added by the
-    # creation through slurmrestd's accounting API, and sacctmgr on the cluster sees them.
+    # An Accounting that appears once the cluster runs: its slurmdbd and MariaDB start, and the
+    # cluster's slurmrestd, started again at the same address, serves the accounting API.
+    folder = (lab.home / "clusters" / NAME).resolve()
+    raw = {**yaml.safe_load((REPO / "examples" / "cluster.yaml").read_text()), "accounting": True}
+    rendered = slinky_objects(ClusterSpec.model_validate({**raw, "accounting_storage": STORAGE}), {})
+    accounting = next(o for o in rendered if o["kind"] == "Accounting")
+    with api(lab) as http:
+        http.post(f"{SLINKY}/namespaces/{NS}/accountings", json=accounting).raise_for_status()
+        http.patch(
+            f"{SLINKY}/namespaces/{NS}/controllers/{NAME}",
+            content=json.dumps({"spec": {"accountingRef": {"name": NAME}}}),
+            headers={"Content-Type": "application/merge-patch+json"},
+        ).raise_for_status()
+
+    def associations() -> set[tuple[str, str]] | None:
+        try:
+            return client.associations(NAME)
+        except SlurmRestError:
+            return None
+
+    found = wait_for(associations, timeout=60, what="the cluster's slurmrestd to serve its accounting")
+    assert ("root", "") in found and len(accounting_processes(folder)) == 2
+    # Its deletion stops them and removes the database; slurmrestd serves Slurm without it.
+    with api(lab) as http:
+        http.delete(f"{SLINKY}/namespaces/{NS}/accountings/{NAME}").raise_for_status()
+    wait_for(lambda: not accounting_processes(folder), timeout=60, what="the cluster's slurmdbd and MariaDB to stop")
+    wait_for(lambda: associations() is None and client.ping(), timeout=30, what="slurmrestd without accounting")
+    assert not (folder / "db").exists()
+    client.close()
+
+    pids = cluster_pids(lab, NAME)
+    assert len(pids) == 5  # slurmctld, three slurmd, slurmrestd
+    done, result = cli(lab, "cluster", "delete", NAME, "--wait")
+    assert done.returncode == 0 and result["outcome"] == "deleted", done.stdout[-3000:] + done.stderr[-3000:]
+    assert_all_gone(lab, NAME, pids)
+
+
+def test_a_cluster_with_accounting_gets_its_accounts_and_users_and_its_deletion_removes_them(
+    lab: FleetLab, tmp_path: Path
+) -> None:
+    name = "ledger"
+    path = spec_file(tmp_path, name, accounting=True, accounting_storage=STORAGE)
+    done, result = cli(lab, "cluster", "create", str(path), "--backend", "slinky", "--wait")
+    assert done.returncode == 0 and result["outcome"] == "ready", done.stdout[-3000:] + done.stderr[-3000:]
+    folder = (lab.home / "clusters" / name).resolve()
+    assert len(accounting_processes(folder)) == 2
+
+    # "Accounts and users" added each account and each user in it through the cluster's
+    # slurmrestd, which serves the accounting API of the cluster's own slurmdbd...
+    timeline = show(lab, name)["timeline"]
     users = next(e["detail"] for e in timeline if e["step"] == "accounts_and_users" and e["event"] == "done")
     for added in ("account language", "account vision", "user alice in vision", "user bob in language"):
         assert added in users, users
     wanted = {("language", ""), ("vision", ""), ("vision", "alice"), ("language", "bob")}
+    with api(lab) as http:
+        service = http.get(f"/api/v1/namespaces/slurm-{name}/services/{name}-restapi").raise_for_status().json()
+        secret = http.get(f"/api/v1/namespaces/slurm-{name}/secrets/{name}-jwt-key").raise_for_status().json()
+    url = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
     client = SlurmRestClient(url, base64.b64decode(secret["data"]["jwt_hs256.key"]))
     client.detect_version()
-    assert wanted <= client.associations(NAME), client.associations(NAME)
+    assert wanted <= client.associations(name), client.associations(name)
     client.close()
-    shown = slurm(lab, NAME, "sacctmgr", "-n", "-P", "show", "assoc", "format=cluster,account,user")
-    assert {f"{NAME}|{account}|{user}" for account, user in wanted} <= set(shown.split()), shown
-    folder = (lab.home / "clusters" / NAME).resolve()
-    assert len(accounting_processes(folder)) == 2
+    # ...and sacctmgr on the cluster sees them; the smoke jobs ran as alice.
+    shown = slurm(lab, name, "sacctmgr", "-n", "-P", "show", "assoc", "format=cluster,account,user")
+    assert {f"{name}|{account}|{user}" for account, user in wanted} <= set(shown.split()), shown
+    smoke = next(e["detail"] for e in timeline if e["step"] == "smoke_test" and e["event"] == "done")
+    assert smoke.count("as alice COMPLETED") == 2, smoke
 
-    pids = cluster_pids(lab, NAME)
+    pids = cluster_pids(lab, name)
     assert len(pids) == 7  # slurmctld, three slurmd, slurmrestd, slurmdbd, MariaDB
     # Its deletion removes the cluster's associations, then its slurmdbd and database go.
-    done = gpufleet_cli("cluster", "delete", NAME, "--wait", env=lab.env(), timeout=300)
-    assert done.returncode == 0 and f"cluster {NAME} is deleted" in done.stdout, done.stdout[-3000:] + done.stderr
+    done = gpufleet_cli("cluster", "delete", name, "--wait", env=lab.env(), timeout=300)
+    assert done.returncode == 0 and f"cluster {name} is deleted" in done.stdout, done.stdout[-3000:] + done.stderr
     said = " ".join(done.stdout.split())  # as the console wrapped it
-    removed = said[said.index("remove_accounts done") :].split(" remove_accounts ")[0][:400]
+    removed = said[said.index("remove_accounts done") :][:400]
     for gone in ("user alice from vision", "user bob from language", "account language", "account vision"):
         assert gone in removed, removed
-    assert_all_gone(lab, NAME, pids)
+    assert_all_gone(lab, name, pids)
     assert accounting_processes(folder) == []
 
 
