@@ -229,9 +229,12 @@ def test_the_example_becomes_a_slinky_cluster_and_its_deletion_leaves_nothing(la
     # Its deletion stops them and removes the database; slurmrestd serves Slurm without it.
     with api(lab) as http:
         http.delete(f"{SLINKY}/namespaces/{NS}/accountings/{NAME}").raise_for_status()
-    wait_for(lambda: not accounting_processes(folder), timeout=60, what="the cluster's slurmdbd and MariaDB to stop")
+    wait_for(
+        lambda: not accounting_processes(folder) and not (folder / "db").exists(),
+        timeout=60,
+        what="the cluster's slurmdbd and MariaDB to stop and its database to go",
+    )
     wait_for(lambda: associations() is None and client.ping(), timeout=30, what="slurmrestd without accounting")
-    assert not (folder / "db").exists()
     client.close()
 
     pids = cluster_pids(lab, NAME)
