@@ -208,6 +208,10 @@ class Accounting:
             did.append("slurmdbd started")
         if self.add_cluster(env, cluster):
             did.append(f"cluster {cluster} registered")
+            # A new registration gives the cluster a new ClusterID; a slurmctld that ran before
+            # (accounting turned on later, or a database made again) keeps its old one in its
+            # state and would refuse to start with the database's ("CLUSTER ID MISMATCH").
+            (self.root / "state" / "clustername").unlink(missing_ok=True)
         return ", ".join(did) or "MariaDB and slurmdbd were running"
 
     def start_database(self, record: Callable[[str, int], None], env: dict[str, str], *, timeout: float) -> None:

@@ -25,10 +25,12 @@ from lab.kubeapi import inference_workloads, lab_workloads, merge_seeds, node_ob
 from lab.procs import alive, free_port, port_in_use, spawn, stop, wait_for
 from lab.prometheus import prometheus_installed, start_prometheus
 from lab.slinkylab import (
+    DB_SECRET,
     FLAVORS,
     SLINKY_RELEASE,
     cluster_objects,
     create_objects,
+    db_secret_objects,
     nodeset_name,
     nodeset_pods,
     slinky_nodes,
@@ -393,6 +395,8 @@ class FleetLab:
         create_objects(api, objects)
         names = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in objects if o["kind"] != "Namespace")
         say(f"Slinky cluster {self.config.cluster} in namespace slurm-{self.config.cluster}: {names}")
+        create_objects(api, db_secret_objects())  # what a spec with accounting names (lab/slinkylab.py)
+        say("database password Secret for clusters with accounting: {}/{} (key {})".format(*DB_SECRET))
         if not _runs(services, "operator"):
             pid, _ = self._start_module(
                 "operator",

@@ -37,7 +37,8 @@ undoes only its own.
 
 With ``--clusters DIR`` it also brings up every other Slinky cluster whose ``Controller`` appears
 in the API (but ``--own``, the lab's own), each a ``DynamicSlurmLab`` of its own under
-``DIR/<name>`` with its slurmrestd and Service, and takes each down when its objects go
+``DIR/<name>`` with its slurmrestd and Service, and the slurmdbd and MariaDB of the ``Accounting``
+it references, and takes each down when its objects go
 (lab/slinkyclusters.py); its NodeSets' pods are reconciled as above, against its Slurm.
 
 Run it as ``python -m lab.operator --api URL --slurm-root DIR [--bind DIR] [--clusters DIR --own
@@ -597,6 +598,14 @@ class Operator:
             if cluster is None:
                 return
         self._settling.pop(key, None)
+        # Accounting first: a slurmrestd started after it serves the accounting API too.
+        if group.accountings and not cluster.accounting_runs() and (missing := cluster.accounting_missing()):
+            self._say_once(f"cluster {key}: Accounting {group.accountings[0]['metadata']['name']} not run: {missing}")
+        elif group.accountings:
+            if said := cluster.start_accounting(group.accountings[0]):
+                self.log(f"cluster {key}: {said}")
+        elif said := cluster.stop_accounting():
+            self.log(f"cluster {key}: {said}")
         for restapi in group.restapis:
             if not cluster.restapi_port():
                 port = cluster.start_restapi()
@@ -605,11 +614,6 @@ class Operator:
         if not group.restapis and cluster.restapi_port():
             cluster.stop_restapi()
             self.log(f"cluster {key}: slurmrestd stopped, its RestApi is gone")
-        for accounting in group.accountings:
-            said = cluster.start_accounting(accounting)
-            if said and said not in self._said:
-                self._said.add(said)
-                self.log(f"cluster {key}: {said}")
 
     def bring_up(self, key: str, group: ClusterObjects) -> SlinkyCluster | None:
         """slurmctld for the Controller, with its JWT key and its users; None while a Secret it

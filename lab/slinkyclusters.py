@@ -14,7 +14,12 @@ under ``$GPUFLEET_HOME/clusters/<name>``, as slurm-operator makes a cluster from
   daemons, jobs and commands only;
 - a ``RestApi`` referencing the Controller: slurmrestd (lab/slurmrest.py), and the Service
   ``<restapi>-restapi`` the operator makes, its ``clusterIP`` 127.0.0.1 and its port slurmrestd's;
-- an ``Accounting``: not run in the lab yet (``SlinkyCluster.start_accounting`` is where it goes).
+- the ``Accounting`` the Controller references (``accountingRef``): the cluster's own slurmdbd
+  (Slurm 26.05) and MariaDB (lab/accounting.py), the cluster registered under the Controller's
+  ``clusterName``, slurmrestd serving ``openapi/slurmdbd`` too. The lab runs its own database and
+  ignores the Accounting's ``storageConfig``. An Accounting that appears after the cluster is up
+  starts them on the running cluster (slurmctld and slurmrestd restarted to use them); one that
+  goes stops them and removes the database.
 
 The NodeSet pods themselves (a ``slurmd -Z`` each) are the operator's NodeSet controller's work,
 as for the lab's own cluster. Everything a cluster runs is recorded in its folder (``pids.json``,
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lab.accounting import Accounting, accounting_unavailable
 from lab.dynamic import RELEASE, DynamicSlurmLab
 from lab.procs import alive, stop
 from lab.slurmrest import jwt_lines, start_slurmrestd
@@ -226,7 +232,7 @@ def restapi_service(restapi: dict[str, Any], port: int) -> dict[str, Any]:
 
 class SlinkyCluster:
     """One Slinky cluster's Slurm on this machine: slurmctld (a ``DynamicSlurmLab``), its
-    slurmrestd, and (later) its slurmdbd, all recorded under ``folder``."""
+    slurmrestd, and its slurmdbd and MariaDB, all recorded under ``folder``."""
 
     def __init__(self, folder: Path, *, binds: list[Path] | None = None) -> None:
         self.folder = folder.resolve()
@@ -264,7 +270,9 @@ class SlinkyCluster:
     def start(
         self, objects: ClusterObjects, jwt_key: bytes, users: dict[str, str], *, timeout: float = 60.0
     ) -> DynamicSlurmLab:
-        """slurmctld for the Controller and its NodeSets, with its JWT key and users."""
+        """slurmctld for the Controller and its NodeSets, with its JWT key and users; with the
+        Accounting it references (where the host can run one: ``accounting_missing``), its
+        slurmdbd and MariaDB first."""
         if problem := too_deep(self.folder, objects.nodeset_names):
             raise ValueError(problem)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -284,6 +292,7 @@ class SlinkyCluster:
             partitions=partition_configs(objects.nodesets),
             cluster_name=str((objects.controller.get("spec") or {}).get("clusterName") or objects.name),
         )
+        slurm.with_accounting = bool(objects.accountings) and not accounting_unavailable(slurm.install)
         root = slurm.install.root or Path("/")
         self.users_folder.mkdir(mode=0o755, exist_ok=True)
         for name in ("passwd", "group"):
@@ -308,16 +317,28 @@ class SlinkyCluster:
         found = self._restapi()
         return int(found.get("port", 0)) if found and alive(int(found.get("pid", 0))) else 0
 
-    def start_restapi(self) -> int:
-        """slurmrestd for the cluster (its users known to it); returns its port."""
+    def start_restapi(self, port: int | None = None) -> int:
+        """slurmrestd for the cluster (its users known to it), on ``port`` (default: a free one),
+        serving the accounting API where the cluster has slurmdbd; returns its port."""
         slurm = self.slurm()
-        restd = start_slurmrestd(slurm, users=self.users_folder)
+        restd = start_slurmrestd(slurm, users=self.users_folder, port=port)
         slurm._record("slurmrestd", restd.pid)
         port = int(restd.url.rsplit(":", 1)[1])
+        accounting = slurm.accounting is not None
         (self.folder / "restapi.json").write_text(
-            json.dumps({"pid": restd.pid, "port": port, "folder": str(restd.folder)})
+            json.dumps({"pid": restd.pid, "port": port, "folder": str(restd.folder), "accounting": accounting})
         )
         return port
+
+    def restart_restapi_for_accounting(self) -> str:
+        """A running slurmrestd started before the cluster's accounting changed (it reads its own
+        copy of slurm.conf) started again on its port; ', slurmrestd restarted' when it was."""
+        port = self.restapi_port()
+        if not port or bool(self._restapi().get("accounting")) == (self.slurm().accounting is not None):
+            return ""
+        self.stop_restapi()
+        self.start_restapi(port)
+        return ", slurmrestd restarted"
 
     def stop_restapi(self) -> None:
         found = self._restapi()
@@ -329,10 +350,36 @@ class SlinkyCluster:
 
     # -- accounting -------------------------------------------------------------------------------
 
-    def start_accounting(self, accounting: dict[str, Any]) -> str:
-        """What the cluster's ``Accounting`` runs: slurmdbd and its database, in one call once the
-        lab runs them for Slinky clusters; until then, says so."""
-        return f"Accounting {accounting['metadata']['name']}: slurmdbd is not run for Slinky clusters in the lab yet"
+    def accounting_missing(self) -> str:
+        """What the host lacks to run an Accounting ('' when nothing)."""
+        return accounting_unavailable(self.slurm().install)
+
+    def accounting_runs(self) -> bool:
+        """Whether the cluster's slurm.conf names slurmdbd, and its slurmdbd and MariaDB run."""
+        slurm = self.slurm()
+        pids = slurm.pids()
+        return slurm.accounting is not None and all(alive(pids.get(name, 0)) for name in ("slurmdbd", "mariadbd"))
+
+    def start_accounting(self, accounting: dict[str, Any], *, timeout: float = 60.0) -> str:
+        """What the cluster's ``Accounting`` runs on the running cluster: MariaDB and slurmdbd
+        (those running kept), the cluster registered, slurmctld and slurmrestd restarted to use
+        them. Says what it did; '' when all of it ran already."""
+        slurm = self.slurm()
+        did = "" if self.accounting_runs() else slurm.start_accounting(timeout=timeout)
+        did += self.restart_restapi_for_accounting()
+        return f"Accounting {accounting['metadata']['name']}: {did.lstrip(', ')}" if did else ""
+
+    def stop_accounting(self, *, timeout: float = 60.0) -> str:
+        """The cluster's Accounting gone: its slurmdbd and MariaDB stopped, its database removed,
+        slurmctld and slurmrestd restarted without them. Says what it did; '' when none ran."""
+        slurm = self.slurm()
+        database = Accounting(self.folder, None).folder
+        if slurm.accounting is None and not database.exists():
+            return ""
+        did = slurm.stop_accounting(timeout=timeout)
+        shutil.rmtree(database, ignore_errors=True)
+        (self.folder / "slurmdbd.conf").unlink(missing_ok=True)
+        return f"its Accounting is gone: {did}, its database removed{self.restart_restapi_for_accounting()}"
 
     # -- down -------------------------------------------------------------------------------------
 

@@ -9,6 +9,11 @@ slurmrestd use), the ``Controller``, one StatefulSet-mode ``NodeSet`` ``<cluster
 (its partition in Slurm is named after it) and the ``RestApi``. The training Kubernetes nodes
 carry the labels the NodeSet's ``nodeSelector`` asks for; the spares do not, so they are
 Kubernetes nodes with no Slurm node until a pod lands there.
+
+Beside them, the database password Secret ``gpufleet/lab-db`` (key ``password``), labelled
+``gpufleet.io/copy-to-clusters=true``, which a cluster spec with accounting names in its
+``accounting_storage`` (``SlinkyBackend.unsupported`` asks for one). The lab runs each cluster's
+database itself (lab/slinkyclusters.py), so the password is copied but not used.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ import httpx
 
 from lab.kubeapi import node_object, training_node
 from models.cluster import ClusterSpec
-from models.slinky import API, CLUSTER_LABEL, PARTITION_LABEL, cluster_namespace, slinky_objects
+from models.slinky import API, CLUSTER_LABEL, COPY_LABEL, PARTITION_LABEL, cluster_namespace, slinky_objects
 
 FLAVORS = ("default", "slinky")
 # Dynamic nodes (slurmd -Z per pod, NodeSet partitions) need Slurm 26.05 here (lab/dynamic.py).
 SLINKY_RELEASE = "26.05"
 JWT_KEY = "jwt_hs256.key"
+# The database password Secret a spec with accounting names: namespace, name, key.
+DB_SECRET = ("gpufleet", "lab-db", "password")
 # The objects of a Slinky cluster the lab creates (models/slinky.py renders more: the Slurm key,
 # users, sssd, remediation ConfigMap and LoginSet play no part in the lab).
 _KINDS = ("Namespace", "Controller", "NodeSet", "RestApi")
@@ -66,6 +73,20 @@ def cluster_objects(cluster: str, partition: str, replicas: int, jwt_key: bytes)
             continue
         objects.append(obj)
     return objects
+
+
+def db_secret_objects() -> list[dict[str, Any]]:
+    """The Namespace and the labelled database password Secret ``DB_SECRET`` (a new password;
+    one already there is kept by ``create_objects``)."""
+    namespace, name, key = DB_SECRET
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": namespace, "labels": {COPY_LABEL: "true"}},
+        "type": "Opaque",
+        "data": {key: base64.b64encode(secrets.token_hex(16).encode()).decode()},
+    }
+    return [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}, secret]
 
 
 def create_objects(api: str, objects: list[dict[str, Any]]) -> None:

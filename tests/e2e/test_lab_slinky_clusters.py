@@ -2,10 +2,11 @@
 examples/cluster.yaml --backend slinky` applies its objects to the emulated API (checked against
 Slinky's CRDs), the operator stand-in brings the cluster up from them (slurmctld, slurmrestd and
 its Service, one slurmd -Z per NodeSet pod on the reserved nodes, Slurm 26.05), the smoke jobs run
-as the spec's first user, who exists only in the cluster's user database; `cluster delete` takes
-it all down and gives the nodes back. A worker killed during bring-up leaves a creation that ends
-once a worker is back; a creation kept on failure and rolled back leaves nothing. One lab for the
-module."""
+as the spec's first user, who exists only in the cluster's user database; with accounting, the
+cluster's own slurmdbd and MariaDB run for its Accounting (one added later too) and each account
+and user is added through the cluster's slurmrestd. `cluster delete` takes it all down and gives
+the nodes back. A worker killed during bring-up leaves a creation that ends once a worker is back;
+a creation kept on failure and rolled back leaves nothing. One lab for the module."""
 
 from __future__ import annotations
 
@@ -26,16 +27,20 @@ import yaml
 
 from clients.kube import KubernetesApi
 from clients.pool import free_nodes, holdings
-from clients.slurmrest import SlurmRestClient
+from clients.slurmrest import SlurmRestClient, SlurmRestError
 from lab.fleet import FleetLab
 from lab.procs import alive, wait_for
 from lab.slurmroots import root_unavailable
+from models.cluster import ClusterSpec
+from models.slinky import slinky_objects
 from tests.conftest import REPO, gpufleet_cli
 
 RELEASE = "26.05"
 NAME = "research"
 NS = f"slurm-{NAME}"
 SLINKY = "/apis/slinky.slurm.net/v1beta1"
+# A spec with accounting names the database password Secret `lab up --flavor slinky` seeds.
+STORAGE = {"host": "mariadb.db.svc", "password_secret": {"namespace": "gpufleet", "name": "lab-db", "key": "password"}}
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.slurm,
@@ -133,6 +138,26 @@ def spec_file(tmp: Path, name: str, **changes: Any) -> Path:
     return path
 
 
+def accounting_processes(folder: Path) -> list[int]:
+    """Each slurmdbd or mariadbd of the cluster whose folder is ``folder`` (its slurm.conf in
+    slurmdbd's environment, its folder on mariadbd's command line)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            comm = (entry / "comm").read_text().strip()
+            if comm == "slurmdbd":
+                ours = f"SLURM_CONF={folder}/slurm.conf".encode() in (entry / "environ").read_bytes().split(b"\0")
+            else:
+                ours = comm == "mariadbd" and str(folder).encode() in (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if ours:
+            found.append(int(entry.name))
+    return found
+
+
 def test_the_example_becomes_a_slinky_cluster_and_its_deletion_leaves_nothing(lab: FleetLab, tmp_path: Path) -> None:
     done, result = cli(lab, "cluster", "create", "examples/cluster.yaml", "--backend", "slinky", "--wait")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -176,15 +201,91 @@ def test_the_example_becomes_a_slinky_cluster_and_its_deletion_leaves_nothing(la
         )
         assert client.wait_job(job, user="alice", timeout=60) == "COMPLETED"
         assert (out / "id").read_text().strip() == "20001" and (out / "id").stat().st_uid == 20001
-        client.close()
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+    # An Accounting that appears once the cluster runs: its slurmdbd and MariaDB start, and the
+    # cluster's slurmrestd, started again at the same address, serves the accounting API.
+    folder = (lab.home / "clusters" / NAME).resolve()
+    raw = {**yaml.safe_load((REPO / "examples" / "cluster.yaml").read_text()), "accounting": True}
+    rendered = slinky_objects(ClusterSpec.model_validate({**raw, "accounting_storage": STORAGE}), {})
+    accounting = next(o for o in rendered if o["kind"] == "Accounting")
+    with api(lab) as http:
+        http.post(f"{SLINKY}/namespaces/{NS}/accountings", json=accounting).raise_for_status()
+        http.patch(
+            f"{SLINKY}/namespaces/{NS}/controllers/{NAME}",
+            content=json.dumps({"spec": {"accountingRef": {"name": NAME}}}),
+            headers={"Content-Type": "application/merge-patch+json"},
+        ).raise_for_status()
+
+    def associations() -> set[tuple[str, str]] | None:
+        try:
+            return client.associations(NAME)
+        except SlurmRestError:
+            return None
+
+    found = wait_for(associations, timeout=60, what="the cluster's slurmrestd to serve its accounting")
+    assert ("root", "") in found and len(accounting_processes(folder)) == 2
+    # Its deletion stops them and removes the database; slurmrestd serves Slurm without it.
+    with api(lab) as http:
+        http.delete(f"{SLINKY}/namespaces/{NS}/accountings/{NAME}").raise_for_status()
+    wait_for(
+        lambda: not accounting_processes(folder) and not (folder / "db").exists(),
+        timeout=60,
+        what="the cluster's slurmdbd and MariaDB to stop and its database to go",
+    )
+    wait_for(lambda: associations() is None and client.ping(), timeout=30, what="slurmrestd without accounting")
+    client.close()
 
     pids = cluster_pids(lab, NAME)
     assert len(pids) == 5  # slurmctld, three slurmd, slurmrestd
     done, result = cli(lab, "cluster", "delete", NAME, "--wait")
     assert done.returncode == 0 and result["outcome"] == "deleted", done.stdout[-3000:] + done.stderr[-3000:]
     assert_all_gone(lab, NAME, pids)
+
+
+def test_a_cluster_with_accounting_gets_its_accounts_and_users_and_its_deletion_removes_them(
+    lab: FleetLab, tmp_path: Path
+) -> None:
+    name = "ledger"
+    path = spec_file(tmp_path, name, accounting=True, accounting_storage=STORAGE)
+    done, result = cli(lab, "cluster", "create", str(path), "--backend", "slinky", "--wait")
+    assert done.returncode == 0 and result["outcome"] == "ready", done.stdout[-3000:] + done.stderr[-3000:]
+    folder = (lab.home / "clusters" / name).resolve()
+    assert len(accounting_processes(folder)) == 2
+
+    # "Accounts and users" added each account and each user in it through the cluster's
+    # slurmrestd, which serves the accounting API of the cluster's own slurmdbd...
+    timeline = show(lab, name)["timeline"]
+    users = next(e["detail"] for e in timeline if e["step"] == "accounts_and_users" and e["event"] == "done")
+    for added in ("account language", "account vision", "user alice in vision", "user bob in language"):
+        assert added in users, users
+    wanted = {("language", ""), ("vision", ""), ("vision", "alice"), ("language", "bob")}
+    with api(lab) as http:
+        service = http.get(f"/api/v1/namespaces/slurm-{name}/services/{name}-restapi").raise_for_status().json()
+        secret = http.get(f"/api/v1/namespaces/slurm-{name}/secrets/{name}-jwt-key").raise_for_status().json()
+    url = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+    client = SlurmRestClient(url, base64.b64decode(secret["data"]["jwt_hs256.key"]))
+    client.detect_version()
+    assert wanted <= client.associations(name), client.associations(name)
+    client.close()
+    # ...and sacctmgr on the cluster sees them; the smoke jobs ran as alice.
+    shown = slurm(lab, name, "sacctmgr", "-n", "-P", "show", "assoc", "format=cluster,account,user")
+    assert {f"{name}|{account}|{user}" for account, user in wanted} <= set(shown.split()), shown
+    smoke = next(e["detail"] for e in timeline if e["step"] == "smoke_test" and e["event"] == "done")
+    assert smoke.count("as alice COMPLETED") == 2, smoke
+
+    pids = cluster_pids(lab, name)
+    assert len(pids) == 7  # slurmctld, three slurmd, slurmrestd, slurmdbd, MariaDB
+    # Its deletion removes the cluster's associations, then its slurmdbd and database go.
+    done = gpufleet_cli("cluster", "delete", name, "--wait", env=lab.env(), timeout=300)
+    assert done.returncode == 0 and f"cluster {name} is deleted" in done.stdout, done.stdout[-3000:] + done.stderr
+    said = " ".join(done.stdout.split())  # as the console wrapped it
+    removed = said[said.index("remove_accounts done") :][:400]
+    for gone in ("user alice from vision", "user bob from language", "account language", "account vision"):
+        assert gone in removed, removed
+    assert_all_gone(lab, name, pids)
+    assert accounting_processes(folder) == []
 
 
 def test_a_worker_killed_during_bring_up_leaves_a_creation_that_ends_once_a_worker_is_back(

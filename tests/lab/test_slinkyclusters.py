@@ -27,9 +27,10 @@ from lab.slinkyclusters import (
     secret_value,
     too_deep,
 )
+from lab.slinkylab import DB_SECRET, db_secret_objects
 from models.cluster import load_spec
 from models.settings import Settings
-from models.slinky import slinky_objects
+from models.slinky import COPY_LABEL, slinky_objects
 from tests.models.test_cluster_spec import EXAMPLE
 
 
@@ -154,3 +155,17 @@ def test_a_created_clusters_pods_may_go_to_a_node_the_pool_gave_to_training() ->
         assert schedulable(node, pod_spec) == (wanted == "train"), nodeset["metadata"]["name"]
     inference_pod = {"nodeSelector": {}}
     assert not schedulable(node, inference_pod)  # the taint still keeps others off
+
+
+def test_the_labs_database_password_secret_is_one_a_spec_with_accounting_may_name() -> None:
+    namespace, name, key = DB_SECRET
+    made = db_secret_objects()
+    assert [o["kind"] for o in made] == ["Namespace", "Secret"] and made[0]["metadata"]["name"] == namespace
+    secret = made[1]
+    assert (secret["metadata"]["namespace"], secret["metadata"]["name"]) == (namespace, name)
+    assert secret["metadata"]["labels"] == {COPY_LABEL: "true"} and len(secret_value(secret, key) or b"") == 32
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    storage = {"host": "mariadb.db.svc", "password_secret": {"namespace": namespace, "name": name, "key": key}}
+    spec = load_spec({**raw, "accounting": True, "accounting_storage": storage})
+    accounting = of(slinky_objects(spec, {}), "Accounting")[0]
+    assert accounting["spec"]["storageConfig"]["passwordKeyRef"] == {"name": "research-db-password", "key": "password"}
