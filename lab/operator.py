@@ -631,24 +631,28 @@ class Operator:
         if cluster.controller() not in ("", key):
             self._say_once(f"cluster {key}: {cluster.folder} is another cluster's")
             return None
-        cluster.stop()  # what a start cut short left
-        cluster.start(group, jwt, users)
+        cluster.stop(restart=True)  # what a start cut short left; its database kept
+        # Tracked before it starts: a start that fails halfway is stopped with its Controller.
         self.managed[key] = cluster
+        cluster.start(group, jwt, users)
         partitions = ", ".join(group.nodeset_names)
         self.log(f"cluster {key}: slurmctld up (Slurm {RELEASE}), partitions {partitions}, in {cluster.folder}")
         return cluster
 
     def take_down(self, key: str, *, objects: bool = True) -> None:
-        """Stop everything the cluster runs (slurmrestd, every slurmd, slurmctld) and, with
-        ``objects``, delete what the operator made for it in the API (its pods, Service, budget)."""
+        """Stop everything the cluster runs (slurmrestd, every slurmd, slurmctld, slurmdbd and
+        MariaDB) and, with ``objects`` (its Controller gone), remove its folder and delete what
+        the operator made for it in the API (its pods, Service, budget); without, its Slurm is to
+        start again and its database is kept."""
         cluster = self.managed.pop(key)
         slurm = cluster.slurm()
         for name in slurm.pods():
             self.started.pop(name, None)
-        cluster.stop()
-        self.log(f"cluster {key}: Slurm stopped, {cluster.folder} removed")
+        cluster.stop(restart=not objects)
         if not objects:
+            self.log(f"cluster {key}: Slurm stopped, its database kept in {cluster.folder}")
             return
+        self.log(f"cluster {key}: Slurm stopped, {cluster.folder} removed")
         namespace, name = key.split("/", 1)
         pods = self.http.get(f"/api/v1/namespaces/{namespace}/pods").raise_for_status().json()["items"]
         for pod in pods:

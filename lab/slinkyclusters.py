@@ -19,12 +19,14 @@ under ``$GPUFLEET_HOME/clusters/<name>``, as slurm-operator makes a cluster from
   ``clusterName``, slurmrestd serving ``openapi/slurmdbd`` too. The lab runs its own database and
   ignores the Accounting's ``storageConfig``. An Accounting that appears after the cluster is up
   starts them on the running cluster (slurmctld and slurmrestd restarted to use them); one that
-  goes stops them and removes the database.
+  goes stops them and keeps the database (``db/``, as Slinky's external database outlives its
+  Accounting), which goes with the Controller only.
 
 The NodeSet pods themselves (a ``slurmd -Z`` each) are the operator's NodeSet controller's work,
 as for the lab's own cluster. Everything a cluster runs is recorded in its folder (``pids.json``,
 ``restapi.json``, ``controller.json``), so a restarted operator finds it again and ``lab down``
-stops it (lab/cluster.py ``stop_all``).
+stops it (lab/cluster.py ``stop_all``). Slurm started again (slurmctld gone, a NodeSet added)
+keeps the cluster's database: only a deleted Controller removes the folder.
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ JWT_KEY_FILE = "jwt.key"
 SERVICE_IP = "127.0.0.1"
 # A UNIX socket's path holds at most 107 bytes; slurmd makes one per job step in its spool.
 MAX_SOCKET_PATH = 107
+# What of a cluster's folder outlives its Slurm started again: the accounting database and the
+# slurmdbd.conf that reaches it (lab/accounting.py). Its Controller deleted, they go too.
+DURABLE = ("db", "slurmdbd.conf")
+# Written while an Accounting is being stopped, removed once slurmctld and slurmrestd no longer
+# use it: a stop cut short is finished on the next pass.
+ACCOUNTING_STOPPING = "accounting-stopping"
 
 
 def nodesets_of(conf: Path) -> list[str]:
@@ -370,25 +378,49 @@ class SlinkyCluster:
         return f"Accounting {accounting['metadata']['name']}: {did.lstrip(', ')}" if did else ""
 
     def stop_accounting(self, *, timeout: float = 60.0) -> str:
-        """The cluster's Accounting gone: its slurmdbd and MariaDB stopped, its database removed,
-        slurmctld and slurmrestd restarted without them. Says what it did; '' when none ran."""
+        """The cluster's Accounting gone: its slurmdbd and MariaDB stopped, slurmctld and
+        slurmrestd restarted without them; its database kept (``db/``) for the Controller's
+        lifetime, as Slinky's external database outlives an Accounting. Says what it did; ''
+        when there was nothing to do. A stop cut short (the operator gone halfway) is finished
+        by the next call, slurmrestd's restart included."""
         slurm = self.slurm()
+        marker = self.folder / ACCOUNTING_STOPPING
+        pids = slurm.pids()
+        recorded = any(alive(pids.get(name, 0)) for name in ("slurmdbd", "mariadbd"))
+        did = ""
+        if slurm.accounting is not None or recorded or marker.exists():
+            marker.touch()
+            did = slurm.stop_accounting(timeout=timeout)
+        # Whether slurmrestd still serves the old slurm.conf (restapi.json says how it started)
+        # is decided whatever the rest found to do: a restart cut short is not skipped.
+        restarted = self.restart_restapi_for_accounting()
+        marker.unlink(missing_ok=True)
+        if not did:
+            return f"its Accounting is gone{restarted}" if restarted else ""
         database = Accounting(self.folder, None).folder
-        if slurm.accounting is None and not database.exists():
-            return ""
-        did = slurm.stop_accounting(timeout=timeout)
-        shutil.rmtree(database, ignore_errors=True)
-        (self.folder / "slurmdbd.conf").unlink(missing_ok=True)
-        return f"its Accounting is gone: {did}, its database removed{self.restart_restapi_for_accounting()}"
+        kept = f", its database kept in {database}" if database.exists() else ""
+        return f"its Accounting is gone: {did}{kept}{restarted}"
 
     # -- down -------------------------------------------------------------------------------------
 
-    def stop(self) -> None:
-        """Stop everything the cluster runs and remove its folder."""
+    def stop(self, *, restart: bool = False) -> None:
+        """Stop everything the cluster runs and remove its folder; with ``restart`` (its Slurm to
+        be started again) keep what is durable of it (``DURABLE``: its accounting database)."""
         self.stop_restapi()
         if self.conf.exists() or (self.folder / "pids.json").exists():
             self.slurm().stop()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if not restart:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return
+        if not self.folder.is_dir():
+            return
+        for entry in self.folder.iterdir():
+            if entry.name in DURABLE:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def clusters_under(home: Path, *, binds: list[Path] | None = None) -> dict[str, SlinkyCluster]:

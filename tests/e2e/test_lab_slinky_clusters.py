@@ -4,9 +4,10 @@ Slinky's CRDs), the operator stand-in brings the cluster up from them (slurmctld
 its Service, one slurmd -Z per NodeSet pod on the reserved nodes, Slurm 26.05), the smoke jobs run
 as the spec's first user, who exists only in the cluster's user database; with accounting, the
 cluster's own slurmdbd and MariaDB run for its Accounting (one added later too) and each account
-and user is added through the cluster's slurmrestd. `cluster delete` takes it all down and gives
-the nodes back. A worker killed during bring-up leaves a creation that ends once a worker is back;
-a creation kept on failure and rolled back leaves nothing. One lab for the module."""
+and user is added through the cluster's slurmrestd; they outlive slurmctld killed and brought
+back. `cluster delete` takes it all down and gives the nodes back. A worker killed during
+bring-up leaves a creation that ends once a worker is back; a creation kept on failure and rolled
+back leaves nothing. One lab for the module."""
 
 from __future__ import annotations
 
@@ -226,14 +227,12 @@ def test_the_example_becomes_a_slinky_cluster_and_its_deletion_leaves_nothing(la
 
     found = wait_for(associations, timeout=60, what="the cluster's slurmrestd to serve its accounting")
     assert ("root", "") in found and len(accounting_processes(folder)) == 2
-    # Its deletion stops them and removes the database; slurmrestd serves Slurm without it.
+    # Its deletion stops them and keeps the database (Slinky's is external and outlives it);
+    # slurmrestd serves Slurm without it.
     with api(lab) as http:
         http.delete(f"{SLINKY}/namespaces/{NS}/accountings/{NAME}").raise_for_status()
-    wait_for(
-        lambda: not accounting_processes(folder) and not (folder / "db").exists(),
-        timeout=60,
-        what="the cluster's slurmdbd and MariaDB to stop and its database to go",
-    )
+    wait_for(lambda: not accounting_processes(folder), timeout=60, what="the cluster's slurmdbd and MariaDB to stop")
+    assert (folder / "db" / "data").is_dir() and (folder / "slurmdbd.conf").exists()
     wait_for(lambda: associations() is None and client.ping(), timeout=30, what="slurmrestd without accounting")
     client.close()
 
@@ -274,6 +273,28 @@ def test_a_cluster_with_accounting_gets_its_accounts_and_users_and_its_deletion_
     assert {f"{name}|{account}|{user}" for account, user in wanted} <= set(shown.split()), shown
     smoke = next(e["detail"] for e in timeline if e["step"] == "smoke_test" and e["event"] == "done")
     assert smoke.count("as alice COMPLETED") == 2, smoke
+
+    # slurmctld killed: the operator starts the cluster's Slurm again, and its database with it,
+    # the accounts and users still there.
+    slurmctld = json.loads((folder / "pids.json").read_text())["slurmctld"]
+    os.kill(slurmctld, signal.SIGKILL)
+
+    def back_with_associations() -> bool:
+        try:
+            pids = json.loads((folder / "pids.json").read_text())
+            shown = slurm(lab, name, "sacctmgr", "-n", "-P", "show", "assoc", "format=cluster,account,user")
+            nodes = slurm(lab, name, "sinfo", "-h", "-o", "%t %D")
+        except (OSError, ValueError, subprocess.SubprocessError):
+            return False  # its Slurm is being started again
+        return (
+            pids.get("slurmctld") not in (None, slurmctld)
+            and len(pids) == 7
+            and all(alive(pid) for pid in pids.values())
+            and {f"{name}|{account}|{user}" for account, user in wanted} <= set(shown.split())
+            and nodes.split() == ["idle", "3"]
+        )
+
+    wait_for(back_with_associations, timeout=120, what=f"{name}'s Slurm back with its accounts and users")
 
     pids = cluster_pids(lab, name)
     assert len(pids) == 7  # slurmctld, three slurmd, slurmrestd, slurmdbd, MariaDB

@@ -5,21 +5,27 @@ users, and GPUFLEET_SLINKY_RESTAPI_URL: each on its own, without Slurm."""
 from __future__ import annotations
 
 import base64
+import json
+import os
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from pydantic import ValidationError
 
-from lab.dynamic import overridden, partition_line
+from lab.dynamic import DynamicSlurmLab, overridden, partition_line
 from lab.inroot import _cluster_etc
 from lab.kubeapi import training_node
-from lab.operator import schedulable
+from lab.operator import Operator, schedulable
 from lab.slinkyclusters import (
+    ClusterObjects,
+    SlinkyCluster,
     extra_conf,
     group_objects,
     jwt_ref,
+    key_of,
     left_out,
     merged_users,
     partition_configs,
@@ -169,3 +175,92 @@ def test_the_labs_database_password_secret_is_one_a_spec_with_accounting_may_nam
     spec = load_spec({**raw, "accounting": True, "accounting_storage": storage})
     accounting = of(slinky_objects(spec, {}), "Accounting")[0]
     assert accounting["spec"]["storageConfig"]["passwordKeyRef"] == {"name": "research-db-password", "key": "password"}
+
+
+def _cluster_folder(folder: Path) -> None:
+    """What a stopped Slinky cluster's folder holds (no daemon runs): its database among it."""
+    for name in ("db/data", "state", "spool/research-train-0", "etc", "log"):
+        (folder / name).mkdir(parents=True)
+    (folder / "db" / "installed").touch()
+    (folder / "db" / "data" / "ibdata1").write_bytes(b"accounts")
+    (folder / "slurmdbd.conf").write_text("StoragePass=secret\n")
+    (folder / "controller.json").write_text(json.dumps({"controller": "slurm-research/research"}))
+    (folder / "jwt.key").write_bytes(b"k" * 40)
+    (folder / "state" / "clustername").write_text("research\n")
+
+
+def test_slurm_started_again_keeps_the_clusters_database_and_a_deleted_controller_removes_it(
+    tmp_path: Path,
+) -> None:
+    """Stopped for a restart (slurmctld died, a NodeSet added), a cluster keeps its accounts,
+    users and job records; only its Controller's deletion removes them."""
+    folder = tmp_path / "research"
+    _cluster_folder(folder)
+    SlinkyCluster(folder).stop(restart=True)
+    assert sorted(p.name for p in folder.iterdir()) == ["db", "slurmdbd.conf"]
+    assert (folder / "db" / "data" / "ibdata1").read_bytes() == b"accounts"
+    assert (folder / "slurmdbd.conf").read_text() == "StoragePass=secret\n"
+    SlinkyCluster(folder).stop()
+    assert not folder.exists()
+
+
+def test_a_stop_of_accounting_cut_short_still_restarts_slurmrestd(tmp_path: Path) -> None:
+    """The operator gone after slurmdbd stopped and slurm.conf lost it, before slurmrestd was
+    restarted: the next pass restarts slurmrestd, which still reads the old slurm.conf. The
+    database stays."""
+    folder = tmp_path / "research"
+    _cluster_folder(folder)
+    (folder / "slurm.conf").write_text(
+        "ClusterName=research\nAccountingStorageType=accounting_storage/none\n"
+        "NodeSet=research-train Feature=research-train\n"
+    )
+    # slurmrestd runs (this process stands in for it), started while the cluster had accounting.
+    (folder / "restapi.json").write_text(json.dumps({"pid": os.getpid(), "port": 6820, "accounting": True}))
+    cluster = SlinkyCluster(folder)
+    restarted: list[str] = []
+    cluster.stop_restapi = lambda: restarted.append("stopped")  # type: ignore[method-assign]
+    cluster.start_restapi = lambda port=None: restarted.append(f"started on {port}") or 0  # type: ignore[method-assign]
+    assert cluster.stop_accounting() == "its Accounting is gone, slurmrestd restarted"
+    assert restarted == ["stopped", "started on 6820"]
+    assert (folder / "db" / "data" / "ibdata1").exists() and (folder / "slurmdbd.conf").exists()
+
+
+def _api(handler_items: dict[str, dict[str, Any]]) -> httpx.Client:
+    """The emulated API's answers the operator needs here: the named objects, 404 otherwise."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET" and request.url.path in handler_items:
+            return httpx.Response(200, json=handler_items[request.url.path])
+        return httpx.Response(404, json={"kind": "Status", "code": 404})
+
+    return httpx.Client(transport=httpx.MockTransport(handle), base_url="http://api")
+
+
+def test_a_cluster_whose_start_failed_halfway_is_stopped_with_its_controller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    objects = example_objects()
+    controller = of(objects, "Controller")[0]
+    group = ClusterObjects(controller, nodesets=of(objects, "NodeSet"))
+    key = key_of(group.namespace, group.name)
+    secret = {"stringData": {"jwt_hs256.key": "k" * 40}}
+    http = _api(
+        {
+            f"/api/v1/namespaces/{group.namespace}/secrets/research-jwt-key": secret,
+            f"/api/v1/namespaces/{group.namespace}/pods": {"items": []},
+        }
+    )
+
+    def half_started(self: SlinkyCluster, *args: Any, **kwargs: Any) -> None:
+        # What a start leaves when slurmctld never answers: its folder, the daemons it recorded.
+        _cluster_folder(self.folder)
+        raise TimeoutError("slurmctld did not answer")
+
+    monkeypatch.setattr(SlinkyCluster, "start", half_started)
+    own = DynamicSlurmLab(tmp_path / "own", ["lab"])
+    operator = Operator(http, own, clusters=tmp_path / "clusters", log=lambda line: None)
+    with pytest.raises(TimeoutError):
+        operator.bring_up(key, group)
+    assert key in operator.managed  # the operator knows what it started
+    operator.take_down(key)  # the Controller deleted
+    assert not (tmp_path / "clusters" / "research").exists()
