@@ -363,3 +363,36 @@ def test_a_move_to_inference_leaves_a_cordon_that_is_not_a_moves(api: KubeApiPro
 
     assert mover(kube, slurm).to_inference("gpu1", say=operator, **ARGS) == "gpu1 serves inference"
     assert kube.get_node("gpu1").unschedulable
+
+
+def test_a_move_to_inference_tried_again_while_its_pod_terminates_still_waits_for_it_to_go(
+    api: KubeApiProcess, kube: KubernetesApi
+) -> None:
+    """The operator deleted gpu1's pod; slurmd is still stopping (the pod terminating, its Slurm
+    node not yet DOWN) when the first attempt gives up waiting. The retry must wait on too: gpu1
+    is no inference node while the training pod still runs there."""
+    slurm = SmallSlurm(["research-train-0", "research-train-1"])
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        http.patch(
+            f"/api/v1/namespaces/{NS}/pods/research-train-0",
+            json={"metadata": {"finalizers": ["lab.gpufleet.io/kubelet"]}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        ).raise_for_status()
+
+    def operator(line: str) -> None:
+        if "scaled in to" in line:  # the pod deleted; its kubelet still stopping slurmd
+            with httpx.Client(base_url=api.url, timeout=10) as http:
+                http.post(
+                    f"/api/v1/namespaces/{NS}/pods/research-train-0/eviction",
+                    json={"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "research-train-0"}},
+                ).raise_for_status()
+            set_status(api, replicas=1, ready=1)
+
+    move = mover(kube, slurm)
+    with pytest.raises(ClientError, match="the move waits"):
+        move.to_inference("gpu1", say=operator, **ARGS)
+    still = kube.find_pod(NS, "research-train-0")
+    assert still is not None and still.terminating and still.node == "gpu1"
+    with pytest.raises(ClientError, match="the move waits"):
+        move.to_inference("gpu1", **ARGS)
+    assert kube.get_node("gpu1").labels.get("gpufleet.io/pool") == "training"
