@@ -396,3 +396,33 @@ def test_a_move_to_inference_tried_again_while_its_pod_terminates_still_waits_fo
     with pytest.raises(ClientError, match="the move waits"):
         move.to_inference("gpu1", **ARGS)
     assert kube.get_node("gpu1").labels.get("gpufleet.io/pool") == "training"
+
+
+class PartitionSlurm(SmallSlurm):
+    """SmallSlurm that also lists a partition's nodes, as slurmrestd does: every record in it."""
+
+    def partition_nodes(self, partition: str) -> list[str]:
+        return [n.name for n in self.nodes_.values() if partition in n.partitions]
+
+
+def test_the_guard_counts_no_slurm_node_a_pool_move_left_down_in_the_fleet(
+    api: KubeApiProcess, kube: KubernetesApi
+) -> None:
+    """gpu1 moved to inference: its pod's Slurm node stays DOWN (v1.2.1). The breaker's share is
+    of the nodes the partition has now: one (gpu2's), not two."""
+    from activities.guard import GuardActivities
+
+    slurm = PartitionSlurm(["research-train-0", "research-train-1"])
+
+    def operator(line: str) -> None:
+        if "scaled in to" in line:
+            with httpx.Client(base_url=api.url, timeout=10) as http:
+                http.delete(f"/api/v1/namespaces/{NS}/pods/research-train-0").raise_for_status()
+            slurm.nodes_["research-train-0"] = slurm.node("research-train-0").model_copy(
+                update={"state": "down", "reason": PRESTOP}
+            )
+            set_status(api, replicas=1, ready=1)
+
+    assert mover(kube, slurm).to_inference("gpu1", say=operator, **ARGS) == "gpu1 serves inference"
+    guard = GuardActivities(SlinkySlurm(slurm, kube), cluster="research", partition=NODESET)  # type: ignore[arg-type]
+    assert ActivityEnvironment().run(guard.fleet_size) == 1
