@@ -426,3 +426,20 @@ def test_the_guard_counts_no_slurm_node_a_pool_move_left_down_in_the_fleet(
     assert mover(kube, slurm).to_inference("gpu1", say=operator, **ARGS) == "gpu1 serves inference"
     guard = GuardActivities(SlinkySlurm(slurm, kube), cluster="research", partition=NODESET)  # type: ignore[arg-type]
     assert ActivityEnvironment().run(guard.fleet_size) == 1
+
+
+def test_a_move_to_inference_rolled_back_after_its_scale_in_leaves_the_node_a_pod_in_training(
+    api: KubeApiProcess, kube: KubernetesApi
+) -> None:
+    """The NodeSet was scaled in for gpu1's pod; the operator has not deleted it yet (its Slurm
+    node still draining) when the move is rolled back. gpu1 is said to serve training: the
+    NodeSet must still have a replica for it, else the operator takes its pod right after."""
+    slurm = SmallSlurm(["research-train-0", "research-train-1"])
+    tolerating(api)
+    move = mover(kube, slurm)
+    with pytest.raises(ClientError, match="the move waits"):
+        move.to_inference("gpu1", **ARGS)
+    assert replicas(kube) == 1  # scaled in for research-train-0, which still runs on gpu1
+    said = move.to_training("gpu1", holder="pool-research", partition=NODESET, eviction_timeout_seconds=5)
+    assert said == "gpu1 serves training"
+    assert replicas(kube) == 2
