@@ -20,6 +20,7 @@ import pytest
 import yaml
 from temporalio.testing import ActivityEnvironment
 
+from activities.guard import GuardActivities
 from activities.pool import PoolActivities
 from clients.errors import ClientError, InvalidInput, NotFound, Unavailable
 from clients.kube import KubernetesApi
@@ -410,8 +411,6 @@ def test_the_guard_counts_no_slurm_node_a_pool_move_left_down_in_the_fleet(
 ) -> None:
     """gpu1 moved to inference: its pod's Slurm node stays DOWN (v1.2.1). The breaker's share is
     of the nodes the partition has now: one (gpu2's), not two."""
-    from activities.guard import GuardActivities
-
     slurm = PartitionSlurm(["research-train-0", "research-train-1"])
 
     def operator(line: str) -> None:
