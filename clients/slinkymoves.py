@@ -37,6 +37,7 @@ and while its Slurm node still carries the incident's drain it is drained by som
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any
@@ -243,6 +244,16 @@ class SlinkyPoolMover(PoolMover):
                 # A move to training that scaled out for this node and stops here (rolled back).
                 self._ours(node, holder)
                 self._undo_scale_out(node, nodeset, say=say)
+        # A pod on its way out (an earlier attempt's scale-in, the operator deleting it) still
+        # runs slurmd here: the node serves no inference before it and its Slurm node are gone.
+        for pod in [p for p in self.of.nodesets.nodeset_pods_on(node) if p.terminating]:
+            self._await(
+                lambda p=pod: self._gone(p),
+                node=node,
+                holder=holder,
+                what=f"{pod.key} and its Slurm node {pod.slurm_node} to be deleted by the scale-in",
+                say=say,
+            )
         self._ours(node, holder)
         self._label(node, INFERENCE, holder)
         self._uncordon_ours(node, holder)
@@ -408,13 +419,20 @@ class SlinkyPoolMover(PoolMover):
         """One more replica for this node, once: none when a pod of the NodeSet runs here already,
         or an earlier attempt's write names this node (its mark stays until its pod is here)."""
         while True:
-            if any(p.nodeset == nodeset for p in self._pods(node)):
-                return
             found = self._nodeset(nodeset)
-            scaled_out = marks(self._annotations(found), SCALED_OUT_ANNOTATION)
-            if any(m.startswith(f"{node}@") for m in scaled_out):
+            annotations = self._annotations(found)
+            scaled_in = marks(annotations, SCALED_IN_ANNOTATION)
+            here = [p for p in self._pods(node) if p.nodeset == nodeset]
+            if any(f"{p.name}/{p.uid}" not in scaled_in for p in here):
                 return
             replicas = int((found.get("spec") or {}).get("replicas", 1))
+            if here:  # scaled in for, not yet deleted: its replica back, in the write that unmarks it
+                if self._keep(here[0], found, scaled_in, replicas, say=say):
+                    return
+                continue
+            scaled_out = marks(annotations, SCALED_OUT_ANNOTATION)
+            if mark in scaled_out:
+                return  # by an earlier attempt of this move (another move's mark is no scale-out for it)
             try:
                 self._api.patch_nodeset(
                     nodeset.namespace,
@@ -431,6 +449,34 @@ class SlinkyPoolMover(PoolMover):
                 continue
             say(f"NodeSet {nodeset.key} scaled out to {replicas + 1} for {node}")
             return
+
+    def _keep(self, pod: NodeSetPod, found: dict[str, Any], scaled_in: list[str], replicas: int, *, say: Say) -> bool:
+        """A pod a move's scale-in marked and the operator has not deleted yet, kept: the NodeSet
+        scaled out by one and the pod's mark removed in one write (at the read's resourceVersion:
+        the operator deleting the pod meanwhile changes the NodeSet, and the write fails), then
+        its deletion-cost and pod-cordon off. False when the NodeSet changed: read it again."""
+        mark = f"{pod.name}/{pod.uid}"
+        left = [m for m in scaled_in if m != mark]
+        try:
+            self._api.patch_nodeset(
+                pod.nodeset.namespace,
+                pod.nodeset.name,
+                {
+                    "metadata": {
+                        "annotations": {SCALED_IN_ANNOTATION: _compact(left)},
+                        "resourceVersion": (found.get("metadata") or {}).get("resourceVersion"),
+                    },
+                    "spec": {"replicas": replicas + 1},
+                },
+            )
+        except Conflict:
+            return False
+        say(f"NodeSet {pod.nodeset.key} scaled out to {replicas + 1}: {pod.name} stays")
+        with contextlib.suppress(NotFound):  # gone meanwhile: nothing to take off
+            self._api.update_pod_metadata(
+                pod.namespace, pod.name, annotations={POD_DELETION_COST: None, POD_CORDON: None}
+            )
+        return True
 
     def _in_training(self, node: str, nodesets: list[NodeSetName]) -> None:
         """The node in training for good: the scale-out marks for it gone from its NodeSets, and
@@ -464,7 +510,7 @@ class SlinkyPoolMover(PoolMover):
                     nodeset.name,
                     {
                         "metadata": {
-                            "annotations": {SCALED_OUT_ANNOTATION: json.dumps(left) if left else None},
+                            "annotations": {SCALED_OUT_ANNOTATION: _compact(left)},
                             "resourceVersion": (found.get("metadata") or {}).get("resourceVersion"),
                         }
                     },
@@ -484,7 +530,7 @@ class SlinkyPoolMover(PoolMover):
             if not mine:
                 return
             rest = [m for m in scaled_out if m not in mine]
-            left = json.dumps(rest) if rest else None
+            left = _compact(rest)
             body: dict[str, Any] = {
                 "metadata": {
                     "annotations": {SCALED_OUT_ANNOTATION: left},
@@ -603,6 +649,11 @@ class SlinkyPoolMover(PoolMover):
         if waiting := self._waiting_for(current, holder):
             raise NotOwned(f"{node} waits for {waiting}")
         return current
+
+
+def _compact(left: list[str]) -> str | None:
+    """A mark list as ``with_mark`` writes it (compact JSON); none left, the annotation removed."""
+    return json.dumps(left, separators=(",", ":")) if left else None
 
 
 def _unready(nodeset: NodeSetName, found: dict[str, Any]) -> str:
