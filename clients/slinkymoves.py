@@ -80,6 +80,9 @@ POOL_NODESETS_ANNOTATION = "gpufleet.io/pool-nodesets"
 SCALED_OUT_ANNOTATION = "gpufleet.io/scaled-out-for"
 POD_CORDON = PREFIX + "pod-cordon"
 POD_DELETION_COST = PREFIX + "pod-deletion-cost"
+# On a Node a move cordoned: the move's holder, written before the cordon. A move lifts only a
+# cordon so recorded (a person's cordon, made before or during a move, stays), and the record with it.
+CORDONED_BY_ANNOTATION = "gpufleet.io/cordoned-by"
 LOWEST_COST = str(-(2**31))  # the annotation is an int32: this pod goes first
 # How long a scale-in waits for the operator to delete the pod and its Slurm node, and a
 # scale-out for the new pod on this node, before the step is retried from where it is.
@@ -381,7 +384,7 @@ class SlinkyPoolMover(PoolMover):
         moved = 0
         if _pool_of(current) != TRAINING:
             self._kube.add_taint(node, key=TRAINING_TAINT, value=TRAINING, effect="NoSchedule")
-            self._kube.set_unschedulable(node, True)
+            self._cordon(current, holder)
             moved = self._vacate(node, holder=holder, deadline=time.monotonic() + eviction_timeout_seconds, say=say)
             self._ours(node, holder)
             self._label(node, TRAINING, holder)
@@ -556,13 +559,32 @@ class SlinkyPoolMover(PoolMover):
                 name = str((found.get("metadata") or {}).get("name") or "")
                 self._undo_scale_out(node, NodeSetName(self._namespace, name), say=lambda _: None)
 
+    def _stay_inference(self, node: str, holder: str) -> None:
+        """Undo the start of a move to training: its cordon lifted (before the taint goes: a cordon
+        without the taint reads as someone else's), the taint off, let go."""
+        self._uncordon_ours(node, holder)
+        self._kube.remove_taint(node, key=TRAINING_TAINT)
+        self.give_back(node, holder)
+
+    def _cordon(self, current: KubeNode, holder: str) -> None:
+        """Cordoned by this move, recorded first (``CORDONED_BY_ANNOTATION``): a node someone
+        else cordoned already is left as it is, their cordon never recorded as a move's."""
+        if current.unschedulable and not current.annotations.get(CORDONED_BY_ANNOTATION):
+            return
+        if not current.annotations.get(CORDONED_BY_ANNOTATION):
+            self._write_if_held(current.name, holder, annotations={CORDONED_BY_ANNOTATION: holder})
+        self._kube.set_unschedulable(current.name, True)
+
     def _uncordon_ours(self, node: str, holder: str) -> None:
-        """Uncordoned, when the cordon is a move's (it comes with the training taint); a cordon
-        without it is someone else's and stays."""
+        """Uncordoned, when a move recorded the cordon as its own, and the record then removed; a
+        cordon with no record is someone else's and stays."""
         self._ours(node, holder)
         current = self._kube.get_node(node)
-        if current.unschedulable and any(t.get("key") == TRAINING_TAINT for t in current.taints):
+        if not current.annotations.get(CORDONED_BY_ANNOTATION):
+            return
+        if current.unschedulable:
             self._kube.set_unschedulable(node, False)
+        self._write_if_held(node, holder, annotations={CORDONED_BY_ANNOTATION: None})
 
     def _serving(self, node: str, nodeset: NodeSetName) -> bool:
         pods = [p for p in self._pods(node) if p.nodeset == nodeset and p.back]
@@ -601,14 +623,13 @@ class SlinkyPoolMover(PoolMover):
                 if info.drained and info.reason == TO_INFERENCE_REASON:
                     self._plain.resume(name)
             self._in_training(node, nodesets_of(pods))
-            if current.unschedulable and tainted:  # a move's cordon (someone else's has no taint)
-                self._kube.set_unschedulable(node, False)
+            self._uncordon_ours(node, holder)  # a move's cordon (recorded); someone else's stays
             self.give_back(node, holder)
             return f"{node} is wholly in training"
         if pool == INFERENCE and not pods and not current.annotations.get(ELIGIBLE_ANNOTATION):
+            self._uncordon_ours(node, holder)
             if tainted:
                 self._kube.remove_taint(node, key=TRAINING_TAINT)
-                self._kube.set_unschedulable(node, False)
             self.give_back(node, holder)
             return f"{node} is wholly in inference"
         say(f"{node} is between pools: its move to {to} is finished")

@@ -442,3 +442,26 @@ def test_a_move_to_inference_rolled_back_after_its_scale_in_leaves_the_node_a_po
     said = move.to_training("gpu1", holder="pool-research", partition=NODESET, eviction_timeout_seconds=5)
     assert said == "gpu1 serves training"
     assert replicas(kube) == 2
+
+
+def test_a_move_to_inference_leaves_a_cordon_a_person_made_during_the_move(
+    api: KubeApiProcess, kube: KubernetesApi
+) -> None:
+    """A person cordons gpu1 while its move to inference drains it (the training taint is on
+    every training node): the move ends with gpu1 serving inference, and still cordoned."""
+    slurm = SmallSlurm(["research-train-0", "research-train-1"])
+
+    def operator(line: str) -> None:
+        if "drained in Slurm" in line:
+            kube.set_unschedulable("gpu1", True)
+        if "scaled in to" in line:
+            with httpx.Client(base_url=api.url, timeout=10) as http:
+                http.delete(f"/api/v1/namespaces/{NS}/pods/research-train-0").raise_for_status()
+            slurm.nodes_["research-train-0"] = slurm.node("research-train-0").model_copy(
+                update={"state": "down", "reason": PRESTOP}
+            )
+            set_status(api, replicas=1, ready=1)
+
+    kube.add_taint("gpu1", key="gpufleet.io/pool", value="training", effect="NoSchedule")  # as training nodes have
+    assert mover(kube, slurm).to_inference("gpu1", say=operator, **ARGS) == "gpu1 serves inference"
+    assert kube.get_node("gpu1").unschedulable
