@@ -24,8 +24,12 @@ scaling in with its pod first, and comes back by the NodeSet scaling out onto it
   the NodeSet of the worker's partition); the NodeSet scaled out by one, the node added in the
   same write to the NodeSet's list (``gpufleet.io/scaled-out-for``); done once a pod of the
   NodeSet runs on this node and its Slurm node is registered, its mark then removed, and any
-  scale-in marks of a stopped move to inference taken off its pods. Rolled back (or its node out
-  of the pool) before its pod ran there, the scale-out is given back while a pod waits.
+  scale-in marks of a stopped move to inference taken off its pods (a pod its NodeSet was scaled
+  in for and the operator has not deleted yet kept: scaled out by one in the write that takes it
+  off the list). Rolled back (or its node out of the pool) before its pod ran there, the
+  scale-out is given back while more pods wait than other nodes' scale-outs wait for.
+
+A move lifts only a cordon it recorded (``gpufleet.io/cordoned-by``): a person's stays.
 
 **One spare pool.** Remediation's spares and the pool's nodes are the same Kubernetes nodes. A
 spare claim takes only a node labelled a spare that nobody leases, with a resourceVersion
@@ -523,9 +527,11 @@ class SlinkyPoolMover(PoolMover):
             return
 
     def _undo_scale_out(self, node: str, nodeset: NodeSetName, *, say: Say) -> None:
-        """A scale-out for this node whose pod never ran here, undone: the NodeSet scaled back in
-        while a pod of it waits (the operator takes a Pending pod first), with the mark removed in
-        the same write; a mark whose pod runs (here, or on another node) only removed."""
+        """A scale-out for this node whose pod never ran here, undone: the NodeSet scaled back in,
+        with the mark removed in the same write, only while more of its pods wait (Pending, or on
+        no node: the operator takes those first) than other nodes' scale-outs wait for, and its
+        status is current; else the mark only removed (its pod runs, or the pod waiting is another
+        node's or an incident's)."""
         while True:
             found = self._nodeset(nodeset)
             scaled_out = marks(self._annotations(found), SCALED_OUT_ANNOTATION)
@@ -541,8 +547,8 @@ class SlinkyPoolMover(PoolMover):
                 }
             }
             replicas = int((found.get("spec") or {}).get("replicas", 1))
-            waiting = not any(p.nodeset == nodeset for p in self._pods(node)) and _unready(nodeset, found)
-            if waiting and replicas > 0:
+            spare = not any(p.nodeset == nodeset for p in self._pods(node)) and self._waiting(nodeset) > len(rest)
+            if spare and replicas > 0 and _current(found):
                 body["spec"] = {"replicas": replicas - 1}
             try:
                 self._api.patch_nodeset(nodeset.namespace, nodeset.name, body)
@@ -551,6 +557,17 @@ class SlinkyPoolMover(PoolMover):
             if "spec" in body:
                 say(f"NodeSet {nodeset.key} scaled back in to {replicas - 1}: its pod for {node} never ran there")
             return
+
+    def _waiting(self, nodeset: NodeSetName) -> int:
+        """How many of the NodeSet's pods wait for a node: Pending or on none, not on their way out."""
+        return sum(
+            1
+            for p in self._api.pods_in(nodeset.namespace)
+            if p.owner_kind == "NodeSet"
+            and p.owner_name == nodeset.name
+            and not p.terminating
+            and (not p.node or p.phase == "Pending")
+        )
 
     def _undo_scale_outs(self, node: str) -> None:
         """A node that left the pool mid-move: each NodeSet's scale-out for it that never ran there undone."""
@@ -675,6 +692,13 @@ class SlinkyPoolMover(PoolMover):
 def _compact(left: list[str]) -> str | None:
     """A mark list as ``with_mark`` writes it (compact JSON); none left, the annotation removed."""
     return json.dumps(left, separators=(",", ":")) if left else None
+
+
+def _current(found: dict[str, Any]) -> bool:
+    """Whether the NodeSet's status is of its spec as read (the operator has seen its last change)."""
+    observed = (found.get("status") or {}).get("observedGeneration")
+    generation = (found.get("metadata") or {}).get("generation")
+    return observed is None or generation is None or int(observed) >= int(generation)
 
 
 def _unready(nodeset: NodeSetName, found: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ DaemonSet mode only).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from clients.errors import ClientError, InvalidInput, NotFound, Unavailable
 from clients.kube import KubernetesApi
 from clients.onslinky import SlinkyPool, SlinkySlurm
 from clients.poolmoves import TRAINING_TAINT, OutOfPool
-from clients.slinkymoves import LOWEST_COST, POD_CORDON, POD_DELETION_COST, SlinkyPoolMover
+from clients.slinkymoves import LOWEST_COST, POD_CORDON, POD_DELETION_COST, SCALED_OUT_ANNOTATION, SlinkyPoolMover
 from clients.slurm import Pending
 from lab.kubeapi import node_object
 from models.cluster import load_spec
@@ -240,6 +241,16 @@ def tolerating(api: KubeApiProcess) -> None:
         ).raise_for_status()
 
 
+def pending(api: KubeApiProcess, name: str) -> None:
+    """A pod of research-train waiting for a node (Pending, on none), as the NodeSet's status says."""
+    waiting = pod(name, "")
+    del waiting["spec"]["nodeName"]
+    waiting["status"] = {"phase": "Pending"}
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        http.post(f"/api/v1/namespaces/{NS}/pods", json=waiting).raise_for_status()
+    set_status(api, replicas=3, ready=2)
+
+
 def replicas(kube: KubernetesApi) -> int:
     return int(kube.get_nodeset(NS, NODESET)["spec"]["replicas"])
 
@@ -302,16 +313,18 @@ def test_a_move_to_training_rolled_back_before_its_pod_ran_gives_the_replica_bac
     move = mover(kube, slurm)
     with pytest.raises(ClientError, match="waiting for a pod"):
         move.to_training("inf1", holder="pool-research", partition=NODESET, eviction_timeout_seconds=5)
-    set_status(api, replicas=3, ready=2)  # the new pod Pending
+    pending(api, "research-train-2")  # the new pod Pending
     said = move.settle("inf1", to="inference", eviction_timeout_seconds=5, **ARGS)
     assert said == "inf1 serves inference"
     assert replicas(kube) == 2
+    with httpx.Client(base_url=api.url, timeout=10) as http:  # the operator takes the Pending pod
+        http.delete(f"/api/v1/namespaces/{NS}/pods/research-train-2").raise_for_status()
     inf1 = kube.get_node("inf1")
     assert not inf1.unschedulable and not any(t.get("key") == TRAINING_TAINT for t in inf1.taints)
 
     with pytest.raises(ClientError, match="waiting for a pod"):
         move.to_training("inf2", holder="pool-research", partition=NODESET, eviction_timeout_seconds=5)
-    set_status(api, replicas=3, ready=2)
+    pending(api, "research-train-2")
     with httpx.Client(base_url=api.url, timeout=10) as http:
         http.delete("/api/v1/nodes/inf2").raise_for_status()
     with pytest.raises(OutOfPool):
@@ -465,3 +478,24 @@ def test_a_move_to_inference_leaves_a_cordon_a_person_made_during_the_move(
     kube.add_taint("gpu1", key="gpufleet.io/pool", value="training", effect="NoSchedule")  # as training nodes have
     assert mover(kube, slurm).to_inference("gpu1", say=operator, **ARGS) == "gpu1 serves inference"
     assert kube.get_node("gpu1").unschedulable
+
+
+def test_a_rolled_back_scale_out_leaves_the_pod_another_nodes_scale_out_waits_for(
+    api: KubeApiProcess, kube: KubernetesApi
+) -> None:
+    """Moves to training scaled research-train out for inf1 and for inf2; one pod waits (Pending,
+    on no node), inf2's. inf1's move is rolled back: the waiting pod is inf2's to get, so the
+    NodeSet keeps its replicas and only inf1's mark goes."""
+    slurm = SmallSlurm(["research-train-0", "research-train-1"])
+    pending(api, "research-train-2")
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        http.patch(
+            f"/apis/{API}/namespaces/{NS}/nodesets/{NODESET}",
+            json={"metadata": {"annotations": {SCALED_OUT_ANNOTATION: '["inf1@a","inf2@b"]'}}, "spec": {"replicas": 3}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        ).raise_for_status()
+    kube.update_metadata("inf1", annotations={"gpufleet.io/pool-nodesets": json.dumps([f"{NS}/{NODESET}"])})
+
+    assert mover(kube, slurm).to_inference("inf1", **ARGS) == "inf1 serves inference"
+    assert replicas(kube) == 3
+    assert kube.get_nodeset(NS, NODESET)["metadata"]["annotations"][SCALED_OUT_ANNOTATION] == '["inf2@b"]'
