@@ -11,7 +11,7 @@ from activities.errors import client_errors
 from activities.heartbeat import heartbeating
 from clients.errors import ClientError, NotOwned
 from clients.kube import KubeClient, KubeNode
-from clients.onslinky import PRESTOP_REASON, combined
+from clients.onslinky import combined, leftover
 from clients.poolmoves import (
     INFERENCE,
     LEASE_ANNOTATION,
@@ -131,7 +131,7 @@ class PoolActivities:
             {
                 host_of.get(name, name)
                 for name, info in slurm_nodes.items()
-                if settings.partition in info.partitions and (name in host_of or info.reason != PRESTOP_REASON)
+                if settings.partition in info.partitions and not leftover(info, hosted=name in host_of)
             }
         )
         if len(members) == 1 and members[0] not in view.busy:

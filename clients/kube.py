@@ -385,6 +385,12 @@ class KubernetesApi:
         )
         return [_pod_ref(item) for item in result.items]
 
+    def pods_in(self, namespace: str) -> list[PodRef]:
+        """The pods of a namespace now."""
+        namespace = checked_namespace(namespace)
+        result = self._call(f"list pods in {namespace}", self._api.list_namespaced_pod, namespace)
+        return [_pod_ref(item) for item in result.items]
+
     def find_pod(self, namespace: str, name: str) -> PodRef | None:
         """The pod of that name now (a successor under the same name has another ``uid``); None
         when there is none. Listed by name rather than read: the worker lists pods, never reads one."""

@@ -173,6 +173,13 @@ def left_down(info: NodeInfo) -> bool:
     return info.state.startswith("down") and (info.reason == PRESTOP_REASON or "NOT_RESPONDING" in info.flags)
 
 
+def leftover(info: NodeInfo, *, hosted: bool = False) -> bool:
+    """Whether a Slurm node is only the record of a pod that is gone (no member of its partition):
+    DOWN by the operator's preStop hook (slurm-operator v1.2.1 keeps it until a pod of its name
+    registers again), and no pod of its name ``hosted`` on a node now."""
+    return not hosted and info.state.startswith("down") and info.reason == PRESTOP_REASON
+
+
 class SlurmNodesOf:
     """The NodeSet pods (so the Slurm nodes) a Kubernetes node stands for: those on it now, and
     those an incident recorded there before they left (evicted, back elsewhere under their names).
@@ -412,7 +419,10 @@ class SlinkySlurm:
     # -- partitions -----------------------------------------------------------------------------------
 
     def partition_nodes(self, partition: str) -> list[str]:
-        return self._slurm.partition_nodes(partition)
+        """The partition's nodes, less the records of pods a scale-in took away (``leftover``)."""
+        names = self._slurm.partition_nodes(partition)
+        gone = {info.name for info in self._slurm.nodes() if leftover(info)}
+        return [name for name in names if name not in gone]
 
     def add_to_partition(self, partition: str, node: str) -> None:
         raise InvalidInput(_NO_PARTITION_EDITS)

@@ -24,8 +24,12 @@ scaling in with its pod first, and comes back by the NodeSet scaling out onto it
   the NodeSet of the worker's partition); the NodeSet scaled out by one, the node added in the
   same write to the NodeSet's list (``gpufleet.io/scaled-out-for``); done once a pod of the
   NodeSet runs on this node and its Slurm node is registered, its mark then removed, and any
-  scale-in marks of a stopped move to inference taken off its pods. Rolled back (or its node out
-  of the pool) before its pod ran there, the scale-out is given back while a pod waits.
+  scale-in marks of a stopped move to inference taken off its pods (a pod its NodeSet was scaled
+  in for and the operator has not deleted yet kept: scaled out by one in the write that takes it
+  off the list). Rolled back (or its node out of the pool) before its pod ran there, the
+  scale-out is given back while more pods wait than other nodes' scale-outs wait for.
+
+A move lifts only a cordon it recorded (``gpufleet.io/cordoned-by``): a person's stays.
 
 **One spare pool.** Remediation's spares and the pool's nodes are the same Kubernetes nodes. A
 spare claim takes only a node labelled a spare that nobody leases, with a resourceVersion
@@ -37,6 +41,7 @@ and while its Slurm node still carries the incident's drain it is drained by som
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any
@@ -79,6 +84,9 @@ POOL_NODESETS_ANNOTATION = "gpufleet.io/pool-nodesets"
 SCALED_OUT_ANNOTATION = "gpufleet.io/scaled-out-for"
 POD_CORDON = PREFIX + "pod-cordon"
 POD_DELETION_COST = PREFIX + "pod-deletion-cost"
+# On a Node a move cordoned: the move's holder, written before the cordon. A move lifts only a
+# cordon so recorded (a person's cordon, made before or during a move, stays), and the record with it.
+CORDONED_BY_ANNOTATION = "gpufleet.io/cordoned-by"
 LOWEST_COST = str(-(2**31))  # the annotation is an int32: this pod goes first
 # How long a scale-in waits for the operator to delete the pod and its Slurm node, and a
 # scale-out for the new pod on this node, before the step is retried from where it is.
@@ -243,6 +251,16 @@ class SlinkyPoolMover(PoolMover):
                 # A move to training that scaled out for this node and stops here (rolled back).
                 self._ours(node, holder)
                 self._undo_scale_out(node, nodeset, say=say)
+        # A pod on its way out (an earlier attempt's scale-in, the operator deleting it) still
+        # runs slurmd here: the node serves no inference before it and its Slurm node are gone.
+        for pod in [p for p in self.of.nodesets.nodeset_pods_on(node) if p.terminating]:
+            self._await(
+                lambda p=pod: self._gone(p),
+                node=node,
+                holder=holder,
+                what=f"{pod.key} and its Slurm node {pod.slurm_node} to be deleted by the scale-in",
+                say=say,
+            )
         self._ours(node, holder)
         self._label(node, INFERENCE, holder)
         self._uncordon_ours(node, holder)
@@ -370,7 +388,7 @@ class SlinkyPoolMover(PoolMover):
         moved = 0
         if _pool_of(current) != TRAINING:
             self._kube.add_taint(node, key=TRAINING_TAINT, value=TRAINING, effect="NoSchedule")
-            self._kube.set_unschedulable(node, True)
+            self._cordon(current, holder)
             moved = self._vacate(node, holder=holder, deadline=time.monotonic() + eviction_timeout_seconds, say=say)
             self._ours(node, holder)
             self._label(node, TRAINING, holder)
@@ -408,13 +426,20 @@ class SlinkyPoolMover(PoolMover):
         """One more replica for this node, once: none when a pod of the NodeSet runs here already,
         or an earlier attempt's write names this node (its mark stays until its pod is here)."""
         while True:
-            if any(p.nodeset == nodeset for p in self._pods(node)):
-                return
             found = self._nodeset(nodeset)
-            scaled_out = marks(self._annotations(found), SCALED_OUT_ANNOTATION)
-            if any(m.startswith(f"{node}@") for m in scaled_out):
+            annotations = self._annotations(found)
+            scaled_in = marks(annotations, SCALED_IN_ANNOTATION)
+            here = [p for p in self._pods(node) if p.nodeset == nodeset]
+            if any(f"{p.name}/{p.uid}" not in scaled_in for p in here):
                 return
             replicas = int((found.get("spec") or {}).get("replicas", 1))
+            if here:  # scaled in for, not yet deleted: its replica back, in the write that unmarks it
+                if self._keep(here[0], found, scaled_in, replicas, say=say):
+                    return
+                continue
+            scaled_out = marks(annotations, SCALED_OUT_ANNOTATION)
+            if mark in scaled_out:
+                return  # by an earlier attempt of this move (another move's mark is no scale-out for it)
             try:
                 self._api.patch_nodeset(
                     nodeset.namespace,
@@ -431,6 +456,34 @@ class SlinkyPoolMover(PoolMover):
                 continue
             say(f"NodeSet {nodeset.key} scaled out to {replicas + 1} for {node}")
             return
+
+    def _keep(self, pod: NodeSetPod, found: dict[str, Any], scaled_in: list[str], replicas: int, *, say: Say) -> bool:
+        """A pod a move's scale-in marked and the operator has not deleted yet, kept: the NodeSet
+        scaled out by one and the pod's mark removed in one write (at the read's resourceVersion:
+        the operator deleting the pod meanwhile changes the NodeSet, and the write fails), then
+        its deletion-cost and pod-cordon off. False when the NodeSet changed: read it again."""
+        mark = f"{pod.name}/{pod.uid}"
+        left = [m for m in scaled_in if m != mark]
+        try:
+            self._api.patch_nodeset(
+                pod.nodeset.namespace,
+                pod.nodeset.name,
+                {
+                    "metadata": {
+                        "annotations": {SCALED_IN_ANNOTATION: _compact(left)},
+                        "resourceVersion": (found.get("metadata") or {}).get("resourceVersion"),
+                    },
+                    "spec": {"replicas": replicas + 1},
+                },
+            )
+        except Conflict:
+            return False
+        say(f"NodeSet {pod.nodeset.key} scaled out to {replicas + 1}: {pod.name} stays")
+        with contextlib.suppress(NotFound):  # gone meanwhile: nothing to take off
+            self._api.update_pod_metadata(
+                pod.namespace, pod.name, annotations={POD_DELETION_COST: None, POD_CORDON: None}
+            )
+        return True
 
     def _in_training(self, node: str, nodesets: list[NodeSetName]) -> None:
         """The node in training for good: the scale-out marks for it gone from its NodeSets, and
@@ -464,7 +517,7 @@ class SlinkyPoolMover(PoolMover):
                     nodeset.name,
                     {
                         "metadata": {
-                            "annotations": {SCALED_OUT_ANNOTATION: json.dumps(left) if left else None},
+                            "annotations": {SCALED_OUT_ANNOTATION: _compact(left)},
                             "resourceVersion": (found.get("metadata") or {}).get("resourceVersion"),
                         }
                     },
@@ -474,9 +527,11 @@ class SlinkyPoolMover(PoolMover):
             return
 
     def _undo_scale_out(self, node: str, nodeset: NodeSetName, *, say: Say) -> None:
-        """A scale-out for this node whose pod never ran here, undone: the NodeSet scaled back in
-        while a pod of it waits (the operator takes a Pending pod first), with the mark removed in
-        the same write; a mark whose pod runs (here, or on another node) only removed."""
+        """A scale-out for this node whose pod never ran here, undone: the NodeSet scaled back in,
+        with the mark removed in the same write, only while more of its pods wait (Pending, or on
+        no node: the operator takes those first) than other nodes' scale-outs wait for, and its
+        status is current; else the mark only removed (its pod runs, or the pod waiting is another
+        node's or an incident's)."""
         while True:
             found = self._nodeset(nodeset)
             scaled_out = marks(self._annotations(found), SCALED_OUT_ANNOTATION)
@@ -484,7 +539,7 @@ class SlinkyPoolMover(PoolMover):
             if not mine:
                 return
             rest = [m for m in scaled_out if m not in mine]
-            left = json.dumps(rest) if rest else None
+            left = _compact(rest)
             body: dict[str, Any] = {
                 "metadata": {
                     "annotations": {SCALED_OUT_ANNOTATION: left},
@@ -492,8 +547,8 @@ class SlinkyPoolMover(PoolMover):
                 }
             }
             replicas = int((found.get("spec") or {}).get("replicas", 1))
-            waiting = not any(p.nodeset == nodeset for p in self._pods(node)) and _unready(nodeset, found)
-            if waiting and replicas > 0:
+            spare = not any(p.nodeset == nodeset for p in self._pods(node)) and self._waiting(nodeset) > len(rest)
+            if spare and replicas > 0 and _current(found):
                 body["spec"] = {"replicas": replicas - 1}
             try:
                 self._api.patch_nodeset(nodeset.namespace, nodeset.name, body)
@@ -503,6 +558,17 @@ class SlinkyPoolMover(PoolMover):
                 say(f"NodeSet {nodeset.key} scaled back in to {replicas - 1}: its pod for {node} never ran there")
             return
 
+    def _waiting(self, nodeset: NodeSetName) -> int:
+        """How many of the NodeSet's pods wait for a node: Pending or on none, not on their way out."""
+        return sum(
+            1
+            for p in self._api.pods_in(nodeset.namespace)
+            if p.owner_kind == "NodeSet"
+            and p.owner_name == nodeset.name
+            and not p.terminating
+            and (not p.node or p.phase == "Pending")
+        )
+
     def _undo_scale_outs(self, node: str) -> None:
         """A node that left the pool mid-move: each NodeSet's scale-out for it that never ran there undone."""
         for found in self._api.list_nodesets(self._namespace):
@@ -510,13 +576,32 @@ class SlinkyPoolMover(PoolMover):
                 name = str((found.get("metadata") or {}).get("name") or "")
                 self._undo_scale_out(node, NodeSetName(self._namespace, name), say=lambda _: None)
 
+    def _stay_inference(self, node: str, holder: str) -> None:
+        """Undo the start of a move to training: its cordon lifted (before the taint goes: a cordon
+        without the taint reads as someone else's), the taint off, let go."""
+        self._uncordon_ours(node, holder)
+        self._kube.remove_taint(node, key=TRAINING_TAINT)
+        self.give_back(node, holder)
+
+    def _cordon(self, current: KubeNode, holder: str) -> None:
+        """Cordoned by this move, recorded first (``CORDONED_BY_ANNOTATION``): a node someone
+        else cordoned already is left as it is, their cordon never recorded as a move's."""
+        if current.unschedulable and not current.annotations.get(CORDONED_BY_ANNOTATION):
+            return
+        if not current.annotations.get(CORDONED_BY_ANNOTATION):
+            self._write_if_held(current.name, holder, annotations={CORDONED_BY_ANNOTATION: holder})
+        self._kube.set_unschedulable(current.name, True)
+
     def _uncordon_ours(self, node: str, holder: str) -> None:
-        """Uncordoned, when the cordon is a move's (it comes with the training taint); a cordon
-        without it is someone else's and stays."""
+        """Uncordoned, when a move recorded the cordon as its own, and the record then removed; a
+        cordon with no record is someone else's and stays."""
         self._ours(node, holder)
         current = self._kube.get_node(node)
-        if current.unschedulable and any(t.get("key") == TRAINING_TAINT for t in current.taints):
+        if not current.annotations.get(CORDONED_BY_ANNOTATION):
+            return
+        if current.unschedulable:
             self._kube.set_unschedulable(node, False)
+        self._write_if_held(node, holder, annotations={CORDONED_BY_ANNOTATION: None})
 
     def _serving(self, node: str, nodeset: NodeSetName) -> bool:
         pods = [p for p in self._pods(node) if p.nodeset == nodeset and p.back]
@@ -555,14 +640,13 @@ class SlinkyPoolMover(PoolMover):
                 if info.drained and info.reason == TO_INFERENCE_REASON:
                     self._plain.resume(name)
             self._in_training(node, nodesets_of(pods))
-            if current.unschedulable and tainted:  # a move's cordon (someone else's has no taint)
-                self._kube.set_unschedulable(node, False)
+            self._uncordon_ours(node, holder)  # a move's cordon (recorded); someone else's stays
             self.give_back(node, holder)
             return f"{node} is wholly in training"
         if pool == INFERENCE and not pods and not current.annotations.get(ELIGIBLE_ANNOTATION):
+            self._uncordon_ours(node, holder)
             if tainted:
                 self._kube.remove_taint(node, key=TRAINING_TAINT)
-                self._kube.set_unschedulable(node, False)
             self.give_back(node, holder)
             return f"{node} is wholly in inference"
         say(f"{node} is between pools: its move to {to} is finished")
@@ -603,6 +687,18 @@ class SlinkyPoolMover(PoolMover):
         if waiting := self._waiting_for(current, holder):
             raise NotOwned(f"{node} waits for {waiting}")
         return current
+
+
+def _compact(left: list[str]) -> str | None:
+    """A mark list as ``with_mark`` writes it (compact JSON); none left, the annotation removed."""
+    return json.dumps(left, separators=(",", ":")) if left else None
+
+
+def _current(found: dict[str, Any]) -> bool:
+    """Whether the NodeSet's status is of its spec as read (the operator has seen its last change)."""
+    observed = (found.get("status") or {}).get("observedGeneration")
+    generation = (found.get("metadata") or {}).get("generation")
+    return observed is None or generation is None or int(observed) >= int(generation)
 
 
 def _unready(nodeset: NodeSetName, found: dict[str, Any]) -> str:

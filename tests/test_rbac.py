@@ -51,6 +51,7 @@ REMEDIATION = {
     "update_metadata",
     "pods_on_node",
     "find_pod",
+    "pods_in",
     "get_nodeset",
     "list_nodesets",
     "update_pod_metadata",
@@ -348,6 +349,8 @@ def drive_remediation(kube: KubernetesApi, worker: Deployed) -> set[str]:
     # same name), and the NodeSet read for the labels that make a spare eligible.
     assert kube.find_pod("serving", "batch-a") is None
     assert kube.find_pod("serving", "inference-a") is None
+    # A move to training on Slinky rolled back: the NodeSet's pods waiting for a node counted.
+    assert not {"batch-a", "inference-a"} & {p.name for p in kube.pods_in("serving")}
     nodeset = kube.get_nodeset(cluster_namespace(worker.cluster), f"{worker.cluster}-train")
     assert nodeset["spec"]["template"]["spec"]["nodeSelector"] == {"gpufleet.io/cluster": worker.cluster}
     # At the worker's start (GPUFLEET_REMEDIATION_MODE auto): NodeSets in its cluster's namespace mean Slinky.
@@ -399,6 +402,7 @@ def drive_remediation(kube: KubernetesApi, worker: Deployed) -> set[str]:
         "update_metadata",
         "pods_on_node",
         "find_pod",
+        "pods_in",
         "get_nodeset",
         "list_nodesets",
         "update_pod_metadata",

@@ -11,6 +11,7 @@ DaemonSet mode only).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,13 @@ import pytest
 import yaml
 from temporalio.testing import ActivityEnvironment
 
+from activities.guard import GuardActivities
 from activities.pool import PoolActivities
 from clients.errors import ClientError, InvalidInput, NotFound, Unavailable
 from clients.kube import KubernetesApi
 from clients.onslinky import SlinkyPool, SlinkySlurm
 from clients.poolmoves import TRAINING_TAINT, OutOfPool
-from clients.slinkymoves import LOWEST_COST, POD_CORDON, POD_DELETION_COST, SlinkyPoolMover
+from clients.slinkymoves import LOWEST_COST, POD_CORDON, POD_DELETION_COST, SCALED_OUT_ANNOTATION, SlinkyPoolMover
 from clients.slurm import Pending
 from lab.kubeapi import node_object
 from models.cluster import load_spec
@@ -239,6 +241,16 @@ def tolerating(api: KubeApiProcess) -> None:
         ).raise_for_status()
 
 
+def pending(api: KubeApiProcess, name: str) -> None:
+    """A pod of research-train waiting for a node (Pending, on none), as the NodeSet's status says."""
+    waiting = pod(name, "")
+    del waiting["spec"]["nodeName"]
+    waiting["status"] = {"phase": "Pending"}
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        http.post(f"/api/v1/namespaces/{NS}/pods", json=waiting).raise_for_status()
+    set_status(api, replicas=3, ready=2)
+
+
 def replicas(kube: KubernetesApi) -> int:
     return int(kube.get_nodeset(NS, NODESET)["spec"]["replicas"])
 
@@ -301,16 +313,18 @@ def test_a_move_to_training_rolled_back_before_its_pod_ran_gives_the_replica_bac
     move = mover(kube, slurm)
     with pytest.raises(ClientError, match="waiting for a pod"):
         move.to_training("inf1", holder="pool-research", partition=NODESET, eviction_timeout_seconds=5)
-    set_status(api, replicas=3, ready=2)  # the new pod Pending
+    pending(api, "research-train-2")  # the new pod Pending
     said = move.settle("inf1", to="inference", eviction_timeout_seconds=5, **ARGS)
     assert said == "inf1 serves inference"
     assert replicas(kube) == 2
+    with httpx.Client(base_url=api.url, timeout=10) as http:  # the operator takes the Pending pod
+        http.delete(f"/api/v1/namespaces/{NS}/pods/research-train-2").raise_for_status()
     inf1 = kube.get_node("inf1")
     assert not inf1.unschedulable and not any(t.get("key") == TRAINING_TAINT for t in inf1.taints)
 
     with pytest.raises(ClientError, match="waiting for a pod"):
         move.to_training("inf2", holder="pool-research", partition=NODESET, eviction_timeout_seconds=5)
-    set_status(api, replicas=3, ready=2)
+    pending(api, "research-train-2")
     with httpx.Client(base_url=api.url, timeout=10) as http:
         http.delete("/api/v1/nodes/inf2").raise_for_status()
     with pytest.raises(OutOfPool):
@@ -363,3 +377,125 @@ def test_a_move_to_inference_leaves_a_cordon_that_is_not_a_moves(api: KubeApiPro
 
     assert mover(kube, slurm).to_inference("gpu1", say=operator, **ARGS) == "gpu1 serves inference"
     assert kube.get_node("gpu1").unschedulable
+
+
+def test_a_move_to_inference_tried_again_while_its_pod_terminates_still_waits_for_it_to_go(
+    api: KubeApiProcess, kube: KubernetesApi
+) -> None:
+    """The operator deleted gpu1's pod; slurmd is still stopping (the pod terminating, its Slurm
+    node not yet DOWN) when the first attempt gives up waiting. The retry must wait on too: gpu1
+    is no inference node while the training pod still runs there."""
+    slurm = SmallSlurm(["research-train-0", "research-train-1"])
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        http.patch(
+            f"/api/v1/namespaces/{NS}/pods/research-train-0",
+            json={"metadata": {"finalizers": ["lab.gpufleet.io/kubelet"]}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        ).raise_for_status()
+
+    def operator(line: str) -> None:
+        if "scaled in to" in line:  # the pod deleted; its kubelet still stopping slurmd
+            with httpx.Client(base_url=api.url, timeout=10) as http:
+                http.post(
+                    f"/api/v1/namespaces/{NS}/pods/research-train-0/eviction",
+                    json={"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "research-train-0"}},
+                ).raise_for_status()
+            set_status(api, replicas=1, ready=1)
+
+    move = mover(kube, slurm)
+    with pytest.raises(ClientError, match="the move waits"):
+        move.to_inference("gpu1", say=operator, **ARGS)
+    still = kube.find_pod(NS, "research-train-0")
+    assert still is not None and still.terminating and still.node == "gpu1"
+    with pytest.raises(ClientError, match="the move waits"):
+        move.to_inference("gpu1", **ARGS)
+    assert kube.get_node("gpu1").labels.get("gpufleet.io/pool") == "training"
+
+
+class PartitionSlurm(SmallSlurm):
+    """SmallSlurm that also lists a partition's nodes, as slurmrestd does: every record in it."""
+
+    def partition_nodes(self, partition: str) -> list[str]:
+        return [n.name for n in self.nodes_.values() if partition in n.partitions]
+
+
+def test_the_guard_counts_no_slurm_node_a_pool_move_left_down_in_the_fleet(
+    api: KubeApiProcess, kube: KubernetesApi
+) -> None:
+    """gpu1 moved to inference: its pod's Slurm node stays DOWN (v1.2.1). The breaker's share is
+    of the nodes the partition has now: one (gpu2's), not two."""
+    slurm = PartitionSlurm(["research-train-0", "research-train-1"])
+
+    def operator(line: str) -> None:
+        if "scaled in to" in line:
+            with httpx.Client(base_url=api.url, timeout=10) as http:
+                http.delete(f"/api/v1/namespaces/{NS}/pods/research-train-0").raise_for_status()
+            slurm.nodes_["research-train-0"] = slurm.node("research-train-0").model_copy(
+                update={"state": "down", "reason": PRESTOP}
+            )
+            set_status(api, replicas=1, ready=1)
+
+    assert mover(kube, slurm).to_inference("gpu1", say=operator, **ARGS) == "gpu1 serves inference"
+    guard = GuardActivities(SlinkySlurm(slurm, kube), cluster="research", partition=NODESET)  # type: ignore[arg-type]
+    assert ActivityEnvironment().run(guard.fleet_size) == 1
+
+
+def test_a_move_to_inference_rolled_back_after_its_scale_in_leaves_the_node_a_pod_in_training(
+    api: KubeApiProcess, kube: KubernetesApi
+) -> None:
+    """The NodeSet was scaled in for gpu1's pod; the operator has not deleted it yet (its Slurm
+    node still draining) when the move is rolled back. gpu1 is said to serve training: the
+    NodeSet must still have a replica for it, else the operator takes its pod right after."""
+    slurm = SmallSlurm(["research-train-0", "research-train-1"])
+    tolerating(api)
+    move = mover(kube, slurm)
+    with pytest.raises(ClientError, match="the move waits"):
+        move.to_inference("gpu1", **ARGS)
+    assert replicas(kube) == 1  # scaled in for research-train-0, which still runs on gpu1
+    said = move.to_training("gpu1", holder="pool-research", partition=NODESET, eviction_timeout_seconds=5)
+    assert said == "gpu1 serves training"
+    assert replicas(kube) == 2
+
+
+def test_a_move_to_inference_leaves_a_cordon_a_person_made_during_the_move(
+    api: KubeApiProcess, kube: KubernetesApi
+) -> None:
+    """A person cordons gpu1 while its move to inference drains it (the training taint is on
+    every training node): the move ends with gpu1 serving inference, and still cordoned."""
+    slurm = SmallSlurm(["research-train-0", "research-train-1"])
+
+    def operator(line: str) -> None:
+        if "drained in Slurm" in line:
+            kube.set_unschedulable("gpu1", True)
+        if "scaled in to" in line:
+            with httpx.Client(base_url=api.url, timeout=10) as http:
+                http.delete(f"/api/v1/namespaces/{NS}/pods/research-train-0").raise_for_status()
+            slurm.nodes_["research-train-0"] = slurm.node("research-train-0").model_copy(
+                update={"state": "down", "reason": PRESTOP}
+            )
+            set_status(api, replicas=1, ready=1)
+
+    kube.add_taint("gpu1", key="gpufleet.io/pool", value="training", effect="NoSchedule")  # as training nodes have
+    assert mover(kube, slurm).to_inference("gpu1", say=operator, **ARGS) == "gpu1 serves inference"
+    assert kube.get_node("gpu1").unschedulable
+
+
+def test_a_rolled_back_scale_out_leaves_the_pod_another_nodes_scale_out_waits_for(
+    api: KubeApiProcess, kube: KubernetesApi
+) -> None:
+    """Moves to training scaled research-train out for inf1 and for inf2; one pod waits (Pending,
+    on no node), inf2's. inf1's move is rolled back: the waiting pod is inf2's to get, so the
+    NodeSet keeps its replicas and only inf1's mark goes."""
+    slurm = SmallSlurm(["research-train-0", "research-train-1"])
+    pending(api, "research-train-2")
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        http.patch(
+            f"/apis/{API}/namespaces/{NS}/nodesets/{NODESET}",
+            json={"metadata": {"annotations": {SCALED_OUT_ANNOTATION: '["inf1@a","inf2@b"]'}}, "spec": {"replicas": 3}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        ).raise_for_status()
+    kube.update_metadata("inf1", annotations={"gpufleet.io/pool-nodesets": json.dumps([f"{NS}/{NODESET}"])})
+
+    assert mover(kube, slurm).to_inference("inf1", **ARGS) == "inf1 serves inference"
+    assert replicas(kube) == 3
+    assert kube.get_nodeset(NS, NODESET)["metadata"]["annotations"][SCALED_OUT_ANNOTATION] == '["inf2@b"]'
