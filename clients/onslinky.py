@@ -170,14 +170,20 @@ def left_down(info: NodeInfo) -> bool:
     hook, or not responding (its slurmd gone)."""
     if info.state in {"unknown", "future"}:
         return True
-    return info.state.startswith("down") and (info.reason == PRESTOP_REASON or "NOT_RESPONDING" in info.flags)
+    return info.state.startswith("down") and (prestop_down(info) or "NOT_RESPONDING" in info.flags)
+
+
+def prestop_down(info: NodeInfo) -> bool:
+    """DOWN by the operator's preStop hook (Slurm adds ' : Not responding' to the reason once the
+    gone slurmd misses its timeout)."""
+    return info.state.startswith("down") and info.reason.startswith(PRESTOP_REASON)
 
 
 def leftover(info: NodeInfo, *, hosted: bool = False) -> bool:
     """Whether a Slurm node is only the record of a pod that is gone (no member of its partition):
     DOWN by the operator's preStop hook (slurm-operator v1.2.1 keeps it until a pod of its name
     registers again), and no pod of its name ``hosted`` on a node now."""
-    return not hosted and info.state.startswith("down") and info.reason == PRESTOP_REASON
+    return not hosted and prestop_down(info)
 
 
 class SlurmNodesOf:
