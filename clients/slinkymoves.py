@@ -51,6 +51,7 @@ from clients.errors import ClientError, Conflict, InvalidInput, NotFound, NotOwn
 from clients.kube import KubeNode, KubernetesApi
 from clients.nodesets import ELIGIBLE_ANNOTATION, PREFIX, NodeSetName, NodeSetPod, NotEligible
 from clients.onslinky import (
+    PRESTOP_REASON,
     SCALED_IN_ANNOTATION,
     SlinkyPool,
     SlinkySlurm,
@@ -144,9 +145,13 @@ class SlinkyPoolMover(PoolMover):
         return infos
 
     def _someone_elses_drain(self, infos: dict[str, NodeInfo]) -> str:
+        """A Slurm node of the node's pods held out by someone else. The preStop hook's reason is
+        nobody's hold: it replaces a drain's reason when a pod stops, and the operator undrains
+        what carries its own reason once the pod is back."""
         for name, info in infos.items():
             out = info.drained or info.state in {"down", "drained"}
-            if out and info.reason and info.reason != TO_INFERENCE_REASON:
+            ours = info.reason == TO_INFERENCE_REASON or info.reason.startswith(PRESTOP_REASON)
+            if out and info.reason and not ours:
                 return f"{name} ({info.reason!r})"
         return ""
 
