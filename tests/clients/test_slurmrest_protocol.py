@@ -31,7 +31,7 @@ import pytest
 from clients.dryrun import DryRunViolation, dry_run
 from clients.errors import ClientError, Forbidden, InvalidInput, NotFound, NotOwned, Unavailable
 from clients.slurm import SlurmCli
-from clients.slurmrest import SlurmRestClient, jwt_token
+from clients.slurmrest import TERMINAL, SlurmRestClient, jwt_token
 from clients.slurmrest_protocol import (
     PROTOCOL_METHODS,
     WORKER_METHODS,
@@ -650,6 +650,19 @@ def test_requeue_and_partition_edits_are_served_from_v0_0_45_only(newer: Newer, 
         assert "nosuch" not in slurm.scontrol("show", "partition")
     finally:
         slurm.scontrol("update", "PartitionName=train", "Nodes=gpu1,gpu2,gpu3")
+
+    # The cancelled jobs' steps end only after KillWait: the next tests find gpu3 idle.
+    def ended(job: int) -> bool:
+        try:
+            return cli.job(job).state in TERMINAL
+        except NotFound:
+            return True
+
+    wait_for(
+        lambda: ended(job_id) and ended(stuck) and cli.node("gpu3").state == "idle",
+        timeout=60,
+        what="the cancelled jobs to end and gpu3 to be idle",
+    )
 
 
 def test_a_dry_run_sends_no_write(newer: Newer, version: str) -> None:

@@ -94,9 +94,10 @@ def items(lab: FleetLab, path: str) -> list[dict[str, Any]]:
 
 
 def cluster_pids(lab: FleetLab, name: str) -> list[int]:
-    """Every process the cluster's folder records (slurmctld, each slurmd, slurmrestd)."""
+    """Every live process the cluster's folder records (slurmctld, each slurmd, slurmrestd, and
+    slurmdbd and MariaDB while it has accounting)."""
     pids: dict[str, int] = json.loads((lab.home / "clusters" / name / "pids.json").read_text())
-    return list(pids.values())
+    return [pid for pid in pids.values() if alive(pid)]
 
 
 def assert_all_gone(lab: FleetLab, name: str, pids: list[int]) -> None:
