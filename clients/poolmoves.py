@@ -435,6 +435,32 @@ class PoolMover:
             self.give_back(node, holder)
             return f"{node} is wholly in inference"
         say(f"{node} is between pools: its move to {to} is finished")
+        return self._finish(
+            node,
+            to=to,
+            holder=holder,
+            partition=partition,
+            grace_seconds=grace_seconds,
+            deadline_seconds=deadline_seconds,
+            eviction_timeout_seconds=eviction_timeout_seconds,
+            move=move,
+            say=say,
+        )
+
+    def _finish(
+        self,
+        node: str,
+        *,
+        to: str,
+        holder: str,
+        partition: str,
+        grace_seconds: float,
+        deadline_seconds: float,
+        eviction_timeout_seconds: float,
+        move: str,
+        say: Say,
+    ) -> str:
+        """The move to ``to`` run again from where it stopped (each step looks before it acts)."""
         if to == INFERENCE:
             return self.to_inference(
                 node,

@@ -655,18 +655,16 @@ class SlinkyPoolMover(PoolMover):
             self.give_back(node, holder)
             return f"{node} is wholly in inference"
         say(f"{node} is between pools: its move to {to} is finished")
-        if to == INFERENCE:
-            return self.to_inference(
-                node,
-                holder=holder,
-                partition=partition,
-                grace_seconds=grace_seconds,
-                deadline_seconds=deadline_seconds,
-                move=move,
-                say=say,
-            )
-        return self.to_training(
-            node, holder=holder, partition=partition, eviction_timeout_seconds=eviction_timeout_seconds, say=say
+        return self._finish(
+            node,
+            to=to,
+            holder=holder,
+            partition=partition,
+            grace_seconds=grace_seconds,
+            deadline_seconds=deadline_seconds,
+            eviction_timeout_seconds=eviction_timeout_seconds,
+            move=move,
+            say=say,
         )
 
     def _leaving(self, pod: NodeSetPod, node: KubeNode) -> bool:

@@ -112,6 +112,15 @@ def set_status(api: KubeApiProcess, *, replicas: int, ready: int) -> None:
         ).raise_for_status()
 
 
+def scaled_in(api: KubeApiProcess, slurm: Any, pod: str) -> None:
+    """What slurm-operator v1.2.1 does after a scale-in: the condemned pod deleted, its preStop
+    hook leaving the Slurm node DOWN (the record stays), the NodeSet one replica fewer."""
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        http.delete(f"/api/v1/namespaces/{NS}/pods/{pod}").raise_for_status()
+    slurm.nodes_[pod] = slurm.node(pod).model_copy(update={"state": "down", "reason": PRESTOP})
+    set_status(api, replicas=1, ready=1)
+
+
 @pytest.fixture
 def kube(api: KubeApiProcess) -> KubernetesApi:
     return KubernetesApi(kubeconfig=api.kubeconfig, poll_seconds=0.05)
@@ -168,12 +177,7 @@ def test_a_move_to_inference_ends_once_the_operator_deleted_the_pod_though_its_s
 
     def operator(line: str) -> None:
         if "scaled in to" in line:  # what v1.2.1 does next: the drained pod deleted, preStop run
-            with httpx.Client(base_url=api.url, timeout=10) as http:
-                http.delete(f"/api/v1/namespaces/{NS}/pods/research-train-0").raise_for_status()
-            slurm.nodes_["research-train-0"] = slurm.node("research-train-0").model_copy(
-                update={"state": "down", "reason": PRESTOP}
-            )
-            set_status(api, replicas=1, ready=1)
+            scaled_in(api, slurm, "research-train-0")
 
     assert mover(kube, slurm).to_inference("gpu1", say=operator, **ARGS) == "gpu1 serves inference"
 
@@ -368,12 +372,7 @@ def test_a_move_to_inference_leaves_a_cordon_that_is_not_a_moves(api: KubeApiPro
 
     def operator(line: str) -> None:
         if "scaled in to" in line:
-            with httpx.Client(base_url=api.url, timeout=10) as http:
-                http.delete(f"/api/v1/namespaces/{NS}/pods/research-train-0").raise_for_status()
-            slurm.nodes_["research-train-0"] = slurm.node("research-train-0").model_copy(
-                update={"state": "down", "reason": PRESTOP}
-            )
-            set_status(api, replicas=1, ready=1)
+            scaled_in(api, slurm, "research-train-0")
 
     assert mover(kube, slurm).to_inference("gpu1", say=operator, **ARGS) == "gpu1 serves inference"
     assert kube.get_node("gpu1").unschedulable
@@ -428,12 +427,7 @@ def test_the_guard_counts_no_slurm_node_a_pool_move_left_down_in_the_fleet(
 
     def operator(line: str) -> None:
         if "scaled in to" in line:
-            with httpx.Client(base_url=api.url, timeout=10) as http:
-                http.delete(f"/api/v1/namespaces/{NS}/pods/research-train-0").raise_for_status()
-            slurm.nodes_["research-train-0"] = slurm.node("research-train-0").model_copy(
-                update={"state": "down", "reason": PRESTOP}
-            )
-            set_status(api, replicas=1, ready=1)
+            scaled_in(api, slurm, "research-train-0")
 
     assert mover(kube, slurm).to_inference("gpu1", say=operator, **ARGS) == "gpu1 serves inference"
     guard = GuardActivities(SlinkySlurm(slurm, kube), cluster="research", partition=NODESET)  # type: ignore[arg-type]
@@ -468,12 +462,7 @@ def test_a_move_to_inference_leaves_a_cordon_a_person_made_during_the_move(
         if "drained in Slurm" in line:
             kube.set_unschedulable("gpu1", True)
         if "scaled in to" in line:
-            with httpx.Client(base_url=api.url, timeout=10) as http:
-                http.delete(f"/api/v1/namespaces/{NS}/pods/research-train-0").raise_for_status()
-            slurm.nodes_["research-train-0"] = slurm.node("research-train-0").model_copy(
-                update={"state": "down", "reason": PRESTOP}
-            )
-            set_status(api, replicas=1, ready=1)
+            scaled_in(api, slurm, "research-train-0")
 
     kube.add_taint("gpu1", key="gpufleet.io/pool", value="training", effect="NoSchedule")  # as training nodes have
     assert mover(kube, slurm).to_inference("gpu1", say=operator, **ARGS) == "gpu1 serves inference"
