@@ -14,7 +14,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.errors import client_errors
 from activities.heartbeat import heartbeating, heartbeats
 from clients import pool
-from clients.clusters import ClusterBackend, StepFailed
+from clients.clusters import ClusterBackend, HasLogin, StepFailed
 from clients.errors import ClientError
 from clients.kube import KubeClient
 from clients.notify import Notifier
@@ -146,7 +146,12 @@ class ClusterActivities:
     @activity.defn(name="cluster_bring_up")
     @heartbeating
     def bring_up(self, request: ClusterRequest) -> StepResult:
-        return self._run(request, lambda b: b.bring_up(request.spec, request.placement, request.slurm_conf))
+        result = self._run(request, lambda b: b.bring_up(request.spec, request.placement, request.slurm_conf))
+        backend = self._backend(request)
+        if isinstance(backend, HasLogin):
+            with client_errors():
+                result.login = backend.login_address(request.spec)
+        return result
 
     @activity.defn(name="cluster_tear_down")
     @heartbeating

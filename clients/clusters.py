@@ -4,7 +4,7 @@ made and finishes, and each undo removes whatever part of its step exists."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from models.cluster import ClusterSpec
 
@@ -53,3 +53,12 @@ class ClusterBackend(Protocol):
         ...
 
     def unmake_remediable(self, spec: ClusterSpec) -> str: ...
+
+
+@runtime_checkable
+class HasLogin(Protocol):
+    """A backend whose clusters have a login node."""
+
+    def login_address(self, spec: ClusterSpec) -> str:
+        """``host:port`` where the cluster's users log in with ssh ('' when it has no login node)."""
+        ...

@@ -4,8 +4,11 @@ Each cluster lives under ``$GPUFLEET_HOME/clusters/<name>``: its own munged, slu
 ``slurmd -N`` per reserved node, on free ports, sharing nothing with the lab's own cluster. Its
 Kubernetes objects (Namespace, Secrets, storage claim, remediation ConfigMap) go to the lab's
 emulated API. The lab's nodes have no GPUs, so its slurm.conf leaves Gres out (said in a
-comment there). Linux users are not created on this machine: the smoke jobs run as whoever runs
-the worker. A file ``smoke-fails`` in ``$GPUFLEET_HOME`` makes smoke tests fail, to watch a
+comment there). Its users are the spec's, in the cluster's own view of the machine (lab/login.py:
+passwd and group, homes, storage at the spec's mount path, never the host's users), and its login
+node is a real sshd where they log in with their keys; the smoke jobs run as whoever runs the
+worker. As an ordinary user there is no login node (sshd must run as root), said. A file
+``smoke-fails`` in ``$GPUFLEET_HOME`` makes smoke tests fail, to watch a
 creation kept on failure and resumed. With accounting on, the cluster also gets its own
 MariaDB server and slurmdbd (``lab/accounting.py``), and its users go into them with
 ``sacctmgr`` as accounts and associations.
@@ -26,6 +29,7 @@ from clients.kube import KubernetesApi
 from clients.pool import SPARES
 from clients.slinky import core_objects, create_all, delete_all
 from lab.accounting import Accounting, accounting_installed
+from lab.login import ClusterUsers, LoginNode, login_unavailable
 from lab.procs import alive, spawn, stop
 from lab.slinkyclusters import SlinkyCluster
 from lab.slurm import SlurmLab
@@ -97,23 +101,58 @@ class LabClusterBackend:
     def bring_up(self, spec: ClusterSpec, placement: dict[str, list[str]], conf: str) -> str:
         nodes = sorted(n for names in placement.values() for n in names)
         slurm = self._slurm(spec, conf=conf, nodes=nodes)
-        if slurm.whole():
-            return f"already up: slurmctld and {len(nodes)} slurmd (SLURM_CONF={slurm.conf})"
-        if slurm.pids():
-            slurm.stop()  # a half-started cluster from a crashed attempt
+        no_login = login_unavailable()
+        if not slurm.whole():
+            if slurm.pids():
+                slurm.stop()  # a half-started cluster from a crashed attempt
+            try:
+                if not no_login:  # its users before its daemons: they run in the users' view
+                    ClusterUsers(slurm.root, slurm.install).write(spec)
+                slurm.start(timeout=60)
+            except ValueError as exc:
+                raise StepFailed(str(exc)) from None
+            except (TimeoutError, RuntimeError, subprocess.CalledProcessError, OSError) as exc:
+                raise StepFailed(f"Slurm did not come up: {exc}; logs in {slurm.logs}") from None
+            up = f"slurmctld and {len(nodes)} slurmd up (SLURM_CONF={slurm.conf})"
+        else:
+            up = f"already up: slurmctld and {len(nodes)} slurmd (SLURM_CONF={slurm.conf})"
+        if no_login:
+            return f"{up}; no login node: {no_login}"
+        return f"{up}; login node on {self._start_login(spec, slurm)}"
+
+    def _start_login(self, spec: ClusterSpec, slurm: SlurmLab) -> str:
         try:
-            slurm.start(timeout=60)
+            return LoginNode(slurm.root, slurm.install, slurm.binds[1:]).start(spec)
         except (TimeoutError, RuntimeError, subprocess.CalledProcessError, OSError) as exc:
-            raise StepFailed(f"Slurm did not come up: {exc}; logs in {slurm.logs}") from None
-        return f"slurmctld and {len(nodes)} slurmd up (SLURM_CONF={slurm.conf})"
+            raise StepFailed(f"the login node did not come up: {exc}; log in {slurm.logs / 'sshd.log'}") from None
+
+    def login_address(self, spec: ClusterSpec) -> str:
+        return LoginNode(self.root(spec)).address()
+
+    def set_logins(self, spec: ClusterSpec) -> str:
+        """The login node's users and keys become ``spec``'s (homes made, removed users' kept
+        for root); its sshd reloaded when the list of users changed, sessions kept."""
+        slurm = self._up(spec)
+        if slurm is None:
+            raise StepFailed(f"the controller of {spec.name} is not running: its users cannot change now")
+        if problem := login_unavailable():
+            raise StepFailed(f"no login node: {problem}")
+        try:
+            changed = ClusterUsers(slurm.root, slurm.install).write(spec)
+        except (ValueError, OSError) as exc:
+            raise StepFailed(str(exc)) from None
+        address = self._start_login(spec, slurm)
+        users = ", ".join(user.name for user in spec.users) or "nobody"
+        return f"login node on {address} for {users}" + (f" ({', '.join(changed)})" if changed else ", nothing changed")
 
     def tear_down(self, spec: ClusterSpec) -> str:
         root = self.root(spec)
         if not root.exists():
             return "nothing was running"
+        LoginNode(root).stop()
         self._slurm(spec).stop()
         shutil.rmtree(root, ignore_errors=True)
-        return f"daemons stopped, {root} removed"
+        return f"login node and daemons stopped, {root} removed"
 
     def add_users(self, spec: ClusterSpec) -> str:
         no_linux = f"the lab creates no Linux users (its smoke jobs run as {getpass.getuser()})"
@@ -306,6 +345,7 @@ def stop_all(home: Path) -> list[Path]:
         pid_file = root / "worker.pid"
         if pid_file.exists():
             stop([int(pid_file.read_text())])
+        LoginNode(root).stop()
         slinky = SlinkyCluster(root)
         if slinky.controller():  # one the operator stand-in brought up: slurmrestd too
             slinky.stop()

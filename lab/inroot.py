@@ -1,27 +1,36 @@
 """Run one command inside a cached Slurm root (lab/slurmroots.py), in a private mount namespace.
 
 Started as ``unshare --mount --propagation private -- python -I -S lab/inroot.py ROOT [--bind DIR]...
--- COMMAND [ARG]...`` (``SlurmInstall.argv`` builds that): it binds the host's ``/proc``, ``/dev``,
-``/sys`` and each ``--bind`` folder into the root at the same path, changes root, keeps the working
-folder when the root has it, and becomes the command.
+[--outside] -- COMMAND [ARG]...`` (``SlurmInstall.argv`` builds that): it binds the host's ``/proc``,
+``/dev``, ``/sys`` and each ``--bind`` folder into the root at the same path, changes root, keeps the
+working folder when the root has it, and becomes the command.
+
+ROOT ``/`` is the host's own Slurm (22.05) seen with a cluster's users (below): nothing is bound
+but the cluster's own files, and the root is not changed. ``--outside`` prepares the root as
+usual but runs the command outside it, with the cluster's users over the host's too: the login
+node's sshd (lab/login.py), which puts each session into the root itself (``ChrootDirectory``).
 
 Slurm 23.11 and later keep, under ``/run/slurm``, ``/run/slurmctld`` and ``/run/slurmdbd``, the
 sockets through which commands have their credentials signed with the cluster's key: two clusters
 on one root must not share them. So, where ``$SLURM_CONF`` names a cluster's slurm.conf, the
 folders ``run/slurm``, ``run/slurmctld`` and ``run/slurmdbd`` beside it are bound there: the
 daemons and the commands of one cluster, and only they, meet at the same sockets, whichever
-wrapper started them. Where ``etc/passwd`` and ``etc/group`` are beside that slurm.conf (a Slinky
-cluster of the lab, whose users come from its user database Secret, as sssd gives them to the
-pods), they are bound over the root's ``/etc/passwd`` and ``/etc/group``, so that the cluster's
-daemons, its jobs and its commands know its users; the root's own files are never changed. The
-binds exist only in that namespace and vanish with its last process, so the cached root never
-holds a mount of the host's devices: removing it touches nothing of the host.
+wrapper started them. Where ``etc/passwd`` and ``etc/group`` are beside that slurm.conf (the
+cluster's users: lab/login.py writes them from its spec, or, for a Slinky cluster of the lab, from
+its user database Secret, as sssd gives them to the pods), they are bound over the root's
+``/etc/passwd`` and ``/etc/group``, so that the cluster's daemons, its jobs, its commands and its
+login node know its users; the root's own files are never changed. Where ``mounts.json`` is beside
+it (``[[SOURCE, TARGET], ...]``: the users' homes at ``/home``, the cluster's storage at its mount
+path), each folder is bound at its target, so a file a job writes is the file its owner reads on
+the login node. The binds exist only in that namespace and vanish with its last process, so the
+cached root never holds a mount of the host's devices: removing it touches nothing of the host.
 
 Standard library only, and no import of gpufleet: it runs before and outside any virtualenv setup.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -46,15 +55,19 @@ def _bind_file(source: str, root: Path, at: str) -> None:
     subprocess.run(["mount", "--bind", source, str(target)], check=True)
 
 
-def _options(options: list[str]) -> list[str] | None:
-    """The folders of the ``--bind DIR`` options (None: malformed)."""
+def _options(options: list[str]) -> tuple[list[str], bool] | None:
+    """The folders of the ``--bind DIR`` options and whether ``--outside`` is there (None: malformed)."""
     binds: list[str] = []
+    outside = False
     words = iter(options)
     for word in words:
+        if word == "--outside":
+            outside = True
+            continue
         if word != "--bind":
             return None
         binds.append(next(words, ""))
-    return None if "" in binds else binds
+    return None if "" in binds else (binds, outside)
 
 
 def _cluster_run(conf: str | None) -> list[tuple[str, str]]:
@@ -74,33 +87,80 @@ def _cluster_etc(conf: str | None) -> list[tuple[str, str]]:
     return [(str(folder / name), f"/etc/{name}") for name in ("passwd", "group") if (folder / name).is_file()]
 
 
+def _cluster_mounts(conf: str | None, root: Path) -> list[tuple[str, str]]:
+    """The cluster's own folders (``mounts.json`` beside its slurm.conf) and where each goes.
+
+    Raises ValueError for an entry that is not an existing folder bound at an absolute path
+    without ``..``, or whose target a symbolic link in the root would take elsewhere."""
+    if not conf or not os.path.isabs(conf):
+        return []
+    listed = Path(conf).parent / "mounts.json"
+    if not listed.is_file():
+        return []
+    mounts: list[tuple[str, str]] = []
+    for entry in json.loads(listed.read_text()):
+        source, target = str(entry[0]), str(entry[1])
+        if not (os.path.isabs(source) and os.path.isdir(source)):
+            raise ValueError(f"{listed}: {source!r} is not a folder")
+        if not os.path.isabs(target) or ".." in target.split("/") or target.rstrip("/") in ("", "/"):
+            raise ValueError(f"{listed}: {target!r} is not an absolute path below / without '..'")
+        inside = root
+        for part in Path(target).parts[1:]:
+            inside = inside / part
+            if inside.is_symlink():
+                raise ValueError(f"{listed}: {inside} is a symbolic link; refusing to bind {target} there")
+        mounts.append((source, target))
+    return mounts
+
+
+def _cluster_mounts_first(mounts: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The mounts with a shallower target first, so that none hides one bound before it."""
+    return sorted(mounts, key=lambda mount: mount[1].rstrip("/").count("/"))
+
+
 def main(argv: list[str]) -> int:
-    usage = "usage: inroot.py ROOT [--bind DIR]... -- COMMAND [ARG]..."
+    usage = "usage: inroot.py ROOT [--bind DIR]... [--outside] -- COMMAND [ARG]..."
     if "--" not in argv or len(argv) < 3:
         print(usage, file=sys.stderr)
         return 2
     split = argv.index("--")
     options, command = argv[:split], argv[split + 1 :]
     root = Path(options[0]).resolve()
-    binds = _options(options[1:])
-    if not command or binds is None:
+    parsed = _options(options[1:])
+    if not command or parsed is None:
         print(usage, file=sys.stderr)
         return 2
-    cwd = os.getcwd()
-    for source in (*SYSTEM_BINDS, *binds):
-        if os.path.isdir(source):
-            _bind(source, root)
-    for source, at in _cluster_run(os.environ.get("SLURM_CONF")):
-        os.makedirs(source, exist_ok=True)
-        _bind(source, root, at)
-    for source, at in _cluster_etc(os.environ.get("SLURM_CONF")):
-        _bind_file(source, root, at)
-    os.chroot(root)
+    binds, outside = parsed
+    host = root == Path("/")
+    conf = os.environ.get("SLURM_CONF")
     try:
-        os.chdir(cwd)
-    except OSError:
-        os.chdir("/")
-    env = {**os.environ, "PATH": ROOT_PATH}
+        mounts = _cluster_mounts(conf, root)
+    except (ValueError, OSError, IndexError, TypeError) as exc:
+        print(f"inroot.py: {exc}", file=sys.stderr)
+        return 2
+    cwd = os.getcwd()
+    if not host:
+        for source in (*SYSTEM_BINDS, *binds):
+            if os.path.isdir(source):
+                _bind(source, root)
+        for source, at in _cluster_run(conf):
+            os.makedirs(source, exist_ok=True)
+            _bind(source, root, at)
+    for source, at in _cluster_mounts_first(mounts):
+        _bind(source, root, at)
+    for source, at in _cluster_etc(conf):
+        _bind_file(source, root, at)
+        if outside and not host:
+            _bind_file(source, Path("/"), at)
+    if host or outside:
+        env = dict(os.environ)
+    else:
+        os.chroot(root)
+        try:
+            os.chdir(cwd)
+        except OSError:
+            os.chdir("/")
+        env = {**os.environ, "PATH": ROOT_PATH}
     try:
         os.execvpe(command[0], command, env)  # noqa: S606 (an argv list, no shell)
     except FileNotFoundError:

@@ -100,9 +100,16 @@ class SlurmLab:
         """gpufleet's Slurm client for this cluster, on its release's commands."""
         return SlurmCli(slurm_conf=self.conf, bin_dir=self.bin_dir)
 
+    @property
+    def own_view(self) -> bool:
+        """Whether the cluster has users of its own (``etc/passwd``) or folders bound for them
+        (``mounts.json``) beside its slurm.conf (lab/login.py): its daemons and commands then
+        run where those are seen, on the host's Slurm too (lab/inroot.py)."""
+        return (self.root / "etc" / "passwd").is_file() or (self.root / "mounts.json").is_file()
+
     def argv(self, command: list[str]) -> list[str]:
         """``command`` (a Slurm daemon or command) as it runs on this cluster's install."""
-        return self.install.argv(command, self.binds)
+        return self.install.argv(command, self.binds, own_view=self.own_view)
 
     @property
     def env(self) -> dict[str, str]:
@@ -131,7 +138,8 @@ class SlurmLab:
             raise RuntimeError("Slurm is not installed: apt-get install slurm-wlm munge (or run make test as root)")
         for folder in ("munge", "state", "spool", "log"):
             (self.root / folder).mkdir(parents=True, exist_ok=True)
-        os.chmod(self.root / "munge", 0o700)
+        # Its own users' commands reach the munge socket too (munged refuses a writable folder).
+        os.chmod(self.root / "munge", 0o711 if self.own_view else 0o700)
         (self.root / "release").write_text(self.install.release.version + "\n")
         if self.install.on_host:
             self._start_munge()

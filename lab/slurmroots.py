@@ -111,13 +111,19 @@ class SlurmInstall:
     def on_host(self) -> bool:
         return self.root is None
 
-    def argv(self, command: list[str], binds: Sequence[Path] = ()) -> list[str]:
+    def argv(
+        self, command: list[str], binds: Sequence[Path] = (), *, own_view: bool = False, outside: bool = False
+    ) -> list[str]:
         """``command`` as it runs on this install: as is on the host, else in the root, with
         ``binds`` seen at their own paths (and the cluster's run folders beside ``$SLURM_CONF``
-        as the root's ``/run/slurm``, ``/run/slurmctld`` and ``/run/slurmdbd``: lab/inroot.py)."""
-        if self.root is None:
+        as the root's ``/run/slurm``, ``/run/slurmctld`` and ``/run/slurmdbd``: lab/inroot.py).
+        ``own_view``: on the host too, in a private mount namespace where the cluster's users,
+        homes and storage beside ``$SLURM_CONF`` are seen (lab/login.py writes them).
+        ``outside``: prepared the same way, but run outside the root (the login node's sshd)."""
+        if self.root is None and not own_view:
             return list(command)
-        folders = ["/tmp", str(REPO_ROOT), *(str(b) for b in binds)]
+        root = self.root or Path("/")
+        folders = ["/tmp", str(REPO_ROOT), *(str(b) for b in binds)] if self.root is not None else []
         options = [word for folder in dict.fromkeys(folders) for word in ("--bind", folder)]
         return [
             "unshare",
@@ -129,8 +135,9 @@ class SlurmInstall:
             "-I",
             "-S",
             str(INROOT),
-            str(self.root),
+            str(root),
             *options,
+            *(["--outside"] if outside and self.root is not None else []),
             "--",
             *command,
         ]

@@ -32,6 +32,29 @@ _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 _CONF_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9]*$")
 # A key ending in "pass" anywhere in a line (StoragePass, AccountingStoragePass...), in any case.
 _PASS_KEY = re.compile(r"(?:^|[\s#])([A-Za-z][A-Za-z0-9]*pass)\s*=", re.IGNORECASE)
+# Where a cluster's storage may not be mounted: the folders its nodes' system lives in, and /home
+# (its users' homes).
+SYSTEM_FOLDERS = (
+    "/bin",
+    "/boot",
+    "/dev",
+    "/etc",
+    "/home",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/proc",
+    "/root",
+    "/run",
+    "/sbin",
+    "/sys",
+    "/tmp",
+    "/usr",
+    "/var",
+)
+# Accounts every node of a cluster has already: a spec's user may not be one of them.
+SYSTEM_USERS = frozenset({"root", "sshd", "slurm", "slurmrestd", "munge", "mysql"})
 _STORAGE_CLASS = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _SSH_TYPES = {
     "ssh-ed25519",
@@ -155,6 +178,8 @@ class UserSpec(BaseModel):
     def _name(cls, name: str) -> str:
         if not _USER.fullmatch(name):
             raise ValueError("a Linux user name: lowercase letters, digits, '_' and '-', at most 32 characters")
+        if name in SYSTEM_USERS:
+            raise ValueError(f"{name!r} is a system account of every node; choose another name")
         return name
 
     @field_validator("account")
@@ -196,6 +221,10 @@ class StorageSpec(BaseModel):
     def _path(cls, path: str) -> str:
         if not path.startswith("/") or any(c.isspace() for c in path) or "/../" in f"{path}/" or path == "/":
             raise ValueError(f"{path!r}: an absolute path below / without spaces or '..'")
+        clean = path.rstrip("/")
+        for folder in SYSTEM_FOLDERS:
+            if clean == folder or clean.startswith(folder + "/"):
+                raise ValueError(f"{path!r} is in {folder}, a system folder of every node; use e.g. /shared")
         return path
 
 

@@ -81,6 +81,7 @@ class StepResult(BaseModel):
     detail: str = ""
     placement: dict[str, list[str]] = Field(default_factory=dict)
     slurm_conf: str = ""
+    login: str = ""  # bring_up: where the login node answers (host:port), '' when it has none
 
 
 class StepEvent(BaseModel):
@@ -103,6 +104,7 @@ class ClusterStatus(BaseModel):
     placement: dict[str, list[str]] = Field(default_factory=dict)
     partitions: dict[str, int] = Field(default_factory=dict)
     users: list[str] = Field(default_factory=list)
+    login: str = ""  # where its users log in with ssh (host:port), once brought up
     timeline: list[StepEvent] = Field(default_factory=list)
     started_at: datetime | None = None
     finished_at: datetime | None = None

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs Debian's slurm-wlm and munge, debootstrap (the lab's newer Slurm roots), slurmdbd and mariadb-server (for clusters with accounting),
+# Installs Debian's slurm-wlm and munge, openssh-server and -client (login nodes), debootstrap (the lab's newer Slurm roots), slurmdbd and mariadb-server (for clusters with accounting),
 # slurmrestd and its JWT plugin (Slurm's REST API), prometheus (the lab's shared pool), kubectl (Debian's kubernetes-client) and docker-compose when missing (as root), else says what to install.
 # A kubectl already on PATH (e.g. 1.32) is used as it is.
 set -euo pipefail
@@ -40,6 +40,23 @@ if ! command -v slurmdbd >/dev/null 2>&1 || ! command -v mariadbd >/dev/null 2>&
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${extras[@]}" >/dev/null
   else
     echo "some of ${extras[*]} are missing: the tests that need them are skipped (apt-get install them)" >&2
+  fi
+fi
+if [ ! -x /usr/sbin/sshd ] || ! command -v ssh >/dev/null 2>&1; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing openssh-server and openssh-client (the lab clusters' login nodes)"
+    apt-get update -qq
+    # The package's own sshd is not wanted here: each cluster's login node starts its own.
+    policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      policy=/usr/sbin/policy-rc.d
+      printf '#!/bin/sh\nexit 101\n' > "$policy"
+      chmod 755 "$policy"
+    fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server openssh-client >/dev/null
+    if [ -n "$policy" ]; then rm -f "$policy"; fi
+  else
+    echo "sshd or ssh is missing: the lab's clusters get no login node and its tests are skipped (apt-get install openssh-server openssh-client, as root)" >&2
   fi
 fi
 missing=()

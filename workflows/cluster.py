@@ -126,6 +126,8 @@ class ClusterCreationWorkflow:
                 work.placement = status.placement = result.placement
             if result.slurm_conf:
                 work.slurm_conf = result.slurm_conf
+            if result.login:
+                status.login = result.login
             self._event(step, "done", result.detail)
             index += 1
         status.outcome = ClusterOutcome.READY
