@@ -29,7 +29,7 @@ from clients.kube import KubernetesApi
 from clients.pool import SPARES
 from clients.slinky import core_objects, create_all, delete_all
 from lab.accounting import Accounting, accounting_installed
-from lab.login import ClusterUsers, LoginNode, login_unavailable
+from lab.login import ClusterUsers, LoginNode, accounts_of, login_unavailable, mount_path_of
 from lab.procs import alive, spawn, stop
 from lab.slinkyclusters import SlinkyCluster
 from lab.slurm import SlurmLab
@@ -107,7 +107,7 @@ class LabClusterBackend:
                 slurm.stop()  # a half-started cluster from a crashed attempt
             try:
                 if not no_login:  # its users before its daemons: they run in the users' view
-                    ClusterUsers(slurm.root, slurm.install).write(spec)
+                    ClusterUsers(slurm.root, slurm.install).write(accounts_of(spec), mount_path_of(spec))
                 slurm.start(timeout=60)
             except ValueError as exc:
                 raise StepFailed(str(exc)) from None
@@ -122,7 +122,7 @@ class LabClusterBackend:
 
     def _start_login(self, spec: ClusterSpec, slurm: SlurmLab) -> str:
         try:
-            return LoginNode(slurm.root, slurm.install, slurm.binds[1:]).start(spec)
+            return LoginNode(slurm.root, slurm.install, slurm.binds[1:]).start([user.name for user in spec.users])
         except (TimeoutError, RuntimeError, subprocess.CalledProcessError, OSError) as exc:
             raise StepFailed(f"the login node did not come up: {exc}; log in {slurm.logs / 'sshd.log'}") from None
 
@@ -138,7 +138,7 @@ class LabClusterBackend:
         if problem := login_unavailable():
             raise StepFailed(f"no login node: {problem}")
         try:
-            changed = ClusterUsers(slurm.root, slurm.install).write(spec)
+            changed = ClusterUsers(slurm.root, slurm.install).write(accounts_of(spec), mount_path_of(spec))
         except (ValueError, OSError) as exc:
             raise StepFailed(str(exc)) from None
         address = self._start_login(spec, slurm)

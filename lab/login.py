@@ -29,6 +29,8 @@ import os
 import shutil
 import signal
 import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from lab.procs import alive, free_port, port_in_use, spawn, stop, wait_for
@@ -42,6 +44,26 @@ SHELL = "/bin/bash"
 SYSTEM_UID_LIMIT = 1000
 KEPT_ACCOUNTS = ("nobody", "sshd")
 LOGIN_HOST = "127.0.0.1"
+
+
+DEFAULT_MOUNT_PATH = "/shared"
+
+
+@dataclass(frozen=True)
+class Account:
+    """One user of a cluster as its login node and compute nodes know them."""
+
+    name: str
+    uid: int
+    keys: tuple[str, ...]
+
+
+def accounts_of(spec: ClusterSpec) -> list[Account]:
+    return [Account(user.name, user.uid, tuple(user.ssh_keys)) for user in spec.users]
+
+
+def mount_path_of(spec: ClusterSpec) -> str:
+    return spec.storage.mount_path if spec.storage else DEFAULT_MOUNT_PATH
 
 
 def login_unavailable() -> str:
@@ -97,10 +119,9 @@ class ClusterUsers:
     def storage(self) -> Path:
         return self.folder / "storage"
 
-    def _check_place(self, spec: ClusterSpec) -> None:
+    def _check_place(self, mount_path: str) -> None:
         """The cluster's own folder must stay visible where its homes and storage are bound."""
-        targets = [Path("/home"), *([Path(spec.storage.mount_path)] if spec.storage else [])]
-        for target in targets:
+        for target in (Path("/home"), Path(mount_path)):
             if self.folder == target or target in self.folder.parents:
                 raise ValueError(
                     f"the cluster's folder {self.folder} is below {target}, where its users' "
@@ -118,21 +139,23 @@ class ClusterUsers:
             lines += [line for line in host if line.split(":")[0] == "sshd" and "sshd" not in have]
         return lines
 
-    def write(self, spec: ClusterSpec) -> list[str]:
-        """Make the cluster's users the spec's; returns what changed (empty: nothing)."""
-        self._check_place(spec)
+    def write(self, users: Sequence[Account], mount_path: str = DEFAULT_MOUNT_PATH) -> list[str]:
+        """Make the cluster's users ``users``, its storage seen at ``mount_path``; returns what
+        changed (empty: nothing). Raises ValueError for a user that clashes with a system
+        account, or a cluster folder its own mounts would hide."""
+        self._check_place(mount_path)
         changed: list[str] = []
         etc = self.folder / "etc"
         etc.mkdir(parents=True, exist_ok=True)
         system_users = self._system("passwd")
         system_groups = self._system("group")
         taken = {line.split(":")[2]: line.split(":")[0] for line in system_users}
-        for user in spec.users:
+        for user in users:
             if str(user.uid) in taken or user.name in taken.values():
                 clash = taken.get(str(user.uid), user.name)
                 raise ValueError(f"user {user.name} (uid {user.uid}) clashes with the system account {clash}")
-        passwd = [*system_users, *(f"{u.name}:x:{u.uid}:{u.uid}:{u.name}:/home/{u.name}:{SHELL}" for u in spec.users)]
-        group = [*system_groups, *(f"{u.name}:x:{u.uid}:" for u in spec.users)]
+        passwd = [*system_users, *(f"{u.name}:x:{u.uid}:{u.uid}:{u.name}:/home/{u.name}:{SHELL}" for u in users)]
+        group = [*system_groups, *(f"{u.name}:x:{u.uid}:" for u in users)]
         if _write_if_changed(etc / "passwd", "\n".join(passwd) + "\n", 0o644):
             changed.append("passwd")
         if _write_if_changed(etc / "group", "\n".join(group) + "\n", 0o644):
@@ -140,8 +163,8 @@ class ClusterUsers:
         self.folder.chmod(0o755)  # its users' jobs reach their scripts in its spool
         homes = self.folder / "home"
         homes.mkdir(mode=0o755, exist_ok=True)
-        wanted = {user.name for user in spec.users}
-        for user in spec.users:
+        wanted = {user.name for user in users}
+        for user in users:
             home = homes / user.name
             if not home.is_dir():
                 home.mkdir()
@@ -157,14 +180,13 @@ class ClusterUsers:
         self.storage.mkdir(exist_ok=True)
         self.storage.chmod(0o1777)
         self.keys.mkdir(parents=True, exist_ok=True)
-        for user in spec.users:
-            if _write_if_changed(self.keys / user.name, "\n".join(user.ssh_keys) + "\n", 0o644):
+        for user in users:
+            if _write_if_changed(self.keys / user.name, "\n".join(user.keys) + "\n", 0o644):
                 changed.append(f"keys of {user.name}")
         for key_file in self.keys.iterdir():
             if key_file.name not in wanted:
                 key_file.unlink()
                 changed.append(f"keys of {key_file.name} removed")
-        mount_path = spec.storage.mount_path if spec.storage else "/shared"
         mounts = [[str(homes), "/home"], [str(self.storage), mount_path]]
         if _write_if_changed(self.folder / "mounts.json", json.dumps(mounts) + "\n", 0o644):
             changed.append("mounts")
@@ -216,8 +238,8 @@ class LoginNode:
         """``host:port`` where the login node answers ('' when it does not run)."""
         return f"{LOGIN_HOST}:{self._recorded()['port']}" if self.running() else ""
 
-    def _config_text(self, spec: ClusterSpec, port: int) -> str:
-        users = " ".join(user.name for user in spec.users)
+    def _config_text(self, users: Sequence[str], port: int) -> str:
+        allowed = " ".join(users)
         lines = [
             "# The login node of a gpufleet lab cluster (lab/login.py); rewritten when its users change.",
             f"Port {port}",
@@ -233,7 +255,7 @@ class LoginNode:
             "UsePAM no",
             # The keys are root's files in the cluster's folder, not the user's ~/.ssh.
             "StrictModes no",
-            f"AllowUsers {users}" if users else "DenyUsers *",
+            f"AllowUsers {allowed}" if allowed else "DenyUsers *",
             f"SetEnv SLURM_CONF={self.folder / 'slurm.conf'}",
             "PrintMotd no",
             "PrintLastLog no",
@@ -245,8 +267,9 @@ class LoginNode:
             lines.append(f"ChrootDirectory {self.install.root}")
         return "\n".join(lines) + "\n"
 
-    def start(self, spec: ClusterSpec, *, timeout: float = 30.0) -> str:
-        """sshd for ``spec``'s users, started or reloaded; returns its ``host:port``."""
+    def start(self, users: Sequence[str], *, timeout: float = 30.0) -> str:
+        """sshd letting in ``users`` (by their keys in ``ClusterUsers.keys``), started or
+        reloaded; returns its ``host:port``."""
         if problem := login_unavailable():
             raise RuntimeError(problem)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -254,7 +277,7 @@ class LoginNode:
         host_key = self.dir / "ssh_host_ed25519_key"
         if not host_key.exists():
             subprocess.run(
-                ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"login-{spec.name}", "-f", str(host_key)],
+                ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"login-{self.folder.name}", "-f", str(host_key)],
                 check=True,
                 capture_output=True,
                 timeout=30,
@@ -262,7 +285,7 @@ class LoginNode:
         pid = self.running()
         recorded = self._recorded().get("port", 0)
         port = recorded if pid or (recorded and not port_in_use(recorded)) else free_port()
-        changed = _write_if_changed(self.config, self._config_text(spec, port), 0o644)
+        changed = _write_if_changed(self.config, self._config_text(users, port), 0o644)
         if pid:
             if changed:
                 os.kill(pid, signal.SIGHUP)  # sshd reads its configuration again, sessions kept
