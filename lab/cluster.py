@@ -29,7 +29,7 @@ from clients.kube import KubernetesApi
 from clients.pool import SPARES
 from clients.slinky import core_objects, create_all, delete_all
 from lab.accounting import Accounting, accounting_installed
-from lab.login import ClusterUsers, LoginNode, accounts_of, login_unavailable, mount_path_of
+from lab.login import ClusterUsers, LoginNode, accounts_of, closed_to_users, login_unavailable, mount_path_of
 from lab.procs import alive, spawn, stop
 from lab.slinkyclusters import SlinkyCluster
 from lab.slurm import SlurmLab
@@ -118,7 +118,13 @@ class LabClusterBackend:
             up = f"already up: slurmctld and {len(nodes)} slurmd (SLURM_CONF={slurm.conf})"
         if no_login:
             return f"{up}; no login node: {no_login}"
-        return f"{up}; login node on {self._start_login(spec, slurm)}"
+        login = f"{up}; login node on {self._start_login(spec, slurm)}"
+        if closed := closed_to_users(slurm.root.parent):
+            login += (
+                f"; its users cannot reach its slurm.conf through {closed}: "
+                "set GPUFLEET_HOME to a folder every user may pass through (e.g. /srv/gpufleet)"
+            )
+        return login
 
     def _start_login(self, spec: ClusterSpec, slurm: SlurmLab) -> str:
         try:

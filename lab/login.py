@@ -78,6 +78,15 @@ def login_unavailable() -> str:
     return ""
 
 
+def closed_to_users(folder: Path) -> str:
+    """The first folder above ``folder`` that other users cannot pass through ('' when none):
+    there the cluster's users could not read its slurm.conf."""
+    for parent in [*reversed(folder.resolve().parents), folder.resolve()]:
+        if not parent.stat().st_mode & 0o001:
+            return f"{parent} (mode {parent.stat().st_mode & 0o777:o})"
+    return ""
+
+
 def _write_if_changed(path: Path, text: str, mode: int) -> bool:
     """Write ``text`` into ``path`` in place (a bind mount of it sees the change) when it differs."""
     if path.is_file() and path.read_text() == text:

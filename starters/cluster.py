@@ -109,18 +109,44 @@ def planned_objects(spec: ClusterSpec, backend: str) -> list[dict[str, Any]]:
     return [o for o in objects if o["apiVersion"] == "v1"] + [slurm]
 
 
+def ssh_commands(login: str, users: list[str]) -> dict[str, str]:
+    """The ``ssh`` command each user logs in with, for a login node at ``host:port``."""
+    if not login:
+        return {}
+    host, _, port = login.rpartition(":")
+    if not host or not port.isdigit():
+        return {}
+    where = f"-p {port} " if port != "22" else ""
+    return {user: f"ssh {where}{user}@{host}" for user in users}
+
+
 def summary(status: ClusterStatus) -> dict[str, Any]:
+    live = status.outcome in (ClusterOutcome.READY, ClusterOutcome.FAILED_KEPT)
     return {
         "name": status.name,
         "backend": status.backend,
         "partitions": [{"name": name, "nodes": nodes} for name, nodes in status.partitions.items()],
         "users": status.users,
+        "login": status.login if live else None,
+        "ssh": ssh_commands(status.login, status.users) if live else {},
         "outcome": str(status.outcome),
         "seconds": status.seconds,
         "failed_step": str(status.failed_step) if status.failed_step else None,
         "error": status.error or None,
         "placement": status.placement,
     }
+
+
+def _say_logins(login: str, users: list[str]) -> None:
+    commands = ssh_commands(login, users)
+    if not login:
+        console.print("no login node (the step bring_up says why)")
+    elif not commands:
+        console.print(f"login node on {login}; no users to log in")
+    else:
+        console.print(f"log in on {login}:")
+        for command in commands.values():
+            console.print(f"  {command}", highlight=False)
 
 
 def _say(event: StepEvent) -> None:
@@ -155,6 +181,7 @@ def _report(status: ClusterStatus, *, as_json: bool) -> None:
         print(json.dumps(summary(status)))
     elif status.outcome == ClusterOutcome.READY:
         console.print(f"cluster {status.name} is ready ({status.seconds:.1f}s)")
+        _say_logins(status.login, status.users)
     elif status.outcome == ClusterOutcome.FAILED_KEPT:
         console.print(
             f"cluster {status.name} failed at {status.failed_step}: {escape(status.error)}\n"
@@ -345,11 +372,14 @@ def show(name: str, as_json: Annotated[bool, typer.Option("--json")] = False) ->
     outcome = "deleted" if gone is not None else str(status.outcome)
     if as_json:
         timeline = [e.model_dump(mode="json") for e in status.timeline]
-        print(json.dumps({**summary(status), "outcome": outcome, "timeline": timeline}))
+        gone_fields: dict[str, Any] = {"login": None, "ssh": {}} if gone is not None else {}
+        print(json.dumps({**summary(status), "outcome": outcome, "timeline": timeline, **gone_fields}))
         return
     console.print(f"cluster {status.name} on {status.backend}: {outcome}", highlight=False)
     for event in status.timeline:
         _say(event)
+    if gone is None and status.outcome in (ClusterOutcome.READY, ClusterOutcome.FAILED_KEPT):
+        _say_logins(status.login, status.users)
     if status.error:
         say_error(f"failed at {status.failed_step}: {status.error}")
 

@@ -1,12 +1,16 @@
 """Cluster creation end to end in the lab: a spec with two partitions and two users becomes a
 running Slurm cluster of its own (real slurmctld and slurmd), made from the lab's free pool; a
 spec the pool cannot hold fails at once with nothing made; a smoke job that fails is kept, and
-resumed after the fix; lab down leaves nothing of either running."""
+resumed after the fix; lab down leaves nothing of either running. Its users log in over SSH
+with their own keys (and no other), see its partitions, run a job that writes into the cluster's
+storage and read the file on the login node."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,12 +23,20 @@ from clients.pool import free_nodes, holdings
 from lab.accounting import accounting_installed
 from lab.fleet import FleetLab, LabConfig
 from lab.histories import record_histories
+from lab.login import login_unavailable
 from lab.procs import alive, pids_with_env
 from tests.conftest import gpufleet_cli
+from tests.e2e.logins import make_key, ssh
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGbRLO3ZFsuyq0E7A3y5lV8Kfy2kOQH9S+8q0q3JmfpH"
+# The cluster's users log in from here: a folder every user may pass through, as their homes and
+# the cluster's slurm.conf must be (pytest's own temporary folder is its owner's only).
+HOME = Path(tempfile.mkdtemp(prefix="gpufleet-clusters-e2e-", dir="/tmp"))
+HOME.chmod(0o755)
+ALICE_KEY, ALICE_PUBLIC = make_key(HOME / "keys")
+OTHER_KEY, _ = make_key(HOME / "keys")
 
 
 def spec(name: str, **extra: Any) -> dict[str, Any]:
@@ -35,29 +47,39 @@ def spec(name: str, **extra: Any) -> dict[str, Any]:
             {"name": "debug", "nodes": 1, "max_time": "30"},
         ],
         "users": [
-            {"name": "alice", "uid": 20001, "account": "vision", "admin": True, "ssh_keys": [f"{KEY} alice"]},
+            {"name": "alice", "uid": 20001, "account": "vision", "admin": True, "ssh_keys": [ALICE_PUBLIC]},
             {"name": "bob", "uid": 20002, "account": "language", "ssh_keys": [f"{KEY} bob"]},
         ],
         "spares": 1,
         "remediation": {"grace_seconds": 30},
+        "storage": {"mount_path": "/shared"},
         **extra,
     }
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
+def lab() -> Iterator[FleetLab]:
     config = LabConfig(
         training=["gpu1"], spares=["spare1"], free=["free1", "free2", "free3", "free4"], temporal_port=0, ui_port=0
     )
-    fleet = FleetLab(tmp_path_factory.mktemp("clusters"), config)
-    fleet.up()
-    yield fleet
-    record_histories(fleet.env()["TEMPORAL_ADDRESS"])  # with GPUFLEET_RECORD_HISTORIES set: tests/replay
-    pids = fleet.down()
-    assert not [pid for pid in pids if alive(pid)]
-    # Nothing of the clusters it made is left running either.
-    for root in (fleet.home / "clusters").glob("*"):
-        assert not pids_with_env("SLURM_CONF", str(root / "slurm.conf"))
+    fleet = FleetLab(HOME / "lab", config)
+    try:
+        fleet.up()
+        yield fleet
+        record_histories(fleet.env()["TEMPORAL_ADDRESS"])  # with GPUFLEET_RECORD_HISTORIES set: tests/replay
+        pids = fleet.down()
+        assert not [pid for pid in pids if alive(pid)]
+        # Nothing of the clusters it made is left running either: no daemon, no login node.
+        for root in (fleet.home / "clusters").glob("*"):
+            assert not pids_with_env("SLURM_CONF", str(root / "slurm.conf"))
+            assert not [line for line in _processes() if str(root / "login") in line]
+    finally:
+        fleet.down()
+        shutil.rmtree(HOME, ignore_errors=True)
+
+
+def _processes() -> list[str]:
+    return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout.splitlines()
 
 
 def write(tmp: Path, body: dict[str, Any]) -> Path:
@@ -122,6 +144,35 @@ def test_a_spec_becomes_a_running_slurm_cluster(lab: FleetLab, tmp_path: Path) -
     assert alive(int((lab.home / "clusters" / "research" / "worker.pid").read_text()))
 
 
+def test_its_users_log_in_with_their_keys_and_share_its_storage(lab: FleetLab) -> None:
+    if why := login_unavailable():
+        pytest.skip(f"no login node here: {why}")
+    shown = json.loads(gpufleet_cli("cluster", "show", "research", "--json", env=lab.env()).stdout)
+    login = shown["login"]
+    assert shown["ssh"]["alice"] == f"ssh -p {login.rpartition(':')[2]} alice@127.0.0.1"
+    assert sorted(shown["ssh"]) == ["alice", "bob"]
+    # Alice, with her key: she is herself there, sees the cluster's partitions, and a job of hers
+    # writes into the storage, where she reads it from the login node.
+    job = '#!/bin/sh\necho "$(id -un) ran $SLURM_JOB_ID on $SLURMD_NODENAME" > /shared/alice.txt\n'
+    command = (
+        "id -un; sinfo -h -o '%R %D' | sort; "
+        f"printf '{job}' > ~/job.sh && sbatch --wait -p debug -o ~/job.out ~/job.sh && cat /shared/alice.txt"
+    )
+    done = ssh(login, "alice", ALICE_KEY, command)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "alice" and lines[1:3] == ["debug 1", "train 2"]
+    assert lines[-1].startswith("alice ran ") and " on free" in lines[-1]
+    stored = lab.home / "clusters" / "research" / "storage" / "alice.txt"
+    assert stored.read_text().strip() == lines[-1] and stored.stat().st_uid == 20001
+    # Another key is refused, for her and for bob (whose key in the spec is not this one).
+    for user, key in (("alice", OTHER_KEY), ("bob", ALICE_KEY)):
+        refused = ssh(login, user, key, "true")
+        assert refused.returncode == 255 and "Permission denied" in refused.stderr, (user, refused.stderr)
+    # And no root login, whatever the key.
+    assert ssh(login, "root", ALICE_KEY, "true").returncode == 255
+
+
 def test_an_existing_name_is_refused_and_nothing_changes(lab: FleetLab, tmp_path: Path) -> None:
     done = gpufleet_cli("cluster", "create", str(write(tmp_path, spec("research"))), env=lab.env(), timeout=120)
     assert done.returncode == 1 and "cluster research exists already" in done.stderr
@@ -152,8 +203,9 @@ def test_delete_waits_for_a_running_job_or_cancels_it_when_forced(lab: FleetLab,
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "slurm-research"}}
     assert not api.object_exists(namespace)
     assert not root.exists() and not pids_with_env("SLURM_CONF", str(root / "slurm.conf"))
+    assert not [line for line in _processes() if str(root / "login") in line]  # its login node too
     shown = json.loads(gpufleet_cli("cluster", "show", "research", "--json", env=lab.env()).stdout)
-    assert shown["outcome"] == "deleted"
+    assert shown["outcome"] == "deleted" and shown["login"] is None
 
 
 def test_kept_on_failure_then_resumed_after_the_fix(lab: FleetLab, tmp_path: Path) -> None:
