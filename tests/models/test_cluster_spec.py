@@ -226,3 +226,19 @@ def test_no_number_in_a_spec_is_nan_infinite_or_a_boolean(where: tuple[Any, ...]
     with pytest.raises(SpecError) as refused:
         load_spec(raw)
     assert any(f == field and problem in p for f, p in refused.value.problems), refused.value.problems
+
+
+@pytest.mark.parametrize("path", ["/home", "/home/shared", "/etc/data", "/usr/local/data", "/tmp", "/var/lib/x"])
+def test_storage_may_not_be_mounted_over_a_system_folder(path: str) -> None:
+    raw = example()
+    raw["storage"] = {"mount_path": path}
+    with pytest.raises(SpecError, match=r"storage\.mount_path.*system folder of every node"):
+        load_spec(raw)
+
+
+@pytest.mark.parametrize("name", ["root", "sshd", "slurm", "munge"])
+def test_a_user_may_not_be_a_system_account(name: str) -> None:
+    raw = example()
+    raw["users"][0]["name"] = name
+    with pytest.raises(SpecError, match=r"users\[0\]\.name.*system account of every node"):
+        load_spec(raw)
