@@ -153,7 +153,8 @@ def jobs(live: Live) -> dict[str, int]:
         timeout=60,
         what="the jobs to run",
     )
-    made["pending"] = _sbatch(live, "-w", "gpu1", "-n2", "--wrap", "sleep 600")  # gpu1 has one CPU free
+    # Two CPUs on gpu1 alone (-N1: else Slurm may start it on gpu1 and another node); gpu1 has one free.
+    made["pending"] = _sbatch(live, "-N1", "-w", "gpu1", "-n2", "--wrap", "sleep 600")
     assert all(_states(live, made)[name][2] == "gpu1" for name in ("completed", "failed", "requeue", "no_requeue"))
     live.slurm.scontrol("update", "NodeName=gpu4", "State=DRAIN", f"Reason={OPERATOR}")
     return made
