@@ -161,7 +161,23 @@ class ClusterActivities:
     @activity.defn(name="cluster_remove_users")
     @heartbeating
     def remove_users(self, request: ClusterRequest) -> StepResult:
-        return self._run(request, lambda b: b.remove_users(request.spec))
+        if request.only is None:
+            return self._run(request, lambda b: b.remove_users(request.spec))
+        return self._run(request, lambda b: b.remove_users(request.spec, only=request.only))
+
+    @activity.defn(name="cluster_set_logins")
+    @heartbeating
+    def set_logins(self, request: ClusterRequest) -> StepResult:
+        """The login node's users and keys become the spec's (a running cluster's users change)."""
+        backend = self._backend(request)
+        if not callable(getattr(backend, "set_logins", None)):
+            raise ApplicationError(
+                f"the {backend.name} backend cannot change the logins of a running cluster yet "
+                "(it has no set_logins): its users were left as they were",
+                type="StepFailed",
+                non_retryable=True,
+            )
+        return self._run(request, lambda b: b.set_logins(request.spec))
 
     @activity.defn(name="cluster_smoke_test")
     @heartbeating
@@ -284,6 +300,7 @@ class ClusterActivities:
             self.tear_down,
             self.add_users,
             self.remove_users,
+            self.set_logins,
             self.smoke_test,
             self.make_remediable,
             self.unmake_remediable,

@@ -103,6 +103,13 @@ def check_ssh_key(key: str) -> str:
     return key.strip()
 
 
+def check_user_name(name: str) -> str:
+    """``name`` when it is a Linux user name a login node accepts, else ValueError saying so."""
+    if not _USER.fullmatch(name):
+        raise ValueError("a Linux user name: lowercase letters, digits, '_' and '-', at most 32 characters")
+    return name
+
+
 class PartitionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -153,9 +160,7 @@ class UserSpec(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, name: str) -> str:
-        if not _USER.fullmatch(name):
-            raise ValueError("a Linux user name: lowercase letters, digits, '_' and '-', at most 32 characters")
-        return name
+        return check_user_name(name)
 
     @field_validator("account")
     @classmethod
