@@ -114,7 +114,6 @@ async def change(
         request,
         id=f"{users_workflow_id(old.name)}-{uuid.uuid4().hex[:6]}",
         task_queue=backend.task_queue,
-        result_type=UsersChangeStatus,
     )
 
 
