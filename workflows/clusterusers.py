@@ -32,7 +32,9 @@ with workflow.unsafe.imports_passed_through():
         users_change_problems,
     )
 
-# The activity of each step (those of cluster creation and deletion, and set_logins).
+# The check of the cluster (its creation, ready), and the activity of each step (those of cluster
+# creation and deletion, and set_logins).
+CHECK = "cluster_users_check"
 DO = {
     UsersStep.ADD_ACCOUNTS: "cluster_add_users",
     UsersStep.SET_LOGINS: "cluster_set_logins",
@@ -72,6 +74,13 @@ class ClusterUsersWorkflow:
             self._event(UsersStep.VALIDATE, "failed", status.error)
             return self._finish()
         status.added, status.removed, status.rekeyed = change.added, change.removed, change.rekeyed
+        try:
+            # The cluster itself, asked of Temporal by the worker: the creation named, ready.
+            await self._call(CHECK, request.old, request, summary=f"check {request.name}")
+        except ActivityError as exc:
+            status.outcome, status.failed_step, status.error = UsersOutcome.REFUSED, UsersStep.VALIDATE, _cause(exc)
+            self._event(UsersStep.VALIDATE, "failed", status.error)
+            return self._finish()
         self._event(UsersStep.VALIDATE, "done", self._says())
         for step in USERS_STEPS:
             try:

@@ -25,6 +25,8 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
+from activities.cluster import ClusterActivities
+from clients.notify import WebhookNotifier
 from models.cluster import ClusterSpec, load_spec
 from models.clusterops import (
     CLUSTER_TASK_QUEUE,
@@ -36,6 +38,7 @@ from models.clusterops import (
     StepResult,
     cluster_workflow_id,
 )
+from models.clusterusers import UsersAction, UsersChangeInput, UsersOutcome, users_workflow_id
 from tests.models.test_cluster_spec import EXAMPLE
 from tests.starters.test_cli_every_command import Ran, gpufleet
 from workflows.cluster import DO, UNDO, ClusterCreationWorkflow, ClusterDeletionWorkflow
@@ -78,7 +81,9 @@ class Server:
         async def running_jobs(request: ClusterRequest) -> JobsResult:
             return JobsResult(running=0)
 
-        return [*(make(n) for n in sorted(names)), running_jobs]
+        # The check of the cluster is the worker's own: it asks Temporal for the creation.
+        real = ClusterActivities(None, {"lab": object()}, WebhookNotifier(url=""))  # type: ignore[arg-type, dict-item]
+        return [*(make(n) for n in sorted(names)), running_jobs, real.users_check]
 
     def create(self, name: str, *, fail_at: str = "") -> ClusterStatus:
         """A cluster made (its steps stood in for); ``fail_at``: the step that fails, rolled back."""
@@ -255,3 +260,33 @@ def test_bad_input_is_refused_before_anything_is_contacted(args: list[str], says
     ran = gpufleet("cluster", "users", *args, env={"TEMPORAL_ADDRESS": "127.0.0.1:9", "GPUFLEET_HOME": str(tmp_path)})
     assert ran.code == 2, (ran.out, ran.err)
     assert says in ran.error_line()
+
+
+def test_the_workflow_checks_the_creation_it_is_given(server: Server) -> None:
+    """What the command read is checked again by the worker: a change naming another creation of
+    the cluster, or a cluster that is not there, is refused, and nothing changes."""
+    name = fresh()
+    made = server.create(name)
+    spec = made.spec
+    assert spec is not None
+    new = spec.model_copy(update={"users": spec.users[:1]})
+
+    async def change(cluster: str, creation: str) -> Any:
+        request = UsersChangeInput(
+            name=cluster,
+            backend="lab",
+            creation=creation,
+            old=spec.model_copy(update={"name": cluster}),
+            new=new.model_copy(update={"name": cluster}),
+            action=UsersAction.REMOVE,
+        )
+        handle = await server.client.start_workflow(
+            ClusterUsersWorkflow.run, request, id=users_workflow_id(cluster), task_queue=CLUSTER_TASK_QUEUE
+        )
+        return await handle.result()
+
+    stale = server.run(change(name, "an-earlier-creation"))
+    assert stale.outcome == UsersOutcome.REFUSED and f"was made by creation {made.creation}" in stale.error
+    nowhere = server.run(change(fresh(), made.creation))
+    assert nowhere.outcome == UsersOutcome.REFUSED and "no cluster named" in nowhere.error
+    assert server.of(name, "cluster_set_logins") == []

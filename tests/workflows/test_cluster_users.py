@@ -31,7 +31,7 @@ from models.clusterusers import (
     users_workflow_id,
 )
 from tests.models.test_cluster_spec import EXAMPLE
-from workflows.clusterusers import DO, UNDO, ClusterUsersWorkflow
+from workflows.clusterusers import CHECK, DO, UNDO, ClusterUsersWorkflow
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGbRLO3ZFsuyq0E7A3y5lV8Kfy2kOQH9S+8q0q3JmfpH carol@laptop"
 OTHER_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGbRLO3ZFsuyq0E7A3y5lV8Kfy2kOQH9S+8q0q3JmfpH alice@desk"
@@ -56,12 +56,13 @@ class Backend:
 
     def activities(self) -> list[Callable[..., Any]]:
         made = []
-        for name in sorted({*DO.values(), *UNDO.values()}):
+        for name in sorted({CHECK, *DO.values(), *UNDO.values()}):
 
             def make(name: str) -> Callable[..., Any]:
                 @activity.defn(name=name)
                 async def run(request: ClusterRequest) -> StepResult:
-                    self.calls.append(Call(name, [u.name for u in request.spec.users], request.only))
+                    if name != CHECK:
+                        self.calls.append(Call(name, [u.name for u in request.spec.users], request.only))
                     if self.hold is not None:
                         await self.hold.wait()
                     if self.fail.get(name, 0) > 0:
@@ -252,6 +253,15 @@ async def test_a_change_of_another_cluster_or_no_creation_is_refused(env: Workfl
     assert other.outcome == UsersOutcome.REFUSED and "not of elsewhere" in other.error
     assert nameless.outcome == UsersOutcome.REFUSED and "no creation" in nameless.error
     assert backend.calls == []
+
+
+async def test_a_change_the_cluster_check_refuses_is_refused_and_changes_nothing(env: WorkflowEnvironment) -> None:
+    backend = Backend(fail={CHECK: 1})
+    old, new = added()
+    async with worker(env, backend):
+        status = await (await change(env, backend, old, new, UsersAction.ADD)).result()
+    assert status.outcome == UsersOutcome.REFUSED and status.failed_step == UsersStep.VALIDATE
+    assert status.error == f"{CHECK} broke on purpose" and backend.calls == []
 
 
 async def test_a_second_change_while_one_runs_is_refused(env: WorkflowEnvironment) -> None:
