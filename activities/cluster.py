@@ -19,7 +19,16 @@ from clients.errors import ClientError
 from clients.kube import KubeClient
 from clients.notify import Notifier
 from models.cluster import SpecError, load_spec
-from models.clusterops import ClusterRequest, JobsResult, StepResult
+from models.clusterops import (
+    ClusterOutcome,
+    ClusterRequest,
+    ClusterStatus,
+    DeletionStatus,
+    JobsResult,
+    StepResult,
+    cluster_workflow_id,
+    deletion_workflow_id,
+)
 from models.constants import REMEDIATION_WORKFLOW, guard_workflow_id, reaper_workflow_id, task_queue
 from models.incident import CancelRequest, Notification
 
@@ -166,7 +175,23 @@ class ClusterActivities:
     @activity.defn(name="cluster_remove_users")
     @heartbeating
     def remove_users(self, request: ClusterRequest) -> StepResult:
-        return self._run(request, lambda b: b.remove_users(request.spec))
+        if request.only is None:
+            return self._run(request, lambda b: b.remove_users(request.spec))
+        return self._run(request, lambda b: b.remove_users(request.spec, only=request.only))
+
+    @activity.defn(name="cluster_set_logins")
+    @heartbeating
+    def set_logins(self, request: ClusterRequest) -> StepResult:
+        """The login node's users and keys become the spec's (a running cluster's users change)."""
+        backend = self._backend(request)
+        if not callable(getattr(backend, "set_logins", None)):
+            raise ApplicationError(
+                f"the {backend.name} backend cannot change the logins of a running cluster yet "
+                "(it has no set_logins): its users were left as they were",
+                type="StepFailed",
+                non_retryable=True,
+            )
+        return self._run(request, lambda b: b.set_logins(request.spec))
 
     @activity.defn(name="cluster_smoke_test")
     @heartbeating
@@ -254,6 +279,50 @@ class ClusterActivities:
             await asyncio.sleep(INCIDENTS_POLL_SECONDS)
         return running
 
+    @activity.defn(name="cluster_users_check")
+    async def users_check(self, request: ClusterRequest) -> StepResult:
+        """Before a running cluster's users change: this worker has its backend, and the cluster
+        is the one ``request.creation`` made, ready and not deleted since."""
+        self._backend(request)
+        name = request.spec.name
+        client = activity.client()
+        async with heartbeats():
+            try:
+                made = client.get_workflow_handle(cluster_workflow_id(name))
+                described = await made.describe()
+                status = await made.query("status", result_type=ClusterStatus)
+            except RPCError as exc:
+                if exc.status != RPCStatusCode.NOT_FOUND:
+                    raise
+                raise ApplicationError(f"no cluster named {name}", type="InvalidInput", non_retryable=True) from None
+            if described.run_id != request.creation:
+                raise ApplicationError(
+                    f"cluster {name} was made by creation {described.run_id}, not {request.creation}: "
+                    "read its users again",
+                    type="InvalidInput",
+                    non_retryable=True,
+                )
+            if status is None or status.outcome != ClusterOutcome.READY:
+                outcome = status.outcome if status is not None else "starting"
+                raise ApplicationError(
+                    f"cluster {name} is not ready (it is {outcome})", type="InvalidInput", non_retryable=True
+                )
+            try:
+                gone = await client.get_workflow_handle(deletion_workflow_id(name)).query(
+                    "status", result_type=DeletionStatus
+                )
+            except RPCError as exc:
+                if exc.status != RPCStatusCode.NOT_FOUND:
+                    raise
+                gone = None
+            if gone is not None and gone.started_at and status.started_at and gone.started_at > status.started_at:
+                raise ApplicationError(
+                    f"cluster {name} is being deleted or is deleted ({gone.outcome})",
+                    type="InvalidInput",
+                    non_retryable=True,
+                )
+        return StepResult(detail=f"cluster {name} is ready, made by creation {request.creation}")
+
     @activity.defn(name="cluster_drain")
     @heartbeating
     def drain(self, request: ClusterRequest) -> StepResult:
@@ -289,6 +358,8 @@ class ClusterActivities:
             self.tear_down,
             self.add_users,
             self.remove_users,
+            self.set_logins,
+            self.users_check,
             self.smoke_test,
             self.make_remediable,
             self.unmake_remediable,

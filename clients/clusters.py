@@ -4,6 +4,7 @@ made and finishes, and each undo removes whatever part of its step exists."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from models.cluster import ClusterSpec
@@ -12,6 +13,15 @@ from models.cluster import ClusterSpec
 class StepFailed(Exception):
     """A step that ran and found the cluster wrong (a smoke job that failed, a daemon that
     exited): not retried, its message is the cause."""
+
+
+def leaving(spec: ClusterSpec, only: Sequence[str] | None) -> tuple[list[str], set[str]]:
+    """What ``remove_users(spec, only)`` removes: the users (all the spec's when ``only`` is None)
+    and the accounts that no user staying in the spec still uses."""
+    gone = [u.name for u in spec.users] if only is None else [u.name for u in spec.users if u.name in set(only)]
+    staying = {u.account for u in spec.users if u.name not in set(gone)}
+    accounts = {u.account for u in spec.users if u.name in set(gone)} - staying
+    return gone, accounts
 
 
 class ClusterBackend(Protocol):
@@ -36,8 +46,20 @@ class ClusterBackend(Protocol):
 
     def bring_up(self, spec: ClusterSpec, placement: dict[str, list[str]], conf: str) -> str: ...
     def tear_down(self, spec: ClusterSpec) -> str: ...
-    def add_users(self, spec: ClusterSpec) -> str: ...
-    def remove_users(self, spec: ClusterSpec) -> str: ...
+    def add_users(self, spec: ClusterSpec) -> str:
+        """The spec's accounts and users into accounting; only those missing are added."""
+        ...
+
+    def remove_users(self, spec: ClusterSpec, only: Sequence[str] | None = None) -> str:
+        """The spec's users' associations out of accounting, and their accounts'. ``only``: just
+        those users' associations, and just the accounts that no user of ``spec`` but them uses."""
+        ...
+
+    def set_logins(self, spec: ClusterSpec) -> str:
+        """The login node's users and their keys become the spec's: accounts made for added users,
+        removed users can no longer log in. Idempotent."""
+        ...
+
     def smoke_test(self, spec: ClusterSpec) -> str: ...
     def make_remediable(self, spec: ClusterSpec) -> str: ...
     def drain(self, spec: ClusterSpec) -> str:

@@ -680,6 +680,30 @@ class KubernetesApi:
         found = self.secret(namespace, name)
         return None if found is None else found[0]
 
+    def replace_secret_data(self, namespace: str, name: str, data: dict[str, bytes]) -> bool:
+        """Make ``data`` the Secret's whole data (keys not in it go), keeping its labels and
+        annotations; guarded by the resourceVersion read, read again on a conflict. False when
+        there is no such Secret (it is never created here)."""
+        ns = checked_namespace(namespace)
+        encoded = {key: base64.b64encode(value).decode() for key, value in data.items()}
+
+        def write() -> bool:
+            try:
+                found = self._call(f"read secret {ns}/{name}", self._api.read_namespaced_secret, name, ns)
+            except NotFound:
+                return False
+            if dict(found.data or {}) == encoded:
+                return True  # already so: nothing to write
+            found.data = encoded
+            found.string_data = None
+            try:
+                self._call(f"update secret {ns}/{name}", self._api.replace_namespaced_secret, name, ns, found)
+            except NotFound:
+                return False
+            return True
+
+        return retry_conflicts(write, attempts=5)
+
     def service_address(self, namespace: str, name: str) -> tuple[str, int] | None:
         """A Service's cluster IP and first port; None when there is no such Service, or it has
         neither yet."""

@@ -11,9 +11,10 @@ from __future__ import annotations
 import base64
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from clients.clusters import StepFailed
+from clients.clusters import StepFailed, leaving
 from clients.kube import KubernetesApi
 from clients.slurmrest import TERMINAL, SlurmRestClient, SlurmRestError
 from models.cluster import ClusterSpec, render_slurm_conf
@@ -27,6 +28,7 @@ from models.slinky import (
     restapi_service,
     restapi_url,
     slinky_objects,
+    user_database,
 )
 
 CREATION_ANNOTATION = "gpufleet.io/creation"
@@ -278,12 +280,16 @@ class SlinkyBackend:
             raise StepFailed(f"adding accounts through slurmrestd: {exc}") from None
         return f"{in_secret}; slurmdbd: {', '.join(added) or 'every account and user was there already'}"
 
-    def remove_users(self, spec: ClusterSpec) -> str:
+    def remove_users(self, spec: ClusterSpec, only: Sequence[str] | None = None) -> str:
         """The cluster's associations out of slurmdbd (its users and accounts stay, as other
-        clusters may share the database). slurmrestd not answering fails the step: the
-        database outlives the cluster, so nothing may be assumed gone."""
+        clusters may share the database); ``only``: just those users', and just the accounts no
+        other user of the spec uses. slurmrestd not answering fails the step: the database
+        outlives the cluster, so nothing may be assumed gone."""
         if not spec.accounting:
             return "users leave with the user database Secret"
+        gone, accounts = leaving(spec, only)
+        if not gone:
+            return "no accounts to remove"
         restapi = next(o for o in self._objects(spec) if o["kind"] == "RestApi")
         if not self._kube.object_exists(restapi):
             # Its objects were deleted already (a deletion run again): nothing left to ask.
@@ -297,10 +303,10 @@ class SlinkyBackend:
             try:
                 have = client.associations(spec.name)
                 for user in spec.users:
-                    if (user.account, user.name) in have:
+                    if user.name in gone and (user.account, user.name) in have:
                         client.remove_association(spec.name, user.account, user.name)
                         removed.append(f"user {user.name} from {user.account}")
-                for account in sorted({user.account for user in spec.users} & {a for a, _ in have}):
+                for account in sorted(accounts & {a for a, _ in have}):
                     client.remove_association(spec.name, account)
                     removed.append(f"account {account}")
             finally:
@@ -308,6 +314,18 @@ class SlinkyBackend:
         except SlurmRestError as exc:
             raise StepFailed(f"removing the accounts through slurmrestd: {exc}") from None
         return f"slurmdbd: removed {', '.join(removed)} on {spec.name}" if removed else "no accounts to remove"
+
+    def set_logins(self, spec: ClusterSpec) -> str:
+        """The user database Secret the login node reads (``<name>-users``) rewritten from the
+        spec: a user gone from it has no passwd line and no authorized_keys left."""
+        secret = next(
+            o for o in self._objects(spec) if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-users")
+        )
+        meta = secret["metadata"]
+        data = {key: value.encode() for key, value in user_database(spec).items()}
+        if not self._kube.replace_secret_data(meta["namespace"], meta["name"], data):
+            raise StepFailed(f"no Secret {meta['namespace']}/{meta['name']}: were the cluster's objects made?")
+        return f"Secret {meta['name']}: {len(spec.users)} user(s) can log in ({', '.join(u.name for u in spec.users)})"
 
     def smoke_test(self, spec: ClusterSpec) -> str:
         """A hello-world batch job on every partition, as the spec's first user; each must complete."""

@@ -22,9 +22,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-from clients.clusters import StepFailed
+from clients.clusters import StepFailed, leaving
 from clients.kube import KubernetesApi
 from clients.pool import SPARES
 from clients.slinky import core_objects, create_all, delete_all
@@ -208,8 +209,11 @@ class LabClusterBackend:
         )
         return {(account, user) for account, _, user in (line.partition("|") for line in out.splitlines()) if account}
 
-    def remove_users(self, spec: ClusterSpec) -> str:
-        if not spec.accounting:
+    def remove_users(self, spec: ClusterSpec, only: Sequence[str] | None = None) -> str:
+        """The spec's users out of the cluster's accounting (``only``: just those users, and the
+        accounts no other user of the spec uses)."""
+        gone, accounts = leaving(spec, only)
+        if not spec.accounting or not gone:
             return "no accounts to remove"
         slurm = self._up(spec)
         if slurm is None:
@@ -217,7 +221,7 @@ class LabClusterBackend:
         have = self._associations(slurm, spec)
         removed = []
         for user in spec.users:
-            if (user.account, user.name) in have:
+            if user.name in gone and (user.account, user.name) in have:
                 self._slurm_cmd(
                     slurm,
                     "sacctmgr",
@@ -229,7 +233,7 @@ class LabClusterBackend:
                     f"cluster={spec.name}",
                 )
                 removed.append(f"user {user.name}")
-        for account in sorted({user.account for user in spec.users}):
+        for account in sorted(accounts):
             if (account, "") in have:
                 self._slurm_cmd(slurm, "sacctmgr", "-i", "delete", "account", account, f"cluster={spec.name}")
                 removed.append(f"account {account}")

@@ -126,6 +126,15 @@ def check_ssh_key(key: str) -> str:
     return key.strip()
 
 
+def check_user_name(name: str) -> str:
+    """``name`` when it is a Linux user name a login node accepts, else ValueError saying so."""
+    if not _USER.fullmatch(name):
+        raise ValueError("a Linux user name: lowercase letters, digits, '_' and '-', at most 32 characters")
+    if name in SYSTEM_USERS:
+        raise ValueError(f"{name!r} is a system account of every node; choose another name")
+    return name
+
+
 class PartitionSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -176,11 +185,7 @@ class UserSpec(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, name: str) -> str:
-        if not _USER.fullmatch(name):
-            raise ValueError("a Linux user name: lowercase letters, digits, '_' and '-', at most 32 characters")
-        if name in SYSTEM_USERS:
-            raise ValueError(f"{name!r} is a system account of every node; choose another name")
-        return name
+        return check_user_name(name)
 
     @field_validator("account")
     @classmethod

@@ -75,6 +75,8 @@ class ClusterRequest(BaseModel):
     placement: dict[str, list[str]] = Field(default_factory=dict)
     slurm_conf: str = ""
     creation: str = ""  # the creation's run ID: marks what it made, so undo and delete touch nothing else
+    # Removing users: only these (None: every user of the spec), and only the accounts no other uses.
+    only: list[str] | None = None
 
 
 class StepResult(BaseModel):

@@ -38,10 +38,15 @@ from models.plugins import CLUSTER_BACKENDS, cli_default, declared, present
 from models.settings import cluster_backend_names
 from models.slinky import SLURM_VERSION, slinky_objects
 from starters.cli import _who, console, fail, run_async, say_error, unknown
+from starters.clusterstate import SpecUnknown, current_spec
+from starters.clusterstate import deleted as _deleted
+from starters.clusterstate import deletion as _deletion
+from starters.clusterusers import users_app
 from starters.temporal import connect
-from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
+from workflows.cluster import ClusterCreationWorkflow
 
 cluster_app = typer.Typer(help="Slurm clusters made from a spec (one command each).", no_args_is_help=True)
+cluster_app.add_typer(users_app, name="users")
 
 
 class Output(StrEnum):
@@ -355,22 +360,31 @@ def show(name: str, as_json: Annotated[bool, typer.Option("--json")] = False) ->
     except InvalidName as exc:
         fail(str(exc), code=2)
 
-    async def go() -> tuple[ClusterStatus | None, DeletionStatus | None]:
+    async def go() -> tuple[ClusterStatus | None, DeletionStatus | None, str]:
         client = await connect()
         try:
             result: ClusterStatus | None = await client.get_workflow_handle(cluster_workflow_id(name)).query(
                 ClusterCreationWorkflow.status
             )
         except RPCError:
-            return None, None
+            return None, None, ""
         gone = await _deletion(client, name) if result is not None and await _deleted(client, result) else None
-        return result, gone
+        unknown_users = ""
+        if result is not None and gone is None and result.outcome == ClusterOutcome.READY:
+            # Its users now: those the last change of them left, not the creation's.
+            try:
+                result.users = [u.name for u in (await current_spec(client, result)).users]
+            except SpecUnknown as exc:
+                unknown_users = str(exc)
+        return result, gone, unknown_users
 
-    status, gone = run_async(go())
+    status, gone, unknown_users = run_async(go())
     if status is None:
         fail(f"no cluster named {name} (gpufleet cluster list)", code=2)
     outcome = "deleted" if gone is not None else str(status.outcome)
     if as_json:
+        if unknown_users:
+            fail(unknown_users)
         timeline = [e.model_dump(mode="json") for e in status.timeline]
         gone_fields: dict[str, Any] = {"login": None, "ssh": {}} if gone is not None else {}
         print(json.dumps({**summary(status), "outcome": outcome, "timeline": timeline, **gone_fields}))
@@ -382,28 +396,10 @@ def show(name: str, as_json: Annotated[bool, typer.Option("--json")] = False) ->
         _say_logins(status.login, status.users)
     if status.error:
         say_error(f"failed at {status.failed_step}: {status.error}")
-
-
-async def _deleted(client: Client, made: ClusterStatus) -> bool:
-    """Whether a deletion finished after this creation."""
-    gone = await _deletion(client, made.name)
-    return (
-        gone is not None
-        and gone.outcome == "deleted"
-        and gone.started_at is not None
-        and made.started_at is not None
-        and gone.started_at > made.started_at
-    )
-
-
-async def _deletion(client: Client, name: str) -> DeletionStatus | None:
-    try:
-        result: DeletionStatus | None = await client.get_workflow_handle(deletion_workflow_id(name)).query(
-            ClusterDeletionWorkflow.status
-        )
-    except RPCError:
-        return None
-    return result
+    if unknown_users:
+        fail(f"its users: {unknown_users}")
+    if gone is None and status.outcome == ClusterOutcome.READY:
+        console.print(f"users: {', '.join(status.users) or 'none'}", highlight=False)
 
 
 @cluster_app.command()
@@ -446,8 +442,13 @@ def delete(
             )
         if await _deleted(client, made):
             fail(f"{name} is deleted already")
+        try:
+            # The accounts to remove are those of its users now, not only the creation's.
+            spec = await current_spec(client, made)
+        except SpecUnknown as exc:
+            fail(f"{name} not deleted: {exc}")
         request = ClusterDeleteInput(
-            spec=made.spec,
+            spec=spec,
             backend=made.backend,
             creation=made.creation,
             force=force,

@@ -73,6 +73,7 @@ CLUSTER_CREATION = {
     "object_annotations",
     "secret",
     "secret_data",
+    "replace_secret_data",
     "service_address",
 }
 # Called by no worker code, so granted to none (the static test below keeps this true):
@@ -444,6 +445,9 @@ def drive_cluster_creation(kube: KubernetesApi, worker: Deployed) -> set[str]:
         backend.bring_up(spec, placement, "")
     with pytest.raises(StepFailed):
         backend.remove_users(spec)
+    # Its users changed: the user database Secret rewritten (its users' logins and keys).
+    fewer = spec.model_copy(update={"users": spec.users[:1]})
+    assert backend.set_logins(fewer).startswith("Secret research-users: 1 user(s)")
     # GPUFLEET_SLINKY_RESTAPI_URL=service: slurmrestd where the RestApi's Service says (none here).
     by_service = SlinkyBackend(kube, restapi="service", wait_seconds=0.1, poll_seconds=0.05)
     with pytest.raises(StepFailed, match="no Service slurm-research/research-restapi"):
@@ -458,6 +462,7 @@ def drive_cluster_creation(kube: KubernetesApi, worker: Deployed) -> set[str]:
         "secret_data",
         "delete_object",
         "service_address",
+        "replace_secret_data",
     }
 
 

@@ -58,6 +58,7 @@ from models.settings import Settings
 from models.slinky import REMEDIATION_CONFIGMAP, cluster_namespace, configmap_remediation
 from workers.metrics import report_spares
 from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
+from workflows.clusterusers import ClusterUsersWorkflow
 from workflows.guard import FleetGuardWorkflow
 from workflows.nodes import QuarantinedNodesWorkflow, ReleaseNodeWorkflow, ReturnNodeWorkflow
 from workflows.pool import PoolRebalanceWorkflow
@@ -491,7 +492,7 @@ CLUSTER_WORKFLOWS: tuple[type, ...] = (
     ReaperWorkflow,
 )
 GUARD_WORKFLOWS: tuple[type, ...] = (FleetGuardWorkflow,)
-CREATION_WORKFLOWS: tuple[type, ...] = (ClusterCreationWorkflow, ClusterDeletionWorkflow)
+CREATION_WORKFLOWS: tuple[type, ...] = (ClusterCreationWorkflow, ClusterDeletionWorkflow, ClusterUsersWorkflow)
 
 
 def cluster_worker(

@@ -149,3 +149,25 @@ def test_accounting_on_slinky_reads_its_database_password_from_a_secret_and_neve
     # Once its objects are gone (a deletion run again), removing accounts has nothing to ask.
     SlinkyBackend(kube).delete_objects(spec, "run-1")
     assert "slurmrestd is gone" in SlinkyBackend(kube).remove_users(spec)
+
+
+def test_a_running_clusters_logins_become_the_new_specs(api: KubeApiProcess) -> None:
+    """set_logins rewrites the user database Secret the login node reads: a user gone has no
+    passwd line and no keys left; the Secret stays the creation's; done twice, the same."""
+    kube = KubernetesApi(kubeconfig=api.kubeconfig)
+    spec = load_spec(yaml.safe_load(EXAMPLE.read_text()))
+    backend = SlinkyBackend(kube)
+    with pytest.raises(StepFailed, match="no Secret slurm-research/research-users"):
+        backend.set_logins(spec)  # nothing made yet: never created here
+    backend.create_objects(spec, PLACEMENT, "", "run-1")
+    assert "authorized_keys.bob" in (kube.secret_data("slurm-research", "research-users") or {})
+    without_bob = spec.model_copy(update={"users": [u for u in spec.users if u.name != "bob"]})
+    assert backend.set_logins(without_bob) == "Secret research-users: 1 user(s) can log in (alice)"
+    data = kube.secret_data("slurm-research", "research-users") or {}
+    assert sorted(data) == ["authorized_keys.alice", "group", "passwd"]
+    assert b"bob" not in data["passwd"] and data["passwd"].startswith(b"alice:x:")
+    secret = next(o for o in slinky_objects(spec, PLACEMENT) if o["metadata"]["name"] == "research-users")
+    assert (kube.object_annotations(secret) or {}).get("gpufleet.io/creation") == "run-1"
+    assert backend.set_logins(without_bob) == "Secret research-users: 1 user(s) can log in (alice)"  # again
+    backend.set_logins(spec)  # undone: bob may log in again
+    assert "authorized_keys.bob" in (kube.secret_data("slurm-research", "research-users") or {})

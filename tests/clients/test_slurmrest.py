@@ -246,3 +246,24 @@ def test_accounts_cannot_be_assumed_gone_when_slurmrestd_does_not_answer(cluster
     gone = SlinkyBackend(cluster.kube, restapi=f"http://127.0.0.1:{free_port()}")
     with pytest.raises(StepFailed, match=r"removing the accounts through slurmrestd: .*did not answer"):
         gone.remove_users(spec())
+
+
+@pytest.mark.skipif(not ACCOUNTING, reason=accounting_installed() or "installed")
+def test_only_the_users_named_leave_and_only_the_accounts_no_user_left_uses(cluster: RestCluster) -> None:
+    """A running cluster's users removed one at a time (``remove_users(spec, only=...)``): the
+    account a remaining user still uses stays, the last user's account goes with it."""
+    raw = spec().model_dump(mode="json")
+    raw["users"].append({"name": "bin", "uid": 20003, "account": "research", "ssh_keys": [KEY]})
+    three = load_spec(raw)
+    backend = cluster.backend()
+    backend.add_users(three)
+    assert backend.remove_users(three, only=["nobody"]) == "slurmdbd: removed user nobody from research on rest"
+    assert cluster.client().associations("rest") >= {("research", ""), ("research", "bin"), ("ops", "daemon")}
+    assert ("research", "nobody") not in cluster.client().associations("rest")
+    assert backend.remove_users(three, only=["daemon"]) == (
+        "slurmdbd: removed user daemon from ops, account ops on rest"
+    )
+    assert backend.remove_users(three, only=["daemon"]) == "no accounts to remove"  # a retry
+    assert backend.remove_users(three, only=[]) == "no accounts to remove"
+    assert backend.remove_users(three) == "slurmdbd: removed user bin from research, account research on rest"
+    assert cluster.client().associations("rest") == {("root", ""), ("root", "root")}

@@ -117,10 +117,18 @@ PLAUSIBLE = {
     "requests": "5",
     "spec_file": "{spec}",
     "xid": "79",
+    "user": "carol",
+    "uid": "2100",
 }
+USER_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGbRLO3ZFsuyq0E7A3y5lV8Kfy2kOQH9S+8q0q3JmfpH carol@laptop"
 # What a command needs beyond that to do its work once: the detector reads a log holding an Xid
 # (once, not following /dev/kmsg) and delivers it to Temporal.
-EXTRA = {("detect",): ["--once", "--kmsg", "{xid_log}"], ("pool", "rebalance"): ["--to-inference", "1"]}
+EXTRA = {
+    ("detect",): ["--once", "--kmsg", "{xid_log}"],
+    ("pool", "rebalance"): ["--to-inference", "1"],
+    ("cluster", "users", "add"): ["--key", USER_KEY],
+    ("cluster", "users", "set-keys"): ["--key", USER_KEY],
+}
 
 
 def plausible_args(path: tuple[str, ...], cmd: Any, files: dict[str, str]) -> list[str]:
@@ -354,6 +362,8 @@ def temporal(temporal_test_server: str) -> Iterator[str]:
         ["cluster", "delete", "nosuch"],
         ["cluster", "create", "--resume", "nosuch"],
         ["cluster", "create", "--roll-back", "nosuch"],
+        ["cluster", "users", "list", "nosuch"],
+        ["cluster", "users", "remove", "nosuch", "--user", "carol"],
         ["pool", "status", "--name", "nosuch"],
         ["pool", "pause", "--name", "nosuch"],
         ["pool", "set-demand", "2", "--name", "nosuch"],

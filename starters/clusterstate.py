@@ -1,0 +1,96 @@
+"""Where a cluster stands, read from Temporal: its creation, its deletion, and its current spec
+(the creation's, or the one the last change of its users left)."""
+
+from __future__ import annotations
+
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
+
+from models.cluster import ClusterSpec
+from models.clusterops import ClusterStatus, DeletionStatus, cluster_workflow_id, deletion_workflow_id
+from models.clusterusers import UsersChangeStatus, users_workflow_id
+from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
+
+
+class SpecUnknown(Exception):
+    """The cluster's current users cannot be told (a change under way, or one whose result
+    cannot be read): the message says which, and what to do."""
+
+
+async def creation(client: Client, name: str) -> ClusterStatus | None:
+    """The status of the cluster's last creation; None when there is none."""
+    try:
+        result: ClusterStatus | None = await client.get_workflow_handle(cluster_workflow_id(name)).query(
+            ClusterCreationWorkflow.status
+        )
+    except RPCError:
+        return None
+    return result
+
+
+async def deletion(client: Client, name: str) -> DeletionStatus | None:
+    try:
+        result: DeletionStatus | None = await client.get_workflow_handle(deletion_workflow_id(name)).query(
+            ClusterDeletionWorkflow.status
+        )
+    except RPCError:
+        return None
+    return result
+
+
+async def deleted(client: Client, made: ClusterStatus) -> bool:
+    """Whether a deletion finished after this creation."""
+    gone = await deletion(client, made.name)
+    return (
+        gone is not None
+        and gone.outcome == "deleted"
+        and gone.started_at is not None
+        and made.started_at is not None
+        and gone.started_at > made.started_at
+    )
+
+
+async def current_spec(client: Client, made: ClusterStatus) -> ClusterSpec:
+    """The spec the cluster ``made`` has now: the creation's, or, when a change of its users for
+    the same creation ended since, that change's ``new`` (``old`` when it was undone or refused).
+    SpecUnknown when a change is under way or its result cannot be read: never a guess."""
+    if made.spec is None:
+        raise SpecUnknown(f"the creation of {made.name} holds no spec")
+    workflow_id = users_workflow_id(made.name)
+    try:
+        described = await client.get_workflow_handle(workflow_id).describe()
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            return made.spec  # its users were never changed
+        raise
+    if made.started_at is not None and described.start_time < made.started_at:
+        return made.spec  # a change of an earlier cluster of the same name
+    if described.status == WorkflowExecutionStatus.RUNNING:
+        raise SpecUnknown(
+            f"a change of {made.name}'s users is under way (workflow {workflow_id}): wait for it "
+            f"(gpufleet cluster users list {made.name})"
+        )
+    if described.status != WorkflowExecutionStatus.COMPLETED:
+        state = described.status.name.lower() if described.status is not None else "unknown"
+        raise SpecUnknown(
+            f"the last change of {made.name}'s users (workflow {workflow_id}, run {described.run_id}) ended "
+            f"{state}: its result cannot be read, so which users the cluster has is unknown; "
+            "look at it in the Temporal UI and set the users right by hand"
+        )
+    handle = client.get_workflow_handle(workflow_id, run_id=described.run_id, result_type=UsersChangeStatus)
+    try:
+        change: UsersChangeStatus = await handle.result()
+    except Exception as exc:  # a result that cannot be read or decoded: refuse, never guess
+        raise SpecUnknown(
+            f"the result of the last change of {made.name}'s users (workflow {workflow_id}) cannot be read: {exc}"
+        ) from None
+    if change.creation != made.creation:
+        return made.spec  # a change of an earlier cluster of the same name
+    current = change.current
+    if current is None:
+        raise SpecUnknown(
+            f"the last change of {made.name}'s users ({change.action}) failed at {change.failed_step} and its "
+            f"undo failed too ({change.error}): which users the cluster has is unknown; look at its timeline "
+            f"(workflow {workflow_id}) and set the users right by hand"
+        )
+    return current
