@@ -173,6 +173,39 @@ def test_its_users_log_in_with_their_keys_and_share_its_storage(lab: FleetLab) -
     assert ssh(login, "root", ALICE_KEY, "true").returncode == 255
 
 
+def test_users_and_keys_change_on_the_running_cluster(lab: FleetLab) -> None:
+    if why := login_unavailable():
+        pytest.skip(f"no login node here: {why}")
+    login = json.loads(gpufleet_cli("cluster", "show", "research", "--json", env=lab.env()).stdout)["login"]
+    bob_key, bob_public = make_key(HOME / "keys")
+    carol_key, carol_public = make_key(HOME / "keys")
+    (HOME / "keys" / "carol.pub").write_text(carol_public + "\n")
+
+    def users(*args: str) -> dict[str, Any]:
+        done = gpufleet_cli("cluster", "users", *args, "--json", env=lab.env(), timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return result
+
+    # Bob's key replaced: his new one lets him in.
+    users("set-keys", "research", "--user", "bob", "--key", bob_public)
+    assert ssh(login, "bob", bob_key, "id -un").stdout.strip() == "bob"
+    # Carol added: she logs in at once, under her uid, with a home of her own, and runs a job.
+    users("add", "research", "--user", "carol", "--uid", "20003", "--key-file", str(HOME / "keys" / "carol.pub"))
+    done = ssh(
+        login, "carol", carol_key, "id -u; pwd; sbatch --wait -p debug -o /dev/null --wrap 'id -un > /shared/carol.txt'"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[:2] == ["20003", "/home/carol"]
+    assert (lab.home / "clusters" / "research" / "storage" / "carol.txt").read_text().strip() == "carol"
+    # Alice removed: her key no longer opens anything; show names the users now.
+    users("remove", "research", "--user", "alice")
+    refused = ssh(login, "alice", ALICE_KEY, "true")
+    assert refused.returncode == 255 and "Permission denied" in refused.stderr
+    shown = json.loads(gpufleet_cli("cluster", "show", "research", "--json", env=lab.env()).stdout)
+    assert sorted(shown["ssh"]) == ["bob", "carol"]
+
+
 def test_an_existing_name_is_refused_and_nothing_changes(lab: FleetLab, tmp_path: Path) -> None:
     done = gpufleet_cli("cluster", "create", str(write(tmp_path, spec("research"))), env=lab.env(), timeout=120)
     assert done.returncode == 1 and "cluster research exists already" in done.stderr
