@@ -24,7 +24,7 @@ from lab.accounting import accounting_installed
 from lab.fleet import FleetLab, LabConfig
 from lab.histories import record_histories
 from lab.login import login_unavailable
-from lab.procs import alive, pids_with_env
+from lab.procs import alive, pids_with_env, wait_for
 from tests.conftest import gpufleet_cli
 from tests.e2e.logins import make_key, ssh
 
@@ -289,17 +289,48 @@ def test_accounting_puts_the_users_in_their_accounts_on_a_real_slurmdbd(lab: Fle
     assert "ledger|language|bob" in sacctmgr("show", "assoc", "cluster=ledger", "format=cluster,account,user")
     assert "ledger|vision|alice" in sacctmgr("show", "assoc", "cluster=ledger", "format=cluster,account,user")
     assert sacctmgr("show", "user", "alice,bob", "format=user,admin") == ["alice|Administrator", "bob|None"]
-    # The smoke jobs are in the accounting database: slurmctld reports to this slurmdbd.
-    sacct = subprocess.run(
-        ["sacct", "-n", "-P", "-X", "-a", "-S", "now-1hour", "-o", "jobname,partition,state"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
-    assert sorted(sacct.stdout.split()) == ["gpufleet-smoke|debug|COMPLETED", "gpufleet-smoke|train|COMPLETED"]
+
+    # The smoke jobs are in the accounting database: slurmctld reports to this slurmdbd (as it
+    # goes: a job's record may come a moment after the job).
+    def smoke_jobs() -> list[str]:
+        sacct = subprocess.run(
+            ["sacct", "-n", "-P", "-X", "-a", "-S", "now-1hour", "-o", "jobname,partition,state"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        return sorted(sacct.stdout.split())
+
+    wanted = ["gpufleet-smoke|debug|COMPLETED", "gpufleet-smoke|train|COMPLETED"]
+    wait_for(lambda: smoke_jobs() == wanted, timeout=60, what=f"sacct to list {wanted}")
     assert (root / "slurmdbd.conf").stat().st_mode & 0o077 == 0  # it holds the database password
+    # A user added to the running cluster gets an association in a new account; removed, both go,
+    # and the accounts still used stay.
+    added = gpufleet_cli(
+        "cluster",
+        "users",
+        "add",
+        "ledger",
+        "--user",
+        "carol",
+        "--uid",
+        "20003",
+        "--key",
+        KEY,
+        "--account",
+        "audio",
+        env=lab.env(),
+        timeout=180,
+    )
+    assert added.returncode == 0, added.stdout + added.stderr
+    assert "ledger|audio|carol" in sacctmgr("show", "assoc", "cluster=ledger", "format=cluster,account,user")
+    removed = gpufleet_cli("cluster", "users", "remove", "ledger", "--user", "carol", env=lab.env(), timeout=180)
+    assert removed.returncode == 0, removed.stdout + removed.stderr
+    accounts = sacctmgr("show", "assoc", "cluster=ledger", "format=account,user")
+    assert not [line for line in accounts if "carol" in line or line.startswith("audio|")]
+    assert "vision|alice" in accounts and "language|bob" in accounts
     done = gpufleet_cli("cluster", "delete", "ledger", "--json", env=lab.env(), timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     assert free_nodes(kube(lab)) == 4 and not running_under(root)  # MariaDB and slurmdbd went too
