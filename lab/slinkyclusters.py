@@ -32,8 +32,9 @@ The NodeSet pods themselves (a ``slurmd -Z`` each) are the operator's NodeSet co
 as for the lab's own cluster. Everything a cluster runs is recorded in its folder (``pids.json``,
 ``restapi.json``, ``controller.json``), so a restarted operator finds it again and ``lab down``
 stops it (lab/cluster.py ``stop_all``). Slurm started again (slurmctld gone, a NodeSet added)
-keeps the cluster's database, its users' homes and storage and its login node (``DURABLE``): only
-a deleted Controller removes the folder, its login node stopped.
+keeps the cluster's database, its users' homes and storage and its login node's host key and port
+(``DURABLE``; the login node itself is started again with Slurm): only a deleted Controller
+removes the folder.
 """
 
 from __future__ import annotations
@@ -63,9 +64,8 @@ SERVICE_IP = "127.0.0.1"
 # A UNIX socket's path holds at most 107 bytes; slurmd makes one per job step in its spool.
 MAX_SOCKET_PATH = 107
 # What of a cluster's folder outlives its Slurm started again: the accounting database and the
-# slurmdbd.conf that reaches it (lab/accounting.py), and its users' homes, storage and login node
-# (lab/login.py: the login node runs on, its sessions seeing the same files). Its Controller
-# deleted, they go too.
+# slurmdbd.conf that reaches it (lab/accounting.py), and its users, homes, storage and login node
+# (lab/login.py: its host key and port). Its Controller deleted, they go too.
 DURABLE = ("db", "slurmdbd.conf", "etc", "home", "storage", "login", "mounts.json")
 LOGIN_APP = "login"
 USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")  # as models/cluster.py takes a user's name
@@ -540,10 +540,12 @@ class SlinkyCluster:
         """Stop everything the cluster runs and remove its folder; with ``restart`` (its Slurm to
         be started again) keep what is durable of it (``DURABLE``: its accounting database)."""
         self.stop_restapi()
+        # Its sessions see the Slurm that is stopping: the next pass starts it again (its host key
+        # and port kept) once Slurm is back.
+        LoginNode(self.folder).stop()
         if self.conf.exists() or (self.folder / "pids.json").exists():
             self.slurm().stop()
         if not restart:
-            LoginNode(self.folder).stop()
             shutil.rmtree(self.folder, ignore_errors=True)
             return
         if not self.folder.is_dir():

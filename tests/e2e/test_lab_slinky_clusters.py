@@ -30,6 +30,7 @@ import yaml
 
 from clients.kube import KubernetesApi
 from clients.pool import free_nodes, holdings
+from clients.slinky import SlinkyBackend
 from clients.slurmrest import SlurmRestClient, SlurmRestError
 from lab.fleet import FleetLab
 from lab.login import login_unavailable
@@ -119,6 +120,19 @@ def assert_all_gone(lab: FleetLab, name: str, pids: list[int]) -> None:
     ):
         assert items(lab, path) == [], path
     assert free_nodes(kube(lab)) == 4 and holdings(kube(lab), name) == {}
+    assert login_processes(lab.home / "clusters" / name) == []
+
+
+def login_processes(folder: Path) -> list[int]:
+    """The cluster's sshd and its sessions' processes (its login folder on their command line)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and f"{folder.resolve()}/login/".encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 def slurm(lab: FleetLab, name: str, *argv: str) -> str:
@@ -267,7 +281,9 @@ def logs_in(lab: FleetLab, tmp_path: Path, key: Path) -> None:
         service = http.get(f"/api/v1/namespaces/{NS}/services/{NAME}-login").raise_for_status().json()
     address = f"{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
     assert service["spec"]["type"] == "LoadBalancer"
-    assert show(lab, NAME)["login"] == address
+    # Where gpufleet's bring-up finds it (SlinkyBackend.login_address, through the Service).
+    spec = ClusterSpec.model_validate(yaml.safe_load((tmp_path / f"{NAME}.yaml").read_text()))
+    assert SlinkyBackend(kube(lab)).login_address(spec, timeout=5) == address
     job = "printf '#!/bin/sh\\nid -un > /shared/from-login\\n' > job.sh && sbatch --wait -o job.out job.sh"
     done = ssh(address, "alice", key, f"sinfo -h -o '%R %D' && {job} && cat /shared/from-login", timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
