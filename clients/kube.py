@@ -704,9 +704,9 @@ class KubernetesApi:
 
         return retry_conflicts(write, attempts=5)
 
-    def service_address(self, namespace: str, name: str) -> tuple[str, int] | None:
+    def service_address(self, namespace: str, name: str, *, external: bool = False) -> tuple[str, int] | None:
         """A Service's cluster IP and first port; None when there is no such Service, or it has
-        neither yet."""
+        neither yet. ``external``: a LoadBalancer's ingress IP or hostname first, when it has one."""
         try:
             found = self._call(
                 f"read service {namespace}/{name}",
@@ -717,7 +717,12 @@ class KubernetesApi:
         except NotFound:
             return None
         spec = found.spec
-        if spec is None or not spec.cluster_ip or spec.cluster_ip == "None" or not spec.ports:
+        if spec is None or not spec.ports:
+            return None
+        ingress = (found.status.load_balancer.ingress if found.status and found.status.load_balancer else None) or []
+        if external and ingress and (ingress[0].ip or ingress[0].hostname):
+            return str(ingress[0].ip or ingress[0].hostname), int(spec.ports[0].port)
+        if not spec.cluster_ip or spec.cluster_ip == "None":
             return None
         return str(spec.cluster_ip), int(spec.ports[0].port)
 

@@ -24,6 +24,7 @@ from models.slinky import (
     GENERATED,
     RESTAPI_FROM_SERVICE,
     cluster_namespace,
+    login_service,
     nodeset_name,
     restapi_service,
     restapi_url,
@@ -194,6 +195,24 @@ class SlinkyBackend:
             raise SlurmRestError(f"no Service {cluster_namespace(name)}/{service} with an address yet")
         host, port = address
         return f"http://{host}:{port}"
+
+    def login_address(self, spec: ClusterSpec, *, timeout: float = 60.0) -> str:
+        """``host:port`` of the cluster's login node: its LoginSet's Service (a LoadBalancer's
+        ingress, else its cluster IP), waited for up to ``timeout``; '' when it has no LoginSet."""
+        loginset = next((o for o in self._objects(spec) if o["kind"] == "LoginSet"), None)
+        if loginset is None:
+            return ""
+        namespace, service = cluster_namespace(spec.name), login_service(spec.name)
+        deadline = time.monotonic() + timeout
+        while (address := self._kube.service_address(namespace, service, external=True)) is None:
+            if time.monotonic() >= deadline:
+                raise StepFailed(
+                    f"no Service {namespace}/{service} with an address after {timeout:g}s: "
+                    f"the operator makes it for LoginSet {loginset['metadata']['name']}"
+                )
+            time.sleep(min(self._poll, max(0.1, deadline - time.monotonic())))
+        host, port = address
+        return f"{host}:{port}"
 
     def unsupported(self, spec: ClusterSpec) -> str:
         if not spec.accounting:

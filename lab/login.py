@@ -148,11 +148,22 @@ class ClusterUsers:
             lines += [line for line in host if line.split(":")[0] == "sshd" and "sshd" not in have]
         return lines
 
-    def write(self, users: Sequence[Account], mount_path: str = DEFAULT_MOUNT_PATH) -> list[str]:
+    def write(
+        self,
+        users: Sequence[Account],
+        mount_path: str = DEFAULT_MOUNT_PATH,
+        *,
+        groups: Sequence[str] = (),
+        accounts_only: bool = False,
+    ) -> list[str]:
         """Make the cluster's users ``users``, its storage seen at ``mount_path``; returns what
-        changed (empty: nothing). Raises ValueError for a user that clashes with a system
-        account, or a cluster folder its own mounts would hide."""
-        self._check_place(mount_path)
+        changed (empty: nothing). ``groups``: group lines beyond each user's own (``name:x:gid:
+        members``; one whose name or ID is taken is left out). ``accounts_only``: passwd and group
+        only (no homes, keys, storage or mounts: a lab not run as root cannot give homes away).
+        Raises ValueError for a user that clashes with a system account, or a cluster folder its
+        own mounts would hide."""
+        if not accounts_only:
+            self._check_place(mount_path)
         changed: list[str] = []
         etc = self.folder / "etc"
         etc.mkdir(parents=True, exist_ok=True)
@@ -165,10 +176,20 @@ class ClusterUsers:
                 raise ValueError(f"user {user.name} (uid {user.uid}) clashes with the system account {clash}")
         passwd = [*system_users, *(f"{u.name}:x:{u.uid}:{u.uid}:{u.name}:/home/{u.name}:{SHELL}" for u in users)]
         group = [*system_groups, *(f"{u.name}:x:{u.uid}:" for u in users)]
+        names = {line.split(":")[0] for line in group}
+        ids = {line.split(":")[2] for line in group if line.count(":") >= 2}
+        for line in groups:
+            fields = line.split(":")
+            if len(fields) == 4 and fields[2].isdigit() and fields[0] not in names and fields[2] not in ids:
+                group.append(line)
+                names.add(fields[0])
+                ids.add(fields[2])
         if _write_if_changed(etc / "passwd", "\n".join(passwd) + "\n", 0o644):
             changed.append("passwd")
         if _write_if_changed(etc / "group", "\n".join(group) + "\n", 0o644):
             changed.append("group")
+        if accounts_only:
+            return changed
         self.folder.chmod(0o755)  # its users' jobs reach their scripts in its spool
         homes = self.folder / "home"
         homes.mkdir(mode=0o755, exist_ok=True)

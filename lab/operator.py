@@ -64,16 +64,21 @@ import httpx
 from clients.slurm import parse_node_record
 from lab.dynamic import RELEASE, DynamicSlurmLab
 from lab.faults import GpuFaults
+from lab.login import LoginNode, login_unavailable
 from lab.scheduler import fits
 from lab.slinkyclusters import (
     ClusterObjects,
     SlinkyCluster,
+    accounts_in,
     clusters_under,
     controller_of,
     group_objects,
     jwt_ref,
+    login_service,
+    login_users_secret,
     nodesets_of,
     restapi_service,
+    secret_texts,
     secret_value,
     service_name,
     users_secret,
@@ -570,7 +575,11 @@ class Operator:
         """Bring up each Controller's cluster (but the lab's own) once its NodeSets are there,
         its slurmrestd and Service for a RestApi; take down what lost its objects."""
         groups = group_objects(
-            self._items("controllers"), nodesets, self._items("restapis"), self._items("accountings")
+            self._items("controllers"),
+            nodesets,
+            self._items("restapis"),
+            self._items("accountings"),
+            self._items("loginsets"),
         )
         groups.pop(self.own, None)
         for key in sorted(set(self.managed) - set(groups)):
@@ -614,6 +623,61 @@ class Operator:
         if not group.restapis and cluster.restapi_port():
             cluster.stop_restapi()
             self.log(f"cluster {key}: slurmrestd stopped, its RestApi is gone")
+        self.reconcile_login(key, group, cluster)
+
+    def reconcile_login(self, key: str, group: ClusterObjects, cluster: SlinkyCluster) -> None:
+        """The cluster's login node for its LoginSet: its users (the Secret it mounts, read again
+        each pass), sshd started or reloaded, and its Service; none without a LoginSet. The lab
+        runs one login node per cluster: a second LoginSet is said, not run."""
+        loginsets = sorted(group.loginsets, key=lambda o: o["metadata"]["name"])
+        wanted = loginsets[0] if loginsets else None
+        if wanted is None:
+            if LoginNode(cluster.folder).running():
+                self.log(f"cluster {key}: {LoginNode(cluster.folder).stop()}: its LoginSet is gone")
+        elif problem := login_unavailable():
+            self._say_once(f"cluster {key}: LoginSet {wanted['metadata']['name']} has no login node here: {problem}")
+        else:
+            for other in loginsets[1:]:
+                name = other["metadata"]["name"]
+                self._say_once(f"cluster {key}: LoginSet {name} not run: the lab runs one login node")
+            secret = login_users_secret(wanted)
+            users = secret_texts(self._secret(group.namespace, secret))
+            changed = cluster.write_users(group.nodesets, users)
+            login = cluster.login()
+            was = login.address()
+            address = login.start([account.name for account in accounts_in(users)])
+            if not was or changed:
+                what = f" ({', '.join(changed)})" if changed else ""
+                self.log(f"cluster {key}: login node on {address} for LoginSet {wanted['metadata']['name']}{what}")
+            self._ensure_login_service(wanted, int(address.rsplit(":", 1)[1]))
+        self._remove_login_services(group, [wanted] if wanted else [])
+
+    def _ensure_login_service(self, loginset: dict[str, Any], port: int) -> None:
+        namespace, name = loginset["metadata"]["namespace"], loginset["metadata"]["name"]
+        path = f"/api/v1/namespaces/{namespace}/services"
+        body = login_service(loginset, port)
+        found = self.http.get(f"{path}/{name}")
+        if found.status_code == 200:
+            spec = found.json().get("spec") or {}
+            if (spec.get("ports") or [{}])[0].get("port") == port and spec.get("type") == body["spec"]["type"]:
+                return
+            self.http.delete(f"{path}/{name}").raise_for_status()
+        self.http.post(path, json=body).raise_for_status()
+        self.log(f"created Service {namespace}/{name} ({body['spec']['type']}, 127.0.0.1:{port})")
+
+    def _remove_login_services(self, group: ClusterObjects, kept: list[dict[str, Any]]) -> None:
+        """The login Services of the cluster whose LoginSet is gone (the garbage collector's work)."""
+        path = f"/api/v1/namespaces/{group.namespace}/services"
+        keep = {o["metadata"]["name"] for o in kept}
+        for service in self.http.get(path).raise_for_status().json()["items"]:
+            labels = service["metadata"].get("labels") or {}
+            if labels.get(CLUSTER_LABEL) != group.name or labels.get("app.kubernetes.io/name") != "login":
+                continue
+            if service["metadata"]["name"] not in keep:
+                response = self.http.delete(f"{path}/{service['metadata']['name']}")
+                if response.status_code != 404:
+                    response.raise_for_status()
+                self.log(f"deleted Service {group.namespace}/{service['metadata']['name']}: its LoginSet is gone")
 
     def bring_up(self, key: str, group: ClusterObjects) -> SlinkyCluster | None:
         """slurmctld for the Controller, with its JWT key and its users; None while a Secret it
@@ -625,8 +689,7 @@ class Operator:
         if not jwt:
             self._say_once(f"cluster {key}: waiting for its JWT key (Secret {secret_name}, key {secret_key})")
             return None
-        users_found = self._secret(group.namespace, users_secret(group.controller)) or {}
-        users = {name: (secret_value(users_found, name) or b"").decode() for name in ("passwd", "group")}
+        users = secret_texts(self._secret(group.namespace, users_secret(group.controller)))
         cluster = SlinkyCluster(self.clusters_home / group.name, binds=self.binds)
         if cluster.controller() not in ("", key):
             self._say_once(f"cluster {key}: {cluster.folder} is another cluster's")
@@ -658,6 +721,12 @@ class Operator:
         for pod in pods:
             if (pod["metadata"].get("labels") or {}).get(CLUSTER_LABEL) == name:
                 self._delete_pod(pod)
+        for service in self.http.get(f"/api/v1/namespaces/{namespace}/services").raise_for_status().json()["items"]:
+            labels = service["metadata"].get("labels") or {}
+            if labels.get(CLUSTER_LABEL) == name and labels.get("app.kubernetes.io/name") == "login":
+                response = self.http.delete(f"/api/v1/namespaces/{namespace}/services/{service['metadata']['name']}")
+                if response.status_code != 404:
+                    response.raise_for_status()
         for path in (
             f"/api/v1/namespaces/{namespace}/services/{name}-restapi",
             f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets/slurm-workers-pdb-{name}",

@@ -8,10 +8,16 @@ under ``$GPUFLEET_HOME/clusters/<name>``, as slurm-operator makes a cluster from
   ``extraConf`` (``Gres=gpu:N``) is left out, said in a comment: the lab's nodes have no GPUs;
 - the JWT key from the Secret the Controller's ``jwtKeyRef`` names (slurmctld and slurmrestd
   accept tokens signed with it);
-- the users of the cluster's user database Secret (``<name>-users``: ``passwd`` and ``group``, as
-  sssd gives them to Slinky's pods) after the Slurm root's own, in ``etc/`` beside slurm.conf,
-  which lab/inroot.py binds over the root's ``/etc/passwd`` and ``/etc/group`` for this cluster's
-  daemons, jobs and commands only;
+- the users of the cluster's user database Secret (``<name>-users``: ``passwd``, ``group`` and
+  ``authorized_keys.<user>``, as sssd and sshd read them in Slinky's pods), written by lab/login.py
+  ``ClusterUsers`` after the Slurm root's system accounts: ``etc/`` beside slurm.conf, which
+  lab/inroot.py binds over the root's ``/etc/passwd`` and ``/etc/group`` for this cluster's
+  daemons, jobs and commands only, and (as root) their homes at ``/home`` and the storage in
+  ``storage/`` at the path the NodeSets' slurmd mount their PersistentVolumeClaim (``/shared``
+  by default);
+- for a ``LoginSet`` (lab/operator.py, each pass): the login node, a real sshd (lab/login.py
+  ``LoginNode``) letting in the Secret's users by their keys, and the Service named after the
+  LoginSet, its ``clusterIP`` 127.0.0.1 and its port sshd's;
 - a ``RestApi`` referencing the Controller: slurmrestd (lab/slurmrest.py), and the Service
   ``<restapi>-restapi`` the operator makes, its ``clusterIP`` 127.0.0.1 and its port slurmrestd's;
 - the ``Accounting`` the Controller references (``accountingRef``): the cluster's own slurmdbd
@@ -26,13 +32,16 @@ The NodeSet pods themselves (a ``slurmd -Z`` each) are the operator's NodeSet co
 as for the lab's own cluster. Everything a cluster runs is recorded in its folder (``pids.json``,
 ``restapi.json``, ``controller.json``), so a restarted operator finds it again and ``lab down``
 stops it (lab/cluster.py ``stop_all``). Slurm started again (slurmctld gone, a NodeSet added)
-keeps the cluster's database: only a deleted Controller removes the folder.
+keeps the cluster's database, its users' homes and storage and its login node's host key and port
+(``DURABLE``; the login node itself is started again with Slurm): only a deleted Controller
+removes the folder.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -41,8 +50,11 @@ from typing import Any
 
 from lab.accounting import Accounting, accounting_unavailable
 from lab.dynamic import RELEASE, DynamicSlurmLab
+from lab.login import DEFAULT_MOUNT_PATH, SYSTEM_UID_LIMIT, Account, ClusterUsers, LoginNode
 from lab.procs import alive, stop
 from lab.slurmrest import jwt_lines, start_slurmrestd
+from models.cluster import SYSTEM_USERS, StorageSpec, check_ssh_key
+from models.slinky import USERS_MOUNT
 
 API_VERSION = "slinky.slurm.net/v1beta1"
 CLUSTER_LABEL = "slinky.slurm.net/cluster"
@@ -52,8 +64,11 @@ SERVICE_IP = "127.0.0.1"
 # A UNIX socket's path holds at most 107 bytes; slurmd makes one per job step in its spool.
 MAX_SOCKET_PATH = 107
 # What of a cluster's folder outlives its Slurm started again: the accounting database and the
-# slurmdbd.conf that reaches it (lab/accounting.py). Its Controller deleted, they go too.
-DURABLE = ("db", "slurmdbd.conf")
+# slurmdbd.conf that reaches it (lab/accounting.py), and its users, homes, storage and login node
+# (lab/login.py: its host key and port). Its Controller deleted, they go too.
+DURABLE = ("db", "slurmdbd.conf", "etc", "home", "storage", "login", "mounts.json")
+LOGIN_APP = "login"
+USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")  # as models/cluster.py takes a user's name
 # Written while an Accounting is being stopped, removed once slurmctld and slurmrestd no longer
 # use it: a stop cut short is finished on the next pass.
 ACCOUNTING_STOPPING = "accounting-stopping"
@@ -83,6 +98,7 @@ class ClusterObjects:
     nodesets: list[dict[str, Any]] = field(default_factory=list)
     restapis: list[dict[str, Any]] = field(default_factory=list)
     accountings: list[dict[str, Any]] = field(default_factory=list)
+    loginsets: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def namespace(self) -> str:
@@ -102,9 +118,10 @@ def group_objects(
     nodesets: list[dict[str, Any]],
     restapis: list[dict[str, Any]],
     accountings: list[dict[str, Any]],
+    loginsets: list[dict[str, Any]] | None = None,
 ) -> dict[str, ClusterObjects]:
-    """Each Controller with the NodeSets and RestApis that reference it, and the Accounting it
-    references (``accountingRef``)."""
+    """Each Controller with the NodeSets, RestApis and LoginSets that reference it, and the
+    Accounting it references (``accountingRef``)."""
     groups = {key_of(c["metadata"]["namespace"], c["metadata"]["name"]): ClusterObjects(c) for c in controllers}
     for nodeset in nodesets:
         if (group := groups.get(controller_of(nodeset))) is not None:
@@ -112,6 +129,9 @@ def group_objects(
     for restapi in restapis:
         if (group := groups.get(controller_of(restapi))) is not None:
             group.restapis.append(restapi)
+    for loginset in loginsets or []:
+        if (group := groups.get(controller_of(loginset))) is not None:
+            group.loginsets.append(loginset)
     for group in groups.values():
         ref = ((group.controller.get("spec") or {}).get("accountingRef") or {}).get("name")
         group.accountings = [
@@ -163,22 +183,6 @@ def too_deep(folder: Path, nodesets: list[str]) -> str:
     )
 
 
-def merged_users(system: str, users: str) -> str:
-    """``system`` (the Slurm root's /etc/passwd or /etc/group) and then each line of ``users``
-    whose name and ID the system's lines do not have already."""
-    lines = [line for line in system.splitlines() if line.strip()]
-    names = {line.split(":")[0] for line in lines}
-    ids = {line.split(":")[2] for line in lines if line.count(":") >= 2}
-    for line in users.splitlines():
-        fields = line.split(":")
-        if len(fields) < 3 or fields[0] in names or fields[2] in ids:
-            continue
-        lines.append(line)
-        names.add(fields[0])
-        ids.add(fields[2])
-    return "\n".join(lines) + "\n"
-
-
 def secret_value(secret: dict[str, Any], key: str) -> bytes | None:
     """A Secret's value for ``key`` (``data``, base64, or ``stringData``); None when absent."""
     if key in (secret.get("data") or {}):
@@ -186,6 +190,122 @@ def secret_value(secret: dict[str, Any], key: str) -> bytes | None:
     if key in (secret.get("stringData") or {}):
         return str(secret["stringData"][key]).encode()
     return None
+
+
+def secret_texts(secret: dict[str, Any] | None) -> dict[str, str]:
+    """Every value of a Secret, as text."""
+    if secret is None:
+        return {}
+    keys = [*(secret.get("data") or {}), *(secret.get("stringData") or {})]
+    return {key: (secret_value(secret, key) or b"").decode(errors="replace") for key in keys}
+
+
+def _valid_user(name: str, uid: int) -> bool:
+    return bool(USER_NAME.fullmatch(name)) and name not in SYSTEM_USERS and uid >= SYSTEM_UID_LIMIT
+
+
+def _valid_key(key: str) -> bool:
+    try:
+        check_ssh_key(key)
+    except ValueError:
+        return False
+    return True
+
+
+def accounts_in(users: dict[str, str]) -> list[Account]:
+    """The accounts of a user database Secret (models/slinky.py ``user_database``): each
+    ``passwd`` line of a user gpufleet could have made (a valid name, uid 1000 and above) with the
+    keys of its ``authorized_keys.<name>``; others are left out."""
+    found: dict[str, Account] = {}
+    for line in users.get("passwd", "").splitlines():
+        fields = line.split(":")
+        if len(fields) < 7 or not fields[2].isdigit() or fields[0] in found:
+            continue
+        name, uid = fields[0], int(fields[2])
+        if not _valid_user(name, uid) or uid in {a.uid for a in found.values()}:
+            continue
+        keys = users.get(f"authorized_keys.{name}", "").splitlines()
+        found[name] = Account(name, uid, tuple(k.strip() for k in keys if _valid_key(k.strip())))
+    return list(found.values())
+
+
+def groups_in(users: dict[str, str]) -> list[str]:
+    """The Secret's ``group`` lines beyond each user's own (``slurm-admins``), gids 1000 and above."""
+    names = {a.name for a in accounts_in(users)}
+    kept = []
+    for line in users.get("group", "").splitlines():
+        fields = line.split(":")
+        if len(fields) != 4 or fields[0] in names or not fields[2].isdigit() or int(fields[2]) < SYSTEM_UID_LIMIT:
+            continue
+        if USER_NAME.fullmatch(fields[0]) and re.fullmatch(r"[a-z0-9_,-]*", fields[3]):
+            kept.append(line)
+    return kept
+
+
+def storage_mount_path(nodesets: list[dict[str, Any]]) -> str:
+    """Where the NodeSets' slurmd mount the storage claim (their pods' PersistentVolumeClaim
+    volume); ``/shared`` when none does. A path the spec could not name is refused."""
+    for nodeset in sorted(nodesets, key=lambda n: n["metadata"]["name"]):
+        spec = nodeset.get("spec") or {}
+        volumes = ((spec.get("template") or {}).get("spec") or {}).get("volumes") or []
+        claims = {v.get("name") for v in volumes if v.get("persistentVolumeClaim")}
+        for mount in (spec.get("slurmd") or {}).get("volumeMounts") or []:
+            if mount.get("name") in claims and mount.get("mountPath"):
+                path = str(mount["mountPath"])
+                StorageSpec.model_validate({"mount_path": path})  # ValueError: not a storage's place
+                return path
+    return DEFAULT_MOUNT_PATH
+
+
+def login_users_secret(loginset: dict[str, Any]) -> str:
+    """The user database Secret a LoginSet's login container mounts at ``USERS_MOUNT``
+    (``<controller>-users`` when it mounts none)."""
+    spec = loginset.get("spec") or {}
+    mounted = {
+        m.get("name") for m in (spec.get("login") or {}).get("volumeMounts") or [] if m.get("mountPath") == USERS_MOUNT
+    }
+    for volume in ((spec.get("template") or {}).get("spec") or {}).get("volumes") or []:
+        if volume.get("name") in mounted and (volume.get("secret") or {}).get("secretName"):
+            return str(volume["secret"]["secretName"])
+    return f"{(spec.get('controllerRef') or {}).get('name', '')}-users"
+
+
+def login_service(loginset: dict[str, Any], port: int) -> dict[str, Any]:
+    """The Service the operator makes for a LoginSet (named after it, its type the LoginSet's
+    ``service.spec.type``); in the lab its clusterIP is this machine's and its port sshd's."""
+    meta = loginset["metadata"]
+    spec = loginset.get("spec") or {}
+    controller = (spec.get("controllerRef") or {}).get("name", "")
+    kind = str(((spec.get("service") or {}).get("spec") or {}).get("type") or "ClusterIP")
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "labels": {
+                "app.kubernetes.io/name": LOGIN_APP,
+                "app.kubernetes.io/instance": meta["name"],
+                CLUSTER_LABEL: controller,
+            },
+            "ownerReferences": [
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": "LoginSet",
+                    "name": meta["name"],
+                    "uid": meta.get("uid", ""),
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
+        "spec": {
+            "type": kind,
+            "clusterIP": SERVICE_IP,
+            "ports": [{"name": LOGIN_APP, "port": port, "targetPort": port, "protocol": "TCP"}],
+            "selector": {"app.kubernetes.io/name": LOGIN_APP, "app.kubernetes.io/instance": meta["name"]},
+        },
+    }
 
 
 def jwt_ref(controller: dict[str, Any]) -> tuple[str, str]:
@@ -301,15 +421,28 @@ class SlinkyCluster:
             cluster_name=str((objects.controller.get("spec") or {}).get("clusterName") or objects.name),
         )
         slurm.with_accounting = bool(objects.accountings) and not accounting_unavailable(slurm.install)
-        root = slurm.install.root or Path("/")
-        self.users_folder.mkdir(mode=0o755, exist_ok=True)
-        for name in ("passwd", "group"):
-            system = (root / "etc" / name).read_text()
-            target = self.users_folder / name
-            target.write_text(merged_users(system, users.get(name, "")))
-            target.chmod(0o644)
+        self.write_users(objects.nodesets, users, slurm=slurm)
         slurm.start(timeout=timeout)
         return slurm
+
+    def write_users(
+        self, nodesets: list[dict[str, Any]], users: dict[str, str], *, slurm: DynamicSlurmLab | None = None
+    ) -> list[str]:
+        """The accounts of the user database ``users`` (``accounts_in``) in the cluster's view
+        (lab/login.py ``ClusterUsers``), its storage where its NodeSets mount it; as root, with
+        their homes, keys and storage too. Returns what changed."""
+        slurm = slurm or self.slurm()
+        return ClusterUsers(self.folder, slurm.install).write(
+            accounts_in(users),
+            storage_mount_path(nodesets),
+            groups=groups_in(users),
+            accounts_only=os.geteuid() != 0,
+        )
+
+    def login(self) -> LoginNode:
+        """The cluster's login node (lab/login.py), its sshd seeing what its daemons see."""
+        slurm = self.slurm()
+        return LoginNode(self.folder, slurm.install, self.binds)
 
     # -- slurmrestd -------------------------------------------------------------------------------
 
@@ -407,6 +540,9 @@ class SlinkyCluster:
         """Stop everything the cluster runs and remove its folder; with ``restart`` (its Slurm to
         be started again) keep what is durable of it (``DURABLE``: its accounting database)."""
         self.stop_restapi()
+        # Its sessions see the Slurm that is stopping: the next pass starts it again (its host key
+        # and port kept) once Slurm is back.
+        LoginNode(self.folder).stop()
         if self.conf.exists() or (self.folder / "pids.json").exists():
             self.slurm().stop()
         if not restart:

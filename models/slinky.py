@@ -12,7 +12,10 @@ created (and deleted in reverse):
 - a PersistentVolumeClaim for the shared storage, when the spec asks for it;
 - a ConfigMap with the cluster's remediation defaults (read by its gpufleet worker);
 - ``Accounting`` when accounting is on, the ``Controller``, one ``NodeSet`` per partition (its
-  pods pinned to the reserved nodes by the labels the reservation wrote), a ``LoginSet``, and a
+  pods pinned to the reserved nodes by the labels the reservation wrote, their slurmd seeing the
+  shared storage at the spec's mount path), a ``LoginSet`` (sshd letting in each user of the user
+  database with their keys only, never root; the storage mounted as on the nodes; its Service
+  ``<name>-login`` a LoadBalancer on port 22), and a
   ``RestApi`` (slurmrestd), through which gpufleet waits for the cluster and smoke-tests it.
 """
 
@@ -62,6 +65,20 @@ CLUSTER_LABEL = "gpufleet.io/cluster"
 PARTITION_LABEL = "gpufleet.io/partition"
 REMEDIATION_CONFIGMAP = "gpufleet-remediation"
 USERS_MOUNT = "/etc/gpufleet/users"
+# The login image's sshd_config ends with the LoginSet's extraSshdConfig, and sshd keeps the first
+# value it reads of each keyword: the operator's own lines set none of these. Each user logs in
+# with the keys of the user database Secret (its files are root's, hence no StrictModes), by key
+# only; nobody logs in as root.
+LOGIN_SSHD_CONFIG = (
+    f"AuthorizedKeysFile {USERS_MOUNT}/authorized_keys.%u\n"
+    "PubkeyAuthentication yes\n"
+    "PasswordAuthentication no\n"
+    "KbdInteractiveAuthentication no\n"
+    "PermitRootLogin no\n"
+    "StrictModes no\n"
+)
+LOGIN_PORT = 22  # the operator's login Service (named after the LoginSet) listens here
+LOGIN_SERVICE_TYPE = "LoadBalancer"
 
 
 def cluster_namespace(name: str) -> str:
@@ -265,12 +282,14 @@ def slinky_objects(spec: ClusterSpec, placement: dict[str, list[str]]) -> list[d
             # inference pods off, never training's own.
             "tolerations": [TRAINING_TOLERATION],
         }
+        slurmd = _container(IMAGES["slurmd"])
         if spec.storage is not None:
-            pod["volumes"] = [{"name": "shared", "persistentVolumeClaim": {"claimName": f"{name}-shared"}}]
+            pod["volumes"] = [_shared_volume(name)]
+            slurmd["volumeMounts"] = [_shared_mount(spec)]
         nodeset: dict[str, Any] = {
             "controllerRef": {"name": name},
             "replicas": len(placement.get(partition.name, [])),
-            "slurmd": _container(IMAGES["slurmd"]),
+            "slurmd": slurmd,
             "partition": {
                 "enabled": True,
                 "config": " ".join(f"{key}={value}" for key, value in options.items()),
@@ -287,21 +306,24 @@ def slinky_objects(spec: ClusterSpec, placement: dict[str, list[str]]) -> list[d
                 "spec": nodeset,
             }
         )
-    admins = "\n".join(key for user in spec.users if user.admin for key in user.ssh_keys)
+    volumes: list[dict[str, Any]] = [{"name": "users", "secret": {"secretName": f"{name}-users"}}]
+    mounts: list[dict[str, Any]] = [{"name": "users", "mountPath": USERS_MOUNT, "readOnly": True}]
+    if spec.storage is not None:
+        volumes.append(_shared_volume(name))
+        mounts.append(_shared_mount(spec))
     login: dict[str, Any] = {
         "controllerRef": {"name": name},
         "replicas": 1,
-        # The user database, where the login image's sssd (files provider) is pointed at it.
-        "login": {
-            **_container(IMAGES["login"]),
-            "volumeMounts": [{"name": "users", "mountPath": USERS_MOUNT, "readOnly": True}],
-        },
+        # The user database, where the login image's sssd (files provider) and sshd read it, and
+        # the cluster's storage where its jobs see it.
+        "login": {**_container(IMAGES["login"]), "volumeMounts": mounts},
         "sssdConfRef": {"name": f"{name}-sssd", "key": "sssd.conf"},
-        "template": {"spec": {"volumes": [{"name": "users", "secret": {"secretName": f"{name}-users"}}]}},
+        "extraSshdConfig": LOGIN_SSHD_CONFIG,
+        "template": {"spec": {"volumes": volumes}},
+        # The operator's Service <name>-login: where researchers ssh to.
+        "service": {"spec": {"type": LOGIN_SERVICE_TYPE}, "port": LOGIN_PORT},
     }
-    if admins:
-        login["rootSshAuthorizedKeys"] = admins + "\n"
-    objects.append({"apiVersion": API, "kind": "LoginSet", "metadata": _meta(spec, f"{name}-login"), "spec": login})
+    objects.append({"apiVersion": API, "kind": "LoginSet", "metadata": _meta(spec, login_service(name)), "spec": login})
     # slurmrestd, through which gpufleet waits for the cluster, runs its smoke jobs and counts jobs.
     restapi = {"controllerRef": {"name": name}, "replicas": 1, "slurmrestd": _container(IMAGES["slurmrestd"])}
     objects.append({"apiVersion": API, "kind": "RestApi", "metadata": _meta(spec, name), "spec": restapi})
@@ -310,6 +332,20 @@ def slinky_objects(spec: ClusterSpec, placement: dict[str, list[str]]) -> list[d
 
 # Training's own pods tolerate the taint the shared pool puts on its training nodes.
 TRAINING_TOLERATION = {"key": POOL_LABEL, "operator": "Equal", "value": "training", "effect": "NoSchedule"}
+
+
+def _shared_volume(cluster: str) -> dict[str, Any]:
+    return {"name": "shared", "persistentVolumeClaim": {"claimName": f"{cluster}-shared"}}
+
+
+def _shared_mount(spec: ClusterSpec) -> dict[str, Any]:
+    assert spec.storage is not None
+    return {"name": "shared", "mountPath": spec.storage.mount_path}
+
+
+def login_service(name: str) -> str:
+    """The Service slurm-operator makes for the cluster's LoginSet (named after the LoginSet)."""
+    return f"{name}-login"
 
 
 def nodeset_name(cluster: str, partition: str) -> str:

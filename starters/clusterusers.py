@@ -243,7 +243,7 @@ def add(
     account: Annotated[
         str, typer.Option(help="Its Slurm account (made when it is the first user of it).")
     ] = "research",
-    admin: Annotated[bool, typer.Option("--admin", help="A Slurm administrator (AdminLevel=Administrator in accounting); never root on the login node.")] = False,
+    admin: Annotated[bool, typer.Option("--admin", help="A Slurm administrator (AdminLevel); never root.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object at the end.")] = False,
 ) -> None:
     """Add a user: its account into accounting, then its login (passwd entry and keys)."""

@@ -10,6 +10,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -171,3 +172,28 @@ def test_a_running_clusters_logins_become_the_new_specs(api: KubeApiProcess) -> 
     assert backend.set_logins(without_bob) == "Secret research-users: 1 user(s) can log in (alice)"  # again
     backend.set_logins(spec)  # undone: bob may log in again
     assert "authorized_keys.bob" in (kube.secret_data("slurm-research", "research-users") or {})
+
+
+def test_the_login_is_the_address_of_the_loginsets_service_waited_for(api: KubeApiProcess) -> None:
+    kube = KubernetesApi(kubeconfig=api.kubeconfig)
+    spec = load_spec(yaml.safe_load(EXAMPLE.read_text()))
+    backend = SlinkyBackend(kube, poll_seconds=0.05)
+    with pytest.raises(StepFailed, match=r"no Service slurm-research/research-login with an address after 0\.2s"):
+        backend.login_address(spec, timeout=0.2)
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "slurm-research"}}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "research-login", "namespace": "slurm-research"},
+        "spec": {"type": "LoadBalancer", "clusterIP": "10.0.0.7", "ports": [{"name": "login", "port": 22}]},
+    }
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        http.post("/api/v1/namespaces", json=namespace)
+        http.post("/api/v1/namespaces/slurm-research/services", json=service).raise_for_status()
+    assert backend.login_address(spec, timeout=5) == "10.0.0.7:22"  # no load balancer address yet
+    # The load balancer's address once it has one.
+    service["status"] = {"loadBalancer": {"ingress": [{"ip": "192.0.2.10"}]}}
+    with httpx.Client(base_url=api.url, timeout=10) as http:
+        http.delete("/api/v1/namespaces/slurm-research/services/research-login").raise_for_status()
+        http.post("/api/v1/namespaces/slurm-research/services", json=service).raise_for_status()
+    assert backend.login_address(spec, timeout=5) == "192.0.2.10:22"

@@ -7,7 +7,9 @@ cluster's own slurmdbd and MariaDB run for its Accounting (one added later too) 
 and user is added through the cluster's slurmrestd; they outlive slurmctld killed and brought
 back. `cluster delete` takes it all down and gives the nodes back. A worker killed during
 bring-up leaves a creation that ends once a worker is back; a creation kept on failure and rolled
-back leaves nothing. One lab for the module."""
+back leaves nothing. alice logs in to the cluster's login node (its LoginSet's Service) with a key
+of her own over ssh, runs sinfo and a job writing into the cluster's storage; another key is
+refused. One lab for the module."""
 
 from __future__ import annotations
 
@@ -28,13 +30,16 @@ import yaml
 
 from clients.kube import KubernetesApi
 from clients.pool import free_nodes, holdings
+from clients.slinky import SlinkyBackend
 from clients.slurmrest import SlurmRestClient, SlurmRestError
 from lab.fleet import FleetLab
+from lab.login import login_unavailable
 from lab.procs import alive, wait_for
 from lab.slurmroots import root_unavailable
 from models.cluster import ClusterSpec
 from models.slinky import slinky_objects
 from tests.conftest import REPO, gpufleet_cli
+from tests.e2e.logins import make_key, ssh
 
 RELEASE = "26.05"
 NAME = "research"
@@ -115,6 +120,19 @@ def assert_all_gone(lab: FleetLab, name: str, pids: list[int]) -> None:
     ):
         assert items(lab, path) == [], path
     assert free_nodes(kube(lab)) == 4 and holdings(kube(lab), name) == {}
+    assert login_processes(lab.home / "clusters" / name) == []
+
+
+def login_processes(folder: Path) -> list[int]:
+    """The cluster's sshd and its sessions' processes (its login folder on their command line)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and f"{folder.resolve()}/login/".encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 def slurm(lab: FleetLab, name: str, *argv: str) -> str:
@@ -161,7 +179,13 @@ def accounting_processes(folder: Path) -> list[int]:
 
 
 def test_the_example_becomes_a_slinky_cluster_and_its_deletion_leaves_nothing(lab: FleetLab, tmp_path: Path) -> None:
-    done, result = cli(lab, "cluster", "create", "examples/cluster.yaml", "--backend", "slinky", "--wait")
+    # The example, alice's key one this test holds.
+    key, public = make_key(tmp_path / "alice")
+    raw = yaml.safe_load((REPO / "examples" / "cluster.yaml").read_text())
+    raw["users"][0]["ssh_keys"] = [public]
+    done, result = cli(
+        lab, "cluster", "create", str(spec_file(tmp_path, NAME, users=raw["users"])), "--backend", "slinky", "--wait"
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert result["outcome"] == "ready" and result["backend"] == "slinky"
     assert result["partitions"] == [{"name": "train", "nodes": 2}, {"name": "debug", "nodes": 1}]
@@ -180,6 +204,8 @@ def test_the_example_becomes_a_slinky_cluster_and_its_deletion_leaves_nothing(la
         assert labels["gpufleet.io/cluster"] == NAME and labels["gpufleet.io/partition"] == partition, pod
         assert pod["status"]["phase"] == "Running"
     assert len({p["spec"]["nodeName"] for p in pods}) == 3
+
+    logs_in(lab, tmp_path, key)
 
     # The smoke jobs ran as alice (uid 20001), whom only the cluster's user database knows.
     timeline = show(lab, NAME)["timeline"]
@@ -242,6 +268,33 @@ def test_the_example_becomes_a_slinky_cluster_and_its_deletion_leaves_nothing(la
     done, result = cli(lab, "cluster", "delete", NAME, "--wait")
     assert done.returncode == 0 and result["outcome"] == "deleted", done.stdout[-3000:] + done.stderr[-3000:]
     assert_all_gone(lab, NAME, pids)
+
+
+def logs_in(lab: FleetLab, tmp_path: Path, key: Path) -> None:
+    """alice logs in at the address gpufleet reported, her LoginSet's Service: sinfo, and a job
+    writing into the cluster's storage (the example's /shared), read back there and on the host;
+    bob's place is not hers, and a key the spec does not name is refused."""
+    if problem := login_unavailable():
+        print(f"no login node to log in to: {problem}")
+        return
+    with api(lab) as http:
+        service = http.get(f"/api/v1/namespaces/{NS}/services/{NAME}-login").raise_for_status().json()
+    address = f"{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+    assert service["spec"]["type"] == "LoadBalancer"
+    # Where gpufleet's bring-up finds it (SlinkyBackend.login_address, through the Service).
+    spec = ClusterSpec.model_validate(yaml.safe_load((tmp_path / f"{NAME}.yaml").read_text()))
+    assert SlinkyBackend(kube(lab)).login_address(spec, timeout=5) == address
+    job = "printf '#!/bin/sh\\nid -un > /shared/from-login\\n' > job.sh && sbatch --wait -o job.out job.sh"
+    done = ssh(address, "alice", key, f"sinfo -h -o '%R %D' && {job} && cat /shared/from-login", timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.split("\n")
+    assert sorted(lines[:2]) == ["research-debug 1", "research-train 2"] and done.stdout.endswith("alice\n")
+    stored = lab.home / "clusters" / NAME / "storage" / "from-login"
+    assert stored.read_text() == "alice\n" and stored.stat().st_uid == 20001
+    other, _ = make_key(tmp_path / "mallory")
+    refused = ssh(address, "alice", other, "true", timeout=60)
+    assert refused.returncode == 255 and "Permission denied" in refused.stderr, refused.stderr
+    assert ssh(address, "root", key, "true", timeout=60).returncode == 255
 
 
 def test_a_cluster_with_accounting_gets_its_accounts_and_users_and_its_deletion_removes_them(

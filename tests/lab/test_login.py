@@ -16,7 +16,7 @@ import pytest
 from lab.login import Account, ClusterUsers, LoginNode, closed_to_users, login_unavailable
 from lab.procs import alive, port_in_use, wait_for
 from lab.slurmroots import host_install
-from tests.e2e.logins import make_key, ssh
+from tests.e2e.logins import make_key, ssh, ssh_argv
 
 INSTALL = host_install()
 needs_install = pytest.mark.skipif(INSTALL is None, reason="the host has no Slurm (apt-get install slurm-wlm)")
@@ -123,7 +123,7 @@ def test_sshd_lets_in_the_listed_users_by_their_keys_only(folder: Path) -> None:
     assert ssh(address, "bob", bob_key, "true").returncode == 255  # not a user yet
     # Alice keeps a session open; bob comes in with his key; she is told to use a new key only.
     session = subprocess.Popen(
-        [*_ssh_argv(address, "alice", alice_key), "echo open; sleep 300"], stdout=subprocess.PIPE, text=True
+        [*ssh_argv(address, "alice", alice_key), "echo open; sleep 300"], stdout=subprocess.PIPE, text=True
     )
     try:
         assert session.stdout is not None and session.stdout.readline().strip() == "open"
@@ -141,26 +141,6 @@ def test_sshd_lets_in_the_listed_users_by_their_keys_only(folder: Path) -> None:
         assert not alive(pid) and login.address() == ""
     finally:
         session.kill()
-
-
-def _ssh_argv(address: str, user: str, key: Path) -> list[str]:
-    host, _, port = address.rpartition(":")
-    return [
-        "ssh",
-        "-i",
-        str(key),
-        "-p",
-        port,
-        "-o",
-        "BatchMode=yes",
-        "-o",
-        "StrictHostKeyChecking=no",
-        "-o",
-        "UserKnownHostsFile=/dev/null",
-        "-o",
-        "LogLevel=ERROR",
-        f"{user}@{host}",
-    ]
 
 
 @needs_install

@@ -22,15 +22,20 @@ from lab.operator import Operator, schedulable
 from lab.slinkyclusters import (
     ClusterObjects,
     SlinkyCluster,
+    accounts_in,
     extra_conf,
     group_objects,
+    groups_in,
     jwt_ref,
     key_of,
     left_out,
-    merged_users,
+    login_service,
+    login_users_secret,
     partition_configs,
     restapi_service,
+    secret_texts,
     secret_value,
+    storage_mount_path,
     too_deep,
 )
 from lab.slinkylab import DB_SECRET, db_secret_objects
@@ -95,15 +100,41 @@ def test_a_key_of_the_controllers_extra_conf_replaces_the_labs() -> None:
     assert overridden(base, extra) == ["ClusterName=x", "SlurmUser=root"]
 
 
-def test_the_clusters_users_come_after_the_roots_own_and_never_replace_them() -> None:
-    system = "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-    users = (
-        "alice:x:20001:20001:alice:/home/alice:/bin/bash\n"
-        "root:x:20002:20002:root:/home/root:/bin/bash\n"  # a name the root has
-        "eve:x:0:0:eve:/:/bin/sh\n"  # an ID the root has
-    )
-    merged = merged_users(system, users).splitlines()
-    assert merged == [*system.splitlines(), "alice:x:20001:20001:alice:/home/alice:/bin/bash"]
+def test_the_clusters_accounts_are_the_user_databases_users_with_their_keys() -> None:
+    objects = example_objects()
+    secret = next(o for o in objects if o["metadata"]["name"] == "research-users")
+    users = secret_texts(secret)
+    accounts = accounts_in(users)
+    assert [(a.name, a.uid) for a in accounts] == [("alice", 20001), ("bob", 20002)]
+    assert accounts[0].keys and all(key.startswith("ssh-ed25519 ") for a in accounts for key in a.keys)
+    assert groups_in(users) == ["slurm-admins:x:20000:alice"]  # alice is the example's admin
+    # What gpufleet could not have written is left out: a system name or ID, a bad key.
+    users["passwd"] += "root:x:20003:20003::/root:/bin/bash\neve:x:0:0::/:/bin/sh\nmal:x:20004:20004::/:/bin/sh\n"
+    users["authorized_keys.mal"] = 'command="/bin/sh" ssh-ed25519 AAAA mal\n'
+    assert [(a.name, a.keys) for a in accounts_in(users)][2:] == [("mal", ())]
+
+
+def test_the_storage_is_where_the_nodesets_slurmd_mount_their_claim() -> None:
+    nodesets = of(example_objects(), "NodeSet")
+    assert storage_mount_path(nodesets) == "/shared"  # the example's mount_path
+    for nodeset in nodesets:
+        nodeset["spec"]["slurmd"]["volumeMounts"] = [{"name": "shared", "mountPath": "/data/team"}]
+    assert storage_mount_path(nodesets) == "/data/team"
+    assert storage_mount_path([]) == "/shared"
+    for nodeset in nodesets:
+        nodeset["spec"]["slurmd"]["volumeMounts"] = [{"name": "shared", "mountPath": "/etc"}]
+    with pytest.raises(ValidationError, match="system folder"):
+        storage_mount_path(nodesets)
+
+
+def test_the_login_service_is_named_after_its_loginset_with_the_labs_address() -> None:
+    loginset = of(example_objects(), "LoginSet")[0]
+    loginset["metadata"]["namespace"] = "slurm-research"
+    assert login_users_secret(loginset) == "research-users"
+    service = login_service(loginset, 2222)
+    assert service["metadata"]["name"] == "research-login" and service["spec"]["type"] == "LoadBalancer"
+    assert service["spec"]["clusterIP"] == "127.0.0.1" and service["spec"]["ports"][0]["port"] == 2222
+    assert service["metadata"]["labels"]["app.kubernetes.io/name"] == "login"
 
 
 def test_a_cluster_folder_too_deep_for_slurmds_step_sockets_is_refused_by_name() -> None:
@@ -196,8 +227,13 @@ def test_slurm_started_again_keeps_the_clusters_database_and_a_deleted_controlle
     users and job records; only its Controller's deletion removes them."""
     folder = tmp_path / "research"
     _cluster_folder(folder)
+    for kept in ("home/alice", "storage/results", "login/keys", "etc"):
+        (folder / kept).mkdir(parents=True, exist_ok=True)
+    (folder / "mounts.json").write_text("[]\n")
     SlinkyCluster(folder).stop(restart=True)
-    assert sorted(p.name for p in folder.iterdir()) == ["db", "slurmdbd.conf"]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "db", "etc", "home", "login", "mounts.json", "slurmdbd.conf", "storage"
+    ]  # fmt: skip
     assert (folder / "db" / "data" / "ibdata1").read_bytes() == b"accounts"
     assert (folder / "slurmdbd.conf").read_text() == "StoragePass=secret\n"
     SlinkyCluster(folder).stop()
@@ -248,6 +284,7 @@ def test_a_cluster_whose_start_failed_halfway_is_stopped_with_its_controller(
         {
             f"/api/v1/namespaces/{group.namespace}/secrets/research-jwt-key": secret,
             f"/api/v1/namespaces/{group.namespace}/pods": {"items": []},
+            f"/api/v1/namespaces/{group.namespace}/services": {"items": []},
         }
     )
 
@@ -264,3 +301,50 @@ def test_a_cluster_whose_start_failed_halfway_is_stopped_with_its_controller(
     assert key in operator.managed  # the operator knows what it started
     operator.take_down(key)  # the Controller deleted
     assert not (tmp_path / "clusters" / "research").exists()
+
+
+def _recording_api(items: dict[str, dict[str, Any]], calls: list[str]) -> httpx.Client:
+    """The emulated API's answers (the named objects, 404 otherwise), each call recorded."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        calls.append(f"{request.method} {request.url.path}")
+        if request.method == "GET" and request.url.path in items:
+            return httpx.Response(200, json=items[request.url.path])
+        return httpx.Response(200 if request.method == "DELETE" else 404, json={})
+
+    return httpx.Client(transport=httpx.MockTransport(handle), base_url="http://api")
+
+
+def test_a_login_service_whose_loginset_is_gone_is_deleted_and_others_are_kept(tmp_path: Path) -> None:
+    objects = example_objects()
+    group = ClusterObjects(of(objects, "Controller")[0], nodesets=of(objects, "NodeSet"))
+    services = f"/api/v1/namespaces/{group.namespace}/services"
+    loginset = {**of(objects, "LoginSet")[0]}
+    login = login_service(loginset, 2222)
+    other = {**login_service(loginset, 2223), "metadata": {**login["metadata"], "name": "elsewhere-login"}}
+    other["metadata"]["labels"] = {**login["metadata"]["labels"], "slinky.slurm.net/cluster": "elsewhere"}
+    calls: list[str] = []
+    http = _recording_api(
+        {services: {"items": [login, restapi_service(of(objects, "RestApi")[0], 6820), other]}}, calls
+    )
+    operator = Operator(http, DynamicSlurmLab(tmp_path / "own", ["lab"]), clusters=tmp_path, log=lambda line: None)
+    operator.reconcile_login("slurm-research/research", group, SlinkyCluster(tmp_path / "research"))
+    assert [c for c in calls if c.startswith("DELETE")] == [f"DELETE {services}/research-login"]
+
+
+def test_without_sshd_or_root_a_loginset_is_said_once_and_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    objects = example_objects()
+    group = ClusterObjects(
+        of(objects, "Controller")[0], nodesets=of(objects, "NodeSet"), loginsets=of(objects, "LoginSet")
+    )
+    monkeypatch.setattr("lab.operator.login_unavailable", lambda: "no sshd here")
+    said: list[str] = []
+    calls: list[str] = []
+    http = _recording_api({f"/api/v1/namespaces/{group.namespace}/services": {"items": []}}, calls)
+    operator = Operator(http, DynamicSlurmLab(tmp_path / "own", ["lab"]), clusters=tmp_path, log=said.append)
+    for _ in range(2):
+        operator.reconcile_login("slurm-research/research", group, SlinkyCluster(tmp_path / "research"))
+    assert said == ["cluster slurm-research/research: LoginSet research-login has no login node here: no sshd here"]
+    assert not any(c.startswith(("POST", "DELETE")) for c in calls) and not (tmp_path / "research").exists()
