@@ -30,7 +30,6 @@ import yaml
 
 from clients.kube import KubernetesApi
 from clients.pool import free_nodes, holdings
-from clients.slinky import SlinkyBackend
 from clients.slurmrest import SlurmRestClient, SlurmRestError
 from lab.fleet import FleetLab
 from lab.login import login_unavailable
@@ -281,9 +280,9 @@ def logs_in(lab: FleetLab, tmp_path: Path, key: Path) -> None:
         service = http.get(f"/api/v1/namespaces/{NS}/services/{NAME}-login").raise_for_status().json()
     address = f"{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
     assert service["spec"]["type"] == "LoadBalancer"
-    # Where gpufleet's bring-up finds it (SlinkyBackend.login_address, through the Service).
-    spec = ClusterSpec.model_validate(yaml.safe_load((tmp_path / f"{NAME}.yaml").read_text()))
-    assert SlinkyBackend(kube(lab)).login_address(spec, timeout=5) == address
+    # What gpufleet reported at bring-up (SlinkyBackend.login_address, through the Service).
+    shown = show(lab, NAME)
+    assert shown["login"] == address and shown["ssh"]["alice"] == f"ssh -p {address.rpartition(':')[2]} alice@127.0.0.1"
     job = "printf '#!/bin/sh\\nid -un > /shared/from-login\\n' > job.sh && sbatch --wait -o job.out job.sh"
     done = ssh(address, "alice", key, f"sinfo -h -o '%R %D' && {job} && cat /shared/from-login", timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -295,6 +294,17 @@ def logs_in(lab: FleetLab, tmp_path: Path, key: Path) -> None:
     refused = ssh(address, "alice", other, "true", timeout=60)
     assert refused.returncode == 255 and "Permission denied" in refused.stderr, refused.stderr
     assert ssh(address, "root", key, "true", timeout=60).returncode == 255
+    # Her keys changed on the running cluster: the user database Secret is rewritten, and the
+    # login node takes the new key, and only it, as the operator reads the Secret again.
+    new_key, new_public = make_key(tmp_path / "alice-new")
+    done, result = cli(lab, "cluster", "users", "set-keys", NAME, "--user", "alice", "--key", new_public)
+    assert done.returncode == 0 and result["outcome"] == "done", done.stdout[-2000:] + done.stderr[-2000:]
+    wait_for(
+        lambda: ssh(address, "alice", new_key, "id -un", timeout=60).stdout == "alice\n",
+        timeout=60,
+        what="alice's new key to let her in",
+    )
+    assert ssh(address, "alice", key, "true", timeout=60).returncode == 255
 
 
 def test_a_cluster_with_accounting_gets_its_accounts_and_users_and_its_deletion_removes_them(
