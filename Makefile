@@ -29,7 +29,7 @@ slurm-roots: venv system-deps
 	$(BIN)/python -m lab.slurmroots $(if $(REFRESH),--refresh)
 
 test: venv system-deps slurm-roots
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=30
 
 test-fast: venv
 	$(BIN)/pytest -q -m "not slurm and not e2e"
