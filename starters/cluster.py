@@ -29,7 +29,6 @@ from models.clusterops import (
     ClusterOutcome,
     ClusterStatus,
     DeletionStatus,
-    StepEvent,
     cluster_workflow_id,
     deletion_workflow_id,
 )
@@ -38,7 +37,7 @@ from models.plugins import CLUSTER_BACKENDS, cli_default, declared, present
 from models.settings import cluster_backend_names
 from models.slinky import SLURM_VERSION, slinky_objects
 from starters.cli import _who, console, fail, run_async, say_error, unknown
-from starters.clusterstate import SpecUnknown, current_spec
+from starters.clusterstate import SpecUnknown, current_spec, follow_steps, say_step
 from starters.clusterstate import deleted as _deleted
 from starters.clusterstate import deletion as _deletion
 from starters.clusterusers import users_app
@@ -154,31 +153,12 @@ def _say_logins(login: str, users: list[str]) -> None:
             console.print(f"  {command}", highlight=False)
 
 
-def _say(event: StepEvent) -> None:
-    marks = {"done": "[green]✓[/]", "failed": "[red]✗[/]", "undone": "[yellow]↺[/]", "undo_failed": "[red]↺✗[/]"}
-    if event.event == "started":
-        console.print(f"  … {event.step}")
-        return
-    detail = f": {escape(event.detail)}" if event.detail else ""
-    console.print(f"  {marks.get(event.event, '•')} {event.step} {event.event}{detail}", highlight=False)
-
-
 async def _follow(handle: WorkflowHandle[Any, Any], *, quiet: bool) -> ClusterStatus:
     """Print each step as it happens, until the creation is over or waits to be resumed."""
-    shown = 0
-    while True:
-        try:
-            status: ClusterStatus | None = await handle.query(ClusterCreationWorkflow.status)
-        except RPCError:
-            status = None  # not started by a worker yet
-        if status is not None:
-            if not quiet:
-                for event in status.timeline[shown:]:
-                    _say(event)
-            shown = len(status.timeline)
-            if status.outcome != ClusterOutcome.CREATING:
-                return status
-        await asyncio.sleep(0.5)
+    status: ClusterStatus = await follow_steps(
+        handle, ClusterCreationWorkflow.status, over=lambda s: s.outcome != ClusterOutcome.CREATING, quiet=quiet
+    )
+    return status
 
 
 def _report(status: ClusterStatus, *, as_json: bool) -> None:
@@ -391,7 +371,7 @@ def show(name: str, as_json: Annotated[bool, typer.Option("--json")] = False) ->
         return
     console.print(f"cluster {status.name} on {status.backend}: {outcome}", highlight=False)
     for event in status.timeline:
-        _say(event)
+        say_step(event)
     if gone is None and status.outcome in (ClusterOutcome.READY, ClusterOutcome.FAILED_KEPT):
         _say_logins(status.login, status.users)
     if status.error:

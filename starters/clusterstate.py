@@ -3,13 +3,67 @@
 
 from __future__ import annotations
 
-from temporalio.client import Client, WorkflowExecutionStatus
+import asyncio
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from rich.markup import escape
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 
 from models.cluster import ClusterSpec
 from models.clusterops import ClusterStatus, DeletionStatus, cluster_workflow_id, deletion_workflow_id
 from models.clusterusers import UsersChangeStatus, users_workflow_id
+from starters.cli import console
 from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
+
+MARKS = {"done": "[green]✓[/]", "failed": "[red]✗[/]", "undone": "[yellow]↺[/]", "undo_failed": "[red]↺✗[/]"}
+
+
+class StepLine(Protocol):
+    """One event of a cluster workflow's timeline (a creation's, a change of its users')."""
+
+    @property
+    def step(self) -> Any: ...
+    @property
+    def event(self) -> str: ...
+    @property
+    def detail(self) -> str: ...
+
+
+class Stepped(Protocol):
+    @property
+    def timeline(self) -> Any: ...
+
+
+S = TypeVar("S", bound=Stepped)
+
+
+def say_step(event: StepLine) -> None:
+    """One line for a step's event, as the cluster commands print them."""
+    if event.event == "started":
+        console.print(f"  … {event.step}")
+        return
+    detail = f": {escape(event.detail)}" if event.detail else ""
+    console.print(f"  {MARKS.get(event.event, '•')} {event.step} {event.event}{detail}", highlight=False)
+
+
+async def follow_steps(handle: WorkflowHandle[Any, Any], query: Any, *, over: Callable[[S], bool], quiet: bool) -> S:
+    """Print each step of the workflow as it happens (``query`` its status), until ``over``."""
+    shown = 0
+    while True:
+        try:
+            status: S | None = await handle.query(query)
+        except RPCError:
+            status = None  # not started by a worker yet
+        if status is not None:
+            if not quiet:
+                for event in status.timeline[shown:]:
+                    say_step(event)
+            shown = len(status.timeline)
+            if over(status):
+                return status
+        await asyncio.sleep(0.5)
 
 
 class SpecUnknown(Exception):

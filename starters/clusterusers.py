@@ -4,7 +4,6 @@ runs as one workflow (workflows/clusterusers.py) whose steps are printed as they
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -24,13 +23,12 @@ from models.clusterusers import (
     UsersAction,
     UsersChangeInput,
     UsersChangeStatus,
-    UsersEvent,
     UsersOutcome,
     users_workflow_id,
 )
 from models.names import InvalidName, validate_cluster_name
 from starters.cli import _who, console, fail, run_async
-from starters.clusterstate import SpecUnknown, creation, current_spec, deleted
+from starters.clusterstate import SpecUnknown, creation, current_spec, deleted, follow_steps
 from starters.temporal import connect
 from workflows.clusterusers import ClusterUsersWorkflow
 
@@ -112,31 +110,12 @@ def _with_users(spec: ClusterSpec, users: list[UserSpec]) -> ClusterSpec:
         fail(f"refused, nothing was changed: {problems}", code=2)
 
 
-def _say(event: UsersEvent) -> None:
-    marks = {"done": "[green]✓[/]", "failed": "[red]✗[/]", "undone": "[yellow]↺[/]", "undo_failed": "[red]↺✗[/]"}
-    if event.event == "started":
-        console.print(f"  … {event.step}")
-        return
-    detail = f": {escape(event.detail)}" if event.detail else ""
-    console.print(f"  {marks.get(event.event, '•')} {event.step} {event.event}{detail}", highlight=False)
-
-
 async def _follow(handle: WorkflowHandle[Any, Any], *, quiet: bool) -> UsersChangeStatus:
     """Print each step as it happens, until the change is over."""
-    shown = 0
-    while True:
-        try:
-            status: UsersChangeStatus | None = await handle.query(ClusterUsersWorkflow.status)
-        except RPCError:
-            status = None  # not started by a worker yet
-        if status is not None:
-            if not quiet:
-                for event in status.timeline[shown:]:
-                    _say(event)
-            shown = len(status.timeline)
-            if status.outcome != UsersOutcome.CHANGING:
-                return status
-        await asyncio.sleep(0.5)
+    status: UsersChangeStatus = await follow_steps(
+        handle, ClusterUsersWorkflow.status, over=lambda s: s.outcome != UsersOutcome.CHANGING, quiet=quiet
+    )
+    return status
 
 
 def _summary(status: UsersChangeStatus) -> dict[str, Any]:
