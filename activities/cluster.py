@@ -188,7 +188,7 @@ class ClusterActivities:
             raise ApplicationError(
                 f"the {backend.name} backend cannot change the logins of a running cluster yet "
                 "(it has no set_logins): its users were left as they were",
-                type="StepFailed",
+                type="Unsupported",
                 non_retryable=True,
             )
         return self._run(request, lambda b: b.set_logins(request.spec))
@@ -318,6 +318,18 @@ class ClusterActivities:
             if gone is not None and gone.started_at and status.started_at and gone.started_at > status.started_at:
                 raise ApplicationError(
                     f"cluster {name} is being deleted or is deleted ({gone.outcome})",
+                    type="InvalidInput",
+                    non_retryable=True,
+                )
+        backend = self._backend(request)
+        differ = getattr(backend, "logins_differ", None)
+        if callable(differ):
+            with client_errors():
+                differs = await asyncio.to_thread(differ, request.spec)
+            if differs:
+                raise ApplicationError(
+                    f"cluster {name}'s users changed since this change was read ({differs}): read them again "
+                    f"(gpufleet cluster users list {name}) and ask again",
                     type="InvalidInput",
                     non_retryable=True,
                 )

@@ -346,6 +346,22 @@ class SlinkyBackend:
             raise StepFailed(f"no Secret {meta['namespace']}/{meta['name']}: were the cluster's objects made?")
         return f"Secret {meta['name']}: {len(spec.users)} user(s) can log in ({', '.join(u.name for u in spec.users)})"
 
+    def logins_differ(self, spec: ClusterSpec) -> str:
+        """'' when the user database Secret holds exactly the spec's users and keys, else what
+        differs (a change of users read before another one ended)."""
+        secret = next(
+            o for o in self._objects(spec) if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-users")
+        )
+        meta = secret["metadata"]
+        found = self._kube.secret_data(meta["namespace"], meta["name"])
+        if found is None:
+            return f"no Secret {meta['namespace']}/{meta['name']}"
+        wanted = {key: value.encode() for key, value in user_database(spec).items()}
+        if found == wanted:
+            return ""
+        changed = sorted(key for key in {*found, *wanted} if found.get(key) != wanted.get(key))
+        return f"the Secret {meta['name']} differs in {', '.join(changed)}"
+
     def smoke_test(self, spec: ClusterSpec) -> str:
         """A hello-world batch job on every partition, as the spec's first user; each must complete."""
         user = spec.users[0].name if spec.users else "root"

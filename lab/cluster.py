@@ -138,19 +138,38 @@ class LabClusterBackend:
 
     def set_logins(self, spec: ClusterSpec) -> str:
         """The login node's users and keys become ``spec``'s (homes made, removed users' kept
-        for root); its sshd reloaded when the list of users changed, sessions kept."""
+        for root, their sessions ended); its sshd reloaded, sessions of the others kept. As an
+        ordinary user there is no login node, and nothing to change: said."""
         slurm = self._up(spec)
         if slurm is None:
             raise StepFailed(f"the controller of {spec.name} is not running: its users cannot change now")
         if problem := login_unavailable():
-            raise StepFailed(f"no login node: {problem}")
+            return f"no login node: {problem}"
+        users = ClusterUsers(slurm.root, slurm.install)
+        before = users.uids()
         try:
-            changed = ClusterUsers(slurm.root, slurm.install).write(accounts_of(spec), mount_path_of(spec))
+            changed = users.write(accounts_of(spec), mount_path_of(spec))
         except (ValueError, OSError) as exc:
             raise StepFailed(str(exc)) from None
-        address = self._start_login(spec, slurm)
-        users = ", ".join(user.name for user in spec.users) or "nobody"
-        return f"login node on {address} for {users}" + (f" ({', '.join(changed)})" if changed else ", nothing changed")
+        try:
+            login = LoginNode(slurm.root, slurm.install, slurm.binds[1:])
+            address = login.start([user.name for user in spec.users], reload=True)
+        except (TimeoutError, RuntimeError, subprocess.CalledProcessError, OSError) as exc:
+            raise StepFailed(f"the login node did not take the change: {exc}; log in {slurm.logs}") from None
+        gone = [uid for name, uid in before.items() if name not in {user.name for user in spec.users}]
+        ended = login.end_sessions(gone)
+        names = ", ".join(user.name for user in spec.users) or "nobody"
+        said = f"login node on {address} for {names}" + (f" ({', '.join(changed)})" if changed else ", nothing changed")
+        return said + (f"; {ended} process(es) of removed users ended" if ended else "")
+
+    def logins_differ(self, spec: ClusterSpec) -> str:
+        """'' when the login node's users and keys are the spec's (or there is no login node),
+        else what differs (a change of users read before another one ended)."""
+        slurm = self._slurm(spec)
+        users = ClusterUsers(slurm.root, slurm.install) if slurm.conf.exists() else None
+        if users is None or not (slurm.root / "etc" / "passwd").exists():
+            return ""
+        return users.differs(accounts_of(spec))
 
     def tear_down(self, spec: ClusterSpec) -> str:
         root = self.root(spec)
@@ -162,7 +181,7 @@ class LabClusterBackend:
         return f"login node and daemons stopped, {root} removed"
 
     def add_users(self, spec: ClusterSpec) -> str:
-        no_linux = f"the lab creates no Linux users (its smoke jobs run as {getpass.getuser()})"
+        no_linux = f"their logins are the login node's (its smoke jobs run as {getpass.getuser()})"
         if not spec.accounting:
             return f"accounting is off: {len(spec.users)} user(s) are in the user database Secret; {no_linux}"
         slurm = self._up(spec)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,12 @@ from pathlib import Path
 # Inside the root, its own commands: never a wrapper of the host's bin folders.
 ROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SYSTEM_BINDS = ("/proc", "/dev", "/sys")
+# Where a cluster's own folders are never bound (models/cluster.py SYSTEM_FOLDERS; this file
+# cannot import gpufleet): only its homes go at /home itself.
+SYSTEM_FOLDERS = (
+    "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/root",
+    "/run", "/sbin", "/sys", "/tmp", "/usr", "/var",
+)  # fmt: skip
 
 
 def _bind(source: str, root: Path, at: str | None = None) -> None:
@@ -102,8 +109,15 @@ def _cluster_mounts(conf: str | None, root: Path) -> list[tuple[str, str]]:
         source, target = str(entry[0]), str(entry[1])
         if not (os.path.isabs(source) and os.path.isdir(source)):
             raise ValueError(f"{listed}: {source!r} is not a folder")
-        if not os.path.isabs(target) or ".." in target.split("/") or target.rstrip("/") in ("", "/"):
-            raise ValueError(f"{listed}: {target!r} is not an absolute path below / without '..'")
+        if (
+            not os.path.isabs(target)
+            or target.startswith("//")
+            or posixpath.normpath(target) != target
+            or target == "/"
+        ):
+            raise ValueError(f"{listed}: {target!r} is not a plain absolute path below /")
+        if target != "/home" and any(target == f or target.startswith(f + "/") for f in SYSTEM_FOLDERS):
+            raise ValueError(f"{listed}: refusing to bind {source} over the system folder {target}")
         inside = root
         for part in Path(target).parts[1:]:
             inside = inside / part
@@ -111,6 +125,28 @@ def _cluster_mounts(conf: str | None, root: Path) -> list[tuple[str, str]]:
                 raise ValueError(f"{listed}: {inside} is a symbolic link; refusing to bind {target} there")
         mounts.append((source, target))
     return mounts
+
+
+def _hide_other_clusters(conf: str | None, root: Path) -> None:
+    """Where the cluster's folder is one of ``clusters/`` (the lab's), the others are hidden
+    behind an empty folder and only its own is bound back: its users see no other cluster's
+    homes, storage or sockets."""
+    if not conf or not os.path.isabs(conf):
+        return
+    folder = Path(conf).parent
+    clusters = folder.parent
+    target = root / str(clusters).lstrip("/")
+    if clusters.name != "clusters" or not target.is_dir():
+        return
+    own = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)  # still reachable once its parent is hidden
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755,size=64k", "tmpfs", str(target)], check=True)
+        (target / folder.name).mkdir()
+        subprocess.run(
+            ["mount", "--rbind", f"/proc/self/fd/{own}", str(target / folder.name)], check=True, pass_fds=(own,)
+        )
+    finally:
+        os.close(own)
 
 
 def _cluster_mounts_first(mounts: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -146,6 +182,8 @@ def main(argv: list[str]) -> int:
         for source, at in _cluster_run(conf):
             os.makedirs(source, exist_ok=True)
             _bind(source, root, at)
+    if mounts or _cluster_etc(conf):  # a cluster of its own users
+        _hide_other_clusters(conf, root)
     for source, at in _cluster_mounts_first(mounts):
         _bind(source, root, at)
     for source, at in _cluster_etc(conf):

@@ -148,6 +148,30 @@ class ClusterUsers:
             lines += [line for line in host if line.split(":")[0] == "sshd" and "sshd" not in have]
         return lines
 
+    def uids(self) -> dict[str, int]:
+        """The cluster's users now (name -> uid), as its ``etc/passwd`` holds them."""
+        found: dict[str, int] = {}
+        with contextlib.suppress(OSError):
+            for line in (self.folder / "etc" / "passwd").read_text().splitlines():
+                fields = line.split(":")
+                user = len(fields) > 2 and fields[2].isdigit() and int(fields[2]) >= SYSTEM_UID_LIMIT
+                if user and fields[0] not in KEPT_ACCOUNTS:
+                    found[fields[0]] = int(fields[2])
+        return found
+
+    def differs(self, users: Sequence[Account]) -> str:
+        """'' when the cluster's users and their keys are ``users``, else what differs."""
+        found = self.uids()
+        wanted = {user.name: user.uid for user in users}
+        if found != wanted:
+            return f"its users are {', '.join(sorted(found)) or 'none'} (uids {sorted(found.values())})"
+        for user in users:
+            key_file = self.keys / user.name
+            held = key_file.read_text() if key_file.exists() else ""
+            if held != "\n".join(user.keys) + "\n":
+                return f"{user.name}'s keys are not those read"
+        return ""
+
     def write(
         self,
         users: Sequence[Account],
@@ -260,9 +284,15 @@ class LoginNode:
         return alive(pid) and f"-f {self.config}".encode() in cmdline.replace(b"\0", b" ")
 
     def running(self) -> int:
-        """The PID of the cluster's sshd (0: none runs)."""
+        """The PID of the cluster's sshd (0: none runs); one started by a run cut short before
+        it was recorded is found by its configuration on its command line."""
         pid = self._recorded().get("pid", 0)
-        return pid if pid and self._ours(pid) else 0
+        if pid and self._ours(pid):
+            return pid
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and self._ours(int(entry.name)):
+                return int(entry.name)
+        return 0
 
     def address(self) -> str:
         """``host:port`` where the login node answers ('' when it does not run)."""
@@ -290,6 +320,12 @@ class LoginNode:
             "PrintMotd no",
             "PrintLastLog no",
             "X11Forwarding no",
+            # A shell, not a way into the machine's other services (Temporal, the API, other clusters).
+            "AllowTcpForwarding no",
+            "AllowStreamLocalForwarding no",
+            "AllowAgentForwarding no",
+            "PermitTunnel no",
+            "GatewayPorts no",
             "Subsystem sftp internal-sftp",
         ]
         if self.install.root is not None:
@@ -297,9 +333,10 @@ class LoginNode:
             lines.append(f"ChrootDirectory {self.install.root}")
         return "\n".join(lines) + "\n"
 
-    def start(self, users: Sequence[str], *, timeout: float = 30.0) -> str:
-        """sshd letting in ``users`` (by their keys in ``ClusterUsers.keys``), started or
-        reloaded; returns its ``host:port``."""
+    def start(self, users: Sequence[str], *, reload: bool = False, timeout: float = 30.0) -> str:
+        """sshd letting in ``users`` (by their keys in ``ClusterUsers.keys``), started, or
+        reloaded when its configuration changed (``reload``: in any case, so that a change
+        written by a run cut short before the reload is read too); returns its ``host:port``."""
         if problem := login_unavailable():
             raise RuntimeError(problem)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -316,16 +353,19 @@ class LoginNode:
         recorded = self._recorded().get("port", 0)
         port = recorded if pid or (recorded and not port_in_use(recorded)) else free_port()
         changed = _write_if_changed(self.config, self._config_text(users, port), 0o644)
-        if pid:
-            if changed:
-                os.kill(pid, signal.SIGHUP)  # sshd reads its configuration again, sessions kept
-            return f"{LOGIN_HOST}:{port}"
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation folder
         check = subprocess.run(
             [str(SSHD), "-t", "-f", str(self.config)], capture_output=True, text=True, timeout=30, check=False
         )
         if check.returncode != 0:
             raise RuntimeError(f"sshd refuses {self.config}: {check.stderr.strip()}")
+        if pid:
+            if changed or reload:
+                os.kill(pid, signal.SIGHUP)  # sshd reads its configuration again, sessions kept
+                wait_for(lambda: port_in_use(port) or not alive(pid), timeout=timeout, what=f"sshd back on {port}")
+                if not alive(pid):
+                    raise RuntimeError(f"sshd stopped on reloading {self.config}: see {self.folder / 'log'}")
+            return f"{LOGIN_HOST}:{port}"
         env = {**os.environ, "SLURM_CONF": str(self.folder / "slurm.conf")}
         argv = self.install.argv(
             [str(SSHD), "-D", "-e", "-f", str(self.config)], self.binds, own_view=True, outside=True
@@ -345,15 +385,39 @@ class LoginNode:
             return "no login node was running"
         namespace = _namespace(pid)
         stop([pid])
-        if namespace:
+        if namespace and namespace not in (_namespace(1), _namespace(os.getpid())):
             stop([other for other in _pids_in(namespace) if other != os.getpid()], timeout=3)
         return "login node stopped, its sessions ended"
+
+    def end_sessions(self, uids: Sequence[int]) -> int:
+        """End every process of these users in the login node's view (their sessions, once
+        their account is gone); returns how many."""
+        pid = self.running()
+        namespace = _namespace(pid) if pid else ""
+        if not namespace or not uids or namespace in (_namespace(1), _namespace(os.getpid())):
+            return 0
+        ended = [other for other in _pids_in(namespace) if _uid(other) in set(uids)]
+        for other in ended:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(other, signal.SIGKILL)
+        return len(ended)
 
 
 def _namespace(pid: int) -> str:
     with contextlib.suppress(OSError):
         return os.readlink(f"/proc/{pid}/ns/mnt")
     return ""
+
+
+def _uid(pid: int) -> int:
+    """The real uid of a process (-1 when it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return -1
 
 
 def _pids_in(namespace: str) -> list[int]:

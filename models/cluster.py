@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import posixpath
 import re
 import struct
 from typing import Any
@@ -108,7 +109,10 @@ DEFAULT_UID_RANGE = (2000, 59999)
 
 def check_ssh_key(key: str) -> str:
     """``key`` when it is one OpenSSH public key line (type, base64 blob naming the same type,
-    optional comment), else ValueError saying what is wrong."""
+    optional comment), else ValueError saying what is wrong. Nothing but printable characters:
+    a newline would add a line (another key, or options) to the file sshd reads keys from."""
+    if not key.strip().isprintable():
+        raise ValueError("an SSH public key is one line of printable characters (no newline, tab or control byte)")
     parts = key.strip().split(None, 2)
     if len(parts) < 2:
         raise ValueError("an SSH public key is 'TYPE BASE64 [COMMENT]' (one line of id_*.pub)")
@@ -227,6 +231,8 @@ class StorageSpec(BaseModel):
         if not path.startswith("/") or any(c.isspace() for c in path) or "/../" in f"{path}/" or path == "/":
             raise ValueError(f"{path!r}: an absolute path below / without spaces or '..'")
         clean = path.rstrip("/")
+        if posixpath.normpath(path) != clean or path.startswith("//") or not path.isprintable():
+            raise ValueError(f"{path!r}: write it plainly, e.g. {posixpath.normpath('/' + path.lstrip('/'))!r}")
         for folder in SYSTEM_FOLDERS:
             if clean == folder or clean.startswith(folder + "/"):
                 raise ValueError(f"{path!r} is in {folder}, a system folder of every node; use e.g. /shared")

@@ -50,6 +50,9 @@ class UsersChangeInput(BaseModel):
     new: ClusterSpec  # what they become
     requested_by: str = ""
     action: UsersAction
+    # The run of the change whose result ``old`` was read from ('' for the creation's spec): a
+    # refused change points back to it, so the users now are never a refused change's reading.
+    based_on: str = ""
 
 
 class UsersEvent(BaseModel):
@@ -66,6 +69,7 @@ class UsersChangeStatus(BaseModel):
     action: UsersAction
     old: ClusterSpec
     new: ClusterSpec
+    based_on: str = ""  # as in UsersChangeInput
     added: list[str] = Field(default_factory=list)
     removed: list[str] = Field(default_factory=list)
     rekeyed: list[str] = Field(default_factory=list)

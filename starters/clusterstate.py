@@ -13,7 +13,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from models.cluster import ClusterSpec
 from models.clusterops import ClusterStatus, DeletionStatus, cluster_workflow_id, deletion_workflow_id
-from models.clusterusers import UsersChangeStatus, users_workflow_id
+from models.clusterusers import UsersChangeStatus, UsersOutcome, users_workflow_id
 from starters.cli import console
 from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
 
@@ -105,9 +105,17 @@ async def deleted(client: Client, made: ClusterStatus) -> bool:
 
 
 async def current_spec(client: Client, made: ClusterStatus) -> ClusterSpec:
-    """The spec the cluster ``made`` has now: the creation's, or, when a change of its users for
-    the same creation ended since, that change's ``new`` (``old`` when it was undone or refused).
-    SpecUnknown when a change is under way or its result cannot be read: never a guess."""
+    """The spec the cluster ``made`` has now (``current_state``)."""
+    spec, _ = await current_state(client, made)
+    return spec
+
+
+async def current_state(client: Client, made: ClusterStatus) -> tuple[ClusterSpec, str]:
+    """The spec the cluster ``made`` has now, and the run of the change that left it ('' for the
+    creation): the creation's spec, or, when a change of its users for the same creation ended
+    since, that change's ``new`` (``old`` when it was undone). A refused change did nothing: the
+    change it was based on counts. SpecUnknown when a change is under way or its result cannot
+    be read: never a guess."""
     if made.spec is None:
         raise SpecUnknown(f"the creation of {made.name} holds no spec")
     workflow_id = users_workflow_id(made.name)
@@ -115,36 +123,52 @@ async def current_spec(client: Client, made: ClusterStatus) -> ClusterSpec:
         described = await client.get_workflow_handle(workflow_id).describe()
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
-            return made.spec  # its users were never changed
+            return made.spec, ""  # its users were never changed
         raise
     if made.started_at is not None and described.start_time < made.started_at:
-        return made.spec  # a change of an earlier cluster of the same name
+        return made.spec, ""  # a change of an earlier cluster of the same name
     if described.status == WorkflowExecutionStatus.RUNNING:
         raise SpecUnknown(
             f"a change of {made.name}'s users is under way (workflow {workflow_id}): wait for it "
             f"(gpufleet cluster users list {made.name})"
         )
-    if described.status != WorkflowExecutionStatus.COMPLETED:
-        state = described.status.name.lower() if described.status is not None else "unknown"
+    run_id = described.run_id
+    state: WorkflowExecutionStatus | None = described.status
+    seen: set[str] = set()
+    while run_id and run_id not in seen:
+        seen.add(run_id)
+        change = await _change(client, made.name, run_id, state)
+        if change.creation != made.creation:
+            return made.spec, ""  # a change of an earlier cluster of the same name
+        if change.outcome != UsersOutcome.REFUSED:
+            if change.current is None:
+                raise SpecUnknown(
+                    f"the last change of {made.name}'s users ({change.action}) failed at {change.failed_step} and "
+                    f"its undo failed too ({change.error}): which users the cluster has is unknown; look at its "
+                    f"timeline (workflow {workflow_id}) and set the users right by hand"
+                )
+            return change.current, run_id
+        run_id = change.based_on
+        if run_id:
+            state = (await client.get_workflow_handle(workflow_id, run_id=run_id).describe()).status
+    return made.spec, ""
+
+
+async def _change(client: Client, name: str, run_id: str, state: WorkflowExecutionStatus | None) -> UsersChangeStatus:
+    """The result of one change of the cluster's users; SpecUnknown when it cannot be read."""
+    workflow_id = users_workflow_id(name)
+    if state != WorkflowExecutionStatus.COMPLETED:
+        said = state.name.lower() if state is not None else "unknown"
         raise SpecUnknown(
-            f"the last change of {made.name}'s users (workflow {workflow_id}, run {described.run_id}) ended "
-            f"{state}: its result cannot be read, so which users the cluster has is unknown; "
-            "look at it in the Temporal UI and set the users right by hand"
+            f"a change of {name}'s users (workflow {workflow_id}, run {run_id}) ended {said}: its result cannot "
+            "be read, so which users the cluster has is unknown; look at it in the Temporal UI and set the "
+            "users right by hand"
         )
-    handle = client.get_workflow_handle(workflow_id, run_id=described.run_id, result_type=UsersChangeStatus)
+    handle = client.get_workflow_handle(workflow_id, run_id=run_id, result_type=UsersChangeStatus)
     try:
         change: UsersChangeStatus = await handle.result()
     except Exception as exc:  # a result that cannot be read or decoded: refuse, never guess
         raise SpecUnknown(
-            f"the result of the last change of {made.name}'s users (workflow {workflow_id}) cannot be read: {exc}"
+            f"the result of a change of {name}'s users (workflow {workflow_id}) cannot be read: {exc}"
         ) from None
-    if change.creation != made.creation:
-        return made.spec  # a change of an earlier cluster of the same name
-    current = change.current
-    if current is None:
-        raise SpecUnknown(
-            f"the last change of {made.name}'s users ({change.action}) failed at {change.failed_step} and its "
-            f"undo failed too ({change.error}): which users the cluster has is unknown; look at its timeline "
-            f"(workflow {workflow_id}) and set the users right by hand"
-        )
-    return current
+    return change

@@ -28,7 +28,7 @@ from models.clusterusers import (
 )
 from models.names import InvalidName, validate_cluster_name
 from starters.cli import _who, console, fail, run_async
-from starters.clusterstate import SpecUnknown, creation, current_spec, deleted, follow_steps
+from starters.clusterstate import SpecUnknown, creation, current_spec, current_state, deleted, follow_steps
 from starters.temporal import connect
 from workflows.clusterusers import ClusterUsersWorkflow
 
@@ -84,8 +84,9 @@ def _user(**fields: Any) -> UserSpec:
         fail(f"user {fields.get('name')!r} refused, nothing was changed: {problems}", code=2)
 
 
-async def _running(client: Client, name: str) -> tuple[ClusterStatus, ClusterSpec]:
-    """The cluster's creation and its current spec; exit when there is none, or it is not ready."""
+async def _running(client: Client, name: str) -> tuple[ClusterStatus, ClusterSpec, str]:
+    """The cluster's creation, its current spec and the run of the change that left it ('' for
+    the creation); exit when there is none, or it is not ready."""
     made = await creation(client, name)
     if made is None or made.spec is None:
         fail(f"no cluster named {name} (gpufleet cluster list)", code=2)
@@ -94,9 +95,10 @@ async def _running(client: Client, name: str) -> tuple[ClusterStatus, ClusterSpe
     if await deleted(client, made):
         fail(f"cluster {name} is deleted")
     try:
-        return made, await current_spec(client, made)
+        spec, based_on = await current_state(client, made)
     except SpecUnknown as exc:
         fail(str(exc))
+    return made, spec, based_on
 
 
 def _with_users(spec: ClusterSpec, users: list[UserSpec]) -> ClusterSpec:
@@ -133,7 +135,14 @@ def _summary(status: UsersChangeStatus) -> dict[str, Any]:
 
 
 async def _change(
-    client: Client, made: ClusterStatus, old: ClusterSpec, new: ClusterSpec, action: UsersAction, *, as_json: bool
+    client: Client,
+    made: ClusterStatus,
+    old: ClusterSpec,
+    new: ClusterSpec,
+    action: UsersAction,
+    *,
+    based_on: str,
+    as_json: bool,
 ) -> None:
     """Run the change as its workflow, print its steps, exit 1 unless it was done."""
     request = UsersChangeInput(
@@ -144,6 +153,7 @@ async def _change(
         new=new,
         requested_by=_who(),
         action=action,
+        based_on=based_on,
     )
     try:
         handle = await client.start_workflow(
@@ -231,14 +241,14 @@ def add(
 
     async def go() -> None:
         client = await connect()
-        made, spec = await _running(client, name)
+        made, spec, based_on = await _running(client, name)
         if any(u.name == user for u in spec.users):
             fail(f"user {user} exists on {name} already (gpufleet cluster users set-keys to change its keys)", code=2)
         taken = next((u.name for u in spec.users if u.uid == uid), None)
         if taken is not None:
             fail(f"uid {uid} is taken on {name} by {taken}: choose another", code=2)
         new = _with_users(spec, [*spec.users, new_user])
-        await _change(client, made, spec, new, UsersAction.ADD, as_json=as_json)
+        await _change(client, made, spec, new, UsersAction.ADD, based_on=based_on, as_json=as_json)
 
     run_async(go())
 
@@ -259,12 +269,12 @@ def remove(
 
     async def go() -> None:
         client = await connect()
-        made, spec = await _running(client, name)
+        made, spec, based_on = await _running(client, name)
         if not any(u.name == user for u in spec.users):
             known = ", ".join(u.name for u in spec.users) or "none"
             fail(f"no user {user} on {name} (its users: {known})", code=2)
         new = _with_users(spec, [u for u in spec.users if u.name != user])
-        await _change(client, made, spec, new, UsersAction.REMOVE, as_json=as_json)
+        await _change(client, made, spec, new, UsersAction.REMOVE, based_on=based_on, as_json=as_json)
 
     run_async(go())
 
@@ -284,7 +294,7 @@ def set_keys(
 
     async def go() -> None:
         client = await connect()
-        made, spec = await _running(client, name)
+        made, spec, based_on = await _running(client, name)
         was = next((u for u in spec.users if u.name == user), None)
         if was is None:
             known = ", ".join(u.name for u in spec.users) or "none"
@@ -293,6 +303,6 @@ def set_keys(
         if changed.ssh_keys == was.ssh_keys:
             fail(f"user {user} on {name} has these keys already: nothing to change", code=2)
         new = _with_users(spec, [changed if u.name == user else u for u in spec.users])
-        await _change(client, made, spec, new, UsersAction.SET_KEYS, as_json=as_json)
+        await _change(client, made, spec, new, UsersAction.SET_KEYS, based_on=based_on, as_json=as_json)
 
     run_async(go())

@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 from workflows.cluster import _activity, _cause
 from workflows.retries import CLUSTER_STEP
@@ -41,10 +41,20 @@ DO = {
     UsersStep.REMOVE_ACCOUNTS: "cluster_remove_users",
 }
 UNDO = {
+    UsersStep.REMOVE_ACCOUNTS: "cluster_add_users",
     UsersStep.SET_LOGINS: "cluster_set_logins",
     UsersStep.ADD_ACCOUNTS: "cluster_remove_users",
 }
+# A step the backend cannot do at all (it has no such method) did nothing: it has nothing to undo.
+UNSUPPORTED = "Unsupported"
 STEP_TIMEOUT: timedelta = CLUSTER_STEP
+
+
+def _error_type(exc: BaseException) -> str:
+    """The type of the innermost application error (what the activity said went wrong)."""
+    while isinstance(exc, ActivityError) and exc.cause is not None:
+        exc = exc.cause
+    return exc.type or "" if isinstance(exc, ApplicationError) else ""
 
 
 @workflow.defn(name=CLUSTER_USERS_WORKFLOW)
@@ -61,6 +71,7 @@ class ClusterUsersWorkflow:
             action=request.action,
             old=request.old,
             new=request.new,
+            based_on=request.based_on,
             started_at=workflow.now(),
         )
         self._event(UsersStep.VALIDATE, "started")
@@ -88,7 +99,7 @@ class ClusterUsersWorkflow:
             except ActivityError as exc:
                 status.failed_step, status.error = step, _cause(exc)
                 self._event(step, "failed", status.error)
-                await self._undo(request)
+                await self._undo(request, failed_did_nothing=_error_type(exc) == UNSUPPORTED)
                 return self._finish()
             status.done.append(step)
             self._event(step, "done", detail)
@@ -128,20 +139,25 @@ class ClusterUsersWorkflow:
             DO[step], request.old, request, only=self._status.removed, summary=f"remove accounts {request.name}"
         )
 
-    async def _undo(self, request: UsersChangeInput) -> None:
-        """Undo, in reverse, the steps done (and the failed one: its activity may have done part
-        of its work; each undo finds and undoes what is there)."""
+    async def _undo(self, request: UsersChangeInput, *, failed_did_nothing: bool = False) -> None:
+        """Undo, in reverse, the steps done (and the failed one, unless it could not be done at
+        all: its activity may have done part of its work; each undo finds and undoes what is there)."""
         status = self._status
         assert status is not None
-        attempted = [*status.done, *([status.failed_step] if status.failed_step else [])]
+        failed = [status.failed_step] if status.failed_step and not failed_did_nothing else []
+        attempted = [*status.done, *failed]
         failed_undo = False
         for step in reversed(attempted):
             if step not in UNDO or (step == UsersStep.ADD_ACCOUNTS and not status.added):
+                continue
+            if step == UsersStep.REMOVE_ACCOUNTS and not status.removed:
                 continue
             status.step = step
             try:
                 if step == UsersStep.SET_LOGINS:
                     detail = await self._call(UNDO[step], request.old, request, summary=f"undo logins {request.name}")
+                elif step == UsersStep.REMOVE_ACCOUNTS:  # the accounts removed put back (only what is missing)
+                    detail = await self._call(UNDO[step], request.old, request, summary=f"undo removal {request.name}")
                 else:
                     detail = await self._call(
                         UNDO[step], request.new, request, only=status.added, summary=f"undo accounts {request.name}"

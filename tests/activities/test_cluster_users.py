@@ -43,7 +43,7 @@ def activities(backend: object) -> ClusterActivities:
 def test_a_backend_without_set_logins_fails_the_step_naming_itself() -> None:
     with pytest.raises(ApplicationError) as failed:
         ActivityEnvironment().run(activities(NoLogins()).set_logins, ClusterRequest(spec=spec(), backend="older"))
-    assert failed.value.type == "StepFailed" and failed.value.non_retryable
+    assert failed.value.type == "Unsupported" and failed.value.non_retryable
     assert "the older backend cannot change the logins of a running cluster" in failed.value.message
 
 

@@ -242,3 +242,18 @@ def test_a_user_may_not_be_a_system_account(name: str) -> None:
     raw["users"][0]["name"] = name
     with pytest.raises(SpecError, match=r"users\[0\]\.name.*system account of every node"):
         load_spec(raw)
+
+
+@pytest.mark.parametrize("path", ["/./etc", "//etc", "/.//usr/bin", "/.", "/./", "/shared/./x", "/shared//x"])
+def test_a_mount_path_not_written_plainly_is_refused(path: str) -> None:
+    raw = example()
+    raw["storage"] = {"mount_path": path}
+    with pytest.raises(SpecError, match=r"storage\.mount_path"):
+        load_spec(raw)
+
+
+@pytest.mark.parametrize("tail", ["\ncommand=\"sh\" ssh-ed25519 AAAA", "\x00", "\tx"])
+def test_a_key_with_a_second_line_or_a_control_byte_is_refused(tail: str) -> None:
+    key = example()["users"][0]["ssh_keys"][0]
+    with pytest.raises(ValueError, match="one line of printable characters"):
+        check_ssh_key(f"{key} me{tail}")

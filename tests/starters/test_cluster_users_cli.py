@@ -59,6 +59,10 @@ class Server:
     loop: asyncio.AbstractEventLoop
     calls: list[tuple[str, str, list[str]]] = field(default_factory=list)  # activity, cluster, users
     fail: dict[str, int] = field(default_factory=dict)
+    differs: str = ""  # what the backend says of the logins now against a change's old users
+
+    def logins_differ(self, spec: ClusterSpec) -> str:
+        return self.differs
 
     def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
@@ -82,7 +86,7 @@ class Server:
             return JobsResult(running=0)
 
         # The check of the cluster is the worker's own: it asks Temporal for the creation.
-        real = ClusterActivities(None, {"lab": object()}, WebhookNotifier(url=""))  # type: ignore[arg-type, dict-item]
+        real = ClusterActivities(None, {"lab": self}, WebhookNotifier(url=""))  # type: ignore[arg-type, dict-item]
         return [*(make(n) for n in sorted(names)), running_jobs, real.users_check]
 
     def create(self, name: str, *, fail_at: str = "") -> ClusterStatus:
@@ -290,3 +294,23 @@ def test_the_workflow_checks_the_creation_it_is_given(server: Server) -> None:
     nowhere = server.run(change(fresh(), made.creation))
     assert nowhere.outcome == UsersOutcome.REFUSED and "no cluster named" in nowhere.error
     assert server.of(name, "cluster_set_logins") == []
+
+
+def test_a_change_read_before_another_ended_is_refused_and_moves_nothing(server: Server) -> None:
+    """The logins are not what the change read (another change ended in between): refused, no
+    step runs, and the users now are still those of the last change that was done."""
+    name = fresh()
+    server.create(name)
+    assert server.gpufleet("cluster", "users", "remove", name, "--user", "bob").code == 0
+    steps_before = len(server.calls)
+    server.differs = "its users are alice"
+    try:
+        late = server.gpufleet("cluster", "users", "add", name, "--user", "carol", "--uid", "2100", "--key", KEY)
+    finally:
+        server.differs = ""
+    said = " ".join((late.out + late.err).split())  # as one line, however the terminal wrapped it
+    assert late.code == 1 and "users changed since this change was read (its users are alice)" in said
+    assert [call for call in server.calls[steps_before:] if call[1] == name] == []  # no step ran
+    listed = server.gpufleet("cluster", "users", "list", name, "--json")
+    assert listed.code == 0, listed.out + listed.err
+    assert [user["name"] for user in json.loads(listed.out)] == ["alice"]

@@ -52,6 +52,7 @@ class Backend:
     fail: dict[str, int] = field(default_factory=dict)
     calls: list[Call] = field(default_factory=list)
     hold: asyncio.Event | None = None
+    fail_type: str = "StepFailed"
     task_queue: str = field(default_factory=lambda: f"users-{uuid.uuid4().hex[:8]}")
 
     def activities(self) -> list[Callable[..., Any]]:
@@ -67,7 +68,7 @@ class Backend:
                         await self.hold.wait()
                     if self.fail.get(name, 0) > 0:
                         self.fail[name] -= 1
-                        raise ApplicationError(f"{name} broke on purpose", type="StepFailed", non_retryable=True)
+                        raise ApplicationError(f"{name} broke on purpose", type=self.fail_type, non_retryable=True)
                     return StepResult(detail=f"{name} ok")
 
                 return run
@@ -194,10 +195,26 @@ async def test_accounts_that_cannot_be_removed_undo_the_logins(env: WorkflowEnvi
     assert status.failed_step == UsersStep.REMOVE_ACCOUNTS
     assert backend.calls == [
         Call("cluster_set_logins", ["alice"], None),
-        Call("cluster_remove_users", ["alice", "bob"], ["bob"]),  # failed
+        Call("cluster_remove_users", ["alice", "bob"], ["bob"]),  # failed, perhaps halfway
+        Call("cluster_add_users", ["alice", "bob"], None),  # what it removed put back
         Call("cluster_set_logins", ["alice", "bob"], None),  # bob may log in again
     ]
-    assert steps(status, "undone") == [UsersStep.SET_LOGINS]
+    assert steps(status, "undone") == [UsersStep.REMOVE_ACCOUNTS, UsersStep.SET_LOGINS]
+
+
+async def test_a_step_the_backend_cannot_do_is_not_undone(env: WorkflowEnvironment) -> None:
+    """A backend with no set_logins: the step did nothing, so only the accounts added are
+    undone, and the users are known to be the old ones."""
+    backend = Backend(fail={"cluster_set_logins": 1}, fail_type="Unsupported")
+    old, new = added()
+    async with worker(env, backend):
+        status = await (await change(env, backend, old, new, UsersAction.ADD)).result()
+    assert status.outcome == UsersOutcome.UNDONE and status.current == old
+    assert [call.activity for call in backend.calls] == [
+        "cluster_add_users",
+        "cluster_set_logins",  # unsupported
+        "cluster_remove_users",  # carol's account undone
+    ]
 
 
 async def test_an_undo_that_fails_is_said_and_the_users_are_unknown(env: WorkflowEnvironment) -> None:
