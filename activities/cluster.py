@@ -158,8 +158,7 @@ class ClusterActivities:
         result = self._run(request, lambda b: b.bring_up(request.spec, request.placement, request.slurm_conf))
         backend = self._backend(request)
         if isinstance(backend, HasLogin):
-            with client_errors():
-                result.login = backend.login_address(request.spec)
+            result.login = self._run(request, lambda b: backend.login_address(request.spec)).detail
         return result
 
     @activity.defn(name="cluster_tear_down")

@@ -47,14 +47,12 @@ if [ ! -x /usr/sbin/sshd ] || ! command -v ssh >/dev/null 2>&1; then
     echo "installing openssh-server and openssh-client (the lab clusters' login nodes)"
     apt-get update -qq
     # The package's own sshd is not wanted here: each cluster's login node starts its own.
-    policy=""
     if [ ! -e /usr/sbin/policy-rc.d ]; then
-      policy=/usr/sbin/policy-rc.d
-      printf '#!/bin/sh\nexit 101\n' > "$policy"
-      chmod 755 "$policy"
+      printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+      chmod 755 /usr/sbin/policy-rc.d
+      trap 'rm -f /usr/sbin/policy-rc.d' EXIT  # gone again however apt-get ends
     fi
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssh-server openssh-client >/dev/null
-    if [ -n "$policy" ]; then rm -f "$policy"; fi
   else
     echo "sshd or ssh is missing: the lab's clusters get no login node and its tests are skipped (apt-get install openssh-server openssh-client, as root)" >&2
   fi

@@ -8,9 +8,9 @@ storage and read the file on the login node."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,17 +26,24 @@ from lab.histories import record_histories
 from lab.login import login_unavailable
 from lab.procs import alive, pids_with_env, wait_for
 from tests.conftest import gpufleet_cli
-from tests.e2e.logins import make_key, ssh
+from tests.e2e.logins import ssh
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGbRLO3ZFsuyq0E7A3y5lV8Kfy2kOQH9S+8q0q3JmfpH"
-# The cluster's users log in from here: a folder every user may pass through, as their homes and
-# the cluster's slurm.conf must be (pytest's own temporary folder is its owner's only).
-HOME = Path(tempfile.mkdtemp(prefix="gpufleet-clusters-e2e-", dir="/tmp"))
-HOME.chmod(0o755)
-ALICE_KEY, ALICE_PUBLIC = make_key(HOME / "keys")
-OTHER_KEY, _ = make_key(HOME / "keys")
+# The lab's home: a folder every user may pass through, as their homes and the cluster's
+# slurm.conf must be (pytest's own temporary folder is its owner's only).
+HOME = Path("/tmp") / f"gpufleet-clusters-e2e-{os.getpid()}"
+KEYS = HOME / "keys"
+
+
+def key_of(name: str) -> tuple[Path, str]:
+    """The key pair of ``name`` in the lab's home (made on first use)."""
+    private = KEYS / name
+    if not private.exists():
+        KEYS.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(private)], check=True, timeout=30)
+    return private, private.with_name(f"{name}.pub").read_text().strip()
 
 
 def spec(name: str, **extra: Any) -> dict[str, Any]:
@@ -47,7 +54,7 @@ def spec(name: str, **extra: Any) -> dict[str, Any]:
             {"name": "debug", "nodes": 1, "max_time": "30"},
         ],
         "users": [
-            {"name": "alice", "uid": 20001, "account": "vision", "admin": True, "ssh_keys": [ALICE_PUBLIC]},
+            {"name": "alice", "uid": 20001, "account": "vision", "admin": True, "ssh_keys": [key_of("alice")[1]]},
             {"name": "bob", "uid": 20002, "account": "language", "ssh_keys": [f"{KEY} bob"]},
         ],
         "spares": 1,
@@ -62,6 +69,8 @@ def lab() -> Iterator[FleetLab]:
     config = LabConfig(
         training=["gpu1"], spares=["spare1"], free=["free1", "free2", "free3", "free4"], temporal_port=0, ui_port=0
     )
+    HOME.mkdir(mode=0o755, exist_ok=True)
+    HOME.chmod(0o755)
     fleet = FleetLab(HOME / "lab", config)
     try:
         fleet.up()
@@ -158,7 +167,8 @@ def test_its_users_log_in_with_their_keys_and_share_its_storage(lab: FleetLab) -
         "id -un; sinfo -h -o '%R %D' | sort; "
         f"printf '{job}' > ~/job.sh && sbatch --wait -p debug -o ~/job.out ~/job.sh && cat /shared/alice.txt"
     )
-    done = ssh(login, "alice", ALICE_KEY, command)
+    alice_key, _ = key_of("alice")
+    done = ssh(login, "alice", alice_key, command)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "alice" and lines[1:3] == ["debug 1", "train 2"]
@@ -166,20 +176,19 @@ def test_its_users_log_in_with_their_keys_and_share_its_storage(lab: FleetLab) -
     stored = lab.home / "clusters" / "research" / "storage" / "alice.txt"
     assert stored.read_text().strip() == lines[-1] and stored.stat().st_uid == 20001
     # Another key is refused, for her and for bob (whose key in the spec is not this one).
-    for user, key in (("alice", OTHER_KEY), ("bob", ALICE_KEY)):
+    for user, key in (("alice", key_of("mallory")[0]), ("bob", alice_key)):
         refused = ssh(login, user, key, "true")
         assert refused.returncode == 255 and "Permission denied" in refused.stderr, (user, refused.stderr)
     # And no root login, whatever the key.
-    assert ssh(login, "root", ALICE_KEY, "true").returncode == 255
+    assert ssh(login, "root", alice_key, "true").returncode == 255
 
 
 def test_users_and_keys_change_on_the_running_cluster(lab: FleetLab) -> None:
     if why := login_unavailable():
         pytest.skip(f"no login node here: {why}")
     login = json.loads(gpufleet_cli("cluster", "show", "research", "--json", env=lab.env()).stdout)["login"]
-    bob_key, bob_public = make_key(HOME / "keys")
-    carol_key, carol_public = make_key(HOME / "keys")
-    (HOME / "keys" / "carol.pub").write_text(carol_public + "\n")
+    bob_key, bob_public = key_of("bob")
+    carol_key, _ = key_of("carol")
 
     def users(*args: str) -> dict[str, Any]:
         done = gpufleet_cli("cluster", "users", *args, "--json", env=lab.env(), timeout=180)
@@ -191,7 +200,7 @@ def test_users_and_keys_change_on_the_running_cluster(lab: FleetLab) -> None:
     users("set-keys", "research", "--user", "bob", "--key", bob_public)
     assert ssh(login, "bob", bob_key, "id -un").stdout.strip() == "bob"
     # Carol added: she logs in at once, under her uid, with a home of her own, and runs a job.
-    users("add", "research", "--user", "carol", "--uid", "20003", "--key-file", str(HOME / "keys" / "carol.pub"))
+    users("add", "research", "--user", "carol", "--uid", "20003", "--key-file", str(KEYS / "carol.pub"))
     done = ssh(
         login, "carol", carol_key, "id -u; pwd; sbatch --wait -p debug -o /dev/null --wrap 'id -un > /shared/carol.txt'"
     )
@@ -200,7 +209,7 @@ def test_users_and_keys_change_on_the_running_cluster(lab: FleetLab) -> None:
     assert (lab.home / "clusters" / "research" / "storage" / "carol.txt").read_text().strip() == "carol"
     # Alice removed: her key no longer opens anything; show names the users now.
     users("remove", "research", "--user", "alice")
-    refused = ssh(login, "alice", ALICE_KEY, "true")
+    refused = ssh(login, "alice", key_of("alice")[0], "true")
     assert refused.returncode == 255 and "Permission denied" in refused.stderr
     shown = json.loads(gpufleet_cli("cluster", "show", "research", "--json", env=lab.env()).stdout)
     assert sorted(shown["ssh"]) == ["bob", "carol"]
