@@ -143,7 +143,9 @@ def _hide_other_clusters(conf: str | None, root: Path) -> None:
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755,size=64k", "tmpfs", str(target)], check=True)
         (target / folder.name).mkdir()
         subprocess.run(
-            ["mount", "--rbind", f"/proc/self/fd/{own}", str(target / folder.name)], check=True, pass_fds=(own,)
+            ["mount", "--no-canonicalize", "--rbind", f"/proc/self/fd/{own}", str(target / folder.name)],
+            check=True,
+            pass_fds=(own,),
         )
     finally:
         os.close(own)
