@@ -45,6 +45,9 @@ MERGE = {"Content-Type": "application/merge-patch+json"}
 SLURM_NODES = ["k1", "k2", "k3"]
 BY_HAND = "slurm-operator: by hand"
 
+# How long Slurm may take to mark a stopped slurmd's node DOWN (its SlurmdTimeout, and a ping).
+SLURMD_GONE_TIMEOUT = 60
+
 
 def _node(name: str, pool: str) -> dict[str, Any]:
     return node_object(name, pool=pool)
@@ -358,8 +361,14 @@ def test_scale_in_drains_first_and_deletes_once_drained(env: Env, tmp_path: Path
     wait_for(lambda: "slinky-0" not in env.pods(), timeout=20, what="slinky-0 deleted")
     assert set(env.pods()) == {"slinky-1", "slinky-2", "pinned-0"}
     wait_for(lambda: not env.cluster.running("slinky-0"), timeout=20, what="slinky-0's slurmd stopped")
-    left = env.slurm("slinky-0")  # the record stays: v1.2.1 prunes none in StatefulSet mode
-    assert left.state.startswith("down") and left.reason.startswith(PRESTOP_REASON), left
+    # The record stays (v1.2.1 prunes none in StatefulSet mode), DOWN by the preStop hook: Slurm
+    # may show it IDLE+DRAIN for a moment, until it sees the slurmd gone.
+    left = wait_for(
+        lambda: (node := env.slurm("slinky-0")).state.startswith("down") and node,
+        timeout=SLURMD_GONE_TIMEOUT,
+        what="slinky-0 DOWN by its preStop hook",
+    )
+    assert left.reason.startswith(PRESTOP_REASON), left
 
     env.patch(nodeset_path, {"spec": {"replicas": 3}})
     wait_for(lambda: "slinky-0" in env.pods(), timeout=20, what="slinky-0 again")
