@@ -323,8 +323,11 @@ class ClusterActivities:
         backend = self._backend(request)
         differ = getattr(backend, "logins_differ", None)
         if callable(differ):
-            with client_errors():
-                differs = await asyncio.to_thread(differ, request.spec)
+            try:
+                with client_errors():
+                    differs = await asyncio.to_thread(differ, request.spec)
+            except StepFailed as exc:
+                raise ApplicationError(str(exc), type="StepFailed", non_retryable=True) from None
             if differs:
                 raise ApplicationError(
                     f"cluster {name}'s users changed since this change was read ({differs}): read them again "

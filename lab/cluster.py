@@ -156,7 +156,7 @@ class LabClusterBackend:
             address = login.start([user.name for user in spec.users], reload=True)
         except (TimeoutError, RuntimeError, subprocess.CalledProcessError, OSError) as exc:
             raise StepFailed(f"the login node did not take the change: {exc}; log in {slurm.logs}") from None
-        gone = [uid for name, uid in before.items() if name not in {user.name for user in spec.users}]
+        gone = sorted(set(before.values()) - {user.uid for user in spec.users})
         ended = login.end_sessions(gone)
         names = ", ".join(user.name for user in spec.users) or "nobody"
         said = f"login node on {address} for {names}" + (f" ({', '.join(changed)})" if changed else ", nothing changed")
@@ -165,11 +165,10 @@ class LabClusterBackend:
     def logins_differ(self, spec: ClusterSpec) -> str:
         """'' when the login node's users and keys are the spec's (or there is no login node),
         else what differs (a change of users read before another one ended)."""
-        slurm = self._slurm(spec)
-        users = ClusterUsers(slurm.root, slurm.install) if slurm.conf.exists() else None
-        if users is None or not (slurm.root / "etc" / "passwd").exists():
-            return ""
-        return users.differs(accounts_of(spec))
+        root = self.root(spec)
+        if login_unavailable() or not (root / "slurm.conf").exists() or not (root / "etc" / "passwd").exists():
+            return ""  # no login node: nothing written to compare with
+        return ClusterUsers(root, None).differs(accounts_of(spec))
 
     def tear_down(self, spec: ClusterSpec) -> str:
         root = self.root(spec)

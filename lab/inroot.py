@@ -138,6 +138,12 @@ def _hide_other_clusters(conf: str | None, root: Path) -> None:
     target = root / str(clusters).lstrip("/")
     if clusters.name != "clusters" or not target.is_dir():
         return
+    inside = root
+    for part in clusters.parts[1:]:  # a link would take the empty folder somewhere else
+        inside = inside / part
+        if inside.is_symlink():
+            print(f"inroot.py: {inside} is a symbolic link; other clusters are not hidden", file=sys.stderr)
+            return
     own = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)  # still reachable once its parent is hidden
     try:
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755,size=64k", "tmpfs", str(target)], check=True)

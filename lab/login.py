@@ -116,9 +116,17 @@ def _system_lines(text: str, *, uid_field: int) -> list[str]:
 class ClusterUsers:
     """The spec's users, homes, keys and storage for the cluster under ``folder``."""
 
-    def __init__(self, folder: Path, install: SlurmInstall) -> None:
+    def __init__(self, folder: Path, install: SlurmInstall | None) -> None:
+        """``install``: the cluster's Slurm, whose system accounts its users go beside (needed
+        to write them, not to read them)."""
         self.folder = folder.resolve()
-        self.install = install
+        self._install = install
+
+    @property
+    def install(self) -> SlurmInstall:
+        if self._install is None:
+            raise RuntimeError("the cluster's Slurm install is needed to write its users")
+        return self._install
 
     @property
     def keys(self) -> Path:
@@ -130,6 +138,8 @@ class ClusterUsers:
 
     def _check_place(self, mount_path: str) -> None:
         """The cluster's own folder must stay visible where its homes and storage are bound."""
+        if self.folder in Path(mount_path).parents:
+            raise ValueError(f"the storage's mount path {mount_path} is inside the cluster's own folder {self.folder}")
         for target in (Path("/home"), Path(mount_path)):
             if self.folder == target or target in self.folder.parents:
                 raise ValueError(
@@ -241,7 +251,7 @@ class ClusterUsers:
             if key_file.name not in wanted:
                 key_file.unlink()
                 changed.append(f"keys of {key_file.name} removed")
-        mounts = [[str(homes), "/home"], [str(self.storage), mount_path]]
+        mounts = [[str(homes), "/home"], [str(self.storage), mount_path.rstrip("/") or "/"]]
         if _write_if_changed(self.folder / "mounts.json", json.dumps(mounts) + "\n", 0o644):
             changed.append("mounts")
         return changed
@@ -281,7 +291,8 @@ class LoginNode:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             return False
-        return alive(pid) and f"-f {self.config}".encode() in cmdline.replace(b"\0", b" ")
+        # Root's own process only: a user may name the configuration on a command line of theirs.
+        return alive(pid) and _uid(pid) == 0 and f"-f {self.config}".encode() in cmdline.replace(b"\0", b" ")
 
     def running(self) -> int:
         """The PID of the cluster's sshd (0: none runs); one started by a run cut short before
@@ -320,7 +331,7 @@ class LoginNode:
             "PrintMotd no",
             "PrintLastLog no",
             "X11Forwarding no",
-            # A shell, not a way into the machine's other services (Temporal, the API, other clusters).
+            # No tunnels through the login node (a shell still shares the machine's network).
             "AllowTcpForwarding no",
             "AllowStreamLocalForwarding no",
             "AllowAgentForwarding no",
@@ -361,10 +372,7 @@ class LoginNode:
             raise RuntimeError(f"sshd refuses {self.config}: {check.stderr.strip()}")
         if pid:
             if changed or reload:
-                os.kill(pid, signal.SIGHUP)  # sshd reads its configuration again, sessions kept
-                wait_for(lambda: port_in_use(port) or not alive(pid), timeout=timeout, what=f"sshd back on {port}")
-                if not alive(pid):
-                    raise RuntimeError(f"sshd stopped on reloading {self.config}: see {self.folder / 'log'}")
+                os.kill(pid, signal.SIGHUP)  # sshd reads its configuration again (checked above), sessions kept
             return f"{LOGIN_HOST}:{port}"
         env = {**os.environ, "SLURM_CONF": str(self.folder / "slurm.conf")}
         argv = self.install.argv(

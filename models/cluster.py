@@ -236,7 +236,7 @@ class StorageSpec(BaseModel):
         for folder in SYSTEM_FOLDERS:
             if clean == folder or clean.startswith(folder + "/"):
                 raise ValueError(f"{path!r} is in {folder}, a system folder of every node; use e.g. /shared")
-        return path
+        return clean
 
 
 class SecretRef(BaseModel):

@@ -132,10 +132,12 @@ async def current_state(client: Client, made: ClusterStatus) -> tuple[ClusterSpe
             f"a change of {made.name}'s users is under way (workflow {workflow_id}): wait for it "
             f"(gpufleet cluster users list {made.name})"
         )
-    run_id = described.run_id
-    state: WorkflowExecutionStatus | None = described.status
+    runs: list[tuple[str, WorkflowExecutionStatus | None]] = [(described.run_id, described.status)]
     seen: set[str] = set()
-    while run_id and run_id not in seen:
+    while runs:
+        run_id, state = runs.pop(0)
+        if run_id in seen:
+            continue
         seen.add(run_id)
         change = await _change(client, made.name, run_id, state)
         if change.creation != made.creation:
@@ -148,10 +150,31 @@ async def current_state(client: Client, made: ClusterStatus) -> tuple[ClusterSpe
                     f"timeline (workflow {workflow_id}) and set the users right by hand"
                 )
             return change.current, run_id
-        run_id = change.based_on
-        if run_id:
-            state = (await client.get_workflow_handle(workflow_id, run_id=run_id).describe()).status
+        if not runs:
+            runs = await _runs_before(client, workflow_id, change)
     return made.spec, ""
+
+
+async def _runs_before(
+    client: Client, workflow_id: str, refused: UsersChangeStatus
+) -> list[tuple[str, WorkflowExecutionStatus | None]]:
+    """The changes that ran before a refused one, newest first (Temporal's visibility); where the
+    server lists none (the test server), the one it was read from (a refusal for a stale read
+    points behind the change that made it stale: the list is the truth)."""
+    try:
+        listed = [
+            (found.start_time, found.run_id, found.status)
+            async for found in client.list_workflows(f'WorkflowId = "{workflow_id}"')
+            if refused.started_at is None or found.start_time < refused.started_at
+        ]
+    except RPCError as exc:
+        if exc.status != RPCStatusCode.UNIMPLEMENTED:
+            raise
+        if not refused.based_on:
+            return []
+        state = (await client.get_workflow_handle(workflow_id, run_id=refused.based_on).describe()).status
+        return [(refused.based_on, state)]
+    return [(run_id, state) for _, run_id, state in sorted(listed, key=lambda run: run[0], reverse=True)]
 
 
 async def _change(client: Client, name: str, run_id: str, state: WorkflowExecutionStatus | None) -> UsersChangeStatus:

@@ -7,6 +7,7 @@ storage and read the file on the login node."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -17,6 +18,8 @@ from typing import Any
 
 import pytest
 import yaml
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
 
 from clients.kube import KubernetesApi
 from clients.pool import free_nodes, holdings
@@ -25,6 +28,15 @@ from lab.fleet import FleetLab, LabConfig
 from lab.histories import record_histories
 from lab.login import login_unavailable
 from lab.procs import alive, pids_with_env, wait_for
+from models.clusterops import CLUSTER_TASK_QUEUE, ClusterStatus, cluster_workflow_id
+from models.clusterusers import (
+    CLUSTER_USERS_WORKFLOW,
+    UsersAction,
+    UsersChangeInput,
+    UsersChangeStatus,
+    UsersOutcome,
+    users_workflow_id,
+)
 from tests.conftest import gpufleet_cli
 from tests.e2e.logins import ssh
 
@@ -213,6 +225,32 @@ def test_users_and_keys_change_on_the_running_cluster(lab: FleetLab) -> None:
     assert refused.returncode == 255 and "Permission denied" in refused.stderr
     shown = json.loads(gpufleet_cli("cluster", "show", "research", "--json", env=lab.env()).stdout)
     assert sorted(shown["ssh"]) == ["bob", "carol"]
+    # A change read before the last one ended (alice still there): the worker finds the logins
+    # are not what it read and refuses it; the users now are still the last change's.
+    stale = asyncio.run(_stale_change(lab, "research"))
+    assert stale.outcome == UsersOutcome.REFUSED and "users changed since this change was read" in stale.error
+    listed = gpufleet_cli("cluster", "users", "list", "research", "--json", env=lab.env())
+    assert [user["name"] for user in json.loads(listed.stdout)] == ["bob", "carol"], listed.stderr
+    assert ssh(login, "carol", carol_key, "true").returncode == 0
+
+
+async def _stale_change(lab: FleetLab, name: str) -> UsersChangeStatus:
+    """A change of the cluster's users built on its creation's spec, as a command that read it
+    before the changes above would send it."""
+    client = await Client.connect(lab.env()["TEMPORAL_ADDRESS"], data_converter=pydantic_data_converter)
+    made = await client.get_workflow_handle(cluster_workflow_id(name)).query("status", result_type=ClusterStatus)
+    assert made is not None and made.spec is not None
+    old = made.spec
+    new = old.model_copy(update={"users": [u for u in old.users if u.name != "alice"]})
+    handle = await client.start_workflow(
+        CLUSTER_USERS_WORKFLOW,
+        UsersChangeInput(name=name, backend="lab", creation=made.creation, old=old, new=new, action=UsersAction.REMOVE),
+        id=users_workflow_id(name),
+        task_queue=CLUSTER_TASK_QUEUE,
+        result_type=UsersChangeStatus,
+    )
+    status: UsersChangeStatus = await handle.result()
+    return status
 
 
 def test_an_existing_name_is_refused_and_nothing_changes(lab: FleetLab, tmp_path: Path) -> None:
