@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from lab import inroot
 from lab.login import Account, ClusterUsers, LoginNode, closed_to_users, login_unavailable
 from lab.procs import alive, port_in_use, wait_for
 from lab.slurmroots import host_install
@@ -60,6 +61,11 @@ def test_the_files_hold_the_users_and_the_systems_accounts_only(folder: Path) ->
         [str(folder / "storage"), "/scratch"],
     ]
     assert (folder / "login" / "keys" / "alice").read_text() == "ssh-ed25519 AAAA alice\n"
+    # What a change of users is checked against: the users and keys written, nothing else.
+    assert users.uids() == {"alice": 20001}
+    assert users.differs([Account("alice", 20001, ("ssh-ed25519 AAAA alice",))]) == ""
+    assert "keys" in users.differs([Account("alice", 20001, ("ssh-ed25519 BBBB alice",))])
+    assert "its users are alice" in users.differs([])
     # Again with the same users: nothing changes, and passwd is the same file (a bind sees it).
     inode = (folder / "etc" / "passwd").stat().st_ino
     assert users.write([Account("alice", 20001, ("ssh-ed25519 AAAA alice",))], "/scratch") == []
@@ -162,3 +168,31 @@ def test_a_taken_port_is_left_for_a_free_one(folder: Path) -> None:
         assert second != first and login.running()
     finally:
         taken.kill()
+
+
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        ("/etc/cron.d", "system folder"),
+        ("/usr", "system folder"),
+        ("/./etc", "plain absolute path"),
+        ("//etc", "plain absolute path"),
+        ("shared", "plain absolute path"),
+        ("/", "plain absolute path"),
+    ],
+)
+def test_inroot_binds_a_clusters_folders_only_at_plain_paths_outside_the_system(
+    tmp_path: Path, target: str, says: str
+) -> None:
+    """``mounts.json`` is read by root in every daemon's namespace: checked there again."""
+    (tmp_path / "storage").mkdir()
+    (tmp_path / "mounts.json").write_text(json.dumps([[str(tmp_path / "storage"), target]]))
+    with pytest.raises(ValueError, match=says):
+        inroot._cluster_mounts(str(tmp_path / "slurm.conf"), Path("/"))
+    (tmp_path / "mounts.json").write_text(
+        json.dumps([[str(tmp_path / "storage"), "/shared"], [str(tmp_path), "/home"]])
+    )
+    assert inroot._cluster_mounts(str(tmp_path / "slurm.conf"), Path("/")) == [
+        (str(tmp_path / "storage"), "/shared"),
+        (str(tmp_path), "/home"),
+    ]
