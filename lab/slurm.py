@@ -161,7 +161,25 @@ class SlurmLab:
                     env=self.env,
                 ),
             )
-        wait_for(self._nodes_up, timeout=timeout, what="every slurmd to register")
+        try:
+            wait_for(self._nodes_up, timeout=timeout, what="every slurmd to register")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}: {self._registration_report()}") from None
+
+    def _registration_report(self) -> str:
+        """What Slurm says of the nodes that did not register, and the end of the first one's
+        slurmd log: where to look when a slurmd runs but never registers."""
+        try:
+            out = self.scontrol("show", "-o", "node")
+        except (subprocess.SubprocessError, OSError) as exc:
+            return f"scontrol show node failed: {exc}"
+        states = dict(re.findall(r"NodeName=(\S+).*?State=(\S+)", out))
+        missing = [node for node in self.all_nodes if states.get(node) != "IDLE"]
+        said = ", ".join(f"{node} {states.get(node, 'unknown')}" for node in missing)
+        log = self.logs / f"slurmd-{missing[0]}.log" if missing else None
+        tail = " | ".join(log.read_text(errors="replace").splitlines()[-5:]) if log and log.exists() else ""
+        alive_ones = [name for name, pid in self.pids().items() if alive(pid)]
+        return f"nodes {said}; running: {', '.join(sorted(alive_ones))}; {log}: {tail}"
 
     def expected(self) -> set[str]:
         """The names under which a whole cluster's daemons are recorded."""
