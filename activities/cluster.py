@@ -281,8 +281,9 @@ class ClusterActivities:
     @activity.defn(name="cluster_users_check")
     async def users_check(self, request: ClusterRequest) -> StepResult:
         """Before a running cluster's users change: this worker has its backend, and the cluster
-        is the one ``request.creation`` made, ready and not deleted since."""
-        self._backend(request)
+        is the one ``request.creation`` made, ready and not deleted since, and its logins are still
+        the users the change was read against."""
+        backend = self._backend(request)
         name = request.spec.name
         client = activity.client()
         async with heartbeats():
@@ -320,7 +321,6 @@ class ClusterActivities:
                     type="InvalidInput",
                     non_retryable=True,
                 )
-        backend = self._backend(request)
         differ = getattr(backend, "logins_differ", None)
         if callable(differ):
             try:

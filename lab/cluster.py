@@ -127,11 +127,16 @@ class LabClusterBackend:
             )
         return login
 
-    def _start_login(self, spec: ClusterSpec, slurm: SlurmLab) -> str:
+    def _login(self, slurm: SlurmLab) -> LoginNode:
+        return LoginNode(slurm.root, slurm.install, slurm.binds[1:])
+
+    def _start_login(self, spec: ClusterSpec, slurm: SlurmLab, *, reload: bool = False) -> str:
+        """The login node started for the spec's users (``reload``: reloaded in any case)."""
         try:
-            return LoginNode(slurm.root, slurm.install, slurm.binds[1:]).start([user.name for user in spec.users])
+            return self._login(slurm).start([user.name for user in spec.users], reload=reload)
         except (TimeoutError, RuntimeError, subprocess.CalledProcessError, OSError) as exc:
-            raise StepFailed(f"the login node did not come up: {exc}; log in {slurm.logs / 'sshd.log'}") from None
+            did = "take the change" if reload else "come up"
+            raise StepFailed(f"the login node did not {did}: {exc}; log in {slurm.logs / 'sshd.log'}") from None
 
     def login_address(self, spec: ClusterSpec) -> str:
         return LoginNode(self.root(spec)).address()
@@ -151,13 +156,9 @@ class LabClusterBackend:
             changed = users.write(accounts_of(spec), mount_path_of(spec))
         except (ValueError, OSError) as exc:
             raise StepFailed(str(exc)) from None
-        try:
-            login = LoginNode(slurm.root, slurm.install, slurm.binds[1:])
-            address = login.start([user.name for user in spec.users], reload=True)
-        except (TimeoutError, RuntimeError, subprocess.CalledProcessError, OSError) as exc:
-            raise StepFailed(f"the login node did not take the change: {exc}; log in {slurm.logs}") from None
+        address = self._start_login(spec, slurm, reload=True)
         gone = sorted(set(before.values()) - {user.uid for user in spec.users})
-        ended = login.end_sessions(gone)
+        ended = self._login(slurm).end_sessions(gone)
         names = ", ".join(user.name for user in spec.users) or "nobody"
         said = f"login node on {address} for {names}" + (f" ({', '.join(changed)})" if changed else ", nothing changed")
         return said + (f"; {ended} process(es) of removed users ended" if ended else "")

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab.procs import alive, free_port, port_in_use, spawn, stop, wait_for
+from lab.procs import alive, free_port, mount_namespace, pids_in_namespace, port_in_use, real_uid, spawn, stop, wait_for
 from lab.slurmroots import SlurmInstall
 from models.cluster import ClusterSpec
 
@@ -292,7 +292,7 @@ class LoginNode:
         except OSError:
             return False
         # Root's own process only: a user may name the configuration on a command line of theirs.
-        return alive(pid) and _uid(pid) == 0 and f"-f {self.config}".encode() in cmdline.replace(b"\0", b" ")
+        return alive(pid) and real_uid(pid) == 0 and f"-f {self.config}".encode() in cmdline.replace(b"\0", b" ")
 
     def running(self) -> int:
         """The PID of the cluster's sshd (0: none runs); one started by a run cut short before
@@ -300,6 +300,8 @@ class LoginNode:
         pid = self._recorded().get("pid", 0)
         if pid and self._ours(pid):
             return pid
+        if not self.config.exists():  # never started here: nothing to look for
+            return 0
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit() and self._ours(int(entry.name)):
                 return int(entry.name)
@@ -364,6 +366,8 @@ class LoginNode:
         recorded = self._recorded().get("port", 0)
         port = recorded if pid or (recorded and not port_in_use(recorded)) else free_port()
         changed = _write_if_changed(self.config, self._config_text(users, port), 0o644)
+        if pid and not (changed or reload):
+            return f"{LOGIN_HOST}:{port}"
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation folder
         check = subprocess.run(
             [str(SSHD), "-t", "-f", str(self.config)], capture_output=True, text=True, timeout=30, check=False
@@ -371,8 +375,7 @@ class LoginNode:
         if check.returncode != 0:
             raise RuntimeError(f"sshd refuses {self.config}: {check.stderr.strip()}")
         if pid:
-            if changed or reload:
-                os.kill(pid, signal.SIGHUP)  # sshd reads its configuration again (checked above), sessions kept
+            os.kill(pid, signal.SIGHUP)  # sshd reads its configuration again (checked above), sessions kept
             return f"{LOGIN_HOST}:{port}"
         env = {**os.environ, "SLURM_CONF": str(self.folder / "slurm.conf")}
         argv = self.install.argv(
@@ -391,47 +394,28 @@ class LoginNode:
         pid = self.running()
         if not pid:
             return "no login node was running"
-        namespace = _namespace(pid)
+        namespace = self._namespace(pid)
         stop([pid])
-        if namespace and namespace not in (_namespace(1), _namespace(os.getpid())):
-            stop([other for other in _pids_in(namespace) if other != os.getpid()], timeout=3)
+        if namespace:
+            stop([other for other in pids_in_namespace(namespace) if other != os.getpid()], timeout=3)
         return "login node stopped, its sessions ended"
+
+    @staticmethod
+    def _namespace(pid: int) -> str:
+        """The mount namespace sshd runs in, '' when it is the host's or this process's (its
+        sessions are then never told apart from anything else)."""
+        namespace = mount_namespace(pid)
+        return "" if namespace in (mount_namespace(1), mount_namespace(os.getpid())) else namespace
 
     def end_sessions(self, uids: Sequence[int]) -> int:
         """End every process of these users in the login node's view (their sessions, once
         their account is gone); returns how many."""
         pid = self.running()
-        namespace = _namespace(pid) if pid else ""
-        if not namespace or not uids or namespace in (_namespace(1), _namespace(os.getpid())):
+        namespace = self._namespace(pid) if pid else ""
+        if not namespace or not uids:
             return 0
-        ended = [other for other in _pids_in(namespace) if _uid(other) in set(uids)]
+        ended = [other for other in pids_in_namespace(namespace) if real_uid(other) in set(uids)]
         for other in ended:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(other, signal.SIGKILL)
         return len(ended)
-
-
-def _namespace(pid: int) -> str:
-    with contextlib.suppress(OSError):
-        return os.readlink(f"/proc/{pid}/ns/mnt")
-    return ""
-
-
-def _uid(pid: int) -> int:
-    """The real uid of a process (-1 when it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Uid:"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return -1
-
-
-def _pids_in(namespace: str) -> list[int]:
-    """The processes of a mount namespace (the login node's sessions)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and _namespace(int(entry.name)) == namespace:
-            found.append(int(entry.name))
-    return found

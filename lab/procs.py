@@ -137,3 +137,30 @@ def pids_holding(folder: Path, roots: Iterable[Path]) -> list[int]:
         if any(target.startswith(f"{root}{folder}/") for target in targets) and alive(int(entry.name)):
             found.append(int(entry.name))
     return found
+
+
+def mount_namespace(pid: int) -> str:
+    """The mount namespace a process runs in ('' when it is gone)."""
+    with contextlib.suppress(OSError):
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    return ""
+
+
+def real_uid(pid: int) -> int:
+    """The real uid of a process (-1 when it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return -1
+
+
+def pids_in_namespace(namespace: str) -> list[int]:
+    """The processes of a mount namespace (a login node's sessions)."""
+    return [
+        int(entry.name)
+        for entry in Path("/proc").iterdir()
+        if entry.name.isdigit() and mount_namespace(int(entry.name)) == namespace
+    ]

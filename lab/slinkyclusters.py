@@ -53,7 +53,7 @@ from lab.dynamic import RELEASE, DynamicSlurmLab
 from lab.login import DEFAULT_MOUNT_PATH, SYSTEM_UID_LIMIT, Account, ClusterUsers, LoginNode
 from lab.procs import alive, stop
 from lab.slurmrest import jwt_lines, start_slurmrestd
-from models.cluster import SYSTEM_USERS, StorageSpec, check_ssh_key
+from models.cluster import StorageSpec, check_ssh_key, check_user_name
 from models.slinky import USERS_MOUNT
 
 API_VERSION = "slinky.slurm.net/v1beta1"
@@ -68,7 +68,6 @@ MAX_SOCKET_PATH = 107
 # (lab/login.py: its host key and port). Its Controller deleted, they go too.
 DURABLE = ("db", "slurmdbd.conf", "etc", "home", "storage", "login", "mounts.json")
 LOGIN_APP = "login"
-USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")  # as models/cluster.py takes a user's name
 # Written while an Accounting is being stopped, removed once slurmctld and slurmrestd no longer
 # use it: a stop cut short is finished on the next pass.
 ACCOUNTING_STOPPING = "accounting-stopping"
@@ -200,8 +199,17 @@ def secret_texts(secret: dict[str, Any] | None) -> dict[str, str]:
     return {key: (secret_value(secret, key) or b"").decode(errors="replace") for key in keys}
 
 
+def _valid_name(name: str) -> bool:
+    """A name a spec could give a user (models/cluster.py ``check_user_name``)."""
+    try:
+        check_user_name(name)
+    except ValueError:
+        return False
+    return True
+
+
 def _valid_user(name: str, uid: int) -> bool:
-    return bool(USER_NAME.fullmatch(name)) and name not in SYSTEM_USERS and uid >= SYSTEM_UID_LIMIT
+    return _valid_name(name) and uid >= SYSTEM_UID_LIMIT
 
 
 def _valid_key(key: str) -> bool:
@@ -237,7 +245,7 @@ def groups_in(users: dict[str, str]) -> list[str]:
         fields = line.split(":")
         if len(fields) != 4 or fields[0] in names or not fields[2].isdigit() or int(fields[2]) < SYSTEM_UID_LIMIT:
             continue
-        if USER_NAME.fullmatch(fields[0]) and re.fullmatch(r"[a-z0-9_,-]*", fields[3]):
+        if _valid_name(fields[0]) and re.fullmatch(r"[a-z0-9_,-]*", fields[3]):
             kept.append(line)
     return kept
 

@@ -37,7 +37,7 @@ from models.plugins import CLUSTER_BACKENDS, cli_default, declared, present
 from models.settings import cluster_backend_names
 from models.slinky import SLURM_VERSION, slinky_objects
 from starters.cli import _who, console, fail, run_async, say_error, unknown
-from starters.clusterstate import SpecUnknown, current_spec, follow_steps, say_step
+from starters.clusterstate import SpecUnknown, creation, current_spec, follow_steps, say_step
 from starters.clusterstate import deleted as _deleted
 from starters.clusterstate import deletion as _deletion
 from starters.clusterusers import users_app
@@ -239,12 +239,7 @@ def create(
 async def _start(client: Client, spec: ClusterSpec, backend: str, *, keep_on_failure: bool) -> WorkflowHandle[Any, Any]:
     # A name is taken while its last creation stands (ready, or kept on failure); one that was
     # rolled back leaves it free. The workflow checks again (the nodes, the backend).
-    try:
-        last: ClusterStatus | None = await client.get_workflow_handle(cluster_workflow_id(spec.name)).query(
-            ClusterCreationWorkflow.status
-        )
-    except RPCError:
-        last = None
+    last = await creation(client, spec.name)
     if last is not None and last.outcome == ClusterOutcome.READY and not await _deleted(client, last):
         fail(f"cluster {spec.name} exists already (gpufleet cluster show {spec.name}): choose another name")
     try:
@@ -342,11 +337,8 @@ def show(name: str, as_json: Annotated[bool, typer.Option("--json")] = False) ->
 
     async def go() -> tuple[ClusterStatus | None, DeletionStatus | None, str]:
         client = await connect()
-        try:
-            result: ClusterStatus | None = await client.get_workflow_handle(cluster_workflow_id(name)).query(
-                ClusterCreationWorkflow.status
-            )
-        except RPCError:
+        result = await creation(client, name)
+        if result is None:
             return None, None, ""
         gone = await _deletion(client, name) if result is not None and await _deleted(client, result) else None
         unknown_users = ""
@@ -403,12 +395,7 @@ def delete(
 
     async def go() -> None:
         client = await connect()
-        try:
-            made: ClusterStatus | None = await client.get_workflow_handle(cluster_workflow_id(name)).query(
-                ClusterCreationWorkflow.status
-            )
-        except RPCError:
-            made = None
+        made = await creation(client, name)
         if made is None or made.spec is None:
             fail(f"no cluster named {name} (gpufleet cluster list)", code=2)
         if made.outcome == ClusterOutcome.CREATING:
