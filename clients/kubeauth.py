@@ -68,7 +68,7 @@ class KubeAuth:
             raise error_for_status(exc.status or 0, str(exc.reason)) from None
         except HTTPError as exc:
             raise Unavailable(f"pod {namespace}/{name}: {exc}") from None
-        if uid and pod.metadata.uid != uid:
+        if uid and (pod.metadata is None or pod.metadata.uid != uid):
             return None
         node = pod.spec.node_name if pod.spec else None
         return str(node) if node else None
