@@ -72,3 +72,28 @@ class KubeAuth:
             return None
         node = pod.spec.node_name if pod.spec else None
         return str(node) if node else None
+
+    def request_token(
+        self,
+        namespace: str,
+        service_account: str,
+        *,
+        audiences: list[str],
+        expiration_seconds: int,
+        pod: tuple[str, str] | None = None,
+    ) -> str:
+        bound = k8s.V1BoundObjectReference(kind="Pod", api_version="v1", name=pod[0], uid=pod[1]) if pod else None
+        body = k8s.AuthenticationV1TokenRequest(
+            spec=k8s.V1TokenRequestSpec(
+                audiences=audiences, expiration_seconds=expiration_seconds, bound_object_ref=bound
+            )
+        )
+        try:
+            answer = self._core.create_namespaced_service_account_token(service_account, namespace, body)
+        except ApiException as exc:
+            raise error_for_status(exc.status or 0, str(exc.reason)) from None
+        except HTTPError as exc:
+            raise Unavailable(f"TokenRequest: {exc}") from None
+        if answer.status is None or not answer.status.token:
+            raise Unavailable("TokenRequest: the API server answered without a token")
+        return str(answer.status.token)
