@@ -303,11 +303,12 @@ class Delivery:
 
     def _failed(self, event: XidEvent, exc: PostFailed) -> None:
         """Keep the event; say why, and when the next try is."""
-        wait = self._backoff
-        if exc.retry_after is not None:
-            wait = min(max(exc.retry_after, wait), RETRY_AFTER_CAP_SECONDS)
+        if exc.retry_after is not None:  # the intake said when (429, 503): that, not our own backoff
+            wait = min(max(exc.retry_after, FIRST_BACKOFF_SECONDS), RETRY_AFTER_CAP_SECONDS)
+        else:
+            wait = self._backoff
+            self._backoff = min(self._backoff * 2, self._cap)
         self._retry_at = time.monotonic() + wait
-        self._backoff = min(self._backoff * 2, self._cap)
         kept = len(self.spool)
         if exc.refused:
             self.refused = str(exc)

@@ -18,6 +18,7 @@ claimed and the identity, and counted (models/intake.py names the metrics).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import ssl
@@ -211,12 +212,13 @@ class Intake:
 
     async def _accept(self, request: web.Request) -> str:
         """The incident the posted event opened or joined; Refusal for anything else."""
-        peer = request.remote or "?"
+        peer = request.remote or "?"  # who, for a refusal before any identity is known
         token = _bearer(request.headers.get("Authorization", ""))
         if token is None:
-            log.warning("refused (no_token) from %s: no Authorization: Bearer header", peer)
+            claimed = await _claimed_node(request)
+            log.warning("refused (no_token): %s claimed node %s without an Authorization: Bearer header", peer, claimed)
             raise Refusal(401, "refused", "no bearer token: send the pod's ServiceAccount token", "no_token")
-        identity = await self._review(token, peer)
+        identity = await self._review(token, request)
         body = await self._body(request, identity)
         claimed = body.event.node
         node = await self._node_of(identity)
@@ -258,11 +260,15 @@ class Intake:
         log.info("%s on %s (%s) -> incident %s", body.event.label, claimed, identity.name, handle.id)
         return str(handle.id)
 
-    async def _review(self, token: str, peer: str) -> Identity:
+    async def _review(self, token: str, request: web.Request) -> Identity:
+        peer = request.remote or "?"
         try:
             return await asyncio.to_thread(self._kube.review_token, token, audiences=[INTAKE_AUDIENCE])
         except Unauthenticated as exc:
-            log.warning("refused (unauthenticated) from %s: %s", peer, exc)
+            claimed = await _claimed_node(request)
+            log.warning(
+                "refused (unauthenticated): %s claimed node %s with a token not accepted: %s", peer, claimed, exc
+            )
             raise Refusal(
                 401,
                 "refused",
@@ -303,6 +309,15 @@ class Intake:
                 "cannot check the token's pod now; retry later",
                 retry_after=UNAVAILABLE_RETRY_SECONDS,
             ) from None
+
+
+async def _claimed_node(request: web.Request) -> str:
+    """The node a refused body names, for the log only (never trusted): "?" when it names none."""
+    try:
+        node = json.loads(await request.read())["event"]["node"]
+    except (ValueError, KeyError, TypeError, web.HTTPException):
+        return "?"
+    return repr(node)[:80]
 
 
 def _bearer(header: str) -> str | None:

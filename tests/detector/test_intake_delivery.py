@@ -7,6 +7,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -121,3 +122,36 @@ def test_delivery_through_the_intake(world: World, tmp_path: Path) -> None:
         assert "Temporal" not in errors.read_text()
     finally:
         stop([detector.pid])
+
+
+def test_a_node_over_its_rate_waits_as_the_intake_says(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Told 429, the delivery waits the intake's Retry-After, then goes on in order: nothing lost."""
+    from detector.daemon import Delivery
+    from detector.intake import IntakePoster
+    from detector.spool import Spool
+
+    world = start_world(tmp_path / "world", rate=60, burst=2)  # then one a second
+    try:
+        token_file = tmp_path / "token"
+        token_file.write_text(world.token("gpu1"))
+        spool = Spool(tmp_path / "spool")
+        for gpu in GPUS[:4]:
+            spool.put(XidEvent(node="gpu1", xid=79, pci=f"0000:{gpu}:00", source="test"))
+        poster = IntakePoster(world.intake.url, token_file=token_file, ca_file=world.intake.certs.ca)
+        delivery = Delivery(cluster="lab", spool=spool, dry_run=True, intake=poster)
+
+        async def drain() -> list[int]:
+            slices = []
+            while len(spool):
+                slices.append(await delivery.flush(max_seconds=30))
+                await asyncio.sleep(0.1)
+            await delivery.close()
+            return [n for n in slices if n]
+
+        started = time.monotonic()
+        assert asyncio.run(asyncio.wait_for(drain(), timeout=60)) == [2, 1, 1]
+        assert time.monotonic() - started < 10
+        assert "the intake answered 429: node gpu1 is over its rate of events" in caplog.text
+        assert signalled(world, "dryrun-lab-gpu1") == [f"0000:{gpu}:00" for gpu in GPUS[:4]]
+    finally:
+        world.stop()
