@@ -20,12 +20,21 @@ For bad days on purpose (chaos runs and tests): ``PUT /_faults`` with
 ``{"status": 500, "count": N, "retry_after": S}`` makes the next N API requests answer that
 status (429 with a Retry-After when given); ``{"count": 0}`` clears it.
 
+Authentication and authorization as gpufleet's services ask a cluster for them (the rules in
+``lab.kubeauth``): TokenRequest (``POST .../serviceaccounts/NAME/token``: HMAC-signed JWTs with a
+real server's claims, bound to a Pod on request; any expiry of a second or more, where a real
+server's minimum is 10 minutes), TokenReview (ServiceAccount tokens, and the static tokens of
+``--token-file FILE`` in kube-apiserver's ``--token-auth-file`` format) and SubjectAccessReview
+(from the RBAC objects stored here; ``aggregationRule`` gathered at each review). Requests to
+this API itself stay unauthenticated. ``--signing-key FILE`` keeps the signing key across restarts.
+
 For RBAC (tests/test_rbac.py): ``--audit-log FILE`` (off by default) appends one JSON line per
 request for a resource, with the verb as Kubernetes RBAC names it (``rbac_verb``), the API group,
 resource, subresource, namespace and name, so that what a client really asks for can be compared
 with what a Role grants.
 
-Run it as ``python -m lab.kubeapi --port N --seed FILE --kubeconfig FILE [--audit-log FILE]``.
+Run it as ``python -m lab.kubeapi --port N --seed FILE --kubeconfig FILE [--audit-log FILE]
+[--token-file FILE] [--signing-key FILE]``.
 """
 
 from __future__ import annotations

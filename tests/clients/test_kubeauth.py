@@ -138,7 +138,7 @@ def test_a_token_whose_pod_was_deleted_or_recreated_is_refused(
     assert auth.pod_node(NAMESPACE, "detector-gpu1") is None
     old_uid = _pod_uid(kube, "detector-gpu2")
     kube._api.delete_namespaced_pod("detector-gpu2", NAMESPACE)
-    kube._api.create_namespaced_pod(NAMESPACE, _pod("detector-gpu2", "gpu2"))  # same name, new uid
+    kube._api.create_namespaced_pod(NAMESPACE, _pod("detector-gpu2", "gpu2"))  # type: ignore[arg-type]  # the same name, a new uid
     with pytest.raises(Unauthenticated, match="does not match claim"):
         auth.review_token(second, audiences=[INTAKE_AUDIENCE])
     assert auth.pod_node(NAMESPACE, "detector-gpu2", old_uid) is None
