@@ -835,14 +835,12 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         if not isinstance(spec, dict):
             return _status(422, "Invalid", "spec: Required value")
         if request.resource == TOKENREVIEWS:
-            return self._token_review(body, spec)
+            return self._token_review(spec)
         if request.resource == SUBJECTACCESSREVIEWS:
-            return self._access_review(body, spec)
-        return self._token_request(request, body, spec)
+            return self._access_review(spec)
+        return self._token_request(request, spec)
 
-    def _token_request(
-        self, request: rendering.Request, body: dict[str, Any], spec: dict[str, Any]
-    ) -> aiohttp.web.Response:
+    def _token_request(self, request: rendering.Request, spec: dict[str, Any]) -> aiohttp.web.Response:
         """POST serviceaccounts/NAME/token: a token of that ServiceAccount for the audiences asked
         (the API's own when none), bound to a Pod when ``spec.boundObjectRef`` names one. Any
         positive ``expirationSeconds`` is taken (a real server refuses under 600: tests want less)."""
@@ -908,11 +906,13 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         }
         return aiohttp.web.json_response(answer, status=201)
 
-    def _token_review(self, body: dict[str, Any], spec: dict[str, Any]) -> aiohttp.web.Response:
+    def _token_review(self, spec: dict[str, Any]) -> aiohttp.web.Response:
         """POST tokenreviews: who the token is, for the audiences asked (the API's own when none)."""
         wanted = spec.get("audiences") or list(kubeauth.API_AUDIENCES)
+        if not isinstance(wanted, list) or not all(isinstance(a, str) for a in wanted):
+            return _status(422, "Invalid", "spec.audiences: must be a list of strings")
         try:
-            status = self._authenticate(str(spec.get("token") or ""), [str(a) for a in wanted])
+            status = self._authenticate(str(spec.get("token") or ""), wanted)
         except kubeauth.TokenInvalid as exc:
             status = {"authenticated": False, "user": {}, "error": f"[invalid bearer token, {exc}]"}
         answer = {
@@ -989,7 +989,7 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
             "audiences": audiences,
         }
 
-    def _access_review(self, body: dict[str, Any], spec: dict[str, Any]) -> aiohttp.web.Response:
+    def _access_review(self, spec: dict[str, Any]) -> aiohttp.web.Response:
         """POST subjectaccessreviews: whether the RBAC objects stored here allow the request
         (kubeauth.authorize); the group ``system:masters`` may do anything, as on a real server."""
         resource = spec.get("resourceAttributes")
