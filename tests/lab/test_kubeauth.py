@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from lab import kubeauth
 from lab.kubeapi import node_object
 from tests.conftest import REPO, KubeApiProcess
 
@@ -277,3 +278,26 @@ def test_the_cluster_roles_of_a_yaml_applied_with_kubectl_decide(
     )
     assert deleted.returncode == 0, deleted.stderr
     assert not review(approver, "approve")["allowed"]
+
+
+def test_rules_match_as_the_rbac_authorizer_matches_them() -> None:
+    def asks(**fields: Any) -> kubeauth.Attributes:
+        return kubeauth.Attributes(user="u", groups=(), resource_request="path" not in fields, **fields)
+
+    status_rule = {"apiGroups": [""], "resources": ["*/status"], "verbs": ["patch"]}
+    assert kubeauth.rule_allows(asks(verb="patch", resource="nodes", subresource="status"), status_rule)
+    assert not kubeauth.rule_allows(asks(verb="patch", resource="nodes"), status_rule)
+    pods = {"apiGroups": [""], "resources": ["pods"], "verbs": ["*"]}
+    assert not kubeauth.rule_allows(asks(verb="create", resource="pods", subresource="eviction"), pods)
+    metrics = {"nonResourceURLs": ["/metrics", "/healthz/*"], "verbs": ["get"]}
+    assert kubeauth.rule_allows(asks(verb="get", path="/healthz/ping"), metrics)
+    assert not kubeauth.rule_allows(asks(verb="get", path="/metricsx"), metrics)
+
+
+def test_the_token_file_reads_as_kube_apiserver_reads_it(tmp_path: Path) -> None:
+    (tmp_path / "tokens.csv").write_text('t1,alice,1001,"g1, g2"\n\nt2, bob, 1002\nt1,alice,1001,g3\n')
+    users = kubeauth.read_token_file(tmp_path / "tokens.csv")
+    assert users == {
+        "t1": kubeauth.StaticUser(name="alice", uid="1001", groups=("g3",)),  # the later line wins
+        "t2": kubeauth.StaticUser(name="bob", uid="1002", groups=()),
+    }
