@@ -225,7 +225,9 @@ class ClusterDeletionWorkflow:
         if problem and workflow.patched(INPUTS_CHECKED):
             workflow.logger.warning("deletion of %s refused: %s", request.spec.name, problem)
             raise ApplicationError(
-                f"deletion of {request.spec.name} refused, nothing changed: {problem}", type="InvalidInput", non_retryable=True
+                f"deletion of {request.spec.name} refused, nothing changed: {problem}",
+                type="InvalidInput",
+                non_retryable=True,
             )
         status = self._status = DeletionStatus(
             name=request.spec.name, backend=request.backend, started_at=workflow.now()

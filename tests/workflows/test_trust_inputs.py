@@ -125,9 +125,7 @@ async def test_bad_approvals_and_cancel_requests_are_ignored_noted_and_change_no
     changing = {"drain_slurm_node", "signal_job:7", "requeue_job:7", "cordon_and_drain_node", "claim_spare"}
     assert not changing & set(fleet.calls)
     history = await handle.fetch_history()
-    await Replayer(workflows=[NodeRemediationWorkflow], data_converter=pydantic_data_converter).replay_workflow(
-        history
-    )
+    await Replayer(workflows=[NodeRemediationWorkflow], data_converter=pydantic_data_converter).replay_workflow(history)
 
 
 async def test_a_move_of_a_bad_size_is_ignored_noted_and_moves_nothing(env: WorkflowEnvironment) -> None:
