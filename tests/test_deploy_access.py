@@ -196,7 +196,7 @@ def test_only_the_worker_the_intake_and_the_api_hold_temporal_credentials(name: 
             [container] = pod["containers"]
             [mount] = [m for m in container["volumeMounts"] if m["name"] == volume]
             assert mount["readOnly"] is True
-            assert TEMPORAL_TLS_ENV <= env.keys()
+            assert env.keys() >= TEMPORAL_TLS_ENV
             for key in TEMPORAL_TLS_ENV:
                 assert env[key].startswith(mount["mountPath"] + "/"), key
         else:
