@@ -252,3 +252,14 @@ def test_the_detectors_reach_only_the_intake_and_dns(name: str) -> None:
     assert {p["port"] for p in to_dns["ports"]} == {53}
     [dns] = to_dns["to"]
     assert dns["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kube-system"}
+
+
+@pytest.mark.parametrize("name", DEPLOYED)
+def test_the_holders_of_temporal_credentials_never_run_on_a_gpu_node(name: str) -> None:
+    objects = rendered(name)
+    detector = pod_of(the(objects, "DaemonSet"))
+    [(gpu_label, gpu_value)] = detector["nodeSelector"].items()
+    for deployment in ("gpufleet-worker", "gpufleet-intake", "gpufleet-api"):
+        affinity = pod_of(the(objects, "Deployment", deployment))["affinity"]["nodeAffinity"]
+        [term] = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert term["matchExpressions"] == [{"key": gpu_label, "operator": "NotIn", "values": [gpu_value]}]
