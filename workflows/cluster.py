@@ -283,7 +283,7 @@ class ClusterDeletionWorkflow:
             if workflow.now() >= deadline:
                 raise ApplicationError(
                     f"{jobs.running} job(s) still running after {request.deadline_seconds:g}s; the cluster is "
-                    f"drained and kept. Wait, or delete with --force to cancel them",
+                    f"drained and kept. Wait, or delete with --force --reason WHY to cancel them",
                     type="StepFailed",
                 )
             self._event(DeleteStep.WAIT_JOBS, "waiting", jobs.detail)
@@ -297,7 +297,7 @@ class ClusterDeletionWorkflow:
         except (ActivityError, ApplicationError) as exc:
             if not request.force:
                 raise ApplicationError(
-                    f"{_cause(exc)}; fix it and delete again, or delete with --force to leave the accounts",
+                    f"{_cause(exc)}; fix it and delete again, or delete with --force --reason WHY to leave the accounts",
                     type="StepFailed",
                 ) from None
             self._event(DeleteStep.ACCOUNTS, "left", f"--force: accounts left in the database: {_cause(exc)}")

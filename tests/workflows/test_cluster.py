@@ -282,7 +282,7 @@ async def test_accounts_that_cannot_be_removed_stop_a_deletion_unless_forced(env
     cluster = Cluster(accounts_fail=True)
     status = await delete(env, cluster)
     assert status.outcome == "failed" and status.step == DeleteStep.ACCOUNTS
-    assert "slurmrestd did not answer" in status.error and "--force to leave the accounts" in status.error
+    assert "slurmrestd did not answer" in status.error and "--force --reason WHY to leave the accounts" in status.error
     assert "cluster_tear_down" not in cluster.calls and "cluster_release" not in cluster.calls  # kept whole
     forced = Cluster(accounts_fail=True)
     status = await delete(env, forced, force=True, requested_by="alice", reason="decommissioned")
