@@ -297,7 +297,8 @@ class ClusterDeletionWorkflow:
         except (ActivityError, ApplicationError) as exc:
             if not request.force:
                 raise ApplicationError(
-                    f"{_cause(exc)}; fix it and delete again, or delete with --force --reason WHY to leave the accounts",
+                    f"{_cause(exc)}; fix it and delete again, "
+                    "or delete with --force --reason WHY to leave the accounts",
                     type="StepFailed",
                 ) from None
             self._event(DeleteStep.ACCOUNTS, "left", f"--force: accounts left in the database: {_cause(exc)}")
