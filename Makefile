@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv system-deps slurm-roots test test-fast test-stress lint demo bench bench-scale chaos benchmarks-doc gpu-check clean
+.PHONY: venv system-deps slurm-roots test test-fast test-stress lint demo bench bench-scale chaos benchmarks-doc gpu-check temporal-certs clean
 
 # Where make bench, make chaos and make bench-scale keep their last run's JSON (with its commit,
 # date and machine), and what makes docs/benchmarks.md from them (bench/report.py).
@@ -79,6 +79,11 @@ benchmarks-doc: venv
 # On a machine with NVIDIA GPUs and a driver: the NVML source for 30 s, no false events expected.
 gpu-check: venv
 	$(BIN)/python -m detector.gpu_check --seconds 30
+
+# docker-compose.temporal.yml's certificates (mutual TLS to Temporal): a local CA, the server's
+# and its clients' (scripts/temporal-certs.sh; DIR defaults to ./secrets/temporal-tls).
+temporal-certs:
+	scripts/temporal-certs.sh $(DIR)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

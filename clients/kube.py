@@ -231,11 +231,17 @@ def lease_name(text: str) -> str:
     return f"{head}-{digest}" if head else digest
 
 
+def checked_object_name(name: str, kind: str = "Lease") -> str:
+    """``name`` when it is a valid name for an object of ``kind`` (a DNS-1123 subdomain: Leases,
+    Pods, ServiceAccounts...), else InvalidInput."""
+    if not isinstance(name, str) or len(name) > _LEASE_NAME_MAX or not _DNS1123_SUBDOMAIN.fullmatch(name):
+        raise InvalidInput(f"invalid {kind} name {name!r}: a DNS-1123 subdomain (a-z, 0-9, '-', '.') is needed")
+    return name
+
+
 def checked_lease_name(name: str) -> str:
     """``name`` when it is a valid Lease name (a DNS-1123 subdomain), else InvalidInput."""
-    if not isinstance(name, str) or len(name) > _LEASE_NAME_MAX or not _DNS1123_SUBDOMAIN.fullmatch(name):
-        raise InvalidInput(f"invalid Lease name {name!r}: a DNS-1123 subdomain (a-z, 0-9, '-', '.') is needed")
-    return name
+    return checked_object_name(name, "Lease")
 
 
 def checked_namespace(namespace: str) -> str:
@@ -273,30 +279,36 @@ class _Blank:
 CONNECTIONS = 64
 
 
+def api_client(kubeconfig: Path | None = None) -> k8s.ApiClient:
+    """The official client's ApiClient from ``kubeconfig``, else the in-cluster config, else the
+    default kubeconfig; no urllib3 retries, and a connection per thread that may call at once."""
+    configuration = k8s.Configuration()
+    if kubeconfig is not None:
+        k8s_config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
+    else:
+        try:
+            k8s_config.load_incluster_config(client_configuration=configuration)
+        except k8s_config.ConfigException:
+            k8s_config.load_kube_config(client_configuration=configuration)
+    # Fail fast to the activity's retry policy instead of urllib3's own long retries.
+    configuration.retries = 0
+    # One connection per activity thread that may call at once: urllib3's default (5 per CPU)
+    # made a burst open and discard a connection per request ("Connection pool is full").
+    configuration.connection_pool_maxsize = max(configuration.connection_pool_maxsize or 0, CONNECTIONS)
+    return k8s.ApiClient(configuration)
+
+
 class KubernetesApi:
     """KubeClient over ``kubernetes.client.CoreV1Api``, from a kubeconfig or in-cluster config."""
 
     def __init__(self, *, kubeconfig: Path | None = None, poll_seconds: float = 0.5) -> None:
-        configuration = k8s.Configuration()
-        if kubeconfig is not None:
-            k8s_config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration)
-        else:
-            try:
-                k8s_config.load_incluster_config(client_configuration=configuration)
-            except k8s_config.ConfigException:
-                k8s_config.load_kube_config(client_configuration=configuration)
-        # Fail fast to the activity's retry policy instead of urllib3's own long retries.
-        configuration.retries = 0
-        # One connection per activity thread that may call at once: urllib3's default (5 per CPU)
-        # made a burst open and discard a connection per request ("Connection pool is full").
-        configuration.connection_pool_maxsize = max(configuration.connection_pool_maxsize or 0, CONNECTIONS)
-        api_client = k8s.ApiClient(configuration)
-        self._api = k8s.CoreV1Api(api_client)
-        self._coordination = k8s.CoordinationV1Api(api_client)
-        self._batch = k8s.BatchV1Api(api_client)
-        self._custom = k8s.CustomObjectsApi(api_client)
+        client = api_client(kubeconfig)
+        self._api = k8s.CoreV1Api(client)
+        self._coordination = k8s.CoordinationV1Api(client)
+        self._batch = k8s.BatchV1Api(client)
+        self._custom = k8s.CustomObjectsApi(client)
         self._poll = poll_seconds
-        self.host: str = configuration.host
+        self.host: str = client.configuration.host
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not fn.__name__.startswith(("read_", "list_")):

@@ -20,12 +20,21 @@ For bad days on purpose (chaos runs and tests): ``PUT /_faults`` with
 ``{"status": 500, "count": N, "retry_after": S}`` makes the next N API requests answer that
 status (429 with a Retry-After when given); ``{"count": 0}`` clears it.
 
+Authentication and authorization as gpufleet's services ask a cluster for them (the rules in
+``lab.kubeauth``): TokenRequest (``POST .../serviceaccounts/NAME/token``: HMAC-signed JWTs with a
+real server's claims, bound to a Pod on request; any expiry of a second or more, where a real
+server's minimum is 10 minutes), TokenReview (ServiceAccount tokens, and the static tokens of
+``--token-file FILE`` in kube-apiserver's ``--token-auth-file`` format) and SubjectAccessReview
+(from the RBAC objects stored here; ``aggregationRule`` gathered at each review). Requests to
+this API itself stay unauthenticated. ``--signing-key FILE`` keeps the signing key across restarts.
+
 For RBAC (tests/test_rbac.py): ``--audit-log FILE`` (off by default) appends one JSON line per
 request for a resource, with the verb as Kubernetes RBAC names it (``rbac_verb``), the API group,
 resource, subresource, namespace and name, so that what a client really asks for can be compared
 with what a Role grants.
 
-Run it as ``python -m lab.kubeapi --port N --seed FILE --kubeconfig FILE [--audit-log FILE]``.
+Run it as ``python -m lab.kubeapi --port N --seed FILE --kubeconfig FILE [--audit-log FILE]
+[--token-file FILE] [--signing-key FILE]``.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ import kmock
 from kmock._internal import enums, parsing, rendering
 from kmock._internal.k8s import KubernetesObjectNotFoundError
 
-from lab import crds, kubevalidate, openapi
+from lab import crds, kubeauth, kubevalidate, openapi
 from lab import kubetables as tables
 from lab.patches import APPLY, JSON_PATCH, MERGE, STRATEGIC, PatchError, json_patch, merge_patch, strategic_merge_patch
 from lab.selectors import SelectorError, field_selector, label_selector
@@ -62,6 +71,13 @@ REPLICASETS = kmock.resource("apps", "v1", "replicasets")
 DAEMONSETS = kmock.resource("apps", "v1", "daemonsets")
 SECRETS = kmock.resource("", "v1", "secrets")
 CRDS = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+SERVICEACCOUNTS = kmock.resource("", "v1", "serviceaccounts")
+CLUSTERROLES = kmock.resource("rbac.authorization.k8s.io", "v1", "clusterroles")
+CLUSTERROLEBINDINGS = kmock.resource("rbac.authorization.k8s.io", "v1", "clusterrolebindings")
+ROLES = kmock.resource("rbac.authorization.k8s.io", "v1", "roles")
+ROLEBINDINGS = kmock.resource("rbac.authorization.k8s.io", "v1", "rolebindings")
+TOKENREVIEWS = kmock.resource("authentication.k8s.io", "v1", "tokenreviews")
+SUBJECTACCESSREVIEWS = kmock.resource("authorization.k8s.io", "v1", "subjectaccessreviews")
 VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
 # resource: (kind, short names, namespaced, subresources)
 RESOURCE_INFO: dict[kmock.resource, tuple[str, list[str], bool, list[str]]] = {
@@ -72,7 +88,7 @@ RESOURCE_INFO: dict[kmock.resource, tuple[str, list[str], bool, list[str]]] = {
     # Stored as given, so that `kubectl apply -k deploy/base` and `kubectl get` work on the lab.
     kmock.resource("", "v1", "namespaces"): ("Namespace", ["ns"], False, []),
     kmock.resource("", "v1", "configmaps"): ("ConfigMap", ["cm"], True, []),
-    kmock.resource("", "v1", "serviceaccounts"): ("ServiceAccount", ["sa"], True, []),
+    SERVICEACCOUNTS: ("ServiceAccount", ["sa"], True, ["token"]),
     kmock.resource("", "v1", "services"): ("Service", ["svc"], True, []),
     DEPLOYMENTS: ("Deployment", ["deploy"], True, []),
     REPLICASETS: ("ReplicaSet", ["rs"], True, []),
@@ -80,10 +96,10 @@ RESOURCE_INFO: dict[kmock.resource, tuple[str, list[str], bool, list[str]]] = {
     SECRETS: ("Secret", [], True, []),
     kmock.resource("", "v1", "persistentvolumeclaims"): ("PersistentVolumeClaim", ["pvc"], True, []),
     kmock.resource("batch", "v1", "jobs"): ("Job", [], True, []),
-    kmock.resource("rbac.authorization.k8s.io", "v1", "roles"): ("Role", [], True, []),
-    kmock.resource("rbac.authorization.k8s.io", "v1", "rolebindings"): ("RoleBinding", [], True, []),
-    kmock.resource("rbac.authorization.k8s.io", "v1", "clusterroles"): ("ClusterRole", [], False, []),
-    kmock.resource("rbac.authorization.k8s.io", "v1", "clusterrolebindings"): ("ClusterRoleBinding", [], False, []),
+    ROLES: ("Role", [], True, []),
+    ROLEBINDINGS: ("RoleBinding", [], True, []),
+    CLUSTERROLES: ("ClusterRole", [], False, []),
+    CLUSTERROLEBINDINGS: ("ClusterRoleBinding", [], False, []),
     # Served read-only: the CRDs of slurm-operator's pinned release (lab.crds).
     CRDS: ("CustomResourceDefinition", ["crd", "crds"], False, []),
 }
@@ -221,6 +237,10 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
     _documents: dict[str, dict[str, Any]] = attrs.field(factory=dict, init=False)
     # Where each resource request is recorded (audit_record, one JSON line each); None: nowhere.
     audit_log: Path | None = attrs.field(default=None)
+    # The key ServiceAccount tokens are signed with (kubeauth.signing_key), and the static tokens
+    # (--token-file) by value.
+    signing_key: bytes = attrs.field(factory=lambda: kubeauth.signing_key(None))
+    static_tokens: dict[str, kubeauth.StaticUser] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -248,6 +268,9 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         for entry in payload.get("resources", []):
             if entry["name"] == "pods/eviction":
                 entry.update(kind="Eviction", group="policy", version="v1", verbs=["create"], singularName="")
+            elif entry["name"] == "serviceaccounts/token":
+                entry.update(kind="TokenRequest", group="authentication.k8s.io", version="v1", verbs=["create"])
+                entry.update(singularName="", shortNames=[], categories=[])
             elif entry["name"].endswith("/status"):
                 entry.update(verbs=SUBRESOURCE_VERBS, singularName="", shortNames=[], categories=[])
             elif entry["name"].endswith("/scale"):
@@ -393,6 +416,10 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
                 "UnsupportedMediaType",
                 f"the emulated API reads JSON bodies only, not {request.headers.get('Content-Type', '?')!r}",
             )
+        if request.resource in (TOKENREVIEWS, SUBJECTACCESSREVIEWS) or (
+            request.resource == SERVICEACCOUNTS and request.subresource == "token"
+        ):
+            return self._review(request)
         if request.resource == PODS and request.subresource == "eviction" and request.method == enums.method.POST:
             async with self._write_lock:
                 return await self._evict(request)
@@ -793,6 +820,226 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
         retry_after = data.get("retry_after")
         self._fault_retry_after = int(retry_after) if retry_after is not None else None
         return aiohttp.web.json_response({"pending": self._fault_count, "served": self.faults_served})
+
+    # -- authentication and authorization (lab.kubeauth holds the rules) -----------------------------
+
+    def _review(self, request: rendering.Request) -> aiohttp.web.Response:
+        """TokenRequest, TokenReview and SubjectAccessReview: each a create that stores nothing."""
+        assert request.resource is not None
+        if request.method != enums.method.POST:
+            return _status(405, "MethodNotAllowed", f"{request.resource.plural}: only create (POST) is served")
+        body = request.data if isinstance(request.data, dict) else None
+        if body is None:
+            return _status(400, "BadRequest", "the body must be a JSON object")
+        spec = body.get("spec")
+        if not isinstance(spec, dict):
+            return _status(422, "Invalid", "spec: Required value")
+        if request.resource == TOKENREVIEWS:
+            return self._token_review(spec)
+        if request.resource == SUBJECTACCESSREVIEWS:
+            return self._access_review(spec)
+        return self._token_request(request, spec)
+
+    def _token_request(self, request: rendering.Request, spec: dict[str, Any]) -> aiohttp.web.Response:
+        """POST serviceaccounts/NAME/token: a token of that ServiceAccount for the audiences asked
+        (the API's own when none), bound to a Pod when ``spec.boundObjectRef`` names one. Any
+        positive ``expirationSeconds`` is taken (a real server refuses under 600: tests want less)."""
+        namespace, name = request.namespace or "", request.name or ""
+        account = self._find(SERVICEACCOUNTS, namespace, name)
+        if account is None:
+            return _status(404, "NotFound", f'serviceaccounts "{name}" not found')
+        audiences = spec.get("audiences") or list(kubeauth.API_AUDIENCES)
+        if not isinstance(audiences, list) or not all(isinstance(a, str) and a for a in audiences):
+            return _status(422, "Invalid", "spec.audiences: must be a list of non-empty strings")
+        seconds = spec.get("expirationSeconds", kubeauth.DEFAULT_EXPIRATION)
+        if not isinstance(seconds, int) or isinstance(seconds, bool) or seconds < 1:
+            return _status(422, "Invalid", f"spec.expirationSeconds: Invalid value: {seconds!r}: must be positive")
+        now = int(datetime.datetime.now(datetime.UTC).timestamp())
+        jti = str(uuid.uuid4())
+        private: dict[str, Any] = {
+            "namespace": namespace,
+            "serviceaccount": {"name": name, "uid": account.raw["metadata"]["uid"]},
+        }
+        bound = spec.get("boundObjectRef")
+        if bound:
+            if not isinstance(bound, dict) or bound.get("kind") != "Pod" or not bound.get("name"):
+                return _status(
+                    422,
+                    "Invalid",
+                    "spec.boundObjectRef: the emulated API binds tokens to a Pod only: "
+                    '{"kind": "Pod", "apiVersion": "v1", "name": ..., "uid": ...}',
+                )
+            pod = self._find(PODS, namespace, str(bound["name"]))
+            if pod is None:
+                return _status(404, "NotFound", f'pods "{bound["name"]}" not found')
+            meta, pod_spec = pod.raw["metadata"], pod.raw.get("spec") or {}
+            if bound.get("uid") and bound["uid"] != meta["uid"]:
+                return _status(
+                    409,
+                    "Conflict",
+                    f"the UID in the bound object reference ({bound['uid']}) does not match the UID in record. "
+                    "The object might have been deleted and then recreated",
+                )
+            private["pod"] = {"name": meta["name"], "uid": meta["uid"]}
+            node_name = pod_spec.get("nodeName")
+            if node_name:
+                node = self._find(NODES, None, node_name)
+                private["node"] = {"name": node_name, "uid": node.raw["metadata"]["uid"] if node is not None else ""}
+            bound = {"kind": "Pod", "apiVersion": "v1", "name": meta["name"], "uid": meta["uid"]}
+        claims = {
+            "aud": audiences,
+            "exp": now + seconds,
+            "iat": now,
+            "iss": kubeauth.ISSUER,
+            "jti": jti,
+            "kubernetes.io": private,
+            "nbf": now,
+            "sub": f"{kubeauth.SERVICE_ACCOUNT_PREFIX}{namespace}:{name}",
+        }
+        expires = datetime.datetime.fromtimestamp(now + seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        answer = {
+            "kind": "TokenRequest",
+            "apiVersion": "authentication.k8s.io/v1",
+            "metadata": {"name": name, "namespace": namespace, "creationTimestamp": None},
+            "spec": {"audiences": audiences, "expirationSeconds": seconds, "boundObjectRef": bound or None},
+            "status": {"token": kubeauth.sign(claims, self.signing_key), "expirationTimestamp": expires},
+        }
+        return aiohttp.web.json_response(answer, status=201)
+
+    def _token_review(self, spec: dict[str, Any]) -> aiohttp.web.Response:
+        """POST tokenreviews: who the token is, for the audiences asked (the API's own when none)."""
+        wanted = spec.get("audiences") or list(kubeauth.API_AUDIENCES)
+        if not isinstance(wanted, list) or not all(isinstance(a, str) for a in wanted):
+            return _status(422, "Invalid", "spec.audiences: must be a list of strings")
+        try:
+            status = self._authenticate(str(spec.get("token") or ""), wanted)
+        except kubeauth.TokenInvalid as exc:
+            status = {"authenticated": False, "user": {}, "error": f"[invalid bearer token, {exc}]"}
+        answer = {
+            "kind": "TokenReview",
+            "apiVersion": "authentication.k8s.io/v1",
+            "metadata": {"creationTimestamp": None},
+            "spec": spec,
+            "status": status,
+        }
+        return aiohttp.web.json_response(answer, status=201)
+
+    def _authenticate(self, token: str, wanted: list[str]) -> dict[str, Any]:
+        """A TokenReview's status for an authenticated token; TokenInvalid saying why not."""
+        if not token:
+            raise kubeauth.TokenInvalid("token lookup failed")
+        user = self.static_tokens.get(token)
+        if user is not None:
+            # Audience-agnostic, as kube-apiserver wraps its token file: valid for the API's audiences.
+            audiences = [a for a in wanted if a in kubeauth.API_AUDIENCES]
+            if not audiences:
+                raise kubeauth.TokenInvalid(
+                    f"token audiences {list(kubeauth.API_AUDIENCES)} is invalid for the target audiences {wanted}"
+                )
+            groups = [*user.groups, kubeauth.AUTHENTICATED]
+            return {
+                "authenticated": True,
+                "user": {"username": user.name, "uid": user.uid, "groups": list(dict.fromkeys(groups))},
+                "audiences": audiences,
+            }
+        claims = kubeauth.verify(token, self.signing_key, now=datetime.datetime.now(datetime.UTC).timestamp())
+        have = kubeauth.token_audiences(claims)
+        audiences = [a for a in wanted if a in have]
+        if not audiences:
+            raise kubeauth.TokenInvalid(f"token audiences {have} is invalid for the target audiences {wanted}")
+        private = claims.get("kubernetes.io") or {}
+        namespace = str(private.get("namespace") or "")
+        account = private.get("serviceaccount") or {}
+        if claims.get("sub") != f"{kubeauth.SERVICE_ACCOUNT_PREFIX}{namespace}:{account.get('name')}":
+            raise kubeauth.TokenInvalid("token lookup failed")
+        stored = self._find(SERVICEACCOUNTS, namespace, str(account.get("name")))
+        if stored is None:
+            raise kubeauth.TokenInvalid(f'serviceaccounts "{account.get("name")}" not found')
+        if stored.raw["metadata"]["uid"] != account.get("uid"):
+            uid = stored.raw["metadata"]["uid"]
+            raise kubeauth.TokenInvalid(f"service account UID ({uid}) does not match claim ({account.get('uid')})")
+        extra: dict[str, list[str]] = {kubeauth.CREDENTIAL_ID: [f"JTI={claims.get('jti')}"]}
+        pod_claim = private.get("pod")
+        if pod_claim:
+            pod = self._find(PODS, namespace, str(pod_claim.get("name")))
+            if pod is None:
+                raise kubeauth.TokenInvalid(f'pods "{pod_claim.get("name")}" not found')
+            if pod.raw["metadata"]["uid"] != pod_claim.get("uid"):
+                uid = pod.raw["metadata"]["uid"]
+                raise kubeauth.TokenInvalid(f"pod UID ({uid}) does not match claim ({pod_claim.get('uid')})")
+            extra[kubeauth.POD_NAME] = [str(pod_claim["name"])]
+            extra[kubeauth.POD_UID] = [str(pod_claim["uid"])]
+            node_claim = private.get("node")
+            if node_claim:
+                extra[kubeauth.NODE_NAME] = [str(node_claim.get("name"))]
+                if node_claim.get("uid"):
+                    extra[kubeauth.NODE_UID] = [str(node_claim["uid"])]
+        return {
+            "authenticated": True,
+            "user": {
+                "username": claims["sub"],
+                "uid": str(account.get("uid")),
+                "groups": [
+                    kubeauth.SERVICE_ACCOUNTS,
+                    f"{kubeauth.SERVICE_ACCOUNTS}:{namespace}",
+                    kubeauth.AUTHENTICATED,
+                ],
+                "extra": extra,
+            },
+            "audiences": audiences,
+        }
+
+    def _access_review(self, spec: dict[str, Any]) -> aiohttp.web.Response:
+        """POST subjectaccessreviews: whether the RBAC objects stored here allow the request
+        (kubeauth.authorize); the group ``system:masters`` may do anything, as on a real server."""
+        resource = spec.get("resourceAttributes")
+        non_resource = spec.get("nonResourceAttributes")
+        if bool(resource) == bool(non_resource):
+            return _status(
+                422,
+                "Invalid",
+                "spec: Invalid value: exactly one of nonResourceAttributes or resourceAttributes must be specified",
+            )
+        user, groups = str(spec.get("user") or ""), [str(g) for g in spec.get("groups") or []]
+        if not user and not groups:
+            return _status(422, "Invalid", "spec.user: Invalid value: at least one of user or group must be specified")
+        attributes = resource or non_resource
+        assert isinstance(attributes, dict)
+        request_attrs = kubeauth.Attributes(
+            user=user,
+            groups=tuple(groups),
+            verb=str(attributes.get("verb") or ""),
+            resource_request=bool(resource),
+            group=str(attributes.get("group") or ""),
+            resource=str(attributes.get("resource") or ""),
+            subresource=str(attributes.get("subresource") or ""),
+            name=str(attributes.get("name") or ""),
+            namespace=str(attributes.get("namespace") or ""),
+            path=str(attributes.get("path") or ""),
+        )
+        if "system:masters" in groups:
+            decision = kubeauth.Decision(True, "")
+        else:
+            decision = kubeauth.authorize(
+                request_attrs,
+                cluster_roles=self._live(CLUSTERROLES),
+                cluster_role_bindings=self._live(CLUSTERROLEBINDINGS),
+                roles=lambda ns: self._live(ROLES, ns),
+                role_bindings=lambda ns: self._live(ROLEBINDINGS, ns),
+            )
+        status: dict[str, Any] = {"allowed": decision.allowed}
+        if decision.reason:
+            status["reason"] = decision.reason
+        if decision.errors:
+            status["evaluationError"] = "; ".join(decision.errors)
+        answer = {
+            "kind": "SubjectAccessReview",
+            "apiVersion": "authorization.k8s.io/v1",
+            "metadata": {"creationTimestamp": None},
+            "spec": spec,
+            "status": status,
+        }
+        return aiohttp.web.json_response(answer, status=201)
 
     async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
         if request.resource in RESOURCE_INFO:
@@ -1211,8 +1458,15 @@ async def serve(
     kubeconfig: Path | None,
     ready_file: Path | None,
     audit_log: Path | None = None,
+    token_file: Path | None = None,
+    signing_key: Path | None = None,
 ) -> None:
-    emulator = KubeApiEmulator(audit_log=audit_log)
+    try:
+        static = kubeauth.read_token_file(token_file) if token_file is not None else {}
+        key = kubeauth.signing_key(signing_key)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"python -m lab.kubeapi: {exc}") from None
+    emulator = KubeApiEmulator(audit_log=audit_log, signing_key=key, static_tokens=static)
     if seed is not None:
         data = json.loads(seed.read_text(encoding="utf-8"))
         plurals = {str(res.plural): res for res in RESOURCE_INFO} | {"pdbs": PDBS}
@@ -1249,6 +1503,17 @@ def main() -> None:
         help="append one JSON line per resource request here (verb as RBAC names it, apiGroup, resource, "
         "subresource, namespace, name)",
     )
+    parser.add_argument(
+        "--token-file",
+        type=Path,
+        help='static bearer tokens, as kube-apiserver\'s --token-auth-file: CSV lines token,user,uid,"group1,group2"',
+    )
+    parser.add_argument(
+        "--signing-key",
+        type=Path,
+        help="the key ServiceAccount tokens are signed with (made here when absent), so that they outlive a "
+        "restart; default: a fresh key per start",
+    )
     args = parser.parse_args()
     asyncio.run(
         serve(
@@ -1257,6 +1522,8 @@ def main() -> None:
             kubeconfig=args.kubeconfig,
             ready_file=args.ready_file,
             audit_log=args.audit_log,
+            token_file=args.token_file,
+            signing_key=args.signing_key,
         )
     )
 

@@ -132,9 +132,10 @@ class ClusterDeleteInput(BaseModel):
     spec: ClusterSpec
     backend: str
     creation: str = ""  # the creation whose objects to delete
-    force: bool = False  # cancel running jobs instead of waiting for them
+    force: bool = False  # cancel running jobs instead of waiting for them (only with a reason)
     deadline_seconds: float = Field(default=3600.0, gt=0, le=7 * 86400)
     requested_by: str = ""
+    reason: str = ""  # why; required with force (models/trust.py)
 
 
 class DeleteEvent(BaseModel):

@@ -64,6 +64,8 @@ class PoolState(BaseModel):
     # Nodes whose PodDisruptionBudget kept them serving inference, and until when they are left be.
     kept: dict[str, datetime] = Field(default_factory=dict)
     refusals: dict[str, int] = Field(default_factory=dict)  # budget refusals in a row, per node
+    # Requests the workflow ignored (models/trust.py), the latest, newest last: when and why.
+    refused: list[str] = Field(default_factory=list)
 
 
 class PoolView(BaseModel):

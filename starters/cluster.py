@@ -36,6 +36,7 @@ from models.names import InvalidName, validate_cluster_name
 from models.plugins import CLUSTER_BACKENDS, cli_default, declared, present
 from models.settings import cluster_backend_names
 from models.slinky import SLURM_VERSION, slinky_objects
+from models.trust import deletion_problem
 from starters.cli import _who, console, fail, run_async, say_error, unknown
 from starters.clusterstate import SpecUnknown, creation, current_spec, follow_steps, say_step
 from starters.clusterstate import deleted as _deleted
@@ -380,6 +381,7 @@ def delete(
     force: Annotated[
         bool, typer.Option("--force", help="Cancel running jobs (not requeued: the cluster goes) instead of waiting.")
     ] = False,
+    reason: Annotated[str, typer.Option(help="Why, for the deletion's record; required with --force.")] = "",
     deadline: Annotated[float, typer.Option(help="Seconds to wait for running jobs before giving up.")] = 3600.0,
     wait: Annotated[bool, typer.Option("--wait/--no-wait", help="Follow the steps until it is over.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object at the end.")] = False,
@@ -392,6 +394,9 @@ def delete(
         fail(str(exc), code=2)
     if not math.isfinite(deadline) or deadline < 0:
         fail(f"--deadline {deadline:g}: give a number of seconds, 0 or more", code=2)
+    problem = deletion_problem(force=force, requested_by=_who(), reason=reason)
+    if problem:
+        fail(f"not deleted: {problem}", code=2)
 
     async def go() -> None:
         client = await connect()
@@ -421,6 +426,7 @@ def delete(
             force=force,
             deadline_seconds=deadline,
             requested_by=_who(),
+            reason=reason,
         )
         try:
             handle = await client.start_workflow(

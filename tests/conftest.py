@@ -111,7 +111,7 @@ def slurm_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmLab]:
 class KubeApiProcess:
     """The emulated API server as its own process, reached over HTTP by the official client."""
 
-    def __init__(self, root: Path, seed: dict[str, object]) -> None:
+    def __init__(self, root: Path, seed: dict[str, object], args: tuple[str, ...] = ()) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.seed_file = root / "seed.json"
         self.seed_file.write_text(json.dumps(seed))
@@ -128,6 +128,7 @@ class KubeApiProcess:
                 str(self.kubeconfig),
                 "--ready-file",
                 str(ready),
+                *args,
             ],
             cwd=REPO,
             stdout=subprocess.DEVNULL,

@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
+import ssl
+import stat
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -192,7 +196,8 @@ def test_worker_secrets_are_mounted_not_in_environment() -> None:
     secrets = compose()["secrets"]
     for name in mounts:
         # A file on the host, its path from an environment variable with a default.
-        assert re.fullmatch(r"\$\{[A-Z_]+:-[^}]+\}", secrets[name]["file"]), f"{name}: {secrets[name]}"
+        # (Temporal's certificates: a file of the folder that variable names.)
+        assert re.fullmatch(r"\$\{[A-Z_]+:-[^}]+\}(/[\w.-]+)?", secrets[name]["file"]), f"{name}: {secrets[name]}"
     env = worker["environment"]
     assert env["GPUFLEET_SLURM_CONF"] == mounts["slurm_conf"]
     assert env["GPUFLEET_KUBECONFIG"] == f"/run/secrets/{mounts['kubeconfig']}"
@@ -200,6 +205,8 @@ def test_worker_secrets_are_mounted_not_in_environment() -> None:
     for forbidden in ("GPUFLEET_WEBHOOK_URL", "TEMPORAL_API_KEY", "MUNGE_KEY"):
         assert forbidden not in env
     for name, value in env.items():
+        if name.endswith("_PATH") and str(value).startswith("/run/secrets/"):
+            continue  # where a secret is mounted, not the secret
         assert not re.search(r"KEY|PASSWORD|TOKEN|SECRET", name), f"{name} belongs in a secret"
         assert "BEGIN" not in str(value)
     assert "volumes" not in worker
@@ -208,3 +215,127 @@ def test_worker_secrets_are_mounted_not_in_environment() -> None:
     # Nothing of the secrets goes into the image.
     copied = [rest for keyword, rest in dockerfile_instructions() if keyword in ("COPY", "ADD")]
     assert not [c for c in copied if "secret" in c or "munge" in c or "slurm.conf" in c]
+
+
+# -- Temporal held by gpufleet: mutual TLS, a read-only UI (docs/threat-model.md) -----------------
+
+
+def mounted(name: str) -> dict[str, str]:
+    """A service's secrets: the path each is mounted at, by the secret's name."""
+    return {s["source"]: f"/run/secrets/{s['target']}" for s in service(name)["secrets"]}
+
+
+def test_the_frontend_requires_a_client_certificate_of_the_local_ca() -> None:
+    env = service("temporal")["environment"]
+    paths = mounted("temporal")
+    assert env["TEMPORAL_TLS_REQUIRE_CLIENT_AUTH"] == "true"
+    assert env["TEMPORAL_TLS_CLIENT1_CA_CERT"] == env["TEMPORAL_TLS_SERVER_CA_CERT"] == paths["temporal_ca"]
+    assert env["TEMPORAL_TLS_FRONTEND_CERT"] == env["TEMPORAL_TLS_SERVER_CERT"] == paths["temporal_server_cert"]
+    assert env["TEMPORAL_TLS_FRONTEND_KEY"] == env["TEMPORAL_TLS_SERVER_KEY"] == paths["temporal_server_key"]
+    assert env["TEMPORAL_TLS_FRONTEND_SERVER_NAME"] == "temporal"
+    # Every certificate comes from the script's folder; the CA's key is mounted nowhere.
+    for name, secret in compose()["secrets"].items():
+        if name.startswith("temporal_") and name != "temporal_config":
+            assert secret["file"].startswith("${TEMPORAL_TLS_DIR:-./secrets/temporal-tls}/"), name
+            assert not secret["file"].endswith("ca.key"), name
+
+
+def test_every_client_of_temporal_presents_its_own_certificate() -> None:
+    worker = service("gpufleet-worker")["environment"]
+    paths = mounted("gpufleet-worker")
+    # temporalio's env-config names (temporalio.envconfig).
+    assert worker["TEMPORAL_TLS_CLIENT_CERT_PATH"] == paths["temporal_client_cert"]
+    assert worker["TEMPORAL_TLS_CLIENT_KEY_PATH"] == paths["temporal_client_key"]
+    assert worker["TEMPORAL_TLS_SERVER_CA_CERT_PATH"] == paths["temporal_ca"]
+    assert compose()["secrets"]["temporal_client_cert"]["file"].endswith("/gpufleet.crt")
+    # The setup step: each temporal command goes through the function that adds its certificate.
+    commands = lines(script("temporal-setup"))
+    wrapper = next(i for i, c in enumerate(commands) if c.startswith("temporal() {"))
+    paths = mounted("temporal-setup")
+    flags = commands[wrapper + 1]
+    assert f"--tls-cert-path {paths['temporal_admin_cert']}" in flags
+    assert f"--tls-key-path {paths['temporal_admin_key']}" in flags
+    assert f"--tls-ca-path {paths['temporal_ca']}" in flags
+    assert flags.startswith('command temporal "$$@"')
+    first_call = next(i for i, c in enumerate(commands) if re.search(r"(^|\s)temporal operator", c))
+    assert wrapper < first_call
+
+
+def test_the_ui_is_read_only_and_reaches_temporal_over_tls() -> None:
+    env = service("temporal-ui")["environment"]
+    paths = mounted("temporal-ui")
+    assert env["TEMPORAL_DISABLE_WRITE_ACTIONS"] == "true"
+    assert env["TEMPORAL_TLS_CA"] == paths["temporal_ca"]
+    assert env["TEMPORAL_TLS_CERT"] == paths["temporal_ui_cert"]
+    assert env["TEMPORAL_TLS_KEY"] == paths["temporal_ui_key"]
+    assert env["TEMPORAL_TLS_ENABLE_HOST_VERIFICATION"] == "true" and env["TEMPORAL_TLS_SERVER_NAME"] == "temporal"
+    assert service("temporal-ui")["ports"] == ["127.0.0.1:8233:8080"]
+
+
+def _certificates(directory: Path) -> Path:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not on PATH: scripts/temporal-certs.sh makes the certificates with it")
+    subprocess.run(
+        ["sh", str(ROOT / "scripts" / "temporal-certs.sh"), str(directory)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return directory
+
+
+def _handshake(server: ssl.SSLContext, client: ssl.SSLContext) -> str:
+    """A TLS handshake over a socket pair; '' when both ends accepted it, else the server's error."""
+    left, right = socket.socketpair()
+    error: list[str] = []
+
+    def serve() -> None:
+        try:
+            with server.wrap_socket(left, server_side=True) as tls:
+                tls.sendall(b"ok")
+        except (ssl.SSLError, OSError) as exc:
+            error.append(str(exc))
+            left.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        with client.wrap_socket(right, server_hostname="temporal") as tls:
+            tls.recv(2)
+    except (ssl.SSLError, OSError):
+        pass
+    thread.join(timeout=30)
+    right.close()
+    return error[0] if error else ""
+
+
+def test_the_certificate_script_makes_what_the_frontend_accepts_and_nothing_else(tmp_path: Path) -> None:
+    certs = _certificates(tmp_path / "tls")
+    other = _certificates(tmp_path / "other")  # another CA: another host's certificates
+    assert stat.S_IMODE((certs / "ca.key").stat().st_mode) == 0o600
+    assert stat.S_IMODE(certs.stat().st_mode) == 0o700
+    # Each file the compose file mounts is one the script makes.
+    for name, secret in compose()["secrets"].items():
+        if secret["file"].startswith("${TEMPORAL_TLS_DIR"):
+            assert (certs / secret["file"].rpartition("/")[2]).is_file(), name
+    # The frontend as TEMPORAL_TLS_REQUIRE_CLIENT_AUTH makes it: a client certificate of the CA, required.
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(certs / "server.crt", certs / "server.key")
+    server.load_verify_locations(certs / "ca.crt")
+    server.verify_mode = ssl.CERT_REQUIRED
+
+    def client(directory: Path, name: str | None) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.load_verify_locations(certs / "ca.crt")  # the client checks the server's name too
+        if name:
+            context.load_cert_chain(directory / f"{name}.crt", directory / f"{name}.key")
+        return context
+
+    for name in ("gpufleet", "temporal-ui", "temporal-admin"):
+        assert _handshake(server, client(certs, name)) == "", name
+    assert "certificate" in _handshake(server, client(certs, None)).lower()  # no certificate: refused
+    assert _handshake(server, client(other, "gpufleet")) != ""  # another CA's: refused
+    # The script keeps what exists: a second run changes nothing.
+    before = {p.name: p.read_bytes() for p in certs.iterdir()}
+    _certificates(certs)
+    assert {p.name: p.read_bytes() for p in certs.iterdir()} == before

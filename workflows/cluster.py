@@ -17,7 +17,7 @@ from typing import Any
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
-from workflows.patches import DELETE_STOPS_INCIDENTS
+from workflows.patches import DELETE_STOPS_INCIDENTS, INPUTS_CHECKED
 from workflows.retries import CLUSTER_DELETE_STEP, CLUSTER_HEARTBEAT, CLUSTER_RETRY, CLUSTER_SLOW_STEP, CLUSTER_STEP
 
 with workflow.unsafe.imports_passed_through():
@@ -41,6 +41,7 @@ with workflow.unsafe.imports_passed_through():
         StepEvent,
         StepResult,
     )
+    from models.trust import deletion_problem
 
 # The activity of each step, and of its undo.
 DO = {
@@ -219,6 +220,15 @@ class ClusterDeletionWorkflow:
 
     @workflow.run
     async def run(self, request: ClusterDeleteInput) -> DeletionStatus:
+        # Whoever may start workflows could skip the CLI's checks: refuse before anything changes.
+        problem = deletion_problem(force=request.force, requested_by=request.requested_by, reason=request.reason)
+        if problem and workflow.patched(INPUTS_CHECKED):
+            workflow.logger.warning("deletion of %s refused: %s", request.spec.name, problem)
+            raise ApplicationError(
+                f"deletion of {request.spec.name} refused, nothing changed: {problem}",
+                type="InvalidInput",
+                non_retryable=True,
+            )
         status = self._status = DeletionStatus(
             name=request.spec.name, backend=request.backend, started_at=workflow.now()
         )
@@ -273,7 +283,7 @@ class ClusterDeletionWorkflow:
             if workflow.now() >= deadline:
                 raise ApplicationError(
                     f"{jobs.running} job(s) still running after {request.deadline_seconds:g}s; the cluster is "
-                    f"drained and kept. Wait, or delete with --force to cancel them",
+                    f"drained and kept. Wait, or delete with --force --reason WHY to cancel them",
                     type="StepFailed",
                 )
             self._event(DeleteStep.WAIT_JOBS, "waiting", jobs.detail)
@@ -287,7 +297,8 @@ class ClusterDeletionWorkflow:
         except (ActivityError, ApplicationError) as exc:
             if not request.force:
                 raise ApplicationError(
-                    f"{_cause(exc)}; fix it and delete again, or delete with --force to leave the accounts",
+                    f"{_cause(exc)}; fix it and delete again, "
+                    "or delete with --force --reason WHY to leave the accounts",
                     type="StepFailed",
                 ) from None
             self._event(DeleteStep.ACCOUNTS, "left", f"--force: accounts left in the database: {_cause(exc)}")

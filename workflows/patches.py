@@ -45,3 +45,8 @@ SPARE_CLAIMS_CHECKED = "spare-claims-checked"
 # (each gives back what it holds and requeues what it signalled) and its fleet guard and reaper
 # end; a deletion whose incidents do not stop (their worker is down) stops there, the cluster whole.
 DELETE_STOPS_INCIDENTS = "delete-stops-incidents"
+
+# Inputs from outside gpufleet's services are checked inside the workflows too (models/trust.py):
+# a cluster deletion refuses a force without who and why, or text that is not one printable line,
+# before it changes anything. Deletions that began before it replay as they were.
+INPUTS_CHECKED = "inputs-checked"

@@ -37,6 +37,7 @@ with workflow.unsafe.imports_passed_through():
         Stopped,
     )
     from models.rebalance import Decision, Demand, bounds, decide
+    from models.trust import move_problem
 
 KEEP_MOVES = 20
 MAX_BACKOFF_SECONDS = 6 * 3600.0  # the longest a budget's refusal leaves a node be
@@ -102,9 +103,24 @@ class PoolRebalanceWorkflow:
     def rebalance(self, nodes: int) -> None:
         """Move ``nodes`` now (+ to inference, - to training), cooldown, hysteresis and pause
         aside. It is a one-off: once the cooldown after it ends, demand decides again (set an
-        override with ``set_demand`` to keep a split)."""
+        override with ``set_demand`` to keep a split). A size that is not a whole number of
+        nodes, is 0 or exceeds the pool (models/trust.py) is ignored, logged and noted."""
+        view = self._status.view
+        known = view is not None and view.demand.error == ""
+        problem = move_problem(nodes, total=len(view.training) + len(view.inference) if view and known else None)
+        if problem:
+            self._refuse(problem)
+            return
         self._status.state.manual = nodes
         self._woken = True
+
+    def _refuse(self, problem: str) -> None:
+        """An asked move that fails the checks: logged and noted in the status, nothing else changed."""
+        workflow.logger.warning("rebalance ignored: %s", problem)
+        state = self._status.state
+        state.refused = [*state.refused, f"{workflow.now():%Y-%m-%d %H:%M:%S} rebalance ignored: {problem}"][
+            -KEEP_MOVES:
+        ]
 
     async def _iteration(self) -> None:
         status = self._status
@@ -147,7 +163,11 @@ class PoolRebalanceWorkflow:
         if state.handed_over and await self._settle_handed_over():
             self._woken = True
             return
-        if state.manual:
+        if state.manual and (problem := move_problem(state.manual, total=total)):
+            state.manual = 0  # asked before the look that shows the pool is smaller
+            self._refuse(problem)
+            decision = Decision(inference=inference, move=0, why=f"refused: {problem}")
+        elif state.manual:
             asked, state.manual = state.manual, 0
             low, high = bounds(total, state.settings.limits)
             # As many as asked, in the direction asked, as far as the limits allow.

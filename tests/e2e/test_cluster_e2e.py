@@ -274,7 +274,9 @@ def test_delete_waits_for_a_running_job_or_cancels_it_when_forced(lab: FleetLab,
     assert "1 job(s) still running after 3s" in result["error"]
     assert alive(int((root / "worker.pid").read_text())) and free_nodes(kube(lab)) == 0
     # Forced: the job is cancelled (and said so); everything goes; the nodes are free again.
-    done = gpufleet_cli("cluster", "delete", "research", "--force", "--json", env=lab.env(), timeout=180)
+    done = gpufleet_cli(
+        "cluster", "delete", "research", "--force", "--reason", "test over", "--json", env=lab.env(), timeout=180
+    )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert done.returncode == 0, done.stdout + done.stderr
     assert result["outcome"] == "deleted" and result["cancelled_jobs"] == 1
@@ -303,7 +305,7 @@ def test_kept_on_failure_then_resumed_after_the_fix(lab: FleetLab, tmp_path: Pat
     shown = json.loads(gpufleet_cli("cluster", "show", "kept", "--json", env=lab.env()).stdout)
     events = [(e["step"], e["event"]) for e in shown["timeline"]]
     assert ("smoke_test", "resumed") in events and events.count(("bring_up", "done")) == 1  # not redone
-    done = gpufleet_cli("cluster", "delete", "kept", "--force", env=lab.env(), timeout=180)
+    done = gpufleet_cli("cluster", "delete", "kept", "--force", "--reason", "test over", env=lab.env(), timeout=180)
     assert done.returncode == 0 and free_nodes(kube(lab)) == 4
 
 

@@ -123,7 +123,7 @@ def test_a_cluster_created_in_the_lab_runs_the_same_release(home: Path, tmp_path
         check=True,
     )
     assert re.search(rf"^SLURM_VERSION\s*=\s*{re.escape(RELEASE)}\.\d+$", shown.stdout, re.M), shown.stdout[-500:]
-    gone = gpufleet_cli("cluster", "delete", "tiny", "--force", "--json", env=env, timeout=300)
+    gone = gpufleet_cli("cluster", "delete", "tiny", "--force", "--reason", "test over", "--json", env=env, timeout=300)
     assert gone.returncode == 0, gone.stdout[-2000:] + gone.stderr[-2000:]
     assert not conf.parent.exists()
 

@@ -271,7 +271,7 @@ async def test_jobs_still_running_at_the_deadline_keep_the_cluster_drained(env: 
 
 async def test_force_cancels_the_jobs_and_says_so(env: WorkflowEnvironment) -> None:
     cluster = Cluster(running=[3])
-    status = await delete(env, cluster, force=True)
+    status = await delete(env, cluster, force=True, requested_by="alice", reason="decommissioned")
     assert status.outcome == "deleted" and status.cancelled_jobs == 3
     stop = "cluster_stop_incidents"
     assert cluster.calls == [stop, "cluster_drain", "cluster_cancel_jobs", stop, *TEARDOWN]
@@ -282,10 +282,10 @@ async def test_accounts_that_cannot_be_removed_stop_a_deletion_unless_forced(env
     cluster = Cluster(accounts_fail=True)
     status = await delete(env, cluster)
     assert status.outcome == "failed" and status.step == DeleteStep.ACCOUNTS
-    assert "slurmrestd did not answer" in status.error and "--force to leave the accounts" in status.error
+    assert "slurmrestd did not answer" in status.error and "--force --reason WHY to leave the accounts" in status.error
     assert "cluster_tear_down" not in cluster.calls and "cluster_release" not in cluster.calls  # kept whole
     forced = Cluster(accounts_fail=True)
-    status = await delete(env, forced, force=True)
+    status = await delete(env, forced, force=True, requested_by="alice", reason="decommissioned")
     assert status.outcome == "deleted" and "cluster_release" in forced.calls
     left = [e.detail for e in status.timeline if e.event == "left"]
     assert left == ["--force: accounts left in the database: slurmrestd did not answer"]

@@ -357,10 +357,10 @@ async def test_an_asked_move_stays_within_the_limits_and_says_so(env: WorkflowEn
         handle = await start(env, pool, max_inference=1)
         await handle.signal(PoolRebalanceWorkflow.rebalance, 3)
         await intervals(env, handle, 1)
-        await handle.signal(PoolRebalanceWorkflow.rebalance, -9)
+        await handle.signal(PoolRebalanceWorkflow.rebalance, -4)
         await intervals(env, handle, 1)
         await handle.terminate("test over")
-    # +3 asked, the maximum of one allows +1; then -9 asked, all of one allowed back.
+    # +3 asked, the maximum of one allows +1; then -4 asked, all of one allowed back.
     assert pool.moves == [("gpu1", "inference"), ("gpu1", "training")]
 
 

@@ -54,6 +54,7 @@ with workflow.unsafe.imports_passed_through():
     from models.incident import Approval, CancelRequest, IncidentStatus, NodeInfo, Outcome, RemediationInput, Step
     from models.policy import Action, OwnerDrained
     from models.requests import DrainRequest, NodeFacts, NodeLeaseRequest, WorkerConfig
+    from models.trust import answer_problem
     from models.xid import XidEvent
 
 
@@ -89,6 +90,10 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
         answer that comes when nothing waits, or that was meant for an earlier wait, is dropped:
         a second `approve` must never pass a later gate."""
         status = self._status
+        problem = answer_problem(by=approval.by, reason=approval.reason)
+        if problem:
+            self._refuse("approval" if approval.approved else "rejection", problem)
+            return
         if status.waiting_for_approval is None:
             return
         if approval.wait and approval.wait != status.approval_wait:
@@ -104,7 +109,17 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
         Temporal's cancel): the close says so. One meant for an earlier incident is dropped."""
         if request.incident_id and request.incident_id != self._status.incident_id:
             return
+        problem = answer_problem(by=request.by, reason=request.reason)
+        if problem:
+            self._refuse("cancel request", problem)
+            return
         self._cancel_request = request
+
+    def _refuse(self, what: str, problem: str) -> None:
+        """A signal whose text fails models/trust.py's checks: ignored, logged and noted in the
+        timeline (the text itself is not repeated), nothing else changed."""
+        workflow.logger.warning("%s ignored: %s", what, problem)
+        self._mark(self._status.step, "refused", f"{what} ignored: {problem}")
 
     @workflow.signal(name=GUARD_DECISION_SIGNAL)
     def guard_decision(self, decision: GuardDecision) -> None:

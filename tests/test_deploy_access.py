@@ -1,0 +1,265 @@
+"""Who may do what, as deploy/ renders it (docs/threat-model.md): the users' roles grant exactly
+the gpufleet.io verbs of the table; the intake and the API have their certificates, their
+Services and no more RBAC than their reviews; the detector holds only a token for the intake;
+Temporal's credentials go to the worker, the intake and the API alone; and the overlays' network
+policies let only those reach Temporal's frontend, and the detectors only the intake."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.test_deploy import DEPLOYED, Objects, of_kind, rendered, the
+
+# The gpufleet.io resources and verbs the API authorises (models/auth.py's RESOURCES).
+TABLE = {
+    "incidents": {"get", "list", "create", "approve", "cancel", "update"},
+    "breaker": {"get", "list", "reset", "pause"},
+    "nodes": {"get", "list", "return", "release"},
+    "clusters": {"get", "list", "create", "delete", "update"},
+    "pool": {"get", "list", "rebalance"},
+    "workflows": {"list"},
+}
+OVERLAYS = ["overlays/example", "overlays/slinky"]
+TEMPORAL_SECRET = "gpufleet-temporal-client"
+TEMPORAL_TLS_ENV = {"TEMPORAL_TLS_CLIENT_CERT_PATH", "TEMPORAL_TLS_CLIENT_KEY_PATH", "TEMPORAL_TLS_SERVER_CA_CERT_PATH"}
+
+
+def granted(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
+    """(API group, resource): the verbs a role grants."""
+    verbs: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                verbs.setdefault((group, resource), set()).update(rule["verbs"])
+    return verbs
+
+
+def pod_of(workload: dict[str, Any]) -> dict[str, Any]:
+    pod: dict[str, Any] = workload["spec"]["template"]["spec"]
+    return pod
+
+
+def env_of(workload: dict[str, Any]) -> dict[str, str]:
+    [container] = pod_of(workload)["containers"]
+    return {e["name"]: e.get("value", "") for e in container.get("env", [])}
+
+
+def bound_to(objects: Objects, account: str) -> list[dict[str, Any]]:
+    """The roles bound to a ServiceAccount."""
+    roles = []
+    for binding in of_kind(objects, "RoleBinding") + of_kind(objects, "ClusterRoleBinding"):
+        if any(s["kind"] == "ServiceAccount" and s["name"] == account for s in binding["subjects"]):
+            ref = binding["roleRef"]
+            [role] = [r for r in of_kind(objects, ref["kind"]) if r["metadata"]["name"] == ref["name"]]
+            roles.append(role)
+    return roles
+
+
+@pytest.mark.parametrize("name", DEPLOYED)
+def test_the_users_roles_grant_exactly_the_tables_verbs(name: str) -> None:
+    objects = rendered(name)
+    everything = {("gpufleet.io", resource): verbs for resource, verbs in TABLE.items()}
+    reads = {key: verbs & {"get", "list"} for key, verbs in everything.items()}
+    answers = {**reads, ("gpufleet.io", "incidents"): {"get", "list", "approve", "cancel", "update"}}
+    assert granted(the(objects, "ClusterRole", "gpufleet-viewer")) == reads
+    assert granted(the(objects, "ClusterRole", "gpufleet-approver")) == answers
+    assert granted(the(objects, "ClusterRole", "gpufleet-operator")) == everything
+
+
+def test_the_example_binds_groups_to_the_roles_and_no_service_account() -> None:
+    objects = rendered("overlays/example")
+    bindings = {
+        b["roleRef"]["name"]: b["subjects"]
+        for b in of_kind(objects, "ClusterRoleBinding")
+        if b["roleRef"]["name"].endswith(("viewer", "approver", "operator"))
+    }
+    assert set(bindings) == {"prod-gpufleet-viewer", "prod-gpufleet-approver", "prod-gpufleet-operator"}
+    assert all(s["kind"] == "Group" for subjects in bindings.values() for s in subjects)
+
+
+@pytest.mark.parametrize("name", DEPLOYED)
+@pytest.mark.parametrize(
+    ("service", "port", "container_port", "metrics", "rules"),
+    [
+        (
+            "gpufleet-intake",
+            443,
+            8443,
+            9465,
+            {("authentication.k8s.io", "tokenreviews"): {"create"}, ("", "pods"): {"get"}},
+        ),
+        (
+            "gpufleet-api",
+            7243,
+            7243,
+            9466,
+            {
+                ("authentication.k8s.io", "tokenreviews"): {"create"},
+                ("authorization.k8s.io", "subjectaccessreviews"): {"create"},
+            },
+        ),
+    ],
+)
+def test_the_intake_and_the_api_serve_tls_and_may_only_review(
+    name: str, service: str, port: int, container_port: int, metrics: int, rules: dict[tuple[str, str], set[str]]
+) -> None:
+    objects = rendered(name)
+    deployment = the(objects, "Deployment", service)
+    pod = pod_of(deployment)
+    [container] = pod["containers"]
+    command = service.removeprefix("gpufleet-")
+    assert container["args"] == [command]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    # Scraped as the worker is: the annotations name the metrics port.
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == str(metrics)
+    assert ports["metrics"] == metrics
+    # The Service's port reaches the TLS port.
+    svc = the(objects, "Service", service)
+    [svc_port] = svc["spec"]["ports"]
+    assert svc_port["port"] == port and ports[svc_port["targetPort"]] == container_port
+    assert svc["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    # Its certificate from a Secret, at the paths its settings name.
+    env = env_of(deployment)
+    prefix = "GPUFLEET_INTAKE" if command == "intake" else "GPUFLEET_API"
+    assert env[f"{prefix}_PORT"] == str(container_port) and env[f"{prefix}_METRICS_PORT"] == str(metrics)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert volumes["tls"]["secret"]["secretName"] == f"{service}-tls"
+    assert (
+        env[f"{prefix}_TLS_CERT"] == f"{mounts['tls']}/tls.crt"
+        and env[f"{prefix}_TLS_KEY"] == f"{mounts['tls']}/tls.key"
+    )
+    # Its RBAC: the reviews it makes (and the intake's pods), nothing more.
+    account = pod["serviceAccountName"]
+    roles = bound_to(objects, account)
+    union: dict[tuple[str, str], set[str]] = {}
+    for role in roles:
+        for key, verbs in granted(role).items():
+            union.setdefault(key, set()).update(verbs)
+    assert union == rules
+    for role in roles:
+        if ("", "pods") in granted(role):
+            assert role["kind"] == "Role" and role["metadata"]["namespace"] == "gpufleet"  # its namespace only
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+@pytest.mark.parametrize("name", DEPLOYED)
+def test_the_detector_holds_only_a_token_for_the_intake(name: str) -> None:
+    objects = rendered(name)
+    daemonset = the(objects, "DaemonSet")
+    pod = pod_of(daemonset)
+    [container] = pod["containers"]
+    env = env_of(daemonset)
+    assert not [key for key in env if key.startswith("TEMPORAL_")], "the detector talks to the intake, not Temporal"
+    # Its token: projected, for audience gpufleet, an hour, where GPUFLEET_INTAKE_TOKEN_FILE says.
+    [volume] = [v for v in pod["volumes"] if "projected" in v]
+    sources = volume["projected"]["sources"]
+    [token] = [s["serviceAccountToken"] for s in sources if "serviceAccountToken" in s]
+    assert token == {"audience": "gpufleet", "expirationSeconds": 3600, "path": "token"}
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["mountPath"] == "/var/run/secrets/gpufleet" and mount["readOnly"] is True
+    assert env["GPUFLEET_INTAKE_TOKEN_FILE"] == "/var/run/secrets/gpufleet/token"
+    # The intake's CA from a ConfigMap (never the intake's Secret: a node could read its key).
+    [ca] = [s["configMap"] for s in sources if "configMap" in s]
+    assert env["GPUFLEET_INTAKE_CA_FILE"] == f"{mount['mountPath']}/{ca['items'][0]['path']}"
+    assert not [s for s in sources if "secret" in s]
+    # The URL is this rendering's intake Service, at its port.
+    url = urlsplit(env["GPUFLEET_INTAKE_URL"])
+    svc = the(objects, "Service", "gpufleet-intake")
+    assert url.scheme == "https"
+    assert url.hostname == f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc"
+    assert url.port == svc["spec"]["ports"][0]["port"]
+    # Its own account, with no role bound and no token mounted for the Kubernetes API.
+    account = pod["serviceAccountName"]
+    assert ("ServiceAccount", account) in {(o["kind"], o["metadata"]["name"]) for o in objects}
+    assert bound_to(objects, account) == []
+    assert pod["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("name", DEPLOYED)
+def test_only_the_worker_the_intake_and_the_api_hold_temporal_credentials(name: str) -> None:
+    objects = rendered(name)
+    holders = set()
+    for workload in of_kind(objects, "Deployment") + of_kind(objects, "DaemonSet"):
+        pod = pod_of(workload)
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+        env = env_of(workload)
+        if TEMPORAL_SECRET in secrets.values():
+            holders.add(workload["metadata"]["name"].removeprefix("prod-").removeprefix("slurm-"))
+            [volume] = [v for v, s in secrets.items() if s == TEMPORAL_SECRET]
+            [container] = pod["containers"]
+            [mount] = [m for m in container["volumeMounts"] if m["name"] == volume]
+            assert mount["readOnly"] is True
+            assert env.keys() >= TEMPORAL_TLS_ENV
+            for key in TEMPORAL_TLS_ENV:
+                assert env[key].startswith(mount["mountPath"] + "/"), key
+        else:
+            assert not TEMPORAL_TLS_ENV & env.keys() and "TEMPORAL_API_KEY" not in env
+    assert holders == {"gpufleet-worker", "gpufleet-intake", "gpufleet-api"}
+
+
+def _labels(objects: Objects, kind: str, name: str) -> dict[str, str]:
+    labels: dict[str, str] = the(objects, kind, name)["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_temporals_frontend_is_reachable_from_gpufleets_services_only(name: str) -> None:
+    objects = rendered(name)
+    [policy] = [p for p in of_kind(objects, "NetworkPolicy") if p["metadata"]["namespace"] == "temporal"]
+    spec = policy["spec"]
+    assert (
+        spec["policyTypes"] == ["Ingress"]
+        and spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "frontend"
+    )
+    from_gpufleet, from_temporal = spec["ingress"]
+    assert from_gpufleet["ports"] == [{"port": 7233, "protocol": "TCP"}]
+    [peer] = from_gpufleet["from"]
+    assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "gpufleet"}
+    [expression] = peer["podSelector"]["matchExpressions"]
+    allowed = set(expression["values"])
+    assert expression["key"] == "app.kubernetes.io/name" and expression["operator"] == "In"
+    # Exactly the pods of the three that hold Temporal's credentials; not the detector's.
+    names = {
+        _labels(objects, "Deployment", d)["app.kubernetes.io/name"]
+        for d in ("gpufleet-worker", "gpufleet-intake", "gpufleet-api")
+    }
+    assert allowed == names
+    assert _labels(objects, "DaemonSet", "gpufleet-detector")["app.kubernetes.io/name"] not in allowed
+    assert from_temporal == {"from": [{"podSelector": {}}]}  # Temporal's own pods, its namespace only
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_the_detectors_reach_only_the_intake_and_dns(name: str) -> None:
+    objects = rendered(name)
+    [policy] = [p for p in of_kind(objects, "NetworkPolicy") if p["metadata"]["namespace"] == "gpufleet"]
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"] == _labels(objects, "DaemonSet", "gpufleet-detector")
+    assert spec["policyTypes"] == ["Egress"]
+    to_intake, to_dns = spec["egress"]
+    [peer] = to_intake["to"]
+    assert peer == {"podSelector": {"matchLabels": _labels(objects, "Deployment", "gpufleet-intake")}}
+    intake = the(objects, "Deployment", "gpufleet-intake")
+    [container] = pod_of(intake)["containers"]
+    https = next(p["containerPort"] for p in container["ports"] if p["name"] == "https")
+    assert to_intake["ports"] == [{"port": https, "protocol": "TCP"}]
+    assert {p["port"] for p in to_dns["ports"]} == {53}
+    [dns] = to_dns["to"]
+    assert dns["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kube-system"}
+
+
+@pytest.mark.parametrize("name", DEPLOYED)
+def test_the_holders_of_temporal_credentials_never_run_on_a_gpu_node(name: str) -> None:
+    objects = rendered(name)
+    detector = pod_of(the(objects, "DaemonSet"))
+    [(gpu_label, gpu_value)] = detector["nodeSelector"].items()
+    for deployment in ("gpufleet-worker", "gpufleet-intake", "gpufleet-api"):
+        affinity = pod_of(the(objects, "Deployment", deployment))["affinity"]["nodeAffinity"]
+        [term] = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert term["matchExpressions"] == [{"key": gpu_label, "operator": "NotIn", "values": [gpu_value]}]
