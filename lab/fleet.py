@@ -540,8 +540,10 @@ class FleetLab:
             say(f"intake already running at {services['intake']['url']}")
             return
         certs = certificate(self.home)
-        port = self._port(0, "the intake", say)
-        metrics_port = self._port(0, "the intake's metrics", say)
+        # Back on the port it had (the detectors know that one), unless something else took it.
+        before = services.get("intake", {})
+        port = self._port(int(before.get("port", 0)), "the intake", say)
+        metrics_port = self._port(int(before.get("metrics_port", 0)), "the intake's metrics", say)
         url = f"https://127.0.0.1:{port}"
         env = {
             **self.env(),
@@ -558,6 +560,8 @@ class FleetLab:
         pid = spawn([sys.executable, "-m", "workers.entry", "intake"], log=log, env=env, cwd=REPO_ROOT)
         services["intake"] = {
             "pid": pid,
+            "port": port,
+            "metrics_port": metrics_port,
             "url": url,
             "ca": str(certs.ca),
             "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
