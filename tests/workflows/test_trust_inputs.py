@@ -46,6 +46,10 @@ def test_the_checks_say_what_is_wrong() -> None:
     assert "empty" in (answer_problem(by="", reason="") or "")
     assert "not printable" in (answer_problem(by="ops", reason="a\nb") or "")
     assert "more than" in (answer_problem(by="x" * (MAX_BY + 1), reason="") or "")
+    # The longest ServiceAccount user name the API can stamp: a 63-character namespace, a 253-character name.
+    longest = f"system:serviceaccount:{'n' * 63}:{'a' * 253}"
+    assert answer_problem(by=longest, reason="") is None
+    assert deletion_problem(force=True, requested_by=longest, reason="decommissioned") is None
     assert deletion_problem(force=False, requested_by="", reason="") is None
     assert deletion_problem(force=True, requested_by="alice", reason="decommissioned") is None
     assert "reason" in (deletion_problem(force=True, requested_by="alice", reason=" ") or "")
