@@ -216,7 +216,8 @@ def _describe(subject: dict[str, Any], namespace: str) -> str:
 
 
 def _labels_match(labels: dict[str, str], selector: dict[str, Any]) -> bool:
-    """A label selector's matchLabels and matchExpressions (In, NotIn, Exists, DoesNotExist)."""
+    """A label selector's matchLabels and matchExpressions (In, NotIn, Exists, DoesNotExist); an
+    expression with another operator matches nothing (a real server refuses such a selector)."""
     if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
         return False
     for expression in selector.get("matchExpressions") or []:
@@ -229,14 +230,20 @@ def _labels_match(labels: dict[str, str], selector: dict[str, Any]) -> bool:
             return False
         if operator == "DoesNotExist" and key in labels:
             return False
+        if operator not in ("In", "NotIn", "Exists", "DoesNotExist"):
+            return False
     return True
 
 
 def cluster_role_rules(role: dict[str, Any], cluster_roles: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A ClusterRole's rules; for one with an aggregationRule, the rules of every ClusterRole its
-    selectors match, computed now (a real cluster's controller writes them into the role)."""
-    rules = list(role.get("rules") or [])
-    selectors = (role.get("aggregationRule") or {}).get("clusterRoleSelectors") or []
+    """A ClusterRole's rules; for one with an aggregationRule, the rules of every other ClusterRole
+    its selectors match, computed now, and none of its own: a real cluster's controller writes
+    that union over whatever rules the role was applied with."""
+    aggregation = role.get("aggregationRule")
+    if aggregation is None:
+        return list(role.get("rules") or [])
+    rules: list[dict[str, Any]] = []
+    selectors = aggregation.get("clusterRoleSelectors") or []
     if selectors:
         own = role.get("metadata", {}).get("name")
         for other in cluster_roles:

@@ -7,8 +7,9 @@ as well (pure functions, deterministic), and each returns what is wrong in words
 
 from __future__ import annotations
 
-# Who answered: a Kubernetes user name (a ServiceAccount's is system:serviceaccount:<ns>:<name>).
-MAX_BY = 256
+# Who answered: a Kubernetes user name. A ServiceAccount's, system:serviceaccount:<ns>:<name>,
+# reaches 339 characters (a 63-character namespace, a 253-character name): room for it.
+MAX_BY = 512
 # Why: one line for the incident's record, the owner's message and the notifications.
 MAX_REASON = 1000
 

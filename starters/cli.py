@@ -45,6 +45,7 @@ from models.incident import Approval, CancelRequest, IncidentStatus, Outcome, St
 from models.names import InvalidName, validate_cluster_name, validate_node_name
 from models.requests import QuarantinedNode, ReleaseNodeRequest, ReturnNodeRequest
 from models.settings import CLUSTER_HELP, ClusterNotSet, Settings
+from models.trust import answer_problem
 from models.xid import XidEvent
 from starters.chart import write_chart
 from starters.server import dev_server_argv
@@ -446,8 +447,17 @@ async def _incident(workflow_id: str) -> tuple[Any, IncidentStatus]:
     return handle, status
 
 
+def _answer_checked(by: str, reason: str, *, what: str) -> None:
+    """Exit 2 on text the incident would ignore (models/trust.py): refused here, before it is sent,
+    rather than reported sent and dropped by the workflow."""
+    problem = answer_problem(by=by, reason=reason)
+    if problem:
+        fail(f"not {what}: {problem}", code=2)
+
+
 def _decide(incident: str, cluster: str | None, *, approved: bool, reason: str) -> None:
     workflow_id = _incident_workflow_id(incident, cluster)
+    _answer_checked(_who(), reason, what="approved" if approved else "rejected")
 
     async def go() -> IncidentStatus:
         handle, status = await _incident(workflow_id)
@@ -509,6 +519,7 @@ def incidents_cancel(
     workflow_id = _incident_workflow_id(incident, cluster)
     if not 0 <= wait <= 3600:
         fail(f"--wait must be between 0 and 3600 seconds, not {wait:g}", code=2)
+    _answer_checked(_who(), reason, what="cancelled")
 
     async def go() -> tuple[IncidentStatus, IncidentStatus | None]:
         handle, status = await _incident(workflow_id)

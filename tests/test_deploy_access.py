@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from models.auth import RESOURCES
 from tests.test_deploy import DEPLOYED, Objects, of_kind, rendered, the
 
 # The gpufleet.io resources and verbs the API authorises (models/auth.py's RESOURCES).
@@ -57,6 +58,11 @@ def bound_to(objects: Objects, account: str) -> list[dict[str, Any]]:
             [role] = [r for r in of_kind(objects, ref["kind"]) if r["metadata"]["name"] == ref["name"]]
             roles.append(role)
     return roles
+
+
+def test_the_table_here_is_the_one_the_api_authorises() -> None:
+    # The roles are checked against this copy: it must not drift from models/auth.py's.
+    assert {resource: set(verbs) for resource, verbs in RESOURCES.items()} == TABLE
 
 
 @pytest.mark.parametrize("name", DEPLOYED)

@@ -48,5 +48,7 @@ DELETE_STOPS_INCIDENTS = "delete-stops-incidents"
 
 # Inputs from outside gpufleet's services are checked inside the workflows too (models/trust.py):
 # a cluster deletion refuses a force without who and why, or text that is not one printable line,
-# before it changes anything. Deletions that began before it replay as they were.
+# before it changes anything; an incident ignores an approval, a rejection or a cancel request
+# whose by or reason fails the checks; the pool ignores an asked move of 0 nodes or of more than
+# it has (before, it was cut to the limits). Histories from before it replay as they were.
 INPUTS_CHECKED = "inputs-checked"

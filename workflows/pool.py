@@ -16,6 +16,7 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
+from workflows.patches import INPUTS_CHECKED
 from workflows.retries import POOL_LOOK, POOL_MOVE, POOL_MOVE_HEARTBEAT, POOL_RETRY
 
 with workflow.unsafe.imports_passed_through():
@@ -108,7 +109,7 @@ class PoolRebalanceWorkflow:
         view = self._status.view
         known = view is not None and view.demand.error == ""
         problem = move_problem(nodes, total=len(view.training) + len(view.inference) if view and known else None)
-        if problem:
+        if problem and workflow.patched(INPUTS_CHECKED):  # before the patch: cut to the limits
             self._refuse(problem)
             return
         self._status.state.manual = nodes
@@ -163,7 +164,8 @@ class PoolRebalanceWorkflow:
         if state.handed_over and await self._settle_handed_over():
             self._woken = True
             return
-        if state.manual and (problem := move_problem(state.manual, total=total)):
+        problem = move_problem(state.manual, total=total) if state.manual else None
+        if problem and workflow.patched(INPUTS_CHECKED):
             state.manual = 0  # asked before the look that shows the pool is smaller
             self._refuse(problem)
             decision = Decision(inference=inference, move=0, why=f"refused: {problem}")

@@ -4,6 +4,8 @@ them on the wire, and RBAC objects applied with kubectl deciding."""
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 import shutil
 import subprocess
@@ -208,14 +210,22 @@ rules:
 apiVersion: rbac.authorization.k8s.io/v1
 kind: ClusterRole
 metadata:
-  name: gpufleet-approver
-aggregationRule:
-  clusterRoleSelectors:
-  - matchLabels: {gpufleet.io/aggregate-to-approver: "true"}
+  name: gpufleet-answers
+  labels: {gpufleet.io/aggregate-to-approver: "true"}
 rules:
 - apiGroups: [gpufleet.io]
   resources: [incidents]
   verbs: [approve, cancel, update]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  name: gpufleet-approver
+# Its rules are the union of the roles it selects (a real cluster's controller writes them).
+aggregationRule:
+  clusterRoleSelectors:
+  - matchLabels: {gpufleet.io/aggregate-to-approver: "true"}
+rules: []
 ---
 apiVersion: rbac.authorization.k8s.io/v1
 kind: ClusterRoleBinding
@@ -292,6 +302,59 @@ def test_rules_match_as_the_rbac_authorizer_matches_them() -> None:
     metrics = {"nonResourceURLs": ["/metrics", "/healthz/*"], "verbs": ["get"]}
     assert kubeauth.rule_allows(asks(verb="get", path="/healthz/ping"), metrics)
     assert not kubeauth.rule_allows(asks(verb="get", path="/metricsx"), metrics)
+
+
+def test_an_aggregated_role_has_the_rules_it_selects_and_none_of_its_own() -> None:
+    # A real cluster's controller overwrites an aggregated role's rules with what it selects.
+    viewer = {"metadata": {"name": "viewer", "labels": {"agg": "yes"}}, "rules": [{"verbs": ["get"]}]}
+    wide = {
+        "metadata": {"name": "approver"},
+        "aggregationRule": {"clusterRoleSelectors": [{"matchLabels": {"agg": "yes"}}]},
+        "rules": [{"verbs": ["*"]}],  # written over on a real cluster: grants nothing
+    }
+    assert kubeauth.cluster_role_rules(wide, [viewer, wide]) == [{"verbs": ["get"]}]
+    # A selector with an operator a real server refuses selects nothing.
+    odd = {
+        "metadata": {"name": "odd"},
+        "aggregationRule": {
+            "clusterRoleSelectors": [{"matchExpressions": [{"key": "agg", "operator": "Gt", "values": ["a"]}]}]
+        },
+    }
+    assert kubeauth.cluster_role_rules(odd, [viewer, odd]) == []
+    assert kubeauth.cluster_role_rules(viewer, [viewer, wide]) == [{"verbs": ["get"]}]
+
+
+def _forged(claims: dict[str, Any], header: dict[str, Any], signature: bytes) -> str:
+    def part(data: bytes) -> str:
+        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+    return ".".join((part(json.dumps(header).encode()), part(json.dumps(claims).encode()), part(signature)))
+
+
+def _macd(claims: dict[str, Any], header: dict[str, Any], key: bytes) -> str:
+    """A token under ``header`` with the HS256 MAC of its first two parts under ``key``."""
+    head, body, _ = _forged(claims, header, b"").split(".")
+    mac = hmac.new(key, f"{head}.{body}".encode(), hashlib.sha256).digest()
+    return f"{head}.{body}.{base64.urlsafe_b64encode(mac).rstrip(b'=').decode()}"
+
+
+def test_only_a_token_signed_hs256_with_the_servers_key_verifies() -> None:
+    key, now = b"k" * 32, time.time()
+    claims = {"iss": ISSUER, "sub": "system:serviceaccount:gpufleet:detector", "exp": now + 60, "iat": now, "nbf": now}
+    assert kubeauth.verify(kubeauth.sign(claims, key), key, now=now)["sub"] == claims["sub"]
+    refused = [
+        kubeauth.sign(claims, b"x" * 32),  # another server's key
+        _forged(claims, {"alg": "none", "typ": "JWT"}, b""),  # unsigned
+        _forged(claims, {"alg": "none", "typ": "JWT"}, b"\0" * 32),
+        _macd(claims, {"alg": "HS512", "typ": "JWT"}, key),  # a right HS256 MAC, another alg named
+        kubeauth.sign({**claims, "exp": now}, key),  # expired at now
+        kubeauth.sign({**claims, "nbf": now + 5}, key),  # not yet valid
+        kubeauth.sign({**claims, "iss": "https://elsewhere"}, key),
+        kubeauth.sign({k: v for k, v in claims.items() if k != "exp"}, key),
+    ]
+    for token in refused:
+        with pytest.raises(kubeauth.TokenInvalid):
+            kubeauth.verify(token, key, now=now)
 
 
 def test_the_token_file_reads_as_kube_apiserver_reads_it(tmp_path: Path) -> None:

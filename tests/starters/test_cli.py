@@ -88,6 +88,21 @@ def test_checkpoint_done_refuses_a_job_id_slurm_cannot_have() -> None:
     assert "is not a Slurm job id" in one_line_error(done.stderr)
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["approve", "gpu1", "--reason", "checked\napproved by root"],
+        ["reject", "gpu1", "--reason", "bad\x1b[2J"],
+        ["incidents", "cancel", "gpu1", "--reason", "r" * 1001],
+    ],
+)
+def test_an_answer_the_incident_would_ignore_exits_2_before_it_is_sent(args: list[str]) -> None:
+    # The workflow ignores such text (models/trust.py): saying "approved" and sending it would lie.
+    done = gpufleet_cli(*args, "--cluster", "lab", env=NOWHERE)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert one_line_error(done.stderr).startswith("error: not ")
+
+
 def test_nodes_return_refuses_an_unknown_role() -> None:
     done = gpufleet_cli("nodes", "return", "gpu1", "--as", "inference", env=NOWHERE)
     assert done.returncode == 2

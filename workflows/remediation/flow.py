@@ -27,7 +27,7 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
-from workflows.patches import DRAIN_FIRST
+from workflows.patches import DRAIN_FIRST, INPUTS_CHECKED
 from workflows.remediation.approvals import Approvals
 from workflows.remediation.repair import Repair
 from workflows.remediation.replace import Replacement
@@ -91,7 +91,7 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
         a second `approve` must never pass a later gate."""
         status = self._status
         problem = answer_problem(by=approval.by, reason=approval.reason)
-        if problem:
+        if problem and workflow.patched(INPUTS_CHECKED):  # taken as it came before the patch
             self._refuse("approval" if approval.approved else "rejection", problem)
             return
         if status.waiting_for_approval is None:
@@ -110,7 +110,7 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
         if request.incident_id and request.incident_id != self._status.incident_id:
             return
         problem = answer_problem(by=request.by, reason=request.reason)
-        if problem:
+        if problem and workflow.patched(INPUTS_CHECKED):  # taken as it came before the patch
             self._refuse("cancel request", problem)
             return
         self._cancel_request = request
