@@ -24,6 +24,7 @@ COPY workflows workflows
 COPY workers workers
 COPY starters starters
 COPY detector detector
+COPY gateway gateway
 RUN pip install --no-cache-dir .
 # It runs as UID 10001, numeric so that Kubernetes' runAsNonRoot can check it; the code stays root's.
 # MUNGE: Slurm's commands (slurm-client) ask a munged for their credentials over the socket

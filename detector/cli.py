@@ -15,16 +15,19 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 
 from detector.cursor import CursorFile, Position
 from detector.daemon import Delivery, Detector, KernelLogSource, Source, SourceFailed
 from detector.follow import JournalctlMissing, open_journal, open_source
 from detector.health import HealthServer
+from detector.intake import IntakePoster
 from detector.nvml import NvmlSource
 from detector.spool import Spool
+from models.intake import IntakeSettings
 from models.names import validate_node_name
 from models.policy import PolicyError, PolicyFile
-from models.settings import CLUSTER_HELP, ClusterNotSet, Settings
+from models.settings import CLUSTER_HELP, ClusterNotSet, Settings, settings_error
 from starters.cli import fail
 
 
@@ -83,8 +86,11 @@ def detect(
 ) -> None:
     """Watch the kernel log (and NVML) for Xids and open or join the node's incident in Temporal.
 
-    Events the policy marks OBSERVE are printed only. Anything else goes to Temporal with
-    signal-with-start on remediate-CLUSTER-NODE, through an on-disk spool while Temporal is away.
+    Events the policy marks OBSERVE are printed only. Anything else goes, through an on-disk spool
+    while it is away, to the intake (GPUFLEET_INTAKE_URL, with the token in
+    GPUFLEET_INTAKE_TOKEN_FILE, the intake's CA in GPUFLEET_INTAKE_CA_FILE): production. Without
+    an intake URL (development) it goes to Temporal directly, with signal-with-start on
+    remediate-CLUSTER-NODE.
 
     Whom to believe: /dev/kmsg and --journal yield only records the kernel wrote (kernel facility 0,
     journal transport "kernel"); others are counted and dropped. A plain text file (kern.log) or a
@@ -132,7 +138,24 @@ def detect(
     delivery = None
     if not dry_run:
         folder = spool or settings.home / "spool" / this_node
-        delivery = Delivery(cluster=this_cluster, spool=Spool(folder, max_events=spool_max), dry_run=settings.dry_run)
+        try:
+            intake_settings = IntakeSettings()
+        except ValidationError as exc:
+            fail(settings_error(exc).replace("GPUFLEET_", "GPUFLEET_INTAKE_"), code=2)
+        poster = None
+        if intake_settings.url:  # production: the intake checks this node's token; never Temporal
+            poster = IntakePoster(
+                intake_settings.url, token_file=intake_settings.token_file, ca_file=intake_settings.ca_file
+            )
+            logging.getLogger("gpufleet.detector").info(
+                "events go to the intake at %s (token %s)", intake_settings.url, intake_settings.token_file
+            )
+        delivery = Delivery(
+            cluster=this_cluster,
+            spool=Spool(folder, max_events=spool_max),
+            dry_run=settings.dry_run,
+            intake=poster,
+        )
     detector = Detector(
         node=this_node,
         policy=policy,
@@ -193,5 +216,5 @@ def detect(
     if delivery is not None and len(delivery.spool):
         fail(
             f"{len(delivery.spool)} event(s) still spooled in {delivery.spool.folder} "
-            "(Temporal did not take them; the next start of the detector delivers them)"
+            "(the intake or Temporal did not take them; the next start of the detector delivers them)"
         )

@@ -1,4 +1,4 @@
-"""The detector: sources feed Xid reports, the policy decides, Temporal gets the incidents."""
+"""The detector: sources feed Xid reports, the policy decides, the intake (or Temporal) gets the incidents."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from temporalio.service import RPCError
 
 from detector.cursor import CursorFile, Position
 from detector.follow import JournalCursorRejected, JournalReader, KmsgReader, LineReader, SourceStats
+from detector.intake import IntakePoster, PostFailed
 from detector.parse import KernelLogParser, XidReport, line_time
 from detector.spool import Spool, SpoolFull
 from models.policy import Action, Policy, PolicyFile
@@ -218,19 +219,45 @@ class Folder:
         return True
 
 
-class Delivery:
-    """Signal-with-start into the node's incident, through the spool, in order."""
+# How long a delivery waits after a failure: doubled at each, from the first to the cap.
+FIRST_BACKOFF_SECONDS = 0.5
+TEMPORAL_BACKOFF_CAP_SECONDS = 30.0
+# Short, so that a backlog drains within seconds of the intake coming back.
+INTAKE_BACKOFF_CAP_SECONDS = 10.0
+RETRY_AFTER_CAP_SECONDS = 60.0
 
-    def __init__(self, *, cluster: str, spool: Spool, connect_timeout: float = 5.0, dry_run: bool = False) -> None:
+
+class Delivery:
+    """Each spooled event, in order, to the node's incident: posted to the intake (``intake``), else
+    signal-with-start into Temporal directly (development, without an intake).
+
+    Whatever fails keeps the event spooled and retried with backoff, the intake's Retry-After
+    honoured; a refusal of the node's token (401, 403) is said as an error, and the events are
+    kept for when the token is fixed.
+    """
+
+    def __init__(
+        self,
+        *,
+        cluster: str,
+        spool: Spool,
+        connect_timeout: float = 5.0,
+        dry_run: bool = False,
+        intake: IntakePoster | None = None,
+    ) -> None:
         self.cluster = cluster
         # Incidents opened as dry runs (GPUFLEET_DRY_RUN): recorded in Temporal, nothing changed.
         self.dry_run = dry_run
         self.spool = spool
+        self.intake = intake
         self._client: Client | None = None
         self._connect_timeout = connect_timeout
         self._retry_at = 0.0
-        self._backoff = 0.5
+        self._backoff = FIRST_BACKOFF_SECONDS
+        self._cap = INTAKE_BACKOFF_CAP_SECONDS if intake is not None else TEMPORAL_BACKOFF_CAP_SECONDS
         self.delivered = 0
+        # Why the intake refuses this node's events (401, 403), until it takes one again.
+        self.refused: str | None = None
 
     def put(self, event: XidEvent) -> None:
         self.spool.put(event)
@@ -249,26 +276,69 @@ class Delivery:
             if time.monotonic() > until:
                 break
             try:
-                if self._client is None:
-                    self._client = await connect(timeout_seconds=self._connect_timeout)
-                handle = await report_xid(self._client, event, cluster=self.cluster, dry_run=self.dry_run)
-            except (TemporalUnreachable, RPCError, RuntimeError, OSError) as exc:
-                self._client = None if isinstance(exc, TemporalUnreachable) else self._client
-                log.warning(
-                    "Temporal unreachable (%s); %d event(s) spooled, retrying in %.1fs",
-                    exc,
-                    len(self.spool),
-                    self._backoff,
-                )
-                self._retry_at = time.monotonic() + self._backoff
-                self._backoff = min(self._backoff * 2, 30.0)
+                incident = await self._send(event)
+            except PostFailed as exc:
+                self._failed(event, exc)
                 return sent
             self.spool.done(path)
-            self._backoff = 0.5
+            self._backoff = FIRST_BACKOFF_SECONDS
+            self.refused = None
             sent += 1
             self.delivered += 1
-            log.info("%s on %s -> incident %s", event.label, event.node, handle.id)
+            log.info("%s on %s -> incident %s", event.label, event.node, incident)
         return sent
+
+    async def _send(self, event: XidEvent) -> str:
+        """The incident ``event`` opened or joined; PostFailed when it was not taken."""
+        if self.intake is not None:
+            return await self.intake.post(event, cluster=self.cluster, dry_run=self.dry_run)
+        try:
+            if self._client is None:
+                self._client = await connect(timeout_seconds=self._connect_timeout)
+            handle = await report_xid(self._client, event, cluster=self.cluster, dry_run=self.dry_run)
+        except (TemporalUnreachable, RPCError, RuntimeError, OSError) as exc:
+            self._client = None if isinstance(exc, TemporalUnreachable) else self._client
+            raise PostFailed(f"Temporal unreachable ({exc})") from None
+        return str(handle.id)
+
+    def _failed(self, event: XidEvent, exc: PostFailed) -> None:
+        """Keep the event; say why, and when the next try is."""
+        if exc.retry_after is not None:  # the intake said when (429, 503): that, not our own backoff
+            wait = min(max(exc.retry_after, FIRST_BACKOFF_SECONDS), RETRY_AFTER_CAP_SECONDS)
+        else:
+            wait = self._backoff
+            self._backoff = min(self._backoff * 2, self._cap)
+        self._retry_at = time.monotonic() + wait
+        kept = len(self.spool)
+        if exc.refused:
+            self.refused = str(exc)
+            log.error(
+                "%s: the intake refuses the events of node %s. Its token (%s) must be the projected "
+                "ServiceAccount token of this detector's pod, on node %s, with audience gpufleet: check the "
+                "DaemonSet's token volume and the intake's TokenReview permission. %d event(s) kept spooled; "
+                "retrying in %.1fs",
+                exc,
+                event.node,
+                self.intake.token_file if self.intake is not None else "?",
+                event.node,
+                kept,
+                wait,
+            )
+        elif exc.status == 400:
+            log.error(
+                "%s: the intake cannot read the event (a detector and an intake of different versions?); "
+                "%d event(s) kept spooled, retrying in %.1fs",
+                exc,
+                kept,
+                wait,
+            )
+        else:
+            log.warning("%s; %d event(s) spooled, retrying in %.1fs", exc, kept, wait)
+
+    async def close(self) -> None:
+        """Close the connection to the intake (made again at the next post)."""
+        if self.intake is not None:
+            await self.intake.close()
 
 
 class Detector:
@@ -318,6 +388,9 @@ class Detector:
                 return False, str(SourceFailed(thread.source.name, thread.error))
             # A source that ended without an error had nothing to follow (NVML without a driver):
             # the others carry on, and a restart would not bring it back.
+        if self.delivery is not None and self.delivery.refused:
+            # Still live (a restart would not fix a token), but said: the events stay spooled.
+            return True, f"listening, but the intake refuses this node's events: {self.delivery.refused}"
         return True, "ok"
 
     def handle(self, report: XidReport, source: str) -> XidEvent | None:
@@ -420,8 +493,10 @@ class Detector:
         finally:
             stop.set()
             await self._wind_down()
-        if once and self.delivery is not None and len(self.delivery.spool):
-            await self.delivery.flush()
+        if self.delivery is not None:
+            if once and len(self.delivery.spool):
+                await self.delivery.flush()
+            await self.delivery.close()
 
     def _raise_if_a_source_failed(self) -> None:
         for thread in self._threads:

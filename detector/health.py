@@ -47,7 +47,7 @@ def render_metrics(detector: Detector) -> str:
         *_family(
             "gpufleet_detector_spool_depth",
             "gauge",
-            "Events waiting in the spool for Temporal.",
+            "Events waiting in the spool for the intake (or Temporal).",
             [({}, len(delivery.spool) if delivery is not None else 0)],
         ),
         *_family(
@@ -65,8 +65,14 @@ def render_metrics(detector: Detector) -> str:
         *_family(
             "gpufleet_detector_delivered_total",
             "counter",
-            "Events delivered to Temporal.",
+            "Events delivered to the intake (or Temporal).",
             [({}, delivery.delivered if delivery is not None else 0)],
+        ),
+        *_family(
+            "gpufleet_detector_intake_refused",
+            "gauge",
+            "1 while the intake refuses this node's token (401, 403): events stay spooled until it is fixed.",
+            [({}, 1 if delivery is not None and delivery.refused else 0)],
         ),
         *_family(
             "gpufleet_detector_source_errors_total",

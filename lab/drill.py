@@ -237,6 +237,7 @@ async def run_drill(
     say: Say = lambda _: None,
     on_status: OnStatus | None = None,
     require_running: bool = True,
+    detect_timeout: float = 30,
 ) -> dict[str, Any]:
     """Run one drill against a running lab; returns the result as a JSON-ready dict.
 
@@ -246,6 +247,8 @@ async def run_drill(
         on_status: called with each status seen while the incident runs (chaos scenarios act
             there: kill a worker at a step, approve an incident waiting for approval).
         require_running: refuse unless every lab process runs (a chaos run stops some on purpose).
+        detect_timeout: how long the detector may take to open the incident (longer while a chaos
+            run keeps the intake away).
     """
     if require_running and not lab.running():
         raise LabError("the lab is not running: start it with `gpufleet lab up`")
@@ -296,7 +299,7 @@ async def run_drill(
     detected = datetime.now(UTC)
     lab.inject_xid(target, xid, effect)
     handle = client.get_workflow_handle(remediation_workflow_id(lab.config.cluster, target))
-    description = await _new_run(handle, since=detected, timeout=30)
+    description = await _new_run(handle, since=detected, timeout=detect_timeout)
     status = await _follow(handle, timeout=timeout, say=say, on_status=on_status)
 
     after = slurm.job(job.job_id)

@@ -21,6 +21,7 @@ from typing import Any
 from lab.cluster import stop_all
 from lab.dynamic import DynamicSlurmLab
 from lab.faults import FAULTS_ENV, Effect, GpuFaults
+from lab.intake import certificate, detector_seed, healthy, write_tokens
 from lab.kubeapi import inference_workloads, lab_workloads, merge_seeds, node_object, training_node
 from lab.procs import alive, free_port, port_in_use, spawn, stop, wait_for
 from lab.prometheus import prometheus_installed, start_prometheus
@@ -329,6 +330,8 @@ class FleetLab:
         if self.slinky:
             self._start_slinky(state, services, say, settle=not keep_slurm)
 
+        self._start_intake(state, services, say)
+
         started: list[Path] = []
         for node in self.all_nodes:
             name = f"detector-{node}"
@@ -338,11 +341,11 @@ class FleetLab:
             self.kmsg_file(node).touch()
             self.detector_ready_file(node).unlink(missing_ok=True)
             argv = self.detector_argv(node)
-            services[name] = {"pid": spawn(argv, log=logs / f"{name}.log", env=self.env(), cwd=REPO_ROOT)}
+            services[name] = {"pid": spawn(argv, log=logs / f"{name}.log", env=self.detector_env(node), cwd=REPO_ROOT)}
             self._save({**state, "services": services})
             started.append(self.detector_ready_file(node))
         wait_for(lambda: all(ready.exists() for ready in started), timeout=60, what="the detectors")
-        say(f"a detector per node, each following its kernel log in {self.home / 'kmsg'}")
+        say(f"a detector per node, each following its kernel log in {self.home / 'kmsg'} and posting to the intake")
 
         if running("worker"):
             say("worker already running")
@@ -515,6 +518,69 @@ class FleetLab:
             encoding="utf-8",
         )
 
+    def detector_env(self, node: str) -> dict[str, str]:
+        """The node's detector's environment: the lab's, and the intake with the node's own token."""
+        env = self.env()
+        intake = self._load().get("services", {}).get("intake")
+        if intake is not None:
+            env["GPUFLEET_INTAKE_URL"] = intake["url"]
+            env["GPUFLEET_INTAKE_CA_FILE"] = intake["ca"]
+            env["GPUFLEET_INTAKE_TOKEN_FILE"] = str(self.token_folder / node)
+        return env
+
+    @property
+    def token_folder(self) -> Path:
+        """Each node's detector token (the kubelet's projected token, in a real cluster)."""
+        return self.home / "tokens"
+
+    def _start_intake(self, state: dict[str, Any], services: dict[str, Any], say: Say) -> None:
+        """The intake between the detectors and Temporal, and each node's token for it (renewed)."""
+        write_tokens(Path(services["kubeapi"]["kubeconfig"]), self.token_folder, self.all_nodes)
+        if "intake" in services and alive(services["intake"]["pid"]):
+            say(f"intake already running at {services['intake']['url']}")
+            return
+        certs = certificate(self.home)
+        # Back on the port it had (the detectors know that one), unless something else took it.
+        before = services.get("intake", {})
+        port = self._port(int(before.get("port", 0)), "the intake", say)
+        metrics_port = self._port(int(before.get("metrics_port", 0)), "the intake's metrics", say)
+        url = f"https://127.0.0.1:{port}"
+        env = {
+            **self.env(),
+            "GPUFLEET_INTAKE_PORT": str(port),
+            "GPUFLEET_INTAKE_BIND": "127.0.0.1",
+            "GPUFLEET_INTAKE_METRICS_PORT": str(metrics_port),
+            "GPUFLEET_INTAKE_TLS_CERT": str(certs.cert),
+            "GPUFLEET_INTAKE_TLS_KEY": str(certs.key),
+            # The lab's drills fire bursts of Xids at a node: room for them, a limit all the same.
+            "GPUFLEET_INTAKE_RATE": "600",
+            "GPUFLEET_INTAKE_BURST": "200",
+        }
+        log = self.home / "logs" / "intake.log"
+        pid = spawn([sys.executable, "-m", "workers.entry", "intake"], log=log, env=env, cwd=REPO_ROOT)
+        services["intake"] = {
+            "pid": pid,
+            "port": port,
+            "metrics_port": metrics_port,
+            "url": url,
+            "ca": str(certs.ca),
+            "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+        }
+        self._save({**state, "services": services})
+
+        def answers() -> bool:
+            if not alive(pid):
+                raise LabError(f"the intake exited at once; see {log}")
+            return healthy(url, certs.ca)
+
+        try:
+            wait_for(answers, timeout=60, what=f"the intake (its log: {log})")
+        except TimeoutError:
+            if not alive(pid):
+                raise LabError(f"the intake exited at once; see {log}") from None
+            raise
+        say(f"intake on {url} (CA {certs.ca}): the detectors post there, each with its pod's token")
+
     def detector_argv(self, node: str) -> list[str]:
         """The node's detector, following its kernel log, its cursor in ``$GPUFLEET_HOME/detector/NODE``."""
         return [
@@ -593,7 +659,8 @@ class FleetLab:
         workloads = lab_workloads(
             self.config.training, every, name="checkpoint-sync", namespace="training", image="busybox"
         )
-        return {"nodes": nodes, **merge_seeds(workloads, inference_workloads(len(self.config.inference)))}
+        merged = merge_seeds(workloads, inference_workloads(len(self.config.inference)), detector_seed(self.all_nodes))
+        return {"nodes": nodes, **merged}
 
     # -- down -------------------------------------------------------------------------------------
 
@@ -607,6 +674,7 @@ class FleetLab:
             say("stopping the detectors")
             stop(detectors)
         for name in (
+            "intake",
             "worker",
             "slurmrestd",
             "operator",

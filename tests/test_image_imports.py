@@ -94,7 +94,16 @@ def gpufleet(image: Path, *args: str, env: dict[str, str] | None = None) -> subp
 
 def test_the_dockerfile_copies_every_production_room_and_neither_lab_nor_bench() -> None:
     packages = copied_packages()
-    assert set(packages) == {"models", "clients", "activities", "workflows", "workers", "starters", "detector"}
+    assert set(packages) == {
+        "models",
+        "clients",
+        "activities",
+        "workflows",
+        "workers",
+        "starters",
+        "detector",
+        "gateway",
+    }
     assert not set(packages) & set(ABSENT)
 
 

@@ -93,6 +93,78 @@ def worker() -> None:
         pass
 
 
+@app.command()
+def intake() -> None:
+    """Run the intake of one cluster: detectors post their events here over HTTPS (SIGTERM stops it).
+
+    Each event's bearer token (the detector pod's ServiceAccount token, audience gpufleet) is
+    checked with a TokenReview, and the event accepted only for the node the token speaks for and
+    for GPUFLEET_CLUSTER, at most GPUFLEET_INTAKE_RATE a minute per node. Settings:
+    GPUFLEET_INTAKE_PORT (8443), GPUFLEET_INTAKE_TLS_CERT and _KEY (PEM files, required),
+    GPUFLEET_INTAKE_METRICS_PORT (9465, plain HTTP GET /metrics), GPUFLEET_INTAKE_RATE (30) and
+    _BURST (60); the Kubernetes API from GPUFLEET_KUBECONFIG, else the pod's service account;
+    Temporal's address and credentials from Temporal's env-config (TEMPORAL_ADDRESS, profiles).
+    """
+    import asyncio
+    import signal
+
+    from clients.kubeauth import KubeAuth
+    from gateway.intake import Intake, IntakeTlsError, serve, server_tls
+    from models.intake import IntakeSettings
+    from workers.metrics import prometheus_runtime
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    settings = Settings()
+    try:
+        intake_settings = IntakeSettings()
+    except ValidationError as exc:
+        fail(settings_error(exc).replace("GPUFLEET_", "GPUFLEET_INTAKE_"), code=2)
+    if not settings.cluster:
+        fail("GPUFLEET_CLUSTER is not set: name the cluster whose detectors post to this intake", code=2)
+    try:
+        tls = server_tls(intake_settings.tls_cert, intake_settings.tls_key)
+    except IntakeTlsError as exc:
+        fail(str(exc), code=2)
+    try:
+        kube = KubeAuth(kubeconfig=settings.kubeconfig)
+    except Exception as exc:  # the kubernetes client's loaders raise their own types
+        fail(f"Kubernetes API (GPUFLEET_KUBECONFIG, else the pod's service account): {exc}", code=2)
+    meter = None
+    if intake_settings.metrics_port:
+        host = intake_settings.bind if ":" not in intake_settings.bind else f"[{intake_settings.bind}]"
+        address = f"{host}:{intake_settings.metrics_port}"
+        try:
+            runtime = prometheus_runtime(address)
+        except ValueError as exc:
+            fail(f"GPUFLEET_INTAKE_METRICS_PORT {intake_settings.metrics_port}: {exc}", code=2)
+        from temporalio.runtime import Runtime
+
+        Runtime.set_default(runtime)  # before the client connects: its metrics are served there too
+        meter = runtime.metric_meter
+        logging.getLogger("gpufleet.intake").info("metrics on http://%s/metrics", address)
+    service = Intake(
+        cluster=settings.cluster,
+        kube=kube,
+        connect_temporal=connect,
+        settings=intake_settings,
+        meter=meter,
+        dry_run=settings.dry_run,
+    )
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await serve(service, intake_settings, tls, stop)
+
+    try:
+        run_async(go())
+    except OSError as exc:
+        fail(f"GPUFLEET_INTAKE_PORT {intake_settings.port} on {intake_settings.bind}: {exc.strerror or exc}")
+
+
 def _left_out(name: str, exc: ModuleNotFoundError) -> None:
     print(
         f"warning: `gpufleet {name}` is left out: it needs the Python module {exc.name!r}, which is not "

@@ -268,7 +268,7 @@ async def detector_cursor_lost(ctx: Context) -> dict[str, Any]:
         os.replace(kmsg, away)
         ready = lab.detector_ready_file(node)
         ready.unlink(missing_ok=True)
-        pid = spawn(lab.detector_argv(node), log=log, env={**lab.env(), **env}, cwd=REPO_ROOT)
+        pid = spawn(lab.detector_argv(node), log=log, env={**lab.detector_env(node), **env}, cwd=REPO_ROOT)
         state = lab.state()
         state["services"][name]["pid"] = pid
         lab._save(state)

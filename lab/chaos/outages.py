@@ -55,6 +55,7 @@ STEP_ORDER = [
 OPERATOR_REASON = "operator: reseating the NVLink bridge"
 WORKER_RESTART_DELAY = 2.0
 SLURMCTLD_STOP = 30.0
+INTAKE_DOWN = 30.0
 
 
 @dataclass
@@ -65,6 +66,8 @@ class Context:
     say: Say
     fired: list[str] = field(default_factory=list)
     extra_workers: list[int] = field(default_factory=list)
+    # A fault's part that runs on beside the incident (a service brought back later), awaited after it.
+    pending: list[asyncio.Task[None]] = field(default_factory=list)
 
 
 @dataclass
@@ -89,6 +92,8 @@ class Scenario:
     # Added delay allowed against the baseline (None: only correctness is checked).
     delay_budget_s: float | None = None
     drained_budget_s: float | None = None
+    # How long the detector may take to open the incident after the Xid.
+    detect_timeout_s: float = 30.0
 
 
 def _pid(lab: FleetLab, service: str) -> int:
@@ -117,6 +122,38 @@ async def kill_temporal(ctx: Context) -> None:
     await asyncio.sleep(WORKER_RESTART_DELAY)
     await asyncio.to_thread(ctx.lab.up, _slurm_news(ctx), keep_slurm=True)
     ctx.fired.append("Temporal dev server restarted on the same port and database")
+
+
+async def intake_down(ctx: Context, node: str) -> None:
+    """The intake killed just before the Xid, back ``INTAKE_DOWN`` seconds later on its port: the
+    detector keeps the event in its spool meanwhile, and the incident opens once it is back."""
+    pid = _pid(ctx.lab, "intake")
+    os.kill(pid, signal.SIGKILL)
+    await asyncio.to_thread(wait_for, lambda: not alive(pid), timeout=30, what="the intake to die")
+    ctx.fired.append(f"intake {pid} SIGKILLed for {INTAKE_DOWN:.0f}s")
+
+    async def back() -> None:
+        await asyncio.sleep(INTAKE_DOWN)
+        await asyncio.to_thread(ctx.lab.up, _slurm_news(ctx), keep_slurm=True)
+        ctx.fired.append(f"intake restarted as {_pid(ctx.lab, 'intake')}")
+
+    ctx.pending.append(asyncio.create_task(back()))
+
+
+async def intake_back(ctx: Context) -> None:
+    """Wait for what ``intake_down`` left running (the intake brought back)."""
+    while ctx.pending:
+        await ctx.pending.pop()
+
+
+async def spooled_while_intake_down(ctx: Context, drill: dict[str, Any]) -> list[str]:
+    """The detector must have kept the event while the intake was away, not have lost it."""
+    node = str(drill.get("node"))
+    log = ctx.lab.home / "logs" / f"detector-{node}.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    if "did not answer" not in text:
+        return [f"{log} never says the intake did not answer: was the event sent while it was down?"]
+    return []
 
 
 async def stop_slurmctld(ctx: Context) -> None:

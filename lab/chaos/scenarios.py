@@ -26,16 +26,20 @@ from lab.chaos.fleet import (
 )
 from lab.chaos.leftovers import CONFIGMAP_BAD, configmap_kept_last_good, configmap_nan, configmap_restored
 from lab.chaos.outages import (
+    INTAKE_DOWN,
     KILL_STEPS,
     STEP_ORDER,
     Context,
     Scenario,
+    intake_back,
+    intake_down,
     kill_temporal,
     kill_worker,
     kube_faults,
     operator_drains,
     pdb_blocks,
     pdb_cleanup,
+    spooled_while_intake_down,
     stop_slurmctld,
     webhook_back,
     webhook_continues,
@@ -72,6 +76,14 @@ def scenarios(*, short: bool) -> list[Scenario]:
         *kills,
         Scenario(name="temporal_killed_and_restarted", fault=kill_temporal, at=Step.CHECKPOINT, effect=Effect.NONE),
         Scenario(name="slurmctld_stopped_30s", fault=stop_slurmctld, at=Step.CHECKPOINT, effect=Effect.NONE),
+        # The Xid posted while the intake is down: the detector's spool keeps it, nothing is lost.
+        Scenario(
+            name="intake_down_30s",
+            before=intake_down,
+            after=intake_back,
+            verify=spooled_while_intake_down,
+            detect_timeout_s=INTAKE_DOWN + 30,  # its outage, then the detector's backoff (10 s at most)
+        ),
         Scenario(name="kubernetes_500_burst", fault=kube_faults(500, 12), at=Step.APPROVE),
         Scenario(name="kubernetes_429_burst", fault=kube_faults(429, 12, retry_after=1), at=Step.APPROVE),
         Scenario(name="pdb_blocks_eviction", before=pdb_blocks, after=pdb_cleanup),
@@ -177,6 +189,7 @@ async def run_scenario(ctx: Context, scenario: Scenario, baseline: dict[str, Any
             say=say,
             on_status=on_status,
             require_running=False,
+            detect_timeout=scenario.detect_timeout_s,
         )
         if scenario.verify is not None:
             verified = await scenario.verify(ctx, drill)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import subprocess
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from temporalio.client import Client
 
@@ -113,6 +115,14 @@ def test_drill_recovers_the_ddp_job(lab: tuple[FleetLab, list[str]]) -> None:
     assert "Temporal UI" in done.stdout and "drain_slurm" in done.stdout
     # The Xid went through gpu1's detector: its kernel log holds the driver line.
     assert "NVRM: Xid (PCI:0000:3b:00): 79" in fleet.kmsg_file("gpu1").read_text()
+    # And through the intake, with gpu1's pod-bound token: never from the detector to Temporal.
+    intake = fleet.state()["services"]["intake"]
+    metrics = httpx.get(intake["metrics"], timeout=10).text
+    assert re.search(r'^gpufleet_intake_events_total\{result="accepted"[^}]*\} [1-9]', metrics, re.M), metrics
+    assert (
+        " on gpu1 (system:serviceaccount:gpufleet:gpufleet-detector) -> incident remediate-lab-gpu1"
+        in (fleet.home / "logs" / "intake.log").read_text()
+    )
 
 
 def test_a_drill_without_a_free_spare_says_so_and_injects_nothing(lab: tuple[FleetLab, list[str]]) -> None:

@@ -1,0 +1,1 @@
+"""The gpufleet services that stand between people or detectors and Temporal."""

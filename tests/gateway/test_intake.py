@@ -1,0 +1,175 @@
+"""The intake between a real emulated Kubernetes API (TokenRequest, TokenReview) and a real Temporal:
+a detector speaks only for its own node, its own cluster, at its own rate."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError, RPCStatusCode
+
+from clients.kubeauth import Unauthenticated
+from gateway.intake import TokenBuckets
+from lab.procs import wait_for
+from models.xid import XidEvent
+from tests.conftest import gpufleet_cli
+from tests.gateway.world import World, start_world
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    started = start_world(tmp_path_factory.mktemp("intake"), rate=6, burst=3)
+    yield started
+    started.stop()
+
+
+def post(world: World, body: Any, token: str | None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    return httpx.post(
+        f"{world.intake.url}/v1/events", json=body, headers=headers, verify=world.intake.tls(), timeout=30
+    )
+
+
+def event(node: str, *, cluster: str = "lab", dry_run: bool = False, xid: int = 79) -> dict[str, Any]:
+    return {
+        "cluster": cluster,
+        "dry_run": dry_run,
+        "event": XidEvent(node=node, xid=xid, source="test").model_dump(mode="json"),
+    }
+
+
+def workflow_exists(world: World, workflow_id: str) -> bool:
+    async def describe() -> bool:
+        client = await Client.connect(world.temporal_address, data_converter=pydantic_data_converter)
+        try:
+            await client.get_workflow_handle(workflow_id).describe()
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return False
+            raise
+        return True
+
+    return asyncio.run(describe())
+
+
+def delta(world: World, before: dict[str, float]) -> dict[str, float]:
+    after = world.intake.metrics()
+    return {name: value - before.get(name, 0) for name, value in after.items() if value != before.get(name, 0)}
+
+
+def test_a_token_for_one_node_cannot_report_another(world: World) -> None:
+    before = world.intake.metrics()
+    answer = post(world, event("gpu2"), world.token("gpu1"))
+    assert answer.status_code == 403
+    assert answer.json() == {"error": "this token does not speak for node gpu2"}
+    assert not workflow_exists(world, "remediate-lab-gpu2")
+    assert delta(world, before) == {
+        'gpufleet_intake_events_total{result="refused"}': 1,
+        'gpufleet_intake_refused_total{reason="wrong_node"}': 1,
+    }
+    log = world.intake.log.read_text()
+    assert "refused (wrong_node): system:serviceaccount:gpufleet:gpufleet-detector claimed node gpu2" in log
+    assert "its token speaks for gpu1" in log
+
+
+def test_an_event_for_another_cluster_is_refused(world: World) -> None:
+    answer = post(world, event("gpu1", cluster="other"), world.token("gpu1"))
+    assert answer.status_code == 403
+    assert answer.json() == {"error": "this intake serves cluster lab, not other"}
+    assert not workflow_exists(world, "remediate-other-gpu1")
+
+
+def test_no_token_another_audience_or_an_expired_one_is_refused(world: World) -> None:
+    before = world.intake.metrics()
+    assert post(world, event("gpu1"), None).status_code == 401
+    assert post(world, event("gpu1"), "not-a-token").status_code == 401
+    wrong_audience = post(world, event("gpu1"), world.token("gpu1", audience="https://kubernetes.default.svc"))
+    assert wrong_audience.status_code == 401
+    assert "audience 'gpufleet'" in wrong_audience.json()["error"]
+    assert wrong_audience.headers["WWW-Authenticate"].startswith("Bearer")
+
+    expiring = world.token("gpu1", seconds=1)
+
+    def expired() -> bool:
+        try:
+            world.auth.review_token(expiring, audiences=["gpufleet"])
+        except Unauthenticated:
+            return True
+        return False
+
+    wait_for(expired, timeout=30, what="the one-second token to expire")
+    assert post(world, event("gpu1"), expiring).status_code == 401
+    assert not workflow_exists(world, "remediate-lab-gpu1")
+    assert delta(world, before) == {
+        'gpufleet_intake_events_total{result="refused"}': 4,
+        'gpufleet_intake_refused_total{reason="no_token"}': 1,
+        'gpufleet_intake_refused_total{reason="unauthenticated"}': 3,
+    }
+
+
+def test_malformed_bodies_are_refused_saying_what_is_wrong(world: World) -> None:
+    token = world.token("gpu1")
+    no_event = post(world, {"cluster": "lab"}, token)
+    assert no_event.status_code == 400
+    assert no_event.json() == {"error": "not an event: event: Field required"}
+    bad_xid = event("gpu1")
+    bad_xid["event"]["xid"] = "seventy-nine"
+    answer = post(world, bad_xid, token)
+    assert answer.status_code == 400
+    assert "event.xid: Input should be a valid integer" in answer.json()["error"]
+    assert world.intake.metrics()['gpufleet_intake_events_total{result="malformed"}'] == 2
+
+
+def test_the_right_node_opens_its_incident(world: World) -> None:
+    answer = post(world, event("gpu1"), world.token("gpu1"))
+    assert answer.status_code == 202, answer.text
+    assert answer.json() == {"incident": "remediate-lab-gpu1"}
+    assert workflow_exists(world, "remediate-lab-gpu1")
+
+
+def test_a_node_over_its_rate_is_told_when_to_come_back(world: World) -> None:
+    token = world.token("gpu2")
+    answers = [post(world, event("gpu2", dry_run=True, xid=xid), token) for xid in (79, 48, 64, 63)]
+    assert [a.status_code for a in answers] == [202, 202, 202, 429]  # a burst of 3, then 6 a minute
+    assert 1 <= int(answers[3].headers["Retry-After"]) <= 10
+    assert workflow_exists(world, "dryrun-lab-gpu2")
+    assert world.intake.metrics()['gpufleet_intake_events_total{result="limited"}'] == 1
+    # Another node's bucket is its own.
+    assert post(world, event("gpu1", dry_run=True), world.token("gpu1")).status_code == 202
+
+
+def test_token_buckets_refill_at_the_rate() -> None:
+    now = [0.0]
+    buckets = TokenBuckets(rate_per_minute=60, burst=2, clock=lambda: now[0])
+    assert [buckets.take("a"), buckets.take("a")] == [0.0, 0.0]
+    assert buckets.take("a") == pytest.approx(1.0)
+    assert buckets.take("b") == 0.0
+    now[0] = 0.5
+    assert buckets.take("a") == pytest.approx(0.5)
+    now[0] = 10.0
+    assert [buckets.take("a"), buckets.take("a"), buckets.take("a") > 0] == [0.0, 0.0, True]
+
+
+def test_the_intake_will_not_start_without_its_certificate(tmp_path: Path) -> None:
+    done = gpufleet_cli("intake", env={"GPUFLEET_CLUSTER": "lab"}, unset=("GPUFLEET_INTAKE_TLS_CERT",))
+    assert done.returncode == 2
+    assert "GPUFLEET_INTAKE_TLS_CERT and GPUFLEET_INTAKE_TLS_KEY not set: the intake serves HTTPS only" in done.stderr
+    missing = tmp_path / "missing.crt"
+    done = gpufleet_cli(
+        "intake",
+        env={
+            "GPUFLEET_CLUSTER": "lab",
+            "GPUFLEET_INTAKE_TLS_CERT": str(missing),
+            "GPUFLEET_INTAKE_TLS_KEY": str(missing),
+        },
+    )
+    assert done.returncode == 2
+    assert f"GPUFLEET_INTAKE_TLS_CERT={missing}: cannot be read (No such file or directory)" in done.stderr
