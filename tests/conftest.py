@@ -19,6 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 from lab.kubeapi import node_object
 from lab.slurm import SlurmLab, SlurmLabSpec, slurm_installed
 from lab.webhook import WebhookReceiver
+from tests.forked import forked_runs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,6 +47,23 @@ def gpufleet_cli(
         text=True,
         timeout=timeout,
         check=False,
+    )
+
+
+def gpufleet_cli_each(
+    commands: list[list[str]], *, env: dict[str, str] | None = None, timeout: float = 120
+) -> list[subprocess.CompletedProcess[str]]:
+    """What ``gpufleet_cli`` gives for each of ``commands``, each still run in a process of its own,
+    but forked from one that imported the command once (tests/forked.py): one interpreter start."""
+    return forked_runs(
+        "import workers.entry\n",
+        "from workers.entry import main\nmain()\n",
+        commands,
+        argv0="gpufleet",
+        env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200", **(env or {})},
+        cwd=REPO,
+        parallel=os.cpu_count() or 2,
+        timeout=timeout,
     )
 
 

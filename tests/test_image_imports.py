@@ -12,6 +12,7 @@ here must do without the lab even so, which is the harder case.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import shutil
@@ -19,10 +20,11 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from tests.forked import forked_runs
 
 REPO = Path(__file__).resolve().parents[1]
 ABSENT = ("lab", "bench")
@@ -73,14 +75,19 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield root
 
 
-def in_image(image: Path, code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` after BOOT in a fresh process, in the image's directory; ``args`` become sys.argv[1:]."""
+def image_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment less GPUFLEET_* and PYTHON*, with ``env`` added."""
     environment = {name: value for name, value in os.environ.items() if not name.startswith(("GPUFLEET_", "PYTHON"))}
     environment.update({"COLUMNS": "200", "TEMPORAL_ADDRESS": "127.0.0.1:1", **(env or {})})
+    return environment
+
+
+def in_image(image: Path, code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` after BOOT in a fresh process, in the image's directory; ``args`` become sys.argv[1:]."""
     return subprocess.run(
         [sys.executable, "-I", "-c", BOOT + code, str(image), *args],
         cwd=image,
-        env=environment,
+        env=image_environment(env),
         capture_output=True,
         text=True,
         timeout=120,
@@ -107,16 +114,43 @@ def test_the_dockerfile_copies_every_production_room_and_neither_lab_nor_bench()
     assert not set(packages) & set(ABSENT)
 
 
+def third_party_imports(root: Path, packages: list[str]) -> list[str]:
+    """The top-level modules the packages' modules import at their top level, less the packages
+    themselves and the absent ones: what every module's process would import again."""
+    names: set[str] = set()
+    for package in packages:
+        for path in (root / package).rglob("*.py"):
+            for statement in ast.parse(path.read_text(encoding="utf-8")).body:
+                if isinstance(statement, ast.Import):
+                    names |= {alias.name.split(".")[0] for alias in statement.names}
+                elif isinstance(statement, ast.ImportFrom) and statement.module and not statement.level:
+                    names.add(statement.module.split(".")[0])
+    return sorted(names - set(packages) - set(ABSENT) - {"__future__"})
+
+
 def test_every_module_of_the_image_imports_without_the_lab(image: Path) -> None:
-    modules = modules_of(image, copied_packages())
+    """Each module is imported in a process of its own, forked (tests/forked.py) from one that ran
+    BOOT and imported the third-party modules the image's code imports (never one of its own)."""
+    packages = copied_packages()
+    modules = modules_of(image, packages)
     assert "workers.entry" in modules and len(modules) > 50
-
-    def imported(module: str) -> tuple[str, str]:
-        done = in_image(image, "import importlib\nimportlib.import_module(sys.argv[1])\n", module)
-        return module, "" if done.returncode == 0 else (done.stderr.strip().splitlines() or ["?"])[-1]
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        failed = {module: why for module, why in pool.map(imported, modules) if why}
+    preload = "".join(
+        f"try:\n    import {name}\nexcept Exception:\n    pass\n" for name in third_party_imports(image, packages)
+    )
+    runs = forked_runs(
+        f"import sys\nsys.argv[1:] = [{str(image)!r}]\n{BOOT}\n{preload}",
+        "import importlib, sys\nimportlib.import_module(sys.argv[1])\n",
+        [[module] for module in modules],
+        python_args=["-I"],
+        env=image_environment(),
+        cwd=image,
+        parallel=os.cpu_count() or 2,
+    )
+    failed = {
+        module: (done.stderr.strip().splitlines() or ["?"])[-1]
+        for module, done in zip(modules, runs, strict=True)
+        if done.returncode != 0
+    }
     assert not failed, "modules the image cannot import:\n" + "\n".join(f"  {m}: {w}" for m, w in failed.items())
 
 

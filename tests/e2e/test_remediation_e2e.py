@@ -47,7 +47,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
     # Two training nodes, hit in turn by these tests: the fleet guard's default share (half the
     # partition in ten minutes) would hold the second. The breaker is proven in tests/workflows
     # and by the storm in `make chaos`; here its share limit is off (the in-flight limit stays).
-    lab.policy_file.write_text(lab.policy_file.read_text() + "guard:\n  max_share: 0\n", encoding="utf-8")
+    # The lab's checkpoint-sync pods may be one down (their PodDisruptionBudget): a node's evicted
+    # pod is not back when the next node is drained, so that eviction is refused until it is
+    # forced, after 5 s here rather than the default minute (forcing is not what is tested here).
+    policy = lab.policy_file.read_text().replace("remediation:\n", "remediation:\n  eviction_timeout_seconds: 5\n", 1)
+    lab.policy_file.write_text(policy + "guard:\n  max_share: 0\n", encoding="utf-8")
     yield lab
     record_histories(lab.env()["TEMPORAL_ADDRESS"])
     pids = lab.down()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lab.procs import free_port
-from tests.conftest import gpufleet_cli
+from tests.conftest import gpufleet_cli, gpufleet_cli_each
 
 NOWHERE = {"TEMPORAL_ADDRESS": "127.0.0.1:1"}
 
@@ -24,7 +24,7 @@ def one_line_error(stderr: str) -> str:
 
 
 def test_every_command_has_help() -> None:
-    for command in (
+    commands = [
         ["--help"],
         ["remediate", "--help"],
         ["incidents", "list", "--help"],
@@ -37,8 +37,8 @@ def test_every_command_has_help() -> None:
         ["nodes", "return", "--help"],
         ["detect", "--help"],
         ["lab", "--help"],
-    ):
-        done = gpufleet_cli(*command)
+    ]
+    for command, done in zip(commands, gpufleet_cli_each(commands), strict=True):
         assert done.returncode == 0, (command, done.stderr)
         assert "Usage" in done.stdout
 
