@@ -252,7 +252,7 @@ def test_a_mount_path_not_written_plainly_is_refused(path: str) -> None:
         load_spec(raw)
 
 
-@pytest.mark.parametrize("tail", ["\ncommand=\"sh\" ssh-ed25519 AAAA", "\x00", "\tx"])
+@pytest.mark.parametrize("tail", ['\ncommand="sh" ssh-ed25519 AAAA', "\x00", "\tx"])
 def test_a_key_with_a_second_line_or_a_control_byte_is_refused(tail: str) -> None:
     key = example()["users"][0]["ssh_keys"][0]
     with pytest.raises(ValueError, match="one line of printable characters"):
