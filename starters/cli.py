@@ -49,7 +49,7 @@ from models.trust import answer_problem
 from models.xid import XidEvent
 from starters.chart import write_chart
 from starters.server import dev_server_argv
-from starters.temporal import TemporalConfigInvalid, TemporalUnreachable, connect, report_xid
+from starters.temporal import TemporalConfigInvalid, TemporalUnreachable, connect, refused, report_xid
 from workflows.guard import FleetGuardWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
@@ -114,6 +114,10 @@ def run_async(coro: Any) -> Any:
         fail(str(exc))
     except (InvalidName, TemporalConfigInvalid) as exc:
         fail(str(exc), code=2)
+    except RPCError as exc:
+        if refused(exc):  # the gpufleet API's refusal: who may not do what, and which role to ask for
+            fail(f"the gpufleet API refused: {exc.message}")
+        raise
 
 
 async def _client() -> Client:
@@ -231,7 +235,9 @@ async def _wait_for(
                     return status, failure_text(exc)
             try:
                 status = await handle.query(NodeRemediationWorkflow.status)
-            except RPCError:
+            except RPCError as exc:
+                if refused(exc):
+                    raise
                 status = None
             if status is not None:
                 if spinner is not None:
@@ -315,6 +321,8 @@ def _signal_incident(node: str, cluster: str | None, signal: Any, *args: Any) ->
         try:
             await client.get_workflow_handle(workflow_id).signal(signal, *args)
         except RPCError as exc:
+            if refused(exc):
+                raise
             fail(f"no open incident for {node} ({workflow_id}): {exc.message}", code=unknown(exc))
 
     run_async(go())
@@ -443,6 +451,8 @@ async def _incident(workflow_id: str) -> tuple[Any, IncidentStatus]:
     try:
         status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
     except RPCError as exc:
+        if refused(exc):
+            raise
         fail(f"no incident {workflow_id}: {exc.message}", code=unknown(exc))
     return handle, status
 
@@ -536,6 +546,8 @@ def incidents_cancel(
             await handle.signal(NodeRemediationWorkflow.cancel_requested, request)
             await handle.cancel(reason=f"gpufleet incidents cancel by {request.by}: {reason}".rstrip(": "))
         except RPCError as exc:
+            if refused(exc):
+                raise
             fail(f"incident {status.incident_id} could not be cancelled: {exc.message} (did it just close?)")
         if wait <= 0:
             return status, None

@@ -42,7 +42,7 @@ from starters.clusterstate import SpecUnknown, creation, current_spec, follow_st
 from starters.clusterstate import deleted as _deleted
 from starters.clusterstate import deletion as _deletion
 from starters.clusterusers import users_app
-from starters.temporal import connect
+from starters.temporal import connect, refused
 from workflows.cluster import ClusterCreationWorkflow
 
 cluster_app = typer.Typer(help="Slurm clusters made from a spec (one command each).", no_args_is_help=True)
@@ -271,6 +271,8 @@ def _answer(name: str, *, signal: str, wait: bool, as_json: bool) -> None:
         try:
             status: ClusterStatus | None = await handle.query(ClusterCreationWorkflow.status)
         except RPCError as exc:
+            if refused(exc):
+                raise
             fail(f"no creation of {name} is open (gpufleet cluster list)", code=unknown(exc))
         if status is None or status.outcome != ClusterOutcome.FAILED_KEPT:
             fail(f"{name} is not waiting to be resumed (it is {status.outcome if status else 'starting'})")
@@ -308,7 +310,9 @@ def list_clusters(as_json: Annotated[bool, typer.Option("--json")] = False) -> N
                 status = await client.get_workflow_handle(execution.id, run_id=execution.run_id).query(
                     ClusterCreationWorkflow.status
                 )
-            except RPCError:
+            except RPCError as exc:
+                if refused(exc):
+                    raise
                 continue
             if status is not None:
                 row = summary(status)

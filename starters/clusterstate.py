@@ -15,6 +15,7 @@ from models.cluster import ClusterSpec
 from models.clusterops import ClusterStatus, DeletionStatus, cluster_workflow_id, deletion_workflow_id
 from models.clusterusers import UsersChangeStatus, UsersOutcome, users_workflow_id
 from starters.cli import console
+from starters.temporal import refused
 from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
 
 MARKS = {"done": "[green]✓[/]", "failed": "[red]✗[/]", "undone": "[yellow]↺[/]", "undo_failed": "[red]↺✗[/]"}
@@ -54,7 +55,9 @@ async def follow_steps(handle: WorkflowHandle[Any, Any], query: Any, *, over: Ca
     while True:
         try:
             status: S | None = await handle.query(query)
-        except RPCError:
+        except RPCError as exc:
+            if refused(exc):
+                raise
             status = None  # not started by a worker yet
         if status is not None:
             if not quiet:
@@ -77,7 +80,9 @@ async def creation(client: Client, name: str) -> ClusterStatus | None:
         result: ClusterStatus | None = await client.get_workflow_handle(cluster_workflow_id(name)).query(
             ClusterCreationWorkflow.status
         )
-    except RPCError:
+    except RPCError as exc:
+        if refused(exc):
+            raise
         return None
     return result
 
@@ -87,7 +92,9 @@ async def deletion(client: Client, name: str) -> DeletionStatus | None:
         result: DeletionStatus | None = await client.get_workflow_handle(deletion_workflow_id(name)).query(
             ClusterDeletionWorkflow.status
         )
-    except RPCError:
+    except RPCError as exc:
+        if refused(exc):
+            raise
         return None
     return result
 

@@ -29,7 +29,7 @@ from models.poolops import (
 from models.rebalance import PRESETS, PoolLimits
 from models.settings import ClusterNotSet, Settings
 from starters.cli import _who, console, fail, run_async, unknown
-from starters.temporal import connect
+from starters.temporal import connect, refused
 from workflows.pool import PoolRebalanceWorkflow
 
 pool_app = typer.Typer(
@@ -70,6 +70,8 @@ async def _handle(client: Client, name: str) -> WorkflowHandle[Any, Any]:
     try:
         await handle.describe()
     except RPCError as exc:
+        if refused(exc):
+            raise
         fail(f"no pool {name}: start it with `gpufleet pool start --name {name}`", code=unknown(exc))
     return handle
 

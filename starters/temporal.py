@@ -1,15 +1,22 @@
-"""Connecting to Temporal, and starting or joining a node's incident (signal-with-start)."""
+"""Connecting to Temporal (directly, or through the gpufleet API), and starting or joining a
+node's incident (signal-with-start)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from temporalio.client import Client, WorkflowHandle
 from temporalio.common import SearchAttributePair, TypedSearchAttributes
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.envconfig import ClientConfig
+from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 
 from models.constants import (
     SA_CLUSTER,
@@ -33,6 +40,10 @@ class TemporalUnreachable(ConnectionError):
     """The Temporal server did not answer; the message names the address."""
 
 
+class ApiRefused(TemporalUnreachable):
+    """The gpufleet API refused the connection itself (no credentials, a token it does not accept)."""
+
+
 class TemporalConfigInvalid(ValueError):
     """Temporal's env-config (TEMPORAL_* variables, the profile file) cannot be used; the message says why."""
 
@@ -51,10 +62,141 @@ def connect_config(profile: str | None = None) -> dict[str, Any]:
     return config
 
 
+# Where the commands find the gpufleet API (host:port): set, every command goes there, never to Temporal.
+API_ADDRESS_VARIABLE = "GPUFLEET_API_ADDRESS"
+# The API's CA (PEM); unset: the system's roots.
+API_CA_VARIABLE = "GPUFLEET_API_CA_FILE"
+# Whose credentials are sent: this kubeconfig's current user (default $KUBECONFIG, then ~/.kube/config).
+API_KUBECONFIG_VARIABLE = "GPUFLEET_API_KUBECONFIG"
+
+
+@dataclass(frozen=True)
+class ApiCredentials:
+    """What the CLI proves itself with to the API: a bearer token, or a client certificate and key (PEM)."""
+
+    token: str | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+
+
+# Reads a kubeconfig's current user (clients/kubecreds.py, registered by the `gpufleet` entry point:
+# this room may not import the Kubernetes client).
+CredentialSource = Callable[[Path], ApiCredentials]
+_credential_sources: list[CredentialSource] = []
+
+
+def use_api_credentials(source: CredentialSource) -> None:
+    """Read the user's credentials with ``source`` when a command connects to the API."""
+    _credential_sources[:] = [source]
+
+
+def api_address() -> str | None:
+    """The gpufleet API the commands use (GPUFLEET_API_ADDRESS), or None: Temporal directly."""
+    return os.environ.get(API_ADDRESS_VARIABLE, "").strip() or None
+
+
+def api_kubeconfig() -> Path:
+    """The kubeconfig whose current user the CLI sends: GPUFLEET_API_KUBECONFIG, the first file of
+    $KUBECONFIG, else ~/.kube/config."""
+    given = os.environ.get(API_KUBECONFIG_VARIABLE, "").strip()
+    if given:
+        return Path(given).expanduser()
+    listed = [part for part in os.environ.get("KUBECONFIG", "").split(os.pathsep) if part.strip()]
+    return Path(listed[0]).expanduser() if listed else Path.home() / ".kube" / "config"
+
+
+def refused(exc: RPCError) -> bool:
+    """Whether the error is the API's refusal (no credentials, no permission): never to be read
+    as "not found" or retried; the command says it as it is."""
+    return exc.status in (RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNAUTHENTICATED)
+
+
 async def connect(
     *, address: str | None = None, profile: str | None = None, timeout_seconds: float = CONNECT_TIMEOUT_SECONDS
 ) -> Client:
-    """Connect with the pydantic data converter.
+    """The commands' connection: to the gpufleet API when GPUFLEET_API_ADDRESS is set (and no
+    ``address`` is given), else to Temporal (``connect_temporal``).
+
+    Raises:
+        TemporalUnreachable: naming the address, when nothing answers there.
+        TemporalConfigInvalid: the settings cannot be used (the env-config, the API's CA, the kubeconfig).
+    """
+    api = api_address()
+    if api is not None and address is None:
+        return await connect_api(api, profile=profile, timeout_seconds=timeout_seconds)
+    return await connect_temporal(address=address, profile=profile, timeout_seconds=timeout_seconds)
+
+
+async def connect_api(
+    address: str, *, profile: str | None = None, timeout_seconds: float = CONNECT_TIMEOUT_SECONDS
+) -> Client:
+    """Connect to the gpufleet API at ``address`` over TLS, as the current user of the kubeconfig.
+
+    Raises:
+        TemporalUnreachable: nothing answers at the address.
+        TemporalConfigInvalid: the address, the CA file or the kubeconfig cannot be used.
+    """
+    if "://" in address:
+        raise TemporalConfigInvalid(f"{API_ADDRESS_VARIABLE}={address!r}: give host:port, without a scheme")
+    ca_file = os.environ.get(API_CA_VARIABLE, "").strip()
+    try:
+        ca = Path(ca_file).read_bytes() if ca_file else None
+    except OSError as exc:
+        raise TemporalConfigInvalid(f"{API_CA_VARIABLE}={ca_file}: {exc.strerror or exc}") from None
+    kubeconfig = api_kubeconfig()
+    if not _credential_sources:
+        raise TemporalConfigInvalid("no reader of kubeconfig credentials is installed (run the `gpufleet` command)")
+    try:
+        credentials = _credential_sources[0](kubeconfig)
+    except Exception as exc:  # the kubeconfig loader raises what its parser and providers raise
+        raise TemporalConfigInvalid(
+            f"the credentials of {kubeconfig} cannot be read ({exc}): set {API_KUBECONFIG_VARIABLE} or KUBECONFIG "
+            "to a kubeconfig whose current user has a token or a client certificate"
+        ) from None
+    if credentials.token is None and credentials.cert is None:
+        raise TemporalConfigInvalid(
+            f"the current user of {kubeconfig} has neither a token nor a client certificate: the gpufleet API "
+            f"at {address} needs one (set {API_KUBECONFIG_VARIABLE} to the kubeconfig to use)"
+        )
+    namespace = str(connect_config(profile).get("namespace") or "default")
+    tls = TLSConfig(server_root_ca_cert=ca, client_cert=credentials.cert, client_private_key=credentials.key)
+    try:
+        return await asyncio.wait_for(
+            Client.connect(
+                address,
+                namespace=namespace,
+                data_converter=pydantic_data_converter,
+                tls=tls,
+                api_key=credentials.token,
+            ),
+            timeout=timeout_seconds,
+        )
+    except RPCError as exc:
+        if refused(exc):
+            raise
+        raise TemporalUnreachable(f"the gpufleet API at {address} answered {exc.status.name}: {exc.message}") from None
+    except (RuntimeError, OSError, TimeoutError) as exc:
+        cause = str(exc) or f"no answer within {timeout_seconds:g} s"
+        # The SDK's connect says a refusal of its first call in its own words: the API's message, as it said it.
+        said = _REFUSAL.search(cause)
+        if said is not None:
+            raise ApiRefused(f"the gpufleet API refused: {said['message']}") from None
+        raise TemporalUnreachable(
+            f"cannot reach the gpufleet API at {address} ({cause}); check {API_ADDRESS_VARIABLE} and "
+            f"{API_CA_VARIABLE} (the API's CA)"
+        ) from None
+    except ValueError as exc:
+        raise TemporalConfigInvalid(f"{API_ADDRESS_VARIABLE}={address!r}: {exc}") from None
+
+
+_REFUSAL = re.compile(r'code: (?:Unauthenticated|PermissionDenied), message: "(?P<message>(?:[^"\\]|\\.)*)"')
+
+
+async def connect_temporal(
+    *, address: str | None = None, profile: str | None = None, timeout_seconds: float = CONNECT_TIMEOUT_SECONDS
+) -> Client:
+    """Connect to Temporal itself, with the pydantic data converter: gpufleet's own services (the
+    worker, the intake, the API, the lab), never the gpufleet API whatever GPUFLEET_API_ADDRESS says.
 
     Args:
         address: host:port to use instead of the env-config's (the lab knows its own server).

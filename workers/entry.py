@@ -11,16 +11,19 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated
 
 import typer
 from pydantic import ValidationError
+from temporalio.runtime import Runtime
 from temporalio.service import RPCError
 
 from models.plugins import COMMANDS, installed
 from models.policy import PolicyError
 from models.settings import Settings, settings_error
 from starters.cli import app, fail, run_async, say_error
-from starters.temporal import TemporalUnreachable, connect
+from starters.temporal import ApiCredentials, TemporalUnreachable, connect_temporal, refused, use_api_credentials
 
 try:  # typer 0.2x carries its own copy of click
     from typer._click.exceptions import ClickException
@@ -80,7 +83,7 @@ def worker() -> None:
     runtime = install_metrics(settings)
 
     async def go() -> None:
-        client = await connect()
+        client = await connect_temporal()
         await run_worker(client, settings, metrics=runtime.metric_meter if runtime else None)
 
     try:
@@ -91,6 +94,58 @@ def worker() -> None:
         fail(f"worker: {exc}")
     except KeyboardInterrupt:
         pass
+
+
+@app.command()
+def api(
+    port: Annotated[int | None, typer.Option(help="The gRPC port (default: $GPUFLEET_API_PORT, else 7243).")] = None,
+) -> None:
+    """Serve gpufleet's API: Temporal's WorkflowService for the `gpufleet` commands, each call
+    authenticated (a kubeconfig's token or client certificate) and authorised (RBAC, group gpufleet.io).
+
+    Settings: GPUFLEET_API_PORT, GPUFLEET_API_TLS_CERT, GPUFLEET_API_TLS_KEY, GPUFLEET_API_CLIENT_CA,
+    GPUFLEET_API_METRICS_PORT; GPUFLEET_KUBECONFIG (the API server for its reviews; unset: in-cluster);
+    Temporal's own env-config (TEMPORAL_ADDRESS, TEMPORAL_TLS_*, TEMPORAL_API_KEY) for Temporal.
+    """
+    from clients.errors import ClientError
+    from clients.kubeauth import KubeAuth
+    from gateway.api import REQUESTS_METRIC, ApiSettings, serve
+    from workers.metrics import prometheus_runtime
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = ApiSettings()
+    if port is not None:
+        settings.port = port
+    try:
+        authority = KubeAuth(kubeconfig=Settings().kubeconfig)
+    except Exception as exc:  # the loader raises its own errors for a kubeconfig it cannot use
+        fail(f"the Kubernetes API for token and access reviews: {exc} (set GPUFLEET_KUBECONFIG)", code=2)
+    requests = None
+    if settings.metrics_port:
+        try:
+            runtime = prometheus_runtime(f"0.0.0.0:{settings.metrics_port}")
+        except ValueError as exc:
+            fail(f"GPUFLEET_API_METRICS_PORT={settings.metrics_port}: {exc}", code=2)
+        Runtime.set_default(runtime)
+        requests = runtime.metric_meter.create_counter(REQUESTS_METRIC, "WorkflowService calls, by method and result")
+
+    async def go() -> None:
+        await serve(settings, await connect_temporal(), authority, requests=requests)
+
+    try:
+        run_async(go())
+    except ValueError as exc:  # TLS files
+        fail(str(exc), code=2)
+    except ClientError as exc:
+        fail(f"api: {exc}")
+    except KeyboardInterrupt:
+        pass
+
+
+def _api_credentials(kubeconfig: Path) -> ApiCredentials:
+    from clients.kubecreds import user_credentials
+
+    return ApiCredentials(*user_credentials(kubeconfig))
 
 
 @app.command()
@@ -146,7 +201,7 @@ def intake() -> None:
     service = Intake(
         cluster=settings.cluster,
         kube=kube,
-        connect_temporal=connect,
+        connect_temporal=connect_temporal,
         settings=intake_settings,
         meter=meter,
         dry_run=settings.dry_run,
@@ -217,6 +272,7 @@ def run(args: Sequence[str] | None = None) -> int:
     catches the rest. GPUFLEET_DEBUG=1 lets an unexpected failure's traceback through.
     """
     tree = command()
+    use_api_credentials(_api_credentials)
     try:
         code = tree(args=list(sys.argv[1:] if args is None else args), prog_name="gpufleet", standalone_mode=False)
     except SystemExit as exc:
@@ -247,6 +303,9 @@ def run(args: Sequence[str] | None = None) -> int:
         say_error(f"{where}{exc.strerror or exc}")
         return 1
     except RPCError as exc:  # the server answered with an error no command expected
+        if refused(exc):
+            say_error(f"the gpufleet API refused: {exc.message}")
+            return 1
         say_error(f"the Temporal server answered {exc.status.name}: {exc.message}")
         return 1
     except Exception as exc:

@@ -41,7 +41,12 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(60)
 
 # Commands that start a server: run here only with bad input (below), never for real.
-STARTS_SERVERS = {("server",): "starts the Temporal dev server", ("lab", "up"): "starts the lab"}
+STARTS_SERVERS = {
+    ("server",): "starts the Temporal dev server",
+    ("lab", "up"): "starts the lab",
+    ("api",): "serves the gpufleet API (its TLS files and Kubernetes API are settings, named when missing)",
+    ("intake",): "serves the intake (its TLS files are settings, named when missing)",
+}
 
 
 @dataclass

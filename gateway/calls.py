@@ -1,0 +1,395 @@
+"""Which gpufleet permission each call of Temporal's WorkflowService needs, and the identity it carries.
+
+Every call the ``gpufleet`` commands make is named here (the table is in docs/api.md): a start
+by its workflow type and ID, a signal by its name, a query, a description, a history or a
+listing by the workflow it reads. Anything this table does not name is refused (default deny):
+another method (terminate, reset, delete, namespaces, schedules, workers), another workflow
+type, another signal or query, a workflow ID of no known form, another namespace.
+
+What the caller cannot be trusted with is replaced here (``stamp``): the request's ``identity``
+and the ``by``/``requested_by`` of what a person asks for, so that a history names the
+authenticated user, never what the client said.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import Message
+from pydantic import BaseModel, ValidationError
+from temporalio.api.common.v1 import Payloads
+from temporalio.contrib.pydantic import pydantic_data_converter
+
+from models.clusterops import (
+    CLUSTER_CREATION_WORKFLOW,
+    CLUSTER_DELETION_WORKFLOW,
+    CLUSTER_TASK_QUEUE,
+    RESUME_SIGNAL,
+    ROLL_BACK_SIGNAL,
+    ClusterCreateInput,
+    ClusterDeleteInput,
+    cluster_workflow_id,
+    deletion_workflow_id,
+)
+from models.clusterusers import CLUSTER_USERS_WORKFLOW, UsersChangeInput, users_workflow_id
+from models.constants import (
+    GUARD_PAUSE_SIGNAL,
+    GUARD_RESET_SIGNAL,
+    GUARD_RESUME_SIGNAL,
+    GUARD_WORKFLOW,
+    QUARANTINED_NODES_WORKFLOW,
+    RELEASE_NODE_WORKFLOW,
+    REMEDIATION_WORKFLOW,
+    RETURN_NODE_WORKFLOW,
+    dry_run_workflow_id,
+    guard_task_queue,
+    guard_workflow_id,
+    release_workflow_id,
+    remediation_workflow_id,
+    return_workflow_id,
+    task_queue,
+)
+from models.guard import GuardInput
+from models.incident import RemediationInput
+from models.names import InvalidName, validate_cluster_name, validate_node_name
+from models.poolops import (
+    POOL_PAUSE_SIGNAL,
+    POOL_RESUME_SIGNAL,
+    POOL_WORKFLOW,
+    REBALANCE_SIGNAL,
+    SET_DEMAND_SIGNAL,
+    PoolState,
+    pool_workflow_id,
+)
+from models.requests import ReleaseNodeRequest, ReturnNodeRequest
+
+SERVICE = "temporal.api.workflowservice.v1.WorkflowService"
+# The one query every gpufleet workflow answers; Temporal's built-in ones (__stack_trace, ...) are refused.
+STATUS_QUERY = "status"
+ROLE_HINT = "ask for the gpufleet-approver or gpufleet-operator role"
+
+
+class Refused(Exception):
+    """A call the API does not forward: ``invalid`` when the request itself is malformed
+    (INVALID_ARGUMENT), else not permitted whoever asks (PERMISSION_DENIED)."""
+
+    def __init__(self, message: str, *, invalid: bool = False) -> None:
+        super().__init__(message)
+        self.invalid = invalid
+
+
+@dataclass(frozen=True)
+class Access:
+    """One SubjectAccessReview: ``verb`` on gpufleet.io ``resource`` (``name``: the node or
+    cluster concerned, '' for the resource as a whole)."""
+
+    verb: str
+    resource: str
+    name: str = ""
+
+    def said(self) -> str:
+        return f"{self.verb} gpufleet.io/{self.resource}" + (f" {self.name}" if self.name else "")
+
+
+@dataclass(frozen=True, eq=False)
+class Kind:
+    """A gpufleet workflow as the API sees it: its resource, and the signals a person may send it
+    (signal: the verb it needs, and the field of its payload, or the argument, that names who)."""
+
+    resource: str
+    signals: dict[str, tuple[str, str | int | None]]
+
+
+INCIDENT = Kind(
+    "incidents",
+    {
+        "report_xid": ("create", None),
+        "checkpoint_done": ("update", None),
+        "spare_available": ("update", None),
+        "decide": ("approve", "by"),
+        "cancel_requested": ("cancel", "by"),
+    },
+)
+GUARD = Kind(
+    "breaker",
+    {GUARD_RESET_SIGNAL: ("reset", "by"), GUARD_PAUSE_SIGNAL: ("pause", "by"), GUARD_RESUME_SIGNAL: ("pause", "by")},
+)
+RETURN = Kind("nodes", {})
+RELEASE = Kind("nodes", {})
+QUARANTINED = Kind("nodes", {})
+POOL = Kind(
+    "pool",
+    {
+        REBALANCE_SIGNAL: ("rebalance", None),
+        SET_DEMAND_SIGNAL: ("rebalance", 1),  # set_demand(nodes, by)
+        POOL_PAUSE_SIGNAL: ("rebalance", None),
+        POOL_RESUME_SIGNAL: ("rebalance", None),
+    },
+)
+CREATION = Kind("clusters", {RESUME_SIGNAL: ("create", None), ROLL_BACK_SIGNAL: ("create", None)})
+DELETION = Kind("clusters", {})
+USERS = Kind("clusters", {})
+
+_CLUSTER = r"[a-z0-9](?:[a-z0-9-]{0,38}[a-z0-9])?"
+# Workflow IDs by form (models/constants.py, models/clusterops.py, ...); the first that matches.
+# ``pair``: the rest is CLUSTER-NODE; else the rest is the one name concerned.
+_IDS: list[tuple[re.Pattern[str], Kind, bool]] = [
+    (re.compile(r"^(?:remediate|dryrun)-(?P<rest>.+)$"), INCIDENT, True),
+    (re.compile(r"^guard-(?P<rest>.+)$"), GUARD, False),
+    (re.compile(r"^return-(?P<rest>.+)$"), RETURN, True),
+    (re.compile(r"^release-(?P<rest>.+)$"), RELEASE, True),
+    (re.compile(rf"^quarantined-(?P<rest>{_CLUSTER})-\d+$"), QUARANTINED, False),
+    (re.compile(r"^pool-(?P<rest>.+)$"), POOL, False),
+    (re.compile(r"^delete-cluster-(?P<rest>.+)$"), DELETION, False),
+    (re.compile(r"^users-cluster-(?P<rest>.+)$"), USERS, False),
+    (re.compile(r"^cluster-(?P<rest>.+)$"), CREATION, False),
+]
+
+# Workflow type: its kind, the verb a start needs, and its input's field naming who asked.
+_STARTS: dict[str, tuple[Kind, str, str | None]] = {
+    REMEDIATION_WORKFLOW: (INCIDENT, "create", None),
+    GUARD_WORKFLOW: (GUARD, "pause", None),
+    RETURN_NODE_WORKFLOW: (RETURN, "return", None),
+    RELEASE_NODE_WORKFLOW: (RELEASE, "release", "by"),
+    QUARANTINED_NODES_WORKFLOW: (QUARANTINED, "list", None),
+    POOL_WORKFLOW: (POOL, "rebalance", None),
+    CLUSTER_CREATION_WORKFLOW: (CREATION, "create", "requested_by"),
+    CLUSTER_DELETION_WORKFLOW: (DELETION, "delete", "requested_by"),
+    CLUSTER_USERS_WORKFLOW: (USERS, "update", "requested_by"),
+}
+_TYPE_RESOURCES = {name: kind.resource for name, (kind, _, _) in _STARTS.items()}
+
+
+def _pair(rest: str) -> bool:
+    """Whether ``rest`` is CLUSTER-NODE for some valid cluster and node name."""
+    for at in (i for i, c in enumerate(rest) if c == "-"):
+        try:
+            validate_cluster_name(rest[:at])
+            validate_node_name(rest[at + 1 :])
+        except InvalidName:
+            continue
+        return True
+    return False
+
+
+def workflow_kind(workflow_id: str) -> tuple[Kind, str]:
+    """The kind of a gpufleet workflow ID and the name it concerns (a cluster or pool; '' where the
+    ID joins a cluster and a node, which cannot be told apart: both may hold '-').
+
+    Raises:
+        Refused: an ID of no gpufleet form (INVALID_ARGUMENT when it names a malformed cluster or node).
+    """
+    for pattern, kind, pair in _IDS:
+        found = pattern.match(workflow_id)
+        if found is None:
+            continue
+        rest = found["rest"]
+        if pair:
+            if not _pair(rest):
+                raise Refused(
+                    f"workflow ID {workflow_id!r}: its CLUSTER-NODE is not a valid cluster and node", invalid=True
+                )
+            return kind, ""
+        try:
+            validate_cluster_name(rest)
+        except InvalidName as exc:
+            raise Refused(f"workflow ID {workflow_id!r}: {exc}", invalid=True) from None
+        return kind, rest
+    raise Refused(f"workflow {workflow_id!r} is none of gpufleet's: the API serves gpufleet's workflows only")
+
+
+def _decode(payloads: Payloads, index: int, model: type[Any]) -> Any:
+    """Argument ``index`` of a call, decoded as the pydantic data converter would."""
+    if len(payloads.payloads) <= index:
+        raise Refused(f"argument {index + 1} is missing", invalid=True)
+    try:
+        return pydantic_data_converter.payload_converter.from_payloads([payloads.payloads[index]], [model])[0]
+    except (ValidationError, ValueError, TypeError) as exc:
+        raise Refused(
+            f"argument {index + 1} is not a {getattr(model, '__name__', model)}: {exc}", invalid=True
+        ) from None
+
+
+def _restamp(payloads: Payloads, where: str | int, user: str) -> None:
+    """Put ``user`` as who asked: in field ``where`` of the first argument, or as argument ``where``."""
+    convert = pydantic_data_converter.payload_converter
+    if isinstance(where, int):
+        while len(payloads.payloads) <= where:  # an argument left to its default: given now
+            payloads.payloads.append(convert.to_payloads([None])[0])
+        payloads.payloads[where].CopyFrom(convert.to_payloads([user])[0])
+        return
+    body = _decode(payloads, 0, dict)
+    if not isinstance(body, dict):
+        raise Refused("argument 1 is not an object", invalid=True)
+    body[where] = user
+    payloads.payloads[0].CopyFrom(convert.to_payloads([body])[0])
+
+
+def _start_access(workflow_type: str, workflow_id: str, queue: str, payloads: Payloads) -> tuple[Kind, Access]:
+    """The kind and permission of a start, once its ID and task queue agree with its input."""
+    if workflow_type not in _STARTS:
+        raise Refused(f"workflow type {workflow_type!r} is none of gpufleet's commands")
+    kind, verb, _ = _STARTS[workflow_type]
+    found, name = workflow_kind(workflow_id)
+    if found is not kind:
+        raise Refused(f"workflow ID {workflow_id!r} is not the ID of a {workflow_type}", invalid=True)
+    expected: tuple[str, str]  # (the ID it must have, its task queue)
+    if kind is INCIDENT:
+        incident: RemediationInput = _decode(payloads, 0, RemediationInput)
+        _names(incident.cluster, incident.node)
+        make_incident = dry_run_workflow_id if incident.dry_run else remediation_workflow_id
+        expected = (make_incident(incident.cluster, incident.node), task_queue(incident.cluster))
+        name = incident.node
+    elif kind is GUARD:
+        guard: GuardInput = _decode(payloads, 0, GuardInput)
+        expected = (guard_workflow_id(guard.cluster), guard_task_queue(guard.cluster))
+    elif kind in (RETURN, RELEASE):
+        request = _decode(payloads, 0, ReturnNodeRequest if kind is RETURN else ReleaseNodeRequest)
+        cluster = workflow_id.split("-", 1)[1].removesuffix(f"-{request.node}")
+        _names(cluster, request.node)
+        make = return_workflow_id if kind is RETURN else release_workflow_id
+        expected, name = (make(cluster, request.node), task_queue(cluster)), request.node
+    elif kind is QUARANTINED:
+        expected = (workflow_id, task_queue(name))
+    elif kind is POOL:
+        state: PoolState = _decode(payloads, 0, PoolState)
+        _names(state.settings.cluster)
+        expected = (pool_workflow_id(state.settings.name), task_queue(state.settings.cluster))
+    else:
+        models: dict[Kind, type[BaseModel]] = {CREATION: ClusterCreateInput, DELETION: ClusterDeleteInput}
+        model = models.get(kind, UsersChangeInput)
+        given = _decode(payloads, 0, model)
+        cluster = given.name if isinstance(given, UsersChangeInput) else given.spec.name
+        make_id = {CREATION: cluster_workflow_id, DELETION: deletion_workflow_id}.get(kind, users_workflow_id)
+        expected = (make_id(cluster), CLUSTER_TASK_QUEUE)
+    if (workflow_id, queue) != expected:
+        raise Refused(
+            f"a {workflow_type} for this input runs as {expected[0]} on task queue {expected[1]}, "
+            f"not {workflow_id} on {queue}",
+            invalid=True,
+        )
+    return kind, Access(verb, kind.resource, name)
+
+
+def _names(cluster: str, node: str | None = None) -> None:
+    try:
+        validate_cluster_name(cluster)
+        if node is not None:
+            validate_node_name(node)
+    except InvalidName as exc:
+        raise Refused(str(exc), invalid=True) from None
+
+
+def _signal_access(kind: Kind, signal: str, name: str, workflow_id: str) -> Access:
+    if signal not in kind.signals:
+        raise Refused(f"signal {signal!r} to {workflow_id} is not one a gpufleet command sends")
+    return Access(kind.signals[signal][0], kind.resource, name)
+
+
+_TYPE_TERM = re.compile(r"""WorkflowType\s*=\s*(?:'([^']*)'|"([^"]*)")""")
+_ID_TERM = re.compile(r"""WorkflowId\s*=\s*(?:'([^']*)'|"([^"]*)")""")
+
+
+def listing_access(query: str) -> list[Access]:
+    """What a listing (or count) of workflows needs: ``list`` on the resource of each gpufleet
+    workflow type or ID it names; ``workflows list`` too when it names none, names another, or
+    may reach beyond them (an OR, a NOT)."""
+    needed: list[Access] = []
+    wide = not query.strip() or re.search(r"\b(?:or|not)\b|!=", query, re.IGNORECASE) is not None
+    for found in _TYPE_TERM.finditer(query):
+        named = found[1] if found[1] is not None else found[2]
+        if named in _TYPE_RESOURCES:
+            needed.append(Access("list", _TYPE_RESOURCES[named]))
+        else:
+            wide = True
+    for found in _ID_TERM.finditer(query):
+        kind, name = workflow_kind(found[1] if found[1] is not None else found[2])
+        needed.append(Access("list", kind.resource, name))
+    if wide or not needed:
+        needed.append(Access("list", "workflows"))
+    return list(dict.fromkeys(needed))
+
+
+def _execution_id(request: Message, field: str) -> str:
+    return str(getattr(request, field).workflow_id)
+
+
+def access(method: str, request: Any, *, namespace: str) -> list[Access]:
+    """Every permission ``method`` with ``request`` needs ([] for GetSystemInfo: any authenticated
+    caller); Refused when the API does not forward it."""
+    if method != "GetSystemInfo" and getattr(request, "namespace", None) != namespace:
+        raise Refused(f"namespace {getattr(request, 'namespace', '')!r}: this API serves namespace {namespace!r}")
+    if method == "GetSystemInfo":
+        return []
+    if method in ("ListWorkflowExecutions", "CountWorkflowExecutions"):
+        return listing_access(request.query)
+    if method in ("StartWorkflowExecution", "SignalWithStartWorkflowExecution"):
+        kind, needed = _start_access(
+            request.workflow_type.name, request.workflow_id, request.task_queue.name, request.input
+        )
+        if method == "StartWorkflowExecution":
+            if kind is INCIDENT or kind is GUARD:
+                raise Refused(f"a {request.workflow_type.name} is started with its first signal only")
+            return [needed]
+        signal = _signal_access(kind, request.signal_name, needed.name, request.workflow_id)
+        return list(dict.fromkeys([needed, signal]))
+    if method == "SignalWorkflowExecution":
+        workflow_id = _execution_id(request, "workflow_execution")
+        kind, name = workflow_kind(workflow_id)
+        return [_signal_access(kind, request.signal_name, name, workflow_id)]
+    if method in ("QueryWorkflow", "DescribeWorkflowExecution", "GetWorkflowExecutionHistory"):
+        workflow_id = _execution_id(request, "execution")
+        kind, name = workflow_kind(workflow_id)
+        if method == "QueryWorkflow" and request.query.query_type != STATUS_QUERY:
+            raise Refused(f"query {request.query.query_type!r} is not one a gpufleet command makes")
+        return [Access("get", kind.resource, name)]
+    if method == "RequestCancelWorkflowExecution":
+        workflow_id = _execution_id(request, "workflow_execution")
+        kind, name = workflow_kind(workflow_id)
+        if kind is not INCIDENT:
+            raise Refused(
+                f"only an incident is cancelled through the API (`gpufleet incidents cancel`), not {workflow_id}"
+            )
+        return [Access("cancel", kind.resource, name)]
+    raise Refused(f"{method} is not available through the gpufleet API: no gpufleet command calls it")
+
+
+def stamp(method: str, request: Any, user: str) -> None:
+    """Write the authenticated ``user`` into what the request records: its ``identity`` (the
+    history's event identity) and the ``by``/``requested_by`` of what a person asks for."""
+    if method in (
+        "StartWorkflowExecution",
+        "SignalWithStartWorkflowExecution",
+        "SignalWorkflowExecution",
+        "RequestCancelWorkflowExecution",
+    ):
+        request.identity = user
+    if method in ("StartWorkflowExecution", "SignalWithStartWorkflowExecution"):
+        _, _, field = _STARTS[request.workflow_type.name]
+        if field is not None:
+            _restamp(request.input, field, user)
+    if method == "RequestCancelWorkflowExecution":
+        request.reason = _cancel_reason(request.reason, user)
+    if method in ("SignalWorkflowExecution", "SignalWithStartWorkflowExecution"):
+        workflow_id = (
+            request.workflow_execution.workflow_id if method == "SignalWorkflowExecution" else request.workflow_id
+        )
+        kind, _ = workflow_kind(workflow_id)
+        where = kind.signals[request.signal_name][1]
+        if where is not None:
+            payloads = request.input if method == "SignalWorkflowExecution" else request.signal_input
+            if isinstance(where, str) and not payloads.payloads:
+                raise Refused(f"signal {request.signal_name!r} needs its argument", invalid=True)
+            _restamp(payloads, where, user)
+
+
+_CANCEL_BY = re.compile(r"^gpufleet incidents cancel by [^\s:]*")
+
+
+def _cancel_reason(reason: str, user: str) -> str:
+    """A cancel's reason as `gpufleet incidents cancel` writes it, naming the authenticated user."""
+    if _CANCEL_BY.match(reason):
+        return _CANCEL_BY.sub(lambda _: f"gpufleet incidents cancel by {user}", reason, count=1)
+    return f"gpufleet incidents cancel by {user}" + (f": {reason}" if reason else "")
