@@ -23,6 +23,7 @@ from temporalio.service import RPCError
 from lab.fleet import FleetLab, LabConfig
 from models.incident import Approval, IncidentStatus
 from tests.conftest import gpufleet_cli, gpufleet_cli_each
+from workflows.remediation import NodeRemediationWorkflow
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
@@ -51,7 +52,8 @@ async def _temporal(fleet: FleetLab) -> Client:
 
 def incident_status(fleet: FleetLab) -> IncidentStatus:
     async def query() -> IncidentStatus:
-        status: IncidentStatus = await (await _temporal(fleet)).get_workflow_handle(INCIDENT).query("status")
+        handle = (await _temporal(fleet)).get_workflow_handle(INCIDENT)
+        status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
         return status
 
     return asyncio.run(query())
@@ -103,7 +105,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
             handle = (await _temporal(lab)).get_workflow_handle(INCIDENT)
             for _ in range(300):
                 try:
-                    status: IncidentStatus = await handle.query("status")
+                    status: IncidentStatus = await handle.query(NodeRemediationWorkflow.status)
                     if status.waiting_for_approval is not None:
                         return
                 except RPCError:  # not started yet
