@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import ValidationError
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
@@ -17,6 +18,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from clients.kubeauth import Unauthenticated
 from gateway.intake import TokenBuckets
 from lab.procs import wait_for
+from models.intake import IntakeSettings
 from models.xid import XidEvent
 from tests.conftest import gpufleet_cli
 from tests.gateway.world import World, start_world
@@ -78,6 +80,35 @@ def test_a_token_for_one_node_cannot_report_another(world: World) -> None:
     log = world.intake.log.read_text()
     assert "refused (wrong_node): system:serviceaccount:gpufleet:gpufleet-detector claimed node gpu2" in log
     assert "its token speaks for gpu1" in log
+
+
+def test_a_pod_of_another_service_account_cannot_report_even_its_own_node(world: World) -> None:
+    # Any pod may project a token of its own ServiceAccount for audience gpufleet: a job's pod on
+    # gpu1 holds one, bound to gpu1. Only the detectors' account is believed.
+    before = world.intake.metrics()
+    answer = post(world, event("gpu1"), world.token("gpu1", pod="job"))
+    assert answer.status_code == 403
+    assert answer.json() == {"error": "system:serviceaccount:gpufleet:job-runner is not a detector's ServiceAccount"}
+    assert not workflow_exists(world, "remediate-lab-gpu1")
+    assert delta(world, before) == {
+        'gpufleet_intake_events_total{result="refused"}': 1,
+        'gpufleet_intake_refused_total{reason="wrong_service_account"}': 1,
+    }
+    log = world.intake.log.read_text()
+    assert (
+        "refused (wrong_service_account): system:serviceaccount:gpufleet:job-runner claimed node 'gpu1'; "
+        "only system:serviceaccount:gpufleet:gpufleet-detector may report"
+    ) in log
+
+
+def test_the_accepted_service_accounts_are_checked_at_start() -> None:
+    assert IntakeSettings(service_accounts=" gpufleet:prod-gpufleet-detector, ops:d ").reporters == {
+        "system:serviceaccount:gpufleet:prod-gpufleet-detector",
+        "system:serviceaccount:ops:d",
+    }
+    for wrong in ("gpufleet-detector", "gpufleet:", ":x", "Gpufleet:x", " , "):
+        with pytest.raises(ValidationError, match="NAMESPACE:NAME"):
+            IntakeSettings(service_accounts=wrong)
 
 
 def test_an_event_for_another_cluster_is_refused(world: World) -> None:
