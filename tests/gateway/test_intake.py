@@ -16,8 +16,9 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
 
 from clients.kubeauth import Unauthenticated
-from gateway.intake import TokenBuckets
+from gateway.intake import Intake, TokenBuckets
 from lab.procs import wait_for
+from models.auth import POD_NAME_EXTRA, POD_UID_EXTRA, Identity
 from models.intake import IntakeSettings
 from models.xid import XidEvent
 from tests.conftest import gpufleet_cli
@@ -204,3 +205,38 @@ def test_the_intake_will_not_start_without_its_certificate(tmp_path: Path) -> No
     )
     assert done.returncode == 2
     assert f"GPUFLEET_INTAKE_TLS_CERT={missing}: cannot be read (No such file or directory)" in done.stderr
+
+
+class _Pods:
+    """A reviewer whose pod lookups are recorded (only ``pod_node`` is asked here)."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str, str]] = []
+
+    def review_token(self, token: str, *, audiences: list[str]) -> Identity:
+        raise AssertionError("not asked")
+
+    def pod_node(self, namespace: str, name: str, uid: str = "") -> str | None:
+        self.asked.append((namespace, name, uid))
+        return "gpu1"
+
+
+def test_a_pod_is_looked_up_only_by_its_name_and_uid() -> None:
+    # Without the node-name extra the node is the bound pod's; a token that names no pod UID
+    # speaks for no node (a pod of that name now may be another one, on another node).
+    pods = _Pods()
+
+    async def go() -> None:
+        intake = Intake(cluster="lab", kube=pods, connect_temporal=_no_temporal, settings=IntakeSettings())
+        account = "system:serviceaccount:gpufleet:gpufleet-detector"
+        no_uid = Identity(name=account, groups=[], extra={POD_NAME_EXTRA: ["d-gpu1"]}, audiences=["gpufleet"])
+        assert await intake._node_of(no_uid) is None
+        both = no_uid.model_copy(update={"extra": {POD_NAME_EXTRA: ["d-gpu1"], POD_UID_EXTRA: ["u1"]}})
+        assert await intake._node_of(both) == "gpu1"
+
+    asyncio.run(go())
+    assert pods.asked == [("gpufleet", "d-gpu1", "u1")]
+
+
+async def _no_temporal() -> Client:
+    raise AssertionError("Temporal is not reached")
