@@ -298,9 +298,9 @@ class FleetLab:
             seed = self.home / "kube-seed.json"
             seed.write_text(json.dumps(self._kube_seed()))
             kubeconfig = self.home / "kubeconfig"
-            pid, url = self._start_module(
-                "kubeapi", ["--seed", str(seed), "--kubeconfig", str(kubeconfig)], what="the emulated Kubernetes API"
-            )
+            # Its signing key kept in the lab's home: the detectors' tokens outlive its restart.
+            args = ["--seed", str(seed), "--kubeconfig", str(kubeconfig), "--signing-key", str(self.kube_signing_key)]
+            pid, url = self._start_module("kubeapi", args, what="the emulated Kubernetes API")
             services["kubeapi"] = {"pid": pid, "url": url, "kubeconfig": str(kubeconfig)}
             say(f"emulated Kubernetes API on {services['kubeapi']['url']} (kubeconfig {kubeconfig})")
             self._save({**state, "services": services})
@@ -527,6 +527,11 @@ class FleetLab:
             env["GPUFLEET_INTAKE_CA_FILE"] = intake["ca"]
             env["GPUFLEET_INTAKE_TOKEN_FILE"] = str(self.token_folder / node)
         return env
+
+    @property
+    def kube_signing_key(self) -> Path:
+        """The key the emulated API signs ServiceAccount tokens with, made at its first start."""
+        return self.home / "kube-signing.key"
 
     @property
     def token_folder(self) -> Path:

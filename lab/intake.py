@@ -64,7 +64,8 @@ def detector_seed(nodes: list[str]) -> dict[str, list[dict[str, Any]]]:
             {
                 "apiVersion": "v1",
                 "kind": "ServiceAccount",
-                "metadata": {"name": DETECTOR_ACCOUNT, "namespace": NAMESPACE},
+                # A fixed UID, as the pods' (its tokens name both): they outlive a restart of the API.
+                "metadata": {"name": DETECTOR_ACCOUNT, "namespace": NAMESPACE, "uid": "lab-detector-account"},
             }
         ],
         "pods": pods,
