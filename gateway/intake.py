@@ -91,8 +91,15 @@ def server_tls(cert: Path | None, key: Path | None) -> ssl.SSLContext:
             raise IntakeTlsError(f"{name}={path}: cannot be read ({exc.strerror or exc})") from None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+
+    def encrypted() -> bytes:  # asked by OpenSSL for an encrypted key, in place of a prompt on the tty
+        raise IntakeTlsError(
+            f"GPUFLEET_INTAKE_TLS_KEY={key}: the key is encrypted; give it unencrypted (as a kubernetes.io/tls "
+            "Secret holds it), e.g. `openssl pkey -in KEY -out KEY.plain`"
+        )
+
     try:
-        context.load_cert_chain(certfile=str(cert), keyfile=str(key))
+        context.load_cert_chain(certfile=str(cert), keyfile=str(key), password=encrypted)
     except ssl.SSLError as exc:
         raise IntakeTlsError(
             f"GPUFLEET_INTAKE_TLS_CERT={cert} and GPUFLEET_INTAKE_TLS_KEY={key}: not a PEM certificate and its "

@@ -4,6 +4,7 @@ a detector speaks only for its own node, its own cluster, at its own rate."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
 
 from clients.kubeauth import Unauthenticated
-from gateway.intake import Intake, TokenBuckets
+from gateway.intake import Intake, IntakeTlsError, TokenBuckets, server_tls
 from lab.procs import wait_for
 from models.auth import POD_NAME_EXTRA, POD_UID_EXTRA, Identity
 from models.intake import IntakeSettings
@@ -240,3 +241,15 @@ def test_a_pod_is_looked_up_only_by_its_name_and_uid() -> None:
 
 async def _no_temporal() -> Client:
     raise AssertionError("Temporal is not reached")
+
+
+def test_an_encrypted_key_is_named_not_prompted_for(tmp_path: Path) -> None:
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    argv = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-days", "1", "-subj", "/CN=localhost"]
+    subprocess.run(
+        [*argv, "-keyout", str(key), "-out", str(cert), "-passout", "pass:secret"],
+        check=True,
+        capture_output=True,
+    )
+    with pytest.raises(IntakeTlsError, match=f"GPUFLEET_INTAKE_TLS_KEY={key}: the key is encrypted"):
+        server_tls(cert, key)
