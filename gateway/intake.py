@@ -19,6 +19,7 @@ claimed and the identity, and counted (models/intake.py names the metrics).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -37,6 +38,7 @@ from temporalio.service import RPCError
 
 from clients.errors import ClientError
 from clients.kubeauth import Unauthenticated
+from gateway.cache import ExpiringCache
 from models.auth import INTAKE_AUDIENCE, Identity
 from models.intake import (
     EVENTS,
@@ -184,6 +186,8 @@ class Intake:
         self.cluster = cluster
         self.dry_run = dry_run  # GPUFLEET_DRY_RUN: every incident opened here is a dry run
         self._kube = kube
+        # Reviewed tokens, by their digest: a detector draining a backlog costs one TokenReview.
+        self._reviewed = ExpiringCache()
         self._connect = connect_temporal
         self._client: Client | None = None
         self._connecting = asyncio.Lock()
@@ -283,8 +287,12 @@ class Intake:
 
     async def _review(self, token: str, request: web.Request) -> Identity:
         peer = request.remote or "?"
+        key = hashlib.sha256(token.encode()).hexdigest()
+        cached = self._reviewed.get(key)
+        if isinstance(cached, Identity):
+            return cached
         try:
-            return await asyncio.to_thread(self._kube.review_token, token, audiences=[INTAKE_AUDIENCE])
+            identity = await asyncio.to_thread(self._kube.review_token, token, audiences=[INTAKE_AUDIENCE])
         except Unauthenticated as exc:
             claimed = await _claimed_node(request)
             log.warning(
@@ -301,6 +309,8 @@ class Intake:
             raise Refusal(
                 503, "unavailable", "cannot check the token now; retry later", retry_after=UNAVAILABLE_RETRY_SECONDS
             ) from None
+        self._reviewed.put(key, identity)
+        return identity
 
     async def _body(self, request: web.Request, identity: Identity) -> IntakeEvent:
         try:
