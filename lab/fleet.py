@@ -22,7 +22,7 @@ from lab.access import DEFAULT_USER, USERS, api_answers, api_certificate, apply_
 from lab.cluster import stop_all
 from lab.dynamic import DynamicSlurmLab
 from lab.faults import FAULTS_ENV, Effect, GpuFaults
-from lab.intake import certificate, detector_seed, healthy, write_tokens
+from lab.intake import REPORTERS, certificate, detector_seed, healthy, write_tokens
 from lab.kubeapi import inference_workloads, lab_workloads, merge_seeds, node_object, training_node
 from lab.procs import alive, free_port, port_in_use, spawn, stop, wait_for
 from lab.prometheus import prometheus_installed, start_prometheus
@@ -579,6 +579,7 @@ class FleetLab:
             "GPUFLEET_INTAKE_METRICS_PORT": str(metrics_port),
             "GPUFLEET_INTAKE_TLS_CERT": str(certs.cert),
             "GPUFLEET_INTAKE_TLS_KEY": str(certs.key),
+            "GPUFLEET_INTAKE_SERVICE_ACCOUNTS": REPORTERS,
             # The lab's drills fire bursts of Xids at a node: room for them, a limit all the same.
             "GPUFLEET_INTAKE_RATE": "600",
             "GPUFLEET_INTAKE_BURST": "200",
