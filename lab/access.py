@@ -24,6 +24,7 @@ import csv
 import io
 import os
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,5 +160,7 @@ def api_answers(address: str, ca: Path, token: str) -> bool:
         tls = TLSConfig(server_root_ca_cert=ca.read_bytes())
         await asyncio.wait_for(Client.connect(address, tls=tls, api_key=token), timeout=5)
 
-    asyncio.run(connect())
+    # In a thread of its own: lab up may be called from a running event loop (a chaos run's).
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        thread.submit(asyncio.run, connect()).result()
     return True
