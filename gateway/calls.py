@@ -20,7 +20,9 @@ from typing import Any
 from google.protobuf.message import Message
 from pydantic import BaseModel, ValidationError
 from temporalio.api.common.v1 import Payloads
+from temporalio.api.enums.v1 import WorkflowIdConflictPolicy, WorkflowIdReusePolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.converter import decode_typed_search_attributes
 
 from models.clusterops import (
     CLUSTER_CREATION_WORKFLOW,
@@ -43,6 +45,10 @@ from models.constants import (
     RELEASE_NODE_WORKFLOW,
     REMEDIATION_WORKFLOW,
     RETURN_NODE_WORKFLOW,
+    SA_CLUSTER,
+    SA_EVENT_KIND,
+    SA_GPU_NODE,
+    SA_XID,
     dry_run_workflow_id,
     guard_task_queue,
     guard_workflow_id,
@@ -227,6 +233,101 @@ def _restamp(payloads: Payloads, where: str | int, user: str) -> None:
     payloads.payloads[0].CopyFrom(convert.to_payloads([body])[0])
 
 
+# The fields of a request a gpufleet command sets; any other one set is refused, named (a cron
+# schedule, a retry policy, a memo, eager execution, completion callbacks, links, a versioning
+# override, a start delay, ...: none is a command's, and some would let a caller act as a worker,
+# have Temporal call out, or end a workflow early).
+_FIELDS: dict[str, frozenset[str]] = {
+    "StartWorkflowExecution": frozenset(
+        {
+            "namespace",
+            "workflow_id",
+            "workflow_type",
+            "task_queue",
+            "input",
+            "identity",
+            "request_id",
+            "workflow_id_reuse_policy",
+            "workflow_id_conflict_policy",
+            "workflow_execution_timeout",
+            "workflow_run_timeout",
+            "workflow_task_timeout",
+            "search_attributes",
+            "user_metadata",
+            "header",
+        }
+    ),
+    "SignalWorkflowExecution": frozenset(
+        {"namespace", "workflow_execution", "signal_name", "input", "identity", "request_id", "header"}
+    ),
+    "RequestCancelWorkflowExecution": frozenset(
+        {"namespace", "workflow_execution", "identity", "request_id", "reason", "first_execution_run_id"}
+    ),
+}
+_FIELDS["SignalWithStartWorkflowExecution"] = _FIELDS["StartWorkflowExecution"] | {"signal_name", "signal_input"}
+# What replaces a running workflow (it ends without its compensation, as a terminate would).
+_TERMINATING = (
+    WorkflowIdReusePolicy.WORKFLOW_ID_REUSE_POLICY_TERMINATE_IF_RUNNING,
+    WorkflowIdConflictPolicy.WORKFLOW_ID_CONFLICT_POLICY_TERMINATE_EXISTING,
+)
+# The search attributes an incident is started with (starters/temporal.py report_xid).
+_INCIDENT_ATTRIBUTES = frozenset(key.name for key in (SA_GPU_NODE, SA_CLUSTER, SA_EVENT_KIND, SA_XID))
+
+
+def _options(method: str, request: Any) -> None:
+    """Refuse a field of ``request`` that no gpufleet command sets (default deny, field by field)."""
+    for field, _ in request.ListFields():
+        if field.name not in _FIELDS[method]:
+            raise Refused(f"field {field.name} is not one a gpufleet command sets")
+    if "header" in _FIELDS[method] and request.header.fields:
+        raise Refused(f"header {sorted(request.header.fields)} is not one a gpufleet command sends")
+    if method in ("StartWorkflowExecution", "SignalWithStartWorkflowExecution") and (
+        request.workflow_id_reuse_policy in _TERMINATING or request.workflow_id_conflict_policy in _TERMINATING
+    ):
+        raise Refused(f"a start that terminates the running {request.workflow_id} (terminate is not available)")
+
+
+def _start_options(kind: Kind, request: Any, incident: RemediationInput | None) -> None:
+    """The timeouts and search attributes a start of ``kind`` may carry: those its command sets."""
+    for field in ("workflow_execution_timeout", "workflow_run_timeout"):
+        if request.HasField(field) and kind not in (QUARANTINED, RELEASE):
+            raise Refused(f"field {field}: a {request.workflow_type.name} runs until it ends, never cut short")
+    if request.HasField("workflow_task_timeout") and kind is not INCIDENT:
+        raise Refused(f"field workflow_task_timeout is not one a {request.workflow_type.name} is started with")
+    if not request.search_attributes.indexed_fields:
+        return
+    if incident is None:
+        raise Refused(f"field search_attributes is not one a {request.workflow_type.name} is started with")
+    given = set(request.search_attributes.indexed_fields)
+    if not given <= _INCIDENT_ATTRIBUTES:
+        raise Refused(f"search attributes {sorted(given - _INCIDENT_ATTRIBUTES)} are none an incident is started with")
+    try:
+        attributes = decode_typed_search_attributes(request.search_attributes)
+    except Exception as exc:  # the SDK's decoder raises what a malformed payload makes it raise
+        raise Refused(f"search attributes: {exc}", invalid=True) from None
+    for key, expected in ((SA_CLUSTER, incident.cluster), (SA_GPU_NODE, incident.node)):
+        if key.name in given and attributes.get(key) != expected:
+            raise Refused(f"search attribute {key.name} must be {expected!r}, the incident's", invalid=True)
+
+
+# The fields of a start's input that only the workflow itself sets, when it continues as new: a
+# person who starts one with them would hand it a past it never had.
+_WORKFLOW_ONLY: dict[type[BaseModel], tuple[str, ...]] = {
+    RemediationInput: ("carried", "pending_events"),
+    GuardInput: ("state",),
+    PoolState: tuple(name for name in PoolState.model_fields if name != "settings"),
+}
+
+
+def _fresh(given: BaseModel) -> None:
+    """Refuse an input whose workflow-only fields are not their defaults."""
+    model = type(given)
+    for name in _WORKFLOW_ONLY.get(model, ()):
+        field = model.model_fields[name]
+        if getattr(given, name) != field.get_default(call_default_factory=True):
+            raise Refused(f"field {name} of a {model.__name__} is set only by the workflow itself", invalid=True)
+
+
 def _start_access(workflow_type: str, workflow_id: str, queue: str, payloads: Payloads) -> tuple[Kind, Access]:
     """The kind and permission of a start, once its ID and task queue agree with its input."""
     if workflow_type not in _STARTS:
@@ -238,12 +339,14 @@ def _start_access(workflow_type: str, workflow_id: str, queue: str, payloads: Pa
     expected: tuple[str, str]  # (the ID it must have, its task queue)
     if kind is INCIDENT:
         incident: RemediationInput = _decode(payloads, 0, RemediationInput)
+        _fresh(incident)
         _names(incident.cluster, incident.node)
         make_incident = dry_run_workflow_id if incident.dry_run else remediation_workflow_id
         expected = (make_incident(incident.cluster, incident.node), task_queue(incident.cluster))
         name = incident.node
     elif kind is GUARD:
         guard: GuardInput = _decode(payloads, 0, GuardInput)
+        _fresh(guard)
         expected = (guard_workflow_id(guard.cluster), guard_task_queue(guard.cluster))
     elif kind in (RETURN, RELEASE):
         request = _decode(payloads, 0, ReturnNodeRequest if kind is RETURN else ReleaseNodeRequest)
@@ -252,9 +355,12 @@ def _start_access(workflow_type: str, workflow_id: str, queue: str, payloads: Pa
         make = return_workflow_id if kind is RETURN else release_workflow_id
         expected, name = (make(cluster, request.node), task_queue(cluster)), request.node
     elif kind is QUARANTINED:
+        if payloads.payloads:
+            raise Refused(f"a {workflow_type} takes no input", invalid=True)
         expected = (workflow_id, task_queue(name))
     elif kind is POOL:
         state: PoolState = _decode(payloads, 0, PoolState)
+        _fresh(state)
         _names(state.settings.cluster)
         expected = (pool_workflow_id(state.settings.name), task_queue(state.settings.cluster))
     else:
@@ -325,10 +431,14 @@ def access(method: str, request: Any, *, namespace: str) -> list[Access]:
         return []
     if method in ("ListWorkflowExecutions", "CountWorkflowExecutions"):
         return listing_access(request.query)
+    if method in _FIELDS:
+        _options(method, request)
     if method in ("StartWorkflowExecution", "SignalWithStartWorkflowExecution"):
         kind, needed = _start_access(
             request.workflow_type.name, request.workflow_id, request.task_queue.name, request.input
         )
+        incident = _decode(request.input, 0, RemediationInput) if kind is INCIDENT else None
+        _start_options(kind, request, incident)
         if method == "StartWorkflowExecution":
             if kind is INCIDENT or kind is GUARD:
                 raise Refused(f"a {request.workflow_type.name} is started with its first signal only")
