@@ -394,25 +394,38 @@ def _signal_access(kind: Kind, signal: str, name: str, workflow_id: str) -> Acce
     return Access(kind.signals[signal][0], kind.resource, name)
 
 
-_TYPE_TERM = re.compile(r"""WorkflowType\s*=\s*(?:'([^']*)'|"([^"]*)")""")
-_ID_TERM = re.compile(r"""WorkflowId\s*=\s*(?:'([^']*)'|"([^"]*)")""")
+# A string literal of Temporal's list filter: quoted with ', " or ` (backslash escapes; a doubled
+# quote reads as two literals side by side, which covers the same text).
+_LITERAL = re.compile(r"""'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|`(?:[^`\\]|\\.)*`""")
+_TERM = re.compile(r"\b(WorkflowType|WorkflowId)\s*=\s*\x00(\d+)\x00")
+# What may make a filter reach beyond a type or ID it names: an or, a not, a comment that hides a
+# term, an unbalanced quote.
+_WIDE = re.compile(r"\b(?:or|not|xor)\b|\||!|<>|/\*|\*/|--|#|['\"`]", re.IGNORECASE)
 
 
 def listing_access(query: str) -> list[Access]:
     """What a listing (or count) of workflows needs: ``list`` on the resource of each gpufleet
     workflow type or ID it names; ``workflows list`` too when it names none, names another, or
-    may reach beyond them (an OR, a NOT)."""
+    may reach beyond them (an OR, a NOT, a comment). Only a term outside the filter's string
+    literals names anything."""
+    literals: list[str] = []
+
+    def hide(found: re.Match[str]) -> str:
+        literals.append(found[0][1:-1])
+        return f"\x00{len(literals) - 1}\x00"
+
+    bare = _LITERAL.sub(hide, query)
     needed: list[Access] = []
-    wide = not query.strip() or re.search(r"\b(?:or|not)\b|!=", query, re.IGNORECASE) is not None
-    for found in _TYPE_TERM.finditer(query):
-        named = found[1] if found[1] is not None else found[2]
-        if named in _TYPE_RESOURCES:
+    wide = not query.strip() or "\x00" in query or _WIDE.search(bare) is not None
+    for found in _TERM.finditer(bare):
+        named = literals[int(found[2])]
+        if found[1] == "WorkflowId":
+            kind, name = workflow_kind(named)
+            needed.append(Access("list", kind.resource, name))
+        elif named in _TYPE_RESOURCES:
             needed.append(Access("list", _TYPE_RESOURCES[named]))
         else:
             wide = True
-    for found in _ID_TERM.finditer(query):
-        kind, name = workflow_kind(found[1] if found[1] is not None else found[2])
-        needed.append(Access("list", kind.resource, name))
     if wide or not needed:
         needed.append(Access("list", "workflows"))
     return list(dict.fromkeys(needed))

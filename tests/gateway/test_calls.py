@@ -532,6 +532,30 @@ def test_who_asked_is_the_authenticated_user_whatever_the_client_said() -> None:
     assert (request.identity, request.reason) == ("bob", "gpufleet incidents cancel by bob: wrong node")
 
 
+@pytest.mark.parametrize(
+    "query",
+    [
+        # A term inside a comment or a string literal filters nothing.
+        "/* WorkflowType='NodeRemediationWorkflow' */ ExecutionStatus='Running'",
+        "WorkflowId >= \"WorkflowType='NodeRemediationWorkflow'\"",
+        "ExecutionStatus='Running' -- WorkflowType='NodeRemediationWorkflow'",
+        # Other spellings of or and not.
+        "WorkflowType='NodeRemediationWorkflow' || ExecutionStatus='Running'",
+        "WorkflowType='NodeRemediationWorkflow' AND WorkflowId <> 'x'",
+        "WorkflowType='NodeRemediationWorkflow' XOR ExecutionStatus='Running'",
+    ],
+)
+def test_a_listing_that_may_reach_beyond_what_it_names_needs_the_wider_permission(query: str) -> None:
+    assert Access("list", "workflows") in listing_access(query)
+
+
+def test_a_listing_of_what_the_commands_name_needs_only_that() -> None:
+    assert listing_access("WorkflowType='FleetGuardWorkflow' AND ExecutionStatus='Running'") == [
+        Access("list", "breaker")
+    ]
+    assert listing_access('WorkflowId = "cluster-research"') == [Access("list", "clusters", "research")]
+
+
 def _incident(**options: Any) -> ws.SignalWithStartWorkflowExecutionRequest:
     request = signal_with_start(
         "NodeRemediationWorkflow",
