@@ -255,6 +255,7 @@ _FIELDS: dict[str, frozenset[str]] = {
             "search_attributes",
             "user_metadata",
             "header",
+            "priority",  # the SDK's default, empty: checked below
         }
     ),
     "SignalWorkflowExecution": frozenset(
@@ -281,6 +282,8 @@ def _options(method: str, request: Any) -> None:
             raise Refused(f"field {field.name} is not one a gpufleet command sets")
     if "header" in _FIELDS[method] and request.header.fields:
         raise Refused(f"header {sorted(request.header.fields)} is not one a gpufleet command sends")
+    if "priority" in _FIELDS[method] and request.priority.ListFields():
+        raise Refused("field priority: every gpufleet command is started at the default priority")
     if method in ("StartWorkflowExecution", "SignalWithStartWorkflowExecution") and (
         request.workflow_id_reuse_policy in _TERMINATING or request.workflow_id_conflict_policy in _TERMINATING
     ):

@@ -15,6 +15,7 @@ from temporalio.api.common.v1 import (
     Link,
     Memo,
     Payloads,
+    Priority,
     RetryPolicy,
     WorkflowExecution,
     WorkflowType,
@@ -584,6 +585,7 @@ OPTIONS_REFUSED: list[tuple[str, Any, str]] = [
         "field completion_callbacks",
     ),
     ("StartWorkflowExecution", _return(retry_policy=RetryPolicy(maximum_attempts=0)), "field retry_policy"),
+    ("StartWorkflowExecution", _return(priority=Priority(priority_key=1)), "field priority"),
     ("StartWorkflowExecution", _return(memo=Memo(fields={"by": CONVERT.to_payloads(["mallory"])[0]})), "field memo"),
     (
         "StartWorkflowExecution",
