@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from google.protobuf.message import Message
@@ -75,6 +76,8 @@ SERVICE = "temporal.api.workflowservice.v1.WorkflowService"
 # The one query every gpufleet workflow answers; Temporal's built-in ones (__stack_trace, ...) are refused.
 STATUS_QUERY = "status"
 ROLE_HINT = "ask for the gpufleet-approver or gpufleet-operator role"
+# The shortest workflow task timeout a start may give (an incident's is 5 s).
+MIN_TASK_TIMEOUT = timedelta(seconds=1)
 
 
 class Refused(Exception):
@@ -295,8 +298,12 @@ def _start_options(kind: Kind, request: Any, incident: RemediationInput | None) 
     for field in ("workflow_execution_timeout", "workflow_run_timeout"):
         if request.HasField(field) and kind not in (QUARANTINED, RELEASE):
             raise Refused(f"field {field}: a {request.workflow_type.name} runs until it ends, never cut short")
-    if request.HasField("workflow_task_timeout") and kind is not INCIDENT:
-        raise Refused(f"field workflow_task_timeout is not one a {request.workflow_type.name} is started with")
+    if request.HasField("workflow_task_timeout"):
+        if kind is not INCIDENT:
+            raise Refused(f"field workflow_task_timeout is not one a {request.workflow_type.name} is started with")
+        if request.workflow_task_timeout.ToTimedelta() < MIN_TASK_TIMEOUT:
+            # Every workflow task would time out: the incident would never move.
+            raise Refused(f"workflow_task_timeout under {MIN_TASK_TIMEOUT.seconds} s", invalid=True)
     if not request.search_attributes.indexed_fields:
         return
     if incident is None:

@@ -704,3 +704,12 @@ def test_a_start_may_not_hand_a_workflow_a_past(method: str, request_: Any, fiel
     with pytest.raises(Refused, match=field) as refused:
         access(method, request_, namespace=NS)
     assert refused.value.invalid
+
+
+def test_an_incident_whose_every_task_would_time_out_is_refused() -> None:
+    request = _incident()
+    request.workflow_task_timeout.FromTimedelta(timedelta(seconds=5))
+    assert access("SignalWithStartWorkflowExecution", request, namespace=NS) == [Access("create", "incidents", "gpu1")]
+    request.workflow_task_timeout.FromTimedelta(timedelta(milliseconds=1))
+    with pytest.raises(Refused, match="workflow_task_timeout under 1 s"):
+        access("SignalWithStartWorkflowExecution", request, namespace=NS)
