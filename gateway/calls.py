@@ -71,10 +71,12 @@ from models.poolops import (
     pool_workflow_id,
 )
 from models.requests import ReleaseNodeRequest, ReturnNodeRequest
+from models.xid import XidEvent
 
 SERVICE = "temporal.api.workflowservice.v1.WorkflowService"
 # The one query every gpufleet workflow answers; Temporal's built-in ones (__stack_trace, ...) are refused.
 STATUS_QUERY = "status"
+XID_SIGNAL = "report_xid"  # an incident's Xid (starters/temporal.py report_xid)
 ROLE_HINT = "ask for the gpufleet-approver or gpufleet-operator role"
 # The shortest workflow task timeout a start may give (an incident's is 5 s).
 MIN_TASK_TIMEOUT = timedelta(seconds=1)
@@ -114,7 +116,7 @@ class Kind:
 INCIDENT = Kind(
     "incidents",
     {
-        "report_xid": ("create", None),
+        XID_SIGNAL: ("create", None),
         "checkpoint_done": ("update", None),
         "spare_available": ("update", None),
         "decide": ("approve", "by"),
@@ -169,6 +171,15 @@ _STARTS: dict[str, tuple[Kind, str, str | None]] = {
     CLUSTER_USERS_WORKFLOW: (USERS, "update", "requested_by"),
 }
 _TYPE_RESOURCES = {name: kind.resource for name, (kind, _, _) in _STARTS.items()}
+
+
+def _valid_pair(cluster: str, node: str) -> bool:
+    try:
+        validate_cluster_name(cluster)
+        validate_node_name(node)
+    except InvalidName:
+        return False
+    return True
 
 
 def _pair(rest: str) -> bool:
@@ -398,6 +409,19 @@ def _names(cluster: str, node: str | None = None) -> None:
         raise Refused(str(exc), invalid=True) from None
 
 
+def _same_node(payloads: Payloads, workflow_id: str, node: str | None) -> None:
+    """Refuse an Xid for another node than the incident's (``node``; None: read from its ID,
+    CLUSTER-NODE, as the node it ends with)."""
+    event: XidEvent = _decode(payloads, 0, XidEvent)
+    if node is None:
+        cluster = workflow_id.split("-", 1)[1].removesuffix(f"-{event.node}")
+        matches = workflow_id.endswith(f"-{cluster}-{event.node}") and _valid_pair(cluster, event.node)
+    else:
+        matches = event.node == node
+    if not matches:
+        raise Refused(f"an Xid of {event.node} is not for incident {workflow_id}", invalid=True)
+
+
 def _signal_access(kind: Kind, signal: str, name: str, workflow_id: str) -> Access:
     if signal not in kind.signals:
         raise Refused(f"signal {signal!r} to {workflow_id} is not one a gpufleet command sends")
@@ -467,11 +491,16 @@ def access(method: str, request: Any, *, namespace: str) -> list[Access]:
                 raise Refused(f"a {request.workflow_type.name} is started with its first signal only")
             return [needed]
         signal = _signal_access(kind, request.signal_name, needed.name, request.workflow_id)
+        if incident is not None and request.signal_name == XID_SIGNAL:
+            _same_node(request.signal_input, request.workflow_id, incident.node)
         return list(dict.fromkeys([needed, signal]))
     if method == "SignalWorkflowExecution":
         workflow_id = _execution_id(request, "workflow_execution")
         kind, name = workflow_kind(workflow_id)
-        return [_signal_access(kind, request.signal_name, name, workflow_id)]
+        needed = _signal_access(kind, request.signal_name, name, workflow_id)
+        if kind is INCIDENT and request.signal_name == XID_SIGNAL:
+            _same_node(request.input, workflow_id, None)
+        return [needed]
     if method in ("QueryWorkflow", "DescribeWorkflowExecution", "GetWorkflowExecutionHistory"):
         workflow_id = _execution_id(request, "execution")
         kind, name = workflow_kind(workflow_id)

@@ -713,3 +713,26 @@ def test_an_incident_whose_every_task_would_time_out_is_refused() -> None:
     request.workflow_task_timeout.FromTimedelta(timedelta(milliseconds=1))
     with pytest.raises(Refused, match="workflow_task_timeout under 1 s"):
         access("SignalWithStartWorkflowExecution", request, namespace=NS)
+
+
+def test_an_xid_is_for_the_incident_s_own_node() -> None:
+    other = XidEvent(node="gpu2", xid=79, source="cli")
+    with pytest.raises(Refused, match="an Xid of gpu2 is not for incident remediate-lab-gpu1") as refused:
+        access(
+            "SignalWithStartWorkflowExecution",
+            signal_with_start(
+                "NodeRemediationWorkflow",
+                "remediate-lab-gpu1",
+                "gpufleet-lab",
+                "report_xid",
+                RemediationInput(cluster="lab", node="gpu1"),
+                other,
+            ),
+            namespace=NS,
+        )
+    assert refused.value.invalid
+    with pytest.raises(Refused, match="an Xid of gpu2 is not for incident remediate-lab-gpu1"):
+        access("SignalWorkflowExecution", signal("remediate-lab-gpu1", "report_xid", other), namespace=NS)
+    assert access("SignalWorkflowExecution", signal("remediate-lab-gpu1", "report_xid", XID), namespace=NS) == [
+        Access("create", "incidents")
+    ]
