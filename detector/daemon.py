@@ -278,6 +278,9 @@ class Delivery:
             try:
                 incident = await self._send(event)
             except PostFailed as exc:
+                if exc.status == 400:  # this event, not the path: set it aside, go on with the next
+                    self.spool.set_aside_refused(path, str(exc))
+                    continue
                 self._failed(event, exc)
                 return sent
             self.spool.done(path)
@@ -321,14 +324,6 @@ class Delivery:
                 event.node,
                 self.intake.token_file if self.intake is not None else "?",
                 event.node,
-                kept,
-                wait,
-            )
-        elif exc.status == 400:
-            log.error(
-                "%s: the intake cannot read the event (a detector and an intake of different versions?); "
-                "%d event(s) kept spooled, retrying in %.1fs",
-                exc,
                 kept,
                 wait,
             )

@@ -94,5 +94,14 @@ class Spool:
         self.set_aside += 1
         log.error("spool file %s holds no event (%s); set aside as %s", path, _one_line(exc), corrupt.name)
 
+    def set_aside_refused(self, path: Path, why: str) -> Path:
+        """Keep an event its receiver cannot read (``NAME.refused``), out of the way of those behind
+        it: one unreadable event must not hold back a later fatal Xid. A person can post it again."""
+        refused = path.with_name(path.name + ".refused")
+        path.replace(refused)
+        self.set_aside += 1
+        log.error("spooled event %s refused as unreadable (%s); set aside as %s", path, why, refused.name)
+        return refused
+
     def done(self, path: Path) -> None:
         path.unlink(missing_ok=True)

@@ -22,7 +22,6 @@ import logging
 import re
 import ssl
 import tempfile
-import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +37,7 @@ from temporalio.service import RPCError
 
 from clients.errors import ClientError
 from clients.kubeauth import Unauthenticated
+from gateway.cache import ExpiringCache
 from gateway.calls import SERVICE, Access, Refused, access, stamp
 from models.auth import API_GROUP, Identity
 
@@ -46,9 +46,6 @@ log = logging.getLogger("gpufleet.api")
 DEFAULT_PORT = 7243
 DEFAULT_METRICS_PORT = 9466
 REQUESTS_METRIC = "gpufleet_api_requests"  # Prometheus shows it as gpufleet_api_requests_total
-# How long a token's review and a permission's answer are reused: a token revoked, or a binding
-# removed, takes effect after this at most (Kubernetes' own webhook authorizers cache likewise).
-CACHE_SECONDS = 10.0
 # The calls that change nothing (every other one is logged with who made it).
 READS = frozenset(
     {
@@ -60,7 +57,6 @@ READS = frozenset(
         "CountWorkflowExecutions",
     }
 )
-CACHE_ENTRIES = 4096
 # What a caller reads when the Kubernetes API did not answer a review.
 UNCHECKED = "the Kubernetes API did not answer the gpufleet API (its log says why); try again"
 
@@ -118,27 +114,6 @@ def role_for(needed: Access) -> str:
     return "gpufleet-operator"
 
 
-class _Cache:
-    """A small map whose entries expire after CACHE_SECONDS."""
-
-    def __init__(self) -> None:
-        self._entries: dict[Any, tuple[float, Any]] = {}
-
-    def get(self, key: Any) -> Any:
-        found = self._entries.get(key)
-        if found is None or found[0] < time.monotonic():
-            return None
-        return found[1]
-
-    def put(self, key: Any, value: Any) -> None:
-        if len(self._entries) >= CACHE_ENTRIES:
-            now = time.monotonic()
-            self._entries = {k: v for k, v in self._entries.items() if v[0] >= now}
-            if len(self._entries) >= CACHE_ENTRIES:
-                self._entries.clear()
-        self._entries[key] = (time.monotonic() + CACHE_SECONDS, value)
-
-
 def certificate_identity(auth_context: Mapping[str, Iterable[bytes]]) -> Identity | None:
     """The user of a client certificate TLS verified (CN: name, O: groups), as Kubernetes reads one;
     None when the caller sent none."""
@@ -173,8 +148,8 @@ class Gateway:
         self._authority = authority
         self._certificates = client_certificates
         self._requests = requests
-        self._tokens = _Cache()
-        self._answers = _Cache()
+        self._tokens = ExpiringCache()
+        self._answers = ExpiringCache()
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler for ``/temporal.api.workflowservice.v1.WorkflowService/<Method>``."""

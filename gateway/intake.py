@@ -10,7 +10,8 @@ an accepted event opens or joins the node's incident exactly as ``gpufleet remed
 
 Answers: 202 ``{"incident": ID}``; 400 a body that is no event; 401 no token, or one the API
 server does not vouch for with audience ``gpufleet`` (unknown, expired, another audience); 403 a
-token for another node, or an event for another cluster; 429 over the node's rate (Retry-After);
+token of another ServiceAccount than the detectors' (GPUFLEET_INTAKE_SERVICE_ACCOUNTS), a token
+for another node, or an event for another cluster; 429 over the node's rate (Retry-After);
 503 Temporal or the Kubernetes API unreachable (Retry-After). Every refusal is logged with the node
 claimed and the identity, and counted (models/intake.py names the metrics).
 """
@@ -18,6 +19,7 @@ claimed and the identity, and counted (models/intake.py names the metrics).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -36,6 +38,7 @@ from temporalio.service import RPCError
 
 from clients.errors import ClientError
 from clients.kubeauth import Unauthenticated
+from gateway.cache import ExpiringCache
 from models.auth import INTAKE_AUDIENCE, Identity
 from models.intake import (
     EVENTS,
@@ -90,8 +93,15 @@ def server_tls(cert: Path | None, key: Path | None) -> ssl.SSLContext:
             raise IntakeTlsError(f"{name}={path}: cannot be read ({exc.strerror or exc})") from None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+
+    def encrypted() -> bytes:  # asked by OpenSSL for an encrypted key, in place of a prompt on the tty
+        raise IntakeTlsError(
+            f"GPUFLEET_INTAKE_TLS_KEY={key}: the key is encrypted; give it unencrypted (as a kubernetes.io/tls "
+            "Secret holds it), e.g. `openssl pkey -in KEY -out KEY.plain`"
+        )
+
     try:
-        context.load_cert_chain(certfile=str(cert), keyfile=str(key))
+        context.load_cert_chain(certfile=str(cert), keyfile=str(key), password=encrypted)
     except ssl.SSLError as exc:
         raise IntakeTlsError(
             f"GPUFLEET_INTAKE_TLS_CERT={cert} and GPUFLEET_INTAKE_TLS_KEY={key}: not a PEM certificate and its "
@@ -176,10 +186,13 @@ class Intake:
         self.cluster = cluster
         self.dry_run = dry_run  # GPUFLEET_DRY_RUN: every incident opened here is a dry run
         self._kube = kube
+        # Reviewed tokens, by their digest: a detector draining a backlog costs one TokenReview.
+        self._reviewed = ExpiringCache()
         self._connect = connect_temporal
         self._client: Client | None = None
         self._connecting = asyncio.Lock()
         self._buckets = TokenBuckets(rate_per_minute=settings.rate, burst=settings.burst)
+        self.reporters = settings.reporters  # the detectors' ServiceAccounts, as their tokens name them
         self.metrics = IntakeMetrics(meter or MetricMeter.noop)
 
     async def temporal(self) -> Client:
@@ -219,6 +232,18 @@ class Intake:
             log.warning("refused (no_token): %s claimed node %s without an Authorization: Bearer header", peer, claimed)
             raise Refusal(401, "refused", "no bearer token: send the pod's ServiceAccount token", "no_token")
         identity = await self._review(token, request)
+        if identity.name not in self.reporters:
+            claimed = await _claimed_node(request)
+            log.warning(
+                "refused (wrong_service_account): %s claimed node %s; only %s may report "
+                "(GPUFLEET_INTAKE_SERVICE_ACCOUNTS)",
+                identity.name,
+                claimed,
+                ", ".join(sorted(self.reporters)),
+            )
+            raise Refusal(
+                403, "refused", f"{identity.name} is not a detector's ServiceAccount", "wrong_service_account"
+            )
         body = await self._body(request, identity)
         claimed = body.event.node
         node = await self._node_of(identity)
@@ -262,8 +287,12 @@ class Intake:
 
     async def _review(self, token: str, request: web.Request) -> Identity:
         peer = request.remote or "?"
+        key = hashlib.sha256(token.encode()).hexdigest()
+        cached = self._reviewed.get(key)
+        if isinstance(cached, Identity):
+            return cached
         try:
-            return await asyncio.to_thread(self._kube.review_token, token, audiences=[INTAKE_AUDIENCE])
+            identity = await asyncio.to_thread(self._kube.review_token, token, audiences=[INTAKE_AUDIENCE])
         except Unauthenticated as exc:
             claimed = await _claimed_node(request)
             log.warning(
@@ -280,6 +309,8 @@ class Intake:
             raise Refusal(
                 503, "unavailable", "cannot check the token now; retry later", retry_after=UNAVAILABLE_RETRY_SECONDS
             ) from None
+        self._reviewed.put(key, identity)
+        return identity
 
     async def _body(self, request: web.Request, identity: Identity) -> IntakeEvent:
         try:
@@ -297,10 +328,11 @@ class Intake:
         if identity.node:
             return identity.node
         namespace = service_account_namespace(identity.name)
-        if namespace is None or not identity.pod_name:
+        if namespace is None or not identity.pod_name or not identity.pod_uid:
+            # Without the pod's UID, the pod of that name now may be another one, on another node.
             return None
         try:
-            return await asyncio.to_thread(self._kube.pod_node, namespace, identity.pod_name, identity.pod_uid or "")
+            return await asyncio.to_thread(self._kube.pod_node, namespace, identity.pod_name, identity.pod_uid)
         except ClientError as exc:
             log.error("cannot read pod %s/%s of %s: %s", namespace, identity.pod_name, identity.name, exc)
             raise Refusal(

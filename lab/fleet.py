@@ -21,7 +21,7 @@ from typing import Any
 from lab.cluster import stop_all
 from lab.dynamic import DynamicSlurmLab
 from lab.faults import FAULTS_ENV, Effect, GpuFaults
-from lab.intake import certificate, detector_seed, healthy, write_tokens
+from lab.intake import REPORTERS, certificate, detector_seed, healthy, write_tokens
 from lab.kubeapi import inference_workloads, lab_workloads, merge_seeds, node_object, training_node
 from lab.procs import alive, free_port, port_in_use, spawn, stop, wait_for
 from lab.prometheus import prometheus_installed, start_prometheus
@@ -298,9 +298,9 @@ class FleetLab:
             seed = self.home / "kube-seed.json"
             seed.write_text(json.dumps(self._kube_seed()))
             kubeconfig = self.home / "kubeconfig"
-            pid, url = self._start_module(
-                "kubeapi", ["--seed", str(seed), "--kubeconfig", str(kubeconfig)], what="the emulated Kubernetes API"
-            )
+            # Its signing key kept in the lab's home: the detectors' tokens outlive its restart.
+            args = ["--seed", str(seed), "--kubeconfig", str(kubeconfig), "--signing-key", str(self.kube_signing_key)]
+            pid, url = self._start_module("kubeapi", args, what="the emulated Kubernetes API")
             services["kubeapi"] = {"pid": pid, "url": url, "kubeconfig": str(kubeconfig)}
             say(f"emulated Kubernetes API on {services['kubeapi']['url']} (kubeconfig {kubeconfig})")
             self._save({**state, "services": services})
@@ -529,6 +529,11 @@ class FleetLab:
         return env
 
     @property
+    def kube_signing_key(self) -> Path:
+        """The key the emulated API signs ServiceAccount tokens with, made at its first start."""
+        return self.home / "kube-signing.key"
+
+    @property
     def token_folder(self) -> Path:
         """Each node's detector token (the kubelet's projected token, in a real cluster)."""
         return self.home / "tokens"
@@ -552,6 +557,7 @@ class FleetLab:
             "GPUFLEET_INTAKE_METRICS_PORT": str(metrics_port),
             "GPUFLEET_INTAKE_TLS_CERT": str(certs.cert),
             "GPUFLEET_INTAKE_TLS_KEY": str(certs.key),
+            "GPUFLEET_INTAKE_SERVICE_ACCOUNTS": REPORTERS,
             # The lab's drills fire bursts of Xids at a node: room for them, a limit all the same.
             "GPUFLEET_INTAKE_RATE": "600",
             "GPUFLEET_INTAKE_BURST": "200",

@@ -21,6 +21,8 @@ from models.auth import INTAKE_AUDIENCE
 NAMESPACE = "gpufleet"
 DETECTOR_ACCOUNT = "gpufleet-detector"
 DETECTOR_DAEMONSET = "gpufleet-detector"
+# What the intake believes (GPUFLEET_INTAKE_SERVICE_ACCOUNTS): the lab's detectors' account alone.
+REPORTERS = f"{NAMESPACE}:{DETECTOR_ACCOUNT}"
 # A lab runs for days at most; the detector reads its token at every post, so a new `lab up` renews it.
 TOKEN_SECONDS = 7 * 86400
 
@@ -62,7 +64,8 @@ def detector_seed(nodes: list[str]) -> dict[str, list[dict[str, Any]]]:
             {
                 "apiVersion": "v1",
                 "kind": "ServiceAccount",
-                "metadata": {"name": DETECTOR_ACCOUNT, "namespace": NAMESPACE},
+                # A fixed UID, as the pods' (its tokens name both): they outlive a restart of the API.
+                "metadata": {"name": DETECTOR_ACCOUNT, "namespace": NAMESPACE, "uid": "lab-detector-account"},
             }
         ],
         "pods": pods,

@@ -7,6 +7,7 @@ cluster, limits each node's rate, and opens or joins the node's incident in Temp
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -24,9 +25,16 @@ DEFAULT_TOKEN_FILE = Path("/var/run/secrets/gpufleet/token")
 EVENTS = "gpufleet_intake_events_total"
 EVENTS_HELP = "Events posted to the intake, by result: accepted, refused, limited, malformed, unavailable."
 REFUSED = "gpufleet_intake_refused_total"
-REFUSED_HELP = "Events the intake refused, by reason: no_token, unauthenticated, wrong_node, wrong_cluster."
+REFUSED_HELP = (
+    "Events the intake refused, by reason: no_token, unauthenticated, wrong_service_account, wrong_node, wrong_cluster."
+)
 RESULTS = ("accepted", "refused", "limited", "malformed", "unavailable")
-REASONS = ("no_token", "unauthenticated", "wrong_node", "wrong_cluster")
+REASONS = ("no_token", "unauthenticated", "wrong_service_account", "wrong_node", "wrong_cluster")
+# The detectors' ServiceAccount (deploy/base/detector-serviceaccount.yaml), as NAMESPACE:NAME.
+DEFAULT_SERVICE_ACCOUNTS = "gpufleet:gpufleet-detector"
+SERVICE_ACCOUNT_USER = "system:serviceaccount:"
+_DNS1123_LABEL = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
+_DNS1123_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9](?:[a-z0-9-]*[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]*[a-z0-9])?)*$")
 
 
 class IntakeEvent(BaseModel):
@@ -67,6 +75,10 @@ class IntakeSettings(BaseSettings):
     # Events per minute each node may post, and how many it may post at once after a quiet time.
     rate: Finite = Field(default=30.0, gt=0, le=60000)
     burst: Whole = Field(default=60, ge=1, le=100000)
+    # The ServiceAccounts whose tokens may report (NAMESPACE:NAME, comma-separated): the
+    # detectors'. Any pod may project a token of its own account for audience gpufleet; only
+    # these are believed.
+    service_accounts: str = DEFAULT_SERVICE_ACCOUNTS
 
     # The detector: where the intake answers (https://host:port; unset: the detector signals
     # Temporal itself, for development), the token it sends (read again at every post, as the
@@ -74,6 +86,28 @@ class IntakeSettings(BaseSettings):
     url: str = ""
     token_file: Path = DEFAULT_TOKEN_FILE
     ca_file: Path | None = None
+
+    @field_validator("service_accounts")
+    @classmethod
+    def _service_accounts(cls, value: str) -> str:
+        accounts = [part.strip() for part in value.split(",") if part.strip()]
+        if not accounts:
+            raise ValueError(
+                f"name at least one ServiceAccount as NAMESPACE:NAME (the detectors': {DEFAULT_SERVICE_ACCOUNTS})"
+            )
+        for account in accounts:
+            namespace, _, name = account.partition(":")
+            if not _DNS1123_LABEL.fullmatch(namespace) or not _DNS1123_SUBDOMAIN.fullmatch(name):
+                raise ValueError(
+                    f"{account!r}: give each ServiceAccount as NAMESPACE:NAME (e.g. {DEFAULT_SERVICE_ACCOUNTS}), "
+                    "comma-separated"
+                )
+        return ",".join(accounts)
+
+    @property
+    def reporters(self) -> frozenset[str]:
+        """The user names of the accepted ServiceAccounts' tokens (``system:serviceaccount:NS:NAME``)."""
+        return frozenset(SERVICE_ACCOUNT_USER + account for account in self.service_accounts.split(","))
 
     @field_validator("url")
     @classmethod

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from models.auth import RESOURCES
+from models.intake import IntakeSettings
 from tests.test_deploy import DEPLOYED, Objects, of_kind, rendered, the
 
 # The gpufleet.io resources and verbs the API authorises (models/auth.py's RESOURCES).
@@ -186,6 +187,24 @@ def test_the_detector_holds_only_a_token_for_the_intake(name: str) -> None:
     assert ("ServiceAccount", account) in {(o["kind"], o["metadata"]["name"]) for o in objects}
     assert bound_to(objects, account) == []
     assert pod["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("name", DEPLOYED)
+def test_the_intake_serves_the_workers_cluster_and_believes_its_detectors_alone(name: str) -> None:
+    objects = rendered(name)
+    intake = env_of(the(objects, "Deployment", "gpufleet-intake"))
+    detector = the(objects, "DaemonSet")
+    # The intake refuses to start without its cluster; it is the worker's, and the detectors'.
+    cluster = env_of(the(objects, "Deployment"))["GPUFLEET_CLUSTER"]
+    assert intake["GPUFLEET_CLUSTER"] == cluster == env_of(detector)["GPUFLEET_CLUSTER"]
+    # The ServiceAccount it believes is this rendering's detectors' (with the overlay's prefix).
+    account = pod_of(detector)["serviceAccountName"]
+    namespace = detector["metadata"]["namespace"]
+    assert ("ServiceAccount", account, namespace) in {
+        (o["kind"], o["metadata"]["name"], o["metadata"].get("namespace")) for o in objects
+    }
+    settings = IntakeSettings(service_accounts=intake["GPUFLEET_INTAKE_SERVICE_ACCOUNTS"])
+    assert settings.reporters == {f"system:serviceaccount:{namespace}:{account}"}
 
 
 @pytest.mark.parametrize("name", DEPLOYED)

@@ -160,8 +160,10 @@ def intake() -> None:
     """Run the intake of one cluster: detectors post their events here over HTTPS (SIGTERM stops it).
 
     Each event's bearer token (the detector pod's ServiceAccount token, audience gpufleet) is
-    checked with a TokenReview, and the event accepted only for the node the token speaks for and
-    for GPUFLEET_CLUSTER, at most GPUFLEET_INTAKE_RATE a minute per node. Settings:
+    checked with a TokenReview, and the event accepted only from the detectors' ServiceAccount
+    (GPUFLEET_INTAKE_SERVICE_ACCOUNTS, NAMESPACE:NAME, default gpufleet:gpufleet-detector), for the
+    node the token speaks for and for GPUFLEET_CLUSTER, at most GPUFLEET_INTAKE_RATE a minute per
+    node. Settings:
     GPUFLEET_INTAKE_PORT (8443), GPUFLEET_INTAKE_TLS_CERT and _KEY (PEM files, required),
     GPUFLEET_INTAKE_METRICS_PORT (9465, plain HTTP GET /metrics), GPUFLEET_INTAKE_RATE (30) and
     _BURST (60); the Kubernetes API from GPUFLEET_KUBECONFIG, else the pod's service account;

@@ -52,3 +52,10 @@ DELETE_STOPS_INCIDENTS = "delete-stops-incidents"
 # whose by or reason fails the checks; the pool ignores an asked move of 0 nodes or of more than
 # it has (before, it was cut to the limits). Histories from before it replay as they were.
 INPUTS_CHECKED = "inputs-checked"
+
+# NodeRemediationWorkflow: an event the incident already holds (the same event, its timestamp
+# included) is folded, not joined again: a detector posts again an event whose answer it never
+# got (a timeout, a connection reset after the intake or Temporal took it), and that copy must
+# not count as the node failing again (while settling, it escalated the repair). Histories from
+# before it replay as they were.
+DUPLICATES_FOLDED = "duplicate-events-folded"

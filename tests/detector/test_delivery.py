@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import aiohttp.web
 import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
+from detector.daemon import Delivery
+from detector.intake import IntakePoster
 from detector.spool import Spool, SpoolFull
+from lab.certs import ServerCertificate, make_server_certificate
 from lab.procs import free_port, port_in_use, stop, wait_for
+from models.intake import EVENTS_PATH
 from models.xid import XidEvent
 from starters.server import dev_server_argv
 from tests.conftest import REPO
@@ -171,3 +177,50 @@ def test_a_backlog_goes_out_in_slices(tmp_path: Path, monkeypatch: pytest.Monkey
         assert delivery.delivered == 7
     finally:
         stop([server.pid])
+
+
+async def _an_intake_of_another_version(cert: ServerCertificate, port: int, seen: list[int]) -> aiohttp.web.AppRunner:
+    """An intake that cannot read an Xid 79 (400) and takes any other event (202)."""
+
+    async def events(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        xid = (await request.json())["event"]["xid"]
+        seen.append(xid)
+        if xid == 79:
+            return aiohttp.web.json_response({"error": "event.xid: not one this intake knows"}, status=400)
+        return aiohttp.web.json_response({"incident": f"remediate-lab-gpu1-{xid}"}, status=202)
+
+    app = aiohttp.web.Application()
+    app.router.add_post(EVENTS_PATH, events)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert.cert, cert.key)
+    await aiohttp.web.TCPSite(runner, "127.0.0.1", port, ssl_context=tls).start()
+    return runner
+
+
+def test_an_event_the_intake_cannot_read_is_set_aside_and_never_holds_back_the_next(tmp_path: Path) -> None:
+    cert = make_server_certificate(tmp_path / "tls")
+    token = tmp_path / "token"
+    token.write_text("a-token")
+    spool = Spool(tmp_path / "spool")
+    first = spool.put(XidEvent(node="gpu1", xid=79))
+    spool.put(XidEvent(node="gpu1", xid=48))
+    port = free_port()
+    seen: list[int] = []
+
+    async def run() -> int:
+        runner = await _an_intake_of_another_version(cert, port, seen)
+        poster = IntakePoster(f"https://127.0.0.1:{port}", token_file=token, ca_file=cert.ca)
+        delivery = Delivery(cluster="lab", spool=spool, intake=poster)
+        try:
+            return await delivery.flush()
+        finally:
+            await poster.close()
+            await runner.cleanup()
+
+    assert asyncio.run(run()) == 1
+    assert seen == [79, 48]  # the unreadable one first, then the next one, in the same pass
+    assert len(spool) == 0 and spool.set_aside == 1
+    assert first.with_name(first.name + ".refused").exists()  # kept for a person to post again
+    assert Spool(tmp_path / "spool").pending() == []  # and not read back as pending after a restart

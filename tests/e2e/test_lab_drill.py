@@ -17,8 +17,9 @@ import httpx
 import pytest
 from temporalio.client import Client
 
+from clients.kubeauth import KubeAuth
 from lab.fleet import FleetLab, LabConfig
-from lab.procs import alive, free_port, pids_with_env
+from lab.procs import alive, free_port, pids_with_env, stop
 from tests.conftest import gpufleet_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
@@ -197,6 +198,19 @@ def test_lab_status_shows_both_sides(lab: tuple[FleetLab, list[str]]) -> None:
     assert nodes["gpu2"]["kubernetes"] == "schedulable"
     assert any(job["restarts"] >= 1 for job in status["jobs"])
     assert status["incidents"] == []
+
+
+def test_the_detectors_tokens_outlive_a_restart_of_the_kubernetes_api(lab: tuple[FleetLab, list[str]]) -> None:
+    fleet, _ = lab
+    token = (fleet.token_folder / "gpu2").read_text()
+    before = fleet.state()["services"]["kubeapi"]["pid"]
+    stop([before])
+    fleet.up(keep_slurm=True)
+    assert fleet.state()["services"]["kubeapi"]["pid"] != before
+    # The token the detector held across the restart is still the detector's, bound to its pod.
+    identity = KubeAuth(kubeconfig=fleet.home / "kubeconfig").review_token(token, audiences=["gpufleet"])
+    assert identity.name == "system:serviceaccount:gpufleet:gpufleet-detector"
+    assert identity.pod_uid == "lab-detector-gpu2" and identity.node == "gpu2"
 
 
 def test_lab_down_leaves_no_process(lab: tuple[FleetLab, list[str]]) -> None:

@@ -4,19 +4,23 @@ a detector speaks only for its own node, its own cluster, at its own rate."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from pydantic import ValidationError
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError, RPCStatusCode
 
 from clients.kubeauth import Unauthenticated
-from gateway.intake import TokenBuckets
+from gateway.intake import Intake, IntakeTlsError, TokenBuckets, server_tls
 from lab.procs import wait_for
+from models.auth import POD_NAME_EXTRA, POD_UID_EXTRA, Identity
+from models.intake import IntakeSettings
 from models.xid import XidEvent
 from tests.conftest import gpufleet_cli
 from tests.gateway.world import World, start_world
@@ -78,6 +82,35 @@ def test_a_token_for_one_node_cannot_report_another(world: World) -> None:
     log = world.intake.log.read_text()
     assert "refused (wrong_node): system:serviceaccount:gpufleet:gpufleet-detector claimed node gpu2" in log
     assert "its token speaks for gpu1" in log
+
+
+def test_a_pod_of_another_service_account_cannot_report_even_its_own_node(world: World) -> None:
+    # Any pod may project a token of its own ServiceAccount for audience gpufleet: a job's pod on
+    # gpu1 holds one, bound to gpu1. Only the detectors' account is believed.
+    before = world.intake.metrics()
+    answer = post(world, event("gpu1"), world.token("gpu1", pod="job"))
+    assert answer.status_code == 403
+    assert answer.json() == {"error": "system:serviceaccount:gpufleet:job-runner is not a detector's ServiceAccount"}
+    assert not workflow_exists(world, "remediate-lab-gpu1")
+    assert delta(world, before) == {
+        'gpufleet_intake_events_total{result="refused"}': 1,
+        'gpufleet_intake_refused_total{reason="wrong_service_account"}': 1,
+    }
+    log = world.intake.log.read_text()
+    assert (
+        "refused (wrong_service_account): system:serviceaccount:gpufleet:job-runner claimed node 'gpu1'; "
+        "only system:serviceaccount:gpufleet:gpufleet-detector may report"
+    ) in log
+
+
+def test_the_accepted_service_accounts_are_checked_at_start() -> None:
+    assert IntakeSettings(service_accounts=" gpufleet:prod-gpufleet-detector, ops:d ").reporters == {
+        "system:serviceaccount:gpufleet:prod-gpufleet-detector",
+        "system:serviceaccount:ops:d",
+    }
+    for wrong in ("gpufleet-detector", "gpufleet:", ":x", "Gpufleet:x", " , "):
+        with pytest.raises(ValidationError, match="NAMESPACE:NAME"):
+            IntakeSettings(service_accounts=wrong)
 
 
 def test_an_event_for_another_cluster_is_refused(world: World) -> None:
@@ -173,3 +206,50 @@ def test_the_intake_will_not_start_without_its_certificate(tmp_path: Path) -> No
     )
     assert done.returncode == 2
     assert f"GPUFLEET_INTAKE_TLS_CERT={missing}: cannot be read (No such file or directory)" in done.stderr
+
+
+class _Pods:
+    """A reviewer whose pod lookups are recorded (only ``pod_node`` is asked here)."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str, str]] = []
+
+    def review_token(self, token: str, *, audiences: list[str]) -> Identity:
+        raise AssertionError("not asked")
+
+    def pod_node(self, namespace: str, name: str, uid: str = "") -> str | None:
+        self.asked.append((namespace, name, uid))
+        return "gpu1"
+
+
+def test_a_pod_is_looked_up_only_by_its_name_and_uid() -> None:
+    # Without the node-name extra the node is the bound pod's; a token that names no pod UID
+    # speaks for no node (a pod of that name now may be another one, on another node).
+    pods = _Pods()
+
+    async def go() -> None:
+        intake = Intake(cluster="lab", kube=pods, connect_temporal=_no_temporal, settings=IntakeSettings())
+        account = "system:serviceaccount:gpufleet:gpufleet-detector"
+        no_uid = Identity(name=account, groups=[], extra={POD_NAME_EXTRA: ["d-gpu1"]}, audiences=["gpufleet"])
+        assert await intake._node_of(no_uid) is None
+        both = no_uid.model_copy(update={"extra": {POD_NAME_EXTRA: ["d-gpu1"], POD_UID_EXTRA: ["u1"]}})
+        assert await intake._node_of(both) == "gpu1"
+
+    asyncio.run(go())
+    assert pods.asked == [("gpufleet", "d-gpu1", "u1")]
+
+
+async def _no_temporal() -> Client:
+    raise AssertionError("Temporal is not reached")
+
+
+def test_an_encrypted_key_is_named_not_prompted_for(tmp_path: Path) -> None:
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    argv = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-days", "1", "-subj", "/CN=localhost"]
+    subprocess.run(
+        [*argv, "-keyout", str(key), "-out", str(cert), "-passout", "pass:secret"],
+        check=True,
+        capture_output=True,
+    )
+    with pytest.raises(IntakeTlsError, match=f"GPUFLEET_INTAKE_TLS_KEY={key}: the key is encrypted"):
+        server_tls(cert, key)

@@ -28,14 +28,16 @@ from tests.conftest import REPO, KubeApiProcess
 NAMESPACE = "gpufleet"
 DETECTOR_ACCOUNT = "gpufleet-detector"
 NODES = ("gpu1", "gpu2")
+# Another ServiceAccount of the detectors' namespace, with a pod on gpu1: not a detector.
+OTHER_ACCOUNT = "job-runner"
 
 
-def detector_pod(node: str) -> dict[str, object]:
+def detector_pod(node: str, *, account: str = DETECTOR_ACCOUNT, name: str = "detector") -> dict[str, object]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": f"detector-{node}", "namespace": NAMESPACE, "uid": f"uid-detector-{node}"},
-        "spec": {"nodeName": node, "serviceAccountName": DETECTOR_ACCOUNT, "containers": [{"name": "detector"}]},
+        "metadata": {"name": f"{name}-{node}", "namespace": NAMESPACE, "uid": f"uid-{name}-{node}"},
+        "spec": {"nodeName": node, "serviceAccountName": account, "containers": [{"name": name}]},
     }
 
 
@@ -44,13 +46,10 @@ def seed() -> dict[str, object]:
         "nodes": [node_object(n, pool="training") for n in NODES],
         "namespaces": [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}],
         "serviceaccounts": [
-            {
-                "apiVersion": "v1",
-                "kind": "ServiceAccount",
-                "metadata": {"name": DETECTOR_ACCOUNT, "namespace": NAMESPACE},
-            }
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account, "namespace": NAMESPACE}}
+            for account in (DETECTOR_ACCOUNT, OTHER_ACCOUNT)
         ],
-        "pods": [detector_pod(n) for n in NODES],
+        "pods": [detector_pod(n) for n in NODES] + [detector_pod("gpu1", account=OTHER_ACCOUNT, name="job")],
     }
 
 
@@ -147,14 +146,16 @@ class World:
     def auth(self) -> KubeAuth:
         return KubeAuth(kubeconfig=self.kube.kubeconfig)
 
-    def token(self, node: str, *, audience: str = "gpufleet", seconds: int = 3600) -> str:
-        """The projected token of the detector pod on ``node``."""
+    def token(self, node: str, *, audience: str = "gpufleet", seconds: int = 3600, pod: str = "detector") -> str:
+        """The projected token of the detector pod on ``node`` (``pod="job"``: of the job pod on gpu1,
+        whose account is OTHER_ACCOUNT)."""
+        account = DETECTOR_ACCOUNT if pod == "detector" else OTHER_ACCOUNT
         return self.auth.request_token(
             NAMESPACE,
-            DETECTOR_ACCOUNT,
+            account,
             audiences=[audience],
             expiration_seconds=seconds,
-            pod=(f"detector-{node}", f"uid-detector-{node}"),
+            pod=(f"{pod}-{node}", f"uid-{pod}-{node}"),
         )
 
     def workflows(self) -> list[str]:

@@ -5,13 +5,20 @@ repair (the fleet guard remembers)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+from temporalio.client import WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Replayer
 
 from models.guard import GuardStatus
 from models.incident import Outcome, Step
 from models.policy import Action, RepairSettings
 from models.xid import XidEvent
+from starters.temporal import report_xid
 from tests.workflows.test_guard import guard, guarded, running, until
 from tests.workflows.test_remediation import start
 from workflows.guard import FleetGuardWorkflow
@@ -67,6 +74,42 @@ async def test_an_xid_while_settling_escalates(env: WorkflowEnvironment) -> None
     assert status.outcome == Outcome.RESOLVED and status.action == Action.REBOOT_NODE
     assert [(r.action, r.attempt) for r in fleet.repairs] == [(Action.RESET_GPU, 1), (Action.REBOOT_NODE, 2)]
     assert any(e.event == "escalated" and "while settling" in e.detail for e in status.timeline)
+
+
+async def test_the_same_event_posted_again_while_settling_is_folded(env: WorkflowEnvironment) -> None:
+    # A detector that never got the answer to its post (a timeout, a reset connection) posts the
+    # same event again, possibly much later: a copy, not the node failing again.
+    fleet = guarded()
+    event = XidEvent(node="gpu1", xid=48, source="test")
+    async with running(env, fleet):
+        handle = await report_xid(env.client, event, cluster=fleet.cluster, search_attributes=False)
+        await until(handle, NodeRemediationWorkflow.status, lambda s: s.step == Step.SETTLE, "settling")
+        await report_xid(env.client, event, cluster=fleet.cluster, search_attributes=False)
+        status = await handle.result()
+    assert status.outcome == Outcome.RESOLVED and status.action == Action.RESET_GPU
+    assert [(r.action, r.attempt) for r in fleet.repairs] == [(Action.RESET_GPU, 1)]
+    assert not [e for e in status.timeline if e.event == "escalated"]
+    assert [e.detail for e in status.timeline if e.event == "xid"] == ["Xid 48 from test"]  # the first only
+    assert status.events == [event.label]
+
+
+# Recorded from the workflow code before `duplicate-events-folded` (the test above, in the test
+# server, with its stand-ins): the copy escalated the reset to a reboot. It must replay as it ran.
+BEFORE_THE_FOLD = Path(__file__).parent / "histories-folded" / "duplicate-while-settling-escalated.json"
+
+
+async def test_a_history_from_before_the_fold_replays_as_it_ran() -> None:
+    history = WorkflowHistory.from_json(BEFORE_THE_FOLD.stem, json.loads(BEFORE_THE_FOLD.read_text()))
+    reports = [
+        e
+        for e in history.events
+        if e.HasField("workflow_execution_signaled_event_attributes")
+        and e.workflow_execution_signaled_event_attributes.signal_name == "report_xid"
+    ]
+    assert len(reports) == 2  # the event, and its copy
+    replayer = Replayer(workflows=[NodeRemediationWorkflow], data_converter=pydantic_data_converter)
+    result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
+    assert result.replay_failure is None, result.replay_failure
 
 
 async def test_a_node_failing_again_soon_after_a_repair_starts_one_level_up(env: WorkflowEnvironment) -> None:

@@ -27,7 +27,7 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
-from workflows.patches import DRAIN_FIRST, INPUTS_CHECKED
+from workflows.patches import DRAIN_FIRST, DUPLICATES_FOLDED, INPUTS_CHECKED
 from workflows.remediation.approvals import Approvals
 from workflows.remediation.repair import Repair
 from workflows.remediation.replace import Replacement
@@ -68,7 +68,10 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
 
     @workflow.signal
     def report_xid(self, event: XidEvent) -> None:
-        """Another Xid on this node joins the open incident."""
+        """Another Xid on this node joins the open incident; the same event posted again (its
+        answer lost on the way back to the detector) is folded into the one it repeats."""
+        if event in self._events and workflow.patched(DUPLICATES_FOLDED):
+            return
         self._events.append(event)
         self._count_event(event)
         self._mark(self._status.step, "xid", f"{event.label} from {event.source}")
