@@ -57,6 +57,8 @@ READS = frozenset(
         "CountWorkflowExecutions",
     }
 )
+# What a caller reads when the Kubernetes API did not answer a review.
+UNCHECKED = "the Kubernetes API did not answer the gpufleet API (its log says why); try again"
 
 
 class ApiSettings(BaseSettings):
@@ -197,6 +199,10 @@ class Gateway:
             self._count(method, exc.result)
             log.info("refused %s: %s", method, exc)
             await context.abort(exc.code, str(exc))
+        except Exception:  # a fault of the API's own: its log has it, never the caller
+            self._count(method, "error")
+            log.exception("%s failed before it was forwarded", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{method}: the gpufleet API failed (its log says why)")
         remaining = context.time_remaining()
         timeout = timedelta(seconds=max(remaining - 0.05, 0.01)) if remaining is not None else None
         forward: Callable[..., Awaitable[Any]] = getattr(self._temporal.workflow_service, snake(method))
@@ -251,8 +257,10 @@ class Gateway:
                 "unauthenticated",
             ) from None
         except ClientError as exc:
+            # What failed (the API server's address, its words) is the API's log's, not the caller's.
+            log.warning("a token review failed: %s", exc)
             raise Denied(
-                grpc.StatusCode.UNAVAILABLE, f"the token cannot be checked now: {exc}", "unavailable"
+                grpc.StatusCode.UNAVAILABLE, f"the token cannot be checked now: {UNCHECKED}", "unavailable"
             ) from None
         self._tokens.put(key, identity)
         return identity
@@ -266,8 +274,9 @@ class Gateway:
                     self._authority.allowed, identity, verb=needed.verb, resource=needed.resource, name=needed.name
                 )
             except ClientError as exc:
+                log.warning("an access review failed: %s", exc)
                 raise Denied(
-                    grpc.StatusCode.UNAVAILABLE, f"permission cannot be checked now: {exc}", "unavailable"
+                    grpc.StatusCode.UNAVAILABLE, f"permission cannot be checked now: {UNCHECKED}", "unavailable"
                 ) from None
             self._answers.put(key, answer)
         allowed, reason = answer

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from google.protobuf.message import Message
 from pydantic import BaseModel, ValidationError
 from temporalio.api.common.v1 import Payloads
+from temporalio.api.enums.v1 import WorkflowIdConflictPolicy, WorkflowIdReusePolicy
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.converter import decode_typed_search_attributes
 
 from models.clusterops import (
     CLUSTER_CREATION_WORKFLOW,
@@ -43,6 +46,10 @@ from models.constants import (
     RELEASE_NODE_WORKFLOW,
     REMEDIATION_WORKFLOW,
     RETURN_NODE_WORKFLOW,
+    SA_CLUSTER,
+    SA_EVENT_KIND,
+    SA_GPU_NODE,
+    SA_XID,
     dry_run_workflow_id,
     guard_task_queue,
     guard_workflow_id,
@@ -64,11 +71,15 @@ from models.poolops import (
     pool_workflow_id,
 )
 from models.requests import ReleaseNodeRequest, ReturnNodeRequest
+from models.xid import XidEvent
 
 SERVICE = "temporal.api.workflowservice.v1.WorkflowService"
 # The one query every gpufleet workflow answers; Temporal's built-in ones (__stack_trace, ...) are refused.
 STATUS_QUERY = "status"
+XID_SIGNAL = "report_xid"  # an incident's Xid (starters/temporal.py report_xid)
 ROLE_HINT = "ask for the gpufleet-approver or gpufleet-operator role"
+# The shortest workflow task timeout a start may give (an incident's is 5 s).
+MIN_TASK_TIMEOUT = timedelta(seconds=1)
 
 
 class Refused(Exception):
@@ -105,7 +116,7 @@ class Kind:
 INCIDENT = Kind(
     "incidents",
     {
-        "report_xid": ("create", None),
+        XID_SIGNAL: ("create", None),
         "checkpoint_done": ("update", None),
         "spare_available": ("update", None),
         "decide": ("approve", "by"),
@@ -160,6 +171,15 @@ _STARTS: dict[str, tuple[Kind, str, str | None]] = {
     CLUSTER_USERS_WORKFLOW: (USERS, "update", "requested_by"),
 }
 _TYPE_RESOURCES = {name: kind.resource for name, (kind, _, _) in _STARTS.items()}
+
+
+def _valid_pair(cluster: str, node: str) -> bool:
+    try:
+        validate_cluster_name(cluster)
+        validate_node_name(node)
+    except InvalidName:
+        return False
+    return True
 
 
 def _pair(rest: str) -> bool:
@@ -227,6 +247,108 @@ def _restamp(payloads: Payloads, where: str | int, user: str) -> None:
     payloads.payloads[0].CopyFrom(convert.to_payloads([body])[0])
 
 
+# The fields of a request a gpufleet command sets; any other one set is refused, named (a cron
+# schedule, a retry policy, a memo, eager execution, completion callbacks, links, a versioning
+# override, a start delay, ...: none is a command's, and some would let a caller act as a worker,
+# have Temporal call out, or end a workflow early).
+_FIELDS: dict[str, frozenset[str]] = {
+    "StartWorkflowExecution": frozenset(
+        {
+            "namespace",
+            "workflow_id",
+            "workflow_type",
+            "task_queue",
+            "input",
+            "identity",
+            "request_id",
+            "workflow_id_reuse_policy",
+            "workflow_id_conflict_policy",
+            "workflow_execution_timeout",
+            "workflow_run_timeout",
+            "workflow_task_timeout",
+            "search_attributes",
+            "user_metadata",
+            "header",
+            "priority",  # the SDK's default, empty: checked below
+        }
+    ),
+    "SignalWorkflowExecution": frozenset(
+        {"namespace", "workflow_execution", "signal_name", "input", "identity", "request_id", "header"}
+    ),
+    "RequestCancelWorkflowExecution": frozenset(
+        {"namespace", "workflow_execution", "identity", "request_id", "reason", "first_execution_run_id"}
+    ),
+}
+_FIELDS["SignalWithStartWorkflowExecution"] = _FIELDS["StartWorkflowExecution"] | {"signal_name", "signal_input"}
+# What replaces a running workflow (it ends without its compensation, as a terminate would).
+_TERMINATING = (
+    WorkflowIdReusePolicy.WORKFLOW_ID_REUSE_POLICY_TERMINATE_IF_RUNNING,
+    WorkflowIdConflictPolicy.WORKFLOW_ID_CONFLICT_POLICY_TERMINATE_EXISTING,
+)
+# The search attributes an incident is started with (starters/temporal.py report_xid).
+_INCIDENT_ATTRIBUTES = frozenset(key.name for key in (SA_GPU_NODE, SA_CLUSTER, SA_EVENT_KIND, SA_XID))
+
+
+def _options(method: str, request: Any) -> None:
+    """Refuse a field of ``request`` that no gpufleet command sets (default deny, field by field)."""
+    for field, _ in request.ListFields():
+        if field.name not in _FIELDS[method]:
+            raise Refused(f"field {field.name} is not one a gpufleet command sets")
+    if "header" in _FIELDS[method] and request.header.fields:
+        raise Refused(f"header {sorted(request.header.fields)} is not one a gpufleet command sends")
+    if "priority" in _FIELDS[method] and request.priority.ListFields():
+        raise Refused("field priority: every gpufleet command is started at the default priority")
+    if method in ("StartWorkflowExecution", "SignalWithStartWorkflowExecution") and (
+        request.workflow_id_reuse_policy in _TERMINATING or request.workflow_id_conflict_policy in _TERMINATING
+    ):
+        raise Refused(f"a start that terminates the running {request.workflow_id} (terminate is not available)")
+
+
+def _start_options(kind: Kind, request: Any, incident: RemediationInput | None) -> None:
+    """The timeouts and search attributes a start of ``kind`` may carry: those its command sets."""
+    for field in ("workflow_execution_timeout", "workflow_run_timeout"):
+        if request.HasField(field) and kind not in (QUARANTINED, RELEASE):
+            raise Refused(f"field {field}: a {request.workflow_type.name} runs until it ends, never cut short")
+    if request.HasField("workflow_task_timeout"):
+        if kind is not INCIDENT:
+            raise Refused(f"field workflow_task_timeout is not one a {request.workflow_type.name} is started with")
+        if request.workflow_task_timeout.ToTimedelta() < MIN_TASK_TIMEOUT:
+            # Every workflow task would time out: the incident would never move.
+            raise Refused(f"workflow_task_timeout under {MIN_TASK_TIMEOUT.seconds} s", invalid=True)
+    if not request.search_attributes.indexed_fields:
+        return
+    if incident is None:
+        raise Refused(f"field search_attributes is not one a {request.workflow_type.name} is started with")
+    given = set(request.search_attributes.indexed_fields)
+    if not given <= _INCIDENT_ATTRIBUTES:
+        raise Refused(f"search attributes {sorted(given - _INCIDENT_ATTRIBUTES)} are none an incident is started with")
+    try:
+        attributes = decode_typed_search_attributes(request.search_attributes)
+    except Exception as exc:  # the SDK's decoder raises what a malformed payload makes it raise
+        raise Refused(f"search attributes: {exc}", invalid=True) from None
+    for key, expected in ((SA_CLUSTER, incident.cluster), (SA_GPU_NODE, incident.node)):
+        if key.name in given and attributes.get(key) != expected:
+            raise Refused(f"search attribute {key.name} must be {expected!r}, the incident's", invalid=True)
+
+
+# The fields of a start's input that only the workflow itself sets, when it continues as new: a
+# person who starts one with them would hand it a past it never had.
+_WORKFLOW_ONLY: dict[type[BaseModel], tuple[str, ...]] = {
+    RemediationInput: ("carried", "pending_events"),
+    GuardInput: ("state",),
+    PoolState: tuple(name for name in PoolState.model_fields if name != "settings"),
+}
+
+
+def _fresh(given: BaseModel) -> None:
+    """Refuse an input whose workflow-only fields are not their defaults."""
+    model = type(given)
+    for name in _WORKFLOW_ONLY.get(model, ()):
+        field = model.model_fields[name]
+        if getattr(given, name) != field.get_default(call_default_factory=True):
+            raise Refused(f"field {name} of a {model.__name__} is set only by the workflow itself", invalid=True)
+
+
 def _start_access(workflow_type: str, workflow_id: str, queue: str, payloads: Payloads) -> tuple[Kind, Access]:
     """The kind and permission of a start, once its ID and task queue agree with its input."""
     if workflow_type not in _STARTS:
@@ -238,12 +360,14 @@ def _start_access(workflow_type: str, workflow_id: str, queue: str, payloads: Pa
     expected: tuple[str, str]  # (the ID it must have, its task queue)
     if kind is INCIDENT:
         incident: RemediationInput = _decode(payloads, 0, RemediationInput)
+        _fresh(incident)
         _names(incident.cluster, incident.node)
         make_incident = dry_run_workflow_id if incident.dry_run else remediation_workflow_id
         expected = (make_incident(incident.cluster, incident.node), task_queue(incident.cluster))
         name = incident.node
     elif kind is GUARD:
         guard: GuardInput = _decode(payloads, 0, GuardInput)
+        _fresh(guard)
         expected = (guard_workflow_id(guard.cluster), guard_task_queue(guard.cluster))
     elif kind in (RETURN, RELEASE):
         request = _decode(payloads, 0, ReturnNodeRequest if kind is RETURN else ReleaseNodeRequest)
@@ -252,9 +376,12 @@ def _start_access(workflow_type: str, workflow_id: str, queue: str, payloads: Pa
         make = return_workflow_id if kind is RETURN else release_workflow_id
         expected, name = (make(cluster, request.node), task_queue(cluster)), request.node
     elif kind is QUARANTINED:
+        if payloads.payloads:
+            raise Refused(f"a {workflow_type} takes no input", invalid=True)
         expected = (workflow_id, task_queue(name))
     elif kind is POOL:
         state: PoolState = _decode(payloads, 0, PoolState)
+        _fresh(state)
         _names(state.settings.cluster)
         expected = (pool_workflow_id(state.settings.name), task_queue(state.settings.cluster))
     else:
@@ -282,31 +409,57 @@ def _names(cluster: str, node: str | None = None) -> None:
         raise Refused(str(exc), invalid=True) from None
 
 
+def _same_node(payloads: Payloads, workflow_id: str, node: str | None) -> None:
+    """Refuse an Xid for another node than the incident's (``node``; None: read from its ID,
+    CLUSTER-NODE, as the node it ends with)."""
+    event: XidEvent = _decode(payloads, 0, XidEvent)
+    if node is None:
+        cluster = workflow_id.split("-", 1)[1].removesuffix(f"-{event.node}")
+        matches = workflow_id.endswith(f"-{cluster}-{event.node}") and _valid_pair(cluster, event.node)
+    else:
+        matches = event.node == node
+    if not matches:
+        raise Refused(f"an Xid of {event.node} is not for incident {workflow_id}", invalid=True)
+
+
 def _signal_access(kind: Kind, signal: str, name: str, workflow_id: str) -> Access:
     if signal not in kind.signals:
         raise Refused(f"signal {signal!r} to {workflow_id} is not one a gpufleet command sends")
     return Access(kind.signals[signal][0], kind.resource, name)
 
 
-_TYPE_TERM = re.compile(r"""WorkflowType\s*=\s*(?:'([^']*)'|"([^"]*)")""")
-_ID_TERM = re.compile(r"""WorkflowId\s*=\s*(?:'([^']*)'|"([^"]*)")""")
+# A string literal of Temporal's list filter: quoted with ', " or ` (backslash escapes; a doubled
+# quote reads as two literals side by side, which covers the same text).
+_LITERAL = re.compile(r"""'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|`(?:[^`\\]|\\.)*`""")
+_TERM = re.compile(r"\b(WorkflowType|WorkflowId)\s*=\s*\x00(\d+)\x00")
+# What may make a filter reach beyond a type or ID it names: an or, a not, a comment that hides a
+# term, an unbalanced quote.
+_WIDE = re.compile(r"\b(?:or|not|xor)\b|\||!|<>|/\*|\*/|--|#|['\"`]", re.IGNORECASE)
 
 
 def listing_access(query: str) -> list[Access]:
     """What a listing (or count) of workflows needs: ``list`` on the resource of each gpufleet
     workflow type or ID it names; ``workflows list`` too when it names none, names another, or
-    may reach beyond them (an OR, a NOT)."""
+    may reach beyond them (an OR, a NOT, a comment). Only a term outside the filter's string
+    literals names anything."""
+    literals: list[str] = []
+
+    def hide(found: re.Match[str]) -> str:
+        literals.append(found[0][1:-1])
+        return f"\x00{len(literals) - 1}\x00"
+
+    bare = _LITERAL.sub(hide, query)
     needed: list[Access] = []
-    wide = not query.strip() or re.search(r"\b(?:or|not)\b|!=", query, re.IGNORECASE) is not None
-    for found in _TYPE_TERM.finditer(query):
-        named = found[1] if found[1] is not None else found[2]
-        if named in _TYPE_RESOURCES:
+    wide = not query.strip() or "\x00" in query or _WIDE.search(bare) is not None
+    for found in _TERM.finditer(bare):
+        named = literals[int(found[2])]
+        if found[1] == "WorkflowId":
+            kind, name = workflow_kind(named)
+            needed.append(Access("list", kind.resource, name))
+        elif named in _TYPE_RESOURCES:
             needed.append(Access("list", _TYPE_RESOURCES[named]))
         else:
             wide = True
-    for found in _ID_TERM.finditer(query):
-        kind, name = workflow_kind(found[1] if found[1] is not None else found[2])
-        needed.append(Access("list", kind.resource, name))
     if wide or not needed:
         needed.append(Access("list", "workflows"))
     return list(dict.fromkeys(needed))
@@ -325,20 +478,29 @@ def access(method: str, request: Any, *, namespace: str) -> list[Access]:
         return []
     if method in ("ListWorkflowExecutions", "CountWorkflowExecutions"):
         return listing_access(request.query)
+    if method in _FIELDS:
+        _options(method, request)
     if method in ("StartWorkflowExecution", "SignalWithStartWorkflowExecution"):
         kind, needed = _start_access(
             request.workflow_type.name, request.workflow_id, request.task_queue.name, request.input
         )
+        incident = _decode(request.input, 0, RemediationInput) if kind is INCIDENT else None
+        _start_options(kind, request, incident)
         if method == "StartWorkflowExecution":
             if kind is INCIDENT or kind is GUARD:
                 raise Refused(f"a {request.workflow_type.name} is started with its first signal only")
             return [needed]
         signal = _signal_access(kind, request.signal_name, needed.name, request.workflow_id)
+        if incident is not None and request.signal_name == XID_SIGNAL:
+            _same_node(request.signal_input, request.workflow_id, incident.node)
         return list(dict.fromkeys([needed, signal]))
     if method == "SignalWorkflowExecution":
         workflow_id = _execution_id(request, "workflow_execution")
         kind, name = workflow_kind(workflow_id)
-        return [_signal_access(kind, request.signal_name, name, workflow_id)]
+        needed = _signal_access(kind, request.signal_name, name, workflow_id)
+        if kind is INCIDENT and request.signal_name == XID_SIGNAL:
+            _same_node(request.input, workflow_id, None)
+        return [needed]
     if method in ("QueryWorkflow", "DescribeWorkflowExecution", "GetWorkflowExecutionHistory"):
         workflow_id = _execution_id(request, "execution")
         kind, name = workflow_kind(workflow_id)

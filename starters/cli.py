@@ -49,7 +49,7 @@ from models.trust import answer_problem
 from models.xid import XidEvent
 from starters.chart import write_chart
 from starters.server import dev_server_argv
-from starters.temporal import TemporalConfigInvalid, TemporalUnreachable, connect, refused, report_xid
+from starters.temporal import TemporalConfigInvalid, TemporalUnreachable, connect, refusal, refused, report_xid
 from workflows.guard import FleetGuardWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
@@ -116,7 +116,7 @@ def run_async(coro: Any) -> Any:
         fail(str(exc), code=2)
     except RPCError as exc:
         if refused(exc):  # the gpufleet API's refusal: who may not do what, and which role to ask for
-            fail(f"the gpufleet API refused: {exc.message}")
+            fail(refusal(exc))
         raise
 
 

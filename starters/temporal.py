@@ -111,6 +111,12 @@ def refused(exc: RPCError) -> bool:
     return exc.status in (RPCStatusCode.PERMISSION_DENIED, RPCStatusCode.UNAUTHENTICATED)
 
 
+def refusal(exc: RPCError) -> str:
+    """A refusal as the command says it: the gpufleet API's when the commands go through it
+    (GPUFLEET_API_ADDRESS), else Temporal's own (its authorizer, a cloud namespace's API key)."""
+    return f"the {'gpufleet API' if api_address() is not None else 'Temporal server'} refused: {exc.message}"
+
+
 async def connect(
     *, address: str | None = None, profile: str | None = None, timeout_seconds: float = CONNECT_TIMEOUT_SECONDS
 ) -> Client:

@@ -23,7 +23,14 @@ from models.plugins import COMMANDS, installed
 from models.policy import PolicyError
 from models.settings import Settings, settings_error
 from starters.cli import app, fail, run_async, say_error
-from starters.temporal import ApiCredentials, TemporalUnreachable, connect_temporal, refused, use_api_credentials
+from starters.temporal import (
+    ApiCredentials,
+    TemporalUnreachable,
+    connect_temporal,
+    refusal,
+    refused,
+    use_api_credentials,
+)
 
 try:  # typer 0.2x carries its own copy of click
     from typer._click.exceptions import ClickException
@@ -306,7 +313,7 @@ def run(args: Sequence[str] | None = None) -> int:
         return 1
     except RPCError as exc:  # the server answered with an error no command expected
         if refused(exc):
-            say_error(f"the gpufleet API refused: {exc.message}")
+            say_error(refusal(exc))
             return 1
         say_error(f"the Temporal server answered {exc.status.name}: {exc.message}")
         return 1

@@ -3,23 +3,36 @@ else is refused; what names who asked is the authenticated user's."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from temporalio.api.common.v1 import Payloads, WorkflowExecution, WorkflowType
-from temporalio.api.enums.v1 import ResetReapplyType
+from temporalio.api.common.v1 import (
+    Callback,
+    Header,
+    Link,
+    Memo,
+    Payloads,
+    Priority,
+    RetryPolicy,
+    WorkflowExecution,
+    WorkflowType,
+)
+from temporalio.api.enums.v1 import ResetReapplyType, WorkflowIdConflictPolicy, WorkflowIdReusePolicy
 from temporalio.api.query.v1 import WorkflowQuery
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice import v1 as ws
+from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.converter import encode_search_attributes
 
 from gateway.calls import Access, Refused, access, listing_access, stamp
 from models.cluster import load_spec
 from models.clusterops import ClusterCreateInput, ClusterDeleteInput
 from models.clusterusers import UsersAction, UsersChangeInput
-from models.guard import GuardCommand, GuardInput
+from models.guard import GuardCommand, GuardInput, GuardState
 from models.incident import Approval, CancelRequest, RemediationInput
 from models.poolops import PoolSettings, PoolState
 from models.requests import ReleaseNodeRequest, ReturnNodeRequest
@@ -518,3 +531,208 @@ def test_who_asked_is_the_authenticated_user_whatever_the_client_said() -> None:
     )
     stamp("RequestCancelWorkflowExecution", request, "bob")
     assert (request.identity, request.reason) == ("bob", "gpufleet incidents cancel by bob: wrong node")
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        # A term inside a comment or a string literal filters nothing.
+        "/* WorkflowType='NodeRemediationWorkflow' */ ExecutionStatus='Running'",
+        "WorkflowId >= \"WorkflowType='NodeRemediationWorkflow'\"",
+        "ExecutionStatus='Running' -- WorkflowType='NodeRemediationWorkflow'",
+        # Other spellings of or and not.
+        "WorkflowType='NodeRemediationWorkflow' || ExecutionStatus='Running'",
+        "WorkflowType='NodeRemediationWorkflow' AND WorkflowId <> 'x'",
+        "WorkflowType='NodeRemediationWorkflow' XOR ExecutionStatus='Running'",
+    ],
+)
+def test_a_listing_that_may_reach_beyond_what_it_names_needs_the_wider_permission(query: str) -> None:
+    assert Access("list", "workflows") in listing_access(query)
+
+
+def test_a_listing_of_what_the_commands_name_needs_only_that() -> None:
+    assert listing_access("WorkflowType='FleetGuardWorkflow' AND ExecutionStatus='Running'") == [
+        Access("list", "breaker")
+    ]
+    assert listing_access('WorkflowId = "cluster-research"') == [Access("list", "clusters", "research")]
+
+
+def _incident(**options: Any) -> ws.SignalWithStartWorkflowExecutionRequest:
+    request = signal_with_start(
+        "NodeRemediationWorkflow",
+        "remediate-lab-gpu1",
+        "gpufleet-lab",
+        "report_xid",
+        RemediationInput(cluster="lab", node="gpu1"),
+        XID,
+    )
+    request.MergeFrom(ws.SignalWithStartWorkflowExecutionRequest(**options))
+    return request
+
+
+def _return(**options: Any) -> ws.StartWorkflowExecutionRequest:
+    request = start("ReturnNodeWorkflow", "return-lab-gpu1", "gpufleet-lab", ReturnNodeRequest(node="gpu1"))
+    request.MergeFrom(ws.StartWorkflowExecutionRequest(**options))
+    return request
+
+
+OPTIONS_REFUSED: list[tuple[str, Any, str]] = [
+    ("StartWorkflowExecution", _return(cron_schedule="* * * * *"), "field cron_schedule"),
+    ("StartWorkflowExecution", _return(request_eager_execution=True), "field request_eager_execution"),
+    (
+        "StartWorkflowExecution",
+        _return(completion_callbacks=[Callback(nexus=Callback.Nexus(url="http://169.254.169.254/"))]),
+        "field completion_callbacks",
+    ),
+    ("StartWorkflowExecution", _return(retry_policy=RetryPolicy(maximum_attempts=0)), "field retry_policy"),
+    ("StartWorkflowExecution", _return(priority=Priority(priority_key=1)), "field priority"),
+    ("StartWorkflowExecution", _return(memo=Memo(fields={"by": CONVERT.to_payloads(["mallory"])[0]})), "field memo"),
+    (
+        "StartWorkflowExecution",
+        _return(header=Header(fields={"by": CONVERT.to_payloads(["mallory"])[0]})),
+        "header \\['by'\\]",
+    ),
+    (
+        "StartWorkflowExecution",
+        _return(workflow_id_reuse_policy=WorkflowIdReusePolicy.WORKFLOW_ID_REUSE_POLICY_TERMINATE_IF_RUNNING),
+        "terminates the running return-lab-gpu1",
+    ),
+    (
+        "SignalWithStartWorkflowExecution",
+        _incident(workflow_id_conflict_policy=WorkflowIdConflictPolicy.WORKFLOW_ID_CONFLICT_POLICY_TERMINATE_EXISTING),
+        "terminates the running remediate-lab-gpu1",
+    ),
+    (
+        "SignalWorkflowExecution",
+        ws.SignalWorkflowExecutionRequest(
+            namespace=NS,
+            workflow_execution=WorkflowExecution(workflow_id="remediate-lab-gpu1"),
+            signal_name="spare_available",
+            links=[Link()],
+        ),
+        "field links",
+    ),
+    (
+        "RequestCancelWorkflowExecution",
+        ws.RequestCancelWorkflowExecutionRequest(
+            namespace=NS, workflow_execution=WorkflowExecution(workflow_id="remediate-lab-gpu1"), links=[Link()]
+        ),
+        "field links",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "request_", "said"),
+    OPTIONS_REFUSED,
+    ids=[said for _, _, said in OPTIONS_REFUSED],
+)
+def test_an_option_no_command_sets_is_refused(method: str, request_: Any, said: str) -> None:
+    with pytest.raises(Refused, match=said):
+        access(method, request_, namespace=NS)
+
+
+def test_a_deletion_cut_short_by_its_deadline_is_refused() -> None:
+    request = start(
+        "ClusterDeletion", "delete-cluster-research", "gpufleet-clusters", ClusterDeleteInput(spec=SPEC, backend="lab")
+    )
+    assert access("StartWorkflowExecution", request, namespace=NS) == [Access("delete", "clusters", "research")]
+    request.workflow_execution_timeout.FromTimedelta(timedelta(seconds=1))
+    with pytest.raises(Refused, match="workflow_execution_timeout"):
+        access("StartWorkflowExecution", request, namespace=NS)
+
+
+def test_an_incident_carries_only_its_own_search_attributes() -> None:
+    def with_attributes(**values: Any) -> ws.SignalWithStartWorkflowExecutionRequest:
+        request = _incident()
+        pairs = [SearchAttributePair(SearchAttributeKey.for_keyword(k), v) for k, v in values.items()]
+        encode_search_attributes(TypedSearchAttributes(pairs), request.search_attributes)
+        return request
+
+    assert access("SignalWithStartWorkflowExecution", with_attributes(Cluster="lab", GpuNode="gpu1"), namespace=NS) == [
+        Access("create", "incidents", "gpu1")
+    ]
+    with pytest.raises(Refused, match="Cluster must be 'lab'"):
+        access("SignalWithStartWorkflowExecution", with_attributes(Cluster="prod", GpuNode="gpu1"), namespace=NS)
+    with pytest.raises(Refused, match="'Owner'"):
+        access("SignalWithStartWorkflowExecution", with_attributes(Owner="mallory"), namespace=NS)
+    request = _return()
+    encode_search_attributes(
+        TypedSearchAttributes([SearchAttributePair(SearchAttributeKey.for_keyword("Cluster"), "lab")]),
+        request.search_attributes,
+    )
+    with pytest.raises(Refused, match="search_attributes is not one a ReturnNodeWorkflow"):
+        access("StartWorkflowExecution", request, namespace=NS)
+
+
+@pytest.mark.parametrize(
+    ("method", "request_", "field"),
+    [
+        (
+            "SignalWithStartWorkflowExecution",
+            signal_with_start(
+                "NodeRemediationWorkflow",
+                "remediate-lab-gpu1",
+                "gpufleet-lab",
+                "report_xid",
+                RemediationInput(cluster="lab", node="gpu1", pending_events=[XID]),
+                XID,
+            ),
+            "pending_events",
+        ),
+        (
+            "SignalWithStartWorkflowExecution",
+            signal_with_start(
+                "FleetGuardWorkflow",
+                "guard-lab",
+                "gpufleet-lab.guard",
+                "pause",
+                GuardInput(cluster="lab", state=GuardState(cluster="lab")),
+                GuardCommand(),
+            ),
+            "state",
+        ),
+        (
+            "StartWorkflowExecution",
+            start("PoolRebalance", "pool-lab", "gpufleet-lab", POOL.model_copy(update={"override_by": "x"})),
+            "override_by",
+        ),
+        ("StartWorkflowExecution", start("QuarantinedNodesWorkflow", "quarantined-lab-1", "gpufleet-lab", 1), "input"),
+    ],
+)
+def test_a_start_may_not_hand_a_workflow_a_past(method: str, request_: Any, field: str) -> None:
+    with pytest.raises(Refused, match=field) as refused:
+        access(method, request_, namespace=NS)
+    assert refused.value.invalid
+
+
+def test_an_incident_whose_every_task_would_time_out_is_refused() -> None:
+    request = _incident()
+    request.workflow_task_timeout.FromTimedelta(timedelta(seconds=5))
+    assert access("SignalWithStartWorkflowExecution", request, namespace=NS) == [Access("create", "incidents", "gpu1")]
+    request.workflow_task_timeout.FromTimedelta(timedelta(milliseconds=1))
+    with pytest.raises(Refused, match="workflow_task_timeout under 1 s"):
+        access("SignalWithStartWorkflowExecution", request, namespace=NS)
+
+
+def test_an_xid_is_for_the_incident_s_own_node() -> None:
+    other = XidEvent(node="gpu2", xid=79, source="cli")
+    with pytest.raises(Refused, match="an Xid of gpu2 is not for incident remediate-lab-gpu1") as refused:
+        access(
+            "SignalWithStartWorkflowExecution",
+            signal_with_start(
+                "NodeRemediationWorkflow",
+                "remediate-lab-gpu1",
+                "gpufleet-lab",
+                "report_xid",
+                RemediationInput(cluster="lab", node="gpu1"),
+                other,
+            ),
+            namespace=NS,
+        )
+    assert refused.value.invalid
+    with pytest.raises(Refused, match="an Xid of gpu2 is not for incident remediate-lab-gpu1"):
+        access("SignalWorkflowExecution", signal("remediate-lab-gpu1", "report_xid", other), namespace=NS)
+    assert access("SignalWorkflowExecution", signal("remediate-lab-gpu1", "report_xid", XID), namespace=NS) == [
+        Access("create", "incidents")
+    ]

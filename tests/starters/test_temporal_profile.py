@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from temporalio.service import TLSConfig
+from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 
-from starters.temporal import TemporalUnreachable, connect, connect_config
+from starters.temporal import API_ADDRESS_VARIABLE, TemporalUnreachable, connect, connect_config, refusal
 from tests.conftest import gpufleet_cli
 
 TLS_HANDSHAKE = 0x16  # the first byte of a TLS record carrying a handshake (the ClientHello)
@@ -284,3 +284,11 @@ async def test_the_worker_connects_as_its_profile_says_and_never_shows_the_key(
     assert done.returncode != 0 and address in said, said
     assert recorder.records and recorder.records[0][0] == TLS_HANDSHAKE, recorder.records
     assert "throwaway-api-key-7d2e" not in said
+
+
+def test_a_refusal_names_who_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    denied = RPCError("alice may not approve gpufleet.io/incidents", RPCStatusCode.PERMISSION_DENIED, b"")
+    monkeypatch.delenv(API_ADDRESS_VARIABLE, raising=False)
+    assert refusal(denied) == "the Temporal server refused: alice may not approve gpufleet.io/incidents"
+    monkeypatch.setenv(API_ADDRESS_VARIABLE, "gpufleet-api:7243")
+    assert refusal(denied) == "the gpufleet API refused: alice may not approve gpufleet.io/incidents"
