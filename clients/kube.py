@@ -277,6 +277,8 @@ class _Blank:
 
 # The most Kubernetes calls one process makes at once: a worker's activity threads.
 CONNECTIONS = 64
+# How long one request may take by default (GPUFLEET_KUBE_TIMEOUT_SECONDS sets the worker's).
+REQUEST_TIMEOUT_SECONDS = 15.0
 
 
 def api_client(kubeconfig: Path | None = None) -> k8s.ApiClient:
@@ -301,19 +303,30 @@ def api_client(kubeconfig: Path | None = None) -> k8s.ApiClient:
 class KubernetesApi:
     """KubeClient over ``kubernetes.client.CoreV1Api``, from a kubeconfig or in-cluster config."""
 
-    def __init__(self, *, kubeconfig: Path | None = None, poll_seconds: float = 0.5) -> None:
+    _request_timeout: float = REQUEST_TIMEOUT_SECONDS
+
+    def __init__(
+        self,
+        *,
+        kubeconfig: Path | None = None,
+        poll_seconds: float = 0.5,
+        request_timeout_seconds: float = REQUEST_TIMEOUT_SECONDS,
+    ) -> None:
+        if not request_timeout_seconds > 0:
+            raise ValueError(f"a request timeout is a positive number of seconds, not {request_timeout_seconds!r}")
         client = api_client(kubeconfig)
         self._api = k8s.CoreV1Api(client)
         self._coordination = k8s.CoordinationV1Api(client)
         self._batch = k8s.BatchV1Api(client)
         self._custom = k8s.CustomObjectsApi(client)
         self._poll = poll_seconds
+        self._request_timeout = request_timeout_seconds
         self.host: str = client.configuration.host
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not fn.__name__.startswith(("read_", "list_")):
             refuse_writes(what)
-        kwargs.setdefault("_request_timeout", 15)
+        kwargs.setdefault("_request_timeout", self._request_timeout)
         try:
             return fn(*args, **kwargs)
         except (ApiException, Urllib3Error, OSError) as exc:

@@ -184,6 +184,7 @@ class FleetLab:
             "GPUFLEET_POLICY_FILE": str(self.policy_file),
             # A local controller answers in milliseconds; give up on a silent one sooner.
             "GPUFLEET_SLURM_TIMEOUT_SECONDS": "10",
+            "GPUFLEET_KUBE_TIMEOUT_SECONDS": "5",
             "GPUFLEET_POLL_SECONDS": LAB_POLL_SECONDS,
             # The lab's worker creates clusters from the free pool, as local Slurm daemons (and, on
             # the slinky flavor, as Slinky clusters the operator stand-in brings up).

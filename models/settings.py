@@ -49,6 +49,8 @@ class Settings(BaseSettings):
     slurm_conf: Path | None = None
     slurm_bin_dir: Path | None = None
     slurm_timeout_seconds: Finite = Field(default=30.0, gt=0, le=3600)
+    # How long one request to the Kubernetes API may take before it fails (the activity retries).
+    kube_timeout_seconds: Finite = Field(default=15.0, gt=0, le=3600)
     # How the worker reaches Slurm: its commands (cli), or slurmrestd (rest: clusters reached only
     # through Slurm's REST API). A backend lacking a method the worker needs stops it at start.
     slurm_backend: Literal["cli", "rest"] = "cli"

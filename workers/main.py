@@ -279,7 +279,11 @@ def slurm_backend_said(settings: Settings, slurm: object) -> str:
 def build_clients(settings: Settings, *, slurm: SlurmClient | None = None) -> Clients:
     """The worker's clients from the settings; ``slurm`` in place of the one they name (the scale
     bench's simulated Slurm, bench/simulated_worker.py)."""
-    kube = KubernetesApi(kubeconfig=settings.kubeconfig, poll_seconds=settings.poll_seconds)
+    kube = KubernetesApi(
+        kubeconfig=settings.kubeconfig,
+        poll_seconds=settings.poll_seconds,
+        request_timeout_seconds=settings.kube_timeout_seconds,
+    )
     given = slurm is not None
     slurm = slurm if slurm is not None else slurm_from_settings(settings)
     mode = remediation_mode(settings, kube) if not given or settings.remediation_mode == "slinky" else "slurm"
@@ -435,7 +439,11 @@ def cluster_activities(settings: Settings) -> list[Any]:
     if not settings.backends:
         return []
     factories = backend_factories(settings)
-    kube = KubernetesApi(kubeconfig=settings.kubeconfig, poll_seconds=settings.poll_seconds)
+    kube = KubernetesApi(
+        kubeconfig=settings.kubeconfig,
+        poll_seconds=settings.poll_seconds,
+        request_timeout_seconds=settings.kube_timeout_seconds,
+    )
     backends = {name: factory(settings, kube) for name, factory in factories.items()}
     acts = ClusterActivities(
         kube,

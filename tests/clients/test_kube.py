@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -150,6 +151,23 @@ def test_unreachable_api_server_is_unavailable(tmp_path: Path) -> None:
     config = write_kubeconfig(tmp_path / "kubeconfig", server=f"http://127.0.0.1:{free_port()}")
     with pytest.raises(Unavailable):
         KubernetesApi(kubeconfig=config).list_nodes()
+
+
+def test_a_silent_api_server_is_unavailable_after_the_request_timeout(tmp_path: Path) -> None:
+    """GPUFLEET_KUBE_TIMEOUT_SECONDS: a server that takes the connection and never answers (a
+    stopped process) fails the request after that long, not the default 15 s."""
+    from lab.kubeapi import write_kubeconfig
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes the handshake; nothing ever reads or answers
+        config = write_kubeconfig(tmp_path / "kubeconfig", server=f"http://127.0.0.1:{silent.getsockname()[1]}")
+        started = time.monotonic()
+        with pytest.raises(Unavailable):
+            KubernetesApi(kubeconfig=config, request_timeout_seconds=0.5).list_nodes()
+        assert time.monotonic() - started < 5
+    with pytest.raises(ValueError, match="a request timeout is a positive number of seconds, not 0"):
+        KubernetesApi(kubeconfig=config, request_timeout_seconds=0)
 
 
 def test_remove_taint_is_idempotent_and_keeps_the_others(kube: KubernetesApi) -> None:

@@ -9,7 +9,6 @@ import json
 import re
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -58,10 +57,13 @@ operator-token,carol,1003
 """
 
 
-@pytest.fixture
-def api(tmp_path: Path) -> Iterator[KubeApiProcess]:
-    (tmp_path / "tokens.csv").write_text(TOKENS)
-    process = KubeApiProcess(tmp_path / "kube", _seed(), ("--token-file", str(tmp_path / "tokens.csv")))
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeApiProcess]:
+    """One API server for the module: each test asks for tokens of its own and binds roles to
+    users of its own; the one that deletes the detector pods puts them back."""
+    root = tmp_path_factory.mktemp("kubeauth")
+    (root / "tokens.csv").write_text(TOKENS)
+    process = KubeApiProcess(root / "kube", _seed(), ("--token-file", str(root / "tokens.csv")))
     yield process
     process.stop()
 
@@ -132,17 +134,22 @@ def test_a_token_whose_pod_was_deleted_or_recreated_is_refused(
 ) -> None:
     first = _detector_token(auth, kube, "detector-gpu1")
     second = _detector_token(auth, kube, "detector-gpu2")
-    kube._api.delete_namespaced_pod("detector-gpu1", NAMESPACE)
-    with pytest.raises(Unauthenticated, match='pods "detector-gpu1" not found'):
-        auth.review_token(first, audiences=[INTAKE_AUDIENCE])
-    assert auth.pod_node(NAMESPACE, "detector-gpu1") is None
-    old_uid = _pod_uid(kube, "detector-gpu2")
-    kube._api.delete_namespaced_pod("detector-gpu2", NAMESPACE)
-    kube._api.create_namespaced_pod(NAMESPACE, _pod("detector-gpu2", "gpu2"))  # type: ignore[arg-type]  # the same name, a new uid
-    with pytest.raises(Unauthenticated, match="does not match claim"):
-        auth.review_token(second, audiences=[INTAKE_AUDIENCE])
-    assert auth.pod_node(NAMESPACE, "detector-gpu2", old_uid) is None
-    assert auth.pod_node(NAMESPACE, "detector-gpu2") == "gpu2"
+    try:
+        kube._api.delete_namespaced_pod("detector-gpu1", NAMESPACE)
+        with pytest.raises(Unauthenticated, match='pods "detector-gpu1" not found'):
+            auth.review_token(first, audiences=[INTAKE_AUDIENCE])
+        assert auth.pod_node(NAMESPACE, "detector-gpu1") is None
+        old_uid = _pod_uid(kube, "detector-gpu2")
+        kube._api.delete_namespaced_pod("detector-gpu2", NAMESPACE)
+        kube._api.create_namespaced_pod(NAMESPACE, _pod("detector-gpu2", "gpu2"))  # type: ignore[arg-type]  # the same name, a new uid
+        with pytest.raises(Unauthenticated, match="does not match claim"):
+            auth.review_token(second, audiences=[INTAKE_AUDIENCE])
+        assert auth.pod_node(NAMESPACE, "detector-gpu2", old_uid) is None
+        assert auth.pod_node(NAMESPACE, "detector-gpu2") == "gpu2"
+    finally:  # both detectors there again (new uids) for the module's other tests
+        for name, node in (("detector-gpu1", "gpu1"), ("detector-gpu2", "gpu2")):
+            if kube.find_pod(NAMESPACE, name) is None:
+                kube._api.create_namespaced_pod(NAMESPACE, _pod(name, node))  # type: ignore[arg-type]
 
 
 def _tampered(token: str, **claims: Any) -> str:

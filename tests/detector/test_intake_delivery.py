@@ -20,16 +20,18 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from lab.procs import free_port, stop, wait_for
 from models.xid import XidEvent
 from tests.conftest import REPO
-from tests.gateway.world import World, start_world
+from tests.gateway.world import Intake, World, start_world
 
 pytestmark = pytest.mark.timeout(300)
 # One Xid 79 per GPU: identical repeats (same Xid and GPU) within the fold window would be folded.
 GPUS = ["18", "3b", "5e", "86", "af", "d8"]
 
 
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[World]:
-    started = start_world(tmp_path / "world", rate=6000, burst=1000)
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    """One emulated API, Temporal and intake for the module: the tests' events go to workflows of
+    their own (remediate-lab-gpu1, dryrun-lab-gpu1)."""
+    started = start_world(tmp_path_factory.mktemp("world"), rate=6000, burst=1000)
     yield started
     started.stop()
 
@@ -124,20 +126,24 @@ def test_delivery_through_the_intake(world: World, tmp_path: Path) -> None:
         stop([detector.pid])
 
 
-def test_a_node_over_its_rate_waits_as_the_intake_says(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_node_over_its_rate_waits_as_the_intake_says(
+    world: World, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Told 429, the delivery waits the intake's Retry-After, then goes on in order: nothing lost."""
     from detector.daemon import Delivery
     from detector.intake import IntakePoster
     from detector.spool import Spool
 
-    world = start_world(tmp_path / "world", rate=60, burst=2)  # then one a second
+    # An intake of its own, between the same API and Temporal, with a rate a burst goes over.
+    rates = {"GPUFLEET_INTAKE_RATE": "60", "GPUFLEET_INTAKE_BURST": "2"}  # then one a second
+    intake = Intake(tmp_path, {**world.intake.env, **rates}, world.intake.certs).start()
     try:
         token_file = tmp_path / "token"
         token_file.write_text(world.token("gpu1"))
         spool = Spool(tmp_path / "spool")
         for gpu in GPUS[:4]:
             spool.put(XidEvent(node="gpu1", xid=79, pci=f"0000:{gpu}:00", source="test"))
-        poster = IntakePoster(world.intake.url, token_file=token_file, ca_file=world.intake.certs.ca)
+        poster = IntakePoster(intake.url, token_file=token_file, ca_file=intake.certs.ca)
         delivery = Delivery(cluster="lab", spool=spool, dry_run=True, intake=poster)
 
         async def drain() -> list[int]:
@@ -154,4 +160,4 @@ def test_a_node_over_its_rate_waits_as_the_intake_says(tmp_path: Path, caplog: p
         assert "the intake answered 429: node gpu1 is over its rate of events" in caplog.text
         assert signalled(world, "dryrun-lab-gpu1") == [f"0000:{gpu}:00" for gpu in GPUS[:4]]
     finally:
-        world.stop()
+        intake.stop()

@@ -43,11 +43,14 @@ def _seed() -> dict[str, object]:
     }
 
 
-@pytest.fixture
-def api(tmp_path: Path) -> Iterator[KubeApiProcess]:
-    (tmp_path / "tokens.csv").write_text('lab-viewer,alice,1001,"gpufleet:viewers"\n')
-    args = ("--token-file", str(tmp_path / "tokens.csv"), "--signing-key", str(tmp_path / "signing.key"))
-    process = KubeApiProcess(tmp_path / "kube", _seed(), args)
+@pytest.fixture(scope="module")
+def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeApiProcess]:
+    """One API server for the module: the test that deletes the ServiceAccount puts it back, and
+    the roles kubectl applies grant nothing on what the other tests ask."""
+    root = tmp_path_factory.mktemp("kubeauth")
+    (root / "tokens.csv").write_text('lab-viewer,alice,1001,"gpufleet:viewers"\n')
+    args = ("--token-file", str(root / "tokens.csv"), "--signing-key", str(root / "signing.key"))
+    process = KubeApiProcess(root / "kube", _seed(), args)
     yield process
     process.stop()
 
@@ -149,7 +152,11 @@ def test_a_token_review_answers_as_the_real_api(http: httpx.Client) -> None:
     }
     # Deleting the ServiceAccount revokes its tokens.
     assert http.delete(f"/api/v1/namespaces/{NS}/serviceaccounts/detector").status_code == 200
-    assert not _review(http, token, ["gpufleet"])["authenticated"]
+    try:
+        assert not _review(http, token, ["gpufleet"])["authenticated"]
+    finally:  # back (a new uid) for the module's other tests
+        account = _seed()["serviceaccounts"][0]  # type: ignore[index]
+        http.post(f"/api/v1/namespaces/{NS}/serviceaccounts", json=account).raise_for_status()
 
 
 def test_tokens_outlive_a_restart_with_the_same_signing_key(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ def refused(monkeypatch: pytest.MonkeyPatch, variable: str, value: str) -> str:
 
 # A number added to the settings is checked by being counted here.
 assert "slurm_timeout_seconds" in FLOATS and "grace_seconds" in FLOATS and "metrics_port" in INTS
-assert len(FLOATS) == 9 and len(INTS) == 2, (FLOATS, INTS)
+assert len(FLOATS) == 10 and len(INTS) == 2, (FLOATS, INTS)
 
 
 @pytest.mark.parametrize("name", FLOATS)
@@ -52,3 +52,12 @@ def test_the_slurm_timeout_is_a_positive_bounded_number(monkeypatch: pytest.Monk
     assert "GPUFLEET_SLURM_TIMEOUT_SECONDS: " in refused(monkeypatch, "GPUFLEET_SLURM_TIMEOUT_SECONDS", value)
     monkeypatch.setenv("GPUFLEET_SLURM_TIMEOUT_SECONDS", "12.5")  # a number within bounds still reads
     assert Settings().slurm_timeout_seconds == 12.5
+
+
+def test_the_kubernetes_timeout_is_a_positive_bounded_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GPUFLEET_KUBE_TIMEOUT_SECONDS", raising=False)
+    assert Settings().kube_timeout_seconds == 15
+    for value in ("0", "-5", "1e9", "nan"):
+        assert "GPUFLEET_KUBE_TIMEOUT_SECONDS: " in refused(monkeypatch, "GPUFLEET_KUBE_TIMEOUT_SECONDS", value)
+    monkeypatch.setenv("GPUFLEET_KUBE_TIMEOUT_SECONDS", "2.5")
+    assert Settings().kube_timeout_seconds == 2.5
