@@ -27,7 +27,7 @@ from detector.parse import KernelLogParser, XidReport, line_time
 from detector.spool import Spool, SpoolFull
 from models.policy import Action, Policy, PolicyFile
 from models.xid import GpuEventKind, XidEvent
-from starters.temporal import TemporalUnreachable, connect, report_xid
+from starters.temporal import TemporalUnreachable, connect_temporal, report_xid
 
 log = logging.getLogger("gpufleet.detector")
 STALE_LOOP_SECONDS = 10.0  # /healthz fails when the main loop has not come round for this long
@@ -297,7 +297,7 @@ class Delivery:
             return await self.intake.post(event, cluster=self.cluster, dry_run=self.dry_run)
         try:
             if self._client is None:
-                self._client = await connect(timeout_seconds=self._connect_timeout)
+                self._client = await connect_temporal(timeout_seconds=self._connect_timeout)
             handle = await report_xid(self._client, event, cluster=self.cluster, dry_run=self.dry_run)
         except (TemporalUnreachable, RPCError, RuntimeError, OSError) as exc:
             self._client = None if isinstance(exc, TemporalUnreachable) else self._client

@@ -211,8 +211,9 @@ class Gateway:
         except RPCError as exc:
             self._count(method, "error")
             # Temporal's details (e.g. "already started", a query's failure) reach the caller's SDK as they came.
-            trailer: list[tuple[str, str | bytes]] = (
-                [("grpc-status-details-bin", exc.raw_grpc_status)] if exc.raw_grpc_status else []
+            # (grpc's aio server takes a tuple here: a list fails the call as UNKNOWN, TypeError.)
+            trailer: tuple[tuple[str, str | bytes], ...] = (
+                (("grpc-status-details-bin", exc.raw_grpc_status),) if exc.raw_grpc_status else ()
             )
             await context.abort(grpc.StatusCode[exc.status.name], exc.message, trailing_metadata=trailer)
         self._count(method, "ok")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -12,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from lab.access import DEFAULT_USER, USERS
 from lab.faults import EFFECTS, Effect, Fault, xid_effect
 from lab.fleet import FleetLab, LabConfig, LabError
 from lab.slinkylab import FLAVORS, SLINKY_RELEASE
@@ -123,6 +125,11 @@ def status(
     console.print(jobs)
     console.print(f"open incidents: {', '.join(i['id'] for i in result['incidents']) or 'none'}")
     console.print(f"Temporal UI: {result['services']['temporal']['ui']}")
+    api = result.get("api")
+    if api is not None:
+        console.print(f"gpufleet API: {api['address']} (CA {api['ca']}); its users' kubeconfigs:")
+        for name, kubeconfig in api["users"].items():
+            console.print(f"  {name}: {kubeconfig}")
 
 
 @lab_app.command()
@@ -176,6 +183,31 @@ def drill(
     print(json.dumps(result))
     if result["outcome"] != "resolved" or result["job_resumed"] is False:
         raise typer.Exit(1)
+
+
+@lab_app.command("env")
+def env_lines(
+    user: Annotated[str, typer.Option(help="The lab user to act as: lab-viewer, lab-approver or lab-operator.")] = (
+        DEFAULT_USER
+    ),
+    home: Annotated[Path | None, typer.Option(help="State folder.")] = None,
+) -> None:
+    """Print the shell lines that send `gpufleet` commands to the lab's gpufleet API as USER:
+    eval "$(gpufleet lab env --user lab-viewer)"."""
+    lab = _lab(home)
+    names = [known.name for known in USERS]
+    if user not in names:
+        fail(f"no lab user {user!r}; users: {', '.join(names)}", code=2)
+    api = lab.state().get("services", {}).get("api")
+    if not lab.running() or api is None:
+        fail("the lab's gpufleet API is not running (start the lab with `gpufleet lab up`)")
+    values = {
+        "GPUFLEET_API_ADDRESS": api["address"],
+        "GPUFLEET_API_CA_FILE": api["ca"],
+        "GPUFLEET_API_KUBECONFIG": str(lab.user_kubeconfig(user)),
+    }
+    for name, value in values.items():
+        print(f"export {name}={shlex.quote(value)}")
 
 
 @lab_app.command("inject-xid")

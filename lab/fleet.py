@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lab.access import DEFAULT_USER, USERS, api_answers, api_certificate, apply_roles, user_tokens, write_kubeconfigs
 from lab.cluster import stop_all
 from lab.dynamic import DynamicSlurmLab
 from lab.faults import FAULTS_ENV, Effect, GpuFaults
@@ -209,6 +210,10 @@ class FleetLab:
             env["GPUFLEET_WEBHOOK_URL"] = services["webhook"]["url"]
         if "prometheus" in services:
             env["GPUFLEET_PROMETHEUS_URL"] = services["prometheus"]["url"]
+        if "api" in services:  # every `gpufleet` command through the API, as the operator unless told
+            env["GPUFLEET_API_ADDRESS"] = services["api"]["address"]
+            env["GPUFLEET_API_CA_FILE"] = services["api"]["ca"]
+            env["GPUFLEET_API_KUBECONFIG"] = str(self.user_kubeconfig(DEFAULT_USER))
         return env
 
     # -- up ---------------------------------------------------------------------------------------
@@ -301,10 +306,26 @@ class FleetLab:
             kubeconfig = self.home / "kubeconfig"
             # Its signing key kept in the lab's home: the detectors' tokens outlive its restart.
             args = ["--seed", str(seed), "--kubeconfig", str(kubeconfig), "--signing-key", str(self.kube_signing_key)]
+            # The lab's users, by their static tokens (kept in the home: they outlive its restart too).
+            user_tokens(self.users_token_file)
+            args += ["--token-file", str(self.users_token_file)]
+            # Back on the port it had: the intake and the gpufleet API read its address once, at their start.
+            before = str(services.get("kubeapi", {}).get("url", ""))
+            port = self._port(int(before.rsplit(":", 1)[1]), "the emulated Kubernetes API", say) if before else 0
+            args += ["--port", str(port)]
             pid, url = self._start_module("kubeapi", args, what="the emulated Kubernetes API")
             services["kubeapi"] = {"pid": pid, "url": url, "kubeconfig": str(kubeconfig)}
             say(f"emulated Kubernetes API on {services['kubeapi']['url']} (kubeconfig {kubeconfig})")
             self._save({**state, "services": services})
+            # Its RBAC objects live in its memory: deploy/'s roles and the users' bindings, at each start.
+            apply_roles(kubeconfig)
+            said = ", ".join(f"{user.name} ({user.group}: {user.role})" for user in USERS)
+            say(f"users of the gpufleet API: {said}")
+            if before and url != before:  # on another port: what holds the old address starts again below
+                for name in ("intake", "api"):
+                    if running(name):
+                        stop([services[name]["pid"]])
+        write_kubeconfigs(self.users_folder, services["kubeapi"]["url"], user_tokens(self.users_token_file))
 
         if running("webhook"):
             say(f"webhook receiver already running at {services['webhook']['url']}")
@@ -332,6 +353,7 @@ class FleetLab:
             self._start_slinky(state, services, say, settle=not keep_slurm)
 
         self._start_intake(state, services, say)
+        self._start_api(state, services, say)
 
         started: list[Path] = []
         for node in self.all_nodes:
@@ -588,6 +610,71 @@ class FleetLab:
             raise
         say(f"intake on {url} (CA {certs.ca}): the detectors post there, each with its pod's token")
 
+    @property
+    def users_folder(self) -> Path:
+        """The lab's users of the gpufleet API: their tokens and a kubeconfig each (lab/access.py)."""
+        return self.home / "users"
+
+    @property
+    def users_token_file(self) -> Path:
+        """The users' static tokens, the emulated API's ``--token-file``."""
+        return self.users_folder / "tokens.csv"
+
+    def user_kubeconfig(self, name: str) -> Path:
+        """The kubeconfig of lab user ``name`` (``GPUFLEET_API_KUBECONFIG`` to act as them)."""
+        return self.users_folder / f"{name}.kubeconfig"
+
+    def _start_api(self, state: dict[str, Any], services: dict[str, Any], say: Say) -> None:
+        """gpufleet's API between the `gpufleet` commands and Temporal, answering once the
+        operator's token gets through it (its TokenReview answered, Temporal reached)."""
+        if "api" in services and alive(services["api"]["pid"]):
+            say(f"gpufleet API already running at {services['api']['address']}")
+            return
+        certs = api_certificate(self.home)
+        # Back on the port it had (a shell told GPUFLEET_API_ADDRESS keeps it), unless something else took it.
+        before = services.get("api", {})
+        port = self._port(int(before.get("port", 0)), "the gpufleet API", say)
+        metrics_port = self._port(int(before.get("metrics_port", 0)), "the gpufleet API's metrics", say)
+        address = f"127.0.0.1:{port}"
+        # Its own settings only, never a client's (it connects to Temporal directly, not to an API).
+        env = {name: value for name, value in self.env().items() if not name.startswith("GPUFLEET_API_")}
+        env |= {
+            "GPUFLEET_API_PORT": str(port),
+            "GPUFLEET_API_BIND": "127.0.0.1",
+            "GPUFLEET_API_METRICS_PORT": str(metrics_port),
+            "GPUFLEET_API_TLS_CERT": str(certs.cert),
+            "GPUFLEET_API_TLS_KEY": str(certs.key),
+        }
+        log = self.home / "logs" / "api.log"
+        pid = spawn([sys.executable, "-m", "workers.entry", "api"], log=log, env=env, cwd=REPO_ROOT)
+        services["api"] = {
+            "pid": pid,
+            "port": port,
+            "metrics_port": metrics_port,
+            "address": address,
+            "ca": str(certs.ca),
+            "metrics": f"http://127.0.0.1:{metrics_port}/metrics",
+            "users": {user.name: str(self.user_kubeconfig(user.name)) for user in USERS},
+        }
+        self._save({**state, "services": services})
+        token = user_tokens(self.users_token_file)[DEFAULT_USER]
+        deadline = time.monotonic() + 60
+        while True:
+            if not alive(pid):
+                raise LabError(f"the gpufleet API exited at once; see {log}")
+            try:
+                api_answers(address, certs.ca, token)
+                break
+            except Exception as exc:  # not listening yet, or what it answered: said if it lasts
+                if time.monotonic() > deadline:
+                    said = f"the gpufleet API did not let {DEFAULT_USER} in within 60 s ({exc}); see {log}"
+                    raise LabError(said) from None
+            time.sleep(0.2)
+        say(
+            f"gpufleet API on {address} (CA {certs.ca}): every `gpufleet` command of the lab goes through it, "
+            f"as {DEFAULT_USER} unless GPUFLEET_API_KUBECONFIG names another of {self.users_folder}"
+        )
+
     def detector_argv(self, node: str) -> list[str]:
         """The node's detector, following its kernel log, its cursor in ``$GPUFLEET_HOME/detector/NODE``."""
         return [
@@ -681,6 +768,7 @@ class FleetLab:
             say("stopping the detectors")
             stop(detectors)
         for name in (
+            "api",
             "intake",
             "worker",
             "slurmrestd",

@@ -30,6 +30,9 @@ def lab_status(lab: FleetLab) -> dict[str, Any]:
     }
     if not result["running"]:
         return result
+    api = result["services"].get("api")
+    if api is not None:  # where the lab's `gpufleet` commands go, and whom a user may act as
+        result["api"] = {"address": api["address"], "ca": api["ca"], "users": api.get("users", {})}
     slurm = lab.slurm.client()
     kube_nodes: dict[str, Any] = {}
     # The Kubernetes node under each Slurm node: its own name on the default flavor; on the slinky

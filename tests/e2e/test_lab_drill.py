@@ -12,6 +12,7 @@ import re
 import socket
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -198,12 +199,23 @@ def test_lab_status_shows_both_sides(lab: tuple[FleetLab, list[str]]) -> None:
     assert nodes["gpu2"]["kubernetes"] == "schedulable"
     assert any(job["restarts"] >= 1 for job in status["jobs"])
     assert status["incidents"] == []
+    # Where the lab's `gpufleet` commands go (the operator's by default), and whom one may act as.
+    api, env = status["api"], fleet.env()
+    assert (api["address"], api["ca"]) == (env["GPUFLEET_API_ADDRESS"], env["GPUFLEET_API_CA_FILE"])
+    assert set(api["users"]) == {"lab-viewer", "lab-approver", "lab-operator"}
+    assert env["GPUFLEET_API_KUBECONFIG"] == api["users"]["lab-operator"]
+    assert all(Path(kubeconfig).stat().st_mode & 0o777 == 0o600 for kubeconfig in api["users"].values())
+    shown = lab_cli(fleet, "status").stdout
+    assert f"gpufleet API: {api['address']}" in shown and api["users"]["lab-viewer"] in shown
+    lines = lab_cli(fleet, "env", "--user", "lab-viewer").stdout.splitlines()
+    assert f"export GPUFLEET_API_KUBECONFIG={api['users']['lab-viewer']}" in lines
 
 
 def test_the_detectors_tokens_outlive_a_restart_of_the_kubernetes_api(lab: tuple[FleetLab, list[str]]) -> None:
     fleet, _ = lab
     token = (fleet.token_folder / "gpu2").read_text()
     before = fleet.state()["services"]["kubeapi"]["pid"]
+    url = fleet.state()["services"]["kubeapi"]["url"]
     stop([before])
     fleet.up(keep_slurm=True)
     assert fleet.state()["services"]["kubeapi"]["pid"] != before
@@ -211,6 +223,13 @@ def test_the_detectors_tokens_outlive_a_restart_of_the_kubernetes_api(lab: tuple
     identity = KubeAuth(kubeconfig=fleet.home / "kubeconfig").review_token(token, audiences=["gpufleet"])
     assert identity.name == "system:serviceaccount:gpufleet:gpufleet-detector"
     assert identity.pod_uid == "lab-detector-gpu2" and identity.node == "gpu2"
+    # Back on its port, with the users' tokens and roles: the gpufleet API, which read its address
+    # at its start, still lets a user in (one it has not seen before: no review of theirs cached).
+    assert fleet.state()["services"]["kubeapi"]["url"] == url
+    approver = {**fleet.env(), "GPUFLEET_API_KUBECONFIG": str(fleet.user_kubeconfig("lab-approver"))}
+    listed = gpufleet_cli("incidents", "list", "--json", env=approver, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert "remediate-lab-gpu1" in [row["id"] for row in json.loads(listed.stdout)]
 
 
 def test_lab_down_leaves_no_process(lab: tuple[FleetLab, list[str]]) -> None:

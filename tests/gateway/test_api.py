@@ -468,6 +468,23 @@ def test_a_client_claiming_another_name_is_overwritten(fleet: Fleet) -> None:
     assert last == ("bob", "bob")
 
 
+def test_temporals_own_errors_come_back_as_they_came(fleet: Fleet) -> None:
+    """A call Temporal itself refuses (a workflow that does not exist) reaches the caller with
+    Temporal's status and message, as `gpufleet breaker status` on a cluster with no guard meets it."""
+
+    async def describe() -> RPCError:
+        client = await fleet.as_user("carol")
+        with pytest.raises(RPCError) as raised:
+            await client.get_workflow_handle(f"guard-{CLUSTER}x").describe()
+        return raised.value
+
+    error = asyncio.run(describe())
+    assert error.status == RPCStatusCode.NOT_FOUND, error
+    shown = fleet.cli("carol", "breaker", "status", "--cluster", f"{CLUSTER}x")
+    assert shown.returncode == 0, shown.stderr
+    assert "no incident has asked the fleet guard yet" in shown.stdout
+
+
 def test_an_unmapped_method_is_refused_even_to_an_operator(fleet: Fleet) -> None:
     async def terminate() -> RPCError:
         client = await fleet.as_user("carol")
