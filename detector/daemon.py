@@ -278,7 +278,7 @@ class Delivery:
             try:
                 incident = await self._send(event)
             except PostFailed as exc:
-                if exc.status == 400:  # this event, not the path: set it aside, go on with the next
+                if exc.unreadable:  # this event, not the path: set it aside, go on with the next
                     self.spool.set_aside_refused(path, str(exc))
                     continue
                 self._failed(event, exc)

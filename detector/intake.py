@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from models.intake import EVENTS_PATH, IntakeEvent
+from models.intake import EVENTS_PATH, UNREADABLE_PREFIX, IntakeEvent
 from models.xid import XidEvent
 
 POST_TIMEOUT_SECONDS = 10.0
@@ -20,6 +20,12 @@ class PostFailed(Exception):
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after  # seconds, when the intake said (429, 503)
+
+    @property
+    def unreadable(self) -> bool:
+        """The intake read the post and said this event is not one it can take (400, "not an
+        event"): posting it again changes nothing. Any other 400 (a proxy's, say) is kept."""
+        return self.status == 400 and f": {UNREADABLE_PREFIX}" in str(self)
 
     @property
     def refused(self) -> bool:

@@ -34,7 +34,7 @@ from aiohttp import web
 from pydantic import ValidationError
 from temporalio.client import Client
 from temporalio.common import MetricMeter
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from clients.errors import ClientError
 from clients.kubeauth import Unauthenticated
@@ -49,6 +49,7 @@ from models.intake import (
     REFUSED,
     REFUSED_HELP,
     RESULTS,
+    UNREADABLE_PREFIX,
     IntakeEvent,
     IntakeSettings,
 )
@@ -275,7 +276,17 @@ class Intake:
         try:
             client = await self.temporal()
             handle = await report_xid(client, body.event, cluster=self.cluster, dry_run=self.dry_run or body.dry_run)
-        except (TemporalUnreachable, TemporalConfigInvalid, RPCError, RuntimeError, OSError, TimeoutError) as exc:
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.INVALID_ARGUMENT:
+                # Temporal read the start and refused this event (a value past one of its limits):
+                # no retry changes that, and the detector must not hold its later events behind it.
+                log.error("Temporal refused %s on %s: %s", body.event.label, claimed, exc.message)
+                raise Refusal(400, "malformed", f"{UNREADABLE_PREFIX}Temporal refused it: {exc.message}") from None
+            log.error("Temporal did not take %s on %s: %s", body.event.label, claimed, exc)
+            raise Refusal(
+                503, "unavailable", "Temporal is unreachable; retry later", retry_after=UNAVAILABLE_RETRY_SECONDS
+            ) from None
+        except (TemporalUnreachable, TemporalConfigInvalid, RuntimeError, OSError, TimeoutError) as exc:
             if isinstance(exc, TemporalUnreachable):
                 self._client = None
             log.error("Temporal did not take %s on %s: %s", body.event.label, claimed, exc)
@@ -321,7 +332,7 @@ class Intake:
         except ValidationError as exc:
             message = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
         log.warning("malformed event from %s: %s", identity.name, message)
-        raise Refusal(400, "malformed", f"not an event: {message}")
+        raise Refusal(400, "malformed", f"{UNREADABLE_PREFIX}{message}")
 
     async def _node_of(self, identity: Identity) -> str | None:
         """The node the token speaks for: the API server's node name, else the bound pod's node."""

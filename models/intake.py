@@ -28,6 +28,8 @@ REFUSED = "gpufleet_intake_refused_total"
 REFUSED_HELP = (
     "Events the intake refused, by reason: no_token, unauthenticated, wrong_service_account, wrong_node, wrong_cluster."
 )
+# How the intake's 400 begins: the event itself cannot be taken (the detector sets it aside).
+UNREADABLE_PREFIX = "not an event: "
 RESULTS = ("accepted", "refused", "limited", "malformed", "unavailable")
 REASONS = ("no_token", "unauthenticated", "wrong_service_account", "wrong_node", "wrong_cluster")
 # The detectors' ServiceAccount (deploy/base/detector-serviceaccount.yaml), as NAMESPACE:NAME.
@@ -38,9 +40,13 @@ _DNS1123_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9](?:[a-z0-9-]*[a-z0-9])?(
 
 
 class IntakeEvent(BaseModel):
-    """The body of ``POST /v1/events``: one event of one node, for one cluster."""
+    """The body of ``POST /v1/events``: one event of one node, for one cluster.
 
-    model_config = ConfigDict(extra="forbid")
+    Fields this intake does not know are ignored, here as in the event: the DaemonSet and the
+    intake's Deployment roll out separately, and a newer detector's event must still be taken.
+    """
+
+    model_config = ConfigDict(extra="ignore")
 
     cluster: str
     dry_run: bool = False

@@ -185,8 +185,12 @@ async def _an_intake_of_another_version(cert: ServerCertificate, port: int, seen
     async def events(request: aiohttp.web.Request) -> aiohttp.web.Response:
         xid = (await request.json())["event"]["xid"]
         seen.append(xid)
-        if xid == 79:
-            return aiohttp.web.json_response({"error": "event.xid: not one this intake knows"}, status=400)
+        if xid == 79:  # what the intake answers for an event it cannot take
+            return aiohttp.web.json_response(
+                {"error": "not an event: event.xid: not one this intake knows"}, status=400
+            )
+        if xid == 13:  # a 400 of something else on the way (a proxy): not the event's fault
+            return aiohttp.web.json_response({"error": "request header too large"}, status=400)
         return aiohttp.web.json_response({"incident": f"remediate-lab-gpu1-{xid}"}, status=202)
 
     app = aiohttp.web.Application()
@@ -224,3 +228,8 @@ def test_an_event_the_intake_cannot_read_is_set_aside_and_never_holds_back_the_n
     assert len(spool) == 0 and spool.set_aside == 1
     assert first.with_name(first.name + ".refused").exists()  # kept for a person to post again
     assert Spool(tmp_path / "spool").pending() == []  # and not read back as pending after a restart
+    # Another 400 (not the intake saying "not an event") is no reason to give the event up: kept.
+    spool.put(XidEvent(node="gpu1", xid=13))
+    spool.put(XidEvent(node="gpu1", xid=31))
+    assert asyncio.run(run()) == 0
+    assert seen[2:] == [13] and [e.gpu_xid for _, e in spool.pending()] == [13, 31] and spool.set_aside == 1
