@@ -130,7 +130,8 @@ def certificate_identity(auth_context: Mapping[str, Iterable[bytes]]) -> Identit
             decoded: dict[str, Any] = ssl._ssl._test_decode_cert(file.name)  # type: ignore[attr-defined]
         for rdn in decoded.get("subject", ()):
             groups += [value for key, value in rdn if key == "organizationName"]
-    return Identity(name=names[0].decode(), groups=groups, extra={}, audiences=[])
+    # As the API server does for every user it authenticates (a binding to system:authenticated counts).
+    return Identity(name=names[0].decode(), groups=[*groups, "system:authenticated"], extra={}, audiences=[])
 
 
 class Gateway:
@@ -216,6 +217,10 @@ class Gateway:
                 (("grpc-status-details-bin", exc.raw_grpc_status),) if exc.raw_grpc_status else ()
             )
             await context.abort(grpc.StatusCode[exc.status.name], exc.message, trailing_metadata=trailer)
+        except (RuntimeError, OSError) as exc:  # a lazy client that cannot connect (Temporal away)
+            self._count(method, "error")
+            log.warning("%s: Temporal unreachable: %s", method, exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{method}: Temporal is unreachable now; retry later")
         self._count(method, "ok")
         return response
 

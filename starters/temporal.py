@@ -199,7 +199,11 @@ _REFUSAL = re.compile(r'code: (?:Unauthenticated|PermissionDenied), message: "(?
 
 
 async def connect_temporal(
-    *, address: str | None = None, profile: str | None = None, timeout_seconds: float = CONNECT_TIMEOUT_SECONDS
+    *,
+    address: str | None = None,
+    profile: str | None = None,
+    timeout_seconds: float = CONNECT_TIMEOUT_SECONDS,
+    lazy: bool = False,
 ) -> Client:
     """Connect to Temporal itself, with the pydantic data converter: gpufleet's own services (the
     worker, the intake, the API, the lab), never the gpufleet API whatever GPUFLEET_API_ADDRESS says.
@@ -207,6 +211,8 @@ async def connect_temporal(
     Args:
         address: host:port to use instead of the env-config's (the lab knows its own server).
         timeout_seconds: give up (TemporalUnreachable) when the server has not answered by then.
+        lazy: connect at the first call, not now (a service that must start, and answer "Temporal
+            unavailable", while Temporal is away).
 
     Raises:
         TemporalUnreachable: naming the address, when nothing answers there.
@@ -219,7 +225,7 @@ async def connect_temporal(
         raise TemporalConfigInvalid(f"Temporal address {address!r}: give host:port, without a scheme")
     try:
         return await asyncio.wait_for(
-            Client.connect(address, data_converter=pydantic_data_converter, **config),
+            Client.connect(address, data_converter=pydantic_data_converter, lazy=lazy, **config),
             timeout=timeout_seconds,
         )
     except (RuntimeError, OSError, TimeoutError) as exc:

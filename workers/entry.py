@@ -137,7 +137,8 @@ def api(
         requests = runtime.metric_meter.create_counter(REQUESTS_METRIC, "WorkflowService calls, by method and result")
 
     async def go() -> None:
-        await serve(settings, await connect_temporal(), authority, requests=requests)
+        # Lazily: the API starts, and says "Temporal unavailable", while Temporal is away.
+        await serve(settings, await connect_temporal(lazy=True), authority, requests=requests)
 
     try:
         run_async(go())

@@ -16,7 +16,9 @@ from temporalio.client import Client
 
 from clients.errors import Unavailable
 from gateway.api import Gateway
+from lab.procs import free_port
 from models.auth import API_GROUP, Identity
+from starters.temporal import connect_temporal
 
 INTERNAL_DETAIL = "review a token: HTTPSConnectionPool(host='10.96.0.1', port=443): timed out"
 
@@ -62,6 +64,8 @@ class Authority:
         namespace: str = "",
         group: str = API_GROUP,
     ) -> tuple[bool, str]:
+        if self._on == "nothing":
+            return True, "allowed"
         raise self._failing
 
 
@@ -96,3 +100,20 @@ def test_a_fault_of_the_api_is_internal_and_logged(caplog: pytest.LogCaptureFixt
     assert aborted.value.code == grpc.StatusCode.INTERNAL
     assert str(aborted.value) == "QueryWorkflow: the gpufleet API failed (its log says why)"
     assert "10.96.0.1" in caplog.text
+
+
+def test_temporal_away_is_unavailable_and_the_api_is_still_up(caplog: pytest.LogCaptureFixture) -> None:
+    """The API connects to Temporal lazily (``gpufleet api`` starts while Temporal is away): a call
+    then is UNAVAILABLE, said as such, and the API goes on serving."""
+
+    async def go() -> Aborted:
+        temporal = await connect_temporal(address=f"127.0.0.1:{free_port()}", lazy=True)
+        gateway = Gateway(temporal, Authority(KeyError("unused"), on="nothing"))
+        with pytest.raises(Aborted) as aborted:
+            await gateway.call("QueryWorkflow", _query(), cast(Any, Call()))
+        return aborted.value
+
+    with caplog.at_level(logging.WARNING, "gpufleet.api"):
+        aborted = asyncio.run(go())
+    assert aborted.code == grpc.StatusCode.UNAVAILABLE, aborted
+    assert str(aborted) == "QueryWorkflow: Temporal is unreachable now; retry later"
