@@ -21,8 +21,8 @@ from clients.errors import ClientError, Forbidden, NotFound, Unavailable, error_
 from clients.kube import api_client, checked_namespace, checked_object_name
 from models.auth import API_GROUP, Identity
 
-# Seconds one call may take before it is Unavailable.
-TIMEOUT = 15
+# Seconds one call may take before it is Unavailable, unless told (GPUFLEET_KUBE_TIMEOUT_SECONDS).
+TIMEOUT = 15.0
 
 
 class Unauthenticated(ClientError):
@@ -34,7 +34,10 @@ class Unauthenticated(ClientError):
 class KubeAuth:
     """Who a bearer token is, and what RBAC lets them do, as the Kubernetes API server says."""
 
-    def __init__(self, *, kubeconfig: Path | None = None) -> None:
+    def __init__(self, *, kubeconfig: Path | None = None, request_timeout_seconds: float = TIMEOUT) -> None:
+        if not request_timeout_seconds > 0:
+            raise ValueError(f"request_timeout_seconds={request_timeout_seconds}: give a number of seconds above 0")
+        self._timeout = request_timeout_seconds
         client = api_client(kubeconfig)
         self._core = k8s.CoreV1Api(client)
         self._authn = k8s.AuthenticationV1Api(client)
@@ -45,7 +48,7 @@ class KubeAuth:
         """One call, its answer read as JSON; errors typed as clients/errors.py types them (a
         ``secret`` in the server's words is redacted)."""
         try:
-            response = fn(*args, _preload_content=False, _request_timeout=TIMEOUT, **kwargs)
+            response = fn(*args, _preload_content=False, _request_timeout=self._timeout, **kwargs)
             try:
                 data: dict[str, Any] = json.loads(response.data)
             finally:

@@ -10,7 +10,10 @@ import httpx
 from models.intake import EVENTS_PATH, UNREADABLE_PREFIX, IntakeEvent
 from models.xid import XidEvent
 
-POST_TIMEOUT_SECONDS = 10.0
+# Longer than the intake takes at worst with its defaults (a TokenReview and a pod read of 15 s
+# each when the API server is slow, then Temporal's start): a post given up early is posted
+# again, a copy the incident folds, but it costs the API server another review.
+POST_TIMEOUT_SECONDS = 30.0
 
 
 class PostFailed(Exception):

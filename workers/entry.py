@@ -124,7 +124,10 @@ def api(
     if port is not None:
         settings.port = port
     try:
-        authority = KubeAuth(kubeconfig=Settings().kubeconfig)
+        worker_settings = Settings()
+        authority = KubeAuth(
+            kubeconfig=worker_settings.kubeconfig, request_timeout_seconds=worker_settings.kube_timeout_seconds
+        )
     except Exception as exc:  # the loader raises its own errors for a kubeconfig it cannot use
         fail(f"the Kubernetes API for token and access reviews: {exc} (set GPUFLEET_KUBECONFIG)", code=2)
     requests = None
@@ -192,7 +195,7 @@ def intake() -> None:
     except IntakeTlsError as exc:
         fail(str(exc), code=2)
     try:
-        kube = KubeAuth(kubeconfig=settings.kubeconfig)
+        kube = KubeAuth(kubeconfig=settings.kubeconfig, request_timeout_seconds=settings.kube_timeout_seconds)
     except Exception as exc:  # the kubernetes client's loaders raise their own types
         fail(f"Kubernetes API (GPUFLEET_KUBECONFIG, else the pod's service account): {exc}", code=2)
     meter = None
