@@ -259,8 +259,10 @@ def test_everything_namespaced_lives_in_one_namespace(name: str) -> None:
     namespace = the(objects, "Namespace")["metadata"]["name"]
     cluster_scoped = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
     for obj in objects:
-        if obj["kind"] == "NetworkPolicy" and obj["metadata"]["name"].endswith("temporal-frontend-gpufleet-only"):
-            assert obj["metadata"]["namespace"] == "temporal"  # it guards Temporal's pods, in Temporal's namespace
+        if obj["kind"] == "NetworkPolicy" and obj["metadata"]["name"].endswith(
+            ("temporal-frontend-gpufleet-only", "temporal-frontend-from-ui")
+        ):
+            assert obj["metadata"]["namespace"] == "temporal"  # they guard Temporal's pods, in Temporal's namespace
             continue
         assert obj["metadata"].get("namespace") == (None if obj["kind"] in cluster_scoped else namespace), obj
     # Repair Jobs run where the Role lets the workers create them.

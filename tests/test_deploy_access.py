@@ -2,18 +2,22 @@
 the gpufleet.io verbs of the table; the intake and the API have their certificates, their
 Services and no more RBAC than their reviews; the detector holds only a token for the intake;
 Temporal's credentials go to the worker, the intake and the API alone; and the overlays' network
-policies let only those reach Temporal's frontend, and the detectors only the intake."""
+policies let only those reach Temporal's frontend (the Web UI only through its own component), and
+the detectors only the intake; and the values for Temporal's chart make its frontend require a
+client certificate and its UI read-only."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+import yaml
 
 from models.auth import RESOURCES
 from models.intake import IntakeSettings
-from tests.test_deploy import DEPLOYED, Objects, of_kind, rendered, the
+from tests.test_deploy import DEPLOY, DEPLOYED, Objects, of_kind, render_with, rendered, the
 
 # The gpufleet.io resources and verbs the API authorises (models/auth.py's RESOURCES).
 TABLE = {
@@ -234,15 +238,22 @@ def _labels(objects: Objects, kind: str, name: str) -> dict[str, str]:
     return labels
 
 
+FRONTEND = {"app.kubernetes.io/name": "temporal", "app.kubernetes.io/component": "frontend"}
+UI = {"app.kubernetes.io/name": "temporal", "app.kubernetes.io/component": "web"}  # the chart's labels
+
+
+def _temporal_policy(objects: Objects, name: str) -> dict[str, Any]:
+    [policy] = [p for p in of_kind(objects, "NetworkPolicy") if p["metadata"]["name"].endswith(name)]
+    assert policy["metadata"]["namespace"] == "temporal"
+    spec: dict[str, Any] = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"] and spec["podSelector"]["matchLabels"] == FRONTEND
+    return spec
+
+
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_temporals_frontend_is_reachable_from_gpufleets_services_only(name: str) -> None:
     objects = rendered(name)
-    [policy] = [p for p in of_kind(objects, "NetworkPolicy") if p["metadata"]["namespace"] == "temporal"]
-    spec = policy["spec"]
-    assert (
-        spec["policyTypes"] == ["Ingress"]
-        and spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "frontend"
-    )
+    spec = _temporal_policy(objects, "temporal-frontend-gpufleet-only")
     from_gpufleet, from_temporal = spec["ingress"]
     assert from_gpufleet["ports"] == [{"port": 7233, "protocol": "TCP"}]
     [peer] = from_gpufleet["from"]
@@ -257,7 +268,47 @@ def test_temporals_frontend_is_reachable_from_gpufleets_services_only(name: str)
     }
     assert allowed == names
     assert _labels(objects, "DaemonSet", "gpufleet-detector")["app.kubernetes.io/name"] not in allowed
-    assert from_temporal == {"from": [{"podSelector": {}}]}  # Temporal's own pods, its namespace only
+    # Temporal's own pods, its namespace only, the Web UI excepted.
+    assert from_temporal == {
+        "from": [
+            {
+                "podSelector": {
+                    "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["web"]}]
+                }
+            }
+        ]
+    }
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_the_temporal_ui_reaches_the_frontend_only_through_its_own_component(tmp_path: Path, name: str) -> None:
+    """The overlays admit the UI on 7233 with components/temporal-ui alone: without it, the
+    network policy keeps the UI off the frontend (its rule for Temporal's pods excludes it)."""
+    spec = _temporal_policy(rendered(name), "temporal-frontend-from-ui")
+    assert spec["ingress"] == [
+        {"from": [{"podSelector": {"matchLabels": UI}}], "ports": [{"port": 7233, "protocol": "TCP"}]}
+    ]
+    without = render_with(tmp_path, [DEPLOY / "base"], [DEPLOY / "components" / "network-policy"])
+    [policy] = [p for p in of_kind(without, "NetworkPolicy") if p["metadata"]["namespace"] == "temporal"]
+    assert policy["metadata"]["name"] == "temporal-frontend-gpufleet-only"
+
+
+def test_the_values_for_temporals_chart_require_client_certificates_and_a_read_only_ui() -> None:
+    """deploy/temporal/values.yaml, for the temporalio/temporal chart: the frontend and the
+    services between them take only clients with a certificate of the CA, and the UI presents its
+    own certificate, shows no write buttons and has no Service or Ingress outside the cluster."""
+    values = yaml.safe_load((DEPLOY / "temporal" / "values.yaml").read_text())
+    tls = values["server"]["tls"]
+    for section in ("frontend", "internode"):
+        assert tls[section]["enabled"] is True and tls[section]["requireClientAuth"] is True, section
+        assert tls[section]["secretName"] and tls[section]["serverName"], section
+    web = values["web"]
+    assert web["tls"]["enabled"] is True and web["tls"]["enableHostVerification"] is True
+    assert web["tls"]["serverName"] == tls["frontend"]["serverName"]
+    assert web["tls"]["secretName"] not in {tls["frontend"]["secretName"], tls["internode"]["secretName"]}
+    env = {e["name"]: e["value"] for e in web["additionalEnv"]}
+    assert env["TEMPORAL_DISABLE_WRITE_ACTIONS"] == "true"
+    assert web["service"]["type"] == "ClusterIP" and web["ingress"]["enabled"] is False
 
 
 @pytest.mark.parametrize("name", OVERLAYS)

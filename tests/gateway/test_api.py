@@ -386,6 +386,30 @@ def _refused_line(ran: subprocess.CompletedProcess[str], user: str, what: str, r
     assert f"{user} may not {what}" in lines[0] and f"ask for the {role} role" in lines[0], ran.stderr
 
 
+def _deletion_refused(fleet: Fleet, user: str) -> None:
+    """A forced deletion of the cluster, started by ``user`` through the API: refused, nothing
+    started. (`cluster delete` refuses a cluster that was never created before it asks anything;
+    the API refuses the deletion itself to any client that tries it.)"""
+
+    async def delete() -> RPCError:
+        client = await fleet.as_user(user)
+        spec = load_spec(yaml.safe_load((REPO / "examples" / "cluster.yaml").read_text()))
+        with pytest.raises(RPCError) as refused:
+            await client.start_workflow(
+                CLUSTER_DELETION_WORKFLOW,
+                ClusterDeleteInput(spec=spec, backend="lab", force=True),
+                id="delete-cluster-research",
+                task_queue=CLUSTER_TASK_QUEUE,
+            )
+        return refused.value
+
+    refused = asyncio.run(delete())
+    assert refused.status == RPCStatusCode.PERMISSION_DENIED
+    assert f"{user} may not delete gpufleet.io/clusters research" in refused.message
+    assert "ask for the gpufleet-operator role" in refused.message
+    assert not _exists(fleet, "delete-cluster-research")
+
+
 # -- the tests -----------------------------------------------------------------------------------
 
 
@@ -411,24 +435,25 @@ def test_a_viewer_may_change_nothing(fleet: Fleet) -> None:
     _refused_line(returned, "alice", "return gpufleet.io/nodes gpu2", "gpufleet-operator")
     assert not _exists(fleet, f"return-{CLUSTER}-gpu2")
 
-    # `cluster delete` refuses a cluster that was never created before it asks anything; the API
-    # refuses the deletion itself to any client that tries it.
-    async def delete() -> RPCError:
-        client = await fleet.as_user("alice")
-        spec = load_spec(yaml.safe_load((REPO / "examples" / "cluster.yaml").read_text()))
-        with pytest.raises(RPCError) as refused:
-            await client.start_workflow(
-                CLUSTER_DELETION_WORKFLOW,
-                ClusterDeleteInput(spec=spec, backend="lab", force=True),
-                id="delete-cluster-research",
-                task_queue=CLUSTER_TASK_QUEUE,
-            )
-        return refused.value
+    paused = fleet.cli("alice", "pause", "--reason", "maintenance")
+    _refused_line(paused, "alice", f"pause gpufleet.io/breaker {CLUSTER}", "gpufleet-operator")
+    assert _signals(fleet, f"guard-{CLUSTER}") == []
 
-    refused = asyncio.run(delete())
-    assert refused.status == RPCStatusCode.PERMISSION_DENIED
-    assert "alice may not delete gpufleet.io/clusters research" in refused.message
-    assert not _exists(fleet, "delete-cluster-research")
+    released = fleet.cli("alice", "nodes", "release", "gpu2", "--reason", "repaired")
+    _refused_line(released, "alice", "release gpufleet.io/nodes gpu2", "gpufleet-operator")
+    assert not _exists(fleet, f"release-{CLUSTER}-gpu2")
+
+    _deletion_refused(fleet, "alice")
+
+
+def test_an_approver_may_not_touch_the_breaker_or_clusters(fleet: Fleet) -> None:
+    """An approver decides incidents; the breaker, nodes and clusters are an operator's."""
+    before = _signals(fleet, f"guard-{CLUSTER}")
+    reset = fleet.cli("bob", "breaker", "reset")
+    _refused_line(reset, "bob", f"reset gpufleet.io/breaker {CLUSTER}", "gpufleet-operator")
+    assert _signals(fleet, f"guard-{CLUSTER}") == before
+
+    _deletion_refused(fleet, "bob")
 
 
 def test_a_client_certificate_is_its_cn_in_its_o_groups(fleet: Fleet) -> None:
