@@ -36,8 +36,10 @@ from kubernetes.client.exceptions import ApiException
 from temporalio.client import Client
 from temporalio.service import TLSConfig
 
+from clients.kubecreds import user_credentials
 from lab.certs import ServerCertificate, make_server_certificate
 from lab.kubeauth import read_token_file
+from starters.temporal import ApiCredentials, connect_api, use_api_credentials
 
 ROLES_FILE = Path(__file__).resolve().parents[1] / "deploy" / "base" / "user-roles.yaml"
 RBAC_GROUP = "rbac.authorization.k8s.io"
@@ -150,6 +152,23 @@ def write_kubeconfigs(folder: Path, server: str, tokens: dict[str, str]) -> dict
 def api_certificate(home: Path) -> ServerCertificate:
     """The API's certificate for localhost and 127.0.0.1, from the lab's CA (the intake's too)."""
     return make_server_certificate(home / "certs", name="api")
+
+
+def kubeconfig_credentials(kubeconfig: Path) -> ApiCredentials:
+    """The current user's credentials in ``kubeconfig``, as the `gpufleet` command reads them."""
+    return ApiCredentials(*user_credentials(kubeconfig))
+
+
+async def connect_as(address: str, ca: Path, kubeconfig: Path, *, timeout_seconds: float = 15) -> Client:
+    """The gpufleet API at ``address`` as ``kubeconfig``'s current user, as a `gpufleet` command
+    connects: what the lab does in a person's name goes there, and its history names that user.
+
+    Raises:
+        starters.temporal.TemporalUnreachable: the API does not answer (ApiRefused: it refused the user).
+        starters.temporal.TemporalConfigInvalid: the CA file or the kubeconfig cannot be used.
+    """
+    use_api_credentials(kubeconfig_credentials)
+    return await connect_api(address, ca_file=ca, kubeconfig=kubeconfig, timeout_seconds=timeout_seconds)
 
 
 def api_answers(address: str, ca: Path, token: str) -> bool:

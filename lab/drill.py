@@ -19,6 +19,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from clients.kube import KubernetesApi
 from clients.slurm import SlurmCli
+from lab.access import DEFAULT_USER
 from lab.faults import FAULTS_ENV, Effect, default_effect
 from lab.fleet import REPO_ROOT, FleetLab, LabError
 from lab.procs import wait_for
@@ -143,10 +144,14 @@ def checkpointed_since_start(text: str) -> bool:
     return text.rfind("checkpoint saved") > start >= 0
 
 
-async def _new_run(handle: Any, *, since: datetime, timeout: float) -> Any:
-    """The incident run the detector started for this Xid (not an earlier one on the same node)."""
+async def _new_run(handle: Any, *, since: datetime, timeout: float, held: Callable[[], bool] | None = None) -> Any:
+    """The incident run the detector started for this Xid (not an earlier one on the same node).
+
+    ``timeout`` counts from now, or from when ``held`` last said True (an outage on purpose)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline or (held is not None and held()):
+        if held is not None and held():
+            deadline = time.monotonic() + timeout
         try:
             description = await handle.describe()
         except RPCError:
@@ -161,10 +166,11 @@ OnStatus = Callable[[IncidentStatus], Awaitable[None]]
 
 
 async def reset_breaker(lab: FleetLab, *, reason: str) -> bool:
-    """`gpufleet breaker reset` for the lab's cluster, as an operator would between drills
-    (False when no guard runs yet). The window starts again from now."""
-    client = await connect(address=lab.env()["TEMPORAL_ADDRESS"])
-    command = GuardCommand(by="gpufleet lab", reason=reason)
+    """`gpufleet breaker reset` for the lab's cluster, as the lab's operator between drills, through
+    the lab's gpufleet API (False when no guard runs yet). The window starts again from now; the
+    guard's history names lab-operator."""
+    client = await lab.api_client()
+    command = GuardCommand(by=DEFAULT_USER, reason=reason)  # the API records the authenticated user anyway
     try:
         await client.get_workflow_handle(guard_workflow_id(lab.config.cluster)).signal(GUARD_RESET_SIGNAL, command)
     except RPCError as exc:
@@ -238,6 +244,7 @@ async def run_drill(
     on_status: OnStatus | None = None,
     require_running: bool = True,
     detect_timeout: float = 30,
+    detect_held: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Run one drill against a running lab; returns the result as a JSON-ready dict.
 
@@ -247,8 +254,8 @@ async def run_drill(
         on_status: called with each status seen while the incident runs (chaos scenarios act
             there: kill a worker at a step, approve an incident waiting for approval).
         require_running: refuse unless every lab process runs (a chaos run stops some on purpose).
-        detect_timeout: how long the detector may take to open the incident (longer while a chaos
-            run keeps the intake away).
+        detect_timeout: how long the detector may take to open the incident, counted from the Xid,
+            or from when ``detect_held`` last said True (a chaos run keeping the intake away).
     """
     if require_running and not lab.running():
         raise LabError("the lab is not running: start it with `gpufleet lab up`")
@@ -299,7 +306,7 @@ async def run_drill(
     detected = datetime.now(UTC)
     lab.inject_xid(target, xid, effect)
     handle = client.get_workflow_handle(remediation_workflow_id(lab.config.cluster, target))
-    description = await _new_run(handle, since=detected, timeout=detect_timeout)
+    description = await _new_run(handle, since=detected, timeout=detect_timeout, held=detect_held)
     status = await _follow(handle, timeout=timeout, say=say, on_status=on_status)
 
     after = slurm.job(job.job_id)

@@ -18,7 +18,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lab.access import DEFAULT_USER, USERS, api_answers, api_certificate, apply_roles, user_tokens, write_kubeconfigs
+from temporalio.client import Client
+
+from lab.access import (
+    DEFAULT_USER,
+    USERS,
+    api_answers,
+    api_certificate,
+    apply_roles,
+    connect_as,
+    user_tokens,
+    write_kubeconfigs,
+)
 from lab.cluster import stop_all
 from lab.dynamic import DynamicSlurmLab
 from lab.faults import FAULTS_ENV, Effect, GpuFaults
@@ -597,17 +608,10 @@ class FleetLab:
         }
         self._save({**state, "services": services})
 
-        def answers() -> bool:
-            if not alive(pid):
-                raise LabError(f"the intake exited at once; see {log}")
-            return healthy(url, certs.ca)
-
-        try:
-            wait_for(answers, timeout=60, what=f"the intake (its log: {log})")
-        except TimeoutError:
-            if not alive(pid):
-                raise LabError(f"the intake exited at once; see {log}") from None
-            raise
+        # Done when it answers, or as soon as it has exited (wait_for takes a raise for "not yet").
+        wait_for(lambda: not alive(pid) or healthy(url, certs.ca), timeout=60, what=f"the intake (its log: {log})")
+        if not alive(pid):
+            raise LabError(f"the intake exited at once; see {log}")
         say(f"intake on {url} (CA {certs.ca}): the detectors post there, each with its pod's token")
 
     @property
@@ -623,6 +627,19 @@ class FleetLab:
     def user_kubeconfig(self, name: str) -> Path:
         """The kubeconfig of lab user ``name`` (``GPUFLEET_API_KUBECONFIG`` to act as them)."""
         return self.users_folder / f"{name}.kubeconfig"
+
+    async def api_client(self, user: str = DEFAULT_USER) -> Client:
+        """The lab's gpufleet API as lab user ``user`` (the operator unless told): where what the lab
+        does in a person's name goes (a breaker reset, an approval), so that the history names them.
+
+        Raises:
+            LabError: the lab runs no gpufleet API.
+            starters.temporal.TemporalUnreachable: the API does not answer (ApiRefused: it refused the user).
+        """
+        api = self._load().get("services", {}).get("api")
+        if api is None:
+            raise LabError("the lab runs no gpufleet API: start it with `gpufleet lab up`")
+        return await connect_as(api["address"], Path(api["ca"]), self.user_kubeconfig(user))
 
     def _start_api(self, state: dict[str, Any], services: dict[str, Any], say: Say) -> None:
         """gpufleet's API between the `gpufleet` commands and Temporal, answering once the

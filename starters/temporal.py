@@ -134,9 +134,18 @@ async def connect(
 
 
 async def connect_api(
-    address: str, *, profile: str | None = None, timeout_seconds: float = CONNECT_TIMEOUT_SECONDS
+    address: str,
+    *,
+    profile: str | None = None,
+    timeout_seconds: float = CONNECT_TIMEOUT_SECONDS,
+    ca_file: Path | None = None,
+    kubeconfig: Path | None = None,
 ) -> Client:
     """Connect to the gpufleet API at ``address`` over TLS, as the current user of the kubeconfig.
+
+    Args:
+        ca_file: the API's CA (PEM); None: GPUFLEET_API_CA_FILE, else the system's roots.
+        kubeconfig: whose current user connects; None: ``api_kubeconfig()`` (GPUFLEET_API_KUBECONFIG, ...).
 
     Raises:
         TemporalUnreachable: nothing answers at the address.
@@ -144,12 +153,16 @@ async def connect_api(
     """
     if "://" in address:
         raise TemporalConfigInvalid(f"{API_ADDRESS_VARIABLE}={address!r}: give host:port, without a scheme")
-    ca_file = os.environ.get(API_CA_VARIABLE, "").strip()
+    if ca_file is None:
+        named = os.environ.get(API_CA_VARIABLE, "").strip()
+        ca_file, ca_said = (Path(named), f"{API_CA_VARIABLE}={named}") if named else (None, "")
+    else:
+        ca_said = f"the API's CA {ca_file}"
     try:
-        ca = Path(ca_file).read_bytes() if ca_file else None
+        ca = ca_file.read_bytes() if ca_file is not None else None
     except OSError as exc:
-        raise TemporalConfigInvalid(f"{API_CA_VARIABLE}={ca_file}: {exc.strerror or exc}") from None
-    kubeconfig = api_kubeconfig()
+        raise TemporalConfigInvalid(f"{ca_said}: {exc.strerror or exc}") from None
+    kubeconfig = api_kubeconfig() if kubeconfig is None else kubeconfig
     if not _credential_sources:
         raise TemporalConfigInvalid("no reader of kubeconfig credentials is installed (run the `gpufleet` command)")
     try:

@@ -16,11 +16,15 @@ from typing import Any
 import httpx
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
+from temporalio.api.enums.v1 import EventType
+from temporalio.contrib.pydantic import pydantic_data_converter
 
+from lab.access import DEFAULT_USER
 from lab.faults import Effect
 from lab.fleet import REPO_ROOT, FleetLab
 from lab.procs import alive, spawn, wait_for
-from models.incident import Step
+from models.incident import Approval, Step
+from starters.temporal import connect_temporal
 
 Say = Callable[[str], None]
 
@@ -92,7 +96,8 @@ class Scenario:
     # Added delay allowed against the baseline (None: only correctness is checked).
     delay_budget_s: float | None = None
     drained_budget_s: float | None = None
-    # How long the detector may take to open the incident after the Xid.
+    # How long the detector may take to open the incident after the Xid, or after the service
+    # ``before`` took away is back (``Context.pending`` done).
     detect_timeout_s: float = 30.0
 
 
@@ -257,6 +262,26 @@ async def webhook_continues(ctx: Context) -> None:
 async def operator_drains(ctx: Context, node: str) -> None:
     slurm_update(ctx.lab, node, "State=DRAIN", f"Reason={OPERATOR_REASON}")
     ctx.fired.append(f"{node} drained by an operator: {OPERATOR_REASON!r}")
+
+
+async def approved_by_the_operator(ctx: Context, drill: dict[str, Any]) -> list[str]:
+    """The incident's approval went through the lab's gpufleet API as its operator: its history
+    names lab-operator, as the signal's identity and the approval's ``by``."""
+    client = await connect_temporal(address=ctx.lab.env()["TEMPORAL_ADDRESS"])
+    history = await client.get_workflow_handle(str(drill["workflow_id"])).fetch_history()
+    said = []
+    for event in history.events:
+        if event.event_type != EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED:
+            continue
+        signalled = event.workflow_execution_signaled_event_attributes
+        if signalled.signal_name == "decide":
+            [answer] = pydantic_data_converter.payload_converter.from_payloads(
+                list(signalled.input.payloads)[:1], [Approval]
+            )
+            said.append((signalled.identity, answer.by))
+    if said != [(DEFAULT_USER, DEFAULT_USER)]:
+        return [f"the incident's approvals name (identity, by) {said}, not one by {DEFAULT_USER} through the API"]
+    return []
 
 
 def slurm_update(lab: FleetLab, node: str, *fields: str) -> None:

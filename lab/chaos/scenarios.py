@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from clients.errors import ClientError
+from lab.access import DEFAULT_USER
 from lab.chaos.fleet import (
     closed,
     double_claims,
@@ -26,11 +27,11 @@ from lab.chaos.fleet import (
 )
 from lab.chaos.leftovers import CONFIGMAP_BAD, configmap_kept_last_good, configmap_nan, configmap_restored
 from lab.chaos.outages import (
-    INTAKE_DOWN,
     KILL_STEPS,
     STEP_ORDER,
     Context,
     Scenario,
+    approved_by_the_operator,
     intake_back,
     intake_down,
     kill_temporal,
@@ -50,6 +51,7 @@ from lab.drill import default_job, run_drill, training_job
 from lab.faults import Effect, default_effect
 from lab.fleet import REPO_ROOT
 from lab.procs import spawn, stop, wait_for
+from models.constants import remediation_workflow_id
 from models.incident import Approval, IncidentStatus, JobInfo, Outcome, Step
 from starters.temporal import connect
 from workflows.remediation import NodeRemediationWorkflow
@@ -82,14 +84,20 @@ def scenarios(*, short: bool) -> list[Scenario]:
             before=intake_down,
             after=intake_back,
             verify=spooled_while_intake_down,
-            detect_timeout_s=INTAKE_DOWN + 30,  # its outage, then the detector's backoff (10 s at most)
+            # Counted from the intake's return (its outage held the clock), as long as any other detection.
+            detect_timeout_s=30,
         ),
         Scenario(name="kubernetes_500_burst", fault=kube_faults(500, 12), at=Step.APPROVE),
         Scenario(name="kubernetes_429_burst", fault=kube_faults(429, 12, retry_after=1), at=Step.APPROVE),
         Scenario(name="pdb_blocks_eviction", before=pdb_blocks, after=pdb_cleanup),
         Scenario(name="webhook_refuses_connections", before=webhook_refuses, after=webhook_back, drained_budget_s=1.0),
         Scenario(name="webhook_hangs", before=webhook_hangs, after=webhook_continues, drained_budget_s=1.0),
-        Scenario(name="operator_drained_before_xid", before=operator_drains, expect_approval=True),
+        Scenario(
+            name="operator_drained_before_xid",
+            before=operator_drains,
+            expect_approval=True,
+            verify=approved_by_the_operator,
+        ),
         # The GPU's own effect on the job, whatever the Xid's default: the rank on the node dies
         # with a CUDA error and srun cancels the step (the job has ended FAILED before remediation
         # looks), or it hangs deaf to SIGTERM until the requeue's SIGKILL.
@@ -157,7 +165,8 @@ async def run_scenario(ctx: Context, scenario: Scenario, baseline: dict[str, Any
     before = fleet_facts(lab)
     fired_at: list[str] = []
     seen: list[str] = []
-    client = await connect(address=lab.env()["TEMPORAL_ADDRESS"])
+    # The approval a person gives, through the lab's gpufleet API as its operator (the history names them).
+    operator = await lab.api_client() if scenario.expect_approval else None
 
     async def on_status(status: IncidentStatus) -> None:
         if not seen or seen[-1] != status.step.value:
@@ -171,10 +180,12 @@ async def run_scenario(ctx: Context, scenario: Scenario, baseline: dict[str, Any
         if scenario.fault is not None and due and not fired_at:
             fired_at.append(step.value)
             await scenario.fault(ctx)
-        if scenario.expect_approval and status.waiting_for_approval and "approved" not in ctx.fired:
+        if operator is not None and status.waiting_for_approval and "approved" not in ctx.fired:
             ctx.fired.append("approved")
-            handle = client.get_workflow_handle(f"remediate-{lab.config.cluster}-{status.node}")
-            await handle.signal(NodeRemediationWorkflow.decide, Approval(approved=True, by="chaos", reason="drill"))
+            handle = operator.get_workflow_handle(remediation_workflow_id(lab.config.cluster, status.node))
+            wait, incident = status.approval_wait, status.incident_id
+            answer = Approval(approved=True, by=DEFAULT_USER, reason="drill", wait=wait, incident_id=incident)
+            await handle.signal(NodeRemediationWorkflow.decide, answer)
 
     result: dict[str, Any] = {"name": scenario.name}
     injected = time.time()
@@ -190,6 +201,8 @@ async def run_scenario(ctx: Context, scenario: Scenario, baseline: dict[str, Any
             on_status=on_status,
             require_running=False,
             detect_timeout=scenario.detect_timeout_s,
+            # A service the scenario brings back later (the intake): its outage is not the detector's time.
+            detect_held=lambda: any(not task.done() for task in ctx.pending),
         )
         if scenario.verify is not None:
             verified = await scenario.verify(ctx, drill)

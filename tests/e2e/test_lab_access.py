@@ -20,7 +20,9 @@ from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import RPCError
 
+from lab.drill import reset_breaker
 from lab.fleet import FleetLab, LabConfig
+from models.guard import GuardCommand
 from models.incident import Approval, IncidentStatus
 from tests.conftest import gpufleet_cli, gpufleet_cli_each
 from workflows.remediation import NodeRemediationWorkflow
@@ -160,3 +162,15 @@ def test_the_operator_lists_and_decides_and_the_history_names_them(fleet: FleetL
     # The breaker's pause and resume, and the report that opened the incident, name them too.
     assert {identity for name, identity, _ in signals(fleet, GUARD) if name in ("pause", "resume")} == {"lab-operator"}
     assert {identity for name, identity, _ in signals(fleet, INCIDENT) if name == "report_xid"} == {"lab-operator"}
+
+
+def test_the_labs_own_breaker_reset_goes_through_the_api_as_its_operator(fleet: FleetLab) -> None:
+    """What the lab does in a person's name (the drill's breaker reset between drills) is the
+    operator's, through the API: the guard's history names lab-operator, whatever the lab wrote."""
+    before = len(signals(fleet, GUARD))
+    assert asyncio.run(reset_breaker(fleet, reason="the next drill"))
+    resets = [(identity, argument) for name, identity, argument in signals(fleet, GUARD)[before:] if name == "reset"]
+    assert len(resets) == 1
+    identity, command = resets[0]
+    assert identity == "lab-operator"
+    assert GuardCommand.model_validate(command).by == "lab-operator"

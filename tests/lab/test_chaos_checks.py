@@ -3,8 +3,14 @@ the reason; a job the failure ended that did not run again counts as lost."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from temporalio.service import RPCError, RPCStatusCode
 
 from lab.chaos import (
     CURSOR_LOST,
@@ -22,8 +28,9 @@ from lab.chaos.leftovers import CONFIGMAP_BAD, config_ok
 from lab.chaos.outages import KILL_STEPS, Context, Scenario, kill_worker, operator_drains
 from lab.chaos.scenarios import at_or_after, fault_missed
 from lab.chaos.slinky import eviction_timeout
+from lab.drill import _new_run
 from lab.faults import Effect
-from lab.fleet import FleetLab, LabConfig
+from lab.fleet import FleetLab, LabConfig, LabError
 from models.incident import JobInfo, Step
 
 
@@ -146,3 +153,40 @@ def test_a_pod_kept_by_pod_protect_gets_a_short_eviction_timeout_for_its_inciden
     with eviction_timeout(lab, 5):
         assert "  eviction_timeout_seconds: 5\n  grace_seconds: 60\n" in lab.policy_file.read_text()
     assert lab.policy_file.read_text() == policy
+
+
+class _Opened:
+    """A workflow handle whose run starts once ``opened`` is set (what ``describe`` tells of it)."""
+
+    def __init__(self) -> None:
+        self.opened = False
+
+    async def describe(self) -> SimpleNamespace:
+        if not self.opened:
+            raise RPCError("workflow not found", RPCStatusCode.NOT_FOUND, b"")
+        return SimpleNamespace(start_time=datetime.now(UTC))
+
+
+def test_the_detection_clock_starts_when_the_outage_ends() -> None:
+    """An incident the detector opens 1.5 s after its Xid, 0.5 s after the intake came back: within
+    a 1 s detection timeout counted from the return, and out of it counted from the Xid."""
+
+    async def run(held: bool) -> None:
+        handle = _Opened()
+        since = datetime.now(UTC)
+        outage = asyncio.get_running_loop().time() + 1.0
+
+        async def intake_back_then_detected() -> None:
+            await asyncio.sleep(1.5)
+            handle.opened = True
+
+        opener = asyncio.create_task(intake_back_then_detected())
+        try:
+            in_outage = (lambda: asyncio.get_running_loop().time() < outage) if held else None
+            await _new_run(handle, since=since, timeout=1.0, held=in_outage)
+        finally:
+            await opener
+
+    asyncio.run(run(held=True))
+    with pytest.raises(LabError, match="did not open an incident within 1s"):
+        asyncio.run(run(held=False))
