@@ -276,17 +276,12 @@ class Intake:
         try:
             client = await self.temporal()
             handle = await report_xid(client, body.event, cluster=self.cluster, dry_run=self.dry_run or body.dry_run)
-        except RPCError as exc:
-            if exc.status == RPCStatusCode.INVALID_ARGUMENT:
+        except (RPCError, TemporalUnreachable, TemporalConfigInvalid, RuntimeError, OSError, TimeoutError) as exc:
+            if isinstance(exc, RPCError) and exc.status == RPCStatusCode.INVALID_ARGUMENT:
                 # Temporal read the start and refused this event (a value past one of its limits):
                 # no retry changes that, and the detector must not hold its later events behind it.
                 log.error("Temporal refused %s on %s: %s", body.event.label, claimed, exc.message)
                 raise Refusal(400, "malformed", f"{UNREADABLE_PREFIX}Temporal refused it: {exc.message}") from None
-            log.error("Temporal did not take %s on %s: %s", body.event.label, claimed, exc)
-            raise Refusal(
-                503, "unavailable", "Temporal is unreachable; retry later", retry_after=UNAVAILABLE_RETRY_SECONDS
-            ) from None
-        except (TemporalUnreachable, TemporalConfigInvalid, RuntimeError, OSError, TimeoutError) as exc:
             if isinstance(exc, TemporalUnreachable):
                 self._client = None
             log.error("Temporal did not take %s on %s: %s", body.event.label, claimed, exc)

@@ -224,6 +224,12 @@ def _status(code: int, reason: str, message: str, details: dict[str, Any] | None
     return aiohttp.web.json_response(body, status=code)
 
 
+def _review_answer(kind: str, api_version: str, spec: dict[str, Any], status: dict[str, Any]) -> aiohttp.web.Response:
+    """A review's answer as the API server gives it: the spec asked, the status decided, 201."""
+    answer = {"kind": kind, "apiVersion": api_version, "metadata": {"creationTimestamp": None}, "spec": spec}
+    return aiohttp.web.json_response({**answer, "status": status}, status=201)
+
+
 @attrs.define(kw_only=True)
 class KubeApiEmulator(kmock.KubernetesEmulator):
     """KubernetesEmulator with resourceVersions, selectors and evictions."""
@@ -915,14 +921,7 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
             status = self._authenticate(str(spec.get("token") or ""), wanted)
         except kubeauth.TokenInvalid as exc:
             status = {"authenticated": False, "user": {}, "error": f"[invalid bearer token, {exc}]"}
-        answer = {
-            "kind": "TokenReview",
-            "apiVersion": "authentication.k8s.io/v1",
-            "metadata": {"creationTimestamp": None},
-            "spec": spec,
-            "status": status,
-        }
-        return aiohttp.web.json_response(answer, status=201)
+        return _review_answer("TokenReview", "authentication.k8s.io/v1", spec, status)
 
     def _authenticate(self, token: str, wanted: list[str]) -> dict[str, Any]:
         """A TokenReview's status for an authenticated token; TokenInvalid saying why not."""
@@ -1032,14 +1031,7 @@ class KubeApiEmulator(kmock.KubernetesEmulator):
             status["reason"] = decision.reason
         if decision.errors:
             status["evaluationError"] = "; ".join(decision.errors)
-        answer = {
-            "kind": "SubjectAccessReview",
-            "apiVersion": "authorization.k8s.io/v1",
-            "metadata": {"creationTimestamp": None},
-            "spec": spec,
-            "status": status,
-        }
-        return aiohttp.web.json_response(answer, status=201)
+        return _review_answer("SubjectAccessReview", "authorization.k8s.io/v1", spec, status)
 
     async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
         if request.resource in RESOURCE_INFO:
