@@ -43,6 +43,7 @@ from models.policy import GuardSettings
 from starters.server import dev_server_argv
 from starters.temporal import connect_temporal
 from tests.conftest import REPO, gpufleet_cli, gpufleet_daemon
+from tests.gateway.world import workflow_exists
 
 CLUSTER = "lab"
 INCIDENT = f"remediate-{CLUSTER}-gpu1"
@@ -366,17 +367,7 @@ def _signals(fleet: Fleet, workflow_id: str) -> list[tuple[str, str, list[Any]]]
 
 
 def _exists(fleet: Fleet, workflow_id: str) -> bool:
-    async def describe() -> bool:
-        client = await connect_temporal(address=fleet.temporal)
-        try:
-            await client.get_workflow_handle(workflow_id).describe()
-        except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND:
-                return False
-            raise
-        return True
-
-    return asyncio.run(describe())
+    return workflow_exists(fleet.temporal, workflow_id)
 
 
 def _refused_line(ran: subprocess.CompletedProcess[str], user: str, what: str, role: str) -> None:

@@ -13,8 +13,6 @@ import httpx
 import pytest
 from pydantic import ValidationError
 from temporalio.client import Client
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.service import RPCError, RPCStatusCode
 
 from clients.kubeauth import Unauthenticated
 from gateway.intake import Intake, IntakeTlsError, TokenBuckets, server_tls
@@ -24,6 +22,7 @@ from models.intake import IntakeSettings
 from models.xid import XidEvent
 from tests.conftest import gpufleet_cli
 from tests.gateway.world import World, start_world
+from tests.gateway.world import workflow_exists as exists
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,17 +50,7 @@ def event(node: str, *, cluster: str = "lab", dry_run: bool = False, xid: int = 
 
 
 def workflow_exists(world: World, workflow_id: str) -> bool:
-    async def describe() -> bool:
-        client = await Client.connect(world.temporal_address, data_converter=pydantic_data_converter)
-        try:
-            await client.get_workflow_handle(workflow_id).describe()
-        except RPCError as exc:
-            if exc.status == RPCStatusCode.NOT_FOUND:
-                return False
-            raise
-        return True
-
-    return asyncio.run(describe())
+    return exists(world.temporal_address, workflow_id)
 
 
 def delta(world: World, before: dict[str, float]) -> dict[str, float]:

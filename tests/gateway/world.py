@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import RPCError, RPCStatusCode
 
 from clients.kubeauth import KubeAuth
 from lab.certs import ServerCertificate, make_server_certificate
@@ -190,3 +191,19 @@ def start_world(root: Path, *, rate: float = 30, burst: int = 60) -> World:
         kube.stop()
         raise
     return World(root, kube, temporal, address, intake)
+
+
+def workflow_exists(temporal_address: str, workflow_id: str) -> bool:
+    """Whether Temporal at ``temporal_address`` (directly, never through the API) has that workflow."""
+
+    async def describe() -> bool:
+        client = await Client.connect(temporal_address, data_converter=pydantic_data_converter)
+        try:
+            await client.get_workflow_handle(workflow_id).describe()
+        except RPCError as exc:
+            if exc.status == RPCStatusCode.NOT_FOUND:
+                return False
+            raise
+        return True
+
+    return asyncio.run(describe())
