@@ -144,6 +144,10 @@ def held_by_someone_else(reason: str) -> bool:
 # The spare pool: which cluster a Node serves, nodes kept out of every pool, retired nodes.
 CLUSTER_LABEL = "gpufleet.io/cluster"
 QUARANTINE_LABEL = "gpufleet.io/quarantine"
+# A node back from validation, until the time in its annotation (or a number of jobs) passes:
+# an Xid meanwhile quarantines it at once.
+PROBATION_LABEL = "gpufleet.io/probation"
+PROBATION_UNTIL_ANNOTATION = "gpufleet.io/probation-until"
 # On the Jobs that reset a GPU, reboot a node or check its GPUs afterwards: reset | reboot | check.
 REPAIR_LABEL = "gpufleet.io/repair"
 # On a reboot Job: the node's boot ID when the Job was made (a retry compares with this one).

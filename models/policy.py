@@ -27,6 +27,9 @@ class Action(StrEnum):
     """What happens to a node, from least to most disruptive."""
 
     OBSERVE = "OBSERVE"
+    # Drain with gpufleet's reason, signal nothing, let the node's jobs finish (up to
+    # ``drain_after_jobs.max_wait_seconds``, then as REPLACE_NODE), then ``drain_after_jobs.then``.
+    DRAIN_AFTER_JOBS = "DRAIN_AFTER_JOBS"
     RESET_GPU = "RESET_GPU"
     REBOOT_NODE = "REBOOT_NODE"
     REPLACE_NODE = "REPLACE_NODE"
@@ -71,6 +74,17 @@ DEFAULT_SXID_SEVERITY_ACTIONS: dict[Literal["fatal", "non-fatal"], Action] = {
 DEFAULT_KIND_ACTIONS: dict[GpuEventKind, Action] = {
     GpuEventKind.INIT_FAILED: Action.REPLACE_NODE,
     GpuEventKind.POWER_CABLE: Action.REPLACE_NODE,
+    # A quick check failed: no new job is put on the node; once its jobs end it is validated.
+    GpuEventKind.HEALTH_CHECK: Action.DRAIN_AFTER_JOBS,
+    # Silent degradation: what is known to slow a synchronous job, or to need a reset before the
+    # GPU is whole again, is drained after the jobs; the rest is observed and reported.
+    GpuEventKind.PCIE_LINK: Action.DRAIN_AFTER_JOBS,
+    GpuEventKind.CLOCKS_THROTTLED: Action.DRAIN_AFTER_JOBS,
+    GpuEventKind.ROW_REMAP: Action.DRAIN_AFTER_JOBS,
+    GpuEventKind.RETIRED_PAGES: Action.DRAIN_AFTER_JOBS,
+    GpuEventKind.NVLINK_ERRORS: Action.OBSERVE,
+    GpuEventKind.GPU_MISSING: Action.DRAIN_AFTER_JOBS,
+    GpuEventKind.FABRIC_MANAGER: Action.DRAIN_AFTER_JOBS,
 }
 
 RECOVERY_ACTIONS: dict[RecoveryAction, Action] = {

@@ -33,6 +33,17 @@ class GpuEventKind(StrEnum):
     BUS_LOST = "bus_lost"  # "GPU ... has fallen off the bus" with no Xid line: acts as Xid 79
     INIT_FAILED = "init_failed"  # RmInitAdapter failed / rm_init_adapter failed: no code
     POWER_CABLE = "power_cable"  # a GPU's auxiliary power cables are not connected: no code
+    # A quick check failed (`gpufleet health-check`, from Slurm's Prolog, Epilog or
+    # HealthCheckProgram); ``message`` names the check.
+    HEALTH_CHECK = "health_check"
+    # Silent degradation the NVML source polls for (no Xid); ``message`` says what it read.
+    PCIE_LINK = "pcie_link"  # link width below its maximum (generation: only under load)
+    CLOCKS_THROTTLED = "clocks_throttled"  # a hardware throttle reason (slowdown, power brake, thermal)
+    ROW_REMAP = "row_remap"  # rows remapped pending a reset, or a remapping failure (Ampere and later)
+    RETIRED_PAGES = "retired_pages"  # pages retired pending a reset (before Ampere)
+    NVLINK_ERRORS = "nvlink_errors"  # NVLink error counters rising
+    GPU_MISSING = "gpu_missing"  # fewer GPUs than the node advertises
+    FABRIC_MANAGER = "fabric_manager"  # NVSwitch fabric not in service (fabric manager stopped or failed)
 
     @property
     def has_code(self) -> bool:
