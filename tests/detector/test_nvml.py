@@ -8,27 +8,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from lab.nvmlstub import StubUnavailable, build_stub
 from tests.conftest import REPO, gpufleet_cli
-
-STUB = Path(__file__).with_name("stub_nvml.c")
 
 
 @pytest.fixture(scope="module")
 def stub_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("gcc") is None:
-        pytest.fail("gcc is needed to build the NVML stub (apt-get install gcc)")
-    folder = tmp_path_factory.mktemp("nvml")
-    subprocess.run(
-        ["gcc", "-shared", "-fPIC", "-Wall", "-Werror", "-o", str(folder / "libnvidia-ml.so.1"), str(STUB)], check=True
-    )
-    return folder
+    try:
+        return build_stub(tmp_path_factory.mktemp("nvml"))
+    except StubUnavailable as exc:
+        pytest.fail(str(exc))
 
 
 def detect(lib: Path, tmp_path: Path, events: str, *args: str) -> tuple[list[dict[str, object]], str]:
