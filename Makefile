@@ -28,11 +28,15 @@ system-deps:
 slurm-roots: venv system-deps
 	$(BIN)/python -m lab.slurmroots $(if $(REFRESH),--refresh)
 
+# Two runs: the tests that start no Slurm daemon and no lab two at a time (pytest-xdist; each
+# starts its own Temporal test server, kubeapi or sshd on free ports), then the Slurm and lab
+# tests one at a time, since two labs must never run at once.
 test: venv system-deps slurm-roots
-	$(BIN)/pytest -q --durations=30
+	$(BIN)/pytest -q -n 2 -m "not slurm and not e2e" --durations=15
+	$(BIN)/pytest -q -m "slurm or e2e" --durations=30
 
 test-fast: venv
-	$(BIN)/pytest -q -m "not slurm and not e2e"
+	$(BIN)/pytest -q -n 2 -m "not slurm and not e2e"
 
 lint: venv
 	$(BIN)/ruff check .
