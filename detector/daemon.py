@@ -202,14 +202,19 @@ class SourceThread(threading.Thread):
 
 @dataclass
 class Folder:
-    """Folds identical repeats (same node, Xid and GPU) seen within ``window`` seconds."""
+    """Folds identical repeats (same node, Xid and GPU) seen within ``window`` seconds.
+
+    An event without a code is one repeat of another only with the same message: two NVLinks of
+    one GPU, or its pending and its failed row remapping, are two events.
+    """
 
     window: float = 10.0
-    _seen: dict[tuple[str, str, int | None, str | None], float] = field(default_factory=dict)
+    _seen: dict[tuple[str, str, int | None, str | None, str], float] = field(default_factory=dict)
     folded: int = 0
 
     def fresh(self, event: XidEvent) -> bool:
-        key = (event.node, event.kind.value, event.xid, event.pci)
+        said = "" if event.kind.has_code else event.message
+        key = (event.node, event.kind.value, event.xid, event.pci, said)
         now = time.monotonic()
         last = self._seen.get(key)
         self._seen[key] = now

@@ -167,9 +167,15 @@ class NvmlSource:
         pynvml = self._pynvml
         confirm = 1 if self._once else settings.confirm_polls
         reports: list[XidReport] = []
-        missing = gpu_missing(int(pynvml.nvmlDeviceGetCount()), self._expect_gpus)
-        for degradation in self._tracker.update(None, [missing] if missing else [], confirm_polls=confirm):
-            reports.append(XidReport(xid=None, pci=None, message=degradation.message, kind=degradation.kind.value))
+        try:
+            count: int | None = int(pynvml.nvmlDeviceGetCount())
+        except pynvml.NVMLError as exc:  # said; the GPUs are still read, and their Xids listened to
+            log.warning("NVML cannot count this node's GPUs: %s", exc)
+            count = None
+        if count is not None:
+            missing = gpu_missing(count, self._expect_gpus)
+            for degradation in self._tracker.update(None, [missing] if missing else [], confirm_polls=confirm):
+                reports.append(XidReport(xid=None, pci=None, message=degradation.message, kind=degradation.kind.value))
         for gpu in self.gpus:
             if gpu.lost:
                 continue

@@ -24,7 +24,8 @@ from detector.nvml import NvmlSource
 from detector.parse import XidReport
 from lab.nvmlstub import LIBRARY, StubUnavailable, build_stub
 from models.degradation import DegradationSettings
-from models.policy import Action, Policy, PolicyError, policy_from_mapping
+from models.intake import IntakeEvent
+from models.policy import DEFAULT_KIND_ACTIONS, Action, Policy, PolicyError, policy_from_mapping
 from models.xid import GpuEventKind, XidEvent
 from tests.conftest import REPO, gpufleet_cli
 
@@ -280,6 +281,31 @@ def test_the_detector_reports_degradation_with_the_policy_action(stub_lib: Path,
         ("pcie_link", "0000:3b:00", GPU0, "PCIe link x8 of x16", "DRAIN_AFTER_JOBS", "nvml"),
         ("xid", "0000:3b:00", GPU0, "NVML: Xid critical error", "RESET_GPU", "nvml"),
     ]
+
+
+def test_two_degradations_of_one_kind_on_one_gpu_are_two_events(stub_lib: Path, tmp_path: Path) -> None:
+    events = detect(stub_lib, tmp_path, "1 remap 0 2 1 1\n")
+    assert [(e["kind"], e["gpu_uuid"], e["message"].split(";")[0]) for e in events[:2]] == [
+        ("row_remap", GPU1, "row remapping pending a GPU reset"),
+        ("row_remap", GPU1, "row remapping failed"),
+    ]
+
+
+def test_the_intake_takes_every_degradation_kind() -> None:
+    kinds = [
+        GpuEventKind.PCIE_LINK,
+        GpuEventKind.CLOCKS_THROTTLED,
+        GpuEventKind.ROW_REMAP,
+        GpuEventKind.RETIRED_PAGES,
+        GpuEventKind.NVLINK_ERRORS,
+        GpuEventKind.GPU_MISSING,
+        GpuEventKind.FABRIC_MANAGER,
+    ]
+    for kind in kinds:
+        body = {"cluster": "prod", "event": {"node": "gpu1", "kind": kind.value, "xid": None, "message": "read"}}
+        taken = IntakeEvent.model_validate(body).event
+        assert (taken.kind, taken.xid, taken.reason_word) == (kind, None, kind.value)
+        assert Policy().action_for(taken) is DEFAULT_KIND_ACTIONS[kind]
 
 
 def test_the_policy_sets_the_interval_and_the_actions(stub_lib: Path, tmp_path: Path) -> None:
