@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -256,6 +257,49 @@ def test_a_gpu_lost_while_read_is_reported_fallen_off_the_bus(source: NvmlSource
     reports = source.read_degradation(EVERY_POLL)
     assert [(r.xid, r.pci) for r in reports] == [(79, "0000:3c:00")]
     assert source.read_degradation(EVERY_POLL) == []  # once
+
+
+class CountedSource(NvmlSource):
+    """The NVML source, counting its reads so that the test waits for them, not for time."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reads = 0
+        self.read_done = threading.Condition()
+
+    def read_degradation(self, settings: DegradationSettings) -> list[XidReport]:
+        reports = super().read_degradation(settings)
+        with self.read_done:
+            self.reads += 1
+            self.read_done.notify_all()
+        return reports
+
+    def wait_reads(self, more: int) -> None:
+        with self.read_done:
+            target = self.reads + more
+            assert self.read_done.wait_for(lambda: self.reads >= target, timeout=30), f"{self.reads} reads"
+
+
+def test_the_running_source_polls_at_the_policy_interval(state: Path) -> None:
+    settings = DegradationSettings(poll_seconds=0.01, confirm_polls=2)  # each read confirmed by the next
+    emitted: list[XidReport] = []
+    nvml = CountedSource(wait_ms=0, degradation=lambda: settings)
+    stop = threading.Event()
+    state.write_text("1 clocks 0x80\n")
+    thread = threading.Thread(target=nvml.run, args=(lambda report, _: emitted.append(report), stop, lambda: None))
+    thread.start()
+    try:
+        nvml.wait_reads(5)
+        assert [(r.kind, r.gpu_uuid) for r in emitted] == [("clocks_throttled", GPU1)]  # once, while it lasts
+        state.write_text("")
+        nvml.wait_reads(2)
+        state.write_text("1 clocks 0x80\n")
+        nvml.wait_reads(3)
+        assert [r.kind for r in emitted] == ["clocks_throttled", "clocks_throttled"]  # back: again
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive()
 
 
 def detect(lib: Path, tmp_path: Path, state: str, *args: str, policy: str | None = None) -> list[dict[str, Any]]:
