@@ -132,7 +132,7 @@ def read_gpu(pynvml: Any, handle: Any) -> GpuReading:
     utilization = nvml.call("nvmlDeviceGetUtilizationRates", handle)
     reading.utilization_percent = None if utilization is None else int(utilization.gpu)
     reasons = nvml.call("nvmlDeviceGetCurrentClocksEventReasons", handle)
-    if reasons is None:  # drivers before R535 name it "throttle reasons"
+    if reasons is None and not reading.errors:  # drivers before R535 name it "throttle reasons"
         reasons = nvml.call("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
     reading.clocks_event_reasons = None if reasons is None else int(reasons)
     rows = nvml.call("nvmlDeviceGetRemappedRows", handle)

@@ -73,6 +73,7 @@ class NvmlSource:
         self._expect_gpus = expect_gpus
         self._tracker = Tracker()
         self._readings: dict[int, GpuReading] = {}
+        self._said: set[tuple[int, str, str]] = set()  # failed reads already logged
         self.gpus: list[Gpu] = []
         self.registered: list[int] = []
         self.available = False
@@ -188,7 +189,9 @@ class NvmlSource:
                 reports.append(XidReport(xid=79, pci=gpu.pci, gpu_uuid=gpu.uuid, message="NVML: GPU is lost"))
                 continue
             for name, error in reading.errors.items():
-                log.warning("GPU %d (%s): %s failed: %s", gpu.index, gpu.pci, name, error)
+                if (gpu.index, name, error) not in self._said:  # once, not at every poll
+                    self._said.add((gpu.index, name, error))
+                    log.warning("GPU %d (%s): %s failed: %s", gpu.index, gpu.pci, name, error)
             seen = degradations(reading, self._readings.get(gpu.index), settings, error_text=self._error_text)
             self._readings[gpu.index] = reading
             for degradation in self._tracker.update(gpu.uuid, seen, confirm_polls=confirm):

@@ -7,7 +7,8 @@
  * STUB_NVML_LOG: where registrations are written ("registered INDEX TYPES").
  * STUB_NVML_STATE: a file read at every call below it, the degradation the detector polls for;
  *     each line is "INDEX WHAT VALUES..." (the last line that matches wins), or "INDEX WHAT
- *     unsupported" for NVML_ERROR_NOT_SUPPORTED. Unset WHATs read as a healthy GPU.
+ *     unsupported" for NVML_ERROR_NOT_SUPPORTED ("INDEX WHAT failing": NVML_ERROR_UNKNOWN).
+ *     Unset WHATs read as a healthy GPU.
  *     pcie GEN MAXGEN WIDTH MAXWIDTH       (default 5 5 16 16)
  *     util GPU_PERCENT                     (default 0)
  *     clocks REASONS                       current clocks event reasons, a bit mask (default 0)
@@ -146,8 +147,8 @@ nvmlReturn_t nvmlEventSetWait_v2(void *set, nvmlEventData_t *data, unsigned int 
 
 /* ---- Degradation: what the detector polls between Xids (STUB_NVML_STATE). ---- */
 
-enum { NOT_SUPPORTED = 3, INSUFFICIENT_SIZE = 7 };
-enum { ABSENT = -1, UNSUPPORTED = -2 };
+enum { NOT_SUPPORTED = 3, INSUFFICIENT_SIZE = 7, UNKNOWN_ERROR = 999 };
+enum { ABSENT = -1, UNSUPPORTED = -2, FAILING = -3 };
 
 /* The values of the last line "INDEX WHAT v0 v1 ..." whose first `match` values equal `want`:
  * how many it holds, ABSENT or UNSUPPORTED. */
@@ -164,6 +165,7 @@ static int stub_state(const stub_device *device, const char *what, const unsigne
         if (sscanf(line, "%d %31s %199[^\n]", &index, name, rest) < 2 || index != device->index) continue;
         if (strcmp(name, what) != 0) continue;
         if (strncmp(rest, "unsupported", 11) == 0 && match == 0) { found = UNSUPPORTED; continue; }
+        if (strncmp(rest, "failing", 7) == 0 && match == 0) { found = FAILING; continue; }
         unsigned long long parsed[8];
         int n = 0;
         char *cursor = rest, *end;
@@ -186,7 +188,7 @@ static int stub_state(const stub_device *device, const char *what, const unsigne
 static nvmlReturn_t stub_read(nvmlDevice_t device, const char *what, unsigned long long *values, int size) {
     if (device->lost) return GPU_IS_LOST;
     int n = stub_state(device, what, NULL, 0, values, size);
-    return n == UNSUPPORTED ? NOT_SUPPORTED : OK;
+    return n == UNSUPPORTED ? NOT_SUPPORTED : n == FAILING ? UNKNOWN_ERROR : OK;
 }
 
 static nvmlReturn_t stub_pcie(nvmlDevice_t device, int which, unsigned int *out) {

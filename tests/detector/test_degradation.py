@@ -224,6 +224,19 @@ def test_not_supported_is_no_event(source: NvmlSource, state: Path) -> None:
     }
 
 
+def test_a_failing_call_is_said_once_and_is_no_event(
+    source: NvmlSource, state: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state.write_text("0 clocks failing\n0 pcie 5 5 8 16\n")
+    reports = [report for _ in range(3) for report in source.read_degradation(EVERY_POLL)]
+    assert [r.kind for r in reports] == ["pcie_link"]  # the other readings go on
+    reading = read_gpu(pynvml, source.gpus[0].handle)
+    assert reading.clocks_event_reasons is None
+    assert list(reading.errors) == ["nvmlDeviceGetCurrentClocksEventReasons"]
+    said = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("GPU 0 (0000:3b:00): nvmlDeviceGetCurrentClocksEventReasons failed")
+
+
 class OlderDriver:
     """The stub library without some functions, as an older driver's libnvidia-ml lacks them."""
 
