@@ -132,7 +132,8 @@ def read_gpu(pynvml: Any, handle: Any) -> GpuReading:
     utilization = nvml.call("nvmlDeviceGetUtilizationRates", handle)
     reading.utilization_percent = None if utilization is None else int(utilization.gpu)
     reasons = nvml.call("nvmlDeviceGetCurrentClocksEventReasons", handle)
-    if reasons is None and not reading.errors:  # drivers before R535 name it "throttle reasons"
+    if reasons is None and "nvmlDeviceGetCurrentClocksEventReasons" not in reading.errors:
+        # drivers before R535 name it "throttle reasons"
         reasons = nvml.call("nvmlDeviceGetCurrentClocksThrottleReasons", handle)
     reading.clocks_event_reasons = None if reasons is None else int(reasons)
     rows = nvml.call("nvmlDeviceGetRemappedRows", handle)
@@ -255,6 +256,24 @@ def _pcie(reading: GpuReading, settings: DegradationSettings) -> list[Degradatio
     return [Degradation(GpuEventKind.PCIE_LINK, "; ".join(parts))]
 
 
+def undetermined(reading: GpuReading, settings: DegradationSettings) -> list[tuple[GpuEventKind, str]]:
+    """The degradations (kind, key) that a reading can neither show nor clear.
+
+    A link below its maximum generation at idle may be degraded or merely saving power: the
+    PCIe link's state is not known until the GPU is under load again, so a degradation already
+    reported stays reported (a job's quiet spell is not the link healing).
+    """
+    width, widest = reading.pcie_width, reading.pcie_max_width
+    if width is not None and widest is not None and 0 < width < widest:
+        return []  # seen degraded, whatever the load
+    generation, newest = reading.pcie_generation, reading.pcie_max_generation
+    busy = reading.utilization_percent
+    under_load = busy is not None and busy >= settings.load_percent
+    if generation is not None and newest is not None and 0 < generation < newest and not under_load:
+        return [(GpuEventKind.PCIE_LINK, "")]
+    return []
+
+
 def _nvlink(reading: GpuReading, previous: GpuReading | None, settings: DegradationSettings) -> list[Degradation]:
     if previous is None:
         return []
@@ -291,10 +310,19 @@ class Tracker:
         self._streak: dict[tuple[str | None, GpuEventKind, str], int] = {}
         self._reported: set[tuple[str | None, GpuEventKind, str]] = set()
 
-    def update(self, where: str | None, seen: Iterable[Degradation], *, confirm_polls: int) -> list[Degradation]:
-        """What to report of ``where`` (a GPU's UUID; None for the node) after a poll that saw ``seen``."""
+    def update(
+        self,
+        where: str | None,
+        seen: Iterable[Degradation],
+        *,
+        confirm_polls: int,
+        unknown: Iterable[tuple[GpuEventKind, str]] = (),
+    ) -> list[Degradation]:
+        """What to report of ``where`` (a GPU's UUID; None for the node) after a poll that saw
+        ``seen``; the (kind, key) pairs in ``unknown`` the poll could not tell: left as they were."""
         now = {(where, d.kind, d.key): d for d in seen}
-        for key in [key for key in self._streak if key[0] == where and key not in now]:
+        unsure = {(where, kind, key) for kind, key in unknown}
+        for key in [key for key in self._streak if key[0] == where and key not in now and key not in unsure]:
             del self._streak[key]  # cleared: reported again if it comes back
             self._reported.discard(key)
         report = []

@@ -18,7 +18,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from detector.degradation import Degradation, GpuReading, Tracker, degradations, gpu_missing, read_gpu
+from detector.degradation import (
+    Degradation,
+    GpuReading,
+    Tracker,
+    degradations,
+    gpu_missing,
+    read_gpu,
+    undetermined,
+)
 from detector.parse import XidReport
 from models.degradation import DegradationSettings
 
@@ -194,7 +202,8 @@ class NvmlSource:
                     log.warning("GPU %d (%s): %s failed: %s", gpu.index, gpu.pci, name, error)
             seen = degradations(reading, self._readings.get(gpu.index), settings, error_text=self._error_text)
             self._readings[gpu.index] = reading
-            for degradation in self._tracker.update(gpu.uuid, seen, confirm_polls=confirm):
+            unknown = undetermined(reading, settings)
+            for degradation in self._tracker.update(gpu.uuid, seen, confirm_polls=confirm, unknown=unknown):
                 reports.append(self._report(gpu, degradation))
         return reports
 

@@ -20,6 +20,7 @@ from typing import Any
 import pynvml
 import pytest
 
+from detector.daemon import Folder
 from detector.degradation import read_gpu
 from detector.nvml import NvmlSource
 from detector.parse import XidReport
@@ -169,6 +170,19 @@ def test_an_idle_link_at_a_lower_generation_is_not_reported(source: NvmlSource, 
     ]
 
 
+def test_a_slow_link_is_not_reported_again_after_an_idle_spell(source: NvmlSource, state: Path) -> None:
+    state.write_text("0 pcie 3 5 16 16\n0 util 90\n")
+    assert [r.kind for r in source.read_degradation(EVERY_POLL)] == ["pcie_link"]
+    state.write_text("0 pcie 1 5 16 16\n0 util 0\n")  # the job pauses: idle, gen 1 says nothing
+    assert source.read_degradation(EVERY_POLL) == []
+    state.write_text("0 pcie 3 5 16 16\n0 util 90\n")  # busy again, the same slow link
+    assert source.read_degradation(EVERY_POLL) == []  # not a second report
+    state.write_text("0 pcie 5 5 16 16\n0 util 90\n")  # under load at gen 5: healed
+    assert source.read_degradation(EVERY_POLL) == []
+    state.write_text("0 pcie 3 5 16 16\n0 util 90\n")
+    assert [r.kind for r in source.read_degradation(EVERY_POLL)] == ["pcie_link"]  # back: again
+
+
 def test_software_clock_reasons_are_no_event(source: NvmlSource, state: Path) -> None:
     # idle, application clocks, SW power cap, sync boost, SW thermal, display clocks
     state.write_text("0 clocks 0x137\n1 clocks 0x4\n")
@@ -264,6 +278,17 @@ def test_functions_an_older_driver_lacks_are_no_event(
     assert (reading.fabric, reading.remapped_rows, reading.retired_pages, reading.errors) == (None, None, None, {})
 
 
+def test_an_older_driver_s_clock_reasons_are_read_though_another_call_failed(
+    source: NvmlSource, state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state.write_text("0 util failing\n0 clocks 0x40\n")
+    monkeypatch.setattr(pynvml, "nvmlLib", OlderDriver(pynvml.nvmlLib, {"nvmlDeviceGetCurrentClocksEventReasons"}))
+    monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
+    reading = read_gpu(pynvml, source.gpus[0].handle)
+    assert list(reading.errors) == ["nvmlDeviceGetUtilizationRates"]
+    assert reading.clocks_event_reasons == 0x40  # from nvmlDeviceGetCurrentClocksThrottleReasons
+
+
 def test_a_gpu_lost_while_read_is_reported_fallen_off_the_bus(source: NvmlSource, state: Path) -> None:
     # The stub's device is {int index; int lost;}: mark GPU 1 lost, as its "lost" event line would.
     ctypes.cast(source.gpus[1].handle, ctypes.POINTER(ctypes.c_int * 2)).contents[1] = 1
@@ -346,6 +371,18 @@ def test_two_degradations_of_one_kind_on_one_gpu_are_two_events(stub_lib: Path, 
         ("row_remap", GPU1, "row remapping pending a GPU reset"),
         ("row_remap", GPU1, "row remapping failed"),
     ]
+
+
+def test_repeats_fold_by_message_only_for_degradations() -> None:
+    def one(kind: GpuEventKind, message: str) -> XidEvent:
+        return XidEvent(node="gpu1", kind=kind, pci="0000:3b:00", message=message, source="kmsg")
+
+    folder = Folder(window=60)
+    assert folder.fresh(one(GpuEventKind.NVLINK_ERRORS, "NVLink 0 error counters rising: replay +1 (now 1)"))
+    assert folder.fresh(one(GpuEventKind.NVLINK_ERRORS, "NVLink 1 error counters rising: replay +1 (now 1)"))
+    # The kernel log's codeless events fold by kind and GPU, as before degradations were read.
+    assert folder.fresh(one(GpuEventKind.INIT_FAILED, "RmInitAdapter failed! (0x26:0x56:1474)"))
+    assert not folder.fresh(one(GpuEventKind.INIT_FAILED, "RmInitAdapter failed! (0x25:0xffff:1481)"))
 
 
 def test_the_intake_takes_every_degradation_kind() -> None:
