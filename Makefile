@@ -80,9 +80,10 @@ bench-scale: venv
 benchmarks-doc: venv
 	$(REPORT)
 
-# On a machine with NVIDIA GPUs and a driver: the NVML source for 30 s, no false events expected.
+# On a machine with NVIDIA GPUs and a driver: the NVML source for 30 s, no false events expected;
+# prints every GPU's degradation reading. EXPECT_GPUS=8: the GPUs the machine should have.
 gpu-check: venv
-	$(BIN)/python -m detector.gpu_check --seconds 30
+	$(BIN)/python -m detector.gpu_check --seconds 30 --expect-gpus $(or $(EXPECT_GPUS),0)
 
 # docker-compose.temporal.yml's certificates (mutual TLS to Temporal): a local CA, the server's
 # and its clients' (scripts/temporal-certs.sh; DIR defaults to ./secrets/temporal-tls).

@@ -36,11 +36,13 @@ def node_name(explicit: str | None) -> str:
     return validate_node_name(explicit or os.environ.get("NODE_NAME") or socket.gethostname().split(".")[0])
 
 
-def _wrong_numbers(*, fold_seconds: float, spool_max: int, health_port: int) -> list[str]:
+def _wrong_numbers(*, fold_seconds: float, spool_max: int, health_port: int, expect_gpus: int = 0) -> list[str]:
     """What is wrong with the detector's numeric options (empty: nothing)."""
     wrong = []
     if not math.isfinite(fold_seconds) or fold_seconds < 0:
         wrong.append(f"--fold-seconds {fold_seconds:g}: give a number of seconds, 0 or more")
+    if expect_gpus < 0:
+        wrong.append(f"--expect-gpus {expect_gpus}: give the node's GPU count, or 0 not to check it")
     if spool_max < 1:
         wrong.append(f"--spool-max {spool_max}: give a number of events, 1 or more")
     if not 0 <= health_port <= 65535:
@@ -56,7 +58,22 @@ def detect(
     journal: Annotated[
         bool, typer.Option("--journal", help="Also read the kernel's records from the journal (journalctl -k).")
     ] = False,
-    nvml: Annotated[bool, typer.Option("--nvml", help="Also listen to NVML Xid events on every GPU.")] = False,
+    nvml: Annotated[
+        bool,
+        typer.Option(
+            "--nvml",
+            help="Also listen to NVML Xid events on every GPU, and read every GPU for silent degradation "
+            "(the policy's degradation.poll_seconds).",
+        ),
+    ] = False,
+    expect_gpus: Annotated[
+        int,
+        typer.Option(
+            envvar="GPUFLEET_DETECTOR_EXPECT_GPUS",
+            help="With --nvml: the GPUs this node advertises; NVML seeing fewer is a gpu_missing event "
+            "(0: not checked).",
+        ),
+    ] = 0,
     node: Annotated[str | None, typer.Option(help="This node's name (default: $NODE_NAME, then the hostname).")] = None,
     cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
     dry_run: Annotated[
@@ -114,7 +131,9 @@ def detect(
     A source that fails ends the detector (exit code 1), so that its supervisor restarts it.
     """
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s detector: %(message)s")
-    for wrong in _wrong_numbers(fold_seconds=fold_seconds, spool_max=spool_max, health_port=health_port):
+    for wrong in _wrong_numbers(
+        fold_seconds=fold_seconds, spool_max=spool_max, health_port=health_port, expect_gpus=expect_gpus
+    ):
         fail(wrong, code=2)
     started = time.time()
     if ready_file is not None:
@@ -201,7 +220,7 @@ def detect(
             fail(str(exc), code=2)
         sources.append(KernelLogSource(reader, once=once, name="journal", cursor=journal_cursor, replay_cutoff=cutoff))
     if nvml:
-        sources.append(NvmlSource(once=once))
+        sources.append(NvmlSource(once=once, degradation=lambda: policy.current().degradation, expect_gpus=expect_gpus))
 
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):  # a clean stop: queued events handled, cursors saved

@@ -200,16 +200,37 @@ class SourceThread(threading.Thread):
             self.error = exc
 
 
+# What the NVML source polls for (detector.degradation): each its own event per GPU and key.
+_DEGRADATION_KINDS = frozenset(
+    {
+        GpuEventKind.PCIE_LINK,
+        GpuEventKind.CLOCKS_THROTTLED,
+        GpuEventKind.ROW_REMAP,
+        GpuEventKind.RETIRED_PAGES,
+        GpuEventKind.NVLINK_ERRORS,
+        GpuEventKind.GPU_MISSING,
+        GpuEventKind.FABRIC_MANAGER,
+    }
+)
+
+
 @dataclass
 class Folder:
-    """Folds identical repeats (same node, Xid and GPU) seen within ``window`` seconds."""
+    """Folds identical repeats (same node, Xid and GPU) seen within ``window`` seconds.
+
+    A degradation (the NVML source's polling, which reports each once already) is one repeat of
+    another only with the same message: two NVLinks of one GPU, or its pending and its failed
+    row remapping, are two events. The kernel log's events without a code (an init failure, a
+    power cable) fold by kind and GPU alone, whatever their wording.
+    """
 
     window: float = 10.0
-    _seen: dict[tuple[str, str, int | None, str | None], float] = field(default_factory=dict)
+    _seen: dict[tuple[str, str, int | None, str | None, str], float] = field(default_factory=dict)
     folded: int = 0
 
     def fresh(self, event: XidEvent) -> bool:
-        key = (event.node, event.kind.value, event.xid, event.pci)
+        said = event.message if event.kind in _DEGRADATION_KINDS else ""
+        key = (event.node, event.kind.value, event.xid, event.pci, said)
         now = time.monotonic()
         last = self._seen.get(key)
         self._seen[key] = now

@@ -3,6 +3,9 @@
 NVML does not report Xid 79, 119 or 120; the kernel log does. NVML complements it: it
 sees Xids on drivers whose log we cannot read, and a GPU that is lost (NVML_ERROR_GPU_IS_LOST)
 is reported as fallen off the bus.
+
+Between events it reads every GPU, every ``degradation.poll_seconds`` of the policy, for what
+degrades a GPU without an Xid (``detector.degradation``), and reports each degradation once.
 """
 
 from __future__ import annotations
@@ -10,10 +13,22 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from detector.degradation import (
+    Degradation,
+    GpuReading,
+    Tracker,
+    degradations,
+    gpu_missing,
+    read_gpu,
+    undetermined,
+)
 from detector.parse import XidReport
+from models.degradation import DegradationSettings
 
 log = logging.getLogger("gpufleet.detector")
 UNKNOWN_XID = 999
@@ -45,10 +60,28 @@ def _address(handle: Any) -> int | None:
 class NvmlSource:
     name = "nvml"
 
-    def __init__(self, *, wait_ms: int = 500, once: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        wait_ms: int = 500,
+        once: bool = False,
+        degradation: Callable[[], DegradationSettings] | None = None,
+        expect_gpus: int = 0,
+    ) -> None:
+        """
+        Args:
+            once: read the GPUs once, then stop at the first wait for events that brings nothing.
+            degradation: the policy's settings now (the policy file is read again when it
+                changes); None: no polling for degradation.
+            expect_gpus: how many GPUs the node advertises (0: unknown, not checked).
+        """
         self._wait_ms = wait_ms
-        # With once (--once): stop at the first wait that brings nothing.
         self._once = once
+        self._degradation = degradation
+        self._expect_gpus = expect_gpus
+        self._tracker = Tracker()
+        self._readings: dict[int, GpuReading] = {}
+        self._said: set[tuple[int, str, str]] = set()  # failed reads already logged
         self.gpus: list[Gpu] = []
         self.registered: list[int] = []
         self.available = False
@@ -80,6 +113,11 @@ class NvmlSource:
                 log.warning("GPU %d (%s): cannot register for Xid events: %s", index, gpu.pci, exc)
         self.available = True
         return True
+
+    @property
+    def library(self) -> Any:
+        """pynvml, once ``open`` succeeded."""
+        return self._pynvml
 
     def _gpu_for(self, handle: Any) -> Gpu | None:
         address = _address(handle)
@@ -129,13 +167,71 @@ class NvmlSource:
             )
         ]
 
+    def read_degradation(self, settings: DegradationSettings) -> list[XidReport]:
+        """Read every GPU once; the degradations to report now (each once, ``Tracker``).
+
+        With ``once``, a degradation read once is reported (there is no second poll to confirm
+        it), and NVLink counters cannot be seen rising (there is no poll before).
+        """
+        pynvml = self._pynvml
+        confirm = 1 if self._once else settings.confirm_polls
+        reports: list[XidReport] = []
+        try:
+            count: int | None = int(pynvml.nvmlDeviceGetCount())
+        except pynvml.NVMLError as exc:  # said; the GPUs are still read, and their Xids listened to
+            log.warning("NVML cannot count this node's GPUs: %s", exc)
+            count = None
+        if count is not None:
+            missing = gpu_missing(count, self._expect_gpus)
+            for degradation in self._tracker.update(None, [missing] if missing else [], confirm_polls=confirm):
+                reports.append(XidReport(xid=None, pci=None, message=degradation.message, kind=degradation.kind.value))
+        for gpu in self.gpus:
+            if gpu.lost:
+                continue
+            try:
+                reading = read_gpu(pynvml, gpu.handle)
+            except pynvml.NVMLError as exc:
+                if exc.value != pynvml.NVML_ERROR_GPU_IS_LOST:
+                    raise
+                gpu.lost = True
+                reports.append(XidReport(xid=79, pci=gpu.pci, gpu_uuid=gpu.uuid, message="NVML: GPU is lost"))
+                continue
+            for name, error in reading.errors.items():
+                if (gpu.index, name, error) not in self._said:  # once, not at every poll
+                    self._said.add((gpu.index, name, error))
+                    log.warning("GPU %d (%s): %s failed: %s", gpu.index, gpu.pci, name, error)
+            seen = degradations(reading, self._readings.get(gpu.index), settings, error_text=self._error_text)
+            self._readings[gpu.index] = reading
+            unknown = undetermined(reading, settings)
+            for degradation in self._tracker.update(gpu.uuid, seen, confirm_polls=confirm, unknown=unknown):
+                reports.append(self._report(gpu, degradation))
+        return reports
+
+    def _error_text(self, status: int) -> str:
+        try:
+            return _text(self._pynvml.nvmlErrorString(status))
+        except Exception:  # an unknown code: its number says it
+            return f"NVML error {status}"
+
+    @staticmethod
+    def _report(gpu: Gpu, degradation: Degradation) -> XidReport:
+        return XidReport(
+            xid=None, pci=gpu.pci, gpu_uuid=gpu.uuid, message=degradation.message, kind=degradation.kind.value
+        )
+
     def run(self, emit: Any, stop: threading.Event, ready: Any) -> None:
         if not self.available and not self.open():
             ready()  # no NVML here: nothing to wait for
             return
         ready()
+        next_read = time.monotonic()
         try:
             while not stop.is_set():
+                settings = self._degradation() if self._degradation is not None else None
+                if settings is not None and settings.poll_seconds and time.monotonic() >= next_read:
+                    for report in self.read_degradation(settings):
+                        emit(report, self.name)
+                    next_read = time.monotonic() + settings.poll_seconds
                 reports = self.poll()
                 if not reports and self._once:
                     return

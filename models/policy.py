@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from models.degradation import DegradationSettings
 from models.numbers import Finite, Whole
 from models.sxid import sxid_catalog
 from models.xid import GpuEventKind, RecoveryAction, XidEvent, xid_catalog
@@ -76,14 +77,29 @@ DEFAULT_KIND_ACTIONS: dict[GpuEventKind, Action] = {
     GpuEventKind.POWER_CABLE: Action.REPLACE_NODE,
     # A quick check failed: no new job is put on the node; once its jobs end it is validated.
     GpuEventKind.HEALTH_CHECK: Action.DRAIN_AFTER_JOBS,
-    # Silent degradation: what is known to slow a synchronous job, or to need a reset before the
-    # GPU is whole again, is drained after the jobs; the rest is observed and reported.
+    # Silent degradation (the detector's NVML polling, docs/detector.md): what is known to slow a
+    # synchronous job, or to need a reset before the GPU is whole again, is drained after the
+    # jobs (which kills none); the rest is observed and reported.
+    # A link narrower than its maximum (or slower under load) slows every host transfer.
     GpuEventKind.PCIE_LINK: Action.DRAIN_AFTER_JOBS,
+    # Only the hardware reasons (HW slowdown, HW thermal, HW power brake): NVML documents each as
+    # cutting the core clocks by a factor of 2 or more, and a synchronous job waits for its
+    # slowest GPU. The software power cap and thermal slowdown are normal operation.
     GpuEventKind.CLOCKS_THROTTLED: Action.DRAIN_AFTER_JOBS,
+    # NVIDIA: a pending remapping harms no job (error containment and page offlining cover the
+    # row) but takes effect only at the next GPU reset; a remapping failure is its RMA
+    # criterion, for the field diagnostic to confirm. Both want the node out once its jobs end.
     GpuEventKind.ROW_REMAP: Action.DRAIN_AFTER_JOBS,
+    # Before Ampere a retirement pending takes effect only when the driver reloads or the GPU
+    # resets; until then the page can still be handed out.
     GpuEventKind.RETIRED_PAGES: Action.DRAIN_AFTER_JOBS,
+    # Replays, recoveries and CRC errors are corrected by the link itself: a rising count
+    # forecasts trouble but slows no job yet.
     GpuEventKind.NVLINK_ERRORS: Action.OBSERVE,
+    # A job that asks for every GPU of the node cannot start.
     GpuEventKind.GPU_MISSING: Action.DRAIN_AFTER_JOBS,
+    # On an NVSwitch system a GPU not registered with the fabric cannot start CUDA work; jobs
+    # already running keep their fabric.
     GpuEventKind.FABRIC_MANAGER: Action.DRAIN_AFTER_JOBS,
 }
 
@@ -294,6 +310,8 @@ class Policy(BaseModel):
     repair: RepairSettings = Field(default_factory=RepairSettings)
     # ... and which spare replaces a retired node.
     spares: SpareSettings = Field(default_factory=SpareSettings)
+    # The detector's side: how often it reads every GPU for silent degradation.
+    degradation: DegradationSettings = Field(default_factory=DegradationSettings)
 
     @field_validator("kinds")
     @classmethod
@@ -351,7 +369,8 @@ def policy_from_mapping(data: Mapping[str, Any], *, origin: str = "policy") -> P
         PolicyError: naming the field that is wrong.
     """
     defaults = Policy()
-    for key in ("buckets", "xids", "sxids", "sxid_severities", "kinds", "remediation", "guard", "repair"):
+    sections = ("remediation", "guard", "repair", "degradation")
+    for key in ("buckets", "xids", "sxids", "sxid_severities", "kinds", *sections):
         if data.get(key) is not None and not isinstance(data[key], Mapping):
             raise PolicyError(f"{origin}: {key}: expected a mapping, got {type(data[key]).__name__}")
     merged: dict[str, Any] = {

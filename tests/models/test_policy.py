@@ -8,6 +8,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from models.degradation import DegradationSettings
 from models.policy import (
     DEFAULT_BUCKET_ACTIONS,
     Action,
@@ -202,6 +203,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "remediation": RemediationSettings,
     "guard": GuardSettings,
     "repair": RepairSettings,
+    "degradation": DegradationSettings,
 }
 NUMBERS = [
     (section, name, field.annotation)
@@ -212,7 +214,7 @@ NUMBERS = [
 
 
 # A number added to a section is checked by being counted here.
-assert len(NUMBERS) == 18, NUMBERS
+assert len(NUMBERS) == 22, NUMBERS
 
 
 @pytest.mark.parametrize(("section", "name"), [(s, n) for s, n, _ in NUMBERS])
