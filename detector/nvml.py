@@ -84,6 +84,7 @@ class NvmlSource:
         self._said: set[tuple[int, str, str]] = set()  # failed reads already logged
         self.gpus: list[Gpu] = []
         self.registered: list[int] = []
+        self.unusable: list[int] = []  # GPUs NVML counts but gives no handle or identity for
         self.available = False
 
     def open(self) -> bool:
@@ -98,13 +99,20 @@ class NvmlSource:
         self._pynvml = pynvml
         self._events = pynvml.nvmlEventSetCreate()
         for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            gpu = Gpu(
-                index=index,
-                handle=handle,
-                pci=short_pci(_text(pynvml.nvmlDeviceGetPciInfo(handle).busId)),
-                uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
-            )
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                gpu = Gpu(
+                    index=index,
+                    handle=handle,
+                    pci=short_pci(_text(pynvml.nvmlDeviceGetPciInfo(handle).busId)),
+                    uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+                )
+            except pynvml.NVMLError as exc:
+                # Counted but unusable (e.g. NVML_ERROR_INSUFFICIENT_POWER): not read, and not
+                # counted among the node's GPUs, so that the count check reports it missing.
+                log.warning("GPU %d: NVML counts it but cannot use it: %s", index, exc)
+                self.unusable.append(index)
+                continue
             self.gpus.append(gpu)
             try:
                 pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, self._events)
@@ -177,7 +185,7 @@ class NvmlSource:
         confirm = 1 if self._once else settings.confirm_polls
         reports: list[XidReport] = []
         try:
-            count: int | None = int(pynvml.nvmlDeviceGetCount())
+            count: int | None = int(pynvml.nvmlDeviceGetCount()) - len(self.unusable)
         except pynvml.NVMLError as exc:  # said; the GPUs are still read, and their Xids listened to
             log.warning("NVML cannot count this node's GPUs: %s", exc)
             count = None

@@ -17,6 +17,7 @@
  *     nvlink LINKS                         how many NVLinks, all active (default: not supported)
  *     nvlink_error LINK COUNTER VALUE      one NVLink error counter (default 0)
  *     fabric STATE STATUS                  GPU fabric info (default: not supported)
+ *     uuid failing                         NVML counts the GPU but cannot identify it
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -75,8 +76,12 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *dev
     return OK;
 }
 
+static nvmlReturn_t stub_read(nvmlDevice_t device, const char *what, unsigned long long *values, int size);
+
 nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
     if (device->lost) return GPU_IS_LOST;
+    nvmlReturn_t ret = stub_read(device, "uuid", NULL, 0); /* "INDEX uuid failing": counted, unusable */
+    if (ret != OK) return ret;
     snprintf(uuid, length, "GPU-57ab0000-0000-0000-0000-%012d", device->index);
     return OK;
 }

@@ -150,6 +150,20 @@ def test_fewer_gpus_than_the_node_advertises(state: Path) -> None:
     assert Policy().action_for(event(reports[0])) is Action.DRAIN_AFTER_JOBS
 
 
+def test_a_gpu_nvml_counts_but_cannot_use_is_missing(state: Path) -> None:
+    state.write_text("1 uuid failing\n")
+    nvml = NvmlSource(wait_ms=0, expect_gpus=2)
+    assert nvml.open()
+    try:
+        reports = nvml.read_degradation(EVERY_POLL)
+        assert [gpu.index for gpu in nvml.gpus] == [0]
+    finally:
+        nvml.close()
+    assert [(r.kind, r.message) for r in reports] == [
+        ("gpu_missing", "NVML sees 1 GPU(s) of the 2 this node advertises")
+    ]
+
+
 def test_as_many_gpus_as_advertised_is_no_event(state: Path) -> None:
     nvml = NvmlSource(wait_ms=0, expect_gpus=2)
     assert nvml.open()
