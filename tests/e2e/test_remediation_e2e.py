@@ -397,6 +397,24 @@ def test_the_webhook_secret_is_nowhere_in_logs_histories_or_search_attributes(fl
     assert not leaks, leaks
 
 
+def _until_running(fleet: FleetLab, job_id: int) -> None:
+    slurm = fleet.slurm.client()
+    try:
+        wait_for(lambda: slurm.job(job_id).state == "RUNNING", timeout=30, what=f"job {job_id} running")
+    except TimeoutError as exc:
+        queue = subprocess.run(fleet.slurm.argv(["squeue", "-l"]), env=fleet.slurm.env, text=True, capture_output=True)
+        nodes = subprocess.run(
+            fleet.slurm.argv(["sinfo", "-N", "-l"]), env=fleet.slurm.env, text=True, capture_output=True
+        )
+        job = subprocess.run(
+            fleet.slurm.argv(["scontrol", "show", "job", str(job_id)]),
+            env=fleet.slurm.env,
+            text=True,
+            capture_output=True,
+        )
+        raise AssertionError(f"{exc}\n{queue.stdout}{queue.stderr}\n{nodes.stdout}\n{job.stdout}{job.stderr}") from None
+
+
 def test_a_soft_failure_lets_the_job_finish_and_a_fatal_xid_meanwhile_escalates(
     fleet: FleetLab, tmp_path: Path
 ) -> None:
@@ -413,9 +431,15 @@ def test_a_soft_failure_lets_the_job_finish_and_a_fatal_xid_meanwhile_escalates(
     slurm = fleet.slurm.client()
     script = tmp_path / "sleep.sbatch"
     script.write_text('#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --requeue\nsleep "$1"\n')
+    # The counter job of the first test waits in the queue for two nodes, ahead of any other:
+    # it has done its part, so it goes.
+    ended = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "DEADLINE"}
+    earlier = [str(job.job_id) for job in slurm.jobs() if job.state not in ended]
+    if earlier:
+        subprocess.run(fleet.slurm.argv(["scancel", *earlier]), env=fleet.slurm.env, check=True, timeout=30)
     try:
-        short = fleet.slurm.sbatch(script, "-w", "gpu2", "-o", str(tmp_path / "short.log"), "12")
-        wait_for(lambda: slurm.job(short).state == "RUNNING", timeout=60, what="the short job running on gpu2")
+        short = fleet.slurm.sbatch(script, "-w", "gpu2", "-o", str(tmp_path / "short.log"), env={"SLEEP_SECONDS": "12"})
+        _until_running(fleet, short)
         assert gpufleet(fleet, "remediate", "gpu2", "--xid", "94").returncode == 0
         waiting = asyncio.run(_incident_until(fleet, "gpu2", lambda s: s.waiting_for_jobs, "waiting for the job"))
         assert waiting.action == "DRAIN_AFTER_JOBS" and f"still running: {short}" in (waiting.waiting_for_jobs or "")
@@ -430,8 +454,8 @@ def test_a_soft_failure_lets_the_job_finish_and_a_fatal_xid_meanwhile_escalates(
         done = slurm.job(short)
         assert done.state == "COMPLETED" and done.restarts == 0  # ran to its end, once
 
-        long = fleet.slurm.sbatch(script, "-w", "gpu1", "-o", str(tmp_path / "long.log"), "600")
-        wait_for(lambda: slurm.job(long).state == "RUNNING", timeout=60, what="the long job running on gpu1")
+        long = fleet.slurm.sbatch(script, "-w", "gpu1", "-o", str(tmp_path / "long.log"), env={"SLEEP_SECONDS": "600"})
+        _until_running(fleet, long)
         assert gpufleet(fleet, "remediate", "gpu1", "--xid", "94").returncode == 0
         asyncio.run(_incident_until(fleet, "gpu1", lambda s: s.waiting_for_jobs, "waiting for the job"))
         assert gpufleet(fleet, "remediate", "gpu1", "--xid", "79").returncode == 0

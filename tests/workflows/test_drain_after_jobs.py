@@ -13,6 +13,7 @@ from temporalio.testing import WorkflowEnvironment
 from models.incident import JobInfo, Outcome, Step
 from models.policy import Action, DrainAfterJobsSettings, GuardSettings, Policy
 from models.xid import XidEvent
+from starters.temporal import report_xid
 from tests.workflows.test_guard import NODES, running, until
 from tests.workflows.test_remediation import Fleet, start
 from workflows.remediation import NodeRemediationWorkflow
@@ -140,3 +141,32 @@ async def test_a_less_severe_event_during_the_wait_changes_nothing(env: Workflow
     assert signalled(fleet) == [] and fleet.repairs == [] and fleet.resumed_nodes == ["gpu1"]
     [seen] = [e.detail for e in status.timeline if e.event == "xid while waiting"]
     assert seen == "Xid 13 -> OBSERVE, which DRAIN_AFTER_JOBS covers"
+
+
+async def test_a_dry_run_says_it_would_wait_and_waits_for_nothing(env: WorkflowEnvironment) -> None:
+    jobs = Jobs()
+    fleet, acts = fleet_with(jobs)
+    async with running(env, fleet, activities=acts):
+        handle = await report_xid(
+            env.client,
+            XidEvent(node="gpu1", xid=92, source="test"),
+            cluster=fleet.cluster,
+            dry_run=True,
+            search_attributes=False,
+        )
+        status = await handle.result()
+    assert status.dry_run and status.outcome == Outcome.RESOLVED and jobs.seen == 0
+    [waited] = [e.detail for e in status.timeline if e.step == Step.WAIT_FOR_JOBS and e.event == "finished"]
+    assert waited == "dry run: would wait up to 86400s for the node's jobs (7)"
+
+
+async def test_a_week_long_wait_looks_a_few_hundred_times(env: WorkflowEnvironment) -> None:
+    jobs = Jobs()
+    fleet, acts = fleet_with(jobs, max_wait_seconds=7 * 86400)
+    async with running(env, fleet, activities=acts):
+        handle = await start(env.client, fleet, xid=92)
+        status = await handle.result()
+        history = await handle.fetch_history()
+    assert status.action == Action.REPLACE_NODE and status.requeued == [7]
+    # A minute's gap at first, growing to a week / 300: the history stays small.
+    assert 300 <= jobs.seen <= 330 and len(history.events) < 4000

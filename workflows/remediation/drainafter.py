@@ -94,6 +94,13 @@ class DrainAfterJobs(Approvals, Repair):
         # About 300 looks at most, however long the wait: the history stays small.
         longest = max(settings.poll_seconds, settings.max_wait_seconds / 300)
         active = [job for job in running if job.state in ACTIVE_STATES]
+        if self._dry_run:
+            names = ", ".join(str(job.job_id) for job in active) or "none"
+            self._done(
+                Step.WAIT_FOR_JOBS,
+                f"dry run: would wait up to {settings.max_wait_seconds:g}s for the node's jobs ({names})",
+            )
+            return True
         try:
             while active:
                 remaining = deadline - workflow.now()
