@@ -430,7 +430,7 @@ def test_a_soft_failure_lets_the_job_finish_and_a_fatal_xid_meanwhile_escalates(
     fleet.policy_file.write_text(yaml.safe_dump(edited))
     slurm = fleet.slurm.client()
     script = tmp_path / "sleep.sbatch"
-    script.write_text('#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --requeue\nsleep "$1"\n')
+    script.write_text('#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --requeue\nsleep "$SLEEP_SECONDS"\n')
     # The counter job of the first test waits in the queue for two nodes, ahead of any other:
     # it has done its part, so it goes.
     ended = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "DEADLINE"}
