@@ -22,6 +22,8 @@ class Step(StrEnum):
     AWAITING_APPROVAL = "awaiting_approval"
     DRAIN_SLURM = "drain_slurm"
     REQUEUE_ENDED = "requeue_ended"
+    # DRAIN_AFTER_JOBS: drained, nothing signalled; waiting for the node's jobs to end.
+    WAIT_FOR_JOBS = "wait_for_jobs"
     CHECKPOINT = "checkpoint"
     REQUEUE = "requeue"
     APPROVE = "approve"
@@ -205,6 +207,9 @@ class IncidentStatus(BaseModel):
     # continue-as-new; let go when the incident closes.
     node_leased: bool = False
     waiting_for_spare: bool = False
+    # DRAIN_AFTER_JOBS: what the wait for the node's jobs waits for ("2 job(s) still running:
+    # 7, 9; until ..."), None when it does not wait.
+    waiting_for_jobs: str | None = None
     waiting_for_approval: str | None = None
     # Counts the incident's waits for approval, so that an answer meets only the wait it was for.
     approval_wait: int = 0

@@ -61,8 +61,27 @@ DEFAULT_BUCKET_ACTIONS: dict[str, Action] = {
 
 # Hardware faults where the node leaves the fleet: a bus drop does not come back with a reboot
 # often enough to hold a multi-node job hostage to it.
+#
+# Soft failures, drained after the jobs (DRAIN_AFTER_JOBS): NVIDIA's Xid catalog says the work
+# on the GPU goes on, correct, and asks for a reset or a look "when convenient". No new job is
+# put on the node; the jobs on it finish; then ``drain_after_jobs.then`` (or a reset, where
+# DrainAfterJobsSettings.reset_xids names the Xid).
 DEFAULT_XID_ACTIONS: dict[int, Action] = {
     79: Action.REPLACE_NODE,
+    # Row remapping event (catalog: IGNORE, "reset GPU at a convenient time to activate the
+    # remap"): the row is marked and the pending remap does not affect running work (error
+    # containment and page blacklisting cover it); only a reset puts the spare row in use.
+    63: Action.DRAIN_AFTER_JOBS,
+    # High single-bit ECC error rate (catalog: IGNORE): ECC corrects every one, so the jobs'
+    # results stand, but memory that corrects at a high rate is failing: no new job until the
+    # node is checked.
+    92: Action.DRAIN_AFTER_JOBS,
+    # Contained memory error (catalog: RESTART_APP, "reset GPU when convenient"): the process
+    # that touched the poisoned memory ends (its job is requeued as one the failure ended); every
+    # other process on the GPU goes on unaffected; the reset retires the memory for good.
+    94: Action.DRAIN_AFTER_JOBS,
+    # Not 64 (row remapping failure; catalog: RESET_GPU): the row could not be remapped, so the
+    # bad memory stays in use by what runs now; it keeps the catalog's immediate reset.
 }
 
 # A fatal SXid takes the switch's NVLink fabric down with it: the node leaves the fleet.
@@ -108,7 +127,10 @@ RECOVERY_ACTIONS: dict[RecoveryAction, Action] = {
     RecoveryAction.GPU_RESET: Action.RESET_GPU,
     RecoveryAction.NODE_REBOOT: Action.REBOOT_NODE,
     RecoveryAction.DRAIN_P2P: Action.RESET_GPU,
-    RecoveryAction.DRAIN_AND_RESET: Action.RESET_GPU,
+    # Xid 154 naming "Drain and Reset": the work may finish, then the GPU is reset
+    # (DrainAfterJobsSettings.reset_xids has 154, so the step after the wait is at least a reset).
+    # "Drain P2P" stays a reset now: peer-to-peer traffic through the GPU is what is broken.
+    RecoveryAction.DRAIN_AND_RESET: Action.DRAIN_AFTER_JOBS,
 }
 
 
@@ -137,6 +159,55 @@ class RemediationSettings(BaseModel):
     # this long before the incident's first event (a GPU that fails kills its job within seconds,
     # sometimes before the driver's line reaches the log).
     failure_window_seconds: Finite = Field(default=120.0, ge=0, le=3600)
+
+
+# What follows DRAIN_AFTER_JOBS once the node's jobs have ended: the node is validated (and
+# returned to service when it passes), or repaired in place, or replaced.
+VALIDATE: Literal["validate"] = "validate"
+AfterJobs = Literal["validate", Action.RESET_GPU, Action.REBOOT_NODE, Action.REPLACE_NODE]
+
+
+class DrainAfterJobsSettings(BaseModel):
+    """DRAIN_AFTER_JOBS: the node is drained (no new job), its jobs run on to their end, then
+    ``then``. Jobs still running after ``max_wait_seconds`` are checkpointed and requeued and the
+    node is replaced (REPLACE_NODE); an event during the wait that calls for more than
+    DRAIN_AFTER_JOBS does so at once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_wait_seconds: Finite = Field(default=86400.0, gt=0, le=30 * 86400)
+    then: AfterJobs = VALIDATE
+    # The node's jobs are listed this often at first; the gap grows with a long wait (at most
+    # about 300 looks whatever ``max_wait_seconds``), and a new event wakes the wait at once.
+    poll_seconds: Finite = Field(default=60.0, ge=1, le=86400)
+    # Xids whose remedy, once the GPU is free, is a reset (the catalog's "reset when convenient",
+    # Xid 154's "Drain and Reset"): the step after the wait is at least RESET_GPU for them.
+    reset_xids: list[int] = Field(default_factory=lambda: [63, 94, 154])
+
+    @field_validator("then", mode="before")
+    @classmethod
+    def _known_step(cls, then: object) -> object:
+        allowed = (VALIDATE, Action.RESET_GPU.value, Action.REBOOT_NODE.value, Action.REPLACE_NODE.value)
+        if then not in allowed:
+            raise ValueError(f"got {then!r}; expected one of {', '.join(allowed)}")
+        return then if then == VALIDATE else Action(str(then))
+
+    def after_jobs(self, events: Iterable[XidEvent]) -> Action | None:
+        """The step once the jobs have ended: an action (a repair in place, or the replacement),
+        or None to validate the node. An event in ``reset_xids`` (Xid 154 only when it names
+        "Drain and Reset") asks for at least RESET_GPU."""
+        step = None if self.then == VALIDATE else Action(self.then)
+        if any(_resets(event, self.reset_xids) for event in events) and (
+            step is None or step.severity < Action.RESET_GPU.severity
+        ):
+            step = Action.RESET_GPU
+        return step
+
+
+def _resets(event: XidEvent, reset_xids: list[int]) -> bool:
+    if event.gpu_xid is None or event.gpu_xid not in reset_xids:
+        return False
+    return event.gpu_xid != 154 or event.recovery_action is RecoveryAction.DRAIN_AND_RESET
 
 
 class InferenceSpare(StrEnum):
@@ -308,8 +379,10 @@ class Policy(BaseModel):
     guard: GuardSettings = Field(default_factory=GuardSettings)
     # ... how it resets a GPU or reboots a node...
     repair: RepairSettings = Field(default_factory=RepairSettings)
-    # ... and which spare replaces a retired node.
+    # ... which spare replaces a retired node...
     spares: SpareSettings = Field(default_factory=SpareSettings)
+    # ... how long a node drained after its jobs waits for them, and what comes next.
+    drain_after_jobs: DrainAfterJobsSettings = Field(default_factory=DrainAfterJobsSettings)
     # The detector's side: how often it reads every GPU for silent degradation.
     degradation: DegradationSettings = Field(default_factory=DegradationSettings)
 
@@ -369,7 +442,7 @@ def policy_from_mapping(data: Mapping[str, Any], *, origin: str = "policy") -> P
         PolicyError: naming the field that is wrong.
     """
     defaults = Policy()
-    sections = ("remediation", "guard", "repair", "degradation")
+    sections = ("remediation", "guard", "repair", "degradation", "drain_after_jobs")
     for key in ("buckets", "xids", "sxids", "sxid_severities", "kinds", *sections):
         if data.get(key) is not None and not isinstance(data[key], Mapping):
             raise PolicyError(f"{origin}: {key}: expected a mapping, got {type(data[key]).__name__}")

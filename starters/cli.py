@@ -187,6 +187,8 @@ def print_incident(status: IncidentStatus, *, as_json: bool) -> None:
         )
     if status.unrequeued:
         console.print(f"[yellow]lost, to resubmit:[/] {escape(str(status.unrequeued))}")
+    if status.waiting_for_jobs:
+        console.print(f"[yellow]drained after its jobs:[/] {escape(status.waiting_for_jobs)}")
     if status.waiting_for_approval:
         console.print(
             f"[yellow]awaiting approval:[/] {escape(status.waiting_for_approval)}\n"

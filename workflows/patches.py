@@ -59,3 +59,9 @@ INPUTS_CHECKED = "inputs-checked"
 # not count as the node failing again (while settling, it escalated the repair). Histories from
 # before it replay as they were.
 DUPLICATES_FOLDED = "duplicate-events-folded"
+
+# NodeRemediationWorkflow: DRAIN_AFTER_JOBS (policy drain_after_jobs) drains the node and signals
+# nothing: its jobs run on to their end (up to max_wait_seconds, then REPLACE_NODE), then the node
+# is validated, repaired or replaced; a more severe event meanwhile escalates at once. Before it,
+# such an incident went the way of a repair that does not hold. Histories from before replay so.
+DRAIN_AFTER_JOBS_WAITS = "drain-after-jobs-waits"

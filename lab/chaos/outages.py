@@ -44,6 +44,7 @@ STEP_ORDER = [
     Step.NOTIFY,
     Step.DRAIN_SLURM,  # at once since v0.3.0: before the guard's first slot
     Step.REQUEUE_ENDED,
+    Step.WAIT_FOR_JOBS,
     Step.GUARD,
     Step.AWAITING_APPROVAL,
     Step.CHECKPOINT,

@@ -395,3 +395,78 @@ def test_the_webhook_secret_is_nowhere_in_logs_histories_or_search_attributes(fl
         texts.append(done.stdout + done.stderr)
     leaks = [text[max(0, text.find(secret) - 80) : text.find(secret) + 20] for text in texts if secret in text]
     assert not leaks, leaks
+
+
+def _until_running(fleet: FleetLab, job_id: int) -> None:
+    slurm = fleet.slurm.client()
+    try:
+        wait_for(lambda: slurm.job(job_id).state == "RUNNING", timeout=30, what=f"job {job_id} running")
+    except TimeoutError as exc:
+        queue = subprocess.run(fleet.slurm.argv(["squeue", "-l"]), env=fleet.slurm.env, text=True, capture_output=True)
+        nodes = subprocess.run(
+            fleet.slurm.argv(["sinfo", "-N", "-l"]), env=fleet.slurm.env, text=True, capture_output=True
+        )
+        job = subprocess.run(
+            fleet.slurm.argv(["scontrol", "show", "job", str(job_id)]),
+            env=fleet.slurm.env,
+            text=True,
+            capture_output=True,
+        )
+        raise AssertionError(f"{exc}\n{queue.stdout}{queue.stderr}\n{nodes.stdout}\n{job.stdout}{job.stderr}") from None
+
+
+def test_a_soft_failure_lets_the_job_finish_and_a_fatal_xid_meanwhile_escalates(
+    fleet: FleetLab, tmp_path: Path
+) -> None:
+    """With `drain_after_jobs.then: REPLACE_NODE`, an Xid 94 (a contained memory error) on gpu2
+    drains it while a short job runs there: the job is not signalled and finishes, then gpu2 is
+    replaced by gpu1 (a spare again since the quarantine test). Then an Xid 94 on gpu1, serving
+    now with a long job, waits for that job; an Xid 79 meanwhile ends the wait at once: the job
+    is signalled and requeued and gpu1 goes to be replaced (no spare is left: the incident is
+    cancelled there)."""
+    policy = fleet.policy_file.read_text()
+    edited = yaml.safe_load(policy)
+    edited["drain_after_jobs"] = {"then": "REPLACE_NODE", "max_wait_seconds": 600, "poll_seconds": 1}
+    fleet.policy_file.write_text(yaml.safe_dump(edited))
+    slurm = fleet.slurm.client()
+    script = tmp_path / "sleep.sbatch"
+    script.write_text('#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --requeue\nsleep "$SLEEP_SECONDS"\n')
+    # The counter job of the first test waits in the queue for two nodes, ahead of any other:
+    # it has done its part, so it goes.
+    ended = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "DEADLINE"}
+    earlier = [str(job.job_id) for job in slurm.jobs() if job.state not in ended]
+    if earlier:
+        subprocess.run(fleet.slurm.argv(["scancel", *earlier]), env=fleet.slurm.env, check=True, timeout=30)
+    try:
+        short = fleet.slurm.sbatch(script, "-w", "gpu2", "-o", str(tmp_path / "short.log"), env={"SLEEP_SECONDS": "12"})
+        _until_running(fleet, short)
+        assert gpufleet(fleet, "remediate", "gpu2", "--xid", "94").returncode == 0
+        waiting = asyncio.run(_incident_until(fleet, "gpu2", lambda s: s.waiting_for_jobs, "waiting for the job"))
+        assert waiting.action == "DRAIN_AFTER_JOBS" and f"still running: {short}" in (waiting.waiting_for_jobs or "")
+        gpu2 = slurm.node("gpu2")
+        assert gpu2.drained and "xid 94 DRAIN_AFTER_JOBS" in gpu2.reason
+        assert slurm.job(short).state == "RUNNING"  # drained, not signalled
+        shown = gpufleet(fleet, "incidents", "show", "gpu2")
+        assert "drained after its jobs: 1 job(s) still running" in shown.stdout, shown.stdout + shown.stderr
+        first = _result(fleet, "gpu2")
+        assert first.outcome == "resolved" and first.action == "REPLACE_NODE" and first.spare == "gpu1"
+        assert first.signalled == [] and first.requeued == []
+        done = slurm.job(short)
+        assert done.state == "COMPLETED" and done.restarts == 0  # ran to its end, once
+
+        long = fleet.slurm.sbatch(script, "-w", "gpu1", "-o", str(tmp_path / "long.log"), env={"SLEEP_SECONDS": "600"})
+        _until_running(fleet, long)
+        assert gpufleet(fleet, "remediate", "gpu1", "--xid", "94").returncode == 0
+        asyncio.run(_incident_until(fleet, "gpu1", lambda s: s.waiting_for_jobs, "waiting for the job"))
+        assert gpufleet(fleet, "remediate", "gpu1", "--xid", "79").returncode == 0
+        escalated = asyncio.run(
+            _incident_until(fleet, "gpu1", lambda s: long in s.requeued, "the job requeued after the escalation")
+        )
+    finally:
+        fleet.policy_file.write_text(policy)
+    assert escalated.action == "REPLACE_NODE" and escalated.signalled == [long]
+    [why] = [e.detail for e in escalated.timeline if e.event == "escalated" and e.step == "wait_for_jobs"]
+    assert why.startswith("DRAIN_AFTER_JOBS -> REPLACE_NODE: Xid 79 came while the jobs ran on")
+    assert "REPLACE_NODE" in slurm.node("gpu1").reason
+    cancelled = gpufleet(fleet, "incidents", "cancel", "gpu1", "--reason", "no spare left in the lab")
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr

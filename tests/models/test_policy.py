@@ -12,6 +12,7 @@ from models.degradation import DegradationSettings
 from models.policy import (
     DEFAULT_BUCKET_ACTIONS,
     Action,
+    DrainAfterJobsSettings,
     GuardSettings,
     Policy,
     PolicyError,
@@ -27,6 +28,8 @@ from models.xid import GpuEventKind, RecoveryAction, XidEvent, xid_catalog
 REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "xid-catalog.csv"
 
 APPLICATION_XIDS = [13, 31, 43, 45, 68, 69]
+# The catalog's warnings that leave the work on the GPU going: drained after the jobs.
+SOFT_XIDS = [63, 92, 94]
 
 
 def test_catalog_covers_every_reference_row() -> None:
@@ -47,6 +50,8 @@ def test_every_catalog_xid_gets_a_deliberate_action(xid: int) -> None:
     action = Policy().action_for(xid)
     if xid == 79:
         assert action is Action.REPLACE_NODE
+    elif xid in SOFT_XIDS:
+        assert action is Action.DRAIN_AFTER_JOBS
     elif entry.bucket == "XID_154":
         assert action is Action.RESET_GPU  # no recovery action reported: assume a reset is needed
     else:
@@ -82,7 +87,8 @@ def test_the_most_disruptive_action_wins(xids: list[int], expected: Action) -> N
         (RecoveryAction.NONE, Action.OBSERVE),
         (RecoveryAction.GPU_RESET, Action.RESET_GPU),
         (RecoveryAction.NODE_REBOOT, Action.REBOOT_NODE),
-        (RecoveryAction.DRAIN_AND_RESET, Action.RESET_GPU),
+        (RecoveryAction.DRAIN_P2P, Action.RESET_GPU),
+        (RecoveryAction.DRAIN_AND_RESET, Action.DRAIN_AFTER_JOBS),
     ],
 )
 def test_xid_154_follows_the_recovery_action_it_names(recovery: RecoveryAction, expected: Action) -> None:
@@ -204,6 +210,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "guard": GuardSettings,
     "repair": RepairSettings,
     "degradation": DegradationSettings,
+    "drain_after_jobs": DrainAfterJobsSettings,
 }
 NUMBERS = [
     (section, name, field.annotation)
@@ -214,7 +221,7 @@ NUMBERS = [
 
 
 # A number added to a section is checked by being counted here.
-assert len(NUMBERS) == 22, NUMBERS
+assert len(NUMBERS) == 24, NUMBERS
 
 
 @pytest.mark.parametrize(("section", "name"), [(s, n) for s, n, _ in NUMBERS])
@@ -288,3 +295,67 @@ def test_an_approval_expiry_that_is_not_a_positive_finite_time_is_refused(tmp_pa
 def test_an_approval_expires_after_four_hours_unless_the_policy_says() -> None:
     assert Policy().guard.approval_expiry_seconds == 4 * 3600
     assert load_policy_text("guard: {approval_expiry_seconds: 86400}\n").guard.approval_expiry_seconds == 86400
+
+
+@pytest.mark.parametrize(
+    ("xid", "bucket", "expected"),
+    [
+        (63, "IGNORE", Action.DRAIN_AFTER_JOBS),  # row remap pending: reset when convenient
+        (64, "RESET_GPU", Action.RESET_GPU),  # row remap failed: the catalog's reset, now
+        (92, "IGNORE", Action.DRAIN_AFTER_JOBS),  # high corrected-error rate: results stand
+        (94, "RESTART_APP", Action.DRAIN_AFTER_JOBS),  # contained: the others run on unaffected
+    ],
+)
+def test_soft_failures_are_drained_after_the_jobs(xid: int, bucket: str, expected: Action) -> None:
+    assert xid_catalog()[xid].bucket == bucket  # the catalog's word, the defaults' ground
+    assert Policy().decide([xid]) is expected
+
+
+@pytest.mark.parametrize(
+    ("events", "then", "expected"),
+    [
+        ([XidEvent(node="gpu1", xid=92)], "validate", None),
+        ([XidEvent(node="gpu1", xid=92)], "REBOOT_NODE", Action.REBOOT_NODE),
+        ([XidEvent(node="gpu1", xid=94)], "validate", Action.RESET_GPU),
+        ([XidEvent(node="gpu1", xid=63), XidEvent(node="gpu1", xid=92)], "validate", Action.RESET_GPU),
+        ([XidEvent(node="gpu1", xid=94)], "REPLACE_NODE", Action.REPLACE_NODE),
+        (
+            [XidEvent(node="gpu1", xid=154, recovery_action=RecoveryAction.DRAIN_AND_RESET)],
+            "validate",
+            Action.RESET_GPU,
+        ),
+        ([XidEvent(node="gpu1", xid=154, recovery_action=RecoveryAction.NONE)], "validate", None),
+        ([XidEvent(node="gpu1", kind=GpuEventKind.HEALTH_CHECK)], "validate", None),
+    ],
+)
+def test_the_step_after_the_jobs(events: list[XidEvent], then: str, expected: Action | None) -> None:
+    settings = policy_from_mapping({"drain_after_jobs": {"then": then}}).drain_after_jobs
+    assert settings.after_jobs(events) is expected
+
+
+def test_drain_after_jobs_settings_from_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text("drain_after_jobs:\n  max_wait_seconds: 7200\n  then: REPLACE_NODE\n  reset_xids: []\n")
+    settings = load_policy(path).drain_after_jobs
+    assert (settings.max_wait_seconds, settings.then, settings.poll_seconds) == (7200, Action.REPLACE_NODE, 60)
+    assert settings.after_jobs([XidEvent(node="gpu1", xid=94)]) is Action.REPLACE_NODE
+    assert load_policy(None).drain_after_jobs.then == "validate"
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("drain_after_jobs: 3600\n", "drain_after_jobs: expected a mapping, got int"),
+        ("drain_after_jobs:\n  then: OBSERVE\n", "drain_after_jobs.then: Value error, got 'OBSERVE'; expected one of "),
+        ("drain_after_jobs:\n  then: DRAIN_AFTER_JOBS\n", "drain_after_jobs.then:"),
+        ("drain_after_jobs:\n  max_wait_seconds: 0\n", "drain_after_jobs.max_wait_seconds:"),
+        ("drain_after_jobs:\n  poll_seconds: 0.1\n", "drain_after_jobs.poll_seconds:"),
+        ("drain_after_jobs:\n  max_wait: 60\n", "drain_after_jobs.max_wait: Extra inputs are not permitted"),
+    ],
+)
+def test_drain_after_jobs_settings_errors_name_the_field(tmp_path: Path, text: str, says: str) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    with pytest.raises(PolicyError, match=None) as caught:
+        load_policy(path)
+    assert str(caught.value).startswith(f"{path}: ") and says in str(caught.value)

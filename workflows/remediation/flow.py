@@ -27,8 +27,9 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
-from workflows.patches import DRAIN_FIRST, DUPLICATES_FOLDED, INPUTS_CHECKED
+from workflows.patches import DRAIN_AFTER_JOBS_WAITS, DRAIN_FIRST, DUPLICATES_FOLDED, INPUTS_CHECKED
 from workflows.remediation.approvals import Approvals
+from workflows.remediation.drainafter import DrainAfterJobs
 from workflows.remediation.repair import Repair
 from workflows.remediation.replace import Replacement
 
@@ -59,7 +60,7 @@ with workflow.unsafe.imports_passed_through():
 
 
 @workflow.defn(name=REMEDIATION_WORKFLOW)
-class NodeRemediationWorkflow(Approvals, Repair, Replacement):
+class NodeRemediationWorkflow(DrainAfterJobs, Approvals, Repair, Replacement):
     @workflow.init
     def __init__(self, params: RemediationInput) -> None:
         super().__init__(params)
@@ -242,10 +243,15 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
 
         # 2. notify, beside the flow: the drain never waits for the webhook
         self._enter(Step.NOTIFY)
+        doing = (
+            "draining the node; its jobs run on to their end, then the node is dealt with"
+            if status.action is Action.DRAIN_AFTER_JOBS
+            else "draining the node, checkpointing and requeueing its jobs"
+        )
         self._notify(
             "opened",
-            f"{self._message_prefix()}: {self._deciding_event().label} -> {status.action}. gpufleet is draining "
-            "the node, checkpointing and requeueing its jobs. No action is needed from you.",
+            f"{self._message_prefix()}: {self._deciding_event().label} -> {status.action}. gpufleet is {doing}. "
+            "No action is needed from you.",
         )
         self._done(Step.NOTIFY, "sent beside the flow")
 
@@ -310,6 +316,9 @@ class NodeRemediationWorkflow(Approvals, Repair, Replacement):
             and ask
             and not await self._owner_drained_gate(f"{params.node} was drained by someone else: {node.reason!r}")
         ):
+            return
+        if self._status.action is Action.DRAIN_AFTER_JOBS and workflow.patched(DRAIN_AFTER_JOBS_WAITS):
+            await self._drain_after_jobs(params, running)  # drainafter.py: nothing signalled
             return
         if running:
             if not await self._slot_for(Step.CHECKPOINT):
