@@ -3,7 +3,8 @@ check that the GPU answers through another.
 
 What counts as done differs. A reset is done when its Job completes. A reboot is done when the
 node comes back Ready with a new boot ID: the reboot Job's pod dies with the node, so its own
-outcome says nothing. Either way the check Job must then complete (the GPU answers).
+outcome says nothing. Either way the check Job must then complete (the GPU answers). A
+validation (DRAIN_AFTER_JOBS once the node's jobs have ended) runs the check Job alone.
 
 A Job is its attempt's record and is never deleted by gpufleet: one that overruns is stopped
 (suspended) and annotated with why, so that a retry of the attempt reads the verdict instead
@@ -32,13 +33,17 @@ from models.requests import RepairRequest, RepairResult, StopRepairsRequest
 
 # A GPU as the driver names it: a UUID (GPU-8c2f...) or a PCI address (0000:3b:00.0).
 _GPU = re.compile(r"^[A-Za-z0-9][A-Za-z0-9:._-]{0,95}$")
-_KINDS = {Action.RESET_GPU: "reset", Action.REBOOT_NODE: "reboot"}
+# DRAIN_AFTER_JOBS: the node's jobs have ended and ``drain_after_jobs.then`` is validate: the
+# check alone (the GPU answers), nothing reset or rebooted.
+_KINDS = {Action.RESET_GPU: "reset", Action.REBOOT_NODE: "reboot", Action.DRAIN_AFTER_JOBS: "check"}
 
 
 def _kind(request: RepairRequest) -> str:
     kind = _KINDS.get(request.action)
     if kind is None:
-        raise InvalidInput(f"{request.action} is not a repair in place (RESET_GPU or REBOOT_NODE)")
+        raise InvalidInput(
+            f"{request.action} is not a repair in place (RESET_GPU or REBOOT_NODE) or a validation (DRAIN_AFTER_JOBS)"
+        )
     return kind
 
 
@@ -178,6 +183,8 @@ class RepairActivities:
         answers with the Jobs it would create."""
         with client_errors(), dry_run(request.dry_run):
             kind = _kind(request)
+            if kind == "check":
+                return self._validate(request)
             job = repair_job(request, kind)  # every name checked before anything is made
             check = repair_job(request, "check") if _command(request, "check")[1] else None
             if request.dry_run:
@@ -199,6 +206,23 @@ class RepairActivities:
                     update={"detail": f"{done.detail}; but the GPU does not answer: {checked.detail}"}
                 )
             return done.model_copy(update={"detail": f"{done.detail}; the GPU answers: {checked.detail}"})
+
+    def _validate(self, request: RepairRequest) -> RepairResult:
+        """DRAIN_AFTER_JOBS, validate: only the check's Job (the GPU answers); with no check
+        configured, nothing to run. The Job is the attempt's, found again by a retry."""
+        if not _command(request, "check")[1]:
+            return RepairResult(succeeded=True, detail="nothing checked: no GPU check is configured")
+        check = repair_job(request, "check")
+        if request.dry_run:
+            return RepairResult(
+                succeeded=True,
+                job=check["metadata"]["name"],
+                detail=f"dry run: would run Job {check['metadata']['name']}: {_argv(check)}",
+            )
+        checked = self._run(check, request.settings.job_timeout_seconds)
+        if not checked.succeeded:
+            return checked.model_copy(update={"detail": f"the GPU does not answer: {checked.detail}"})
+        return checked.model_copy(update={"detail": f"the GPU answers: {checked.detail}"})
 
     def _run(self, job: dict[str, Any], timeout: float) -> RepairResult:
         """Create the Job (or find it again) and wait for it to complete or fail."""

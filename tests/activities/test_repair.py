@@ -243,3 +243,17 @@ def test_a_runtime_class_reaches_every_repair_pod() -> None:
         "runtimeClassName"
         not in repair_job(request.model_copy(update={"settings": LAB_REPAIRS}))["spec"]["template"]["spec"]
     )
+
+
+@pytest.mark.usefixtures("runner")
+def test_a_validation_runs_the_check_alone(kube: KubernetesApi, home: Path) -> None:
+    """DRAIN_AFTER_JOBS once the node's jobs have ended: the GPU is checked, nothing reset."""
+    result = repair(kube, Action.DRAIN_AFTER_JOBS, attempt=0)
+    assert result.succeeded and result.detail.startswith("the GPU answers"), result.detail
+    assert result.job.startswith("gpufleet-check-gpu1-") and "reset" not in result.detail
+    (home / "check-fails").touch()
+    # A retry of the attempt finds its Job (completed); the reset's check after it is its own.
+    assert repair(kube, Action.DRAIN_AFTER_JOBS, attempt=0).job == result.job
+    failed = repair(kube, Action.RESET_GPU, attempt=1)
+    assert not failed.succeeded and failed.job != result.job
+    assert repair(kube, Action.DRAIN_AFTER_JOBS, check_command=[], node_check_command=[]).succeeded

@@ -58,14 +58,32 @@ async def test_then_validate_returns_the_node_once_its_job_has_finished(env: Wor
     async with running(env, fleet, activities=acts):
         status = await (await start(env.client, fleet, xid=92)).result()
     assert status.outcome == Outcome.RESOLVED and status.action == Action.DRAIN_AFTER_JOBS
-    assert signalled(fleet) == [] and fleet.repairs == [] and status.spare is None
+    assert signalled(fleet) == [] and status.spare is None
+    # Validated: the check's Job alone (attempt 0, never a repair attempt's), then back in service.
+    [check] = fleet.repairs
+    assert check.action == Action.DRAIN_AFTER_JOBS and check.attempt == 0
     assert fleet.resumed_nodes == ["gpu1"] and jobs.seen == 4
+    steps = [e.step for e in status.timeline if e.event == "finished"]
+    assert steps.index(Step.WAIT_FOR_JOBS) < steps.index(Step.REPAIR) < steps.index(Step.RESUME)
     assert "DRAIN_AFTER_JOBS" in fleet.drain_reasons[0]
     waits = [e.detail for e in status.timeline if e.step == Step.WAIT_FOR_JOBS and e.event == "waiting"]
     assert waits and waits[0].startswith("1 job(s) still running: 7; at most until ")
     assert status.waiting_for_jobs is None
     [opened] = [n for n in fleet.notifications if n.kind == "opened"]
     assert "its jobs run on to their end" in opened.text
+
+
+async def test_a_node_that_fails_its_check_after_the_jobs_is_reset(env: WorkflowEnvironment) -> None:
+    fleet, acts = fleet_with(Jobs(looks=2))
+    fleet.repair_succeeds = [False, True]  # the check after the jobs, then the reset
+    async with running(env, fleet, activities=acts):
+        status = await (await start(env.client, fleet, xid=92)).result()
+    assert status.outcome == Outcome.RESOLVED and status.action == Action.RESET_GPU
+    assert [(r.action, r.attempt) for r in fleet.repairs] == [(Action.DRAIN_AFTER_JOBS, 0), (Action.RESET_GPU, 1)]
+    assert signalled(fleet) == [] and fleet.resumed_nodes == ["gpu1"]
+    [escalated] = [e.detail for e in status.timeline if e.event == "escalated"]
+    assert escalated.startswith("DRAIN_AFTER_JOBS -> RESET_GPU: the check after the jobs failed: Job job-1 failed")
+    assert "RESET_GPU" in fleet.drain_reasons[-1]
 
 
 async def test_an_xid_the_catalog_resets_when_convenient_is_reset_after_the_jobs(env: WorkflowEnvironment) -> None:
@@ -138,7 +156,8 @@ async def test_a_less_severe_event_during_the_wait_changes_nothing(env: Workflow
         jobs.ended = True
         status = await handle.result()
     assert status.outcome == Outcome.RESOLVED and status.action == Action.DRAIN_AFTER_JOBS
-    assert signalled(fleet) == [] and fleet.repairs == [] and fleet.resumed_nodes == ["gpu1"]
+    assert signalled(fleet) == [] and fleet.resumed_nodes == ["gpu1"]
+    assert [r.action for r in fleet.repairs] == [Action.DRAIN_AFTER_JOBS]  # the check, no repair
     [seen] = [e.detail for e in status.timeline if e.event == "xid while waiting"]
     assert seen == "Xid 13 -> OBSERVE, which DRAIN_AFTER_JOBS covers"
 

@@ -20,11 +20,14 @@ from temporalio import workflow
 
 from workflows.remediation.approvals import Approvals
 from workflows.remediation.repair import Repair
+from workflows.retries import SHORT_STEP
 
 with workflow.unsafe.imports_passed_through():
+    from activities.repair import RepairActivities
     from activities.slurm import ACTIVE_STATES, SlurmActivities
     from models.incident import JobInfo, NodeInfo, RemediationInput, Step
     from models.policy import Action
+    from models.requests import RepairRequest, RepairResult
 
 
 class DrainAfterJobs(Approvals, Repair):
@@ -66,7 +69,7 @@ class DrainAfterJobs(Approvals, Repair):
             if not await self._policy_gate():
                 return
             self._done(Step.APPROVE, "validate: the node's jobs have ended")
-            await self._then_validate()
+            await self._then_validate(params)
             return
         before = status.action
         status.action = after
@@ -77,9 +80,35 @@ class DrainAfterJobs(Approvals, Repair):
         await self._drain_in_slurm(params)
         await self._approve_and_act(params)
 
-    async def _then_validate(self) -> None:
-        """The node's jobs have ended: it is checked, and returned to service when it passes."""
-        await self._return_to_service()
+    async def _then_validate(self, params: RemediationInput) -> None:
+        """The node's jobs have ended: its GPU is checked (the repair's check Job, alone), and the
+        node returned to service when it passes; when it does not, the incident escalates to a
+        reset and goes on as a repair that did not hold."""
+        status = self._status
+        assert self._policy is not None
+        self._enter(Step.REPAIR)
+        result: RepairResult = await self._activity(
+            RepairActivities.repair,
+            RepairRequest(
+                node=params.node,
+                action=Action.DRAIN_AFTER_JOBS,
+                incident_id=status.incident_id,
+                # Attempt 0: its own Job, never one of a repair's attempts (1, 2, ...) after it.
+                attempt=0,
+                gpu=self._failed_gpu(),
+                settings=self._policy.repair,
+                dry_run=self._dry_run,
+            ),
+            summary=f"check {params.node} (Job)",
+            timeout=timedelta(seconds=self._policy.repair.job_timeout_seconds) + SHORT_STEP,
+        )
+        if result.succeeded:
+            self._done(Step.REPAIR, f"validated: {result.detail}")
+            await self._return_to_service()
+            return
+        self._escalate(f"the check after the jobs failed: {result.detail or result.job}")
+        await self._drain_in_slurm(params)  # its reason names the new action
+        await self._approve_and_act(params)
 
     async def _wait_for_jobs(self, running: list[JobInfo]) -> bool:
         """Until the node's jobs have ended (True); False when the incident's action was raised
