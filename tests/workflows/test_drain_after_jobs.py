@@ -10,8 +10,9 @@ from typing import Any
 from temporalio import activity
 from temporalio.testing import WorkflowEnvironment
 
-from models.incident import JobInfo, Outcome, Step
+from models.incident import Approval, JobInfo, NodeInfo, Outcome, Step
 from models.policy import Action, DrainAfterJobsSettings, GuardSettings, Policy
+from models.requests import DrainRequest
 from models.xid import XidEvent
 from starters.temporal import report_xid
 from tests.workflows.test_guard import NODES, running, until
@@ -189,3 +190,30 @@ async def test_a_week_long_wait_looks_a_few_hundred_times(env: WorkflowEnvironme
     assert status.action == Action.REPLACE_NODE and status.requeued == [7]
     # A minute's gap at first, growing to a week / 300: the history stays small.
     assert 300 <= jobs.seen <= 330 and len(history.events) < 4000
+
+
+async def test_a_node_someone_else_drained_during_the_wait_is_theirs_until_they_say(
+    env: WorkflowEnvironment,
+) -> None:
+    """An operator drains the node for their own work while its jobs run on: once the jobs end,
+    the reset the Xid calls for waits for a person, as at the first drain; rejected, nothing runs."""
+    fleet, acts = fleet_with(Jobs(looks=2), poll_seconds=1)  # a few seconds: queries skip no time
+    theirs = "bob: bad fan, RMA"
+
+    @activity.defn(name="drain_slurm_node")
+    async def drain(request: DrainRequest) -> NodeInfo:
+        fleet.drain_reasons.append(request.reason)
+        # drain_node leaves a node someone else drained with their reason.
+        reason = request.reason if len(fleet.drain_reasons) == 1 else theirs
+        return NodeInfo(name=request.node, state="idle", flags=["DRAIN"], reason=reason)
+
+    acts = [a for a in acts if getattr(a, "__name__", "") != "drain"] + [drain]  # Fleet's drain_slurm_node
+    async with running(env, fleet, activities=acts):
+        handle = await start(env.client, fleet, xid=94)
+        asking = await until(
+            handle, NodeRemediationWorkflow.status, lambda s: s.waiting_for_approval, "asking a person"
+        )
+        await handle.signal(NodeRemediationWorkflow.decide, Approval(approved=False, by="ops", reason="bob's"))
+        status = await handle.result()
+    assert "gpu1 was drained by someone else while its jobs ran on: 'bob: bad fan, RMA'" in asking.waiting_for_approval
+    assert status.outcome == Outcome.REJECTED and fleet.repairs == [] and fleet.resumed_nodes == []

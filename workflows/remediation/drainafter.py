@@ -25,8 +25,9 @@ from workflows.retries import SHORT_STEP
 with workflow.unsafe.imports_passed_through():
     from activities.repair import RepairActivities
     from activities.slurm import ACTIVE_STATES, SlurmActivities
+    from models.constants import held_by_someone_else
     from models.incident import JobInfo, NodeInfo, RemediationInput, Step
-    from models.policy import Action
+    from models.policy import Action, OwnerDrained
     from models.requests import RepairRequest, RepairResult
 
 
@@ -50,7 +51,8 @@ class DrainAfterJobs(Approvals, Repair):
         if not ended:
             # Escalated (a more severe event, or the wait ran out): the node's jobs are
             # checkpointed and requeued, then the node is repaired or replaced.
-            await self._drain_in_slurm(params)  # its reason names the new action
+            if not await self._drain_again(params):  # its reason names the new action
+                return
             if not await self._slot_for(Step.CHECKPOINT):
                 return
             jobs = await self._checkpoint_jobs()
@@ -63,8 +65,8 @@ class DrainAfterJobs(Approvals, Repair):
             self._enter(Step.APPROVE)
             status.action = self._raised_to_least_action(await self._classify())
             if status.action is not Action.DRAIN_AFTER_JOBS:  # an event since the wait, or the guard
-                await self._drain_in_slurm(params)
-                await self._approve_and_act(params)
+                if await self._drain_again(params):
+                    await self._approve_and_act(params)
                 return
             if not await self._policy_gate():
                 return
@@ -77,8 +79,8 @@ class DrainAfterJobs(Approvals, Repair):
             after if self._least_action is None or after.severity > self._least_action.severity else self._least_action
         )
         self._mark(Step.WAIT_FOR_JOBS, "after the jobs", f"{before} -> {after}")
-        await self._drain_in_slurm(params)
-        await self._approve_and_act(params)
+        if await self._drain_again(params):
+            await self._approve_and_act(params)
 
     async def _then_validate(self, params: RemediationInput) -> None:
         """The node's jobs have ended: its GPU is checked (the repair's check Job, alone), and the
@@ -107,8 +109,22 @@ class DrainAfterJobs(Approvals, Repair):
             await self._return_to_service()
             return
         self._escalate(f"the check after the jobs failed: {result.detail or result.job}")
-        await self._drain_in_slurm(params)  # its reason names the new action
-        await self._approve_and_act(params)
+        if await self._drain_again(params):  # its reason names the new action
+            await self._approve_and_act(params)
+
+    async def _drain_again(self, params: RemediationInput) -> bool:
+        """The drain again, its reason naming the action the wait ended in. A node someone else
+        drained meanwhile (the wait may last a day) is theirs until they say otherwise, as at the
+        first drain: False when a person said to leave it (the incident is closed then)."""
+        node = await self._drain_in_slurm(params)
+        return not (
+            held_by_someone_else(node.reason)
+            and self._status.approval is None  # a go-ahead for their drain was given already
+            and self._settings.owner_drained is OwnerDrained.ASK
+            and not await self._owner_drained_gate(
+                f"{params.node} was drained by someone else while its jobs ran on: {node.reason!r}"
+            )
+        )
 
     async def _wait_for_jobs(self, running: list[JobInfo]) -> bool:
         """Until the node's jobs have ended (True); False when the incident's action was raised
