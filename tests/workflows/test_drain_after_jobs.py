@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 
 from models.incident import Approval, JobInfo, NodeInfo, Outcome, Step
@@ -23,14 +24,19 @@ from workflows.remediation import NodeRemediationWorkflow
 class Jobs:
     """The node's jobs as squeue lists them: running until ``ended`` is set, or for ``looks`` looks."""
 
-    def __init__(self, looks: int | None = None) -> None:
+    def __init__(self, looks: int | None = None, away: bool = False) -> None:
         self.looks = looks
         self.ended = False
         self.seen = 0
+        self.away = away  # slurmctld answers no try of the wait's first look, whatever its retries
+        self.away_look = ""
 
     def activity(self) -> Any:
         @activity.defn(name="jobs_on_node")
         async def jobs_on_node(node: str) -> list[JobInfo]:
+            if self.away and self.away_look in ("", activity.info().activity_id):
+                self.away_look = activity.info().activity_id
+                raise ApplicationError("slurmctld unreachable", type="Unavailable")
             self.seen += 1
             if self.ended or (self.looks is not None and self.seen > self.looks):
                 return []
@@ -217,3 +223,16 @@ async def test_a_node_someone_else_drained_during_the_wait_is_theirs_until_they_
         status = await handle.result()
     assert "gpu1 was drained by someone else while its jobs ran on: 'bob: bad fan, RMA'" in asking.waiting_for_approval
     assert status.outcome == Outcome.REJECTED and fleet.repairs == [] and fleet.resumed_nodes == []
+
+
+async def test_slurm_away_for_longer_than_a_step_retries_does_not_end_the_wait(env: WorkflowEnvironment) -> None:
+    """slurmctld restarted during a day-long wait: the looks that cannot list the jobs are noted
+    and the wait goes on; the incident does not fail with the node drained and nobody on it."""
+    jobs = Jobs(looks=2, away=True)
+    fleet, acts = fleet_with(jobs)
+    async with running(env, fleet, activities=acts):
+        status = await (await start(env.client, fleet, xid=92)).result()
+    assert status.outcome == Outcome.RESOLVED and status.action == Action.DRAIN_AFTER_JOBS
+    assert signalled(fleet) == [] and fleet.resumed_nodes == ["gpu1"] and jobs.seen == 3
+    [away] = [e.detail for e in status.timeline if e.event == "slurm away"]
+    assert "slurmctld unreachable" in away

@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from temporalio import workflow
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
 from workflows.remediation.approvals import Approvals
 from workflows.remediation.repair import Repair
@@ -164,10 +165,18 @@ class DrainAfterJobs(Approvals, Repair):
                     )
                 if self._unclassified() and await self._raised_while_waiting():
                     return False
-                listed: list[JobInfo] = await self._activity(
-                    SlurmActivities.jobs_on_node, node, summary=f"list the jobs still on {node}"
-                )
-                active = [job for job in listed if job.state in ACTIVE_STATES]
+                try:
+                    listed: list[JobInfo] = await self._activity(
+                        SlurmActivities.jobs_on_node, node, summary=f"list the jobs still on {node}"
+                    )
+                except ActivityError as exc:
+                    if not _slurm_away(exc):
+                        raise
+                    # A wait of a day outlives a slurmctld restart: the jobs last seen run on,
+                    # looked at again at the next look (max_wait_seconds still ends the wait).
+                    self._mark(Step.WAIT_FOR_JOBS, "slurm away", f"the jobs could not be listed: {exc.cause or exc}")
+                else:
+                    active = [job for job in listed if job.state in ACTIVE_STATES]
                 interval = min(interval * 1.5, longest)
             self._done(Step.WAIT_FOR_JOBS, "the node's jobs have ended")
             return True
@@ -213,3 +222,12 @@ class DrainAfterJobs(Approvals, Repair):
             f"{self._message_prefix()}: {why}; {before} escalated to {status.action}: gpufleet checkpoints and "
             "requeues the node's jobs now.",
         )
+
+
+def _slurm_away(exc: ActivityError) -> bool:
+    """A look that ran out of retries (Slurm did not answer), not one refused for good (no such
+    node) nor a cancel."""
+    cause = exc.cause
+    if isinstance(cause, CancelledError):
+        return False
+    return not (isinstance(cause, ApplicationError) and cause.non_retryable)
