@@ -236,3 +236,17 @@ async def test_slurm_away_for_longer_than_a_step_retries_does_not_end_the_wait(e
     assert signalled(fleet) == [] and fleet.resumed_nodes == ["gpu1"] and jobs.seen == 3
     [away] = [e.detail for e in status.timeline if e.event == "slurm away"]
     assert "slurmctld unreachable" in away
+
+
+async def test_a_job_the_failure_ends_during_the_wait_is_requeued(env: WorkflowEnvironment) -> None:
+    jobs = Jobs(looks=20)
+    fleet, acts = fleet_with(jobs, then="REPLACE_NODE")
+    fleet.jobs = [JobInfo(job_id=7, user="alice", state="RUNNING"), JobInfo(job_id=8, user="bob", state="RUNNING")]
+    async with running(env, fleet, activities=acts):
+        handle = await start(env.client, fleet, xid=94)
+        await until(handle, NodeRemediationWorkflow.status, lambda s: s.waiting_for_jobs, "waiting for the jobs")
+        # Job 8's process was the one the contained error hit: it fails a little after the drain.
+        fleet.jobs = [fleet.jobs[0], JobInfo(job_id=8, user="bob", state="FAILED")]
+        status = await handle.result()
+    assert status.outcome == Outcome.RESOLVED and status.requeued == [8]
+    assert signalled(fleet) == []

@@ -12,6 +12,7 @@ its jobs checkpointed and requeued as usual.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
@@ -147,6 +148,10 @@ class DrainAfterJobs(Approvals, Repair):
                 f"dry run: would wait up to {settings.max_wait_seconds:g}s for the node's jobs ({names})",
             )
             return True
+        waited = False
+        # A job the failure ends while the others run on (an Xid 94's process, killed a little
+        # later) is requeued before slurmctld forgets it, as in every other wait.
+        watch = asyncio.create_task(self._watch_ended_jobs(lambda: waited))
         try:
             while active:
                 remaining = deadline - workflow.now()
@@ -181,7 +186,10 @@ class DrainAfterJobs(Approvals, Repair):
             self._done(Step.WAIT_FOR_JOBS, "the node's jobs have ended")
             return True
         finally:
+            waited = True
             status.waiting_for_jobs = None
+            if not watch.done():
+                await watch
 
     def _show_wait(self, active: list[JobInfo], deadline: datetime) -> None:
         """What the wait waits for, in the status (`gpufleet incidents show`) and the Temporal UI."""
