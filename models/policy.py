@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from models.numbers import Finite, Whole
 from models.sxid import sxid_catalog
+from models.validation import ValidationSettings
 from models.xid import GpuEventKind, RecoveryAction, XidEvent, xid_catalog
 
 
@@ -294,6 +295,8 @@ class Policy(BaseModel):
     repair: RepairSettings = Field(default_factory=RepairSettings)
     # ... and which spare replaces a retired node.
     spares: SpareSettings = Field(default_factory=SpareSettings)
+    # The checks a node passes before it goes back into service (models/validation.py).
+    validation: ValidationSettings = Field(default_factory=ValidationSettings)
 
     @field_validator("kinds")
     @classmethod
@@ -351,7 +354,7 @@ def policy_from_mapping(data: Mapping[str, Any], *, origin: str = "policy") -> P
         PolicyError: naming the field that is wrong.
     """
     defaults = Policy()
-    for key in ("buckets", "xids", "sxids", "sxid_severities", "kinds", "remediation", "guard", "repair"):
+    for key in ("buckets", "xids", "sxids", "sxid_severities", "kinds", "remediation", "guard", "repair", "validation"):
         if data.get(key) is not None and not isinstance(data[key], Mapping):
             raise PolicyError(f"{origin}: {key}: expected a mapping, got {type(data[key]).__name__}")
     merged: dict[str, Any] = {
@@ -399,7 +402,8 @@ def load_policy(path: Path | None) -> Policy:
         ) from None
     if not isinstance(data, dict):
         raise PolicyError(
-            f"{path}: expected a mapping with 'xids', 'sxids', 'kinds', 'buckets', 'remediation', 'guard' or 'repair'"
+            f"{path}: expected a mapping with 'xids', 'sxids', 'kinds', 'buckets', 'remediation', 'guard', "
+            "'repair' or 'validation'"
         )
     return policy_from_mapping(data, origin=str(path))
 

@@ -59,3 +59,10 @@ INPUTS_CHECKED = "inputs-checked"
 # not count as the node failing again (while settling, it escalated the repair). Histories from
 # before it replay as they were.
 DUPLICATES_FOLDED = "duplicate-events-folded"
+
+# Validation before a node goes back into service (docs/validation.md): ReturnNodeWorkflow climbs
+# the policy's validation ladder before it returns the node (unless skipped, by whom and why
+# recorded) and puts the node on probation after; NodeRemediationWorkflow does the same after a
+# repair in place held (a failure escalates to REPLACE_NODE and counts toward quarantine), and
+# replaces and quarantines at once a node on probation. Histories from before it replay as they were.
+VALIDATION_LADDER = "validation-ladder"
