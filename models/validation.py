@@ -219,6 +219,8 @@ class ValidationResult(BaseModel):
     skipped_by: str = ""  # `--skip-validation`: who, and why
     skip_reason: str = ""
     probation_until: datetime | None = None
+    # While it climbs: the rung running now ("" when none).
+    running: str = ""
 
     @property
     def failed(self) -> RungResult | None:

@@ -645,12 +645,12 @@ def nodes_return(
         shown, running = 0, ""
         while not waiting.done():
             with contextlib.suppress(RPCError, WorkflowQueryFailedError):
-                progress: ValidationResult | None = await handle.query(ReturnNodeWorkflow.progress)
+                progress: ValidationResult | None = await handle.query(ReturnNodeWorkflow.status)
                 rungs = progress.rungs if progress is not None else []
                 for rung in rungs[shown:]:
                     console.print(f"  {escape(rung.line())}")
                 shown = max(shown, len(rungs))
-                now = await handle.query(ReturnNodeWorkflow.current_rung)
+                now = progress.running if progress is not None else ""
                 if now and now != running:
                     console.print(f"validating {node}: {escape(now)} ...")
                 running = now

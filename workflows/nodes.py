@@ -66,17 +66,12 @@ class ReturnNodeWorkflow:
 
     def __init__(self) -> None:
         self._validation: ValidationResult | None = None
-        self._rung = ""
 
     @workflow.query
-    def progress(self) -> ValidationResult | None:
-        """The rungs climbed so far (None: validation has not started, or there is none)."""
+    def status(self) -> ValidationResult | None:
+        """The rungs climbed so far and the one running (None: validation has not started, or
+        there is none). Named ``status``, as every query a gpufleet command makes (gateway/calls.py)."""
         return self._validation
-
-    @workflow.query
-    def current_rung(self) -> str:
-        """The rung running now ("" when none)."""
-        return self._rung
 
     @workflow.run
     async def run(self, request: ReturnNodeRequest) -> str:
@@ -126,11 +121,11 @@ class ReturnNodeWorkflow:
         def seen(rung: RungResult) -> None:
             assert self._validation is not None
             self._validation.rungs.append(rung)
-            self._rung = ""
+            self._validation.running = ""
 
         async def call(method: Any, *args: Any, summary: str, timeout: timedelta) -> Any:
-            if method is ValidationActivities.run_rung:
-                self._rung = args[0].rung.name
+            if method is ValidationActivities.run_rung and self._validation is not None:
+                self._validation.running = args[0].rung.name
             return await _step(method, *args, summary=summary, timeout=timeout)
 
         info = workflow.info()

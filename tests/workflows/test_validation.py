@@ -181,10 +181,10 @@ async def return_node(env: WorkflowEnvironment, fleet: Fleet, ladder: Ladder, **
             task_queue=f"{task_queue(fleet.cluster)}.nodes",
         )
         try:
-            return await handle.result(), await handle.query(ReturnNodeWorkflow.progress), None
+            return await handle.result(), await handle.query(ReturnNodeWorkflow.status), None
         except WorkflowFailureError as exc:
             state = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
-            return exc, await handle.query(ReturnNodeWorkflow.progress), state
+            return exc, await handle.query(ReturnNodeWorkflow.status), state
 
 
 async def test_nodes_return_validates_then_returns_on_probation(env: WorkflowEnvironment) -> None:
