@@ -822,7 +822,7 @@ class FleetLab:
 def validation_policy(python: str, *, enabled: bool = False) -> str:
     """The lab policy's ``validation:`` section: its stand-in rungs (lab/validate.py), whose knob
     files in the lab's home make each pass or fail (docs/validation.md#in-the-lab)."""
-    rung = f"[{python}, -m, lab.validate, {{kind}}, --node, '{{{{node}}}}', --gpus, '{{{{gpus}}}}', --level, '{{{{level}}}}']"
+    placeholders = "--node, '{node}', --gpus, '{gpus}', --level, '{level}'"
     lines = [
         "# Validation before a node goes back (docs/validation.md): the lab's stand-in rungs. Set",
         "# enabled: true to climb them before `gpufleet nodes return` and after each repair in place.",
@@ -838,7 +838,7 @@ def validation_policy(python: str, *, enabled: bool = False) -> str:
             f"    - name: {kind}",
             f"      kind: {kind}",
             "      image: lab",
-            f"      command: {rung.format(kind=kind)}",
+            f"      command: [{python}, -m, lab.validate, {kind}, {placeholders}]",
             "      timeout_seconds: 60",
         ]
         if kind == "dcgm":
