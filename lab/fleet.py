@@ -548,8 +548,7 @@ class FleetLab:
             f"  check_command: [{python}, -m, lab.repair, check, --gpu, '{{gpu}}', --node, '{{node}}']\n"
             f"  node_check_command: [{python}, -m, lab.repair, check, --node, '{{node}}']\n"
             "  reboot_grace_seconds: 10\n"
-            "  settle_seconds: 5\n"
-            + validation_policy(python),
+            "  settle_seconds: 5\n" + validation_policy(python),
             encoding="utf-8",
         )
 
