@@ -92,7 +92,7 @@ def _default_rungs() -> list[Rung]:
             name="quick",
             kind=RungKind.QUICK,
             image="ghcr.io/gpufleet/gpufleet:latest",
-            command=["gpufleet", "health-check", "--node", "{node}"],
+            command=["gpufleet", "health-check"],
             timeout_seconds=120,
         ),
         Rung(
@@ -155,10 +155,6 @@ class ValidationSettings(BaseModel):
         if self.enabled and not self.rungs:
             raise ValueError("rungs: validation is enabled but has no rungs; add some or set enabled: false")
         return self
-
-    def timeout_seconds(self) -> float:
-        """The longest the whole ladder may take (each rung's timeout)."""
-        return sum(rung.timeout_seconds for rung in self.rungs)
 
 
 def node_type_key(node_type: str) -> str:
