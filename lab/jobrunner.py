@@ -122,6 +122,8 @@ def _record_pod(api: str, job: dict[str, Any], started: str, code: int, output: 
                 {
                     "name": container["name"],
                     "image": container["image"],
+                    "imageID": f"lab://{container['image']}",
+                    "containerID": f"lab://{name}",
                     "ready": False,
                     "restartCount": 0,
                     "state": {"terminated": terminated},

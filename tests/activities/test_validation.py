@@ -62,6 +62,9 @@ def test_each_rung_passes_and_fails_by_its_job(kube: KubernetesApi, home: Path, 
     passed = climb(kube, kind)
     assert passed.outcome is RungOutcome.PASSED, passed.detail
     assert kube.job_state("gpufleet", passed.job).succeeded
+    # Its pod ended, as a drain of the node reads it: nothing that holds the node.
+    [pod] = [p for p in kube.pods_on_node("gpu1") if p.name.startswith(passed.job)]
+    assert not pod.holds_node
     (home / "validate-fails").write_text(f"{kind.value}\n")
     failed = climb(kube, kind, request_id="return-gpu1/2")
     assert failed.outcome is RungOutcome.FAILED
