@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
 
 from clients.kube import KubernetesApi
 from clients.kubeauth import KubeAuth
@@ -272,7 +273,7 @@ def test_the_validation_ladder_keeps_a_failing_node_out_and_probation_quarantine
     assert kube.get_node("gpu1").labels.get(PROBATION_LABEL) == "true"
 
     async def recorded() -> set[str]:
-        client = await Client.connect(fleet.env()["TEMPORAL_ADDRESS"])
+        client = await Client.connect(fleet.env()["TEMPORAL_ADDRESS"], data_converter=pydantic_data_converter)
         status = await client.get_workflow_handle(guard_workflow_id("lab")).query(FleetGuardWorkflow.status)
         return set(status.state.nodes)
 
