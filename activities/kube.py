@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from temporalio import activity
 
 from activities.errors import client_errors
 from activities.heartbeat import heartbeating
+from activities.validation import probation_end
 from clients import nodelease
 from clients.dryrun import dry_run
 from clients.errors import NotFound
@@ -25,16 +28,18 @@ class KubeActivities:
     @activity.defn(name="kube_node_facts")
     @heartbeating
     def node_facts(self, node: str) -> NodeFacts:
-        """The node's pool, opt-out and quarantine labels (found False without a Kubernetes node)."""
+        """The node's pool, opt-out, quarantine and probation labels (found False without a Kubernetes node)."""
         with client_errors():
             try:
-                labels = self._kube.get_node(node).labels
+                found = self._kube.get_node(node)
             except NotFound:
                 return NodeFacts(found=False)
+        labels = found.labels
         return NodeFacts(
             pool=labels.get(POOL_LABEL, ""),
             remediation=labels.get(REMEDIATION_LABEL, ""),
             quarantine=labels.get(QUARANTINE_LABEL, ""),
+            probation_until=probation_end(found, datetime.now(UTC)),
         )
 
     @activity.defn(name="take_node_lease")

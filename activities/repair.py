@@ -80,43 +80,84 @@ def repair_job(request: RepairRequest, kind: str | None = None, *, boot_id: str 
     argv = [
         part.replace("{gpu}", request.gpu).replace("{node}", node).replace("{boot_id}", boot_id) for part in command
     ]
-    digest = hashlib.sha256(f"{request.incident_id}/{request.attempt}".encode()).hexdigest()[:8]
-    # A Job's name is its pods' job-name label too: a DNS-1123 name of at most 63 characters.
-    name = dns_name(f"gpufleet-{kind}-{node}"[:52].rstrip("-.") + f"-{digest}")
     annotations = {INCIDENT_ANNOTATION: request.incident_id}
     if kind == "reboot":
         annotations[BOOT_ID_ANNOTATION] = boot_id
+    return pinned_job(
+        name=job_name(kind, node, f"{request.incident_id}/{request.attempt}"),
+        namespace=settings.namespace,
+        node=node,
+        container=kind,
+        label=kind,
+        image=image,
+        argv=argv,
+        annotations=annotations,
+        timeout_seconds=settings.job_timeout_seconds,
+        runtime_class=settings.runtime_class,
+        host_pid=kind == "reboot",
+    )
+
+
+def job_name(kind: str, node: str, key: str) -> str:
+    """A Job's name for one attempt: its kind, its node and a digest of ``key`` (the same key, the
+    same name: a retry finds its own Job). A Job's name is its pods' job-name label too: a
+    DNS-1123 name of at most 63 characters."""
+    digest = hashlib.sha256(key.encode()).hexdigest()[:8]
+    return dns_name(f"gpufleet-{kind}-{node}"[:52].rstrip("-.") + f"-{digest}")
+
+
+def pinned_job(
+    *,
+    name: str,
+    namespace: str,
+    node: str,
+    container: str,
+    label: str,
+    image: str,
+    argv: list[str],
+    annotations: dict[str, str],
+    timeout_seconds: float,
+    runtime_class: str | None = None,
+    host_pid: bool = False,
+    logs_on_error: bool = False,
+) -> dict[str, Any]:
+    """A privileged Job pinned to ``node``, tolerating its taints, run once within
+    ``timeout_seconds``, labelled ``gpufleet.io/repair=<label>``. With ``logs_on_error``, its
+    container's termination message is its last output when it fails (else what it writes to
+    /dev/termination-log)."""
     pod: dict[str, Any] = {
         "nodeName": node,
         "restartPolicy": "Never",
-        "hostPID": kind == "reboot",
-        # The node is drained, cordoned and tainted by now: the repair runs there anyway.
+        "hostPID": host_pid,
+        # The node is drained, cordoned and tainted by now: the Job runs there anyway.
         "tolerations": [{"operator": "Exists"}],
     }
-    if settings.runtime_class:
-        pod["runtimeClassName"] = settings.runtime_class
-    container: dict[str, Any] = {
-        "name": kind,
+    if runtime_class:
+        pod["runtimeClassName"] = runtime_class
+    spec: dict[str, Any] = {
+        "name": container,
         "image": image,
         "command": argv,
         "securityContext": {"privileged": True},
     }
+    if logs_on_error:
+        spec["terminationMessagePolicy"] = "FallbackToLogsOnError"
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {
             "name": name,
-            "namespace": settings.namespace,
-            "labels": {REPAIR_LABEL: kind},
+            "namespace": namespace,
+            "labels": {REPAIR_LABEL: label},
             "annotations": annotations,
         },
         "spec": {
             "backoffLimit": 0,
-            "activeDeadlineSeconds": int(settings.job_timeout_seconds),
+            "activeDeadlineSeconds": int(timeout_seconds),
             "ttlSecondsAfterFinished": 86400,
             "template": {
-                "metadata": {"labels": {REPAIR_LABEL: kind}},
-                "spec": {**pod, "containers": [container]},
+                "metadata": {"labels": {REPAIR_LABEL: label}},
+                "spec": {**pod, "containers": [spec]},
             },
         },
     }
@@ -225,28 +266,7 @@ class RepairActivities:
         return checked.model_copy(update={"detail": f"the GPU answers: {checked.detail}"})
 
     def _run(self, job: dict[str, Any], timeout: float) -> RepairResult:
-        """Create the Job (or find it again) and wait for it to complete or fail."""
-        name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
-        if not self._kube.create_job(namespace, job):
-            stopped = self._verdict(namespace, name)
-            if stopped is not None:
-                return stopped
-        while True:
-            state = self._kube.job_state(namespace, name)
-            if state.finished:
-                verdict = "completed" if state.succeeded else "failed"
-                return RepairResult(
-                    succeeded=state.succeeded, job=name, detail=f"Job {name} {verdict}: {state.message}"
-                )
-            if state.age_seconds > timeout:
-                return self._overdue(namespace, name, f"Job {name} did not finish within {timeout:g}s")
-            activity.heartbeat(f"Job {name}: {state.message}")
-            time.sleep(self._poll)
-
-    def _verdict(self, namespace: str, name: str) -> RepairResult | None:
-        """The failure recorded on a Job that an earlier try stopped, if it was."""
-        why = self._kube.job_annotations(namespace, name).get(VERDICT_ANNOTATION)
-        return None if why is None else RepairResult(succeeded=False, job=name, detail=why)
+        return run_job(self._kube, job, timeout, poll_seconds=self._poll)
 
     def _reboot(self, request: RepairRequest) -> RepairResult:
         """Create the reboot Job with the node's boot ID of now (a retry reads the one its Job
@@ -302,10 +322,39 @@ class RepairActivities:
             time.sleep(self._poll)
 
     def _overdue(self, namespace: str, name: str, why: str) -> RepairResult:
-        """The attempt failed: its Job is stopped, so that it cannot act late, and keeps the
-        verdict for a retry. Stopping is best effort: the failure stands either way."""
-        try:
-            self._kube.stop_job(namespace, name, annotations={VERDICT_ANNOTATION: f"{why}; Job stopped"})
-        except ClientError as exc:
-            return RepairResult(succeeded=False, job=name, detail=f"{why}; could not stop the Job: {exc}")
-        return RepairResult(succeeded=False, job=name, detail=f"{why}; Job stopped")
+        return stop_overdue(self._kube, namespace, name, why)
+
+
+def run_job(kube: KubeClient, job: dict[str, Any], timeout: float, *, poll_seconds: float) -> RepairResult:
+    """Create the Job (or find it again: a retry) and wait for it to complete or fail, heartbeating;
+    one past ``timeout`` (counted from its creation) is stopped, with the verdict kept on it."""
+    name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
+    if not kube.create_job(namespace, job):
+        stopped = job_verdict(kube, namespace, name)
+        if stopped is not None:
+            return stopped
+    while True:
+        state = kube.job_state(namespace, name)
+        if state.finished:
+            verdict = "completed" if state.succeeded else "failed"
+            return RepairResult(succeeded=state.succeeded, job=name, detail=f"Job {name} {verdict}: {state.message}")
+        if state.age_seconds > timeout:
+            return stop_overdue(kube, namespace, name, f"Job {name} did not finish within {timeout:g}s")
+        activity.heartbeat(f"Job {name}: {state.message}")
+        time.sleep(poll_seconds)
+
+
+def job_verdict(kube: KubeClient, namespace: str, name: str) -> RepairResult | None:
+    """The failure recorded on a Job that an earlier try stopped, if it was."""
+    why = kube.job_annotations(namespace, name).get(VERDICT_ANNOTATION)
+    return None if why is None else RepairResult(succeeded=False, job=name, detail=why)
+
+
+def stop_overdue(kube: KubeClient, namespace: str, name: str, why: str) -> RepairResult:
+    """The attempt failed: its Job is stopped, so that it cannot act late, and keeps the verdict
+    for a retry. Stopping is best effort: the failure stands either way."""
+    try:
+        kube.stop_job(namespace, name, annotations={VERDICT_ANNOTATION: f"{why}; Job stopped"})
+    except ClientError as exc:
+        return RepairResult(succeeded=False, job=name, detail=f"{why}; could not stop the Job: {exc}")
+    return RepairResult(succeeded=False, job=name, detail=f"{why}; Job stopped")

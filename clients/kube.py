@@ -127,6 +127,10 @@ class KubeClient(Protocol):
     def job_annotations(self, namespace: str, name: str) -> dict[str, str]: ...
     def stop_job(self, namespace: str, name: str, *, annotations: dict[str, str]) -> None: ...
     def list_jobs(self, namespace: str, *, label_selector: str = "") -> list[JobSummary]: ...
+    def job_exit(self, namespace: str, name: str) -> JobExit | None: ...
+    def update_config_map(
+        self, namespace: str, name: str, change: Callable[[dict[str, str]], dict[str, str]]
+    ) -> dict[str, str]: ...
     def lease(self, name: str, *, namespace: str, holder: str) -> AbstractContextManager[object]: ...
 
 
@@ -257,6 +261,15 @@ class JobState:
     succeeded: bool
     message: str = ""
     age_seconds: float = 0.0  # since the Job was created (deadlines count from there, retries or not)
+
+
+@dataclass(frozen=True)
+class JobExit:
+    """How a Job's container ended: its exit status and its termination message (what it wrote
+    to /dev/termination-log, or its last output when it failed and the Job asked for that)."""
+
+    exit_code: int
+    message: str = ""
 
 
 @dataclass(frozen=True)
@@ -619,6 +632,60 @@ class KubernetesApi:
                 )
             )
         return jobs
+
+    def job_exit(self, namespace: str, name: str) -> JobExit | None:
+        """How the container of the Job's last pod ended (None: no pod of it has ended)."""
+        namespace = checked_namespace(namespace)
+        listed = self._call_json(
+            f"list pods of job {namespace}/{name}",
+            self._api.list_namespaced_pod,
+            namespace,
+            label_selector=f"job-name={checked_object_name(name, 'Job')}",
+        )
+        ended: list[tuple[str, JobExit]] = []
+        for pod in listed.get("items") or []:
+            for container in (pod.get("status") or {}).get("containerStatuses") or []:
+                terminated = (container.get("state") or {}).get("terminated")
+                if terminated is not None:
+                    at = str(terminated.get("finishedAt") or "")
+                    code = int(terminated.get("exitCode") or 0)
+                    ended.append((at, JobExit(exit_code=code, message=str(terminated.get("message") or ""))))
+        return max(ended, key=lambda pair: pair[0])[1] if ended else None
+
+    def update_config_map(
+        self, namespace: str, name: str, change: Callable[[dict[str, str]], dict[str, str]]
+    ) -> dict[str, str]:
+        """Make the ConfigMap's data ``change(data)`` (created when there is none), guarded by the
+        resourceVersion read, read and changed again on a conflict: two writers never lose each
+        other's change. Returns the data written."""
+        ns = checked_namespace(namespace)
+        name = checked_object_name(name, "ConfigMap")
+
+        def write() -> dict[str, str]:
+            try:
+                found = self._call(f"read configmap {ns}/{name}", self._api.read_namespaced_config_map, name, ns)
+            except NotFound:
+                data = change({})
+                body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": ns}}
+                try:
+                    self._call(
+                        f"create configmap {ns}/{name}",
+                        self._api.create_namespaced_config_map,
+                        ns,
+                        {**body, "data": data},
+                    )
+                except Conflict:  # made meanwhile by another writer: read it and change that
+                    raise Conflict(f"configmap {ns}/{name} was created meanwhile") from None
+                return data
+            before = dict(found.data or {})
+            data = change(dict(before))
+            if data == before:
+                return data
+            found.data = data
+            self._call(f"update configmap {ns}/{name}", self._api.replace_namespaced_config_map, name, ns, found)
+            return data
+
+        return retry_conflicts(write, attempts=8)
 
     def _object_calls(
         self, obj: dict[str, Any]

@@ -162,7 +162,7 @@ _IDS: list[tuple[re.Pattern[str], Kind, bool]] = [
 _STARTS: dict[str, tuple[Kind, str, str | None]] = {
     REMEDIATION_WORKFLOW: (INCIDENT, "create", None),
     GUARD_WORKFLOW: (GUARD, "pause", None),
-    RETURN_NODE_WORKFLOW: (RETURN, "return", None),
+    RETURN_NODE_WORKFLOW: (RETURN, "return", "by"),  # who skipped its validation, if anyone did
     RELEASE_NODE_WORKFLOW: (RELEASE, "release", "by"),
     QUARANTINED_NODES_WORKFLOW: (QUARANTINED, "list", None),
     POOL_WORKFLOW: (POOL, "rebalance", None),

@@ -548,7 +548,7 @@ class FleetLab:
             f"  check_command: [{python}, -m, lab.repair, check, --gpu, '{{gpu}}', --node, '{{node}}']\n"
             f"  node_check_command: [{python}, -m, lab.repair, check, --node, '{{node}}']\n"
             "  reboot_grace_seconds: 10\n"
-            "  settle_seconds: 5\n",
+            "  settle_seconds: 5\n" + validation_policy(python),
             encoding="utf-8",
         )
 
@@ -816,3 +816,30 @@ class FleetLab:
         state.pop("services", None)
         self._save(state)
         return pids
+
+
+def validation_policy(python: str, *, enabled: bool = False) -> str:
+    """The lab policy's ``validation:`` section: its stand-in rungs (lab/validate.py), whose knob
+    files in the lab's home make each pass or fail (docs/validation.md#in-the-lab)."""
+    placeholders = "--node, '{node}', --gpus, '{gpus}', --level, '{level}'"
+    lines = [
+        "# Validation before a node goes back (docs/validation.md): the lab's stand-in rungs. Set",
+        "# enabled: true to climb them before `gpufleet nodes return` and after each repair in place.",
+        "validation:",
+        f"  enabled: {'true' if enabled else 'false'}",
+        "  nccl_floor_gbps: 100",
+        "  nccl_own_passes: 3",
+        "  probation_seconds: 3600",
+        "  rungs:",
+    ]
+    for kind in ("quick", "dcgm", "nccl", "site"):
+        lines += [
+            f"    - name: {kind}",
+            f"      kind: {kind}",
+            "      image: lab",
+            f"      command: [{python}, -m, lab.validate, {kind}, {placeholders}]",
+            "      timeout_seconds: 60",
+        ]
+        if kind == "dcgm":
+            lines.append("      skip_exit_code: 127")
+    return "\n".join(lines) + "\n"

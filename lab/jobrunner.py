@@ -4,10 +4,13 @@ A real cluster runs a Job labelled ``gpufleet.io/repair`` on the node it is pinn
 privileged container (``nvidia-smi --gpu-reset``, or a reboot). The lab's nodes are names, so
 here each such Job's container command runs as a local process (with ``GPUFLEET_LAB_NODE`` set
 to the node it stands for, and ``GPUFLEET_LAB_API`` to the emulated API, where a reboot
-writes the node's new boot ID) if, and only if, it is the lab's stand-in ``python -m lab.repair``
-(anything else would act on this machine: such a Job fails, saying so), and the Job's status is
-written back as the Job controller would: ``Complete`` or ``Failed``, with the command's last
-line of output as the message.
+writes the node's new boot ID) if, and only if, it is one of the lab's stand-ins ``python -m
+lab.repair`` or ``python -m lab.validate`` (anything else would act on this machine: such a Job
+fails, saying so), and the Job's status is written back as the Job controller would: ``Complete``
+or ``Failed``, with the command's last line of output as the message. A validation rung's Job
+(``gpufleet.io/repair=validate``) gets its pod too, ended as the kubelet writes it: the exit
+status, and the output as the termination message (what a rung's command writes to
+/dev/termination-log).
 
 Run it as ``python -m lab.jobrunner --api URL [--ready-file F]``.
 """
@@ -35,10 +38,15 @@ def _now() -> str:
 
 
 def stand_in(argv: list[str]) -> bool:
-    """Whether the command is the lab's stand-in (``python -m lab.repair ...``): nothing else is
-    ever run here, since a real repair command (a GPU reset, ``/proc/sysrq-trigger``) would act
-    on this machine, not on a lab node."""
-    return len(argv) >= 3 and Path(argv[0]).name.startswith("python") and argv[1:3] == ["-m", "lab.repair"]
+    """Whether the command is one of the lab's stand-ins (``python -m lab.repair|lab.validate ...``):
+    nothing else is ever run here, since a real repair command (a GPU reset, ``/proc/sysrq-trigger``)
+    would act on this machine, not on a lab node."""
+    return (
+        len(argv) >= 3
+        and Path(argv[0]).name.startswith("python")
+        and argv[1] == "-m"
+        and argv[2] in ("lab.repair", "lab.validate")
+    )
 
 
 def run_job(api: str, job: dict[str, Any]) -> None:
@@ -53,12 +61,13 @@ def run_job(api: str, job: dict[str, Any]) -> None:
         ok, message = (
             False,
             (
-                f"the lab runs only its stand-in (python -m lab.repair), not {' '.join(argv)!r}: set the lab "
-                "policy file's repair: commands (a fresh lab writes them)"
+                f"the lab runs only its stand-ins (python -m lab.repair, lab.validate), not {' '.join(argv)!r}: "
+                "set the lab policy file's repair: and validation: commands (a fresh lab writes them)"
             ),
         )
         _record(api, meta, started, ok, message)
         return
+    output, code = "", None
     try:
         done = subprocess.run(
             argv,
@@ -68,13 +77,61 @@ def run_job(api: str, job: dict[str, Any]) -> None:
             timeout=deadline,
             check=False,
         )
-        lines = (done.stdout + done.stderr).strip().splitlines()
+        output, code = (done.stdout + done.stderr).strip(), done.returncode
+        lines = output.splitlines()
         ok, message = done.returncode == 0, (lines[-1] if lines else f"exit status {done.returncode}")
     except subprocess.TimeoutExpired:
         ok, message = False, f"past its deadline of {deadline:g}s"
     except OSError as exc:
         ok, message = False, f"could not run {argv[:1]}: {exc.strerror or exc}"
+    if code is not None and meta.get("labels", {}).get(REPAIR_LABEL) == "validate":
+        _record_pod(api, job, started, code, output)
     _record(api, meta, started, ok, message)
+
+
+def _record_pod(api: str, job: dict[str, Any], started: str, code: int, output: str) -> None:
+    """The Job's pod, ended as the kubelet writes it: its exit status and its termination message
+    (the kubelet keeps at most 4096 bytes of it)."""
+    meta = job["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    template = job["spec"]["template"]
+    container = template["spec"]["containers"][0]
+    terminated = {
+        "exitCode": code,
+        "reason": "Completed" if code == 0 else "Error",
+        "message": output[-4096:],
+        "startedAt": started,
+        "finishedAt": _now(),
+    }
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{name}-lab"[:63],
+            "namespace": namespace,
+            "labels": {
+                **template["metadata"].get("labels", {}),
+                "job-name": name,
+                "batch.kubernetes.io/job-name": name,
+            },
+        },
+        "spec": template["spec"],
+        "status": {
+            "phase": "Succeeded" if code == 0 else "Failed",
+            "containerStatuses": [
+                {
+                    "name": container["name"],
+                    "image": container["image"],
+                    "imageID": f"lab://{container['image']}",
+                    "containerID": f"lab://{name}",
+                    "ready": False,
+                    "restartCount": 0,
+                    "state": {"terminated": terminated},
+                }
+            ],
+        },
+    }
+    httpx.post(f"{api}/api/v1/namespaces/{namespace}/pods", json=pod, timeout=10).raise_for_status()
 
 
 def _record(api: str, meta: dict[str, Any], started: str, ok: bool, message: str) -> None:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+from datetime import datetime
 
 from temporalio.common import SearchAttributeKey
 
 REMEDIATION_WORKFLOW = "NodeRemediationWorkflow"
 RETURN_NODE_WORKFLOW = "ReturnNodeWorkflow"
+# The end of a node's probation, a durable timer: probation-<cluster>-<node>-<end, epoch seconds>.
+PROBATION_WORKFLOW = "ProbationWorkflow"
 GUARD_WORKFLOW = "FleetGuardWorkflow"
 QUARANTINED_NODES_WORKFLOW = "QuarantinedNodesWorkflow"
 RELEASE_NODE_WORKFLOW = "ReleaseNodeWorkflow"
@@ -25,6 +28,8 @@ GUARD_DECISION_SIGNAL = "guard_decision"
 # A node came back to service (`gpufleet nodes return`), or was released from quarantine.
 GUARD_RETURNED_SIGNAL = "returned"
 GUARD_FORGIVE_SIGNAL = "forgive"
+# A node failed its validation (models/validation.py): counted toward its quarantine.
+GUARD_VALIDATION_FAILED_SIGNAL = "validation_failed"
 # An incident drained its node: counted in the guard's window (storms), answered by nothing.
 GUARD_DRAINED_SIGNAL = "drained"
 # Nodes labelled so get a notification and a recorded incident, nothing more.
@@ -98,6 +103,10 @@ def return_workflow_id(cluster: str, node: str) -> str:
     return f"return-{cluster}-{node}"
 
 
+def probation_workflow_id(cluster: str, node: str, until: datetime) -> str:
+    return f"probation-{cluster}-{node}-{int(until.timestamp())}"
+
+
 def release_workflow_id(cluster: str, node: str) -> str:
     return f"release-{cluster}-{node}"
 
@@ -148,7 +157,10 @@ QUARANTINE_LABEL = "gpufleet.io/quarantine"
 # an Xid meanwhile quarantines it at once.
 PROBATION_LABEL = "gpufleet.io/probation"
 PROBATION_UNTIL_ANNOTATION = "gpufleet.io/probation-until"
-# On the Jobs that reset a GPU, reboot a node or check its GPUs afterwards: reset | reboot | check.
+# On a node returned with `gpufleet nodes return --skip-validation`: who skipped it, when and why.
+VALIDATION_SKIPPED_ANNOTATION = "gpufleet.io/validation-skipped"
+# On the Jobs that reset a GPU, reboot a node or check its GPUs afterwards (reset | reboot | check),
+# and on a validation rung's Job (validate).
 REPAIR_LABEL = "gpufleet.io/repair"
 # On a reboot Job: the node's boot ID when the Job was made (a retry compares with this one).
 BOOT_ID_ANNOTATION = "gpufleet.io/boot-id-before"
@@ -158,6 +170,8 @@ QUARANTINE_REASON_ANNOTATION = "gpufleet.io/quarantine-reason"
 # Label values (short, label-safe) for why a node was quarantined.
 QUARANTINE_REPEAT = "repeat-failures"
 QUARANTINE_COOLDOWN = "failed-in-cooldown"
+# An event on a node on probation (it passed validation not long ago): quarantined at once.
+QUARANTINE_PROBATION = "failed-in-probation"
 RETIRED_TAINT = "gpufleet.io/retired"
 # Set on a claimed spare when the claim itself put it into this Slurm partition (release takes it out).
 CLAIM_PARTITION_ANNOTATION = "gpufleet.io/claim-partition"

@@ -82,6 +82,8 @@ class NodeRecord(BaseModel):
     returned_at: datetime | None = None
     repaired_by: str = ""
     repaired_at: datetime | None = None
+    # The failed validations counted (each once, however often it is told), the latest last.
+    failed_validations: list[str] = Field(default_factory=list)
 
 
 class WindowEntry(BaseModel):

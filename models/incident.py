@@ -29,6 +29,7 @@ class Step(StrEnum):
     APPROVE = "approve"
     REPAIR = "repair"
     SETTLE = "settle"
+    VALIDATE = "validate"
     DRAIN_KUBERNETES = "drain_kubernetes"
     CLAIM_SPARE = "claim_spare"
     WAIT_FOR_SPARE = "wait_for_spare"

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from models.degradation import DegradationSettings
 from models.numbers import Finite, Whole
 from models.sxid import sxid_catalog
+from models.validation import ValidationSettings
 from models.xid import GpuEventKind, RecoveryAction, XidEvent, xid_catalog
 
 
@@ -385,6 +386,8 @@ class Policy(BaseModel):
     drain_after_jobs: DrainAfterJobsSettings = Field(default_factory=DrainAfterJobsSettings)
     # The detector's side: how often it reads every GPU for silent degradation.
     degradation: DegradationSettings = Field(default_factory=DegradationSettings)
+    # The checks a node passes before it goes back into service (models/validation.py).
+    validation: ValidationSettings = Field(default_factory=ValidationSettings)
 
     @field_validator("kinds")
     @classmethod
@@ -442,7 +445,7 @@ def policy_from_mapping(data: Mapping[str, Any], *, origin: str = "policy") -> P
         PolicyError: naming the field that is wrong.
     """
     defaults = Policy()
-    sections = ("remediation", "guard", "repair", "degradation", "drain_after_jobs")
+    sections = ("remediation", "guard", "repair", "degradation", "drain_after_jobs", "validation")
     for key in ("buckets", "xids", "sxids", "sxid_severities", "kinds", *sections):
         if data.get(key) is not None and not isinstance(data[key], Mapping):
             raise PolicyError(f"{origin}: {key}: expected a mapping, got {type(data[key]).__name__}")
@@ -491,7 +494,8 @@ def load_policy(path: Path | None) -> Policy:
         ) from None
     if not isinstance(data, dict):
         raise PolicyError(
-            f"{path}: expected a mapping with 'xids', 'sxids', 'kinds', 'buckets', 'remediation', 'guard' or 'repair'"
+            f"{path}: expected a mapping with 'xids', 'sxids', 'kinds', 'buckets', 'remediation', 'guard', "
+            "'repair' or 'validation'"
         )
     return policy_from_mapping(data, origin=str(path))
 

@@ -123,6 +123,9 @@ class NodeFacts(BaseModel):
     # The gpufleet.io/remediation label ("disabled": record, notify, change nothing).
     remediation: str = ""
     quarantine: str = ""
+    # gpufleet.io/probation and the end in its annotation (None: not on probation; an end that
+    # cannot be read counts as the time it was read).
+    probation_until: datetime | None = None
 
 
 class ClaimRequest(BaseModel):
@@ -223,6 +226,12 @@ class ReturnNodeRequest(BaseModel):
     node: str
     # "spare" (back into the warm pool, outside the partition) or "training" (into the partition).
     as_: str = "spare"
+    # The cluster (for its policy's validation ladder); "" from a CLI before validation.
+    cluster: str = ""
+    # `--skip-validation`: returned without the ladder; who and why are recorded.
+    skip_validation: bool = False
+    by: str = ""
+    reason: str = ""
 
 
 class SignalledJob(BaseModel):

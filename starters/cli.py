@@ -46,11 +46,13 @@ from models.names import InvalidName, validate_cluster_name, validate_node_name
 from models.requests import QuarantinedNode, ReleaseNodeRequest, ReturnNodeRequest
 from models.settings import CLUSTER_HELP, ClusterNotSet, Settings
 from models.trust import answer_problem
+from models.validation import ValidationResult
 from models.xid import XidEvent
 from starters.chart import write_chart
 from starters.server import dev_server_argv
 from starters.temporal import TemporalConfigInvalid, TemporalUnreachable, connect, refusal, refused, report_xid
 from workflows.guard import FleetGuardWorkflow
+from workflows.nodes import ReturnNodeWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
 app = typer.Typer(
@@ -594,10 +596,25 @@ def nodes_return(
     node: Annotated[str, typer.Argument(help="A repaired node that gpufleet retired or left drained.")],
     as_: Annotated[str, typer.Option("--as", help="spare (the warm pool) or training (the partition).")] = "spare",
     cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
+    skip_validation: Annotated[
+        bool,
+        typer.Option(
+            "--skip-validation",
+            help="Return it without the policy's validation ladder (needs --reason; recorded on the node).",
+        ),
+    ] = False,
+    reason: Annotated[str, typer.Option(help="Why the validation is skipped, for the record.")] = "",
 ) -> None:
-    """Bring a repaired node back: uncordon, untaint, relabel; resume it in Slurm only if gpufleet drained it."""
+    """Bring a repaired node back: the policy's validation ladder first (docs/validation.md), then
+    uncordon, untaint, relabel; resume it in Slurm only if gpufleet drained it. A node that fails
+    a rung stays out, and the command says which rung failed with what figure."""
     if as_ not in {"spare", "training"}:
         fail(f"--as {as_!r}: expected 'spare' or 'training'", code=2)
+    by = _who()
+    if skip_validation:
+        problem = answer_problem(by=by, reason=reason) or ("" if reason.strip() else "--reason is empty")
+        if problem:
+            fail(f"--skip-validation needs --reason (why the node goes back unchecked): {problem}", code=2)
     this_cluster = _cluster_of(cluster, node)
 
     async def go() -> str:
@@ -611,14 +628,37 @@ def nodes_return(
                     status = await incident.query(NodeRemediationWorkflow.status)
                 if status is None or status.step != Step.CLOSED:
                     fail(f"{node} has an open incident ({incident.id}); let it close first")
+        request = ReturnNodeRequest(
+            node=node,
+            as_=as_,
+            cluster=this_cluster,
+            skip_validation=skip_validation,
+            by=by if skip_validation else "",
+            reason=reason if skip_validation else "",
+        )
+        handle = await client.start_workflow(
+            RETURN_NODE_WORKFLOW,
+            request,
+            id=return_workflow_id(this_cluster, node),
+            task_queue=task_queue(this_cluster),
+            result_type=str,
+        )
+        waiting = asyncio.ensure_future(handle.result())
+        shown, running = 0, ""
+        while not waiting.done():
+            with contextlib.suppress(RPCError, WorkflowQueryFailedError):
+                progress: ValidationResult | None = await handle.query(ReturnNodeWorkflow.status)
+                rungs = progress.rungs if progress is not None else []
+                for rung in rungs[shown:]:
+                    console.print(f"  {escape(rung.line())}")
+                shown = max(shown, len(rungs))
+                now = progress.running if progress is not None else ""
+                if now and now != running:
+                    console.print(f"validating {node}: {escape(now)} ...")
+                running = now
+            await asyncio.wait({waiting}, timeout=1.0)
         try:
-            result: str = await client.execute_workflow(
-                RETURN_NODE_WORKFLOW,
-                ReturnNodeRequest(node=node, as_=as_),
-                id=return_workflow_id(this_cluster, node),
-                task_queue=task_queue(this_cluster),
-                result_type=str,
-            )
+            result: str = waiting.result()
         except WorkflowFailureError as exc:
             fail(failure_text(exc))
         return result

@@ -62,6 +62,8 @@ REMEDIATION = {
     "job_annotations",
     "stop_job",
     "list_jobs",
+    "job_exit",
+    "update_config_map",
     "lease",
     "config_map_data",
 }
@@ -255,7 +257,7 @@ def seed(cluster: str) -> dict[str, list[dict[str, Any]]]:
                 "kind": "ConfigMap",
                 "metadata": {"name": REMEDIATION_CONFIGMAP, "namespace": cluster_namespace(cluster)},
                 "data": {"grace_seconds": "90"},
-            }
+            },
         ],
         "secrets": [
             {
@@ -391,6 +393,13 @@ def drive_remediation(kube: KubernetesApi, worker: Deployed) -> set[str]:
     # A cancelled incident (or the reaper) lists the repair Jobs to stop those still running.
     listed = kube.list_jobs(worker.repair_namespace, label_selector="gpufleet.io/repair")
     assert [(j.name, j.active) for j in listed] == [(name, False)]
+    # A validation rung: how its pod ended (none has here); NCCL passes kept (the first makes the ConfigMap).
+    assert kube.job_exit(worker.repair_namespace, name) is None
+    for gbps in ("180", "181"):
+        kept = kube.update_config_map(
+            worker.repair_namespace, "gpufleet-validation-baselines", lambda d, gbps=gbps: {**d, "t": gbps}
+        )
+        assert kept == {"t": gbps}
     # The node put back: taint off, uncordoned.
     kube.remove_taint("gpu1", key="gpufleet.io/unhealthy")
     kube.set_unschedulable("gpu1", False)
@@ -415,6 +424,8 @@ def drive_remediation(kube: KubernetesApi, worker: Deployed) -> set[str]:
         "stop_job",
         "job_annotations",
         "list_jobs",
+        "job_exit",
+        "update_config_map",
         "remove_taint",
     }
 
@@ -514,7 +525,10 @@ def test_cluster_creation_adds_what_creating_a_cluster_asks_for_and_nothing_more
     assert driven == REMEDIATION | CLUSTER_CREATION
     missing, extra = compare(audited.requests(), grants(objects, worker.account, worker.namespace))
     assert missing == [], f"requests a cluster-creating worker makes that deploy/ does not grant: {missing}"
-    assert extra == [], f"rules in deploy/ that no request of a cluster-creating worker needs: {extra}"
+    # The base's create of the validation baselines' ConfigMap, in its namespace, is covered by the
+    # component's create of ConfigMaps anywhere too: needed without the component, not beside it.
+    redundant = ["create core/configmaps in gpufleet"]
+    assert extra == redundant, f"rules in deploy/ that no request of a cluster-creating worker needs: {extra}"
     # Without the component, a worker may make no Namespace, nor read a Secret.
     base = grants(rendered("base"), worker.account, worker.namespace)
     assert not any(g.allows(Request("create", "", "namespaces", None, None)) for g in base)

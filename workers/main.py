@@ -29,6 +29,7 @@ from activities.reaper import ReaperActivities
 from activities.repair import RepairActivities
 from activities.slurm import SlurmActivities
 from activities.spares import SpareActivities
+from activities.validation import ValidationActivities
 from clients.clusters import ClusterBackend
 from clients.errors import ClientError
 from clients.kube import CONNECTIONS, KubernetesApi
@@ -60,7 +61,7 @@ from workers.metrics import report_spares
 from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
 from workflows.clusterusers import ClusterUsersWorkflow
 from workflows.guard import FleetGuardWorkflow
-from workflows.nodes import QuarantinedNodesWorkflow, ReleaseNodeWorkflow, ReturnNodeWorkflow
+from workflows.nodes import ProbationWorkflow, QuarantinedNodesWorkflow, ReleaseNodeWorkflow, ReturnNodeWorkflow
 from workflows.pool import PoolRebalanceWorkflow
 from workflows.reaper import ReaperWorkflow
 from workflows.remediation import NodeRemediationWorkflow
@@ -339,6 +340,7 @@ def build_activities(
     policy_acts = PolicyActivities(config)
     guard_acts = GuardActivities(slurm, cluster=settings.cluster, partition=settings.partition)
     repair_acts = RepairActivities(kube, poll_seconds=settings.poll_seconds)
+    validation_acts = ValidationActivities(kube, poll_seconds=settings.poll_seconds)
     reaper_acts = ReaperActivities(kube, cluster=settings.cluster)
     mover = (
         SlinkyPoolMover(kube, slurm, pool, namespace=slinky_namespace(settings), poll_seconds=settings.poll_seconds)
@@ -368,6 +370,9 @@ def build_activities(
         repair_acts.repair,
         repair_acts.start_reboot,
         repair_acts.stop_repairs,
+        validation_acts.run_rung,
+        validation_acts.set_probation,
+        validation_acts.record_skipped,
         reaper_acts.find_leftovers,
         kube_acts.node_facts,
         kube_acts.cordon_and_drain,
@@ -494,6 +499,7 @@ async def start_reaper(client: Client, settings: Settings) -> None:
 CLUSTER_WORKFLOWS: tuple[type, ...] = (
     NodeRemediationWorkflow,
     ReturnNodeWorkflow,
+    ProbationWorkflow,
     QuarantinedNodesWorkflow,
     ReleaseNodeWorkflow,
     PoolRebalanceWorkflow,

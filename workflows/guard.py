@@ -56,6 +56,7 @@ with workflow.unsafe.imports_passed_through():
         GUARD_RESET_SIGNAL,
         GUARD_RESUME_SIGNAL,
         GUARD_RETURNED_SIGNAL,
+        GUARD_VALIDATION_FAILED_SIGNAL,
         GUARD_WORKFLOW,
     )
     from models.guard import (
@@ -141,6 +142,10 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
     def forgive(self, command: GuardCommand) -> None:
         self._inbox.append((GUARD_FORGIVE_SIGNAL, command))
 
+    @workflow.signal(name=GUARD_VALIDATION_FAILED_SIGNAL)
+    def validation_failed(self, command: GuardCommand) -> None:
+        self._inbox.append((GUARD_VALIDATION_FAILED_SIGNAL, command))
+
     @workflow.query
     def status(self) -> GuardStatus:
         return GuardStatus(
@@ -219,6 +224,12 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
             state.nodes.pop(message.node, None)
             self._log(
                 "forgiven", detail=f"{message.node} released from quarantine by {by_whom}; its record starts again"
+            )
+        elif kind == GUARD_VALIDATION_FAILED_SIGNAL and message.node:
+            record = self._record_failed_validation(message.node, message.incident_id)
+            self._log(
+                "validation failed",
+                detail=f"{message.node}: {message.reason}; {len(record.incidents)} incident(s) in the window",
             )
         elif kind == GUARD_RESUME_SIGNAL and state.paused:
             state.paused, state.paused_by, state.paused_reason = False, "", ""

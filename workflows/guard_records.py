@@ -30,6 +30,16 @@ class NodeRecords:
             record.last_incident = incident_id
         return record
 
+    def _record_failed_validation(self, node: str, key: str) -> NodeRecord:
+        """Count a failed validation (``key``: which one) as an incident of the node, once."""
+        limits, now = self._limits, workflow.now()
+        record = self._state.nodes.setdefault(node, NodeRecord())
+        if key not in record.failed_validations:
+            since = now - timedelta(seconds=limits.quarantine_window_seconds)
+            record.incidents = [at for at in record.incidents if at >= since] + [now]
+            record.failed_validations = [*record.failed_validations, key][-20:]
+        return record
+
     def _quarantine_earned(self, node: str, incident_id: str = "") -> tuple[str, str]:
         """Record an incident on the node; the quarantine it has earned (label value, why), if any."""
         limits, now = self._limits, workflow.now()

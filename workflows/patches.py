@@ -65,3 +65,10 @@ DUPLICATES_FOLDED = "duplicate-events-folded"
 # is validated, repaired or replaced; a more severe event meanwhile escalates at once. Before it,
 # such an incident went the way of a repair that does not hold. Histories from before replay so.
 DRAIN_AFTER_JOBS_WAITS = "drain-after-jobs-waits"
+
+# Validation before a node goes back into service (docs/validation.md): ReturnNodeWorkflow climbs
+# the policy's validation ladder before it returns the node (unless skipped, by whom and why
+# recorded) and puts the node on probation after; NodeRemediationWorkflow does the same after a
+# repair in place held (a failure escalates to REPLACE_NODE and counts toward quarantine), and
+# replaces and quarantines at once a node on probation. Histories from before it replay as they were.
+VALIDATION_LADDER = "validation-ladder"

@@ -17,11 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
 
+from clients.kube import KubernetesApi
 from clients.kubeauth import KubeAuth
 from lab.fleet import FleetLab, LabConfig
 from lab.procs import alive, free_port, pids_with_env, stop
+from models.constants import PROBATION_LABEL, QUARANTINE_PROBATION, guard_workflow_id
 from tests.conftest import gpufleet_cli
+from workflows.guard import FleetGuardWorkflow
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
@@ -230,6 +234,67 @@ def test_the_detectors_tokens_outlive_a_restart_of_the_kubernetes_api(lab: tuple
     listed = gpufleet_cli("incidents", "list", "--json", env=approver, timeout=60)
     assert listed.returncode == 0, listed.stderr
     assert "remediate-lab-gpu1" in [row["id"] for row in json.loads(listed.stdout)]
+
+
+def test_the_validation_ladder_keeps_a_failing_node_out_and_probation_quarantines(
+    lab: tuple[FleetLab, list[str]],
+) -> None:
+    """With validation on (the lab policy's stand-in rungs): `nodes return` of the retired gpu1
+    fails at each rung its knob fails (NCCL under the floor included), naming it, and gpu1 stays
+    out; then every rung passes and gpu1 comes back as a spare. A GPU reset that holds puts its
+    node on probation; an Xid there replaces the node and quarantines it at once."""
+    fleet, _ = lab
+    policy = fleet.policy_file.read_text(encoding="utf-8")
+    fleet.policy_file.write_text(policy.replace("validation:\n  enabled: false", "validation:\n  enabled: true"))
+    fails, busbw = fleet.home / "validate-fails", fleet.home / "nccl-busbw"
+    for rung, says in [
+        ("quick", "rung quick: failed"),
+        ("dcgm", "rung dcgm: failed"),
+        ("nccl", "rung nccl: failed 40 GB/s (threshold 100)"),
+        ("site", "rung site: failed"),
+    ]:
+        if rung == "nccl":
+            fails.unlink()
+            busbw.write_text("40\n")
+        else:
+            fails.write_text(f"{rung}\n")
+        kept = gpufleet(fleet, "nodes", "return", "gpu1")
+        assert kept.returncode == 1, kept.stdout + kept.stderr
+        assert f"gpu1 failed validation at {says}" in " ".join((kept.stdout + kept.stderr).split()), kept.stderr
+        busbw.unlink(missing_ok=True)
+    fails.unlink()
+    assert fleet.slurm.client().node("gpu1").drained  # kept out
+    back = gpufleet(fleet, "nodes", "return", "gpu1")
+    assert back.returncode == 0, back.stdout + back.stderr
+    said = " ".join(back.stdout.split())
+    assert "gpu1 returned as spare; gpu1 passed validation: quick: passed" in said
+    assert "nccl: passed 180 GB/s (threshold 100)" in said and "on probation until" in said
+    kube = KubernetesApi(kubeconfig=fleet.home / "kubeconfig")
+    assert kube.get_node("gpu1").labels.get(PROBATION_LABEL) == "true"
+
+    async def recorded() -> set[str]:
+        client = await Client.connect(fleet.env()["TEMPORAL_ADDRESS"], data_converter=pydantic_data_converter)
+        status = await client.get_workflow_handle(guard_workflow_id("lab")).query(FleetGuardWorkflow.status)
+        return set(status.state.nodes)
+
+    # A node with no record at the guard (no repair to escalate from): reset, validated, on probation.
+    partition = fleet.slurm.client().partition_nodes("train")
+    node = sorted(set(partition) - asyncio.run(recorded()) - {"gpu1"})[0]
+    assert gpufleet(fleet, "breaker", "reset", "--reason", "the validation drill").returncode == 0
+    first = lab_cli(fleet, "drill", "--xid", "48", "--node", node)
+    assert first.returncode == 0, first.stdout + first.stderr
+    reset = json.loads(first.stdout.strip().splitlines()[-1])
+    assert reset["outcome"] == "resolved" and reset["action"] == "RESET_GPU"
+    assert [s["name"] for s in reset["steps"]].index("validate") < [s["name"] for s in reset["steps"]].index("resume")
+    assert kube.get_node(node).labels.get(PROBATION_LABEL) == "true"
+    assert gpufleet(fleet, "breaker", "reset", "--reason", "the probation drill").returncode == 0
+    again = lab_cli(fleet, "drill", "--xid", "48", "--node", node)
+    assert again.returncode == 0, again.stdout + again.stderr
+    replaced = json.loads(again.stdout.strip().splitlines()[-1])
+    assert replaced["action"] == "REPLACE_NODE" and replaced["replacement_node"] == "gpu1"
+    quarantined = json.loads(gpufleet(fleet, "nodes", "quarantined", "--json").stdout)
+    assert {"node": node, "code": QUARANTINE_PROBATION} in [{"node": q["node"], "code": q["code"]} for q in quarantined]
+    fleet.policy_file.write_text(policy)
 
 
 def test_lab_down_leaves_no_process(lab: tuple[FleetLab, list[str]]) -> None:

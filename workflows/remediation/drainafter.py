@@ -21,7 +21,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
 from workflows.remediation.approvals import Approvals
-from workflows.remediation.repair import Repair
+from workflows.remediation.validate import Validation
 from workflows.retries import SHORT_STEP
 
 with workflow.unsafe.imports_passed_through():
@@ -33,7 +33,7 @@ with workflow.unsafe.imports_passed_through():
     from models.requests import RepairRequest, RepairResult
 
 
-class DrainAfterJobs(Approvals, Repair):
+class DrainAfterJobs(Approvals, Validation):
     """The wait for the node's jobs, and what follows it."""
 
     if TYPE_CHECKING:
@@ -85,11 +85,19 @@ class DrainAfterJobs(Approvals, Repair):
             await self._approve_and_act(params)
 
     async def _then_validate(self, params: RemediationInput) -> None:
-        """The node's jobs have ended: its GPU is checked (the repair's check Job, alone), and the
-        node returned to service when it passes; when it does not, the incident escalates to a
-        reset and goes on as a repair that did not hold."""
+        """The node's jobs have ended: it climbs the policy's validation ladder
+        (docs/validation.md) where one is enabled, else its GPU is checked (the repair's check
+        Job, alone); the node goes back into service when it passes. A failed ladder replaces it
+        (the failure counted toward quarantine); a failed check escalates to a reset, which goes
+        on as a repair that did not hold."""
         status = self._status
         assert self._policy is not None
+        if self._policy.validation.enabled:
+            if await self._validated():
+                await self._return_to_service()
+            elif await self._drain_again(params):  # its reason names REPLACE_NODE now
+                await self._approve_and_act(params)
+            return
         self._enter(Step.REPAIR)
         result: RepairResult = await self._activity(
             RepairActivities.repair,

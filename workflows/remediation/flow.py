@@ -27,11 +27,17 @@ from datetime import timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
-from workflows.patches import DRAIN_AFTER_JOBS_WAITS, DRAIN_FIRST, DUPLICATES_FOLDED, INPUTS_CHECKED
+from workflows.patches import (
+    DRAIN_AFTER_JOBS_WAITS,
+    DRAIN_FIRST,
+    DUPLICATES_FOLDED,
+    INPUTS_CHECKED,
+    VALIDATION_LADDER,
+)
 from workflows.remediation.approvals import Approvals
 from workflows.remediation.drainafter import DrainAfterJobs
-from workflows.remediation.repair import Repair
 from workflows.remediation.replace import Replacement
+from workflows.remediation.validate import Validation
 
 with workflow.unsafe.imports_passed_through():
     from activities.kube import KubeActivities
@@ -60,7 +66,7 @@ with workflow.unsafe.imports_passed_through():
 
 
 @workflow.defn(name=REMEDIATION_WORKFLOW)
-class NodeRemediationWorkflow(DrainAfterJobs, Approvals, Repair, Replacement):
+class NodeRemediationWorkflow(DrainAfterJobs, Approvals, Validation, Replacement):
     @workflow.init
     def __init__(self, params: RemediationInput) -> None:
         super().__init__(params)
@@ -227,6 +233,8 @@ class NodeRemediationWorkflow(DrainAfterJobs, Approvals, Repair, Replacement):
                 f"{REMEDIATION_LABEL}={REMEDIATION_DISABLED}: gpufleet recorded it and changed nothing.",
             )
             return
+        if workflow.patched(VALIDATION_LADDER):
+            self._on_probation(facts)  # failing again on probation: replaced and quarantined
 
         # The node is this incident's from now on, before any wait (an owner's approval, the
         # fleet guard): a pool move that held it stops at its next step, and none starts.
@@ -359,7 +367,7 @@ class NodeRemediationWorkflow(DrainAfterJobs, Approvals, Repair, Replacement):
         self._done(Step.APPROVE, f"{status.action} by policy")
         if status.action is not Action.REPLACE_NODE:
             # RESET_GPU or REBOOT_NODE, in place; escalating, up to REPLACE_NODE, if it does not hold.
-            if await self._repair():
+            if await self._repair() and (not workflow.patched(VALIDATION_LADDER) or await self._validated()):
                 await self._return_to_service()
                 return
             if status.step is Step.CLOSED or not await self._policy_gate():
