@@ -21,6 +21,7 @@ docs/health-check.md has the slurm.conf lines.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -92,10 +93,8 @@ def run_checks(expected: int | None, *, extra: Sequence[Check] = ()) -> Result:
     try:
         return _with_nvml(pynvml, expected, extra)
     finally:
-        try:
+        with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
-        except pynvml.NVMLError:
-            pass
 
 
 def _no_nvml(expected: int | None, why: str) -> Result:
@@ -118,7 +117,7 @@ def _with_nvml(pynvml: Any, expected: int | None, extra: Sequence[Check]) -> Res
         try:
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             pci = _text(pynvml.nvmlDeviceGetPciInfo(handle).busId)
-            uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+            _text(pynvml.nvmlDeviceGetUUID(handle))  # a GPU that fell off answers no UUID
         except pynvml.NVMLError as exc:
             lost = isinstance(exc, pynvml.NVMLError_GpuIsLost)
             failures.append(

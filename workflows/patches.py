@@ -59,3 +59,9 @@ INPUTS_CHECKED = "inputs-checked"
 # not count as the node failing again (while settling, it escalated the repair). Histories from
 # before it replay as they were.
 DUPLICATES_FOLDED = "duplicate-events-folded"
+
+# NodeRemediationWorkflow: Slurm's drain after a failed Prolog or Epilog ("Prolog error", "Epilog
+# error") on the node of an incident decided by gpufleet's own health_check event is that
+# incident's, not someone else's: no owner is asked, and the drain's reason becomes gpufleet's
+# (models.constants.takes_over), so the node can be repaired, returned or retired as any other.
+HOOK_DRAINS_TAKEN = "hook-drains-taken"
