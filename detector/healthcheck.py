@@ -183,11 +183,12 @@ def drain(node: str, reason: str, *, scontrol: str = "scontrol", timeout: float 
 
 
 def this_node(explicit: str | None) -> str:
-    """--node, else SLURMD_NODENAME (Slurm sets it for its hooks), NODE_NAME, the hostname."""
+    """The node the event is for: --node, else NODE_NAME (a Slinky slurmd container's Kubernetes
+    node, from the downward API), SLURMD_NODENAME (Slurm sets it for its hooks), the hostname."""
     return (
         explicit
-        or os.environ.get("SLURMD_NODENAME")
         or os.environ.get("NODE_NAME")
+        or os.environ.get("SLURMD_NODENAME")
         or socket.gethostname().split(".")[0]
     )
 
@@ -218,7 +219,9 @@ def parser() -> argparse.ArgumentParser:
         help=f"How many GPUs the node should have (default: ${GPUS_ENV}; unset: the count is not checked, and a "
         "node without NVML passes; 0: a node without GPUs, nothing checked).",
     )
-    parse.add_argument("--node", default=None, help="This node (default: $SLURMD_NODENAME, $NODE_NAME, hostname).")
+    parse.add_argument(
+        "--node", default=None, help="The node the event is for (default: $NODE_NAME, $SLURMD_NODENAME, hostname)."
+    )
     parse.add_argument(
         "--inbox",
         type=Path,
@@ -253,7 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: cannot drop the event into the detector's inbox {inbox}: {exc}", file=sys.stderr)
     if args.mode != "healthcheck":
         return 1  # Slurm drains the node (Prolog error / Epilog error); gpufleet takes that drain over
-    problem = drain(node, drain_reason(result.failures), scontrol=args.scontrol)
+    # Slurm's name for the node: a Slinky pod's differs from its Kubernetes node (the event's).
+    slurm_node = os.environ.get("SLURMD_NODENAME") or node
+    problem = drain(slurm_node, drain_reason(result.failures), scontrol=args.scontrol)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
     return 0  # Slurm ignores a HealthCheckProgram's exit status

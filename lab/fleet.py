@@ -709,6 +709,9 @@ class FleetLab:
             "2",
             "--ready-file",
             str(self.detector_ready_file(node)),
+            # Where gpufleet health-check in the node's Slurm hooks drops its events.
+            "--inbox",
+            str(self.slurm.hook_inbox(node)),
         ]
 
     def detector_ready_file(self, node: str) -> Path:
