@@ -13,6 +13,7 @@ import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -230,6 +231,77 @@ def test_the_detectors_tokens_outlive_a_restart_of_the_kubernetes_api(lab: tuple
     listed = gpufleet_cli("incidents", "list", "--json", env=approver, timeout=60)
     assert listed.returncode == 0, listed.stderr
     assert "remediate-lab-gpu1" in [row["id"] for row in json.loads(listed.stdout)]
+
+
+async def reported_events(fleet: FleetLab, workflow_id: str) -> list[dict[str, Any]]:
+    """The events signalled into an incident, as its history holds them."""
+    client = await Client.connect(fleet.env()["TEMPORAL_ADDRESS"])
+    found: list[dict[str, Any]] = []
+    async for event in client.get_workflow_handle(workflow_id).fetch_history_events():
+        if event.HasField("workflow_execution_signaled_event_attributes"):
+            signalled = event.workflow_execution_signaled_event_attributes
+            if signalled.signal_name == "report_xid":
+                found += [json.loads(payload.data) for payload in signalled.input.payloads]
+    return found
+
+
+def test_a_failed_prolog_health_check_opens_the_incident_and_the_job_runs_elsewhere(
+    lab: tuple[FleetLab, list[str]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """gpufleet health-check is the lab's Prolog: a node whose NVML sees one GPU of its two fails
+    it, Slurm drains the node ("Prolog error") and requeues the job (not held:
+    nohold_on_prolog_fail), the job runs on a healthy node, and the health_check event, through
+    the node's detector, opens the node's incident, which takes Slurm's drain as its own (nobody
+    is asked), reboots the node and returns it once its GPUs answer again."""
+    fleet, _ = lab
+    slurm = fleet.slurm.client()
+    # A health_check's action is REBOOT_NODE here: a repair in place, no spare needed.
+    with fleet.policy_file.open("a", encoding="utf-8") as policy:
+        policy.write("kinds: {health_check: REBOOT_NODE}\n")
+    assert gpufleet(fleet, "breaker", "reset", "--reason", "the prolog health check").returncode == 0
+    partition = fleet.config.partition
+    idle = [n for n in fleet.all_nodes if n in slurm.partition_nodes(partition) and slurm.node(n).state == "idle"]
+    assert len(idle) >= 2, [(n, slurm.node(n).state) for n in fleet.all_nodes]
+    failing, healthy = idle[0], idle[1]  # Slurm tries the first idle node first
+    fleet.slurm.hook_gpus_file(failing).write_text("1\n")  # one GPU of the two left
+    others = [n for n in slurm.partition_nodes(partition) if n not in (failing, healthy)]
+    folder = tmp_path_factory.mktemp("prolog")
+    script = folder / "job.sh"
+    script.write_text("#!/bin/sh\necho ran on $SLURMD_NODENAME\n")
+    job = fleet.slurm.sbatch(
+        script, "-N1", "-o", str(folder / "job.out"), *(["-x", ",".join(others)] if others else [])
+    )
+    incident = f"remediate-{fleet.config.cluster}-{failing}"
+    try:
+        shown: dict[str, object] = {}
+        for _ in range(240):  # the job ran elsewhere, and the incident took the node's drain
+            done = gpufleet(fleet, "incidents", "show", incident, "--json")
+            shown = json.loads(done.stdout) if done.returncode == 0 else {}
+            timeline = " ".join(str(entry) for entry in shown.get("timeline", []))  # type: ignore[union-attr]
+            taken = slurm.node(failing).reason.startswith("gpufleet: health_check")
+            if shown and taken and (folder / "job.out").exists():
+                break
+            asyncio.run(asyncio.sleep(0.5))
+        assert (folder / "job.out").read_text().strip() == f"ran on {healthy}"
+        assert slurm.job(job).restarts >= 1  # requeued after the prolog failed, not held
+        assert shown["events"][:1] == ["health_check"], shown  # type: ignore[index]
+        assert "held by someone else" not in timeline
+        assert not shown["waiting_for_approval"], shown
+        # The node's detector sent the event, naming the check and what it read.
+        sent = asyncio.run(reported_events(fleet, incident))
+        assert sent and sent[0]["kind"] == "health_check" and sent[0]["source"] == "health-check", sent
+        assert sent[0]["message"].startswith("prolog: gpu_count: NVML sees 1 GPU(s), the node should have 2")
+        reason = slurm.node(failing).reason
+        assert reason.startswith("gpufleet: health_check REBOOT_NODE incident "), reason
+    finally:
+        fleet.slurm.hook_gpus_file(failing).write_text("2\n")
+    for _ in range(240):  # rebooted, its GPUs answer again: back in service
+        status = json.loads(gpufleet(fleet, "incidents", "show", incident, "--json").stdout)
+        if status["outcome"] != "open":
+            break
+        asyncio.run(asyncio.sleep(0.5))
+    assert status["outcome"] == "resolved", status
+    assert not slurm.node(failing).drained
 
 
 def test_lab_down_leaves_no_process(lab: tuple[FleetLab, list[str]]) -> None:
