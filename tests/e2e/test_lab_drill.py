@@ -11,7 +11,6 @@ import json
 import re
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -284,7 +283,6 @@ def test_a_failed_prolog_health_check_opens_the_incident_and_the_job_runs_elsewh
             if shown and taken and "ran on" in out:
                 break
             asyncio.run(asyncio.sleep(0.5))
-        print("DEBUG loop done", time.strftime("%H:%M:%S"), done.returncode, done.stderr[-300:], flush=True)
         # Slurm wrote the failed attempt's "Error running slurm prolog" there first.
         assert f"ran on {healthy}" in out, out
         assert slurm.job(job).restarts >= 1  # requeued after the prolog failed, not held
@@ -293,7 +291,6 @@ def test_a_failed_prolog_health_check_opens_the_incident_and_the_job_runs_elsewh
         assert not shown["waiting_for_approval"], shown
         # The node's detector sent the event, naming the check and what it read.
         sent = asyncio.run(reported_events(fleet, incident))
-        print("DEBUG history read", time.strftime("%H:%M:%S"), flush=True)
         assert sent and sent[0]["kind"] == "health_check" and sent[0]["source"] == "health-check", sent
         assert sent[0]["message"].startswith("prolog: gpu_count: NVML sees 1 GPU(s), the node should have 2")
         reason = slurm.node(failing).reason
