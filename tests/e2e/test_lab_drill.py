@@ -283,6 +283,7 @@ def test_a_failed_prolog_health_check_opens_the_incident_and_the_job_runs_elsewh
             if shown and taken and "ran on" in out:
                 break
             asyncio.run(asyncio.sleep(0.5))
+        assert shown, f"`gpufleet incidents show {incident}` answered {done.returncode}: {done.stderr[-500:]}"
         # Slurm wrote the failed attempt's "Error running slurm prolog" there first.
         assert f"ran on {healthy}" in out, out
         assert slurm.job(job).restarts >= 1  # requeued after the prolog failed, not held
