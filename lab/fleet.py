@@ -119,6 +119,7 @@ class FleetLab:
                 release=SLINKY_RELEASE,
                 binds=[self.home],
                 extra_lines=jwt_lines(self.jwt_key_file),
+                health_checks=True,  # Prolog, Epilog, HealthCheckProgram: docs/health-check.md
             )
             return
         self.slurm = SlurmLab(
@@ -133,6 +134,7 @@ class FleetLab:
             release=self.config.slurm,
             # The jobs' checkpoints and logs, and the nodes' GPU faults, live under the home.
             binds=[self.home],
+            health_checks=True,  # Prolog, Epilog, HealthCheckProgram: docs/health-check.md
         )
 
     @property

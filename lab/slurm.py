@@ -51,12 +51,15 @@ class SlurmLab:
         nodes: list[str] | None = None,
         release: str | None = None,
         binds: list[Path] | None = None,
+        health_checks: bool = False,
     ) -> None:
         """``conf`` (with ``nodes``, the slurmd to start): run from that slurm.conf instead of
         the lab's own; it must use this lab's munge socket and paths (``site_lines``).
         ``release``: the Slurm release (``22.05``, ``24.11``, ``26.05``; default
         ``$GPUFLEET_LAB_SLURM``, else the host's own). ``binds``: folders beyond ``/tmp``, the
-        checkout and ``root`` that the daemons and jobs of a release in a root must see."""
+        checkout and ``root`` that the daemons and jobs of a release in a root must see.
+        ``health_checks``: Slurm's hooks run ``gpufleet health-check`` (``hook_lines``; the fleet
+        lab's, both flavors)."""
         self.root = root.resolve()
         # A cluster started earlier keeps the release it was started on (its file says which).
         started_on = self.root / "release"
@@ -64,6 +67,7 @@ class SlurmLab:
         self.release = self.release or os.environ.get(LAB_SLURM_ENV) or None
         self._install: SlurmInstall | None = None
         self.binds = [self.root, *(binds or [])]
+        self.health_checks = health_checks
         self.spec = spec or SlurmLabSpec()
         self._conf_text = conf
         self._nodes = nodes
@@ -332,7 +336,7 @@ class SlurmLab:
             "SlurmdTimeout=30",
             "MinJobAge=600",
             "PlugStackConfig=/dev/null",
-            *self.hook_lines(),
+            *(self.hook_lines() if self.health_checks else []),
         ]
 
     # -- gpufleet health-check in Slurm's hooks (docs/health-check.md) ------------------------------
