@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from detector.inbox import default_inbox, write_event
 
@@ -204,8 +204,16 @@ def _expected(gpus: int | None) -> int | None:
     return int(value)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, as gpufleet's other commands say them."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def parser() -> argparse.ArgumentParser:
-    parse = argparse.ArgumentParser(
+    parse = _Parser(
         prog="gpufleet health-check",
         description="Quick GPU checks for Slurm's Prolog, Epilog and HealthCheckProgram (docs/health-check.md). "
         "A failure drops a health_check event into the node's detector inbox; prolog and epilog then exit 1 "
@@ -246,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run_checks(_expected(args.gpus), extra=EXTRA_CHECKS)
     took = f"{(time.monotonic() - started) * 1000:.0f} ms"
     if not result.failures:
-        print(f"gpufleet health-check {args.mode} on {node}: ok ({result.said}; {took})", file=sys.stderr)
+        print(f"gpufleet health-check {args.mode} on {node}: ok ({result.said}; {took})")
         return 0
     print(f"gpufleet health-check {args.mode} on {node}: FAILED: {result.said} ({took})", file=sys.stderr)
     inbox = args.inbox or default_inbox(node)

@@ -64,7 +64,7 @@ def dropped(tmp_path: Path) -> list[XidEvent]:
 def test_a_healthy_node_passes_and_drops_nothing(stub_lib: Path, tmp_path: Path) -> None:
     done = health_check(tmp_path, "--mode", "prolog", "--gpus", "2", lib=stub_lib)
     assert done.returncode == 0, done.stderr
-    assert "ok (2 GPU(s) answer" in done.stderr
+    assert "ok (2 GPU(s) answer" in done.stdout and not done.stderr
     assert dropped(tmp_path) == []
 
 
@@ -98,7 +98,7 @@ def test_without_nvml_a_gpu_node_fails_and_a_node_without_gpus_passes(tmp_path: 
     for args in (["--gpus", "0"], []):  # no GPUs configured; a count nobody gave: said, not a failure
         done = health_check(tmp_path / "again", *args, gpus=None)
         assert done.returncode == 0, done.stderr
-    assert "not a failure" in done.stderr
+    assert "not a failure" in done.stdout
     assert not (tmp_path / "again" / "inbox").exists()
 
 
@@ -163,4 +163,4 @@ def test_the_fast_path_imports_neither_temporal_nor_kubernetes_nor_pydantic(stub
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "LD_LIBRARY_PATH": str(stub_lib), "SLURMD_NODENAME": "gpu1"}
     done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=30)
-    assert json.loads(done.stdout.strip().replace("'", '"')) == [], done.stdout + done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"')) == [], done.stdout + done.stderr
