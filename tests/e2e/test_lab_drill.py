@@ -7,6 +7,7 @@ nothing, and a port already in use makes lab up pick another and say so.
 from __future__ import annotations
 
 import asyncio
+import getpass
 import json
 import re
 import socket
@@ -260,7 +261,17 @@ def test_a_failed_prolog_health_check_opens_the_incident_and_the_job_runs_elsewh
         policy.write("kinds: {health_check: REBOOT_NODE}\n")
     assert gpufleet(fleet, "breaker", "reset", "--reason", "the prolog health check").returncode == 0
     partition = fleet.config.partition
-    idle = [n for n in fleet.all_nodes if n in slurm.partition_nodes(partition) and slurm.node(n).state == "idle"]
+    # The drills' jobs are done with: two nodes of the partition free for this one.
+    subprocess.run(fleet.slurm.argv(["scancel", "--user", getpass.getuser()]), env=fleet.slurm.env, check=True)
+
+    def idle_nodes() -> list[str]:
+        return [n for n in fleet.all_nodes if n in slurm.partition_nodes(partition) and slurm.node(n).state == "idle"]
+
+    for _ in range(120):
+        idle = idle_nodes()
+        if len(idle) >= 2:
+            break
+        asyncio.run(asyncio.sleep(0.5))
     assert len(idle) >= 2, [(n, slurm.node(n).state) for n in fleet.all_nodes]
     failing, healthy = idle[0], idle[1]  # Slurm tries the first idle node first
     fleet.slurm.hook_gpus_file(failing).write_text("1\n")  # one GPU of the two left
