@@ -323,9 +323,10 @@ class SlurmLab:
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
             "SchedulerType=sched/backfill",
-            # A scheduling pass every second, so a requeued job starts as soon as it may; a job whose
-            # prolog failed is requeued to run elsewhere, not held (docs/health-check.md).
-            "SchedulerParameters=sched_interval=1,bf_interval=1,sched_min_interval=100000,nohold_on_prolog_fail",
+            # A scheduling pass every second, so a requeued job starts as soon as it may; with the
+            # health checks, a job whose prolog failed is requeued to run elsewhere, not held.
+            "SchedulerParameters=sched_interval=1,bf_interval=1,sched_min_interval=100000"
+            + (",nohold_on_prolog_fail" if self.health_checks else ""),
             "ReturnToService=2",
             "MpiDefault=none",
             "JobCompType=jobcomp/none",
