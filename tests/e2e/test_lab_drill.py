@@ -315,12 +315,12 @@ def test_a_failed_prolog_health_check_opens_the_incident_and_the_job_runs_elsewh
             break
         asyncio.run(asyncio.sleep(0.5))
     assert status["outcome"] == "resolved", status
-    # Rebooted in place and resumed; unless the fleet guard escalated a node repaired shortly
-    # before (an earlier drill's), which is then replaced: gpufleet's drain either way.
+    # Rebooted in place and resumed; unless the fleet guard quarantined or escalated a node that
+    # earlier drills failed too, which is then replaced: gpufleet's drain either way.
     if status["action"] == "REBOOT_NODE":
         assert not slurm.node(failing).drained
     else:
-        assert status["action"] == "REPLACE_NODE" and status["escalated_by_guard"], status
+        assert status["action"] == "REPLACE_NODE" and (status["quarantine"] or status["escalated_by_guard"]), status
 
 
 def test_lab_down_leaves_no_process(lab: tuple[FleetLab, list[str]]) -> None:
