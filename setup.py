@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-COMMAND = {"console_scripts": ["gpufleet = workers.entry:main"]}
+COMMAND = {"console_scripts": ["gpufleet = workers.command:main"]}
 LAB_ENTRY_POINTS = {
     "gpufleet.commands": ["lab = lab.cli:lab_app"],
     "gpufleet.cluster_backends": ["lab = lab.cluster:cluster_backend"],

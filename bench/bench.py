@@ -53,6 +53,7 @@ from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client
 from temporalio.service import RPCError
 
+from bench.health_bench import health_check_wall
 from bench.parse_bench import detector_idle_cpu, parse_throughput, source_throughput
 from clients.kube import KubernetesApi, PodRef
 from lab.drill import default_job, log_path, reset_breaker, run_drill, training_job
@@ -76,6 +77,10 @@ SLINKY_SKIPS = {
     "detector_idle": (
         "--idle-seconds",
         "a detector on a quiet log runs no lab: the same on either flavor (make bench's)",
+    ),
+    "health_check": (
+        "--health-checks",
+        "gpufleet health-check on the NVML stand-in runs no lab: the same on either flavor (make bench's)",
     ),
     "detector": (
         "--detector-samples",
@@ -547,6 +552,7 @@ _DEFAULTS: dict[str, float] = {
     "parse_lines": 1_000_000,
     "idle_seconds": 10,
     "detector_samples": 20,
+    "health_checks": 20,
     "clusters": 1,
     "pool_moves": 1,
 }
@@ -569,6 +575,9 @@ def main() -> None:
         "--parse-lines", type=int, help="lines for the parse-throughput figure (default 1000000; 0: skip)"
     )
     parser.add_argument("--idle-seconds", type=float, help="detector idle-CPU sample (default 10; 0: skip)")
+    parser.add_argument(
+        "--health-checks", type=int, help="runs of gpufleet health-check, as a prolog (default 20; 0: skip)"
+    )
     parser.add_argument("--clusters", type=int, help="cluster create/delete rounds (default 1; 0: skip)")
     parser.add_argument("--pool-moves", type=int, help="pool move rounds, there and back (default 1; 0: skip)")
     parser.add_argument(
@@ -616,6 +625,9 @@ def main() -> None:
         if args.idle_seconds:
             say(f"detector idle CPU over {args.idle_seconds:g} s")
             result["detector_idle"] = detector_idle_cpu(args.idle_seconds, home=Path(tmp))
+        if args.health_checks:
+            say(f"gpufleet health-check's wall time over {args.health_checks} runs")
+            result["health_check"] = health_check_wall(args.health_checks, home=Path(tmp))
         if args.detector_samples:
             result["detector"] = asyncio.run(detector_latency(args.detector_samples, home=Path(tmp), say=say))
         if args.drills:

@@ -156,6 +156,18 @@ def _detector(result: Result) -> list[str]:
                 "",
             ]
         )
+    check = result.get("health_check")
+    if isinstance(check, dict):
+        target = check.get("target_median_s")
+        rows.append(
+            [
+                f"`gpufleet health-check` as a Slurm prolog, whole process, median of {number(check.get('runs'))} "
+                f"runs (p95 {seconds(check.get('p95_s'))}; a bare interpreter starts in "
+                f"{seconds(check.get('interpreter_start_median_s'))})",
+                seconds(check.get("median_s")),
+                f"≤ {seconds(target)}" if target is not None else "",
+            ]
+        )
     latency = result.get("detector")
     if isinstance(latency, dict):
         target = latency.get("target_median_s")
@@ -321,6 +333,7 @@ def render_bench(result: Result) -> list[str]:
 SKIPPED_PARTS = {
     "parse": "the parser's throughput",
     "detector_idle": "the detector's idle CPU",
+    "health_check": "gpufleet health-check's wall time",
     "detector": "kernel-log line to incident",
     "clusters": "cluster creation and deletion",
     "pool": "shared-pool moves",

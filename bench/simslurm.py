@@ -31,6 +31,7 @@ from pydantic import BaseModel
 
 from clients.errors import InvalidInput, LastNodeOfPartition, NotFound, NotOwned, checked_node_name
 from clients.slurm import Pending, checked_job_id, owned_reason
+from models.constants import takes_over
 from models.incident import JobInfo, NodeInfo
 
 _FINISHED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL"}
@@ -202,7 +203,8 @@ class SimulatedSlurm:
         with self._lock:
             self._advance()
             node = self._node(name)
-            if not (node.drained and (not owned_reason(node.reason) or node.reason == reason)):
+            theirs = not owned_reason(node.reason) and not takes_over(node.reason, reason)
+            if not (node.drained and (theirs or node.reason == reason)):
                 node.drained, node.reason = True, reason
                 self.counts["drains"] += 1
             return self._info(node)

@@ -37,6 +37,7 @@ from clients.errors import (
     checked_node_name,
 )
 from models.constants import owned_reason as owned_reason  # re-exported for the spare pool
+from models.constants import takes_over
 from models.incident import JobInfo, NodeInfo
 
 _UNREACHABLE = (
@@ -197,7 +198,7 @@ class SlurmCli:
         Returns the node as it is after the call.
         """
         current = self.node(name)
-        if current.drained and not owned_reason(current.reason):
+        if current.drained and not owned_reason(current.reason) and not takes_over(current.reason, reason):
             return current
         if current.drained and current.reason == reason:
             return current

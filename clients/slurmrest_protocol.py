@@ -100,7 +100,7 @@ from clients.slurm import (
     primary_state,
 )
 from clients.slurmrest import VERSIONS, jwt_token
-from models.constants import owned_reason
+from models.constants import owned_reason, takes_over
 from models.incident import JobInfo, NodeInfo
 
 # Every method of the Protocol, in its order.
@@ -449,7 +449,8 @@ class SlurmRest:
         """Drain with our reason; a node someone else drained keeps theirs. The node as it is after."""
         self._refuse_unsupported("drain")
         current = self.node(name)
-        if current.drained and (not owned_reason(current.reason) or current.reason == reason):
+        theirs = not owned_reason(current.reason) and not takes_over(current.reason, reason)
+        if current.drained and (theirs or current.reason == reason):
             return current
         self._update_node(name, "DRAIN", reason)
         return self.node(name)

@@ -21,6 +21,7 @@ from detector.cursor import CursorFile, Position
 from detector.daemon import Delivery, Detector, KernelLogSource, Source, SourceFailed
 from detector.follow import JournalctlMissing, open_journal, open_source
 from detector.health import HealthServer
+from detector.inbox import INBOX_ENV, InboxSource
 from detector.intake import IntakePoster
 from detector.nvml import NvmlSource
 from detector.spool import Spool
@@ -87,6 +88,13 @@ def detect(
     fold_seconds: Annotated[float, typer.Option(help="Fold identical repeats within this window.")] = 10.0,
     spool: Annotated[Path | None, typer.Option(help="Spool folder (default: $GPUFLEET_HOME/spool/NODE).")] = None,
     spool_max: Annotated[int, typer.Option(help="At most this many undelivered events on disk.")] = 10000,
+    inbox: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder where other processes on the node (gpufleet health-check) drop events "
+            f"(default: ${INBOX_ENV}, else $GPUFLEET_HOME/inbox/NODE; not read with --dry-run)."
+        ),
+    ] = None,
     state_dir: Annotated[
         Path | None,
         typer.Option(
@@ -127,6 +135,10 @@ def detect(
     cursor lost or refused) skips events whose records are older than the detector's start less
     $GPUFLEET_DETECTOR_REPLAY_CUTOFF_SECONDS (300), by the record's own time, and says how many:
     they were most likely reported before. --from-start skips nothing.
+
+    The inbox (--inbox): events that other processes on the node drop there (gpufleet health-check
+    in Slurm's Prolog, Epilog and HealthCheckProgram; docs/health-check.md) go out the same way,
+    in order; a file that is no health_check event for this node is set aside as NAME.rejected.
 
     A source that fails ends the detector (exit code 1), so that its supervisor restarts it.
     """
@@ -221,6 +233,10 @@ def detect(
         sources.append(KernelLogSource(reader, once=once, name="journal", cursor=journal_cursor, replay_cutoff=cutoff))
     if nvml:
         sources.append(NvmlSource(once=once, degradation=lambda: policy.current().degradation, expect_gpus=expect_gpus))
+    if not dry_run:  # a dry run must not take the daemon's events
+        env_inbox = os.environ.get(INBOX_ENV)
+        folder = inbox or (Path(env_inbox) if env_inbox else settings.home / "inbox" / this_node)
+        sources.append(InboxSource(folder, node=this_node, once=once))
 
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):  # a clean stop: queued events handled, cursors saved

@@ -22,6 +22,7 @@ from temporalio.service import RPCError
 
 from detector.cursor import CursorFile, Position
 from detector.follow import JournalCursorRejected, JournalReader, KmsgReader, LineReader, SourceStats
+from detector.inbox import InboxItem
 from detector.intake import IntakePoster, PostFailed
 from detector.parse import KernelLogParser, XidReport, line_time
 from detector.spool import Spool, SpoolFull
@@ -45,7 +46,8 @@ class Checkpoint:
     position: Position
 
 
-Emit = Callable[[XidReport | Checkpoint, str], None]
+Item = XidReport | Checkpoint | InboxItem
+Emit = Callable[[Item, str], None]
 Ready = Callable[[], None]
 
 
@@ -374,7 +376,7 @@ class Detector:
         self.folder = Folder(fold_seconds)
         self._out = out
         self._as_json = as_json
-        self._queue: queue.Queue[tuple[XidReport | Checkpoint, str]] = queue.Queue()
+        self._queue: queue.Queue[tuple[Item, str]] = queue.Queue()
         self._threads: list[SourceThread] = []
         self._cursor_errors: set[Path] = set()
         # For /healthz and /metrics, read from the HTTP server's threads.
@@ -384,7 +386,7 @@ class Detector:
         self._events: Counter[tuple[str, str]] = Counter()  # (kind, action) -> events reported
         self._events_lock = threading.Lock()
 
-    def emit(self, item: XidReport | Checkpoint, source: str) -> None:
+    def emit(self, item: Item, source: str) -> None:
         self._queue.put((item, source))
 
     def events_reported(self) -> dict[tuple[str, str], int]:
@@ -424,6 +426,10 @@ class Detector:
             gpu_instance=report.gpu_instance,
             compute_instance=report.compute_instance,
         )
+        return self.consider(event)
+
+    def consider(self, event: XidEvent) -> XidEvent | None:
+        """Fold, decide, print and spool ``event`` (found by a source, or dropped into the inbox)."""
         if not self.folder.fresh(event):
             return None
         if isinstance(self.policy, PolicyFile):
@@ -531,9 +537,13 @@ class Detector:
                 return
             self._take(item, source)
 
-    def _take(self, item: XidReport | Checkpoint, source: str) -> None:
+    def _take(self, item: Item, source: str) -> None:
         if isinstance(item, Checkpoint):
             self._save_cursor(item)
+            return
+        if isinstance(item, InboxItem):  # spooled first, then its file removed: a crash repeats it
+            self.consider(item.event)
+            item.done()
             return
         try:
             self.handle(item, source)

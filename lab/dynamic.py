@@ -114,6 +114,7 @@ class DynamicSlurmLab(SlurmLab):
         partitions: Mapping[str, str] | None = None,
         cluster_name: str = CLUSTER_NAME,
         accounting: bool = False,
+        health_checks: bool = False,
     ) -> None:
         """``nodesets``: one partition each, named after it (the first is the default one);
         ``extra_lines``: more slurm.conf lines (the JWT key's, for slurmrestd; the Controller's
@@ -121,7 +122,8 @@ class DynamicSlurmLab(SlurmLab):
         ``partitions``: a NodeSet's ``partition.config`` (its partition line's options);
         ``cluster_name``: Slurm's ``ClusterName`` (a Slinky Controller's ``clusterName``: the cluster
         that accounting records jobs and associations under); ``accounting``: ``start`` starts the
-        cluster's own MariaDB and slurmdbd too, and registers it there (lab/accounting.py)."""
+        cluster's own MariaDB and slurmdbd too, and registers it there (lab/accounting.py);
+        ``health_checks``: Slurm's hooks run ``gpufleet health-check`` (``SlurmLab.hook_lines``)."""
         if not nodesets:
             raise ValueError("a dynamic cluster needs at least one NodeSet")
         super().__init__(
@@ -130,6 +132,7 @@ class DynamicSlurmLab(SlurmLab):
             nodes=[],
             release=release,
             binds=binds,
+            health_checks=health_checks,
         )
         self.nodesets = [checked_node_name(name) for name in nodesets]
         self._pods_file = self.root / "pods.json"

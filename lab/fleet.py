@@ -119,6 +119,7 @@ class FleetLab:
                 release=SLINKY_RELEASE,
                 binds=[self.home],
                 extra_lines=jwt_lines(self.jwt_key_file),
+                health_checks=True,  # Prolog, Epilog, HealthCheckProgram: docs/health-check.md
             )
             return
         self.slurm = SlurmLab(
@@ -133,6 +134,7 @@ class FleetLab:
             release=self.config.slurm,
             # The jobs' checkpoints and logs, and the nodes' GPU faults, live under the home.
             binds=[self.home],
+            health_checks=True,  # Prolog, Epilog, HealthCheckProgram: docs/health-check.md
         )
 
     @property
@@ -709,6 +711,9 @@ class FleetLab:
             "2",
             "--ready-file",
             str(self.detector_ready_file(node)),
+            # Where gpufleet health-check in the node's Slurm hooks drops its events.
+            "--inbox",
+            str(self.slurm.hook_inbox(node)),
         ]
 
     def detector_ready_file(self, node: str) -> Path:

@@ -467,6 +467,9 @@ class Operator:
         bound = {p["metadata"]["name"]: p for p in pods if (p.get("spec") or {}).get("nodeName")}
         for name, pod in sorted(bound.items()):
             uid = pod["metadata"].get("uid", "")
+            # The pod's Kubernetes node, for gpufleet health-check in its Slurm hooks (its NODE_NAME).
+            slurm.hook_node_file(name).parent.mkdir(parents=True, exist_ok=True)
+            slurm.hook_node_file(name).write_text(pod["spec"]["nodeName"] + "\n")
             try:
                 if not slurm.running(name):
                     slurm.add_node(name, nodeset)

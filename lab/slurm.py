@@ -20,8 +20,9 @@ from pathlib import Path
 
 from clients.slurm import SlurmCli
 from lab.accounting import Accounting, accounting_unavailable, conf_value, with_accounting, without_accounting
+from lab.nvmlstub import StubUnavailable, build_stub
 from lab.procs import alive, free_port, pids_holding, pids_with_env, spawn, stop, wait_for
-from lab.slurmroots import LAB_SLURM_ENV, RootError, Roots, SlurmInstall, host_install, install_for
+from lab.slurmroots import LAB_SLURM_ENV, REPO_ROOT, RootError, Roots, SlurmInstall, host_install, install_for
 
 
 def slurm_installed() -> bool:
@@ -50,12 +51,15 @@ class SlurmLab:
         nodes: list[str] | None = None,
         release: str | None = None,
         binds: list[Path] | None = None,
+        health_checks: bool = False,
     ) -> None:
         """``conf`` (with ``nodes``, the slurmd to start): run from that slurm.conf instead of
         the lab's own; it must use this lab's munge socket and paths (``site_lines``).
         ``release``: the Slurm release (``22.05``, ``24.11``, ``26.05``; default
         ``$GPUFLEET_LAB_SLURM``, else the host's own). ``binds``: folders beyond ``/tmp``, the
-        checkout and ``root`` that the daemons and jobs of a release in a root must see."""
+        checkout and ``root`` that the daemons and jobs of a release in a root must see.
+        ``health_checks``: Slurm's hooks run ``gpufleet health-check`` (``hook_lines``; the fleet
+        lab's, both flavors)."""
         self.root = root.resolve()
         # A cluster started earlier keeps the release it was started on (its file says which).
         started_on = self.root / "release"
@@ -63,6 +67,7 @@ class SlurmLab:
         self.release = self.release or os.environ.get(LAB_SLURM_ENV) or None
         self._install: SlurmInstall | None = None
         self.binds = [self.root, *(binds or [])]
+        self.health_checks = health_checks
         self.spec = spec or SlurmLabSpec()
         self._conf_text = conf
         self._nodes = nodes
@@ -318,8 +323,10 @@ class SlurmLab:
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU",
             "SchedulerType=sched/backfill",
-            # A scheduling pass every second, so a requeued job starts as soon as it may.
-            "SchedulerParameters=sched_interval=1,bf_interval=1,sched_min_interval=100000",
+            # A scheduling pass every second, so a requeued job starts as soon as it may; with the
+            # health checks, a job whose prolog failed is requeued to run elsewhere, not held.
+            "SchedulerParameters=sched_interval=1,bf_interval=1,sched_min_interval=100000"
+            + (",nohold_on_prolog_fail" if self.health_checks else ""),
             "ReturnToService=2",
             "MpiDefault=none",
             "JobCompType=jobcomp/none",
@@ -330,6 +337,68 @@ class SlurmLab:
             "SlurmdTimeout=30",
             "MinJobAge=600",
             "PlugStackConfig=/dev/null",
+            *(self.hook_lines() if self.health_checks else []),
+        ]
+
+    # -- gpufleet health-check in Slurm's hooks (docs/health-check.md) ------------------------------
+
+    # Each lab node has this many GPUs (the NVML stand-in's default); hook_gpus_file changes one's.
+    HOOK_GPUS = 2
+
+    @property
+    def hooks(self) -> Path:
+        """The hooks' folder: the script, the NVML stand-in, each node's GPUs and detector inbox."""
+        return self.root / "hooks"
+
+    def hook_inbox(self, node: str) -> Path:
+        """Where ``gpufleet health-check`` on ``node`` drops its events (the node's detector's --inbox)."""
+        return self.hooks / "inbox" / node
+
+    def hook_gpus_file(self, node: str) -> Path:
+        """What the NVML stand-in answers on ``node`` (lab/stub_nvml.c's STUB_NVML_NODE_FILE): write
+        ``"1"`` and the node has one GPU of the two it should have; ``"2 1"``: GPU 1 is lost."""
+        return self.hooks / "gpus" / node
+
+    def hook_node_file(self, slurm_node: str) -> Path:
+        """The Kubernetes node a Slurm node (a Slinky pod) runs on, when it has another name."""
+        return self.hooks / "nodes" / slurm_node
+
+    def hook_lines(self) -> list[str]:
+        """Prolog, Epilog and HealthCheckProgram running ``gpufleet health-check`` on the NVML
+        stand-in, each node its own GPUs; none where the stand-in cannot be built (no gcc)."""
+        try:
+            build_stub(self.hooks / "nvml")
+        except StubUnavailable:
+            return []
+        import pynvml  # its one file, for a release's own Python in a root (pure Python)
+
+        (self.hooks / "py").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(pynvml.__file__, self.hooks / "py" / "pynvml.py")
+        for folder in ("gpus", "inbox", "nodes"):
+            (self.hooks / folder).mkdir(parents=True, exist_ok=True)
+        hooks = self.hooks
+        scripts = {}
+        # Slurm runs a hook's program without arguments: one script per mode.
+        for mode in ("prolog", "epilog", "healthcheck"):
+            scripts[mode] = script = hooks / mode
+            script.write_text(
+                "#!/bin/sh\n"
+                f"# gpufleet health-check --mode {mode} in this lab's Slurm, on the NVML stand-in.\n"
+                "# Slurm gives a hook SLURMD_NODENAME; a Slinky pod's Kubernetes node is in nodes/POD.\n"
+                'slurm_node="${SLURMD_NODENAME:?}"\n'
+                'node="$slurm_node"\n'
+                f'[ -r "{hooks}/nodes/$slurm_node" ] && read -r node < "{hooks}/nodes/$slurm_node"\n'
+                f'export LD_LIBRARY_PATH="{hooks}/nvml" STUB_NVML_NODE_FILE="{hooks}/gpus/$node" '
+                f'GPUFLEET_INBOX="{hooks}/inbox/$node" NODE_NAME="$node" SLURM_CONF="{self.conf}" '
+                f'PYTHONPATH="{hooks}/py:{REPO_ROOT}" PATH="${{PATH:-/usr/bin:/bin}}:/usr/bin:/bin"\n'
+                f"exec {self.install.python()} -m workers.command health-check --mode {mode} --gpus {self.HOOK_GPUS}\n"
+            )
+            script.chmod(0o755)
+        return [
+            f"Prolog={scripts['prolog']}",
+            f"Epilog={scripts['epilog']}",
+            f"HealthCheckProgram={scripts['healthcheck']}",
+            "HealthCheckInterval=300",
         ]
 
     @staticmethod

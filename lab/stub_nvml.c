@@ -5,6 +5,8 @@
  *     event INDEX TYPE DATA    an event of TYPE (8 = Xid critical error) with eventData DATA
  *     lost INDEX               the GPU falls off the bus (NVML_ERROR_GPU_IS_LOST)
  * STUB_NVML_LOG: where registrations are written ("registered INDEX TYPES").
+ * STUB_NVML_NODE_FILE: read at each init when it exists: "COUNT [LOST...]", the GPU count (over
+ *     STUB_NVML_GPUS) and the indexes of GPUs lost from the start (a test changes one node's GPUs).
  * STUB_NVML_STATE: a file read at every call below it, the degradation the detector polls for;
  *     each line is "INDEX WHAT VALUES..." (the last line that matches wins), or "INDEX WHAT
  *     unsupported" for NVML_ERROR_NOT_SUPPORTED ("INDEX WHAT failing": NVML_ERROR_UNKNOWN).
@@ -53,6 +55,18 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     count = gpus ? (unsigned int)atoi(gpus) : 2;
     if (count > 8) count = 8;
     for (unsigned int i = 0; i < count; i++) { devices[i].index = (int)i; devices[i].lost = 0; }
+    const char *node_file = getenv("STUB_NVML_NODE_FILE");
+    FILE *node = node_file ? fopen(node_file, "r") : NULL;
+    if (node) {
+        int n, lost;
+        if (fscanf(node, "%d", &n) == 1 && n >= 0) {
+            count = n > 8 ? 8 : (unsigned int)n;
+            for (unsigned int i = 0; i < count; i++) { devices[i].index = (int)i; devices[i].lost = 0; }
+            while (fscanf(node, "%d", &lost) == 1)
+                if (lost >= 0 && (unsigned int)lost < count) devices[lost].lost = 1;
+        }
+        fclose(node);
+    }
     return OK;
 }
 nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }

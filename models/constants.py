@@ -150,6 +150,24 @@ def held_by_someone_else(reason: str) -> bool:
     return bool(text) and not owned_reason(reason) and not any(text.startswith(r) for r in SLURM_FAILURE_REASONS)
 
 
+# What Slurm (22.05 to 26.05) writes when a node's Prolog or Epilog fails: it drains the node.
+SLURM_HOOK_REASONS = ("prolog error", "epilog error")
+# How gpufleet's drain reason names an incident decided by a failed `gpufleet health-check`.
+HEALTH_CHECK_WORD = "health_check"
+
+
+def hook_drain(reason: str) -> bool:
+    """Whether ``reason`` is Slurm's own drain after a failed Prolog or Epilog."""
+    return reason.strip().lower() in SLURM_HOOK_REASONS
+
+
+def takes_over(current: str, reason: str) -> bool:
+    """Whether gpufleet's drain ``reason`` replaces the node's ``current`` one: Slurm's drain after a
+    failed Prolog or Epilog, by an incident decided by gpufleet's own health check there (its
+    ``health_check`` event came through the node's detector), which is what made the hook fail."""
+    return hook_drain(current) and owned_reason(reason) and HEALTH_CHECK_WORD in reason.split()
+
+
 # The spare pool: which cluster a Node serves, nodes kept out of every pool, retired nodes.
 CLUSTER_LABEL = "gpufleet.io/cluster"
 QUARANTINE_LABEL = "gpufleet.io/quarantine"

@@ -198,7 +198,7 @@ def test_an_installation_built_from_the_image_declares_no_entry_point_of_the_lab
     assert spec is not None and spec.loader is not None
     setup = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(setup)  # its setup() runs only as a build's __main__
-    assert setup.entry_points(image) == {"console_scripts": ["gpufleet = workers.entry:main"]}
+    assert setup.entry_points(image) == {"console_scripts": ["gpufleet = workers.command:main"]}
     checkout = setup.entry_points(REPO)
     assert checkout["gpufleet.commands"] == ["lab = lab.cli:lab_app"]
     assert {"gpufleet.cluster_backends", "gpufleet.cli_defaults"} <= set(checkout)

@@ -257,6 +257,11 @@ def command() -> typer.Typer:
     from starters.pool import pool_app
 
     app.command()(detect)
+    app.command(
+        "health-check",
+        add_help_option=False,
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    )(health_check)
     app.add_typer(cluster_app, name="cluster")
     app.add_typer(pool_app, name="pool")
     # Commands of installed packages (the lab's, in a checkout). One whose own package is absent
@@ -266,6 +271,17 @@ def command() -> typer.Typer:
         app.add_typer(commands, name=name)
     _built.append(app)
     return app
+
+
+def health_check(ctx: typer.Context) -> None:
+    """Quick GPU checks for Slurm's Prolog, Epilog and HealthCheckProgram (docs/health-check.md).
+
+    The installed `gpufleet` runs this before importing anything else (workers/command.py);
+    `gpufleet health-check --help` lists its options.
+    """
+    from detector.healthcheck import main as run_health_check
+
+    raise typer.Exit(run_health_check(ctx.args))
 
 
 def _usage_line(exc: ClickException) -> str:

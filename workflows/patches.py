@@ -72,3 +72,9 @@ DRAIN_AFTER_JOBS_WAITS = "drain-after-jobs-waits"
 # repair in place held (a failure escalates to REPLACE_NODE and counts toward quarantine), and
 # replaces and quarantines at once a node on probation. Histories from before it replay as they were.
 VALIDATION_LADDER = "validation-ladder"
+
+# NodeRemediationWorkflow: Slurm's drain after a failed Prolog or Epilog ("Prolog error", "Epilog
+# error") on the node of an incident decided by gpufleet's own health_check event is that
+# incident's, not someone else's: no owner is asked, and the drain's reason becomes gpufleet's
+# (models.constants.takes_over), so the node can be repaired, returned or retired as any other.
+HOOK_DRAINS_TAKEN = "hook-drains-taken"

@@ -34,6 +34,7 @@ def test_make_bench_keeps_its_json_with_its_provenance(tmp_path: Path, monkeypat
     monkeypatch.setattr(os, "_exit", leave)  # main leaves without interpreter teardown
     out = tmp_path / "results" / "bench.json"
     skipped = ["--drills", "0", "--detector-samples", "0", "--parse-lines", "0", "--idle-seconds", "0"]
+    skipped += ["--health-checks", "0"]
     skipped += ["--clusters", "0", "--pool-moves", "0"]
     monkeypatch.setattr(sys, "argv", ["bench", *skipped, "--output", str(out)])
     with pytest.raises(SystemExit) as stopped:
@@ -59,7 +60,7 @@ def test_make_bench_on_slinky_says_what_it_skips_and_refuses_to_run_it(
     kept = json.loads(out.read_text())
     assert list(kept)[:3] == ["provenance", "flavor", "skipped"] and kept["flavor"] == "slinky"
     # Cluster creation and pool moves run on Slinky too: only the parts that run no lab are skipped.
-    assert set(kept["skipped"]) == {"parse", "detector_idle", "detector"}
+    assert set(kept["skipped"]) == {"parse", "detector_idle", "health_check", "detector"}
     assert "runs no lab" in kept["skipped"]["parse"]
     assert "clusters" not in kept and "pool" not in kept  # asked for none
     # Asked for a part the flavor does not run: refused, saying why, before any lab starts.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from models.constants import drain_reason, drained_by
+from models.constants import drain_reason, drained_by, held_by_someone_else, hook_drain, takes_over
 
 
 def test_a_gpufleet_drain_names_its_incident() -> None:
@@ -16,3 +16,17 @@ def test_other_reasons_name_none() -> None:
     assert drained_by("gpufleet: rebalance to inference") is None
     assert drained_by("") is None
     assert drained_by("someone wrote incident x") is None  # not gpufleet's
+
+
+def test_slurms_prolog_and_epilog_drains_are_taken_over_by_a_health_check_incident_only() -> None:
+    """Slurm 22.05 to 26.05 drain a node whose Prolog or Epilog failed with these reasons."""
+    ours = drain_reason(event="health_check", action="REBOOT_NODE", incident_id="lab-gpu1-20261206T100000Z")
+    for slurms in ("Prolog error", "Epilog error", " prolog error "):
+        assert hook_drain(slurms)
+        assert held_by_someone_else(slurms)  # for any other incident, someone else's hold
+        assert takes_over(slurms, ours)
+    xid = drain_reason(event="xid 79", action="REPLACE_NODE", incident_id="lab-gpu1-20261206T100000Z")
+    assert not takes_over("Prolog error", xid)  # an Xid's incident did not make the prolog fail
+    assert not takes_over("dimm swap by ops", ours)  # a person's hold stays theirs
+    assert not takes_over("Prolog error", "health_check by hand")  # not gpufleet's reason
+    assert not hook_drain("Prolog error: see ticket 12")

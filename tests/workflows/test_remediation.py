@@ -656,6 +656,29 @@ async def test_a_node_slurm_marked_not_responding_needs_no_approval(env: Workflo
     assert status.approval is None
 
 
+async def test_slurms_prolog_error_drain_after_a_health_check_is_the_incidents_own(env: WorkflowEnvironment) -> None:
+    """gpufleet health-check failed in the prolog: Slurm drained the node ("Prolog error") and the
+    health_check event opened the incident, which takes that drain as its own (nobody is asked)
+    and writes its own reason over it; an Xid's incident on such a node asks, as for any hold."""
+    policy = Policy(kinds={GpuEventKind.HEALTH_CHECK: Action.REPLACE_NODE})
+    fleet = Fleet(node_drained=True, node_reason="Prolog error", policy=policy)
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet, kind=GpuEventKind.HEALTH_CHECK, xid=None)
+        status: IncidentStatus = await handle.result()
+    assert status.outcome == Outcome.RESOLVED and status.approval is None
+    assert fleet.drain_reasons[0].startswith("gpufleet: health_check REPLACE_NODE incident ")
+    taken = [entry for entry in status.timeline if entry.event == "took the drain"]
+    assert taken and "'Prolog error' follows gpufleet's health check" in taken[0].detail
+
+    fleet = Fleet(node_drained=True, node_reason="Prolog error")
+    async with worker(env, fleet):
+        handle = await start(env.client, fleet)  # an Xid 79: its prolog's failure is not known to be ours
+        waiting = await _until(handle, lambda s: s.outcome == Outcome.AWAITING_APPROVAL)
+        assert "Prolog error" in (waiting.waiting_for_approval or "")
+        await handle.signal(NodeRemediationWorkflow.decide, Approval(approved=False, by="ops"))
+        await handle.result()
+
+
 async def test_an_xid_on_a_retired_node_is_recorded_without_a_second_spare(env: WorkflowEnvironment) -> None:
     fleet = Fleet(pool="retired")
     async with worker(env, fleet):

@@ -31,6 +31,7 @@ from workflows.patches import (
     DRAIN_AFTER_JOBS_WAITS,
     DRAIN_FIRST,
     DUPLICATES_FOLDED,
+    HOOK_DRAINS_TAKEN,
     INPUTS_CHECKED,
     VALIDATION_LADDER,
 )
@@ -56,13 +57,14 @@ with workflow.unsafe.imports_passed_through():
         drain_reason,
         drained_for,
         held_by_someone_else,
+        hook_drain,
     )
     from models.guard import GuardDecision
     from models.incident import Approval, CancelRequest, IncidentStatus, NodeInfo, Outcome, RemediationInput, Step
     from models.policy import Action, OwnerDrained
     from models.requests import DrainRequest, NodeFacts, NodeLeaseRequest, WorkerConfig
     from models.trust import answer_problem
-    from models.xid import XidEvent
+    from models.xid import GpuEventKind, XidEvent
 
 
 @workflow.defn(name=REMEDIATION_WORKFLOW)
@@ -269,7 +271,7 @@ class NodeRemediationWorkflow(DrainAfterJobs, Approvals, Validation, Replacement
 
         # A node someone else took out of service is theirs until they say otherwise.
         if (
-            held_by_someone_else(node.reason)
+            self._held(node.reason)
             and self._settings.owner_drained is OwnerDrained.ASK
             and not await self._owner_drained_gate(f"{params.node} is held by someone else: {node.reason!r}")
         ):
@@ -286,7 +288,7 @@ class NodeRemediationWorkflow(DrainAfterJobs, Approvals, Validation, Replacement
         node = await self._drain_in_slurm(params)
         # Someone else drained it since we looked: theirs until they say otherwise, as above.
         if (
-            held_by_someone_else(node.reason)
+            self._held(node.reason)
             and status.approval is None
             and self._settings.owner_drained is OwnerDrained.ASK
             and not await self._owner_drained_gate(f"{params.node} was drained by someone else: {node.reason!r}")
@@ -308,7 +310,7 @@ class NodeRemediationWorkflow(DrainAfterJobs, Approvals, Validation, Replacement
         self._slot_per_step = True
         ask = self._settings.owner_drained is OwnerDrained.ASK
         # A node someone else drained takes no new work already, and stays theirs until they say.
-        held = ask and held_by_someone_else(found.reason)
+        held = ask and self._held(found.reason)
         node = None if held else await self._drain_in_slurm(params)
         if not held:
             self._tell_guard_drained()  # an owner's drain is theirs: not counted as a failure
@@ -320,7 +322,7 @@ class NodeRemediationWorkflow(DrainAfterJobs, Approvals, Validation, Replacement
             self._tell_guard_drained()
         elif (
             node is not None
-            and held_by_someone_else(node.reason)
+            and self._held(node.reason)
             and ask
             and not await self._owner_drained_gate(f"{params.node} was drained by someone else: {node.reason!r}")
         ):
@@ -335,6 +337,20 @@ class NodeRemediationWorkflow(DrainAfterJobs, Approvals, Validation, Replacement
             await self._requeue_jobs(jobs)
             await self._end_slot("the node's jobs are requeued")
         await self._approve_and_act(params)
+
+    def _held(self, reason: str) -> bool:
+        """Whether the node's drain ``reason`` is someone else's hold. Slurm's drain after a failed
+        Prolog or Epilog is not, when this incident was decided by the health_check event of
+        gpufleet's own check there: that drain is the incident's (its drain takes the reason over)."""
+        if not held_by_someone_else(reason):
+            return False
+        ours = hook_drain(reason) and self._deciding_event().kind is GpuEventKind.HEALTH_CHECK
+        if ours and workflow.patched(HOOK_DRAINS_TAKEN):
+            self._mark(
+                self._status.step, "took the drain", f"Slurm's {reason.strip()!r} follows gpufleet's health check"
+            )
+            return False
+        return True
 
     async def _drain_in_slurm(self, params: RemediationInput) -> NodeInfo:
         status = self._status
