@@ -166,20 +166,48 @@ def drain_reason(failures: Sequence[Failure]) -> str:
 
 
 def drain(node: str, reason: str, *, scontrol: str = "scontrol", timeout: float = 10.0) -> str | None:
-    """Drain ``node`` with ``reason``; None when done, else what went wrong."""
+    """Drain ``node`` with ``reason``, unless it is out of service already; None when drained
+    here, else what went wrong or why it was left alone.
+
+    ``scontrol update State=DRAIN`` on a drained node replaces its reason, so a node that is
+    drained, down or failed already keeps its reason: a person's (or Slurm's) stays theirs rather
+    than becoming gpufleet's, which an incident would take as its own and resume; an incident's
+    keeps the incident it names. The health_check event is reported all the same.
+    """
     if not _NODE_NAME.fullmatch(node):
         return f"invalid node name {node!r}: not drained"
     binary = shutil.which(scontrol)
     if binary is None:
         return f"{scontrol} not found on PATH: the node is not drained"
-    argv = [binary, "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"]
+    shown = _scontrol([binary, "show", "node", node, "--oneliner"], timeout)
+    if isinstance(shown, str):
+        return f"cannot read the node's state, so it is not drained: {shown}"
+    state = _STATE.search(shown.stdout)
+    if state is None:
+        return f"scontrol show node {node} names no State=, so it is not drained"
+    if any(word in state.group(1).upper() for word in _OUT_OF_SERVICE):
+        theirs = _REASON.search(shown.stdout)
+        said = f" ({theirs.group(1).strip()[:200]})" if theirs else ""
+        return f"{node} is {state.group(1)} already{said}: its reason is kept, not drained again"
+    done = _scontrol([binary, "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"], timeout)
+    return done if isinstance(done, str) else None
+
+
+_STATE = re.compile(r"(?:^|\s)State=(\S+)")
+_REASON = re.compile(r"(?:^|\s)Reason=(.*?)(?=\s[A-Z][A-Za-z]*=|$)")
+_OUT_OF_SERVICE = ("DRAIN", "DOWN", "FAIL")  # DRAIN also matches DRAINED and DRAINING
+
+
+def _scontrol(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str] | str:
+    """Run scontrol: what it answered, or what went wrong."""
+    what = f"scontrol {argv[1]}"
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"scontrol update failed: {exc}"
+        return f"{what} failed: {exc}"
     if done.returncode != 0:
-        return f"scontrol update failed ({done.returncode}): {(done.stderr or done.stdout).strip()[:300]}"
-    return None
+        return f"{what} failed ({done.returncode}): {(done.stderr or done.stdout).strip()[:300]}"
+    return done
 
 
 def this_node(explicit: str | None) -> str:
@@ -268,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     slurm_node = os.environ.get("SLURMD_NODENAME") or node
     problem = drain(slurm_node, drain_reason(result.failures), scontrol=args.scontrol)
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
+        print(f"gpufleet health-check: {problem}", file=sys.stderr)
     return 0  # Slurm ignores a HealthCheckProgram's exit status
 
 

@@ -102,25 +102,48 @@ def test_without_nvml_a_gpu_node_fails_and_a_node_without_gpus_passes(tmp_path: 
     assert not (tmp_path / "again" / "inbox").exists()
 
 
-def test_healthcheck_mode_drains_the_node_itself_and_exits_0(stub_lib: Path, tmp_path: Path) -> None:
-    """Slurm ignores a HealthCheckProgram's exit status: the program drains (a recording scontrol here)."""
+def recording_scontrol(tmp_path: Path, state: str) -> tuple[dict[str, str], Path]:
+    """A scontrol on PATH that shows the node in ``state`` and records every call's arguments."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "scontrol.calls"
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" >> {calls}\n')
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {calls}\n'
+        'if [ "$1" = show ]; then\n'
+        f'  echo "NodeName=gpu1 Arch=x86_64 State={state} Partitions=gpu Reason=PSU swap [ops@2026-12-06T09:00:00]"\n'
+        "fi\n"
+    )
     (bin_dir / "scontrol").chmod(0o755)
-    path = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}, calls
+
+
+def test_healthcheck_mode_drains_the_node_itself_and_exits_0(stub_lib: Path, tmp_path: Path) -> None:
+    """Slurm ignores a HealthCheckProgram's exit status: the program drains (a recording scontrol here)."""
+    path, calls = recording_scontrol(tmp_path, "IDLE")
     done = health_check(tmp_path, "--mode", "healthcheck", "--gpus", "2", gpus="1", lib=stub_lib, env=path)
     assert done.returncode == 0, done.stderr
     assert calls.read_text().splitlines() == [
-        "update",
-        "NodeName=gpu1",
-        "State=DRAIN",
-        "Reason=gpufleet: health_check gpu_count",
+        "show node gpu1 --oneliner",
+        "update NodeName=gpu1 State=DRAIN Reason=gpufleet: health_check gpu_count",
     ]
     assert [e.message for e in dropped(tmp_path)] == [
         "healthcheck: gpu_count: NVML sees 1 GPU(s), the node should have 2"
     ]
+
+
+def test_healthcheck_mode_keeps_the_reason_of_a_node_out_of_service_already(stub_lib: Path, tmp_path: Path) -> None:
+    """A person's drain stays theirs: written over with gpufleet's reason, an incident would take the
+    node as its own and resume it. HealthCheckProgram runs on drained nodes too (HealthCheckNodeState=ANY)."""
+    for state in ("IDLE+DRAIN", "MIXED+DRAIN", "DOWN", "DOWN+DRAIN+NOT_RESPONDING"):
+        folder = tmp_path / state.replace("+", "-").lower()
+        folder.mkdir()
+        path, calls = recording_scontrol(folder, state)
+        done = health_check(folder, "--mode", "healthcheck", "--gpus", "2", gpus="1", lib=stub_lib, env=path)
+        assert done.returncode == 0, done.stderr
+        assert calls.read_text().splitlines() == ["show node gpu1 --oneliner"], state
+        assert f"gpu1 is {state} already (PSU swap [ops@2026-12-06T09:00:00]): its reason is kept" in done.stderr
+        assert [e.kind for e in dropped(folder)] == [GpuEventKind.HEALTH_CHECK]  # reported all the same
 
 
 def test_bad_input_is_refused(tmp_path: Path) -> None:
