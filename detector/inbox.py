@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +34,8 @@ INBOX_ENV = "GPUFLEET_INBOX"
 # Only events no kernel record stands for: a process that can write here must not forge an Xid.
 INBOX_KINDS = frozenset({"health_check"})
 POLL_SECONDS = 0.2
+# An event's file is a few hundred bytes; anything larger is set aside unread.
+MAX_EVENT_BYTES = 64 * 1024
 
 
 def default_inbox(node: str) -> Path:
@@ -108,8 +111,11 @@ class InboxSource:
                 continue
             path = self.folder / name
             try:
-                event = XidEvent.model_validate_json(path.read_bytes())
+                event = XidEvent.model_validate_json(_read(path))
             except FileNotFoundError:
+                continue
+            except _Unfit as exc:
+                self._reject(path, str(exc))
                 continue
             except ValueError as exc:  # pydantic's ValidationError included
                 self._reject(path, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -132,6 +138,34 @@ class InboxSource:
             return
         self.rejected += 1
         log.error("inbox file %s is no event this detector takes (%s); set aside as %s", path, why, rejected.name)
+
+
+class _Unfit(Exception):
+    """An inbox entry that cannot be an event's file (why, in words)."""
+
+
+def _read(path: Path) -> bytes:
+    """The bytes of the inbox file ``path``: a regular file of at most MAX_EVENT_BYTES, opened
+    without following a symbolic link and without blocking (a FIFO named so would stop the
+    detector's inbox for good, a link to a huge file or a device would fill its memory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # a symbolic link (ELOOP), no permission...
+        raise _Unfit(f"cannot open it: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _Unfit("not a regular file")
+        data = os.read(fd, MAX_EVENT_BYTES + 1)
+    except OSError as exc:
+        raise _Unfit(f"cannot read it: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_EVENT_BYTES:
+        raise _Unfit(f"larger than {MAX_EVENT_BYTES} bytes")
+    return data
 
 
 def now_iso() -> str:

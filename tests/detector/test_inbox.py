@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 from detector.daemon import Delivery, Detector
-from detector.inbox import InboxItem, InboxSource, write_event
+from detector.inbox import MAX_EVENT_BYTES, InboxItem, InboxSource, write_event
 from detector.spool import Spool
 from models.policy import Policy
 from tests.conftest import gpufleet_cli
@@ -119,3 +120,32 @@ def test_the_daemon_spools_what_the_inbox_holds(tmp_path: Path) -> None:
     )
     assert list(inbox.glob("*.json")) == []
     assert len(os.listdir(tmp_path / "home" / "spool" / "gpu1")) == 1
+
+
+def test_a_fifo_a_link_a_folder_or_a_huge_file_neither_blocks_nor_crashes_the_inbox(tmp_path: Path) -> None:
+    """Whoever can write the inbox cannot stop the detector: what is no small regular file is set
+    aside unread, and the event behind it is still taken."""
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    os.mkfifo(inbox / "01-fifo.json")  # read as a file, it would wait for a writer forever
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text(json.dumps(event(message="not dropped here")))
+    (inbox / "02-link.json").symlink_to(elsewhere)
+    (inbox / "03-folder.json").mkdir()  # read as a file: IsADirectoryError, which ended the source
+    (inbox / "04-huge.json").write_bytes(b" " * (MAX_EVENT_BYTES + 1))
+    write_event(inbox, event())
+    source = InboxSource(inbox, node="gpu1")
+    taken: list[list[InboxItem]] = []
+    reader = threading.Thread(target=lambda: taken.append(source.take()), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "the inbox blocked on a file"
+    [[item]] = taken
+    assert item.event.message.startswith("prolog: gpu_count")
+    assert sorted(p.name for p in inbox.iterdir() if p.name.endswith(".rejected")) == [
+        "01-fifo.json.rejected",
+        "02-link.json.rejected",
+        "03-folder.json.rejected",
+        "04-huge.json.rejected",
+    ]
+    assert source.rejected == 4 and elsewhere.exists()
