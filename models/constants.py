@@ -161,6 +161,17 @@ def hook_drain(reason: str) -> bool:
     return reason.strip().lower() in SLURM_HOOK_REASONS
 
 
+def drained_by_hook(reason: str, event_message: str) -> bool:
+    """Whether Slurm's drain ``reason`` follows the failed check a health_check event's message
+    tells of: "Prolog error" a check in the prolog ("prolog: ..."), "Epilog error" one in the
+    epilog. A check in the HealthCheckProgram makes no hook fail (it drains with gpufleet's reason),
+    and a drained node runs no prolog, so a prolog drain found by such an incident is another's."""
+    if not hook_drain(reason):
+        return False
+    hook = reason.strip().lower().split()[0]
+    return event_message.startswith(f"{hook}:")
+
+
 def takes_over(current: str, reason: str) -> bool:
     """Whether gpufleet's drain ``reason`` replaces the node's ``current`` one: Slurm's drain after a
     failed Prolog or Epilog, by an incident decided by gpufleet's own health check there (its

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from models.constants import drain_reason, drained_by, held_by_someone_else, hook_drain, takes_over
+from models.constants import drain_reason, drained_by, drained_by_hook, held_by_someone_else, hook_drain, takes_over
 
 
 def test_a_gpufleet_drain_names_its_incident() -> None:
@@ -30,3 +30,12 @@ def test_slurms_prolog_and_epilog_drains_are_taken_over_by_a_health_check_incide
     assert not takes_over("dimm swap by ops", ours)  # a person's hold stays theirs
     assert not takes_over("Prolog error", "health_check by hand")  # not gpufleet's reason
     assert not hook_drain("Prolog error: see ticket 12")
+
+
+def test_a_hook_drain_follows_a_health_check_in_that_same_hook_only() -> None:
+    assert drained_by_hook("Prolog error", "prolog: gpu_count: NVML sees 1 GPU(s), the node should have 2")
+    assert drained_by_hook(" Epilog error ", "epilog: gpu_lost: GPU 1 is lost")
+    assert not drained_by_hook("Prolog error", "epilog: gpu_lost: GPU 1 is lost")
+    assert not drained_by_hook("Prolog error", "healthcheck: gpu_count: NVML sees 1")  # drains with its own reason
+    assert not drained_by_hook("Epilog error", "")
+    assert not drained_by_hook("PSU swap", "prolog: nvml")

@@ -335,9 +335,10 @@ async def start(
     xid: int | None = 79,
     kind: GpuEventKind = GpuEventKind.XID,
     dry_run: bool = False,
+    message: str = "",
 ) -> Any:
     """Report an event as the detector would: cluster and node only, on the fleet's own cluster."""
-    event = XidEvent(node=node, kind=kind, xid=xid, source="test")
+    event = XidEvent(node=node, kind=kind, xid=xid, source="test", message=message)
     return await report_xid(client, event, cluster=fleet.cluster, search_attributes=False, dry_run=dry_run)
 
 
@@ -663,7 +664,9 @@ async def test_slurms_prolog_error_drain_after_a_health_check_is_the_incidents_o
     policy = Policy(kinds={GpuEventKind.HEALTH_CHECK: Action.REPLACE_NODE})
     fleet = Fleet(node_drained=True, node_reason="Prolog error", policy=policy)
     async with worker(env, fleet):
-        handle = await start(env.client, fleet, kind=GpuEventKind.HEALTH_CHECK, xid=None)
+        handle = await start(
+            env.client, fleet, kind=GpuEventKind.HEALTH_CHECK, xid=None, message="prolog: gpu_count: NVML sees 1"
+        )
         status: IncidentStatus = await handle.result()
     assert status.outcome == Outcome.RESOLVED and status.approval is None
     assert fleet.drain_reasons[0].startswith("gpufleet: health_check REPLACE_NODE incident ")
@@ -677,6 +680,23 @@ async def test_slurms_prolog_error_drain_after_a_health_check_is_the_incidents_o
         assert "Prolog error" in (waiting.waiting_for_approval or "")
         await handle.signal(NodeRemediationWorkflow.decide, Approval(approved=False, by="ops"))
         await handle.result()
+
+
+async def test_a_hook_drain_is_not_taken_by_a_health_check_of_another_hook(env: WorkflowEnvironment) -> None:
+    """A node drained "Prolog error" runs no prolog: a check that failed later, in the
+    HealthCheckProgram (which runs on drained nodes too) or an epilog, did not make that prolog
+    fail, so the drain stays someone else's (else the incident would resume a node drained for
+    another reason)."""
+    policy = Policy(kinds={GpuEventKind.HEALTH_CHECK: Action.REPLACE_NODE})
+    for reason, message in (("Prolog error", "healthcheck: gpu_count"), ("Prolog error", "epilog: gpu_lost")):
+        fleet = Fleet(node_drained=True, node_reason=reason, policy=policy)
+        async with worker(env, fleet):
+            handle = await start(env.client, fleet, kind=GpuEventKind.HEALTH_CHECK, xid=None, message=message)
+            waiting = await _until(handle, lambda s: s.outcome == Outcome.AWAITING_APPROVAL)
+            assert reason in (waiting.waiting_for_approval or ""), message
+            await handle.signal(NodeRemediationWorkflow.decide, Approval(approved=False, by="ops"))
+            await handle.result()
+        assert not any(r.startswith("gpufleet:") for r in fleet.drain_reasons), message
 
 
 async def test_an_xid_on_a_retired_node_is_recorded_without_a_second_spare(env: WorkflowEnvironment) -> None:

@@ -55,9 +55,9 @@ with workflow.unsafe.imports_passed_through():
         SA_GPU_NODE,
         SA_XID,
         drain_reason,
+        drained_by_hook,
         drained_for,
         held_by_someone_else,
-        hook_drain,
     )
     from models.guard import GuardDecision
     from models.incident import Approval, CancelRequest, IncidentStatus, NodeInfo, Outcome, RemediationInput, Step
@@ -341,10 +341,12 @@ class NodeRemediationWorkflow(DrainAfterJobs, Approvals, Validation, Replacement
     def _held(self, reason: str) -> bool:
         """Whether the node's drain ``reason`` is someone else's hold. Slurm's drain after a failed
         Prolog or Epilog is not, when this incident was decided by the health_check event of
-        gpufleet's own check there: that drain is the incident's (its drain takes the reason over)."""
+        gpufleet's own check in that same hook: that drain is the incident's (its drain takes the
+        reason over). One from the HealthCheckProgram did not make a hook fail: the drain is another's."""
         if not held_by_someone_else(reason):
             return False
-        ours = hook_drain(reason) and self._deciding_event().kind is GpuEventKind.HEALTH_CHECK
+        deciding = self._deciding_event()
+        ours = deciding.kind is GpuEventKind.HEALTH_CHECK and drained_by_hook(reason, deciding.message)
         if ours and workflow.patched(HOOK_DRAINS_TAKEN):
             self._mark(
                 self._status.step, "took the drain", f"Slurm's {reason.strip()!r} follows gpufleet's health check"
