@@ -1,7 +1,8 @@
 """``gpufleet health-check``: the quick GPU checks for Slurm's Prolog, Epilog and HealthCheckProgram.
 
-They ask NVML whether it answers, whether it sees as many GPUs as the node should have, and
-whether each of them answers (none lost). They take a few tens of milliseconds: this module
+They ask NVML whether it answers, whether it sees as many GPUs as the node should have,
+whether each of them answers (none lost), and whether one's memory repair (a row remapping, a
+page retirement) waits for a GPU reset or failed. They take a few tens of milliseconds: this module
 imports the standard library, pynvml and the detector's inbox writer only (no pydantic, no
 Temporal, no Kubernetes client), and ``workers/command.py`` runs it before gpufleet's other
 commands are imported.
@@ -112,6 +113,7 @@ def _with_nvml(pynvml: Any, expected: int | None, extra: Sequence[Check]) -> Res
     if expected is not None and count != expected:
         failures.append(Failure("gpu_count", f"NVML sees {count} GPU(s), the node should have {expected}"))
     handles = []
+    answered: list[tuple[int, str | None, Any]] = []
     for index in range(count):
         pci = None
         try:
@@ -129,6 +131,8 @@ def _with_nvml(pynvml: Any, expected: int | None, extra: Sequence[Check]) -> Res
             )
             continue
         handles.append(handle)
+        answered.append((index, pci, handle))
+    failures.extend(_memory(pynvml, answered))
     for check in extra:
         try:
             failures.extend(check(pynvml, handles))
@@ -136,6 +140,38 @@ def _with_nvml(pynvml: Any, expected: int | None, extra: Sequence[Check]) -> Res
             failures.append(Failure(getattr(check, "__name__", "check"), f"NVML failed: {exc}"))
     said = f"{count} GPU(s) answer" if not failures else "; ".join(f"{f.check}: {f.message}" for f in failures)
     return Result(failures, said)
+
+
+def _memory(pynvml: Any, answered: Sequence[tuple[int, str | None, Any]]) -> list[Failure]:
+    """Each GPU's memory repair, as detector/degradation.py reads it: a row remapping (Ampere and
+    later) or a page retirement (before) that waits for a GPU reset, or a remapping that failed.
+    Until the reset, the GPU runs on with the bad memory; a job would meet it. A GPU or driver
+    without either call, or whose NVML errs on it, passes this check (the others have judged it)."""
+    failures = []
+    for index, pci, handle in answered:
+        where = f"GPU {index}{f' ({pci})' if pci else ''}"
+        rows = _optional(pynvml, "nvmlDeviceGetRemappedRows", handle)
+        if rows is not None:
+            _corrected, _uncorrected, pending, failed = rows
+            if failed:
+                failures.append(Failure("row_remap", f"{where}: a row remapping failed (replace the GPU)", pci=pci))
+            elif pending:
+                failures.append(Failure("row_remap", f"{where}: a row remapping waits for a GPU reset", pci=pci))
+            continue
+        if _optional(pynvml, "nvmlDeviceGetRetiredPagesPendingStatus", handle):
+            failures.append(Failure("retired_pages", f"{where}: a page retirement waits for a GPU reset", pci=pci))
+    return failures
+
+
+def _optional(pynvml: Any, name: str, *args: Any) -> Any:
+    """``pynvml.name(*args)``; None where the GPU, the driver or pynvml lacks it, or NVML errs."""
+    function = getattr(pynvml, name, None)
+    if function is None:
+        return None
+    try:
+        return function(*args)
+    except pynvml.NVMLError:
+        return None
 
 
 def _text(value: str | bytes) -> str:

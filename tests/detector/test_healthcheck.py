@@ -90,6 +90,36 @@ def test_a_lost_gpu_fails_the_epilog_and_names_the_gpu(stub_lib: Path, tmp_path:
     assert event.pci == "00000000:3C:00.0"
 
 
+def test_a_memory_repair_waiting_for_a_reset_or_failed_fails_the_prolog(stub_lib: Path, tmp_path: Path) -> None:
+    """Row remapping (Ampere and later) pending or failed, page retirement (before) pending: the
+    GPU runs on with the bad memory until a reset. Corrected rows alone, done, pass."""
+    cases = {
+        "1 remap 0 1 1 0\n": ("row_remap", "GPU 1 (00000000:3C:00.0): a row remapping waits for a GPU reset"),
+        "0 remap 0 1 0 1\n": ("row_remap", "GPU 0 (00000000:3B:00.0): a row remapping failed (replace the GPU)"),
+        "0 remap unsupported\n0 retired 1 0 2\n": (
+            "retired_pages",
+            "GPU 0 (00000000:3B:00.0): a page retirement waits for a GPU reset",
+        ),
+    }
+    for n, (state, (check, said)) in enumerate(cases.items()):
+        folder = tmp_path / str(n)
+        folder.mkdir()
+        (folder / "state").write_text(state)
+        env = {"STUB_NVML_STATE": str(folder / "state")}
+        done = health_check(folder, "--mode", "prolog", "--gpus", "2", lib=stub_lib, env=env)
+        assert done.returncode == 1, state
+        [event] = dropped(folder)
+        assert event.message == f"prolog: {check}: {said}"
+        assert event.pci == said.split("(")[1].split(")")[0]
+    healthy = tmp_path / "healthy"
+    healthy.mkdir()
+    (healthy / "state").write_text("0 remap 12 0 0 0\n1 remap unsupported\n")
+    env = {"STUB_NVML_STATE": str(healthy / "state")}
+    done = health_check(healthy, "--mode", "prolog", "--gpus", "2", lib=stub_lib, env=env)
+    assert done.returncode == 0, done.stderr
+    assert dropped(healthy) == []
+
+
 def test_without_nvml_a_gpu_node_fails_and_a_node_without_gpus_passes(tmp_path: Path) -> None:
     done = health_check(tmp_path, "--gpus", "2")
     assert done.returncode == 1
