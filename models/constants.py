@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from datetime import datetime
+from itertools import pairwise
 
 from temporalio.common import SearchAttributeKey
 
@@ -174,9 +175,14 @@ def drained_by_hook(reason: str, event_message: str) -> bool:
 
 def takes_over(current: str, reason: str) -> bool:
     """Whether gpufleet's drain ``reason`` replaces the node's ``current`` one: Slurm's drain after a
-    failed Prolog or Epilog, by an incident decided by gpufleet's own health check there (its
-    ``health_check`` event came through the node's detector), which is what made the hook fail."""
-    return hook_drain(current) and owned_reason(reason) and HEALTH_CHECK_WORD in reason.split()
+    failed Prolog or Epilog, by an incident decided by gpufleet's own health check in that same
+    hook (its reason names ``health_check prolog`` or ``health_check epilog``), which is what made
+    the hook fail. See ``drained_by_hook`` for why another hook's check does not count."""
+    if not (hook_drain(current) and owned_reason(reason)):
+        return False
+    hook = current.strip().lower().split()[0]
+    words = reason.split()
+    return any(word == HEALTH_CHECK_WORD and after == hook for word, after in pairwise(words))
 
 
 # The spare pool: which cluster a Node serves, nodes kept out of every pool, retired nodes.

@@ -24,6 +24,10 @@ class RecoveryAction(IntEnum):
     DRAIN_AND_RESET = 4
 
 
+# The modes of `gpufleet health-check` (detector/healthcheck.py), which start its event's message.
+HEALTH_CHECK_HOOKS = ("prolog", "epilog", "healthcheck")
+
+
 class GpuEventKind(StrEnum):
     """What the driver reported. Policy looks events up by (kind, code), so an NVSwitch SXid
     never meets the GPU Xid of the same number."""
@@ -105,11 +109,16 @@ class XidEvent(BaseModel):
 
     @property
     def reason_word(self) -> str:
-        """How a drain reason names it: "xid 79" (a bus loss too), "sxid 22013", "init_failed"."""
+        """How a drain reason names it: "xid 79" (a bus loss too), "sxid 22013", "init_failed";
+        "health_check prolog" (the Slurm hook whose check failed, as its message names it)."""
         if self.gpu_xid is not None:
             return f"xid {self.gpu_xid}"
         if self.kind is GpuEventKind.SXID:
             return f"sxid {self.xid}"
+        if self.kind is GpuEventKind.HEALTH_CHECK:
+            hook = self.message.split(":", 1)[0].strip()
+            if hook in HEALTH_CHECK_HOOKS:
+                return f"{self.kind.value} {hook}"
         return self.kind.value
 
 

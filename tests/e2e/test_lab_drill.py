@@ -371,7 +371,7 @@ def test_a_failed_prolog_health_check_opens_the_incident_and_the_job_runs_elsewh
         assert sent and sent[0]["kind"] == "health_check" and sent[0]["source"] == "health-check", sent
         assert sent[0]["message"].startswith("prolog: gpu_count: NVML sees 1 GPU(s), the node should have 2")
         # Its drain wrote gpufleet's reason over Slurm's "Prolog error" (the drain step's detail says).
-        assert "reason='gpufleet: health_check REBOOT_NODE incident " in timeline, timeline
+        assert "reason='gpufleet: health_check prolog REBOOT_NODE incident " in timeline, timeline
     finally:
         fleet.slurm.hook_gpus_file(failing).write_text("2\n")
     for _ in range(240):  # rebooted, its GPUs answer again: back in service

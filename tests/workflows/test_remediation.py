@@ -669,7 +669,7 @@ async def test_slurms_prolog_error_drain_after_a_health_check_is_the_incidents_o
         )
         status: IncidentStatus = await handle.result()
     assert status.outcome == Outcome.RESOLVED and status.approval is None
-    assert fleet.drain_reasons[0].startswith("gpufleet: health_check REPLACE_NODE incident ")
+    assert fleet.drain_reasons[0].startswith("gpufleet: health_check prolog REPLACE_NODE incident ")
     taken = [entry for entry in status.timeline if entry.event == "took the drain"]
     assert taken and "'Prolog error' follows gpufleet's health check" in taken[0].detail
 
