@@ -215,7 +215,7 @@ def drain(node: str, reason: str, *, scontrol: str = "scontrol", timeout: float 
     binary = shutil.which(scontrol)
     if binary is None:
         return f"{scontrol} not found on PATH: the node is not drained"
-    shown = _scontrol([binary, "show", "node", node, "--oneliner"], timeout)
+    shown = _scontrol([binary, "--oneliner", "show", "node", node], timeout)
     if isinstance(shown, str):
         return f"cannot read the node's state, so it is not drained: {shown}"
     state = _STATE.search(shown.stdout)
@@ -236,7 +236,7 @@ _OUT_OF_SERVICE = ("DRAIN", "DOWN", "FAIL")  # DRAIN also matches DRAINED and DR
 
 def _scontrol(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str] | str:
     """Run scontrol: what it answered, or what went wrong."""
-    what = f"scontrol {argv[1]}"
+    what = "scontrol " + next((a for a in argv[1:] if not a.startswith("-")), "")
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:

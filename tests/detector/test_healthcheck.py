@@ -140,7 +140,7 @@ def recording_scontrol(tmp_path: Path, state: str) -> tuple[dict[str, str], Path
     (bin_dir / "scontrol").write_text(
         "#!/bin/sh\n"
         f'echo "$*" >> {calls}\n'
-        'if [ "$1" = show ]; then\n'
+        'if [ "$2" = show ]; then\n'
         f'  echo "NodeName=gpu1 Arch=x86_64 State={state} Partitions=gpu Reason=PSU swap [ops@2026-12-06T09:00:00]"\n'
         "fi\n"
     )
@@ -154,7 +154,7 @@ def test_healthcheck_mode_drains_the_node_itself_and_exits_0(stub_lib: Path, tmp
     done = health_check(tmp_path, "--mode", "healthcheck", "--gpus", "2", gpus="1", lib=stub_lib, env=path)
     assert done.returncode == 0, done.stderr
     assert calls.read_text().splitlines() == [
-        "show node gpu1 --oneliner",
+        "--oneliner show node gpu1",
         "update NodeName=gpu1 State=DRAIN Reason=gpufleet: health_check gpu_count",
     ]
     assert [e.message for e in dropped(tmp_path)] == [
@@ -171,7 +171,7 @@ def test_healthcheck_mode_keeps_the_reason_of_a_node_out_of_service_already(stub
         path, calls = recording_scontrol(folder, state)
         done = health_check(folder, "--mode", "healthcheck", "--gpus", "2", gpus="1", lib=stub_lib, env=path)
         assert done.returncode == 0, done.stderr
-        assert calls.read_text().splitlines() == ["show node gpu1 --oneliner"], state
+        assert calls.read_text().splitlines() == ["--oneliner show node gpu1"], state
         assert f"gpu1 is {state} already (PSU swap [ops@2026-12-06T09:00:00]): its reason is kept" in done.stderr
         assert [e.kind for e in dropped(folder)] == [GpuEventKind.HEALTH_CHECK]  # reported all the same
 
