@@ -19,7 +19,7 @@ from temporalio.worker import Worker
 from models.constants import QUARANTINE_PROBATION, task_queue
 from models.guard import GuardStatus
 from models.incident import Outcome, Step
-from models.policy import Action, RepairSettings
+from models.policy import Action, DrainAfterJobsSettings, RepairSettings
 from models.requests import NodeFacts, ReturnNodeRequest
 from models.validation import (
     ProbationRequest,
@@ -221,3 +221,44 @@ async def test_nodes_return_skipping_validation_records_who_and_why(env: Workflo
     [why] = ladder.skips
     assert why.startswith("alice at ") and why.endswith(": vendor RMA, checked")
     assert [r.node for r in ladder.returned] == ["gpu1"]
+
+
+def drain_after_jobs_fleet(**ladder_settings: Any) -> tuple[Fleet, Ladder, list[Any]]:
+    """A fleet whose Xid 92 drains the node after its jobs (``then: validate``), the ladder on."""
+    from tests.workflows.test_drain_after_jobs import Jobs
+
+    fleet, ladder = ladder_fleet(**ladder_settings)
+    fleet.policy = fleet.policy.model_copy(update={"drain_after_jobs": DrainAfterJobsSettings()})
+    acts = [a for a in ladder.activities() if activity._Definition.must_from_callable(a).name != "jobs_on_node"]
+    return fleet, ladder, [*acts, Jobs(looks=2).activity()]
+
+
+async def test_then_validate_after_the_jobs_climbs_the_ladder_and_puts_the_node_on_probation(
+    env: WorkflowEnvironment,
+) -> None:
+    fleet, ladder, acts = drain_after_jobs_fleet()
+    async with running(env, fleet, activities=acts):
+        status = await (await start(env.client, fleet, node="gpu1", xid=92)).result()
+    assert status.outcome == Outcome.RESOLVED and status.action == Action.DRAIN_AFTER_JOBS
+    assert fleet.repairs == []  # the ladder, not the repair's lone check Job
+    assert [r.rung.name for r in ladder.ran] == ["quick", "dcgm", "nccl"]
+    [validated] = [e for e in status.timeline if e.step == Step.VALIDATE and e.event == "finished"]
+    assert "gpu1 passed validation" in validated.detail and "on probation until" in validated.detail
+    assert [p.node for p in ladder.probation if p.until is not None] == ["gpu1"]
+    assert fleet.resumed_nodes == ["gpu1"]
+
+
+async def test_then_validate_after_the_jobs_under_the_nccl_floor_replaces_the_node_and_counts(
+    env: WorkflowEnvironment,
+) -> None:
+    fleet, ladder, acts = drain_after_jobs_fleet()
+    ladder.busbw = 40.0
+    async with running(env, fleet, activities=acts):
+        status = await (await start(env.client, fleet, node="gpu1", xid=92)).result()
+        state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
+    assert status.outcome == Outcome.RESOLVED and status.action == Action.REPLACE_NODE and status.spare == "spare1"
+    assert fleet.resumed_nodes == [] and ladder.probation == [] and fleet.repairs == []
+    [escalated] = [e.detail for e in status.timeline if e.event == "escalated"]
+    assert "failed validation at rung nccl: failed 40 GB/s (threshold 100)" in escalated
+    assert "REPLACE_NODE" in fleet.drain_reasons[-1]
+    assert any(e.event == "validation failed" and e.detail.startswith("gpu1: nccl") for e in state.state.log)
