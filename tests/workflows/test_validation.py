@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from temporalio import activity
 from temporalio.client import WorkflowFailureError
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -22,6 +23,7 @@ from models.incident import Outcome, Step
 from models.policy import Action, DrainAfterJobsSettings, RepairSettings
 from models.requests import NodeFacts, ReturnNodeRequest
 from models.validation import (
+    ProbationInput,
     ProbationRequest,
     Rung,
     RungKind,
@@ -262,3 +264,25 @@ async def test_then_validate_after_the_jobs_under_the_nccl_floor_replaces_the_no
     assert "failed validation at rung nccl: failed 40 GB/s (threshold 100)" in escalated
     assert "REPLACE_NODE" in fleet.drain_reasons[-1]
     assert any(e.event == "validation failed" and e.detail.startswith("gpu1: nccl") for e in state.state.log)
+
+
+async def test_the_probation_ends_even_after_the_kubernetes_api_was_away_for_a_while(env: WorkflowEnvironment) -> None:
+    """The timer's one step outlasts an API server away for longer than an operator step's retries:
+    a node is never left on probation for good."""
+    tries: list[ProbationRequest] = []
+
+    @activity.defn(name="set_probation")
+    async def set_probation(request: ProbationRequest) -> bool:
+        tries.append(request)
+        if len(tries) <= 15:
+            raise ApplicationError("the Kubernetes API does not answer", type="Unavailable")
+        return True
+
+    until = (await env.get_current_time() + timedelta(hours=1)).replace(microsecond=0)
+    queue = f"probation-{uuid.uuid4().hex[:8]}"
+    async with Worker(env.client, task_queue=queue, workflows=[ProbationWorkflow], activities=[set_probation]):
+        said = await env.client.execute_workflow(
+            ProbationWorkflow.run, ProbationInput(node="gpu1", until=until), id=queue, task_queue=queue
+        )
+    assert said == "gpu1: probation ended"
+    assert len(tries) == 16 and {t.ending for t in tries} == {until} and {t.until for t in tries} == {None}
