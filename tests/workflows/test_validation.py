@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from temporalio import activity
 from temporalio.client import WorkflowFailureError
+from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
@@ -266,9 +267,15 @@ async def test_then_validate_after_the_jobs_under_the_nccl_floor_replaces_the_no
     assert any(e.event == "validation failed" and e.detail.startswith("gpu1: nccl") for e in state.state.log)
 
 
-async def test_the_probation_ends_even_after_the_kubernetes_api_was_away_for_a_while(env: WorkflowEnvironment) -> None:
+async def test_the_probation_ends_even_after_the_kubernetes_api_was_away_for_a_while(temporal_test_server: str) -> None:
     """The timer's one step outlasts an API server away for longer than an operator step's retries:
-    a node is never left on probation for good."""
+    a node is never left on probation for good. A server of its own: the module's holds the
+    earlier tests' workflows, whose waiting tasks keep its clock from skipping the retries' backoff."""
+    env = await WorkflowEnvironment.start_time_skipping(
+        data_converter=pydantic_data_converter,
+        test_server_existing_path=temporal_test_server,
+        test_server_startup_timeout=timedelta(seconds=60),
+    )
     tries: list[ProbationRequest] = []
 
     @activity.defn(name="set_probation")
@@ -280,9 +287,12 @@ async def test_the_probation_ends_even_after_the_kubernetes_api_was_away_for_a_w
 
     until = (await env.get_current_time() + timedelta(hours=1)).replace(microsecond=0)
     queue = f"probation-{uuid.uuid4().hex[:8]}"
-    async with Worker(env.client, task_queue=queue, workflows=[ProbationWorkflow], activities=[set_probation]):
-        said = await env.client.execute_workflow(
-            ProbationWorkflow.run, ProbationInput(node="gpu1", until=until), id=queue, task_queue=queue
-        )
+    try:
+        async with Worker(env.client, task_queue=queue, workflows=[ProbationWorkflow], activities=[set_probation]):
+            said = await env.client.execute_workflow(
+                ProbationWorkflow.run, ProbationInput(node="gpu1", until=until), id=queue, task_queue=queue
+            )
+    finally:
+        await env.shutdown()
     assert said == "gpu1: probation ended"
     assert len(tries) == 16 and {t.ending for t in tries} == {until} and {t.until for t in tries} == {None}
