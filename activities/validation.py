@@ -47,8 +47,8 @@ from models.validation import (
 )
 
 BASELINES_CONFIG_MAP = "gpufleet-validation-baselines"
-# nccl-tests' summary: "# Avg bus bandwidth    : 181.342".
-_BUS_BANDWIDTH = re.compile(r"Avg bus bandwidth\s*:\s*([0-9]+(?:\.[0-9]+)?)")
+# nccl-tests' summary: "# Avg bus bandwidth    : 181.342", printed with %g (so "5e-05" too).
+_BUS_BANDWIDTH = re.compile(r"Avg bus bandwidth\s*:\s*([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)")
 _GPU_COUNT = re.compile(r"^[0-9]{1,4}$")
 
 

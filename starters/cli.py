@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError, WorkflowQueryFailedError
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
 from models.constants import (
@@ -636,13 +636,22 @@ def nodes_return(
             by=by if skip_validation else "",
             reason=reason if skip_validation else "",
         )
-        handle = await client.start_workflow(
-            RETURN_NODE_WORKFLOW,
-            request,
-            id=return_workflow_id(this_cluster, node),
-            task_queue=task_queue(this_cluster),
-            result_type=str,
-        )
+        return_id = return_workflow_id(this_cluster, node)
+        try:
+            handle = await client.start_workflow(
+                RETURN_NODE_WORKFLOW,
+                request,
+                id=return_id,
+                task_queue=task_queue(this_cluster),
+                result_type=str,
+            )
+        except WorkflowAlreadyStartedError:
+            # An earlier `nodes return` whose terminal went away: its ladder climbs on regardless.
+            fail(
+                f"{node}'s return is already under way (workflow {return_id}, its validation may take a "
+                f"while); it goes on without this command: follow it with `temporal workflow show "
+                f"--workflow-id {return_id} --follow`, and run this again once it has ended if it failed"
+            )
         waiting = asyncio.ensure_future(handle.result())
         shown, running = 0, ""
         while not waiting.done():

@@ -11,11 +11,12 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
+from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
 
 from workflows.patches import VALIDATION_LADDER
 from workflows.remediation.validate import begin_probation, climb, failed_validation
-from workflows.retries import HEARTBEAT, NODES_RETRY, NODES_STEP
+from workflows.retries import HEARTBEAT, NODES_RETRY, NODES_STEP, PROBATION_END_RETRY
 
 with workflow.unsafe.imports_passed_through():
     from activities.guard import GuardActivities
@@ -47,14 +48,16 @@ async def _tell_guard(signal: str, command: GuardCommand) -> None:
     )
 
 
-async def _step(method: Any, *args: Any, summary: str, timeout: timedelta = NODES_STEP) -> Any:
+async def _step(
+    method: Any, *args: Any, summary: str, timeout: timedelta = NODES_STEP, retry: RetryPolicy = NODES_RETRY
+) -> Any:
     """One activity of an operator's workflow on a node."""
     return await workflow.execute_activity_method(
         method,
         args=args,
         start_to_close_timeout=timeout,
         heartbeat_timeout=HEARTBEAT if timeout > NODES_STEP else None,
-        retry_policy=NODES_RETRY,
+        retry_policy=retry,
         summary=summary,
     )
 
@@ -162,6 +165,7 @@ class ProbationWorkflow:
             ValidationActivities.set_probation,
             ProbationRequest(node=params.node, ending=params.until),
             summary=f"end the probation of {params.node}",
+            retry=PROBATION_END_RETRY,
         )
         return f"{params.node}: probation ended" if ended else f"{params.node}: a later probation stands"
 

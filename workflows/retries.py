@@ -105,6 +105,13 @@ NODES_RETRY = RetryPolicy(
     non_retryable_error_types=list(NON_RETRYABLE),
 )
 NODES_STEP = timedelta(seconds=30)
+# The end of a node's probation (ProbationWorkflow), the timer's one step: tried until done (the
+# Kubernetes API may be away for longer than NODES_RETRY's minute or so), else the node would
+# keep gpufleet.io/probation for good.
+PROBATION_END_RETRY = RetryPolicy(
+    maximum_interval=timedelta(minutes=5),
+    non_retryable_error_types=list(NON_RETRYABLE),
+)
 
 # -- pool rebalancing ------------------------------------------------------------------------------
 

@@ -54,6 +54,14 @@ def climb(kube: KubernetesApi, kind: RungKind, *, request_id: str = "return-gpu1
 def test_nccl_tests_summary_is_read() -> None:
     assert bus_bandwidth("# Out of bounds values : 0 OK\n# Avg bus bandwidth    : 181.342 \n#\n") == 181.342
     assert bus_bandwidth("nothing here") is None
+    # As srun prefixes it, and after NCCL's own lines.
+    assert bus_bandwidth(" 0: # Out of bounds values : 0 OK\n 0: # Avg bus bandwidth    : 37.9868\n") == 37.9868
+
+
+def test_a_bus_bandwidth_printed_with_an_exponent_is_read_whole() -> None:
+    """nccl-tests prints the average with %g: a link all but dead reads "5e-05", never 5 GB/s."""
+    assert bus_bandwidth("# Avg bus bandwidth    : 5e-05 \n#\n") == 5e-05
+    assert bus_bandwidth("# Avg bus bandwidth    : 1.23457e+06\n") == 1234570.0
 
 
 @pytest.mark.usefixtures("runner")

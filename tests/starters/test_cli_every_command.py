@@ -426,3 +426,27 @@ def test_a_model_refusing_what_a_command_passed_it_is_bad_input_not_a_settings_e
     assert ran.code == 2
     line = ran.error_line()
     assert line.startswith("error: invalid XidEvent: node: ") and "GPUFLEET" not in line
+
+
+def test_nodes_return_while_an_earlier_return_still_validates_says_so_in_one_line(
+    temporal: str, stopped: dict[str, str]
+) -> None:
+    """A return's validation ladder may take most of an hour: a second ``nodes return`` of the
+    node meanwhile (the first one's terminal went away) names the return under way."""
+    from temporalio.client import Client
+
+    from models.constants import RETURN_NODE_WORKFLOW, return_workflow_id, task_queue
+
+    async def under_way() -> None:
+        client = await Client.connect(temporal)
+        await client.start_workflow(
+            RETURN_NODE_WORKFLOW,
+            id=return_workflow_id("research", "gpu1"),
+            task_queue=task_queue("research"),  # no worker: it stays under way
+        )
+
+    asyncio.run(under_way())
+    ran = gpufleet("nodes", "return", "gpu1", env={**stopped, "TEMPORAL_ADDRESS": temporal})
+    assert ran.code == 1, (ran.out, ran.err)
+    line = ran.error_line()
+    assert "gpu1's return is already under way (workflow return-research-gpu1" in line, line

@@ -13,15 +13,18 @@ from typing import Any
 import pytest
 from temporalio import activity
 from temporalio.client import WorkflowFailureError
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from models.constants import QUARANTINE_PROBATION, task_queue
 from models.guard import GuardStatus
 from models.incident import Outcome, Step
-from models.policy import Action, RepairSettings
+from models.policy import Action, DrainAfterJobsSettings, RepairSettings
 from models.requests import NodeFacts, ReturnNodeRequest
 from models.validation import (
+    ProbationInput,
     ProbationRequest,
     Rung,
     RungKind,
@@ -221,3 +224,75 @@ async def test_nodes_return_skipping_validation_records_who_and_why(env: Workflo
     [why] = ladder.skips
     assert why.startswith("alice at ") and why.endswith(": vendor RMA, checked")
     assert [r.node for r in ladder.returned] == ["gpu1"]
+
+
+def drain_after_jobs_fleet(**ladder_settings: Any) -> tuple[Fleet, Ladder, list[Any]]:
+    """A fleet whose Xid 92 drains the node after its jobs (``then: validate``), the ladder on."""
+    from tests.workflows.test_drain_after_jobs import Jobs
+
+    fleet, ladder = ladder_fleet(**ladder_settings)
+    fleet.policy = fleet.policy.model_copy(update={"drain_after_jobs": DrainAfterJobsSettings()})
+    acts = [a for a in ladder.activities() if activity._Definition.must_from_callable(a).name != "jobs_on_node"]
+    return fleet, ladder, [*acts, Jobs(looks=2).activity()]
+
+
+async def test_then_validate_after_the_jobs_climbs_the_ladder_and_puts_the_node_on_probation(
+    env: WorkflowEnvironment,
+) -> None:
+    fleet, ladder, acts = drain_after_jobs_fleet()
+    async with running(env, fleet, activities=acts):
+        status = await (await start(env.client, fleet, node="gpu1", xid=92)).result()
+    assert status.outcome == Outcome.RESOLVED and status.action == Action.DRAIN_AFTER_JOBS
+    assert fleet.repairs == []  # the ladder, not the repair's lone check Job
+    assert [r.rung.name for r in ladder.ran] == ["quick", "dcgm", "nccl"]
+    [validated] = [e for e in status.timeline if e.step == Step.VALIDATE and e.event == "finished"]
+    assert "gpu1 passed validation" in validated.detail and "on probation until" in validated.detail
+    assert [p.node for p in ladder.probation if p.until is not None] == ["gpu1"]
+    assert fleet.resumed_nodes == ["gpu1"]
+
+
+async def test_then_validate_after_the_jobs_under_the_nccl_floor_replaces_the_node_and_counts(
+    env: WorkflowEnvironment,
+) -> None:
+    fleet, ladder, acts = drain_after_jobs_fleet()
+    ladder.busbw = 40.0
+    async with running(env, fleet, activities=acts):
+        status = await (await start(env.client, fleet, node="gpu1", xid=92)).result()
+        state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
+    assert status.outcome == Outcome.RESOLVED and status.action == Action.REPLACE_NODE and status.spare == "spare1"
+    assert fleet.resumed_nodes == [] and ladder.probation == [] and fleet.repairs == []
+    [escalated] = [e.detail for e in status.timeline if e.event == "escalated"]
+    assert "failed validation at rung nccl: failed 40 GB/s (threshold 100)" in escalated
+    assert "REPLACE_NODE" in fleet.drain_reasons[-1]
+    assert any(e.event == "validation failed" and e.detail.startswith("gpu1: nccl") for e in state.state.log)
+
+
+async def test_the_probation_ends_even_after_the_kubernetes_api_was_away_for_a_while(temporal_test_server: str) -> None:
+    """The timer's one step outlasts an API server away for longer than an operator step's retries:
+    a node is never left on probation for good. A server of its own: the module's holds the
+    earlier tests' workflows, whose waiting tasks keep its clock from skipping the retries' backoff."""
+    env = await WorkflowEnvironment.start_time_skipping(
+        data_converter=pydantic_data_converter,
+        test_server_existing_path=temporal_test_server,
+        test_server_startup_timeout=timedelta(seconds=60),
+    )
+    tries: list[ProbationRequest] = []
+
+    @activity.defn(name="set_probation")
+    async def set_probation(request: ProbationRequest) -> bool:
+        tries.append(request)
+        if len(tries) <= 15:
+            raise ApplicationError("the Kubernetes API does not answer", type="Unavailable")
+        return True
+
+    until = (await env.get_current_time() + timedelta(hours=1)).replace(microsecond=0)
+    queue = f"probation-{uuid.uuid4().hex[:8]}"
+    try:
+        async with Worker(env.client, task_queue=queue, workflows=[ProbationWorkflow], activities=[set_probation]):
+            said = await env.client.execute_workflow(
+                ProbationWorkflow.run, ProbationInput(node="gpu1", until=until), id=queue, task_queue=queue
+            )
+    finally:
+        await env.shutdown()
+    assert said == "gpu1: probation ended"
+    assert len(tries) == 16 and {t.ending for t in tries} == {until} and {t.until for t in tries} == {None}
