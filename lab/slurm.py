@@ -158,18 +158,36 @@ class SlurmLab:
         wait_for(self._controller_up, timeout=timeout, what="slurmctld to answer")
         for node in self.all_nodes:
             (self.root / "spool" / node).mkdir(exist_ok=True)
-            self._record(
-                f"slurmd-{node}",
-                spawn(
-                    self.argv(["slurmd", "-D", "-N", node, "-f", str(self.conf)]),
-                    log=self.logs / f"slurmd-{node}.out",
-                    env=self.env,
-                ),
-            )
+            self._spawn_slurmd(node)
+        # Slurm 23.11 and later: a cluster's slurmds share its /run/slurm (lab/inroot.py), where
+        # each binds the same sack socket at start; two binding at the same instant collide, and
+        # the one that lost exits ("Unable to bind UNIX socket"). It is started again (twice at most).
+        again: dict[str, int] = {}
+
+        def registered() -> bool:
+            if not self.install.on_host:
+                pids = self.pids()
+                for node in self.all_nodes:
+                    pid = pids.get(f"slurmd-{node}")
+                    if pid is not None and not alive(pid) and again.get(node, 0) < 2:
+                        again[node] = again.get(node, 0) + 1
+                        self._spawn_slurmd(node)
+            return self._nodes_up()
+
         try:
-            wait_for(self._nodes_up, timeout=timeout, what="every slurmd to register")
+            wait_for(registered, timeout=timeout, what="every slurmd to register")
         except TimeoutError as exc:
             raise TimeoutError(f"{exc}: {self._registration_report()}") from None
+
+    def _spawn_slurmd(self, node: str) -> None:
+        self._record(
+            f"slurmd-{node}",
+            spawn(
+                self.argv(["slurmd", "-D", "-N", node, "-f", str(self.conf)]),
+                log=self.logs / f"slurmd-{node}.out",
+                env=self.env,
+            ),
+        )
 
     def _registration_report(self) -> str:
         """What Slurm says of the nodes that did not register, and the end of the first one's
