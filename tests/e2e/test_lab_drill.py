@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import getpass
+import itertools
 import json
 import re
 import socket
@@ -338,9 +339,7 @@ def test_a_failed_prolog_health_check_opens_the_incident_and_the_job_runs_elsewh
         """Two idle nodes, Slurm's first try not on probation (the validation drill's node is:
         an event there replaces it at once, which is that drill's to show)."""
         idle = idle_nodes()
-        return [
-            (a, b) for a, b in zip(idle, idle[1:], strict=False) if not kube.get_node(a).labels.get(PROBATION_LABEL)
-        ]
+        return [(a, b) for a, b in itertools.pairwise(idle) if not kube.get_node(a).labels.get(PROBATION_LABEL)]
 
     for _ in range(120):
         found = pairs()
