@@ -371,7 +371,9 @@ def test_a_failed_prolog_health_check_opens_the_incident_and_the_job_runs_elsewh
         timeline = " ".join(str(entry) for entry in shown["timeline"])
         # Slurm wrote the failed attempt's "Error running slurm prolog" there first.
         assert f"ran on {healthy}" in out, out
-        assert slurm.job(job).restarts >= 1  # requeued after the prolog failed, not held
+        # Requeued after the prolog failed, not held (nohold_on_prolog_fail): it ran to its end.
+        # (Whether Slurm counts that requeue in Restarts differs from run to run; not asserted.)
+        assert slurm.job(job).state == "COMPLETED", slurm.job(job)
         assert shown["events"][:1] == ["health_check"], shown
         assert "held by someone else" not in timeline
         assert not shown["waiting_for_approval"], shown
