@@ -88,6 +88,8 @@ class LabConfig:
     # default: static Slurm nodes named after the Kubernetes nodes; slinky: a Slinky cluster's
     # objects in the API, its NodeSet's pods as dynamic Slurm 26.05 nodes, slurmrestd (lab/slinkylab.py).
     flavor: str = "default"
+    # Slurm's Prolog, Epilog and HealthCheckProgram run gpufleet health-check (docs/health-check.md).
+    health_checks: bool = True
 
 
 def _runs(services: dict[str, Any], name: str) -> bool:
@@ -119,7 +121,7 @@ class FleetLab:
                 release=SLINKY_RELEASE,
                 binds=[self.home],
                 extra_lines=jwt_lines(self.jwt_key_file),
-                health_checks=True,  # Prolog, Epilog, HealthCheckProgram: docs/health-check.md
+                health_checks=self.config.health_checks,  # Prolog, Epilog, HealthCheckProgram
             )
             return
         self.slurm = SlurmLab(
@@ -134,7 +136,7 @@ class FleetLab:
             release=self.config.slurm,
             # The jobs' checkpoints and logs, and the nodes' GPU faults, live under the home.
             binds=[self.home],
-            health_checks=True,  # Prolog, Epilog, HealthCheckProgram: docs/health-check.md
+            health_checks=self.config.health_checks,  # Prolog, Epilog, HealthCheckProgram
         )
 
     @property

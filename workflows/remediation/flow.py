@@ -346,13 +346,29 @@ class NodeRemediationWorkflow(DrainAfterJobs, Approvals, Validation, Replacement
         if not held_by_someone_else(reason):
             return False
         deciding = self._deciding_event()
-        ours = deciding.kind is GpuEventKind.HEALTH_CHECK and drained_by_hook(reason, deciding.message)
+        # Slurm runs the Epilog after a failed Prolog: both hooks' events reach the incident, in
+        # either order. The drain is ours when one of them comes from the hook Slurm names.
+        ours = deciding.kind is GpuEventKind.HEALTH_CHECK and any(
+            event.kind is GpuEventKind.HEALTH_CHECK and drained_by_hook(reason, event.message) for event in self._events
+        )
         if ours and workflow.patched(HOOK_DRAINS_TAKEN):
             self._mark(
                 self._status.step, "took the drain", f"Slurm's {reason.strip()!r} follows gpufleet's health check"
             )
             return False
         return True
+
+    def _reason_word(self) -> str:
+        """How the drain reason names the incident's event: the deciding one's word; for a failed
+        health check, the prolog's when the prolog failed (its Epilog's event may come first), so
+        that the drain written over Slurm's "Prolog error" names the hook that made it."""
+        deciding = self._deciding_event()
+        if deciding.kind is GpuEventKind.HEALTH_CHECK:
+            checks = [event for event in self._events if event.kind is GpuEventKind.HEALTH_CHECK]
+            prolog = [event for event in checks if event.message.startswith("prolog:")]
+            if prolog:
+                return prolog[0].reason_word
+        return deciding.reason_word
 
     async def _drain_in_slurm(self, params: RemediationInput) -> NodeInfo:
         status = self._status
@@ -363,7 +379,7 @@ class NodeRemediationWorkflow(DrainAfterJobs, Approvals, Validation, Replacement
             DrainRequest(
                 node=params.node,
                 reason=drain_reason(
-                    event=self._deciding_event().reason_word, action=status.action.value, incident_id=status.incident_id
+                    event=self._reason_word(), action=status.action.value, incident_id=status.incident_id
                 ),
                 dry_run=self._dry_run,
             ),
