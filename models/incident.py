@@ -8,6 +8,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
+from models.goodput import IncidentLedger
 from models.guard import GuardStatus
 from models.policy import Action, RemediationSettings
 from models.xid import XidEvent
@@ -91,6 +92,8 @@ class JobInfo(BaseModel):
     # which can no longer be requeued.
     in_controller: bool = True
     comment: str = ""  # the job's own Comment: a job says when it last checkpointed here
+    # GPUs allocated to the job on all its nodes (squeue's tres-alloc gres/gpu); 0: Slurm did not say.
+    gpus: int = 0
 
     @property
     def checkpointed_at(self) -> datetime | None:
@@ -193,8 +196,10 @@ class IncidentStatus(BaseModel):
     # Jobs the failure had already ended when the incident looked (FAILED, NODE_FAIL), requeued
     # at once; they are in ``requeued`` too.
     ended: list[int] = Field(default_factory=list)
-    # The requeued jobs seen running again.
+    # The requeued jobs seen running again, and when each started again (Slurm's StartTime,
+    # else when the incident saw it running).
     ran_again: list[int] = Field(default_factory=list)
+    ran_again_at: dict[int, datetime] = Field(default_factory=dict)
     skipped: dict[int, str] = Field(default_factory=dict)
     unrequeued: dict[int, str] = Field(default_factory=dict)
     spare: str | None = None
@@ -236,6 +241,8 @@ class IncidentStatus(BaseModel):
     # Cancelled: by whom and why ("by alice: wrong node"); and what the cancel left for a person.
     cancelled: str = ""
     left: list[str] = Field(default_factory=list)
+    # What the failure cost (models/goodput.py), computed as the incident closes.
+    ledger: IncidentLedger | None = None
 
 
 class CarriedIncident(BaseModel):
