@@ -934,3 +934,8 @@ def resume(
         else:
             waiting = len(status.state.waiting)
             console.print(f"cluster {name}: resumed; {waiting} incident(s) waiting go on as slots free up.")
+
+
+from starters.report import report  # noqa: E402 - the command lives in its own module
+
+app.command()(report)
