@@ -47,6 +47,7 @@ from models.incident import IncidentStatus, RemediationInput
 from models.names import InvalidName, validate_cluster_name, validate_node_name
 from models.trace import Trace, TraceEvent, TraceFailure
 from models.xid import GpuEventKind
+from starters.temporal import connect, refused
 from workflows.guard import FleetGuardWorkflow
 
 REPORT_FORMAT = "gpufleet-report/1"
@@ -182,6 +183,8 @@ class Skipped(BaseModel):
     dry_runs: int = 0
     # Runs that continued as new mid-incident (the incident closes in a later run).
     continued_as_new: int = 0
+    # Runs whose ledger names an incident already counted from another run.
+    repeated: int = 0
 
 
 class Report(BaseModel):
@@ -252,7 +255,11 @@ async def _result(client: Client, execution: WorkflowExecution) -> IncidentStatu
     handle = client.get_workflow_handle(execution.id, run_id=execution.run_id, result_type=IncidentStatus)
     try:
         status: IncidentStatus = await handle.result(follow_runs=False)
-    except (WorkflowFailureError, RPCError, ValidationError, TypeError, ValueError):
+    except RPCError as exc:
+        if refused(exc):
+            raise
+        return None
+    except (WorkflowFailureError, ValidationError, TypeError, ValueError):
         return None
     return status if isinstance(status, IncidentStatus) else None
 
@@ -263,7 +270,9 @@ async def _closes_incident(client: Client, execution: WorkflowExecution) -> bool
     handle = client.get_workflow_handle(execution.id, run_id=execution.run_id)
     try:
         history = await handle.fetch_history()
-    except RPCError:
+    except RPCError as exc:
+        if refused(exc):
+            raise
         return False
     for event in reversed(history.events):
         if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW:
@@ -439,6 +448,7 @@ async def find(client: Client, *, since: datetime, cluster: str | None, want_eve
         incident = _incident(execution, ledger, source=source, summary=summary, status=status, cluster=this_cluster)
         key = incident.incident_id or f"{incident.workflow_id}/{incident.run_id}"
         if key in seen_incidents:
+            found.skipped.repeated += 1
             continue
         seen_incidents.add(key)
         found.incidents.append(incident)
@@ -461,7 +471,11 @@ async def guard_nodes(client: Client, cluster: str) -> int | None:
     handle = client.get_workflow_handle(guard_workflow_id(cluster))
     try:
         status = await handle.query(FleetGuardWorkflow.status, rpc_timeout=timedelta(seconds=GUARD_QUERY_SECONDS))
-    except (RPCError, WorkflowQueryFailedError, ValidationError, TypeError, ValueError):
+    except RPCError as exc:
+        if refused(exc):
+            raise
+        return None
+    except (WorkflowQueryFailedError, ValidationError, TypeError, ValueError):
         return None
     return status.nodes if isinstance(status, GuardStatus) and status.nodes > 0 else None
 
@@ -683,7 +697,7 @@ def write_png(report: Report, path: Path) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValueError("--png needs matplotlib (pip install matplotlib); --json needs nothing") from None
+        raise ValueError("--png needs matplotlib (pip install matplotlib); --json and the table need nothing") from None
     phases = list(report.by_phase.items())
     causes = list(report.by_cause.items())
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.4 * max(len(phases), len(causes), 4) + 2))
@@ -710,6 +724,14 @@ def write_png(report: Report, path: Path) -> Path:
     _atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return path
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _cause_word(cause: str) -> str:
@@ -758,6 +780,9 @@ def _atomic(path: Path, write: Any) -> None:
     os.close(handle)
     try:
         write(tmp)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # as an ordinary new file, not mkstemp's 0600
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -807,13 +832,13 @@ def report(
             validate_cluster_name(cluster)
     except (ValueError, InvalidName) as exc:
         fail(str(exc), code=2)
+    if png is not None and not _has_matplotlib():
+        fail("--png needs matplotlib (pip install matplotlib); --json and the table need nothing", code=2)
     for given, option in ((png, "--png"), (export_trace, "--export-trace")):
         if given is not None and not given.resolve().parent.is_dir():
             fail(f"{option} {given}: its directory {given.resolve().parent} does not exist", code=2)
 
     async def go() -> Report:
-        from starters.temporal import connect
-
         client = await connect()
         return await build(
             client, period=period, cluster=cluster, training=training_gpus, want_events=export_trace is not None

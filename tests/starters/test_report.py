@@ -339,7 +339,7 @@ async def test_the_json_accounts_for_every_incident_once_and_adds_up(fleet: Flee
     assert by_id["alpha-gpu2-20261206T090000Z"]["outcome"] == "failed"
     assert [row["workflow_id"] for row in got["without_ledger"]] == [remediation_workflow_id(ALPHA, "gpu5")]
     assert got["open"] == [remediation_workflow_id(ALPHA, "gpu6")]
-    assert got["skipped"] == {"dry_runs": 1, "continued_as_new": 1}
+    assert got["skipped"] == {"dry_runs": 1, "continued_as_new": 1, "repeated": 0}
 
     books = _ledgers(fleet.counted)
     lost = sum(book.gpu_seconds_lost for book in books)
@@ -441,6 +441,20 @@ def test_a_bad_since_is_refused_in_one_line(since: str) -> None:
     assert ran.returncode == 2
     assert ran.stderr.strip().startswith("error: --since")
     assert len(ran.stderr.strip().splitlines()) == 1
+
+
+def test_png_without_matplotlib_says_what_to_install(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['matplotlib'] = None\n")
+    ran = gpufleet_cli(
+        "report",
+        "--png",
+        str(tmp_path / "where.png"),
+        env={"TEMPORAL_ADDRESS": "127.0.0.1:1", "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"},
+    )
+    assert (ran.returncode, ran.stderr.strip()) == (
+        2,
+        "error: --png needs matplotlib (pip install matplotlib); --json and the table need nothing",
+    )
 
 
 def test_since_and_p95() -> None:
