@@ -14,7 +14,7 @@ import os
 import re
 import tempfile
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
@@ -32,7 +32,7 @@ from temporalio.client import (
     WorkflowFailureError,
     WorkflowQueryFailedError,
 )
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from models.constants import (
     REMEDIATION_WORKFLOW,
@@ -382,6 +382,23 @@ def _query(cluster: str | None, *, closed_since: datetime | None) -> str:
     return " AND ".join(parts)
 
 
+async def _runs(
+    client: Client, cluster: str | None, *, closed_since: datetime | None
+) -> AsyncIterator[WorkflowExecution]:
+    """The runs ``_query`` lists; a server that cannot filter on the cluster (no ``Cluster``
+    search attribute registered, no STARTS_WITH) lists every cluster's, for the caller to sort."""
+    listed = False
+    try:
+        async for execution in client.list_workflows(_query(cluster, closed_since=closed_since)):
+            listed = True
+            yield execution
+    except RPCError as exc:
+        if listed or cluster is None or exc.status != RPCStatusCode.INVALID_ARGUMENT:
+            raise
+        async for execution in client.list_workflows(_query(None, closed_since=closed_since)):
+            yield execution
+
+
 def _node_gpus(status: IncidentStatus | None) -> int | None:
     value = getattr(status.settings, "node_gpus", None) if status is not None else None
     return value if isinstance(value, int) and value > 0 else None
@@ -397,7 +414,7 @@ async def find(client: Client, *, since: datetime, cluster: str | None, want_eve
     found = Found()
     dry_prefix = dry_run_workflow_id("", "").rstrip("-")
     seen_incidents: set[str] = set()
-    async for execution in client.list_workflows(_query(cluster, closed_since=since)):
+    async for execution in _runs(client, cluster, closed_since=since):
         if execution.id.startswith(dry_prefix):
             found.skipped.dry_runs += 1
             continue
@@ -427,6 +444,9 @@ async def find(client: Client, *, since: datetime, cluster: str | None, want_eve
         if ledger is None and status is not None and status.ledger is not None:
             ledger, source = status.ledger, "result"
         if status is not None:
+            if cluster is not None and status.cluster and status.cluster != cluster:
+                continue  # started without search attributes, of a cluster whose name begins with this one's
+            this_cluster = status.cluster or this_cluster
             gpus = _node_gpus(status)
             if gpus is not None:
                 found.node_gpus.setdefault(status.cluster or this_cluster, gpus)
@@ -439,7 +459,7 @@ async def find(client: Client, *, since: datetime, cluster: str | None, want_eve
                     workflow_id=execution.id,
                     run_id=execution.run_id,
                     cluster=this_cluster,
-                    node=_node_of(execution.id, this_cluster),
+                    node=status.node if status is not None else _node_of(execution.id, this_cluster),
                     status=execution.status.name if execution.status else "",
                     closed_at=execution.close_time or datetime.now(UTC),
                 )
@@ -452,7 +472,7 @@ async def find(client: Client, *, since: datetime, cluster: str | None, want_eve
             continue
         seen_incidents.add(key)
         found.incidents.append(incident)
-    async for execution in client.list_workflows(_query(cluster, closed_since=None)):
+    async for execution in _runs(client, cluster, closed_since=None):
         if execution.id.startswith(dry_prefix):
             continue
         attribute = execution.typed_search_attributes.get(SA_CLUSTER)
@@ -840,9 +860,15 @@ def report(
 
     async def go() -> Report:
         client = await connect()
-        return await build(
-            client, period=period, cluster=cluster, training=training_gpus, want_events=export_trace is not None
-        )
+        try:
+            return await build(
+                client, period=period, cluster=cluster, training=training_gpus, want_events=export_trace is not None
+            )
+        except RPCError as exc:
+            if refused(exc):
+                raise
+            answer = exc.status.name if exc.status else "an error"
+            fail(f"Temporal answered {answer} while the report read the incidents: {exc.message}")
 
     result: Report = run_async(go())
     if as_json:

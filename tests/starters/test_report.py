@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 from temporalio import workflow
 from temporalio.client import Client, WorkflowFailureError
@@ -31,6 +33,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
+from lab.procs import free_port
 from models.constants import (
     GUARD_WORKFLOW,
     REMEDIATION_WORKFLOW,
@@ -48,6 +51,8 @@ from models.trace import Trace
 from models.xid import GpuEventKind, XidEvent
 from starters.report import p95, parse_since
 from tests.conftest import REPO, gpufleet_cli, start_dev_server
+from tests.starters.test_cli_every_command import gpufleet
+from tests.starters.test_cli_properties import answered
 
 QUEUE = "report-test"
 ALPHA, BETA = "alpha", "alpha-b"  # the second's workflow IDs begin with the first's prefix
@@ -337,7 +342,9 @@ async def test_the_json_accounts_for_every_incident_once_and_adds_up(fleet: Flee
     by_id = {row["incident_id"]: row for row in got["incidents"]}
     assert by_id["alpha-gpu4-20261206T110000Z"]["ledger_from"] == "result"
     assert by_id["alpha-gpu2-20261206T090000Z"]["outcome"] == "failed"
-    assert [row["workflow_id"] for row in got["without_ledger"]] == [remediation_workflow_id(ALPHA, "gpu5")]
+    assert [(row["workflow_id"], row["cluster"], row["node"]) for row in got["without_ledger"]] == [
+        (remediation_workflow_id(ALPHA, "gpu5"), ALPHA, "gpu5")
+    ]
     assert got["open"] == [remediation_workflow_id(ALPHA, "gpu6")]
     assert got["skipped"] == {"dry_runs": 1, "continued_as_new": 1, "repeated": 0}
 
@@ -455,6 +462,18 @@ def test_png_without_matplotlib_says_what_to_install(tmp_path: Path) -> None:
         2,
         "error: --png needs matplotlib (pip install matplotlib); --json and the table need nothing",
     )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    since=st.text(max_size=12) | st.sampled_from(["30d", "1s", "99999999d", "0s", "3650d", "3651d"]),
+    cluster=st.text(max_size=12) | st.sampled_from(["alpha", "Alpha", "a" * 41]),
+    training=st.text(max_size=6) | st.sampled_from(["0", "-3", "64", "1e9"]),
+)
+def test_any_argument_is_taken_or_refused_in_one_line(since: str, cluster: str, training: str) -> None:
+    stopped = {"TEMPORAL_ADDRESS": f"127.0.0.1:{free_port()}"}
+    ran = gpufleet("report", "--since", since, "--cluster", cluster, "--training-gpus", training, env=stopped)
+    answered(ran, {**stopped, "GPUFLEET_SLURMRESTD_URL": "-"}, ok=False)
 
 
 def test_since_and_p95() -> None:
