@@ -188,11 +188,9 @@ def ledger_for(
 
     stopped = list(dict.fromkeys([*status.signalled, *status.ended, *status.requeued]))
     ran_again = {job_id: at for job_id, at in status.ran_again_at.items() if job_id in stopped}
-    if stopped and len(ran_again) == len(stopped):
-        recovered = max(ran_again.values())
-    else:
-        recovered = closed
-    recovered = max(recovered, requeued)
+    # Every stopped job running again is the recovery; else it lasted until the close.
+    every_one_back = bool(stopped) and len(ran_again) == len(stopped)
+    recovered = max(max(ran_again.values()) if every_one_back else closed, requeued)
 
     waited = _first(timeline, "wait_for_spare", "started")
     spare: tuple[datetime, datetime] | None = None
