@@ -162,7 +162,7 @@ class RemediationSettings(BaseModel):
     failure_window_seconds: Finite = Field(default=120.0, ge=0, le=3600)
     # GPUs per node, for the goodput ledger (docs/goodput.md): a job whose GPUs Slurm does not
     # report (no gres/gpu in its TRES) counts this many per node it ran on.
-    node_gpus: int = Field(default=8, ge=1, le=1024)
+    node_gpus: Whole = Field(default=8, ge=1, le=1024)
 
 
 # What follows DRAIN_AFTER_JOBS once the node's jobs have ended: the node is validated (and

@@ -156,7 +156,7 @@ def checkpoint_done(
 
 def _record_checkpoint(job_id: int, at: int, step: int | None) -> None:
     """The job's checkpoint mark written through the Slurm backend the settings name."""
-    from clients.errors import ClientError, NotFound
+    from clients.errors import ClientError, NotFound, Unavailable
     from clients.slurmrest_protocol import slurm_client
 
     try:
@@ -181,8 +181,11 @@ def _record_checkpoint(job_id: int, at: int, step: int | None) -> None:
         record(job_id, at, step)
     except NotFound as exc:
         fail(f"{exc}: is the job still known to Slurm?", code=2)
+    except Unavailable as exc:  # a service that does not answer is not bad input: exit 1
+        where = "GPUFLEET_SLURMRESTD_URL" if settings.slurm_backend == "rest" else "SLURM_CONF"
+        fail(f"job {job_id}'s checkpoint mark was not written: Slurm did not answer: {exc} (start it, or set {where})")
     except (ClientError, ValueError) as exc:
-        fail(f"the checkpoint mark of job {job_id} was not written: {exc}")
+        fail(f"job {job_id}'s checkpoint mark was not written: {exc}", code=2)
 
 
 @app.command()
