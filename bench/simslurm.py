@@ -76,6 +76,7 @@ class _Job:
     start_time: datetime | None = None
     exits_at: float | None = None  # signalled: when it will have saved and exited
     admin_comment: str = ""
+    gpus: int = 8  # its TRES gres/gpu: one whole node's GPUs
 
     def info(self) -> JobInfo:
         return JobInfo(
@@ -87,6 +88,7 @@ class _Job:
             nodes=self.node,
             requeue=self.requeue,
             start_time=self.start_time,
+            gpus=self.gpus,
         )
 
 
@@ -102,6 +104,7 @@ class SimulatedSlurm:
         spares: Iterable[str] = (),
         checkpoint_seconds: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        gpus_per_node: int = 8,
     ) -> None:
         self._lock = threading.Lock()
         self._clock = clock
@@ -119,7 +122,7 @@ class SimulatedSlurm:
         for name in training:
             self._nodes[checked_node_name(name)] = _Node(name)
             self._partitions[partition][name] = None
-            job = _Job(job_id=len(self._jobs) + 1, partition=partition, user="researcher")
+            job = _Job(job_id=len(self._jobs) + 1, partition=partition, user="researcher", gpus=gpus_per_node)
             self._jobs[job.job_id] = job
             self._start(job, name)
         for name in spares:

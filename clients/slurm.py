@@ -38,7 +38,7 @@ from clients.errors import (
 )
 from models.constants import owned_reason as owned_reason  # re-exported for the spare pool
 from models.constants import takes_over
-from models.incident import JobInfo, NodeInfo
+from models.incident import JobInfo, NodeInfo, with_checkpoint
 
 _UNREACHABLE = (
     "unable to contact slurm controller",
@@ -66,6 +66,24 @@ def gpus_in(gres: str) -> int:
     """GPUs per node in a job's gres as squeue prints it (``gres:gpu:2``, ``gres/gpu:a100:4``,
     ``gpu:8``; ``N/A`` or none: 0)."""
     return sum(int(count) for count in _GPU_GRES.findall(gres))
+
+
+def gpus_allocated(tres: str) -> int:
+    """A job's GPUs on all its nodes from its TRES as Slurm prints them (squeue's ``tres-alloc``,
+    the JSON's ``tres_alloc_str``): ``cpu=2,mem=1G,node=1,billing=2,gres/gpu=2`` is 2. The untyped
+    ``gres/gpu`` is the total; without it the typed ones (``gres/gpu:h100=8``) are added up. 0 when
+    none is named (a cluster without gres.conf, a job that asked for no GPU)."""
+    total: int | None = None
+    typed = 0
+    for item in tres.split(","):
+        name, _, value = item.strip().partition("=")
+        if not value.strip().isdigit():
+            continue
+        if name == "gres/gpu":
+            total = int(value)
+        elif name.startswith("gres/gpu:"):
+            typed += int(value)
+    return total if total is not None else typed
 
 
 # Pending reasons of jobs that would not start on a free node now (held, waiting for another job
@@ -371,6 +389,17 @@ class SlurmCli:
             raise
         return True
 
+    def record_checkpoint(self, job_id: int, at: int, step: int | None = None) -> str:
+        """Set the job's checkpoint mark in its Comment (``gpufleet:checkpoint:<at>[:<step>]``,
+        docs/goodput.md), replacing an earlier one and keeping the rest; the job's owner may.
+        Returns the Comment as written."""
+        job_id = checked_job_id(job_id)
+        comment = self.job(job_id).comment
+        updated = with_checkpoint(comment, at, step)
+        if updated != comment:
+            self._run(["scontrol", "update", f"JobId={job_id}", f"Comment={updated}"])
+        return updated
+
     def _squeue(self, *filters: str) -> list[JobInfo]:
         """``squeue --noheader --Format=...`` with ``filters``, parsed.
 
@@ -520,6 +549,8 @@ _SQUEUE_FIELDS = (
     "Comment",
     "STDOUT",
     "EndTime",
+    # What the job holds (or, pending, asks for): its GPUs (gres/gpu), printed alike by 22.05 and 23.11+.
+    "tres-alloc",
 )
 
 
@@ -534,7 +565,7 @@ def parse_squeue_format(out: str, *, separator: str, terminator: str) -> list[Jo
         fields = (record.removeprefix("\n") if index else record).split(separator)
         if len(fields) != len(_SQUEUE_FIELDS):
             raise ClientError(f"squeue printed {len(fields)} fields where {len(_SQUEUE_FIELDS)} were asked for")
-        job_id, name, user, state, restarts, nodes, requeue, started, comment, stdout, ended = fields
+        job_id, name, user, state, restarts, nodes, requeue, started, comment, stdout, ended, tres = fields
         if not job_id.strip().isdigit() or not restarts.strip().isdigit():
             raise ClientError(f"squeue printed a malformed job record: {record[:200]!r}")
         nodes, state = nodes.strip(), state.strip().upper()
@@ -552,6 +583,7 @@ def parse_squeue_format(out: str, *, separator: str, terminator: str) -> list[Jo
                 # A job that still runs (or waits) has an EndTime too: when its time limit ends.
                 end_time=_slurm_time(ended) if state in ENDED_STATES else None,
                 comment="" if comment.strip() == "(null)" else comment,
+                gpus=gpus_allocated(tres),
             )
         )
     return jobs
@@ -676,6 +708,8 @@ def job_from_json(raw: Mapping[str, Any]) -> JobInfo:
         start_time=_epoch(_number(raw.get("start_time"), default=0)),
         end_time=_epoch(_number(raw.get("end_time"), default=0)) if state in ENDED_STATES else None,
         comment=_text(raw.get("comment")),
+        # Allocated once it runs; what it asked for while it waits (a requeued job, say).
+        gpus=gpus_allocated(_text(raw.get("tres_alloc_str"))) or gpus_allocated(_text(raw.get("tres_req_str"))),
     )
 
 

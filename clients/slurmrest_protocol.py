@@ -101,7 +101,7 @@ from clients.slurm import (
 )
 from clients.slurmrest import VERSIONS, jwt_token
 from models.constants import owned_reason, takes_over
-from models.incident import JobInfo, NodeInfo
+from models.incident import JobInfo, NodeInfo, with_checkpoint
 
 # Every method of the Protocol, in its order.
 PROTOCOL_METHODS = (
@@ -672,6 +672,18 @@ class SlurmRest:
                     return False
                 raise
         return True
+
+    def record_checkpoint(self, job_id: int, at: int, step: int | None = None) -> str:
+        """Set the job's checkpoint mark in its Comment, replacing an earlier one and keeping the
+        rest (docs/goodput.md). Returns the Comment as written."""
+        job_id = checked_job_id(job_id)
+        with self._lock:
+            comment = self.job(job_id).comment
+            updated = with_checkpoint(comment, at, step)
+            if updated != comment:
+                refuse_writes(f"slurmrestd comment on job {job_id}")
+                self._call("POST", self._path("job", str(job_id)), body={"comment": updated})
+        return updated
 
     # -- partitions -------------------------------------------------------------------------------
 

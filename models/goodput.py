@@ -14,10 +14,16 @@ metric, `gpufleet report` and `gpufleet whatif` alike.
 
 from __future__ import annotations
 
-from datetime import datetime
+import re
+from datetime import UTC, datetime
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
+
+if TYPE_CHECKING:  # models/incident.py imports this module
+    from models.incident import IncidentStatus, JobInfo, TimelineEntry
+    from models.xid import XidEvent
 
 
 class Phase(StrEnum):
@@ -76,3 +82,170 @@ class IncidentLedger(BaseModel):
     def cost(self, phase: Phase) -> PhaseCost:
         """The phase's entry (a zero one when the ledger has none)."""
         return next((entry for entry in self.phases if entry.phase is phase), PhaseCost(phase=phase))
+
+
+# -- the computation --------------------------------------------------------------------------------
+
+
+def count_hosts(hostlist: str) -> int:
+    """How many hosts a Slurm hostlist names (``gpu[01-04,07],cpu1``: 6); 0 for none or for text
+    that is no hostlist (the caller falls back on one node)."""
+    total = 0
+    depth = 0
+    part = ""
+    for char in hostlist.strip() + ",":
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                return 0
+        if char == "," and depth == 0:
+            hosts = _part_hosts(part.strip())
+            if hosts < 0:
+                return 0
+            total += hosts
+            part = ""
+        else:
+            part += char
+    return total if depth == 0 else 0
+
+
+def _part_hosts(part: str) -> int:
+    """The hosts of one hostlist item (``r[1-2]n[1-2]``: 4); -1 for what is no hostlist."""
+    if not part:
+        return 0
+    hosts = 1
+    for ranges in re.findall(r"\[([^\[\]]*)\]", part):
+        count = 0
+        for item in ranges.split(","):
+            low, _, high = item.strip().partition("-")
+            if not low.isdigit() or (high and not high.isdigit()):
+                return -1
+            count += (int(high) - int(low) + 1) if high else 1
+            if high and int(high) < int(low):
+                return -1
+        hosts *= count
+    return hosts
+
+
+def job_gpus(job: JobInfo | None, node_gpus: int) -> int:
+    """A stopped job's GPUs: as Slurm said (its TRES gres/gpu), else ``node_gpus`` per node of
+    the job (RemediationSettings.node_gpus), else ``node_gpus`` (its nodes unknown: one node)."""
+    if job is not None and job.gpus > 0:
+        return job.gpus
+    nodes = count_hosts(job.nodes) if job is not None else 0
+    return node_gpus * max(nodes, 1)
+
+
+def _first(timeline: list[TimelineEntry], step: str, event: str, after: datetime | None = None) -> datetime | None:
+    """When the timeline first has ``step``'s ``event`` (at or after ``after``), else None."""
+    for entry in timeline:
+        if entry.step == step and entry.event == event and (after is None or entry.at >= after):
+            return entry.at
+    return None
+
+
+def _aware(at: datetime) -> datetime:
+    """A time without a zone is UTC (a detector that wrote none)."""
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+
+
+def _overlap(start: datetime, end: datetime, span: tuple[datetime, datetime] | None) -> float:
+    """Seconds [start, end] shares with ``span``."""
+    if span is None:
+        return 0.0
+    return max(0.0, (min(end, span[1]) - max(start, span[0])).total_seconds())
+
+
+def ledger_for(
+    status: IncidentStatus,
+    events: list[XidEvent],
+    *,
+    node_gpus: int,
+    now: datetime,
+    cause: str = "",
+    jobs: list[JobInfo] | None = None,
+) -> IncidentLedger:
+    """What the incident's failure cost, by phase (docs/goodput.md#the-ledger). Pure: the same
+    record gives the same ledger, in a workflow or out of it; it never raises on an odd record
+    (boundaries out of order are clipped, each to the one before).
+
+    ``events`` are the incident's events (the earliest timestamp is the failure), ``now`` the
+    close when the timeline has no CLOSED entry (an incident that failed), ``cause`` the deciding
+    event's label (default: the first event's), ``jobs`` the jobs as listed when the failure
+    stopped them (default: ``status.jobs``; their Comments carry the checkpoints before the
+    failure, where a listing after the restart may carry a later one)."""
+    timeline = status.timeline
+    detected = timeline[0].at if timeline else now
+    failed = min((_aware(event.timestamp) for event in events), default=detected)
+    failed = min(failed, detected)
+    drained = max(_first(timeline, "drain_slurm", "finished") or detected, detected)
+    graced = max(_first(timeline, "checkpoint", "finished") or drained, drained)
+    requeue = _first(timeline, "requeue", "finished") or _first(timeline, "requeue_ended", "finished")
+    requeued = max(requeue or graced, graced)
+    closed = _first(timeline, "closed", "started") or now
+
+    stopped = list(dict.fromkeys([*status.signalled, *status.ended, *status.requeued]))
+    ran_again = {job_id: at for job_id, at in status.ran_again_at.items() if job_id in stopped}
+    # Every stopped job running again is the recovery; else it lasted until the close.
+    every_one_back = bool(stopped) and len(ran_again) == len(stopped)
+    recovered = max(max(ran_again.values()) if every_one_back else closed, requeued)
+
+    waited = _first(timeline, "wait_for_spare", "started")
+    spare: tuple[datetime, datetime] | None = None
+    if waited is not None:
+        claimed = _first(timeline, "claim_spare", "finished", after=waited)
+        spare = (waited, max(claimed or recovered, waited))
+
+    known = {job.job_id: job for job in (status.jobs if jobs is None else jobs)}
+    if jobs is not None:  # a job not in the failure's listing may be in the latest one
+        known = {**{job.job_id: job for job in status.jobs}, **known}
+    gpus_of = {job_id: job_gpus(known.get(job_id), node_gpus) for job_id in stopped}
+    gpus = sum(gpus_of.values())
+
+    def span(phase: Phase, start: datetime, end: datetime) -> PhaseCost:
+        seconds = max(0.0, (end - start).total_seconds())
+        return PhaseCost(phase=phase, seconds=seconds, gpu_seconds=seconds * gpus)
+
+    phases = [
+        span(Phase.DETECTION, failed, detected),
+        span(Phase.DRAIN, detected, drained),
+        span(Phase.GRACE, drained, graced),
+        span(Phase.REQUEUE, graced, requeued),
+    ]
+    waiting = _overlap(requeued, recovered, spare)
+    restarting = max(0.0, (recovered - requeued).total_seconds() - waiting)
+    wait_gpu = restart_gpu = 0.0
+    for job_id, job_gpu_count in gpus_of.items():
+        back = min(max(ran_again.get(job_id, recovered), requeued), recovered)
+        job_wait = _overlap(requeued, back, spare)
+        wait_gpu += job_gpu_count * job_wait
+        restart_gpu += job_gpu_count * max(0.0, (back - requeued).total_seconds() - job_wait)
+    phases.append(PhaseCost(phase=Phase.SPARE_WAIT, seconds=waiting, gpu_seconds=wait_gpu))
+    phases.append(PhaseCost(phase=Phase.RESTART, seconds=restarting, gpu_seconds=restart_gpu))
+
+    unknown: list[int] = []
+    lost_seconds = 0.0
+    lost_gpu: float | None = None if stopped else 0.0
+    for job_id in stopped:
+        saved = known[job_id].checkpointed_at if job_id in known else None
+        if saved is None:
+            unknown.append(job_id)
+            continue
+        lost = max(0.0, (failed - saved).total_seconds())
+        lost_seconds = max(lost_seconds, lost)
+        lost_gpu = (lost_gpu or 0.0) + gpus_of[job_id] * lost
+    phases.append(PhaseCost(phase=Phase.LOST_WORK, seconds=lost_seconds, gpu_seconds=lost_gpu))
+
+    return IncidentLedger(
+        cause=cause or (events[0].label if events else ""),
+        failed_at=failed,
+        detected_at=detected,
+        recovered_at=recovered,
+        recovery_seconds=(recovered - failed).total_seconds(),
+        gpus=gpus,
+        phases=phases,
+        lost_work_unknown=unknown,
+        gpu_seconds_lost=sum(phase.gpu_seconds or 0.0 for phase in phases),
+    )

@@ -70,9 +70,18 @@ class NodeInfo(BaseModel):
         return "DRAIN" in self.flags or self.state in {"DRAINED", "DRAINING"}
 
 
-# In a job's Comment (``scontrol update JobId=$SLURM_JOB_ID Comment=gpufleet:checkpoint:$(date +%s)``,
-# which a job's owner may run): the job saved a checkpoint at that time.
-CHECKPOINT_MARK = re.compile(r"gpufleet:checkpoint:(\d{1,12})\b")
+# In a job's Comment (``gpufleet checkpoint-done`` writes it from inside the job; or
+# ``scontrol update JobId=$SLURM_JOB_ID Comment=gpufleet:checkpoint:$(date +%s)``): the job saved a
+# checkpoint at that Unix time, of that training step when one follows (docs/goodput.md).
+CHECKPOINT_MARK = re.compile(r"gpufleet:checkpoint:(\d{1,12})(?::(\d{1,18}))?\b")
+
+
+def with_checkpoint(comment: str, at: int, step: int | None = None) -> str:
+    """The job's Comment with its checkpoint mark set to ``at`` (and ``step``): an earlier mark is
+    replaced, the rest of the comment kept as it was."""
+    mark = f"gpufleet:checkpoint:{at}" + (f":{step}" if step is not None else "")
+    rest = " ".join(CHECKPOINT_MARK.sub("", comment).split())
+    return f"{rest} {mark}" if rest else mark
 
 
 class JobInfo(BaseModel):
@@ -98,14 +107,24 @@ class JobInfo(BaseModel):
     @property
     def checkpointed_at(self) -> datetime | None:
         """When the job last saved a checkpoint, as it said in its Comment
-        (``gpufleet:checkpoint:<unix seconds>``, the latest one), else None."""
-        times = []
-        for stamp in CHECKPOINT_MARK.findall(self.comment):
+        (``gpufleet:checkpoint:<unix seconds>[:<step>]``, the latest one), else None."""
+        latest = self._checkpoint()
+        return latest[0] if latest else None
+
+    @property
+    def checkpoint_step(self) -> int | None:
+        """The training step of the job's latest checkpoint, when its mark names one."""
+        latest = self._checkpoint()
+        return latest[1] if latest else None
+
+    def _checkpoint(self) -> tuple[datetime, int | None] | None:
+        marks = []
+        for stamp, step in CHECKPOINT_MARK.findall(self.comment):
             try:
-                times.append(datetime.fromtimestamp(int(stamp), tz=UTC))
+                marks.append((datetime.fromtimestamp(int(stamp), tz=UTC), int(step) if step else None))
             except (ValueError, OverflowError, OSError):
                 continue  # not a time (year 33658, say): as if the job had not said
-        return max(times, default=None)
+        return max(marks, key=lambda mark: mark[0], default=None)
 
 
 class RequeueOutcome(StrEnum):

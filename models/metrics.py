@@ -20,6 +20,16 @@ INCIDENTS_FAILED_HELP = (
     "Incidents that failed, by cluster, the step they stopped at and the error's type (dry runs not counted)."
 )
 
+# What incidents cost in GPU time (models/goodput.py, docs/goodput.md): GPU-seconds lost, by
+# cluster, the ledger's phase (detection, drain, grace, requeue, spare_wait, restart, lost_work)
+# and its cause (the deciding event, "Xid 79"); counted once as each incident closes, whole seconds
+# (Temporal's counters count integers), lost work only where the jobs reported checkpoints.
+GPU_SECONDS_LOST = "gpufleet_gpu_seconds_lost_total"
+GPU_SECONDS_LOST_HELP = (
+    "GPU-seconds lost to failures, by cluster, recovery phase and cause, counted as each incident closes "
+    "(dry runs not counted; lost work only where jobs reported checkpoints)."
+)
+
 # How long each remediation step took, recorded when the step finishes.
 STEP_DURATION = "gpufleet_step_duration_seconds"
 STEP_DURATION_HELP = "Time from a remediation step's start to its end, by cluster and step."

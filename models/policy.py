@@ -160,6 +160,9 @@ class RemediationSettings(BaseModel):
     # this long before the incident's first event (a GPU that fails kills its job within seconds,
     # sometimes before the driver's line reaches the log).
     failure_window_seconds: Finite = Field(default=120.0, ge=0, le=3600)
+    # GPUs per node, for the goodput ledger (docs/goodput.md): a job whose GPUs Slurm does not
+    # report (no gres/gpu in its TRES) counts this many per node it ran on.
+    node_gpus: Whole = Field(default=8, ge=1, le=1024)
 
 
 # What follows DRAIN_AFTER_JOBS once the node's jobs have ended: the node is validated (and

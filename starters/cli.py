@@ -40,6 +40,7 @@ from models.constants import (
     return_workflow_id,
     task_queue,
 )
+from models.goodput import IncidentLedger, Phase
 from models.guard import GuardCommand, GuardInput, GuardStatus
 from models.incident import Approval, CancelRequest, IncidentStatus, Outcome, Step, seen
 from models.names import InvalidName, validate_cluster_name, validate_node_name
@@ -220,6 +221,31 @@ def print_incident(status: IncidentStatus, *, as_json: bool) -> None:
             *(escape(str(v)) for v in (entry.step, entry.event, entry.detail)),
         )
     console.print(table)
+    if status.ledger is not None:
+        print_ledger(status.ledger)
+
+
+def print_ledger(ledger: IncidentLedger) -> None:
+    """What the failure cost (docs/goodput.md): each phase's seconds and GPU-hours, the lost work
+    where the jobs reported checkpoints, and which jobs reported none."""
+    console.print(
+        f"cost of {escape(ledger.cause or 'the failure')}: recovered in {ledger.recovery_seconds:.1f}s "
+        f"({ledger.failed_at:%H:%M:%S} to {ledger.recovered_at:%H:%M:%S} UTC), {ledger.gpus} GPU(s) stopped, "
+        f"{ledger.gpu_seconds_lost / 3600:.2f} GPU-hours lost"
+        + (" and lost work unknown" if ledger.lost_work_unknown else "")
+    )
+    table = Table("phase", "seconds", "GPU-hours")
+    for phase in Phase:
+        cost = ledger.cost(phase)
+        hours = "unknown" if cost.gpu_seconds is None else f"{cost.gpu_seconds / 3600:.2f}"
+        table.add_row(phase.value.replace("_", " "), f"{cost.seconds:.1f}", hours)
+    console.print(table)
+    if ledger.lost_work_unknown:
+        jobs = ", ".join(map(str, ledger.lost_work_unknown))
+        console.print(
+            f"[yellow]lost work unknown[/] for job(s) {jobs}: no checkpoint reported "
+            "(`gpufleet checkpoint-done` inside the job after each save; docs/goodput.md)"
+        )
 
 
 async def _wait_for(
@@ -312,7 +338,7 @@ def remediate(
 # -- signals -------------------------------------------------------------------------------------
 
 
-def _signal_incident(node: str, cluster: str | None, signal: Any, *args: Any) -> None:
+def signal_incident(node: str, cluster: str | None, signal: Any, *args: Any) -> None:
     """Send ``signal`` to the node's open incident; a clear error when there is none."""
     try:
         validate_node_name(node)
@@ -332,16 +358,15 @@ def _signal_incident(node: str, cluster: str | None, signal: Any, *args: Any) ->
     run_async(go())
 
 
-@app.command("checkpoint-done")
-def checkpoint_done(
-    job_id: Annotated[int, typer.Argument(help="The Slurm job that saved its checkpoint.")],
-    node: Annotated[str, typer.Option(help="A node of the job that has an open incident.")],
-    cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
-) -> None:
-    """Tell the node's incident that JOB_ID has checkpointed, so its grace period ends early."""
+# `gpufleet checkpoint-done` writes the job's Comment through Slurm as well: the composition root
+# registers it (workers/entry.py), with signal_incident above and checked_job_id below.
+
+
+def checked_job_id(job_id: int) -> int:
+    """``job_id`` when Slurm could have it (1..2**31-1), else exit 2 naming it."""
     if not 0 < job_id < 2**31:
         fail(f"job id {job_id} is not a Slurm job id (1..{2**31 - 1})", code=2)
-    _signal_incident(node, cluster, NodeRemediationWorkflow.checkpoint_done, job_id)
+    return job_id
 
 
 @app.command("spare-available")
@@ -350,7 +375,7 @@ def spare_available(
     cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
 ) -> None:
     """Tell an incident waiting for a spare to look again now."""
-    _signal_incident(node, cluster, NodeRemediationWorkflow.spare_available)
+    signal_incident(node, cluster, NodeRemediationWorkflow.spare_available)
 
 
 # -- incidents -----------------------------------------------------------------------------------

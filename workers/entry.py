@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
@@ -21,8 +22,8 @@ from temporalio.service import RPCError
 
 from models.plugins import COMMANDS, installed
 from models.policy import PolicyError
-from models.settings import Settings, settings_error
-from starters.cli import app, fail, run_async, say_error
+from models.settings import CLUSTER_HELP, Settings, settings_error
+from starters.cli import app, checked_job_id, fail, run_async, say_error, signal_incident
 from starters.temporal import (
     ApiCredentials,
     TemporalUnreachable,
@@ -31,6 +32,7 @@ from starters.temporal import (
     refused,
     use_api_credentials,
 )
+from workflows.remediation import NodeRemediationWorkflow
 
 try:  # typer 0.2x carries its own copy of click
     from typer._click.exceptions import ClickException
@@ -101,6 +103,89 @@ def worker() -> None:
         fail(f"worker: {exc}")
     except KeyboardInterrupt:
         pass
+
+
+# A Unix time gpufleet takes for a checkpoint: after 2001 and before the year 33658.
+_CHECKPOINT_TIMES = (10**9, 10**12)
+
+
+@app.command("checkpoint-done")
+def checkpoint_done(
+    job_id: Annotated[
+        int | None,
+        typer.Argument(
+            help="The Slurm job that saved a checkpoint (default: $SLURM_JOB_ID, inside the job).", show_default=False
+        ),
+    ] = None,
+    step: Annotated[int | None, typer.Option(min=0, help="The training step the checkpoint holds.")] = None,
+    at: Annotated[
+        int | None, typer.Option(help="When it was saved, in Unix seconds (default: now).", show_default=False)
+    ] = None,
+    node: Annotated[
+        str | None,
+        typer.Option(help="A node of the job with an open incident: tell it too, so its grace ends early."),
+    ] = None,
+    cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
+    mark: Annotated[
+        bool, typer.Option(help="Write the mark in the job's Comment (--no-mark: only tell the incident).")
+    ] = True,
+) -> None:
+    """A job saved a checkpoint: record it in the job's Comment (gpufleet:checkpoint:UNIX[:STEP]),
+    and with --node tell the node's open incident. Run it inside the job after each save.
+
+    gpufleet counts what a failure costs from the last checkpoint a job reported (docs/goodput.md);
+    a job that reports none has lost work gpufleet counts as unknown. The mark replaces an earlier
+    one and keeps the rest of the Comment; the job's owner may write it (scontrol update).
+    """
+    if job_id is None:
+        from_env = os.environ.get("SLURM_JOB_ID", "")
+        if not from_env.strip().isdigit():
+            fail("no JOB given and $SLURM_JOB_ID is not set: run it inside the job, or name the job", code=2)
+        job_id = int(from_env)
+    job_id = checked_job_id(job_id)
+    saved = int(time.time()) if at is None else at
+    if not _CHECKPOINT_TIMES[0] <= saved < _CHECKPOINT_TIMES[1]:
+        fail(f"--at {saved} is not a Unix time in seconds (e.g. $(date +%s))", code=2)
+    if not mark and node is None:
+        fail("--no-mark without --node does nothing: name the node whose incident to tell", code=2)
+    if node is not None:
+        signal_incident(node, cluster, NodeRemediationWorkflow.checkpoint_done, job_id)
+    if mark:
+        _record_checkpoint(job_id, saved, step)
+
+
+def _record_checkpoint(job_id: int, at: int, step: int | None) -> None:
+    """The job's checkpoint mark written through the Slurm backend the settings name."""
+    from clients.errors import ClientError, NotFound, Unavailable
+    from clients.slurmrest_protocol import slurm_client
+
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        fail(settings_error(exc), code=2)
+    try:
+        slurm = slurm_client(
+            settings.slurm_backend,
+            slurm_conf=settings.slurm_conf,
+            bin_dir=settings.slurm_bin_dir,
+            timeout_seconds=settings.slurm_timeout_seconds,
+            restd_url=settings.slurmrestd_url,
+            restd_version=settings.slurmrestd_version,
+            restd_user=settings.slurmrestd_user,
+            restd_key_file=settings.slurmrestd_jwt_key_file,
+            restd_token_file=settings.slurmrestd_token_file,
+        )
+        record = getattr(slurm, "record_checkpoint", None)
+        if record is None:
+            fail(f"Slurm backend {settings.slurm_backend} cannot write a job's Comment", code=2)
+        record(job_id, at, step)
+    except NotFound as exc:
+        fail(f"{exc}: is the job still known to Slurm?", code=2)
+    except Unavailable as exc:  # a service that does not answer is not bad input: exit 1
+        where = "GPUFLEET_SLURMRESTD_URL" if settings.slurm_backend == "rest" else "SLURM_CONF"
+        fail(f"job {job_id}'s checkpoint mark was not written: Slurm did not answer: {exc} (start it, or set {where})")
+    except (ClientError, ValueError) as exc:
+        fail(f"job {job_id}'s checkpoint mark was not written: {exc}", code=2)
 
 
 @app.command()

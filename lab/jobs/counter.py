@@ -2,7 +2,8 @@
 
 Every rank counts steps; rank 0 saves ``{"step": N}`` atomically (temp file, rename) every
 ``--checkpoint-every`` steps and on SIGTERM, then exits promptly. On start it loads the
-checkpoint and logs ``resumed from step N``.
+checkpoint and logs ``resumed from step N``. Rank 0 reports its checkpoints to gpufleet
+(``gpufleet checkpoint-done``, at most every ``--report-every`` seconds: lab/jobs/report.py).
 
 In the lab (``$GPUFLEET_LAB_FAULTS`` set) every rank looks at its node's GPU fault at each step
 (lab/faults.py): it crashes or hangs with its GPU, and stops as in a collective that never
@@ -21,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 
 from lab.faults import RankFaults
+from lab.jobs.report import CheckpointReports
 
 
 def save(path: Path, step: int) -> None:
@@ -42,7 +44,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100000)
     parser.add_argument("--step-seconds", type=float, default=0.2)
     parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--report-every", type=float, default=30.0, help="seconds between reports; 0: none")
     args = parser.parse_args()
+    reports = CheckpointReports(args.report_every)
 
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     node = os.environ.get("SLURMD_NODENAME", "?")
@@ -68,6 +72,7 @@ def main() -> None:
         if rank == 0 and step % args.checkpoint_every == 0:
             save(args.checkpoint, step)
             print(f"checkpoint saved at step {step}", flush=True)
+            reports.saved(step)
     if stopping:
         if rank == 0:
             save(args.checkpoint, step)

@@ -4,7 +4,9 @@ Launched by ``srun`` inside ``ddp.sbatch``: one task per node, rank and world si
 Slurm. Rank 0 saves model, optimizer and step atomically (temp file, then rename) every
 ``--checkpoint-every`` steps and on SIGTERM; every rank agrees on stopping through an
 all-reduce, so a signal seen by one rank a step early cannot deadlock the others. On
-start it loads the checkpoint and logs ``resumed from step N``.
+start it loads the checkpoint and logs ``resumed from step N``. Rank 0 reports its
+checkpoints to gpufleet (``gpufleet checkpoint-done``, at most every ``--report-every``
+seconds: lab/jobs/report.py).
 
 In the lab (``$GPUFLEET_LAB_FAULTS`` set) each rank looks at its node's GPU fault at every step
 (lab/faults.py) and crashes or hangs with its GPU; the ranks on other nodes then wait in their
@@ -26,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lab.faults import RankFaults
+from lab.jobs.report import CheckpointReports
 
 
 def save_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
@@ -40,7 +43,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100000)
     parser.add_argument("--step-seconds", type=float, default=0.2)
     parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--report-every", type=float, default=30.0, help="seconds between reports; 0: none")
     args = parser.parse_args()
+    reports = CheckpointReports(args.report_every if int(os.environ["SLURM_PROCID"]) == 0 else 0)
 
     rank = int(os.environ["SLURM_PROCID"])
     world = int(os.environ["SLURM_NTASKS"])
@@ -93,6 +98,7 @@ def main() -> None:
         if rank == 0 and step % args.checkpoint_every == 0:
             save_checkpoint(args.checkpoint, model=model.module, optimizer=optimizer, step=step)
             print(f"checkpoint saved at step {step} (loss {loss.item():.4f})", flush=True)
+            reports.saved(step)
         time.sleep(args.step_seconds)
     dist.destroy_process_group()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,6 +23,7 @@ from clients.errors import ClientError, InvalidInput, NotFound, NotOwned, Unavai
 from clients.slurm import (
     Pending,
     SlurmCli,
+    gpus_allocated,
     gpus_in,
     job_from_json,
     parse_node_record,
@@ -33,6 +35,7 @@ from lab.procs import free_port, wait_for
 from lab.slurm import SlurmLab, SlurmLabSpec, slurm_installed
 from lab.slurmroots import RootError, root_unavailable
 from models.incident import JobInfo
+from tests.conftest import REPO
 
 DATA = Path(__file__).parent / "data"
 slurm_daemons = pytest.mark.slurm
@@ -444,6 +447,7 @@ def test_parse_squeue_format_splits_on_the_call_token_only() -> None:
             "(null)",
             "/out|x/%j.out",
             "2026-12-03T11:00:00",  # a running job's EndTime is when its time limit ends: not kept
+            "cpu=16,mem=64G,node=2,billing=16,gres/gpu=16",  # tres-alloc: its GPUs on both nodes
         ],
         [
             "13",
@@ -457,6 +461,7 @@ def test_parse_squeue_format_splits_on_the_call_token_only() -> None:
             "gpufleet:checkpoint:1764756000 ok",
             "/dev/null",
             "2026-12-03T10:05:00",
+            "cpu=1,node=1,billing=1",  # no GPU named (a cluster without gres.conf)
         ],
     ]
     out = "".join(sep.join(row) + end + "\n" for row in rows)
@@ -471,6 +476,7 @@ def test_parse_squeue_format_splits_on_the_call_token_only() -> None:
             requeue=True,
             stdout="/out|x/%j.out",
             start_time=datetime.fromisoformat("2026-12-03T10:00:00").astimezone(UTC),
+            gpus=16,
         ),
         JobInfo(
             job_id=13,
@@ -521,6 +527,33 @@ def test_marks_are_kept_on_the_job_beside_what_the_site_wrote(
     assert slurm.mark_job(job_id, "gpufleet:requeued:lab-gpu2-20261202T000000Z:0") is False  # finished: refused
 
 
+@pytest.mark.parametrize(
+    ("tres", "gpus"),
+    [
+        ("cpu=2,mem=1G,node=1,billing=2,gres/gpu=2", 2),  # 22.05 and 23.11+ alike
+        ("cpu=64,mem=512G,node=8,billing=64,gres/gpu=64,gres/gpu:h100=64", 64),  # typed beside the total
+        ("cpu=8,node=1,gres/gpu:a100=4,gres/gpu:v100=2", 6),  # typed only
+        ("cpu=1,node=1,billing=1", 0),
+        ("", 0),
+        ("(null)", 0),
+        ("gres/gpu=lots", 0),
+    ],
+)
+def test_a_jobs_gpus_are_read_from_its_tres(tres: str, gpus: int) -> None:
+    assert gpus_allocated(tres) == gpus
+
+
+def test_the_json_names_a_jobs_gpus_in_its_tres() -> None:
+    raw = {"job_id": 5, "job_state": ["RUNNING"], "tres_alloc_str": "cpu=4,node=1,billing=4,gres/gpu=4"}
+    assert job_from_json(raw).gpus == 4
+    # A requeued job waits: nothing allocated, what it asks for counts.
+    waiting = {"job_id": 6, "job_state": "PENDING", "tres_alloc_str": "", "tres_req_str": "cpu=8,node=1,gres/gpu=8"}
+    assert job_from_json(waiting).gpus == 8
+    for release in ("22.05", "24.11", "26.05"):  # the lab's Slurm has no gres.conf: no GPUs named
+        data = json.loads((Path(__file__).parent / "data" / f"squeue_{release}.json").read_text())
+        assert {job.gpus for job in parse_squeue_json(data)} == {0}
+
+
 def test_gpus_are_read_from_the_gres_squeue_prints() -> None:
     assert [gpus_in(g) for g in ("gres:gpu:2", "gres/gpu:a100:4", "gpu:8,gres/shard:2", "N/A", "")] == [2, 4, 8, 0, 0]
 
@@ -553,3 +586,36 @@ def test_a_job_says_when_it_checkpointed_in_its_comment(slurm: SlurmCli, slurm_l
     [job] = [j for j in slurm.partition_jobs("train") if j.job_id == job_id]
     assert job.checkpointed_at == datetime(2025, 12, 3, 10, 0, tzinfo=UTC)
     assert slurm.hostnames(job.nodes) == ["gpu2"]
+
+
+@slurm_daemons
+def test_a_job_reports_its_checkpoint_from_inside_with_gpufleet(
+    slurm: SlurmCli, slurm_lab: SlurmLab, tmp_path: Path
+) -> None:
+    """`gpufleet checkpoint-done --step N` run inside the job (its $SLURM_JOB_ID) writes the mark in
+    the job's Comment; a later one replaces it, and what else the Comment says is kept. (A release
+    that runs in its own root cannot run this checkout's gpufleet in a job: the client writes there.)"""
+    owner_note = "scontrol update JobId=$SLURM_JOB_ID 'Comment=run 7 '\"$(squeue -h -j $SLURM_JOB_ID -o %k)\"\n"
+    if slurm_lab.install.on_host:
+        gpufleet = f"PYTHONPATH={REPO} {sys.executable} -m workers.entry checkpoint-done"
+        script = (
+            f"{gpufleet} --step 41 --at 1764755000 || exit 3\n{owner_note}"
+            f"{gpufleet} --step 42 --at 1764756000 || exit 4\ntouch {tmp_path / 'reported'}\nsleep 300\n"
+        )
+        job_id = submit(slurm_lab, tmp_path, script, "-p", "train", "-w", "gpu2")
+        try:
+            wait_for(lambda: (tmp_path / "reported").exists(), timeout=60, what="the job to report its checkpoints")
+        except TimeoutError:
+            pytest.fail("; ".join(out.read_text() for out in tmp_path.glob("job-*.out")) or "the job printed nothing")
+    else:
+        job_id = submit(slurm_lab, tmp_path, "sleep 300\n", "-p", "train", "-w", "gpu2")
+        wait_for(lambda: slurm.job(job_id).state == "RUNNING", timeout=30, what="the job to run")
+        slurm.record_checkpoint(job_id, 1764755000, 41)
+        comment = f"Comment=run 7 {slurm.job(job_id).comment}"
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", comment], env=slurm_lab.env, check=True)
+        slurm.record_checkpoint(job_id, 1764756000, 42)
+    job = slurm.job(job_id)
+    assert job.comment == "run 7 gpufleet:checkpoint:1764756000:42"
+    assert job.checkpointed_at == datetime(2025, 12, 3, 10, 0, tzinfo=UTC) and job.checkpoint_step == 42
+    assert slurm.record_checkpoint(job_id, 1764756600) == "run 7 gpufleet:checkpoint:1764756600"
+    assert slurm.job(job_id).checkpoint_step is None

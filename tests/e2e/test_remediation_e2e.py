@@ -28,6 +28,7 @@ from clients.kube import KubernetesApi
 from lab.fleet import REPO_ROOT, FleetLab, LabConfig
 from lab.histories import record_histories
 from lab.procs import alive, wait_for
+from models.goodput import RECOVERY_PHASES, IncidentLedger, Phase
 from models.incident import IncidentStatus
 from models.xid import XidEvent
 from starters.temporal import report_xid
@@ -86,12 +87,21 @@ def test_xid_79_recovers_a_running_job(fleet: FleetLab, tmp_path: Path) -> None:
         env={"PYTHON": sys.executable, "CHECKPOINT": str(tmp_path / "ckpt.json"), "PYTHONPATH": str(REPO_ROOT)},
     )
     wait_for(lambda: "checkpoint saved" in log.read_text(), timeout=60, what="a first checkpoint")
+    # The job reports its checkpoints (`gpufleet checkpoint-done` inside it): the mark in its Comment.
+    wait_for(lambda: slurm.job(job_id).checkpointed_at, timeout=60, what="the job's checkpoint mark")
 
     done = gpufleet(fleet, "remediate", "gpu1", "--xid", "79", "--wait", "--json")
     assert done.returncode == 0, done.stderr
     incident = json.loads(done.stdout.strip().splitlines()[-1])
     assert incident["outcome"] == "resolved"
     assert incident["spare"] == "spare1"
+    # What it cost: the recovery's phases add up to its time, the job's GPUs were counted, and
+    # the work lost since its reported checkpoint is known.
+    ledger = IncidentLedger.model_validate(incident["ledger"])
+    recovery = sum(ledger.cost(phase).seconds for phase in RECOVERY_PHASES)
+    assert recovery == pytest.approx(ledger.recovery_seconds, abs=1e-3)
+    assert ledger.gpus > 0 and ledger.lost_work_unknown == []
+    assert ledger.cost(Phase.LOST_WORK).gpu_seconds is not None
 
     gpu1 = slurm.node("gpu1")
     assert gpu1.drained or gpu1.state == "down"

@@ -193,7 +193,7 @@ def test_every_command_with_its_servers_stopped_says_what_to_start_in_one_line(
     address = stopped["TEMPORAL_ADDRESS"]
     if address in line:
         assert "gpufleet server" in line and "TEMPORAL_ADDRESS" in line, line
-    elif path == ("worker",):  # the worker checks its Slurm before it connects to Temporal
+    elif path in {("worker",), ("checkpoint-done",)}:  # their Slurm first (checkpoint-done: only Slurm)
         assert stopped["GPUFLEET_SLURMRESTD_URL"] in line and "GPUFLEET_SLURMRESTD_URL" in line, line
     elif path[0] == "detect":  # a detector keeps what it could not deliver, and says where
         assert "still spooled" in line, line

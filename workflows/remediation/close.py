@@ -83,6 +83,7 @@ class Closing(GuardSlot, Notifications):
         await self._give_back_node()
         self._enter(Step.CLOSED)
         self._mark(Step.CLOSED, self._status.outcome.value)
+        self._settle_ledger()
         self._count_closed()
         await self._flush_notifications()
         late = self._events[self._events_classified :]
@@ -112,6 +113,7 @@ class Closing(GuardSlot, Notifications):
         self._mark(status.step, "failed", message)
         self._count_failed(failure_type(exc))
         self._count_closed()
+        self._settle_ledger()
         await self._release_unused_claim()
         await self._release_slot(f"failed: {message}")
         await self._give_back_node()
@@ -146,6 +148,7 @@ class Closing(GuardSlot, Notifications):
             self._mark(status.step, "cancelled")
             self._count_failed("cancelled")
             self._count_closed()
+            self._settle_ledger()
             await self._release_unused_claim()
             await self._release_slot("cancelled")
             await self._give_back_node()
@@ -175,6 +178,7 @@ class Closing(GuardSlot, Notifications):
         status.left = left
         self._enter(Step.CLOSED)
         self._mark(Step.CLOSED, Outcome.CANCELLED.value, "; ".join(left))
+        self._settle_ledger()
         self._notify(
             "cancelled",
             f"{self._message_prefix()}: cancelled at {stopped_at} {status.cancelled}. "

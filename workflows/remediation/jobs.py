@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, timedelta
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
@@ -303,7 +303,10 @@ class Jobs(Notifications):
         return f"{self._message_prefix()}: these jobs could not be requeued; please resubmit them:\n" + "\n".join(lines)
 
     async def _wait_resumed(self, job_ids: list[int]) -> list[JobInfo]:
-        """Until every requeued job runs again: watched checks first, then timers backing off to 30 s."""
+        """Until every requeued job runs again: watched checks first, then timers backing off to 30 s.
+        Each job's return is on record (``ran_again_at``: Slurm's StartTime, else now)."""
+        if self._jobs_at_failure is None:
+            self._jobs_at_failure = list(self._status.jobs)
         timeout = self._settings.resume_timeout_seconds
         deadline = workflow.now() + timedelta(seconds=timeout)
         interval = 2.0
@@ -317,6 +320,7 @@ class Jobs(Notifications):
                 summary=f"check jobs {', '.join(map(str, job_ids))} run again",
                 timeout=SHORT_STEP + timedelta(seconds=watch),
             )
+            self._record_ran_again(result.resumed)
             if not result.waiting:
                 self._status.ran_again = [job.job_id for job in result.resumed]
                 return result.resumed
@@ -330,3 +334,14 @@ class Jobs(Notifications):
                 await workflow.sleep(min(interval, remaining))
                 # At most about 300 checks however long the timeout: the history stays small.
                 interval = min(interval * 1.5, max(30.0, timeout / 300))
+
+    def _record_ran_again(self, resumed: list[JobInfo]) -> None:
+        """When each job seen running again started again: Slurm's StartTime (never later than
+        now), else now; the first sighting stays."""
+        now = workflow.now()
+        for job in resumed:
+            if job.job_id not in self._status.ran_again_at:
+                started = job.start_time
+                if started is not None and started.tzinfo is None:
+                    started = started.replace(tzinfo=UTC)
+                self._status.ran_again_at[job.job_id] = min(started, now) if started is not None else now

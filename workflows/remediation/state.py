@@ -16,7 +16,7 @@ from workflows.retries import HEARTBEAT, RELEASE_RETRY_WINDOW, SHORT_STEP, STEP_
 with workflow.unsafe.imports_passed_through():
     from activities.policy import PolicyActivities
     from models.guard import GuardDecision
-    from models.incident import Approval, CancelRequest, IncidentStatus, Outcome, RemediationInput
+    from models.incident import Approval, CancelRequest, IncidentStatus, JobInfo, Outcome, RemediationInput
     from models.policy import Action, Policy, RemediationSettings
     from models.requests import ClassifyRequest
     from models.xid import XidEvent
@@ -59,6 +59,10 @@ class IncidentState:
         self._run_task: asyncio.Task[Any] | None = None
         self._cancel_handled = False
         self._counted_in_metrics = False  # in gpufleet_incidents_total (once, whichever way the incident ends)
+        # The jobs as the failure found them, kept when a resume lists them again: their Comments
+        # name the checkpoints before the failure (the goodput ledger's lost work).
+        self._jobs_at_failure: list[JobInfo] | None = None
+        self._ledger_counted = False  # in gpufleet_gpu_seconds_lost_total (once)
         if params.carried is not None:
             self._status = params.carried.status
             self._events: list[XidEvent] = list(params.carried.events)

@@ -10,12 +10,16 @@ from datetime import datetime
 
 from temporalio import workflow
 
+from workflows.patches import GOODPUT_LEDGER
 from workflows.remediation.state import IncidentState
 
 with workflow.unsafe.imports_passed_through():
     from models.constants import SA_STEP
+    from models.goodput import IncidentLedger, ledger_for
     from models.incident import Step, TimelineEntry, seen
     from models.metrics import (
+        GPU_SECONDS_LOST,
+        GPU_SECONDS_LOST_HELP,
         INCIDENTS,
         INCIDENTS_HELP,
         STEP_DURATION,
@@ -129,3 +133,53 @@ class Timeline(IncidentState):
                 "outcome": status.outcome.value,
             },
         )
+
+    def _settle_ledger(self) -> None:
+        """What the failure cost (models/goodput.py), computed as the incident closes, whichever
+        way: into its status (the workflow's result), gpufleet_gpu_seconds_lost_total (once; dry
+        runs not) and, since patch goodput-ledger, its memo. Never raises: a ledger that cannot be
+        computed is logged and left out, and the close goes on."""
+        status = self._status
+        try:
+            ledger = ledger_for(
+                status,
+                self._events,
+                node_gpus=(status.settings or self._settings).node_gpus,
+                now=workflow.now(),
+                cause=self._deciding_event().label if self._events else "",
+                jobs=self._jobs_at_failure,
+            )
+        except Exception:  # a record of the cost must never stop the close
+            workflow.logger.exception("incident %s: its goodput ledger could not be computed", status.incident_id)
+            return
+        status.ledger = ledger
+        self._count_ledger(ledger)
+        if self._input.search_attributes and workflow.patched(GOODPUT_LEDGER):
+            workflow.upsert_memo(
+                {
+                    "ledger": ledger,
+                    "incident": {
+                        "incident_id": status.incident_id,
+                        "cluster": status.cluster,
+                        "node": status.node,
+                        "outcome": status.outcome.value,
+                        "action": status.action.value if status.action else None,
+                        "spare": status.spare,
+                        "dry_run": status.dry_run,
+                    },
+                }
+            )
+
+    def _count_ledger(self, ledger: IncidentLedger) -> None:
+        """The ledger's GPU-seconds in gpufleet_gpu_seconds_lost_total, by phase and cause (once)."""
+        if self._ledger_counted or self._dry_run:
+            return
+        self._ledger_counted = True
+        if workflow.unsafe.is_replaying():
+            return
+        counter = workflow.metric_meter().create_counter(GPU_SECONDS_LOST, GPU_SECONDS_LOST_HELP, "s")
+        labels = {"cluster": self._input.cluster, "cause": ledger.cause or "none"}
+        for cost in ledger.phases:
+            seconds = round(cost.gpu_seconds or 0.0)
+            if seconds > 0:
+                counter.add(seconds, {**labels, "phase": cost.phase.value})
