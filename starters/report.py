@@ -1,4 +1,4 @@
-"""`gpufleet report`: what failures cost a fleet over a period (docs/goodput-report.md).
+"""`gpufleet report`: what failures cost a fleet over a period (docs/goodput.md#the-report).
 
 The report reads Temporal and nothing else: the closed incidents' ledgers (the memo key
 ``ledger``, else the run's result, IncidentStatus.ledger), the incidents still open, and the fleet
@@ -188,7 +188,7 @@ class Skipped(BaseModel):
 
 
 class Report(BaseModel):
-    """`gpufleet report --json`: one document (docs/goodput-report.md#the-json-document)."""
+    """`gpufleet report --json`: one document (docs/goodput.md#the-json-document)."""
 
     format: str = REPORT_FORMAT
     namespace: str = ""
@@ -827,7 +827,7 @@ def report(
     cluster: Annotated[
         str | None, typer.Option(help="Only this cluster's incidents (default: every cluster in the namespace).")
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON document (docs/goodput-report.md).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON document (docs/goodput.md#the-report).")] = False,
     png: Annotated[
         Path | None, typer.Option(help="Also draw where the time went (GPU-hours by phase and cause) as a PNG.")
     ] = None,
