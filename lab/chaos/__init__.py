@@ -25,7 +25,9 @@ The last line printed is one JSON object: per scenario its name, whether it pass
 the drain), the outcome, ``detect_to_drained``, ``detect_to_resumed`` and ``added_delay_s``
 (against the baseline); totals ``jobs_lost`` (jobs the failure ended, or left hanging, that did
 not run again), ``double_claims``, ``nodes_undrained_not_ours``, ``claims_leaked`` and
-``max_added_delay_s``.
+``max_added_delay_s``; and ``goodput``: `gpufleet report --json` over the main lab's run accounts
+for every incident its scenarios opened, each with a ledger whose phases add up to its recovery
+time (lab/chaos/goodput.py; the storm checks its own lab's the same way).
 
 With ``--flavor slinky`` (``make chaos FLAVOR=slinky``) the lab is the slinky flavor's (Slurm
 nodes that are NodeSet pods run by the operator stand-in, the worker on slurmrestd; three training
@@ -55,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.chaos.fleet import chaos_lab, record_and_stop
+from lab.chaos.goodput import incidents_of, report_accounts
 from lab.chaos.guard import SATURATED, STORM, guard_saturated, storm
 from lab.chaos.leftovers import CURSOR_LOST, TERMINATED, detector_cursor_lost, terminated_in_grace
 from lab.chaos.outages import Context, Say, Scenario
@@ -109,6 +112,7 @@ async def chaos(
     ctx = Context(lab=lab, say=say)
     results: list[dict[str, Any]] = []
     baseline: dict[str, Any] = {}
+    goodput: dict[str, Any] = {"passed": False, "error": "the run stopped before the report"}
     try:
         say("baseline: a drill, the GPU failing as Xid 79 does")
         clean = await run_scenario(ctx, Scenario(name="baseline"), None)
@@ -132,6 +136,8 @@ async def chaos(
         if not slinky and not short and (only is None or CURSOR_LOST in only):
             say(f"scenario: {CURSOR_LOST}")
             results.append(await detector_cursor_lost(ctx))
+        say("goodput: gpufleet report --json over the run")
+        goodput = await report_accounts(lab, incidents_of(results), say=say)
     finally:
         await record_and_stop(lab)
     if not slinky and not short and (only is None or STORM in only):
@@ -144,7 +150,8 @@ async def chaos(
     totals = {key: sum(r.get(key, 0) for r in results) for key in TOTALS}
     return {
         "scenarios": results,
-        "passed": all(r.get("passed") for r in results) and not any(totals.values()),
+        "passed": all(r.get("passed") for r in results) and not any(totals.values()) and goodput["passed"],
+        "goodput": goodput,
         **totals,
         "max_added_delay_s": max(delays) if delays else None,
         "baseline": baseline,

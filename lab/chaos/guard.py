@@ -28,6 +28,7 @@ from lab.chaos.fleet import (
     return_retired,
     undrained_not_ours,
 )
+from lab.chaos.goodput import report_accounts
 from lab.chaos.outages import Say
 from lab.drill import default_job, running_and_checkpointed, submit_job, training_job
 from lab.faults import Effect, default_effect
@@ -142,6 +143,8 @@ async def storm(home: Path, *, say: Say) -> dict[str, Any]:
         rest = await _closed_returning_retired(lab, handles, waiting, say=say)
         resolved_after_reset = all(s.outcome == Outcome.RESOLVED for s in rest)
         result.update(resolved_after_reset=resolved_after_reset)
+        storm_incidents = {status.incident_id for status in statuses.values()}
+        result["goodput"] = await report_accounts(lab, storm_incidents, say=say)
         result["jobs_lost"] = job_lost(job.restarts, await _ran_again(slurm, job, timeout=120))
         if not fired:
             result["reason"] = f"the job's ranks never met their GPU fault ({_gpu_effect()})"
@@ -154,6 +157,7 @@ async def storm(home: Path, *, say: Say) -> dict[str, Any]:
             and resolved_after_reset
             and fired
             and result["jobs_lost"] == 0
+            and result["goodput"]["passed"]
         )
         result.update(passed=correct, correct=correct, outcome="tripped, then reset")
     except Exception as exc:  # reported, and the run goes on

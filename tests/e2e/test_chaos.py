@@ -39,3 +39,8 @@ def test_short_chaos_run_loses_nothing(tmp_path: Path) -> None:
     assert kill["faults"][0].startswith("worker") and "restarted" in kill["faults"][1]
     assert "SIGSTOP" in webhook["faults"][0]
     assert all(s["outcome"] == "resolved" and s["detect_to_resumed"] is not None for s in result["scenarios"])
+    # `gpufleet report --json` over the run counts every incident the scenarios opened, each with a
+    # ledger whose recovery phases add up to its recovery time.
+    goodput = result["goodput"]
+    assert goodput["passed"], json.dumps(goodput, indent=1)
+    assert goodput["incidents"] >= goodput["expected"] == len(result["scenarios"])
