@@ -297,8 +297,8 @@ async def test_then_validate_after_the_jobs_under_the_nccl_floor_replaces_the_no
 
 async def test_the_probation_ends_even_after_the_kubernetes_api_was_away_for_a_while(temporal_test_server: str) -> None:
     """The timer's one step outlasts an API server away for longer than an operator step's retries:
-    a node is never left on probation for good. A server of its own: the module's holds the
-    earlier tests' workflows, whose waiting tasks keep its clock from skipping the retries' backoff."""
+    a node is never left on probation for good. A server of its own: no earlier test's workflow
+    can hold its clock while the retries back off (see climbing)."""
     env = await WorkflowEnvironment.start_time_skipping(
         data_converter=pydantic_data_converter,
         test_server_existing_path=temporal_test_server,
