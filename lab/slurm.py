@@ -37,6 +37,9 @@ class SlurmLabSpec:
     cpus_per_node: int = 1
     # How long a requeued job waits before it may start again (Slurm's default is 120 s).
     requeue_delay_seconds: int = 5
+    # KillWait: how long a job's steps have after their SIGTERM (a cancel, a requeue, a step a
+    # rank's failure ended) before Slurm's SIGKILL. A rank that hangs, deaf to SIGTERM, ends only then.
+    kill_wait_seconds: int = 10
 
 
 class SlurmLab:
@@ -458,7 +461,7 @@ class SlurmLab:
             "ClusterName=gpufleetlab",
             *self.site_lines(),
             "AccountingStorageType=accounting_storage/none",
-            "KillWait=10",
+            f"KillWait={spec.kill_wait_seconds}",
         ]
         for node in self.all_nodes:
             lines.append(f"NodeName={node} {self.node_options(spec.cpus_per_node)} State=UNKNOWN")

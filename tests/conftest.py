@@ -119,7 +119,9 @@ def slurm_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmLab]:
     _require_slurm()
     lab = SlurmLab(
         tmp_path_factory.mktemp("slurm"),
-        SlurmLabSpec(nodes=["gpu1", "gpu2", "gpu3"], spares=["spare1", "spare2"]),
+        # KillWait 4 s, not the lab's 10: the test jobs save their checkpoint within a step (0.2 s)
+        # of their SIGTERM, and each step a hung rank holds ends 6 s sooner.
+        SlurmLabSpec(nodes=["gpu1", "gpu2", "gpu3"], spares=["spare1", "spare2"], kill_wait_seconds=4),
     )
     lab.start()
     yield lab

@@ -274,13 +274,21 @@ async def test_the_guards_state_survives_a_worker_restart(env: WorkflowEnvironme
         assert (await held.result()).outcome == Outcome.RESOLVED
 
 
+SIGNALS_AT_ONCE = 50
+
+
 async def test_the_guard_continues_as_new_with_its_state(env: WorkflowEnvironment) -> None:
     fleet = guarded()
     async with running(env, fleet):
         handle = await paused_guard(env.client, fleet)
         first_run = (await handle.describe()).run_id
-        for index in range(MESSAGES_PER_RUN):
-            await tell(env.client, fleet, GUARD_RESUME_SIGNAL if index % 2 == 0 else GUARD_PAUSE_SIGNAL)
+        signals = [GUARD_RESUME_SIGNAL if index % 2 == 0 else GUARD_PAUSE_SIGNAL for index in range(MESSAGES_PER_RUN)]
+        # Sent a batch at a time, the guard taking several in one workflow task (as it does a burst),
+        # not one round trip and task each; the last alone, so that it is the last handled.
+        for first in range(0, len(signals) - 1, SIGNALS_AT_ONCE):
+            batch = signals[first : min(first + SIGNALS_AT_ONCE, len(signals) - 1)]
+            await asyncio.gather(*(tell(env.client, fleet, signal) for signal in batch))
+        await tell(env.client, fleet, signals[-1])
         state = await until(
             guard(env.client, fleet),
             FleetGuardWorkflow.status,

@@ -63,6 +63,7 @@ from models.sxid import sxid_catalog
 from models.xid import GpuEventKind, XidEvent
 from starters.temporal import report_xid
 from workflows.guard import FleetGuardWorkflow
+from workflows.nodes import ProbationWorkflow
 from workflows.remediation import NodeRemediationWorkflow
 
 
@@ -352,7 +353,8 @@ async def worker(
         Worker(
             env.client,
             task_queue=task_queue(fleet.cluster),
-            workflows=[NodeRemediationWorkflow],
+            # The incident's and the probation it may begin (a child on the same queue).
+            workflows=[NodeRemediationWorkflow, ProbationWorkflow],
             activities=acts,
             **options,
         ) as cluster,

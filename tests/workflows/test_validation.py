@@ -6,7 +6,9 @@ and quarantined at once)."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -15,10 +17,11 @@ from temporalio import activity
 from temporalio.client import WorkflowFailureError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from models.constants import QUARANTINE_PROBATION, task_queue
+from models.constants import QUARANTINE_PROBATION, probation_workflow_id, task_queue
 from models.guard import GuardStatus
 from models.incident import Outcome, Step
 from models.policy import Action, DrainAfterJobsSettings, RepairSettings
@@ -108,6 +111,29 @@ class Ladder:
         return [*kept, *mine]
 
 
+@contextlib.asynccontextmanager
+async def climbing(
+    env: WorkflowEnvironment, ladder: Ladder, *workers: Worker, activities: list[Any] | None = None
+) -> AsyncIterator[None]:
+    """The fleet's workers with the ladder's stand-ins (and ``workers``); after them, the
+    probation timers the test began are ended. One left behind on the module's server would, once
+    its clock got there, hold a workflow task no worker polls any more, and the test server keeps
+    its clock from skipping while one is outstanding: every later wait would take real time."""
+    fleet = ladder.fleet
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(running(env, fleet, activities=activities or ladder.activities()))
+            for extra in workers:
+                await stack.enter_async_context(extra)
+            yield
+    finally:
+        for put in ladder.probation:
+            if put.until is not None:
+                timer = env.client.get_workflow_handle(probation_workflow_id(fleet.cluster, put.node, put.until))
+                with contextlib.suppress(RPCError):
+                    await timer.terminate("test over")
+
+
 def ladder_fleet(**ladder: Any) -> tuple[Fleet, Ladder]:
     fleet = guarded()
     fleet.policy = fleet.policy.model_copy(
@@ -118,7 +144,7 @@ def ladder_fleet(**ladder: Any) -> tuple[Fleet, Ladder]:
 
 async def test_a_repair_that_holds_is_validated_and_the_node_goes_on_probation(env: WorkflowEnvironment) -> None:
     fleet, ladder = ladder_fleet()
-    async with running(env, fleet, activities=ladder.activities()):
+    async with climbing(env, ladder):
         status = await (await start(env.client, fleet, node="gpu1", xid=48)).result()
     assert status.outcome == Outcome.RESOLVED and status.action == Action.RESET_GPU
     assert [r.rung.name for r in ladder.ran] == ["quick", "dcgm", "nccl"]
@@ -134,7 +160,7 @@ async def test_a_repair_that_holds_is_validated_and_the_node_goes_on_probation(e
 async def test_a_repair_whose_validation_fails_replaces_the_node_and_counts(env: WorkflowEnvironment) -> None:
     fleet, ladder = ladder_fleet()
     ladder.busbw = 40.0  # under the floor
-    async with running(env, fleet, activities=ladder.activities()):
+    async with climbing(env, ladder):
         status = await (await start(env.client, fleet, node="gpu1", xid=48)).result()
         state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
     assert status.outcome == Outcome.RESOLVED and status.action == Action.REPLACE_NODE and status.spare == "spare1"
@@ -149,7 +175,7 @@ async def test_a_repair_whose_validation_fails_replaces_the_node_and_counts(env:
 async def test_an_event_on_a_node_on_probation_replaces_and_quarantines_it(env: WorkflowEnvironment) -> None:
     fleet, ladder = ladder_fleet()
     ladder.probation_until = datetime.now(UTC) + timedelta(days=365)
-    async with running(env, fleet, activities=ladder.activities()):
+    async with climbing(env, ladder):
         status = await (await start(env.client, fleet, node="gpu1", xid=48)).result()
     assert status.action == Action.REPLACE_NODE and status.spare == "spare1"
     assert fleet.repairs == [] and ladder.ran == []  # no reset tried
@@ -160,21 +186,19 @@ async def test_an_event_on_a_node_on_probation_replaces_and_quarantines_it(env: 
 async def test_an_expired_probation_changes_nothing(env: WorkflowEnvironment) -> None:
     fleet, ladder = ladder_fleet()
     ladder.probation_until = datetime(2000, 1, 1, tzinfo=UTC)
-    async with running(env, fleet, activities=ladder.activities()):
+    async with climbing(env, ladder):
         status = await (await start(env.client, fleet, node="gpu1", xid=48)).result()
     assert status.action == Action.RESET_GPU and fleet.quarantined == {}
 
 
 async def return_node(env: WorkflowEnvironment, fleet: Fleet, ladder: Ladder, **request: Any) -> Any:
-    async with (
-        running(env, fleet, activities=ladder.activities()),
-        Worker(
-            env.client,
-            task_queue=f"{task_queue(fleet.cluster)}.nodes",
-            workflows=[ReturnNodeWorkflow, ProbationWorkflow],
-            activities=ladder.activities(),
-        ),
-    ):
+    nodes = Worker(
+        env.client,
+        task_queue=f"{task_queue(fleet.cluster)}.nodes",
+        workflows=[ReturnNodeWorkflow, ProbationWorkflow],
+        activities=ladder.activities(),
+    )
+    async with climbing(env, ladder, nodes):
         # The guard runs (as it does once the node has had an incident): it hears of the failure.
         await (await start(env.client, fleet, node="gpu2", xid=48)).result()
         handle = await env.client.start_workflow(
@@ -236,11 +260,13 @@ def drain_after_jobs_fleet(**ladder_settings: Any) -> tuple[Fleet, Ladder, list[
     return fleet, ladder, [*acts, Jobs(looks=2).activity()]
 
 
+# A guard, not a measure: its waits (60, 90 and 135 s) take real time if the clock stops skipping.
+@pytest.mark.timeout(60)
 async def test_then_validate_after_the_jobs_climbs_the_ladder_and_puts_the_node_on_probation(
     env: WorkflowEnvironment,
 ) -> None:
     fleet, ladder, acts = drain_after_jobs_fleet()
-    async with running(env, fleet, activities=acts):
+    async with climbing(env, ladder, activities=acts):
         status = await (await start(env.client, fleet, node="gpu1", xid=92)).result()
     assert status.outcome == Outcome.RESOLVED and status.action == Action.DRAIN_AFTER_JOBS
     assert fleet.repairs == []  # the ladder, not the repair's lone check Job
@@ -251,12 +277,14 @@ async def test_then_validate_after_the_jobs_climbs_the_ladder_and_puts_the_node_
     assert fleet.resumed_nodes == ["gpu1"]
 
 
+# A guard, not a measure: its waits (60, 90 and 135 s) take real time if the clock stops skipping.
+@pytest.mark.timeout(60)
 async def test_then_validate_after_the_jobs_under_the_nccl_floor_replaces_the_node_and_counts(
     env: WorkflowEnvironment,
 ) -> None:
     fleet, ladder, acts = drain_after_jobs_fleet()
     ladder.busbw = 40.0
-    async with running(env, fleet, activities=acts):
+    async with climbing(env, ladder, activities=acts):
         status = await (await start(env.client, fleet, node="gpu1", xid=92)).result()
         state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
     assert status.outcome == Outcome.RESOLVED and status.action == Action.REPLACE_NODE and status.spare == "spare1"
@@ -269,8 +297,8 @@ async def test_then_validate_after_the_jobs_under_the_nccl_floor_replaces_the_no
 
 async def test_the_probation_ends_even_after_the_kubernetes_api_was_away_for_a_while(temporal_test_server: str) -> None:
     """The timer's one step outlasts an API server away for longer than an operator step's retries:
-    a node is never left on probation for good. A server of its own: the module's holds the
-    earlier tests' workflows, whose waiting tasks keep its clock from skipping the retries' backoff."""
+    a node is never left on probation for good. A server of its own: no earlier test's workflow
+    can hold its clock while the retries back off (see climbing)."""
     env = await WorkflowEnvironment.start_time_skipping(
         data_converter=pydantic_data_converter,
         test_server_existing_path=temporal_test_server,
