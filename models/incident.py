@@ -74,13 +74,24 @@ class NodeInfo(BaseModel):
 # ``scontrol update JobId=$SLURM_JOB_ID Comment=gpufleet:checkpoint:$(date +%s)``): the job saved a
 # checkpoint at that Unix time, of that training step when one follows (docs/goodput.md).
 CHECKPOINT_MARK = re.compile(r"gpufleet:checkpoint:(\d{1,12})(?::(\d{1,18}))?\b")
+# A mark with the blanks before it, as with_checkpoint takes it out of a Comment.
+_MARK_AND_BLANKS = re.compile(r"[ \t]*" + CHECKPOINT_MARK.pattern)
 
 
 def with_checkpoint(comment: str, at: int, step: int | None = None) -> str:
     """The job's Comment with its checkpoint mark set to ``at`` (and ``step``): an earlier mark is
-    replaced, the rest of the comment kept as it was."""
+    replaced, the rest of the comment kept as it was (its spacing and lines too).
+
+    Raises:
+        ValueError: ``at`` or ``step`` is one the mark cannot carry (``at`` 0..10**12-1, ``step``
+            0..10**18-1): written, it would be read back without it and left in the Comment.
+    """
+    if not 0 <= at < 10**12:
+        raise ValueError(f"checkpoint time {at} is not Unix seconds of at most 12 digits")
+    if step is not None and not 0 <= step < 10**18:
+        raise ValueError(f"checkpoint step {step} is not a step of at most 18 digits")
     mark = f"gpufleet:checkpoint:{at}" + (f":{step}" if step is not None else "")
-    rest = " ".join(CHECKPOINT_MARK.sub("", comment).split())
+    rest = _MARK_AND_BLANKS.sub("", comment).strip(" \t")
     return f"{rest} {mark}" if rest else mark
 
 

@@ -107,6 +107,8 @@ def worker() -> None:
 
 # A Unix time gpufleet takes for a checkpoint: after 2001 and before the year 33658.
 _CHECKPOINT_TIMES = (10**9, 10**12)
+# The largest step a checkpoint mark carries (18 digits: models/incident.py CHECKPOINT_MARK).
+_MAX_STEP = 10**18 - 1
 
 
 @app.command("checkpoint-done")
@@ -117,7 +119,9 @@ def checkpoint_done(
             help="The Slurm job that saved a checkpoint (default: $SLURM_JOB_ID, inside the job).", show_default=False
         ),
     ] = None,
-    step: Annotated[int | None, typer.Option(min=0, help="The training step the checkpoint holds.")] = None,
+    step: Annotated[
+        int | None, typer.Option(min=0, max=_MAX_STEP, help="The training step the checkpoint holds.")
+    ] = None,
     at: Annotated[
         int | None, typer.Option(help="When it was saved, in Unix seconds (default: now).", show_default=False)
     ] = None,

@@ -244,3 +244,20 @@ def test_a_new_checkpoint_mark_replaces_the_old_and_keeps_the_rest() -> None:
     assert with_checkpoint("", 100) == "gpufleet:checkpoint:100"
     assert with_checkpoint("owner: alice gpufleet:checkpoint:50:7", 100, 9) == "owner: alice gpufleet:checkpoint:100:9"
     assert with_checkpoint("a gpufleet:checkpoint:50 b", 100) == "a b gpufleet:checkpoint:100"
+
+
+def test_a_new_checkpoint_mark_keeps_the_rest_of_the_comment_as_it_was() -> None:
+    # Only the mark and the blank before it go: the owner's spacing and lines stay.
+    kept = "owner: alice\nrun  7"
+    assert with_checkpoint(kept, 100, 3) == f"{kept} gpufleet:checkpoint:100:3"
+    assert with_checkpoint(f"{kept} gpufleet:checkpoint:50:2", 100) == f"{kept} gpufleet:checkpoint:100"
+    assert with_checkpoint(f"gpufleet:checkpoint:50 {kept}", 100) == f"{kept} gpufleet:checkpoint:100"
+
+
+@pytest.mark.parametrize(("at", "step"), [(100, 10**18), (100, -1), (10**12, None), (-5, None)])
+def test_a_checkpoint_mark_no_job_could_read_back_is_refused(at: int, step: int | None) -> None:
+    # A step of 19 digits would be written, read back as no step, and left behind in the Comment
+    # by the next mark.
+    with pytest.raises(ValueError, match="checkpoint"):
+        with_checkpoint("", at, step)
+

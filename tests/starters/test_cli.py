@@ -88,6 +88,14 @@ def test_checkpoint_done_refuses_a_job_id_slurm_cannot_have() -> None:
     assert "is not a Slurm job id" in one_line_error(done.stderr)
 
 
+def test_checkpoint_done_refuses_a_step_its_mark_cannot_carry_before_slurm_is_asked() -> None:
+    # 19 digits: the mark would be read back without its step, and left in the Comment by the next.
+    done = gpufleet_cli("checkpoint-done", "42", "--step", str(10**18), env=NOWHERE)
+    assert done.returncode == 2
+    line = one_line_error(done.stderr)
+    assert "--step" in line and "squeue" not in line
+
+
 @pytest.mark.parametrize(
     "args",
     [
