@@ -147,8 +147,9 @@ def _first(timeline: list[TimelineEntry], step: str, event: str, after: datetime
 
 
 def _aware(at: datetime) -> datetime:
-    """A time without a zone is UTC (a detector that wrote none)."""
-    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+    """A time in UTC: one without a zone is UTC (a detector that wrote none), one in another zone
+    is converted (the ledger's times are UTC, as `incidents show` and the report print them)."""
+    return at.astimezone(UTC) if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
 def _overlap(start: datetime, end: datetime, span: tuple[datetime, datetime] | None) -> float:

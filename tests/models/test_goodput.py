@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
@@ -261,3 +261,12 @@ def test_a_checkpoint_mark_no_job_could_read_back_is_refused(at: int, step: int 
     with pytest.raises(ValueError, match="checkpoint"):
         with_checkpoint("", at, step)
 
+
+def test_the_failure_time_is_in_utc_whatever_zone_the_detector_wrote() -> None:
+    job = JobInfo(job_id=7, state="RUNNING", gpus=8, nodes="gpu01")
+    status = replaced(job)
+    plus_two = timezone(timedelta(hours=2))
+    event = XidEvent(node="gpu01", xid=79, timestamp=at(-30).astimezone(plus_two))
+    ledger = ledger_for(status, [event], node_gpus=8, now=at(3000))
+    assert ledger.failed_at == at(-30)
+    assert ledger.failed_at.utcoffset() == timedelta(0)
