@@ -46,9 +46,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=5)
     parser.add_argument("--report-every", type=float, default=30.0, help="seconds between reports; 0: none")
     args = parser.parse_args()
-    reports = CheckpointReports(args.report_every)
-
     rank = int(os.environ.get("SLURM_PROCID", "0"))
+    reports = CheckpointReports(args.report_every if rank == 0 else 0)  # rank 0 saves, and says so
     node = os.environ.get("SLURMD_NODENAME", "?")
     stopping = False
 
