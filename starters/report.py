@@ -152,6 +152,7 @@ class NodeFigure(BaseModel):
 
 
 class Recovery(BaseModel):
+    # The incidents that stopped GPUs (ledger gpus > 0): the others recovered nothing.
     incidents: int = 0
     mean_seconds: float | None = None
     # Nearest rank: the smallest recovery time that at least 95 % of the incidents do not exceed.
@@ -575,7 +576,9 @@ def figures(
         spare_wait = incident.phases[Phase.SPARE_WAIT.value]
         totals.spare_wait_seconds += spare_wait.seconds
         totals.spare_wait_gpu_hours += (spare_wait.gpu_seconds or 0.0) / 3600
-    recoveries = [incident.recovery_seconds for incident in incidents]
+    # A recovery is of stopped jobs: an incident that stopped none (an Xid only observed, a node
+    # retired already) closes in seconds and would pull the figures down.
+    recoveries = [incident.recovery_seconds for incident in incidents if incident.gpus > 0]
     by_node = sorted(nodes.values(), key=lambda node: (-node.gpu_hours_lost, node.cluster, node.node))
     effective = None
     if training.count and period > 0:

@@ -49,7 +49,7 @@ from models.incident import CarriedIncident, IncidentStatus, Outcome, Remediatio
 from models.policy import Action, GuardSettings
 from models.trace import Trace
 from models.xid import GpuEventKind, XidEvent
-from starters.report import p95, parse_since
+from starters.report import Found, PhaseFigure, ReportIncident, TrainingGpus, figures, p95, parse_since
 from tests.conftest import REPO, gpufleet_cli, start_dev_server
 from tests.starters.test_cli_every_command import gpufleet
 from tests.starters.test_cli_properties import answered
@@ -486,3 +486,40 @@ def test_since_and_p95() -> None:
     assert p95(float(n) for n in range(1, 21)) == 19.0  # ceil(0.95 x 20) = the 19th of 20
     assert p95(float(n) for n in range(1, 101)) == 95.0
     assert p95([1.0, 2.0, 3.0]) == 3.0
+
+
+def _row(name: str, recovery: float, gpus: int) -> ReportIncident:
+    return ReportIncident(
+        workflow_id=remediation_workflow_id(ALPHA, name),
+        run_id="r",
+        incident_id=f"{ALPHA}-{name}",
+        cluster=ALPHA,
+        node=name,
+        closed_at=T0,
+        ledger_from="memo",
+        cause="Xid 13",
+        failed_at=T0,
+        detected_at=T0,
+        recovered_at=T0 + timedelta(seconds=recovery),
+        recovery_seconds=recovery,
+        gpus=gpus,
+        gpu_seconds_lost=recovery * gpus,
+        phases={phase.value: PhaseFigure() for phase in Phase},
+        phases_add_up=True,
+    )
+
+
+def test_recovery_times_are_those_of_incidents_that_stopped_jobs() -> None:
+    # An Xid only observed (or a node retired already) stops nothing: it closes in a second, and
+    # is no recovery; counted, it would pull the mean and the 95th percentile down.
+    found = Found(incidents=[_row("gpu1", 600.0, 8), _row("gpu2", 1.0, 0), _row("gpu3", 2.0, 0)])
+    got = figures(
+        found,
+        since=T0 - timedelta(days=1),
+        until=T0 + timedelta(hours=1),
+        training=TrainingGpus(count=64, source="--training-gpus"),
+        cluster=None,
+        namespace="default",
+    )
+    assert got.totals.incidents == 3
+    assert (got.recovery.incidents, got.recovery.mean_seconds, got.recovery.p95_seconds) == (1, 600.0, 600.0)
