@@ -187,7 +187,9 @@ def ledger_for(
     requeued = max(requeue or graced, graced)
     closed = _first(timeline, "closed", "started") or now
 
-    stopped = list(dict.fromkeys([*status.signalled, *status.ended, *status.requeued]))
+    # Signalled, ended by the failure, requeued, or one of those that could not be requeued (lost:
+    # its owner resubmits it); a job left to run on was never stopped.
+    stopped = list(dict.fromkeys([*status.signalled, *status.ended, *status.requeued, *sorted(status.unrequeued)]))
     ran_again = {job_id: at for job_id, at in status.ran_again_at.items() if job_id in stopped}
     # Every stopped job running again is the recovery; else it lasted until the close.
     every_one_back = bool(stopped) and len(ran_again) == len(stopped)

@@ -270,3 +270,21 @@ def test_the_failure_time_is_in_utc_whatever_zone_the_detector_wrote() -> None:
     ledger = ledger_for(status, [event], node_gpus=8, now=at(3000))
     assert ledger.failed_at == at(-30)
     assert ledger.failed_at.utcoffset() == timedelta(0)
+
+
+def test_a_job_the_failure_ended_that_could_not_be_requeued_costs_until_the_close() -> None:
+    # Ended by the failure and purged by slurmctld before the requeue (or refused it): the job is
+    # lost, its owner told to resubmit it. Its GPUs were stopped as surely as a requeued job's.
+    lost = JobInfo(job_id=9, state="NODE_FAIL", gpus=4, nodes="gpu01")
+    status = replaced(JobInfo(job_id=7, gpus=8, nodes="gpu01"))
+    status.jobs.append(lost)
+    status.unrequeued = {9: "slurmctld had already purged it (MinJobAge) when gpufleet looked: resubmit it"}
+    ledger = ledger_for(status, [xid(0)], node_gpus=8, now=at(9999))
+    assert ledger.gpus == 12
+    assert ledger.recovered_at == at(2100)  # the lost job never ran again: until the close
+    assert ledger.lost_work_unknown == [7, 9]
+    assert ledger.cost(Phase.DETECTION).gpu_seconds == pytest.approx(30 * 12)
+    restart = ledger.cost(Phase.RESTART).gpu_seconds or 0.0
+    spare_wait = ledger.cost(Phase.SPARE_WAIT).gpu_seconds or 0.0
+    # Job 7 from 153 to its return at 2000, job 9 from 153 to the close at 2100.
+    assert restart + spare_wait == pytest.approx(8 * (2000 - 153) + 4 * (2100 - 153))
