@@ -400,9 +400,12 @@ async def _runs(
             yield execution
 
 
-def _node_gpus(status: IncidentStatus | None) -> int | None:
+def _node_gpus(status: IncidentStatus | None, summary: dict[str, Any]) -> int | None:
+    """GPUs per node as the incident's settings said: its result's, else its memo summary's."""
     value = getattr(status.settings, "node_gpus", None) if status is not None else None
-    return value if isinstance(value, int) and value > 0 else None
+    if value is None:
+        value = summary.get("node_gpus")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 async def find(client: Client, *, since: datetime, cluster: str | None, want_events: bool = False) -> Found:
@@ -448,12 +451,12 @@ async def find(client: Client, *, since: datetime, cluster: str | None, want_eve
             if cluster is not None and status.cluster and status.cluster != cluster:
                 continue  # started without search attributes, of a cluster whose name begins with this one's
             this_cluster = status.cluster or this_cluster
-            gpus = _node_gpus(status)
-            if gpus is not None:
-                found.node_gpus.setdefault(status.cluster or this_cluster, gpus)
             if status.dry_run:
                 found.skipped.dry_runs += 1
                 continue
+        gpus = _node_gpus(status, summary)
+        if gpus is not None and this_cluster:
+            found.node_gpus.setdefault(this_cluster, gpus)
         if ledger is None:
             found.without_ledger.append(
                 UnledgeredIncident(

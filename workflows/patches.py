@@ -81,7 +81,7 @@ HOOK_DRAINS_TAKEN = "hook-drains-taken"
 
 # NodeRemediationWorkflow: as an incident closes (whichever way) it upserts its memo with its
 # goodput ledger (key "ledger", models/goodput.py) and a summary (key "incident": its ID, cluster,
-# node, outcome, action, spare, whether a dry run), which `gpufleet report` reads from visibility
+# node, outcome, action, spare, whether a dry run, GPUs per node), which `gpufleet report` reads from visibility
 # without fetching each history. Only where the incident sets search attributes (the time-skipping
 # test server knows neither). Histories from before it replay without the upsert; the ledger in the
 # result needs no patch (no command).

@@ -46,7 +46,7 @@ from models.constants import (
 from models.goodput import RECOVERY_PHASES, IncidentLedger, Phase, PhaseCost
 from models.guard import GuardState, GuardStatus
 from models.incident import CarriedIncident, IncidentStatus, Outcome, RemediationInput
-from models.policy import Action, GuardSettings
+from models.policy import Action, GuardSettings, RemediationSettings
 from models.trace import Trace
 from models.xid import GpuEventKind, XidEvent
 from starters.report import Found, PhaseFigure, ReportIncident, TrainingGpus, figures, p95, parse_since
@@ -83,6 +83,7 @@ def _memo(status: IncidentStatus, ledger: IncidentLedger, **summary: Any) -> dic
         "action": status.action.value if status.action else None,
         "spare": status.spare,
         "dry_run": status.dry_run,
+        "node_gpus": status.settings.node_gpus if status.settings else None,
         **summary,
     }
     return {"ledger": ledger, "incident": incident}
@@ -214,7 +215,12 @@ def cases() -> list[Case]:
     return [
         Case(
             remediation_workflow_id(ALPHA, "gpu1"),
-            Script(status=incident(ALPHA, "gpu1", T0, a1, spare="spare1", ended=[7], requeued=[7])),
+            # Nodes of 4 GPUs: its memo says so (the guard counts nodes).
+            Script(
+                status=incident(ALPHA, "gpu1", T0, a1, spare="spare1", ended=[7], requeued=[7]).model_copy(
+                    update={"settings": RemediationSettings(node_gpus=4)}
+                )
+            ),
         ),
         Case(
             remediation_workflow_id(ALPHA, "gpu2"),
@@ -419,10 +425,10 @@ async def test_cluster_filters_and_the_guard_counts_the_training_gpus(fleet: Fle
     alpha = [s for s in fleet.counted if s.cluster == ALPHA]
     assert sorted(row["incident_id"] for row in got["incidents"]) == sorted(s.incident_id for s in alpha)
     assert got["totals"]["gpu_seconds_lost"] == pytest.approx(sum(b.gpu_seconds_lost for b in _ledgers(alpha)))
-    # The guard counted 4 nodes; no incident's settings name GPUs per node: 8.
-    assert got["training_gpus"] == {"count": 32, "source": "fleet guard", "unknown": "", "gpus_per_node": 8, "nodes": 4}
+    # The guard counted 4 nodes; an incident's memo says 4 GPUs per node (read from no result).
+    assert got["training_gpus"] == {"count": 16, "source": "fleet guard", "unknown": "", "gpus_per_node": 4, "nodes": 4}
     period = got["period_seconds"]
-    assert got["effective_training_time"] == pytest.approx(1 - got["totals"]["gpu_seconds_lost"] / (32 * period))
+    assert got["effective_training_time"] == pytest.approx(1 - got["totals"]["gpu_seconds_lost"] / (16 * period))
 
     code, out, err = await report(fleet, "--json", "--since", "2h", "--cluster", BETA)
     assert code == 0, err

@@ -60,6 +60,7 @@ async def test_a_closed_incident_keeps_its_ledger_in_its_memo_and_counts_it(
         "action": "REPLACE_NODE",
         "spare": "spare1",
         "dry_run": False,
+        "node_gpus": 8,
     }
     updates: list[BufferedMetricUpdate] = list(metrics.retrieve_updates())
     counted = {

@@ -166,6 +166,8 @@ class Timeline(IncidentState):
                         "action": status.action.value if status.action else None,
                         "spare": status.spare,
                         "dry_run": status.dry_run,
+                        # For the report's training GPUs (its guard counts nodes, not GPUs).
+                        "node_gpus": (status.settings or self._settings).node_gpus,
                     },
                 }
             )
