@@ -142,8 +142,8 @@ def checkpoint_done(
     one and keeps the rest of the Comment; the job's owner may write it (scontrol update).
     """
     if job_id is None:
-        from_env = os.environ.get("SLURM_JOB_ID", "")
-        if not from_env.strip().isdigit():
+        from_env = os.environ.get("SLURM_JOB_ID", "").strip()
+        if not (from_env.isascii() and from_env.isdigit()):  # "²" is a digit to isdigit, not to int
             fail("no JOB given and $SLURM_JOB_ID is not set: run it inside the job, or name the job", code=2)
         job_id = int(from_env)
     job_id = checked_job_id(job_id)

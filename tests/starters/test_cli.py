@@ -153,3 +153,10 @@ def test_a_malformed_policy_file_exits_2_naming_the_field(tmp_path: Path, text: 
         done = gpufleet_cli(*command, env={**NOWHERE, "GPUFLEET_POLICY_FILE": str(policy)}, stdin="")
         assert done.returncode == 2, (command, done.stderr)
         assert named in one_line_error(done.stderr)
+
+
+@pytest.mark.parametrize("job", ["", "abc", "²", "12x"])
+def test_checkpoint_done_without_a_job_needs_a_job_id_in_slurm_job_id(job: str) -> None:
+    done = gpufleet_cli("checkpoint-done", "--step", "3", env={**NOWHERE, "SLURM_JOB_ID": job})
+    assert done.returncode == 2
+    assert "$SLURM_JOB_ID is not set" in one_line_error(done.stderr)
