@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lab.chaos.goodput import check_report, incidents_of
+from lab.chaos.leftovers import TERMINATED
 from models.goodput import Phase
 
 
@@ -44,3 +45,23 @@ def test_an_incident_without_a_ledger_fails() -> None:
 def test_the_incidents_are_read_from_each_scenarios_result() -> None:
     results = [{"incident": "a"}, {"fresh_incident": "b", "incident": ""}, {"incidents": ["c"]}, {"name": "x"}]
     assert incidents_of(results) == {"a", "b", "c"}
+
+
+def test_the_incident_a_person_terminated_is_expected_without_a_ledger() -> None:
+    # incident_terminated_in_grace: the run is terminated in its grace, so it never closes itself
+    # and never computes a ledger; the report names it among those without one, as it should.
+    results: list[dict[str, Any]] = [
+        {"name": "baseline", "incident": "c-gpu1-1"},
+        {"name": TERMINATED, "incident": "c-gpu2-2"},
+    ]
+    expected = incidents_of(results)
+    assert expected == {"c-gpu1-1"}
+    doc = document(
+        incident("c-gpu1-1", {Phase.DRAIN: 1}, 1),
+        without_ledger=[{"workflow_id": "remediate-c-gpu2", "status": "TERMINATED"}],
+    )
+    assert check_report(doc, expected)["passed"]
+    # Any other run without a ledger is still a failure.
+    doc["without_ledger"].append({"workflow_id": "remediate-c-gpu3", "status": "FAILED"})
+    checked = check_report(doc, expected)
+    assert not checked["passed"] and checked["without_ledger"] == ["remediate-c-gpu3"]
