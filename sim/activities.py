@@ -10,8 +10,9 @@ signals, describe) is the real GuardActivities.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -59,6 +60,8 @@ class SimFleet:
     world: World
     policy: Policy
     start: datetime  # second 0 of the world, in the server's (simulated) time
+    # Activities run, by name (how much of the workflows' work each part of the model costs).
+    calls: Counter[str] = field(default_factory=Counter)
 
     def seconds(self, when: datetime) -> float:
         return (when - self.start).total_seconds()
@@ -68,7 +71,9 @@ class SimFleet:
 
     def now(self) -> World:
         """The world brought up to the calling activity's time."""
-        scheduled = activity.info().current_attempt_scheduled_time
+        info = activity.info()
+        self.calls[info.activity_type] += 1
+        scheduled = info.current_attempt_scheduled_time
         self.world.advance(self.seconds(scheduled.astimezone(UTC)))
         return self.world
 
@@ -212,7 +217,7 @@ class SimFleet:
             world = fleet.now()
             if request.dry_run:
                 return next((n.name for n in world.nodes.values() if n.where is Where.POOL), None)
-            return world.claim(request.incident_id)
+            return world.claim(request.incident_id, request.node)
 
         @activity.defn(name="release_spare")
         async def release(request: ClaimRequest) -> str | None:

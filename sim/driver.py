@@ -9,10 +9,13 @@ in each; its waits are workflow timers, which the time-skipping server jumps ove
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 from datetime import datetime, timedelta
 
 from pydantic import BaseModel, Field
 from temporalio import activity, workflow
+from temporalio.service import RPCError
 
 with workflow.unsafe.imports_passed_through():
     from models.trace import TraceFailure
@@ -59,10 +62,25 @@ class WhatIfDriver:
     async def run(self, params: DriverInput) -> int:
         start = workflow.now()
         await workflow.execute_activity("sim_begin", start, start_to_close_timeout=STEP)
-        tasks = [asyncio.create_task(self._failure(index, failure, start, params)) for index, failure in enumerate(params.failures)]
+        tasks = [
+            asyncio.create_task(self._failure(index, failure, start, params))
+            for index, failure in enumerate(params.failures)
+        ]
+        tasks.append(asyncio.create_task(self._returns(start, params)))
         await workflow.sleep(timedelta(seconds=params.seconds))
         await asyncio.gather(*tasks)
         return self._done
+
+    async def _returns(self, start: datetime, params: DriverInput) -> None:
+        """Wake when a retired node is back from its repair, so that incidents waiting for a spare
+        hear of it (as `gpufleet spare-available` tells them), until the trace's end."""
+        end = start + timedelta(seconds=params.seconds)
+        while workflow.now() < end:
+            wake: float = await workflow.execute_activity(
+                "sim_returns", start, result_type=float, start_to_close_timeout=STEP
+            )
+            until = min(start + timedelta(seconds=wake), end)
+            await workflow.sleep(max(until - workflow.now(), timedelta(seconds=1)))
 
     async def _failure(self, index: int, failure: TraceFailure, start: datetime, params: DriverInput) -> None:
         wait = (start + timedelta(seconds=failure.at) - workflow.now()).total_seconds()
@@ -83,6 +101,7 @@ class WhatIfDriver:
 
 def driver_activities(fleets: dict[str, object], failures: list[TraceFailure]) -> list[object]:
     """The driver's activities over the cases' fleets (sim.activities.SimFleet by cluster)."""
+    from models.constants import remediation_workflow_id
     from models.xid import XidEvent
     from sim.activities import SimFleet
     from starters.temporal import report_xid
@@ -133,4 +152,18 @@ def driver_activities(fleets: dict[str, object], failures: list[TraceFailure]) -
 
         await asyncio.gather(*(one(cluster, node) for cluster, node in request.nodes.items() if node is not None))
 
-    return [begin, fail, report]
+    @activity.defn(name="sim_returns")
+    async def returns(start: datetime) -> float:
+        """Tell the incidents waiting for a spare that one is free; when to look again: the next
+        return from repair (a node retired later returns later than the repair time from now)."""
+        client = activity.client()
+        wake = math.inf
+        for cluster, fleet in cases.items():
+            world = fleet.now()
+            for node in world.announce():
+                with contextlib.suppress(RPCError):
+                    await client.get_workflow_handle(remediation_workflow_id(cluster, node)).signal("spare_available")
+            wake = min(wake, world.next_return())
+        return wake
+
+    return [begin, fail, report, returns]

@@ -22,6 +22,8 @@ from pydantic import BaseModel, Field
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.runtime import LoggingConfig, Runtime, TelemetryConfig, TelemetryFilter
+from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
@@ -129,6 +131,10 @@ async def run_whatif(
             data_converter=pydantic_data_converter,
             test_server_existing_path=str(binary),
             test_server_startup_timeout=timedelta(seconds=60),
+            # The SDK's core warns, per worker, of what this server does not advertise: not news here.
+            runtime=Runtime(
+                telemetry=TelemetryConfig(logging=LoggingConfig(filter=TelemetryFilter(core_level="ERROR", other_level="ERROR")))
+            ),
         )
     except Exception as exc:  # noqa: BLE001 - the SDK's own error types vary by version
         raise WhatIfError(f"the Temporal test server ({binary}) did not start: {exc}") from exc
@@ -173,15 +179,16 @@ async def run_whatif(
                 id="whatif-driver",
                 task_queue=DRIVER_TASK_QUEUE,
             )
-            watcher = asyncio.create_task(_watch(env, fleets, trace, say))
+            over = asyncio.Event()
+            watcher = asyncio.create_task(_watch(env, fleets, trace, say, over))
             try:
                 await handle.result()
             finally:
-                watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
+                over.set()  # not cancelled mid-call: a call cut short leaves the SDK's runtime a callback
+                await watcher
             say("the trace is over: reading the incidents' ledgers")
             ledgers = [await _ledgers(env.client, case) for _, case in fleets]
+            await _stop_open(env.client, [case for _, case in fleets])
     finally:
         await env.shutdown()
     result = WhatIfResult(
@@ -196,6 +203,8 @@ async def run_whatif(
     for (name, case), found in zip(fleets, ledgers, strict=True):
         case.world.finish(trace.seconds)
         result.cases.append(case_result(name, case.world, trace.seconds, found))
+    for _, case in fleets:
+        say(f"{case.cluster}: activities {dict(case.calls.most_common(8))}")
     result.wall_seconds = round(time.monotonic() - began, 1)
     return result
 
@@ -203,11 +212,19 @@ async def run_whatif(
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-async def _watch(env: WorkflowEnvironment, fleets: list[tuple[str, SimFleet]], trace: Trace, say: Callable[[str], None]) -> None:
-    """Progress on the way: the simulated day, the failures so far, the incidents opened."""
-    began = None
-    while True:
-        await asyncio.sleep(PROGRESS_SECONDS)
+async def _watch(
+    env: WorkflowEnvironment,
+    fleets: list[tuple[str, SimFleet]],
+    trace: Trace,
+    say: Callable[[str], None],
+    over: asyncio.Event,
+) -> None:
+    """Progress on the way, until ``over``: the simulated day, the failures so far, the incidents."""
+    while not over.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(over.wait(), PROGRESS_SECONDS)
+        if over.is_set():
+            return
         try:
             now = await env.get_current_time()
         except Exception:  # noqa: BLE001 - progress is best effort
@@ -215,7 +232,6 @@ async def _watch(env: WorkflowEnvironment, fleets: list[tuple[str, SimFleet]], t
         start = fleets[0][1].start if fleets else _EPOCH
         if start == _EPOCH:
             continue
-        began = began or time.monotonic()
         day = (now - start).total_seconds() / 86400
         world = fleets[0][1].world
         incidents = sum(1 for _, case in fleets for r in case.world.failures if r.incident is not None)
@@ -257,6 +273,16 @@ async def _ledger(client: Client, workflow_id: str, run_id: str) -> Closed:
             return False, None
         run_id = last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
     return False, None
+
+
+async def _stop_open(client: Client, cases: list[SimFleet]) -> None:
+    """End what still runs at the trace's end (incidents waiting, the guards), so that the workers
+    stop with nothing of theirs left open."""
+    ids = {f"guard-{case.cluster}" for case in cases}
+    ids |= {record.incident[0] for case in cases for record in case.world.failures if record.incident is not None}
+    for workflow_id in sorted(ids):
+        with contextlib.suppress(RPCError):
+            await client.get_workflow_handle(workflow_id).terminate(reason="the what-if's trace is over")
 
 
 def case_result(name: str, world: World, seconds: float, incidents: list[Closed]) -> CaseResult:

@@ -163,9 +163,12 @@ class World:
         self.lost_work_by_cause: dict[str, float] = {}
         self.spares_claimed = 0
         self.spare_waits: dict[str, float] = {}  # incident: since when it waited for a spare
+        self.waiting_nodes: dict[str, str] = {}  # incident: its node, while it waits for a spare
         self.spare_waited: float = 0.0  # seconds incidents waited for a spare, all together
         self.repairs: dict[Action, int] = {}
         self.retired = 0
+        # A trace's own node names, each given one of the fleet's nodes as it first appears.
+        self.aliases: dict[str, str] = {}
 
     # -- time ------------------------------------------------------------------------------------
 
@@ -213,7 +216,6 @@ class World:
         train goes to the cause that stopped it."""
         job.start = start
         job.productive = start + job.spec.restart_seconds
-        job.checkpointed = job.productive  # the state it loaded is its checkpoint
         job.run_cause = job.down_cause or START_CAUSE
         self._lose(job.run_cause, (job.productive - job.down_since) * job.gpus)
         job.down_cause = ""
@@ -228,7 +230,8 @@ class World:
         trained = max(0.0, at - job.productive)
         kept = trained if saved else self.saved(job, at)
         job.trained += kept
-        job.checkpointed = job.productive + kept if at >= job.productive else job.checkpointed
+        if at >= job.productive and (saved or kept > 0):
+            job.checkpointed = job.productive + kept
         lost = trained - kept
         if lost > 0:
             self._lose(cause, lost * job.gpus)
@@ -250,8 +253,8 @@ class World:
         return math.floor(trained / interval + 1e-9) * interval
 
     def checkpoint_time(self, job: Job, at: float) -> float:
-        """When ``job`` last saved (a run still starting: when it will train from its checkpoint)."""
-        if job.state == "RUNNING" and job.exit_at == math.inf and at >= job.productive:
+        """When ``job`` last wrote a checkpoint (as its Comment says: gpufleet:checkpoint:<unix>)."""
+        if job.state == "RUNNING" and job.exit_at == math.inf and at >= job.productive and self.saved(job, at) > 0:
             return job.productive + self.saved(job, at)
         return job.checkpointed
 
@@ -274,8 +277,15 @@ class World:
         random); a visible one leaves a fault only an action fixes."""
         self.advance(at)
         pick = self.rng.random()  # drawn whatever happens, so that every case draws alike
-        if node is None:
-            candidates = [n for n in self.nodes.values() if n.usable(at)]
+        candidates = [n for n in self.nodes.values() if n.usable(at)]
+        if node is not None and node not in self.nodes:
+            # A trace's node: the same fleet node each time it fails again (while usable).
+            if node not in self.aliases and candidates:
+                taken = set(self.aliases.values())
+                free = [n for n in candidates if n.name not in taken] or candidates
+                self.aliases[node] = free[int(pick * len(free))].name
+            node = self.aliases.get(node)
+        if node is None or not self.nodes[node].usable(at):
             node = candidates[int(pick * len(candidates))].name if candidates else None
         record = FailureRecord(at=at, cause=cause, node=node, visible=visible, kills_job=kills_job)
         self.failures.append(record)
@@ -352,7 +362,19 @@ class World:
         self._schedule(now)
         return True
 
-    def claim(self, incident: str) -> str | None:
+    def announce(self) -> list[str]:
+        """The nodes of incidents waiting for a spare, as many as there are free spares: told now."""
+        free = sum(1 for node in self.nodes.values() if node.where is Where.POOL and not node.claimed_by)
+        waiting = sorted(self.spare_waits, key=lambda incident: self.spare_waits[incident])
+        return [self.waiting_nodes[incident] for incident in waiting[:free] if incident in self.waiting_nodes]
+
+    def next_return(self) -> float:
+        """When to look for returned spares next: the next return from repair, at the latest the
+        repair time from now (a node retired after now returns no sooner)."""
+        later = self.now + max(60.0, self.spec.repair_time(Action.REPLACE_NODE))
+        return min([later] + [node.back_at for node in self.nodes.values() if node.back_at > self.now])
+
+    def claim(self, incident: str, node: str = "") -> str | None:
         """A free spare joins the partition; None when none is free."""
         for node in self.nodes.values():
             if node.where is Where.POOL and node.claimed_by == incident:
@@ -363,12 +385,15 @@ class World:
                 node.claimed_by = incident
                 node.drained = ""
                 self.spares_claimed += 1
+                self.waiting_nodes.pop(incident, None)
                 since = self.spare_waits.pop(incident, None)
                 if since is not None:
                     self.spare_waited += self.now - since
                 self._schedule(self.now)
                 return node.name
         self.spare_waits.setdefault(incident, self.now)
+        if node:
+            self.waiting_nodes[incident] = node
         return None
 
     def retire(self, node: str) -> None:
