@@ -128,6 +128,10 @@ class FailureRecord:
     job: int | None = None  # the job it stopped
     lost_work: float = 0.0  # seconds of training lost since the last checkpoint
     incident: tuple[str, str] | None = None  # (workflow ID, run ID) of the incident it opened
+    # The job it stopped: when it was stopped (SIGTERM, or the crash), ran again, trained again.
+    stopped_at: float | None = None
+    running_again_at: float | None = None
+    training_again_at: float | None = None
 
 
 class World:
@@ -219,6 +223,9 @@ class World:
         job.run_cause = job.down_cause or START_CAUSE
         self._lose(job.run_cause, (job.productive - job.down_since) * job.gpus)
         job.down_cause = ""
+        for failure in self.failures:
+            if failure.job == job.job_id and failure.running_again_at is None:
+                failure.running_again_at, failure.training_again_at = start, job.productive
 
     def _lose(self, cause: str, gpu_seconds: float) -> None:
         if gpu_seconds > 0:
@@ -242,8 +249,8 @@ class World:
         job.productive = at
         job.down_cause, job.down_since = cause, at
         for failure in reversed(self.failures):
-            if failure.job == job.job_id and failure.at == at:
-                failure.lost_work = lost
+            if failure.job == job.job_id and failure.stopped_at is None:
+                failure.lost_work, failure.stopped_at = lost, at
                 break
 
     def saved(self, job: Job, at: float) -> float:
@@ -293,8 +300,9 @@ class World:
         if target is None:
             return record
         job = self.jobs.get(target.job) if target.job is not None else None
-        if job is not None and job.state == "RUNNING" and kills_job:
-            record.job = job.job_id
+        if job is not None and job.state == "RUNNING" and job.exit_at == math.inf:
+            record.job = job.job_id  # stopped now (a crash), or later by the incident
+        if job is not None and job.state == "RUNNING" and job.exit_at == math.inf and kills_job:
             self._stop(job, at, cause, saved=False)
             if visible:
                 # Slurm ends the job (NODE_FAIL): it waits in the queue once an incident requeues it.
@@ -374,7 +382,7 @@ class World:
         later = self.now + max(60.0, self.spec.repair_time(Action.REPLACE_NODE))
         return min([later] + [node.back_at for node in self.nodes.values() if node.back_at > self.now])
 
-    def claim(self, incident: str, node: str = "") -> str | None:
+    def claim(self, incident: str, failed: str = "") -> str | None:
         """A free spare joins the partition; None when none is free."""
         for node in self.nodes.values():
             if node.where is Where.POOL and node.claimed_by == incident:
@@ -392,8 +400,8 @@ class World:
                 self._schedule(self.now)
                 return node.name
         self.spare_waits.setdefault(incident, self.now)
-        if node:
-            self.waiting_nodes[incident] = node
+        if failed:
+            self.waiting_nodes[incident] = failed
         return None
 
     def retire(self, node: str) -> None:
