@@ -46,7 +46,7 @@ from models.requests import (
     WorkerConfig,
 )
 from models.validation import ProbationRequest, RungOutcome, RungRequest, RungResult
-from sim.world import Job, World, Where
+from sim.world import Job, Where, World
 
 PARTITION = "train"
 USER = "trainer"
@@ -233,7 +233,9 @@ class SimFleet:
             job = f"{request.action.value.lower()}-{request.attempt}"
             if request.dry_run or world.repair(request.node, request.action):
                 return RepairResult(succeeded=True, job=job, detail=f"{request.action} held")
-            return RepairResult(succeeded=False, job=job, detail=f"{request.action} did not hold: the GPU does not answer")
+            return RepairResult(
+                succeeded=False, job=job, detail=f"{request.action} did not hold: the GPU does not answer"
+            )
 
         @activity.defn(name="start_reboot")
         async def start_reboot(request: RepairRequest) -> str:

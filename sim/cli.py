@@ -57,9 +57,7 @@ def whatif(
     days: Annotated[
         float | None, typer.Option(help="Days to simulate (synthetic: default 30; a trace: its first N days).")
     ] = None,
-    nodes: Annotated[
-        int | None, typer.Option(help="Training nodes (default: the trace's, else 2048).")
-    ] = None,
+    nodes: Annotated[int | None, typer.Option(help="Training nodes (default: the trace's, else 2048).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the synthetic trace and of the nodes picked to fail.")] = 1,
     json_output: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
     png: Annotated[Path | None, typer.Option(help="Draw effective training time against spares to this PNG.")] = None,
@@ -83,7 +81,7 @@ def whatif(
     if len(set(names)) != len(names):
         policies = [NamedPolicy(name=str(path), policy=p.policy) for path, p in zip(policy, policies, strict=True)]
     if len(policies) * len(counts) > MAX_CASES:
-        fail(f"{len(policies)} policies × {len(counts)} spare counts is more than {MAX_CASES} cases: give fewer", 2)
+        fail(f"{len(policies)} policies x {len(counts)} spare counts is more than {MAX_CASES} cases: give fewer", 2)
     if png is not None:
         _check_matplotlib()
     try:
@@ -106,7 +104,9 @@ def whatif(
         print(text(result))
 
 
-def _inputs(*, trace: Path | None, synthetic: str | None, days: float | None, nodes: int | None, seed: int) -> tuple[Trace, FleetSpec]:
+def _inputs(
+    *, trace: Path | None, synthetic: str | None, days: float | None, nodes: int | None, seed: int
+) -> tuple[Trace, FleetSpec]:
     """The trace and the fleet to run it on, checked; a one-line error (exit 2) when not usable."""
     if (trace is None) == (synthetic is None):
         fail("give one of --trace FILE or --synthetic NAME (" + ", ".join(synthetic_names()) + ")", code=2)
@@ -148,7 +148,7 @@ def text(result: WhatIfResult) -> str:
     """The results as a table, with each case's largest losses."""
     lines = [
         f"{result.source}",
-        f"{result.nodes} nodes × {result.gpus_per_node} GPUs, {result.days:g} days, {result.failures} failures "
+        f"{result.nodes} nodes x {result.gpus_per_node} GPUs, {result.days:g} days, {result.failures} failures "
         f"({result.visible_failures} visible to gpufleet), seed {result.seed}; {result.wall_seconds:g} s",
         "",
         f"{'policy':<24} {'spares':>6} {'effective':>9} {'lost GPU-h':>11} {'claimed':>7} {'waited h':>8} "
@@ -156,8 +156,9 @@ def text(result: WhatIfResult) -> str:
     ]
     for case in result.cases:
         lines.append(
-            f"{case.policy[:24]:<24} {case.spares:>6} {case.effective_training_time:>9.2%} {case.lost_gpu_hours:>11,.0f} "
-            f"{case.spares_claimed:>7} {case.spare_wait_hours:>8.1f} {case.incidents:>9} {case.incidents_closed:>6}"
+            f"{case.policy[:24]:<24} {case.spares:>6} {case.effective_training_time:>9.2%} "
+            f"{case.lost_gpu_hours:>11,.0f} {case.spares_claimed:>7} {case.spare_wait_hours:>8.1f} "
+            f"{case.incidents:>9} {case.incidents_closed:>6}"
         )
     lines.append("")
     for case in result.cases:
@@ -180,7 +181,9 @@ def draw(result: WhatIfResult, path: Path) -> None:
         axes.plot([c.spares for c in cases], [100 * c.effective_training_time for c in cases], marker="o", label=name)
     axes.set_xlabel("spare nodes")
     axes.set_ylabel("effective training time (%)")
-    axes.set_title(f"{result.nodes} nodes × {result.gpus_per_node} GPUs, {result.days:g} days, {result.failures} failures")
+    axes.set_title(
+        f"{result.nodes} nodes x {result.gpus_per_node} GPUs, {result.days:g} days, {result.failures} failures"
+    )
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from collections.abc import Callable
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 from temporalio import activity, workflow
@@ -19,6 +21,9 @@ from temporalio.service import RPCError
 
 with workflow.unsafe.imports_passed_through():
     from models.trace import TraceFailure
+
+if TYPE_CHECKING:
+    from sim.activities import SimFleet
 
 DRIVER_WORKFLOW = "WhatIfDriver"
 DRIVER_TASK_QUEUE = "gpufleet-whatif"
@@ -99,14 +104,11 @@ class WhatIfDriver:
         )
 
 
-def driver_activities(fleets: dict[str, object], failures: list[TraceFailure]) -> list[object]:
-    """The driver's activities over the cases' fleets (sim.activities.SimFleet by cluster)."""
+def driver_activities(cases: dict[str, SimFleet], failures: list[TraceFailure]) -> list[Callable[..., Any]]:
+    """The driver's activities over the cases' fleets, by cluster."""
     from models.constants import remediation_workflow_id
     from models.xid import XidEvent
-    from sim.activities import SimFleet
     from starters.temporal import report_xid
-
-    cases: dict[str, SimFleet] = {name: fleet for name, fleet in fleets.items() if isinstance(fleet, SimFleet)}
 
     @activity.defn(name="sim_begin")
     async def begin(start: datetime) -> None:
@@ -145,9 +147,7 @@ def driver_activities(fleets: dict[str, object], failures: list[TraceFailure]) -
                 timestamp=when,
             )
             handle = await report_xid(client, event, cluster=cluster, search_attributes=False)
-            record = next(
-                r for r in reversed(cases[cluster].world.failures) if r.at == failure.at and r.node == node
-            )
+            record = next(r for r in reversed(cases[cluster].world.failures) if r.at == failure.at and r.node == node)
             record.incident = (handle.id, handle.first_execution_run_id or handle.result_run_id or "")
 
         await asyncio.gather(*(one(cluster, node) for cluster, node in request.nodes.items() if node is not None))

@@ -94,7 +94,7 @@ class Synthetic(BaseModel):
         )
 
     def trace(self, *, nodes: int, gpus_per_node: int, days: float, seed: int) -> Trace:
-        """Failures at the reference's rate per GPU, scaled to ``nodes`` × ``gpus_per_node`` GPUs
+        """Failures at the reference's rate per GPU, scaled to ``nodes`` x ``gpus_per_node`` GPUs
         and ``days``: a Poisson process, each failure's cause drawn by the reference's counts."""
         rng = random.Random(seed)
         seconds = days * DAY
@@ -112,9 +112,7 @@ class Synthetic(BaseModel):
             if cause.events:
                 chosen = rng.choices(cause.events, weights=[e.share for e in cause.events])[0]
                 event = TraceEvent(kind=chosen.kind, xid=chosen.xid)
-            failures.append(
-                TraceFailure(at=round(at, 3), cause=cause.cause, event=event, kills_job=cause.kills_job)
-            )
+            failures.append(TraceFailure(at=round(at, 3), cause=cause.cause, event=event, kills_job=cause.kills_job))
         return Trace(
             source=f"synthetic {self.name} (seed {seed}): {self.source}",
             seconds=seconds,

