@@ -80,6 +80,8 @@ class CaseResult(BaseModel):
     # From the incidents' ledgers, where the workflow computed them (closed incidents).
     incidents_with_ledger: int = 0
     ledger_gpu_hours_by_phase: dict[str, float] | None = None
+    # The stand-in activities the workflows ran, by name: where the run's time went.
+    activities: dict[str, int] = Field(default_factory=dict)
 
 
 class WhatIfResult(BaseModel):
@@ -211,10 +213,9 @@ async def run_whatif(
     for (name, case), found in zip(fleets, ledgers, strict=True):
         case.world.finish(trace.seconds)
         result.cases.append(case_result(name, case.world, trace.seconds, found))
+        result.cases[-1].activities = dict(case.calls.most_common())
         if keep is not None:
             keep.append((case.world, found))
-    for _, case in fleets:
-        say(f"{case.cluster}: activities {dict(case.calls.most_common(8))}")
     result.wall_seconds = round(time.monotonic() - began, 1)
     return result
 

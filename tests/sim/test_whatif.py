@@ -135,6 +135,7 @@ async def test_one_failure_costs_what_its_timings_say(temporal_test_server: str,
 
 
 @pytest.mark.whatif
+@pytest.mark.timeout(1800)
 def test_a_month_of_llama3_gains_with_spares(tmp_path: Path) -> None:
     """The issue's figure: `gpufleet whatif --synthetic llama3 --policy examples/policy.yaml
     --spares 0,2,8 --json` (a month of 2,048 nodes; minutes)."""
