@@ -43,6 +43,9 @@ TEST_SERVER = "temporal-test-server"
 EXTRA = "gpufleet[whatif]"
 HOUR = 3600.0
 PROGRESS_SECONDS = 5.0
+# The server's clock standing still this long while the trace is not over: nudged, then given up.
+NUDGE_SECONDS = 30.0
+STALL_SECONDS = 180.0
 
 
 # An incident at the trace's end: whether it closed, and its ledger (None: open, or none computed).
@@ -191,11 +194,18 @@ async def run_whatif(
             )
             over = asyncio.Event()
             watcher = asyncio.create_task(_watch(env, fleets, trace, say, over))
+            finished = asyncio.create_task(handle.result())
             try:
-                await handle.result()
+                await asyncio.wait({finished, watcher}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 over.set()  # not cancelled mid-call: a call cut short leaves the SDK's runtime a callback
-                await watcher
+                await asyncio.wait({watcher})
+            if not finished.done():
+                finished.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await finished
+                watcher.result()  # the stall it saw
+            await finished
             say("the trace is over: reading the incidents' ledgers")
             ledgers = [await _ledgers(env.client, case) for _, case in fleets]
             await _stop_open(env.client, [case for _, case in fleets])
@@ -230,7 +240,13 @@ async def _watch(
     say: Callable[[str], None],
     over: asyncio.Event,
 ) -> None:
-    """Progress on the way, until ``over``: the simulated day, the failures so far, the incidents."""
+    """Progress on the way, until ``over``: the simulated day, the failures so far, the incidents.
+
+    Raises:
+        WhatIfError: the server's clock stood still for STALL_SECONDS (nudged once on the way).
+    """
+    last: datetime | None = None
+    still = 0.0
     while not over.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(over.wait(), PROGRESS_SECONDS)
@@ -242,6 +258,17 @@ async def _watch(
             continue
         start = fleets[0][1].start if fleets else _EPOCH
         if start == _EPOCH:
+            continue
+        still = still + PROGRESS_SECONDS if now == last else 0.0
+        last = now
+        if still >= STALL_SECONDS:
+            raise WhatIfError(
+                f"the test server's clock stood still at day {(now - start).total_seconds() / 86400:.1f} for "
+                f"{STALL_SECONDS:g} s with the trace not over: run it again (each run draws its milliseconds anew)"
+            )
+        if still >= NUDGE_SECONDS:
+            with contextlib.suppress(RPCError):
+                await env.sleep(timedelta(seconds=1))  # unlocks time skipping for a second of it
             continue
         day = (now - start).total_seconds() / 86400
         world = fleets[0][1].world
