@@ -228,7 +228,8 @@ class World:
                 failure.running_again_at, failure.training_again_at = start, job.productive
 
     def _lose(self, cause: str, gpu_seconds: float) -> None:
-        if gpu_seconds > 0:
+        """Charge ``cause`` (a negative figure gives back a start-up charged ahead and cut short)."""
+        if gpu_seconds:
             self.lost_by_cause[cause] = self.lost_by_cause.get(cause, 0.0) + gpu_seconds
 
     def _stop(self, job: Job, at: float, cause: str, *, saved: bool) -> None:

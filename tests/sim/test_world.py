@@ -95,3 +95,12 @@ def test_a_trace_node_is_the_same_fleet_node_each_time() -> None:
     first = w.fail(10, cause="software", node="dgx-a17", visible=False, kills_job=False)
     again = w.fail(20, cause="software", node="dgx-a17", visible=False, kills_job=False)
     assert first.node == again.node and first.node in w.nodes
+
+
+def test_a_run_stopped_in_its_start_up_is_charged_only_until_then() -> None:
+    w = world()
+    w.fail(1000, cause="software", node=None, visible=False, kills_job=True)  # start-up until 1600
+    w.fail(1300, cause="network", node=None, visible=False, kills_job=True)  # start-up until 1900
+    w.finish(1700)  # still starting
+    assert w.trained_gpu_seconds() == 0  # no checkpoint before 1,800 s: the first 1,000 s are lost work
+    assert w.lost_by_cause == pytest.approx({"software": (1000 + 300) * GPUS, "network": 400 * GPUS})
