@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv system-deps slurm-roots test test-fast test-stress lint demo bench bench-scale chaos benchmarks-doc gpu-check temporal-certs clean
+.PHONY: venv system-deps slurm-roots test test-fast test-stress lint demo bench bench-scale chaos benchmarks-doc gpu-check temporal-certs clean whatif
 
 # Where make bench, make chaos and make bench-scale keep their last run's JSON (with its commit,
 # date and machine), and what makes docs/benchmarks.md from them (bench/report.py).
@@ -32,11 +32,11 @@ slurm-roots: venv system-deps
 # starts its own Temporal test server, kubeapi or sshd on free ports), then the Slurm and lab
 # tests one at a time, since two labs must never run at once.
 test: venv system-deps slurm-roots
-	$(BIN)/pytest -q -n 2 -m "not slurm and not e2e" --durations=15
+	$(BIN)/pytest -q -n 2 -m "not slurm and not e2e and not whatif" --durations=15
 	$(BIN)/pytest -q -m "slurm or e2e" --durations=30
 
 test-fast: venv
-	$(BIN)/pytest -q -n 2 -m "not slurm and not e2e"
+	$(BIN)/pytest -q -n 2 -m "not slurm and not e2e and not whatif"
 
 lint: venv
 	$(BIN)/ruff check .
@@ -56,6 +56,11 @@ demo: venv system-deps
 CHAOS_JSON = chaos$(if $(filter-out default,$(FLAVOR)),-$(FLAVOR)).json
 chaos: venv system-deps
 	$(BIN)/python -m lab.chaos $(if $(SLURM),--slurm $(SLURM)) $(if $(FLAVOR),--flavor $(FLAVOR)) --output $(RESULTS)/$(CHAOS_JSON); status=$$?; $(REPORT) && exit $$status
+
+# The what-if's full runs (not part of .ci/run, which runs its one-day case): a month of the llama3
+# synthetic on 2,048 nodes through the real workflows, each policy and spare count (minutes).
+whatif: venv
+	$(BIN)/pytest -q -m whatif tests/sim --durations=5
 
 # The whole suite three times from a fresh clone, with a CPU hog beside it (not part of .ci/run).
 test-stress: venv system-deps

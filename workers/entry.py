@@ -353,6 +353,7 @@ def command() -> typer.Typer:
     )(health_check)
     app.add_typer(cluster_app, name="cluster")
     app.add_typer(pool_app, name="pool")
+    _add_whatif(app)
     # Commands of installed packages (the lab's, in a checkout). One whose own package is absent
     # is left out; one that needs a module not installed is left out saying which, so that the
     # rest of gpufleet still works (the lab installed without its extra); any other error is raised.
@@ -360,6 +361,17 @@ def command() -> typer.Typer:
         app.add_typer(commands, name=name)
     _built.append(app)
     return app
+
+
+def _add_whatif(tree: typer.Typer) -> None:
+    """`gpufleet whatif`, where the simulator (sim/) is installed: the production image leaves it out."""
+    try:
+        from sim.cli import whatif
+    except ModuleNotFoundError as exc:
+        if exc.name != "sim" and not (exc.name or "").startswith("sim."):
+            raise
+        return
+    tree.command()(whatif)
 
 
 def health_check(ctx: typer.Context) -> None:

@@ -46,6 +46,7 @@ STARTS_SERVERS = {
     ("lab", "up"): "starts the lab",
     ("api",): "serves the gpufleet API (its TLS files and Kubernetes API are settings, named when missing)",
     ("intake",): "serves the intake (its TLS files are settings, named when missing)",
+    ("whatif",): "starts Temporal's test server and simulates (tests/sim)",
 }
 
 
@@ -124,6 +125,7 @@ PLAUSIBLE = {
     "xid": "79",
     "user": "carol",
     "uid": "2100",
+    "policy": str(REPO / "examples" / "policy.yaml"),
 }
 USER_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGbRLO3ZFsuyq0E7A3y5lV8Kfy2kOQH9S+8q0q3JmfpH carol@laptop"
 # What a command needs beyond that to do its work once: the detector reads a log holding an Xid

@@ -1,0 +1,195 @@
+"""`gpufleet whatif`: what a policy and a spare pool would have saved, over a trace of failures
+(docs/whatif.md). Registered by workers/entry.py."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from models.policy import PolicyError, load_policy
+from models.trace import Trace
+from sim.trace import DAY, TraceError, load_synthetic, load_trace, synthetic_names
+from sim.whatif import NamedPolicy, WhatIfError, WhatIfResult, run_whatif, server_binary
+from sim.world import FleetSpec
+from starters.cli import fail
+
+DEFAULT_NODES = 2048
+DEFAULT_DAYS = 30.0
+MAX_CASES = 40
+
+
+def parse_spares(text: str) -> list[int]:
+    """``0,1,2,4,8``: distinct counts of spare nodes, in the order given.
+
+    Raises:
+        ValueError: saying what is wrong.
+    """
+    counts: list[int] = []
+    for part in text.split(","):
+        word = part.strip()
+        if not word.isdigit():
+            raise ValueError(f"--spares: {word!r} is not a count of nodes: give counts like 0,1,2,4,8")
+        count = int(word)
+        if count > 100000:
+            raise ValueError(f"--spares: {count} spares is more than the simulator takes (100000)")
+        if count in counts:
+            raise ValueError(f"--spares: {count} is given twice")
+        counts.append(count)
+    return counts
+
+
+def whatif(
+    policy: Annotated[
+        list[Path],
+        typer.Option(help="A policy file (the worker's own YAML); again for each policy to compare."),
+    ],
+    trace: Annotated[
+        Path | None, typer.Option(help="A failure trace (JSON, gpufleet-trace/1; `gpufleet report --export-trace`).")
+    ] = None,
+    synthetic: Annotated[
+        str | None, typer.Option(help="A built-in synthetic trace instead: llama3 (Llama 3's published failures).")
+    ] = None,
+    spares: Annotated[str, typer.Option(help="Spare counts to compare, comma-separated.")] = "0,1,2,4,8",
+    days: Annotated[
+        float | None, typer.Option(help="Days to simulate (synthetic: default 30; a trace: its first N days).")
+    ] = None,
+    nodes: Annotated[int | None, typer.Option(help="Training nodes (default: the trace's, else 2048).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the synthetic trace and of the nodes picked to fail.")] = 1,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    png: Annotated[Path | None, typer.Option(help="Draw effective training time against spares to this PNG.")] = None,
+) -> None:
+    """Run a trace's failures through gpufleet's own workflows under each policy and spare count, in
+    simulated time, and report effective training time, GPU-hours lost and the spares' use."""
+    run_trace, fleet = _inputs(trace=trace, synthetic=synthetic, days=days, nodes=nodes, seed=seed)
+    try:
+        counts = parse_spares(spares)
+    except ValueError as exc:
+        fail(str(exc), code=2)
+    policies = []
+    for path in policy:
+        try:
+            policies.append(NamedPolicy(name=path.name, policy=load_policy(path)))
+        except PolicyError as exc:
+            fail(str(exc), code=2)
+    if not policies:
+        fail("--policy: name at least one policy file (examples/policy.yaml is a start)", code=2)
+    names = [p.name for p in policies]
+    if len(set(names)) != len(names):
+        policies = [NamedPolicy(name=str(path), policy=p.policy) for path, p in zip(policy, policies, strict=True)]
+    if len(policies) * len(counts) > MAX_CASES:
+        fail(f"{len(policies)} policies x {len(counts)} spare counts is more than {MAX_CASES} cases: give fewer", 2)
+    if png is not None:
+        _check_matplotlib()
+    try:
+        server_binary()
+    except WhatIfError as exc:
+        fail(str(exc), code=2)
+
+    def progress(line: str) -> None:
+        print(f"whatif: {line}", file=sys.stderr, flush=True)
+
+    try:
+        result = asyncio.run(run_whatif(run_trace, fleet, policies, counts, seed=seed, progress=progress))
+    except WhatIfError as exc:
+        fail(str(exc))
+    if png is not None:
+        draw(result, png)
+    if json_output:
+        print(result.model_dump_json(indent=2))
+    else:
+        print(text(result))
+
+
+def _inputs(
+    *, trace: Path | None, synthetic: str | None, days: float | None, nodes: int | None, seed: int
+) -> tuple[Trace, FleetSpec]:
+    """The trace and the fleet to run it on, checked; a one-line error (exit 2) when not usable."""
+    if (trace is None) == (synthetic is None):
+        fail("give one of --trace FILE or --synthetic NAME (" + ", ".join(synthetic_names()) + ")", code=2)
+    if days is not None and not 0 < days <= 366:
+        fail(f"--days: {days:g} is not between 0 and 366", code=2)
+    if nodes is not None and not 1 <= nodes <= 100000:
+        fail(f"--nodes: {nodes} is not between 1 and 100000", code=2)
+    if synthetic is not None:
+        try:
+            spec = load_synthetic(synthetic)
+        except TraceError as exc:
+            fail(str(exc), code=2)
+        fleet = spec.fleet_spec(nodes=nodes or DEFAULT_NODES, gpus_per_node=spec.reference.gpus_per_node)
+        made = spec.trace(nodes=fleet.nodes, gpus_per_node=fleet.gpus_per_node, days=days or DEFAULT_DAYS, seed=seed)
+        return made, fleet
+    assert trace is not None
+    try:
+        loaded = load_trace(trace)
+    except TraceError as exc:
+        fail(str(exc), code=2)
+    if days is not None:
+        if days * DAY > loaded.seconds:
+            fail(f"--days: the trace covers {loaded.seconds / DAY:g} days, fewer than {days:g}", code=2)
+        loaded = loaded.model_copy(
+            update={"seconds": days * DAY, "failures": [f for f in loaded.failures if f.at <= days * DAY]}
+        )
+    fleet = FleetSpec(nodes=nodes or loaded.nodes or DEFAULT_NODES, gpus_per_node=loaded.gpus_per_node)
+    return loaded, fleet
+
+
+def _check_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        fail("--png needs matplotlib: install it with `pip install 'gpufleet[whatif]'`", code=2)
+
+
+def text(result: WhatIfResult) -> str:
+    """The results as a table, with each case's largest losses."""
+    lines = [
+        f"{result.source}",
+        f"{result.nodes} nodes x {result.gpus_per_node} GPUs, {result.days:g} days, {result.failures} failures "
+        f"({result.visible_failures} visible to gpufleet), seed {result.seed}; {result.wall_seconds:g} s",
+        "",
+        f"{'policy':<24} {'spares':>6} {'effective':>9} {'lost GPU-h':>11} {'claimed':>7} {'waited h':>8} "
+        f"{'incidents':>9} {'closed':>6}",
+    ]
+    for case in result.cases:
+        lines.append(
+            f"{case.policy[:24]:<24} {case.spares:>6} {case.effective_training_time:>9.2%} "
+            f"{case.lost_gpu_hours:>11,.0f} {case.spares_claimed:>7} {case.spare_wait_hours:>8.1f} "
+            f"{case.incidents:>9} {case.incidents_closed:>6}"
+        )
+    lines.append("")
+    for case in result.cases:
+        top = sorted(case.lost_gpu_hours_by_cause.items(), key=lambda item: -item[1])[:4]
+        causes = ", ".join(f"{cause} {hours:,.0f}" for cause, hours in top)
+        lines.append(f"{case.policy[:24]} with {case.spares} spares lost (GPU-h): {causes or 'nothing'}")
+    return "\n".join(lines)
+
+
+def draw(result: WhatIfResult, path: Path) -> None:
+    """Effective training time against the spare count, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for name in dict.fromkeys(case.policy for case in result.cases):
+        cases = sorted((c for c in result.cases if c.policy == name), key=lambda c: c.spares)
+        axes.plot([c.spares for c in cases], [100 * c.effective_training_time for c in cases], marker="o", label=name)
+    axes.set_xlabel("spare nodes")
+    axes.set_ylabel("effective training time (%)")
+    axes.set_title(
+        f"{result.nodes} nodes x {result.gpus_per_node} GPUs, {result.days:g} days, {result.failures} failures"
+    )
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    try:
+        figure.savefig(path, dpi=120)
+    except OSError as exc:
+        fail(f"--png: cannot write {path}: {exc.strerror or exc}")
+    finally:
+        plt.close(figure)
