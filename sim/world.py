@@ -384,9 +384,10 @@ class World:
         return min([later] + [node.back_at for node in self.nodes.values() if node.back_at > self.now])
 
     def claim(self, incident: str, failed: str = "") -> str | None:
-        """A free spare joins the partition; None when none is free."""
+        """A free spare joins the partition; None when none is free. Asked again for the same
+        incident, the spare it claimed already (as the real claim_spare answers a retry)."""
         for node in self.nodes.values():
-            if node.where is Where.POOL and node.claimed_by == incident:
+            if node.claimed_by == incident and node.where in (Where.POOL, Where.PARTITION):
                 return node.name
         for node in self.nodes.values():
             if node.where is Where.POOL and not node.claimed_by:

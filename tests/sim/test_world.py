@@ -104,3 +104,12 @@ def test_a_run_stopped_in_its_start_up_is_charged_only_until_then() -> None:
     w.finish(1700)  # still starting
     assert w.trained_gpu_seconds() == 0  # no checkpoint before 1,800 s: the first 1,000 s are lost work
     assert w.lost_by_cause == pytest.approx({"software": (1000 + 300) * GPUS, "network": 400 * GPUS})
+
+
+def test_a_claim_asked_again_for_the_same_incident_is_the_same_spare() -> None:
+    w = world(spares=2)
+    w.fail(100, cause="gpu", node="gpu0001", visible=True, kills_job=True)
+    first = w.claim("incident-1", "gpu0001")
+    # An activity asked again (a retry, a run continued as new) takes no second spare.
+    assert w.claim("incident-1", "gpu0001") == first == "spare001"
+    assert w.spares_claimed == 1 and w.nodes["spare002"].where is Where.POOL
