@@ -46,6 +46,9 @@ PROGRESS_SECONDS = 5.0
 # The server's clock standing still this long while the trace is not over: nudged, then given up.
 NUDGE_SECONDS = 30.0
 STALL_SECONDS = 180.0
+NUDGE = timedelta(seconds=1)
+# The clock moved on its own only when it moved more than the nudges did, by more than this.
+NUDGE_MARGIN = timedelta(seconds=0.5)
 
 
 # An incident at the trace's end: whether it closed, and its ledger (None: open, or none computed).
@@ -243,9 +246,11 @@ async def _watch(
     """Progress on the way, until ``over``: the simulated day, the failures so far, the incidents.
 
     Raises:
-        WhatIfError: the server's clock stood still for STALL_SECONDS (nudged once on the way).
+        WhatIfError: the server's clock stood still for STALL_SECONDS, but for the nudges
+            (each nudge moves it a second; that is no sign the stall is over).
     """
-    last: datetime | None = None
+    moved: datetime | None = None  # the clock when it last moved on its own
+    nudged = timedelta(0)  # how far the nudges moved it since
     still = 0.0
     while not over.is_set():
         with contextlib.suppress(TimeoutError):
@@ -259,8 +264,10 @@ async def _watch(
         start = fleets[0][1].start if fleets else _EPOCH
         if start == _EPOCH:
             continue
-        still = still + PROGRESS_SECONDS if now == last else 0.0
-        last = now
+        if moved is None or now - moved > nudged + NUDGE_MARGIN:
+            moved, nudged, still = now, timedelta(0), 0.0
+        else:
+            still += PROGRESS_SECONDS
         if still >= STALL_SECONDS:
             raise WhatIfError(
                 f"the test server's clock stood still at day {(now - start).total_seconds() / 86400:.1f} for "
@@ -268,7 +275,8 @@ async def _watch(
             )
         if still >= NUDGE_SECONDS:
             with contextlib.suppress(RPCError):
-                await env.sleep(timedelta(seconds=1))  # unlocks time skipping for a second of it
+                await env.sleep(NUDGE)  # unlocks time skipping for a second of it
+                nudged += NUDGE
             continue
         day = (now - start).total_seconds() / 86400
         world = fleets[0][1].world
