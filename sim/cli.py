@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -20,6 +21,8 @@ from starters.cli import fail
 DEFAULT_NODES = 2048
 DEFAULT_DAYS = 30.0
 MAX_CASES = 40
+MAX_DAYS = 366
+MAX_NODES = 100000
 
 
 def parse_spares(text: str) -> list[int]:
@@ -83,7 +86,7 @@ def whatif(
     if len(policies) * len(counts) > MAX_CASES:
         fail(f"{len(policies)} policies x {len(counts)} spare counts is more than {MAX_CASES} cases: give fewer", 2)
     if png is not None:
-        _check_matplotlib()
+        _check_png(png)
     try:
         server_binary()
     except WhatIfError as exc:
@@ -110,10 +113,10 @@ def _inputs(
     """The trace and the fleet to run it on, checked; a one-line error (exit 2) when not usable."""
     if (trace is None) == (synthetic is None):
         fail("give one of --trace FILE or --synthetic NAME (" + ", ".join(synthetic_names()) + ")", code=2)
-    if days is not None and not 0 < days <= 366:
-        fail(f"--days: {days:g} is not between 0 and 366", code=2)
-    if nodes is not None and not 1 <= nodes <= 100000:
-        fail(f"--nodes: {nodes} is not between 1 and 100000", code=2)
+    if days is not None and not 0 < days <= MAX_DAYS:
+        fail(f"--days: {days:g} is not between 0 and {MAX_DAYS}", code=2)
+    if nodes is not None and not 1 <= nodes <= MAX_NODES:
+        fail(f"--nodes: {nodes} is not between 1 and {MAX_NODES}", code=2)
     if synthetic is not None:
         try:
             spec = load_synthetic(synthetic)
@@ -133,15 +136,28 @@ def _inputs(
         loaded = loaded.model_copy(
             update={"seconds": days * DAY, "failures": [f for f in loaded.failures if f.at <= days * DAY]}
         )
-    fleet = FleetSpec(nodes=nodes or loaded.nodes or DEFAULT_NODES, gpus_per_node=loaded.gpus_per_node)
+    elif loaded.seconds > MAX_DAYS * DAY:
+        fail(f"--trace: {trace} covers {loaded.seconds / DAY:g} days, more than {MAX_DAYS}: give --days", code=2)
+    size = nodes or loaded.nodes or DEFAULT_NODES
+    if size > MAX_NODES:
+        fail(f"--trace: {trace} has {size} nodes, more than {MAX_NODES}: give --nodes", code=2)
+    fleet = FleetSpec(nodes=size, gpus_per_node=loaded.gpus_per_node)
     return loaded, fleet
 
 
-def _check_matplotlib() -> None:
+def _check_png(path: Path) -> None:
+    """Before the run (minutes): matplotlib is there, and ``path`` can be written."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         fail("--png needs matplotlib: install it with `pip install 'gpufleet[whatif]'`", code=2)
+    folder = path.parent
+    if path.is_dir():
+        fail(f"--png: {path} is a directory: name the picture's file", code=2)
+    if not folder.is_dir():
+        fail(f"--png: no folder {folder} to write {path.name} in: create it first", code=2)
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        fail(f"--png: cannot write {path}: permission denied", code=2)
 
 
 def text(result: WhatIfResult) -> str:
@@ -188,7 +204,7 @@ def draw(result: WhatIfResult, path: Path) -> None:
     axes.legend()
     figure.tight_layout()
     try:
-        figure.savefig(path, dpi=120)
+        figure.savefig(path, dpi=120, format="png")
     except OSError as exc:
         fail(f"--png: cannot write {path}: {exc.strerror or exc}")
     finally:
