@@ -159,6 +159,33 @@ def _overlap(start: datetime, end: datetime, span: tuple[datetime, datetime] | N
     return max(0.0, (min(end, span[1]) - max(start, span[0])).total_seconds())
 
 
+def _lost_since_checkpoint(
+    job_id: int,
+    listed: JobInfo | None,
+    latest: JobInfo | None,
+    status: IncidentStatus,
+    failed: datetime,
+    graced: datetime,
+) -> float | None:
+    """Seconds of work the job lost: since its last checkpoint before the failure, or since its
+    current run began where that is later (a job that failed again before its first checkpoint
+    since a restart loses that run only; the outage before it was the earlier incident's).
+    A job the failure did not end and that saved when it was signalled (``checkpoint-done``
+    during the grace, or a mark in its Comment from between the failure and the grace's end) lost
+    nothing. None: the job reported no checkpoint."""
+    if job_id not in status.ended:
+        later = latest.checkpointed_at if latest is not None else None
+        if job_id in status.checkpointed or (later is not None and failed <= later <= graced):
+            return 0.0
+    saved = listed.checkpointed_at if listed is not None else None
+    if saved is None:
+        return None
+    began = _aware(listed.start_time) if listed is not None and listed.start_time is not None else None
+    if began is not None and saved < began <= failed:
+        saved = began
+    return max(0.0, (failed - saved).total_seconds())
+
+
 def ledger_for(
     status: IncidentStatus,
     events: list[XidEvent],
@@ -231,12 +258,12 @@ def ledger_for(
     unknown: list[int] = []
     lost_seconds = 0.0
     lost_gpu: float | None = None if stopped else 0.0
+    latest = {job.job_id: job for job in status.jobs}
     for job_id in stopped:
-        saved = known[job_id].checkpointed_at if job_id in known else None
-        if saved is None:
+        lost = _lost_since_checkpoint(job_id, known.get(job_id), latest.get(job_id), status, failed, graced)
+        if lost is None:
             unknown.append(job_id)
             continue
-        lost = max(0.0, (failed - saved).total_seconds())
         lost_seconds = max(lost_seconds, lost)
         lost_gpu = (lost_gpu or 0.0) + gpus_of[job_id] * lost
     phases.append(PhaseCost(phase=Phase.LOST_WORK, seconds=lost_seconds, gpu_seconds=lost_gpu))

@@ -288,3 +288,28 @@ def test_a_job_the_failure_ended_that_could_not_be_requeued_costs_until_the_clos
     spare_wait = ledger.cost(Phase.SPARE_WAIT).gpu_seconds or 0.0
     # Job 7 from 153 to its return at 2000, job 9 from 153 to the close at 2100.
     assert restart + spare_wait == pytest.approx(8 * (2000 - 153) + 4 * (2100 - 153))
+
+
+def test_a_signalled_job_that_saved_in_its_grace_lost_nothing() -> None:
+    """Signalled (not ended by the failure), it saved on SIGTERM: the work since is kept."""
+    before = JobInfo(job_id=7, gpus=8, comment=f"gpufleet:checkpoint:{int(at(-300).timestamp())}")
+    told = replaced(before)
+    told.checkpointed.append(7)  # checkpoint-done during the grace
+    assert ledger_for(told, [xid(0)], node_gpus=8, now=at(5000)).cost(Phase.LOST_WORK).gpu_seconds == 0
+    marked = replaced(before.model_copy(update={"comment": f"gpufleet:checkpoint:{int(at(100).timestamp())}"}))
+    ledger = ledger_for(marked, [xid(0)], node_gpus=8, now=at(5000), jobs=[before])
+    assert ledger.cost(Phase.LOST_WORK).gpu_seconds == 0  # its Comment names a save within the grace
+    ended = replaced(before)
+    ended.checkpointed.append(7)
+    ended.ended.append(7)  # the failure itself ended it: its save came too late
+    assert ledger_for(ended, [xid(0)], node_gpus=8, now=at(5000)).cost(Phase.LOST_WORK).seconds == pytest.approx(300)
+
+
+def test_a_job_failing_again_before_its_first_checkpoint_since_a_restart_loses_that_run_only() -> None:
+    """Its Comment still names the checkpoint it restarted from; the outage before its restart was
+    the earlier incident's."""
+    stamp = int(at(-5000).timestamp())
+    job = JobInfo(job_id=7, gpus=8, comment=f"gpufleet:checkpoint:{stamp}", start_time=at(-200))
+    ledger = ledger_for(replaced(job), [xid(0)], node_gpus=8, now=at(5000))
+    assert ledger.cost(Phase.LOST_WORK).seconds == pytest.approx(200)
+    assert ledger.cost(Phase.LOST_WORK).gpu_seconds == pytest.approx(200 * 8)

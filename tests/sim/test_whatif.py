@@ -116,8 +116,7 @@ async def test_one_failure_costs_what_its_timings_say(temporal_test_server: str,
     assert case.lost_gpu_hours == pytest.approx((down + lost_work) * gpus / HOUR, abs=1 * gpus / HOUR)
     ((closed, ledger),) = incidents
     assert closed
-    if ledger is None:
-        return  # the workflow computes no ledger yet
+    assert ledger is not None, "every closed incident carries its ledger"
     expected = {
         Phase.DETECTION: 30.0,
         Phase.DRAIN: 0.0,
@@ -130,8 +129,8 @@ async def test_one_failure_costs_what_its_timings_say(temporal_test_server: str,
         cost = ledger.cost(phase)
         assert cost.seconds == pytest.approx(seconds, abs=1), phase
         assert cost.gpu_seconds == pytest.approx(seconds * gpus, abs=gpus), phase
-    if kills_job:
-        assert ledger.cost(Phase.LOST_WORK).gpu_seconds == pytest.approx(400 * gpus, abs=gpus)
+    # The crash lost the 400 s since the checkpoint; a job signalled in time saved and lost nothing.
+    assert ledger.cost(Phase.LOST_WORK).gpu_seconds == pytest.approx(lost_work * gpus, abs=gpus)
 
 
 @pytest.mark.whatif
