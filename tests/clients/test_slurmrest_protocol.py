@@ -63,6 +63,11 @@ DRAIN_REASON = "gpufleet: xid 79 REPLACE_NODE incident lab-gpu1-20261202T000000Z
 # -- what no server is needed for -------------------------------------------------------------------
 
 
+# It starts real slurmctld, slurmd and slurmrestd daemons (22.05 and the cached newer roots): it runs
+# in make test's second part, one lab at a time, not beside another module's daemons under xdist.
+pytestmark = pytest.mark.slurm
+
+
 @pytest.mark.parametrize(
     ("hostlist", "expected"),
     [
