@@ -11,12 +11,14 @@ cancelled, still carry a ledger.
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 from temporalio import activity
 from temporalio.client import WorkflowFailureError
+from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from models.goodput import RECOVERY_PHASES, IncidentLedger, Phase
@@ -29,6 +31,20 @@ from tests.workflows.test_cancel import checking_in_grace, closed_by_cancel, in_
 from tests.workflows.test_guard import running, until
 from tests.workflows.test_remediation import Fleet, start, worker
 from workflows.remediation import NodeRemediationWorkflow
+
+
+@pytest.fixture
+async def env(temporal_test_server: str) -> AsyncIterator[WorkflowEnvironment]:
+    """A test server of each test's own: a workflow an earlier test leaves with a task on a queue
+    nobody polls any more (its fleet guard, say) would stop this test's time from skipping."""
+    environment = await WorkflowEnvironment.start_time_skipping(
+        data_converter=pydantic_data_converter,
+        test_server_existing_path=temporal_test_server,
+        test_server_startup_timeout=timedelta(seconds=60),
+    )
+    yield environment
+    await environment.shutdown()
+
 
 GRACE = 120.0
 RECHECK = 100.0
