@@ -161,24 +161,14 @@ def checkpoint_done(
 def _record_checkpoint(job_id: int, at: int, step: int | None) -> None:
     """The job's checkpoint mark written through the Slurm backend the settings name."""
     from clients.errors import ClientError, NotFound, Unavailable
-    from clients.slurmrest_protocol import slurm_client
+    from workers.main import slurm_named_by
 
     try:
         settings = Settings()
     except ValidationError as exc:
         fail(settings_error(exc), code=2)
     try:
-        slurm = slurm_client(
-            settings.slurm_backend,
-            slurm_conf=settings.slurm_conf,
-            bin_dir=settings.slurm_bin_dir,
-            timeout_seconds=settings.slurm_timeout_seconds,
-            restd_url=settings.slurmrestd_url,
-            restd_version=settings.slurmrestd_version,
-            restd_user=settings.slurmrestd_user,
-            restd_key_file=settings.slurmrestd_jwt_key_file,
-            restd_token_file=settings.slurmrestd_token_file,
-        )
+        slurm = slurm_named_by(settings)
         record = getattr(slurm, "record_checkpoint", None)
         if record is None:
             fail(f"Slurm backend {settings.slurm_backend} cannot write a job's Comment", code=2)

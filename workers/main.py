@@ -213,10 +213,9 @@ class Clients:
         return "slinky" if self.slinky is not None else "slurm"
 
 
-def slurm_from_settings(settings: Settings) -> SlurmClient:
-    """The Slurm client the settings name (GPUFLEET_SLURM_BACKEND), checked to serve every
-    method the worker calls: MissingSlurmMethods names each one it lacks, and why."""
-    slurm = slurm_client(
+def slurm_named_by(settings: Settings) -> SlurmClient:
+    """The Slurm client the settings name (GPUFLEET_SLURM_BACKEND), unchecked."""
+    return slurm_client(
         settings.slurm_backend,
         slurm_conf=settings.slurm_conf,
         bin_dir=settings.slurm_bin_dir,
@@ -227,6 +226,12 @@ def slurm_from_settings(settings: Settings) -> SlurmClient:
         restd_key_file=settings.slurmrestd_jwt_key_file,
         restd_token_file=settings.slurmrestd_token_file,
     )
+
+
+def slurm_from_settings(settings: Settings) -> SlurmClient:
+    """The Slurm client the settings name (GPUFLEET_SLURM_BACKEND), checked to serve every
+    method the worker calls: MissingSlurmMethods names each one it lacks, and why."""
+    slurm = slurm_named_by(settings)
     on_slinky = slinky_unsupported_view(slurm)
     if settings.remediation_mode == "slinky":  # some are served otherwise there, or never called
         require_methods(on_slinky, WORKER_METHODS - PARTITION_EDITS)
