@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from models.degradation import DegradationSettings
 from models.numbers import Finite, Whole
 from models.sxid import sxid_catalog
+from models.topology import DomainSettings
 from models.validation import ValidationSettings
 from models.xid import GpuEventKind, RecoveryAction, XidEvent, xid_catalog
 
@@ -391,6 +392,8 @@ class Policy(BaseModel):
     degradation: DegradationSettings = Field(default_factory=DegradationSettings)
     # The checks a node passes before it goes back into service (models/validation.py).
     validation: ValidationSettings = Field(default_factory=ValidationSettings)
+    # Failures clustered in a rack, zone, NVLink domain or leaf switch: one domain incident.
+    domains: DomainSettings = Field(default_factory=DomainSettings)
 
     @field_validator("kinds")
     @classmethod
