@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 from temporalio.api.enums.v1 import EventType
@@ -72,6 +73,13 @@ class CaseResult(BaseModel):
     # By the cause of the failure that stopped the training ("start": a run's own start-up).
     lost_gpu_hours_by_cause: dict[str, float] = Field(default_factory=dict)
     lost_work_gpu_hours_by_cause: dict[str, float] = Field(default_factory=dict)
+    # Optimizer steps (each job's steps_per_second): trained and kept, and trained since a
+    # checkpoint and lost to a crash (computed again), by cause and per failure that stopped a job.
+    steps_trained: int = 0
+    steps_lost: int = 0
+    steps_lost_by_cause: dict[str, int] = Field(default_factory=dict)
+    job_stops: int = 0  # failures that stopped a job (by a crash, or by their incident's SIGTERM)
+    steps_lost_per_failure: float = 0.0  # steps_lost over job_stops
     failures: int = 0
     visible_failures: int = 0
     incidents: int = 0
@@ -91,6 +99,8 @@ class CaseResult(BaseModel):
 
 
 class WhatIfResult(BaseModel):
+    # The output's format: /1 added the step counts (earlier output carried no format).
+    format: Literal["gpufleet-whatif/1"] = "gpufleet-whatif/1"
     source: str
     nodes: int
     gpus_per_node: int
@@ -343,6 +353,8 @@ def case_result(name: str, world: World, seconds: float, incidents: list[Closed]
                 by_phase[phase.value] += (cost or 0.0) / HOUR
         by_phase = {phase: round(value, 2) for phase, value in by_phase.items()}
     visible = [r for r in world.failures if r.visible and r.node is not None]
+    stops = sum(1 for r in world.failures if r.stopped_at is not None)
+    steps_lost = world.steps_lost()
     return CaseResult(
         policy=name,
         spares=spec.spares,
@@ -356,6 +368,13 @@ def case_result(name: str, world: World, seconds: float, incidents: list[Closed]
         lost_work_gpu_hours_by_cause={
             cause: round(value / HOUR, 2) for cause, value in sorted(world.lost_work_by_cause.items()) if value > 1e-6
         },
+        steps_trained=round(world.steps_trained()),
+        steps_lost=round(steps_lost),
+        steps_lost_by_cause={
+            cause: round(value) for cause, value in sorted(world.lost_steps_by_cause.items()) if value >= 0.5
+        },
+        job_stops=stops,
+        steps_lost_per_failure=round(steps_lost / stops, 1) if stops else 0.0,
         failures=len(world.failures),
         visible_failures=len(visible),
         incidents=len({r.incident for r in world.failures if r.incident is not None}),
