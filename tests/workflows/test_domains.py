@@ -187,4 +187,4 @@ async def test_domains_switched_off_count_nothing(env: WorkflowEnvironment) -> N
         results = [await handle.result() for handle in handles]
         state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
     assert all(r.outcome == Outcome.RESOLVED and r.spare for r in results)
-    assert not state.state.domains and "node_domains" not in fleet.calls
+    assert not state.state.domains and "guard:node_domains" not in fleet.calls

@@ -255,7 +255,7 @@ class Fleet:
 
         @activity.defn(name="node_domains")
         async def node_domains(request: DomainsRequest) -> NodeDomains:
-            fleet.calls.append("node_domains")
+            fleet.calls.append("guard:node_domains")
             return NodeDomains(node=request.node, domains=fleet.domains.get(request.node, []))
 
         @activity.defn(name="domain_nodes")
