@@ -29,6 +29,9 @@ NODE_DOMAINS_WORKFLOW = "NodeDomainsWorkflow"
 # the held incidents return their nodes through validation).
 GUARD_DOMAIN_SIGNAL = "domain"
 
+# The rack label gpufleet reads by default (and the lab sets): DomainSettings.rack_label.
+RACK_LABEL = "gpufleet.io/rack"
+
 # A domain's name: a label value or a Slurm switch name (letters, digits, '.', '_', '-').
 _DOMAIN_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
 
@@ -92,7 +95,7 @@ class DomainSettings(BaseModel):
     # The kinds that group failures (a kind left out is still shown by `gpufleet nodes show`).
     kinds: list[DomainKind] = Field(default_factory=lambda: list(DomainKind))
     # Where each kind is read from: Kubernetes node labels, and Slurm's topology for switches.
-    rack_label: str = "gpufleet.io/rack"
+    rack_label: str = RACK_LABEL
     zone_label: str = "topology.kubernetes.io/zone"
     nvlink_label: str = "nvidia.com/gpu.clique"
     slurm_switches: bool = True
