@@ -495,14 +495,20 @@ class SlurmCli:
 
     def topology(self) -> SlurmTopology:
         """The switches of ``scontrol show topology``, their hostlists expanded; none and a note
-        where Slurm has no switch topology (that is no error: the node has no switch domain)."""
+        where Slurm has no switch topology (that is no error: the node has no switch domain).
+        InvalidInput for a node list that is no hostlist."""
         try:
             out = self._run(["scontrol", "show", "topology"])
         except ClientError as exc:
             if isinstance(exc, Unavailable) or not any(marker in str(exc).lower() for marker in _NO_TOPOLOGY):
                 raise
             return SlurmTopology(note=NO_TOPOLOGY_NOTE)
-        switches = parse_topology(out, self._hostnames)
+        # Expanded here, as scontrol would (one `scontrol show hostnames` per switch would be a
+        # process per switch at every read); the parser lives beside the slurmrestd client, which
+        # imports this module.
+        from clients.slurmrest_protocol import expand_hostlist
+
+        switches = parse_topology(out, expand_hostlist)
         return SlurmTopology(switches=switches, note="" if switches else NO_TOPOLOGY_NOTE)
 
     # -- partitions -------------------------------------------------------------------------------

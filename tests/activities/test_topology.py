@@ -4,7 +4,6 @@ emulated API server: what `gpufleet nodes show` and the fleet guard read."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
