@@ -23,6 +23,13 @@ from models.constants import (
 )
 from models.guard import GuardAnswer, GuardCommand, GuardInput, SlotRequest
 from models.names import validate_cluster_name
+from models.topology import (
+    DOMAIN_JOIN_SIGNAL,
+    DOMAIN_WORKFLOW,
+    DomainFailure,
+    DomainIncidentInput,
+    domain_workflow_id,
+)
 
 # Answers signalled (or incidents described) at once by one activity.
 ANSWERS_AT_ONCE = 32
@@ -82,6 +89,29 @@ class GuardActivities:
                     start_signal=signal,
                     start_signal_args=[message],
                     static_summary=f"fleet guard of cluster {cluster}",
+                    rpc_timeout=RPC_TIMEOUT,
+                )
+            except RPCError as exc:
+                refuse_for_good(exc)
+                raise
+
+    @activity.defn(name="guard_domain_join")
+    async def domain_join(self, opening: DomainIncidentInput, failure: DomainFailure) -> None:
+        """A failure joins its domain's incident, starting the incident (``opening`` its input)
+        when none runs (signal-with-start: two failures never open two). Joining twice is one
+        join: the incident counts each incident ID once."""
+        with client_errors():
+            cluster = validate_cluster_name(self._cluster)
+        async with heartbeats():
+            try:
+                await activity.client().start_workflow(
+                    DOMAIN_WORKFLOW,
+                    opening,
+                    id=domain_workflow_id(cluster, opening.domain),
+                    task_queue=guard_task_queue(cluster),
+                    start_signal=DOMAIN_JOIN_SIGNAL,
+                    start_signal_args=[failure],
+                    static_summary=f"domain incident: {opening.domain.key} in cluster {cluster}",
                     rpc_timeout=RPC_TIMEOUT,
                 )
             except RPCError as exc:

@@ -71,7 +71,7 @@ from models.poolops import (
     pool_workflow_id,
 )
 from models.requests import ReleaseNodeRequest, ReturnNodeRequest
-from models.topology import NODE_DOMAINS_WORKFLOW, NodeDomainsInput
+from models.topology import DOMAIN_DECIDE_SIGNAL, NODE_DOMAINS_WORKFLOW, NodeDomainsInput
 from models.xid import XidEvent
 
 SERVICE = "temporal.api.workflowservice.v1.WorkflowService"
@@ -128,6 +128,9 @@ GUARD = Kind(
     "breaker",
     {GUARD_RESET_SIGNAL: ("reset", "by"), GUARD_PAUSE_SIGNAL: ("pause", "by"), GUARD_RESUME_SIGNAL: ("pause", "by")},
 )
+# A domain incident (workflows/domain.py): confirming or releasing it decides its nodes' fixes, as
+# approving an incident does; its ID's name is the cluster.
+DOMAIN = Kind("incidents", {DOMAIN_DECIDE_SIGNAL: ("approve", "by")})
 RETURN = Kind("nodes", {})
 RELEASE = Kind("nodes", {})
 QUARANTINED = Kind("nodes", {})
@@ -151,6 +154,7 @@ _CLUSTER = r"[a-z0-9](?:[a-z0-9-]{0,38}[a-z0-9])?"
 _IDS: list[tuple[re.Pattern[str], Kind, bool]] = [
     (re.compile(r"^(?:remediate|dryrun)-(?P<rest>.+)$"), INCIDENT, True),
     (re.compile(r"^guard-(?P<rest>.+)$"), GUARD, False),
+    (re.compile(rf"^domain-(?P<rest>{_CLUSTER})-(?:rack|zone|nvlink|switch)-.+$"), DOMAIN, False),
     (re.compile(r"^return-(?P<rest>.+)$"), RETURN, True),
     (re.compile(r"^release-(?P<rest>.+)$"), RELEASE, True),
     (re.compile(rf"^quarantined-(?P<rest>{_CLUSTER})-\d+$"), QUARANTINED, False),

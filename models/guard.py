@@ -7,6 +7,7 @@ from datetime import datetime
 from pydantic import BaseModel, Field
 
 from models.policy import GuardSettings
+from models.topology import Domain, DomainFailure
 
 # The guard's own record of its decisions, newest last, this many kept.
 GUARD_LOG_SIZE = 200
@@ -52,6 +53,9 @@ class GuardDecision(BaseModel):
     escalate_why: str = ""
     # The ask it answers (SlotRequest.ask).
     ask: int = 0
+    # Set when a person released the node's domain incident (the domain is fixed): the incident
+    # validates its node and returns it instead of its own repair or replacement ("rack/a").
+    domain_released: str = ""
 
 
 class GuardAnswer(BaseModel):
@@ -70,6 +74,11 @@ class GuardCommand(BaseModel):
     reason: str = ""
     # On release: the repair in place that put the node back in service, if one did.
     repaired_by: str = ""
+    # On a drain: the event that drained the node ("Xid 79"), for a domain incident's summary.
+    event: str = ""
+    # A domain incident's decision (GUARD_DOMAIN_SIGNAL): the domain ("rack/a") and confirm or release.
+    domain: str = ""
+    confirm: bool = False
 
 
 class NodeRecord(BaseModel):
@@ -106,6 +115,23 @@ class GuardEvent(BaseModel):
     detail: str = ""
 
 
+class DomainWatch(BaseModel):
+    """Failures in one domain: counted (``counting``) until they make a domain incident
+    (``open``), which a person confirms (its nodes go on one by one) or releases (the held
+    incidents return their nodes through validation; counting starts again)."""
+
+    domain: Domain
+    state: str = "counting"  # counting | open | confirmed | released
+    # The domain's nodes when it opened (its share's denominator).
+    size: int = 0
+    # Failures counted (within the window while counting; every one since it opened after).
+    failures: list[DomainFailure] = Field(default_factory=list)
+    opened_at: datetime | None = None
+    decided_at: datetime | None = None
+    # Released: the incidents still to be told so when they ask for a slot to fix their node.
+    released: list[str] = Field(default_factory=list)
+
+
 class GuardState(BaseModel):
     """Everything the guard knows; carried over when it continues as new."""
 
@@ -125,6 +151,10 @@ class GuardState(BaseModel):
     nodes: dict[str, NodeRecord] = Field(default_factory=dict)
     # Messages handled so far (a caller that signals can wait for this to pass what it saw).
     handled: int = 0
+    # Failure domains with failures in them, by key ("rack/a"), and the incidents whose fix waits
+    # for their domain incident's decision (kept apart from ``waiting``: they hold no line).
+    domains: dict[str, DomainWatch] = Field(default_factory=dict)
+    domain_held: list[SlotRequest] = Field(default_factory=list)
     log: list[GuardEvent] = Field(default_factory=list)
 
 

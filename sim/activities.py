@@ -45,6 +45,7 @@ from models.requests import (
     StopRepairsRequest,
     WorkerConfig,
 )
+from models.topology import DomainNodesRequest, DomainsRequest, NodeDomains
 from models.validation import ProbationRequest, RungOutcome, RungRequest, RungResult
 from sim.world import Job, Where, World
 
@@ -253,6 +254,15 @@ class SimFleet:
         async def set_probation(request: ProbationRequest) -> None:
             return None
 
+        # The simulated fleet has no failure domains (racks, zones, switches): each node is in none.
+        @activity.defn(name="node_domains")
+        async def node_domains(request: DomainsRequest) -> NodeDomains:
+            return NodeDomains(node=request.node)
+
+        @activity.defn(name="domain_nodes")
+        async def domain_nodes(request: DomainNodesRequest) -> list[str]:
+            return []
+
         # The guard's plumbing is Temporal's own (signal-with-start, signals, describe): the real one.
         guard = GuardActivities(None, cluster=fleet.cluster, partition=PARTITION)  # type: ignore[arg-type]
         return [
@@ -287,4 +297,6 @@ class SimFleet:
             stop_repairs,
             run_rung,
             set_probation,
+            node_domains,
+            domain_nodes,
         ]

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 from temporalio.api.enums.v1 import EventType
@@ -47,8 +48,10 @@ PROGRESS_SECONDS = 5.0
 NUDGE_SECONDS = 30.0
 STALL_SECONDS = 180.0
 NUDGE = timedelta(seconds=1)
-# The clock moved on its own only when it moved more than the nudges did, by more than this.
-NUDGE_MARGIN = timedelta(seconds=0.5)
+# The clock moved on its own only when, between two looks, it moved more than the nudges did by
+# more than this: a clock that only keeps pace with the wall (a server that stopped skipping
+# time, running its timers in real time) stands still for a simulation of days.
+NUDGE_MARGIN = timedelta(seconds=3 * PROGRESS_SECONDS)
 
 
 # An incident at the trace's end: whether it closed, and its ledger (None: open, or none computed).
@@ -72,6 +75,13 @@ class CaseResult(BaseModel):
     # By the cause of the failure that stopped the training ("start": a run's own start-up).
     lost_gpu_hours_by_cause: dict[str, float] = Field(default_factory=dict)
     lost_work_gpu_hours_by_cause: dict[str, float] = Field(default_factory=dict)
+    # Optimizer steps (each job's steps_per_second): trained and kept, and trained since a
+    # checkpoint and lost to a crash (computed again), by cause and per failure that stopped a job.
+    steps_trained: int = 0
+    steps_lost: int = 0
+    steps_lost_by_cause: dict[str, int] = Field(default_factory=dict)
+    job_stops: int = 0  # failures that stopped a job (by a crash, or by their incident's SIGTERM)
+    steps_lost_per_failure: float = 0.0  # steps_lost over job_stops
     failures: int = 0
     visible_failures: int = 0
     incidents: int = 0
@@ -91,6 +101,8 @@ class CaseResult(BaseModel):
 
 
 class WhatIfResult(BaseModel):
+    # The output's format: /1 added the step counts (earlier output carried no format).
+    format: Literal["gpufleet-whatif/1"] = "gpufleet-whatif/1"
     source: str
     nodes: int
     gpus_per_node: int
@@ -246,10 +258,11 @@ async def _watch(
     """Progress on the way, until ``over``: the simulated day, the failures so far, the incidents.
 
     Raises:
-        WhatIfError: the server's clock stood still for STALL_SECONDS, but for the nudges
-            (each nudge moves it a second; that is no sign the stall is over).
+        WhatIfError: the server's clock stood still (or kept only the wall's pace) for
+            STALL_SECONDS, but for the nudges (each nudge moves it a second; that is no sign the
+            stall is over).
     """
-    moved: datetime | None = None  # the clock when it last moved on its own
+    last: datetime | None = None  # the clock at the last look
     nudged = timedelta(0)  # how far the nudges moved it since
     still = 0.0
     while not over.is_set():
@@ -264,14 +277,16 @@ async def _watch(
         start = fleets[0][1].start if fleets else _EPOCH
         if start == _EPOCH:
             continue
-        if moved is None or now - moved > nudged + NUDGE_MARGIN:
-            moved, nudged, still = now, timedelta(0), 0.0
+        if last is None or now - last > nudged + NUDGE_MARGIN:
+            still = 0.0
         else:
             still += PROGRESS_SECONDS
+        last, nudged = now, timedelta(0)
         if still >= STALL_SECONDS:
             raise WhatIfError(
-                f"the test server's clock stood still at day {(now - start).total_seconds() / 86400:.1f} for "
-                f"{STALL_SECONDS:g} s with the trace not over: run it again (each run draws its milliseconds anew)"
+                f"the test server's clock stood still (or kept only the wall clock's pace) at day "
+                f"{(now - start).total_seconds() / 86400:.1f} for {STALL_SECONDS:g} s with the trace not over: "
+                "run it again (each run draws its milliseconds anew)"
             )
         if still >= NUDGE_SECONDS:
             with contextlib.suppress(RPCError):
@@ -343,6 +358,8 @@ def case_result(name: str, world: World, seconds: float, incidents: list[Closed]
                 by_phase[phase.value] += (cost or 0.0) / HOUR
         by_phase = {phase: round(value, 2) for phase, value in by_phase.items()}
     visible = [r for r in world.failures if r.visible and r.node is not None]
+    stops = sum(1 for r in world.failures if r.stopped_at is not None)
+    steps_lost = world.steps_lost()
     return CaseResult(
         policy=name,
         spares=spec.spares,
@@ -356,6 +373,13 @@ def case_result(name: str, world: World, seconds: float, incidents: list[Closed]
         lost_work_gpu_hours_by_cause={
             cause: round(value / HOUR, 2) for cause, value in sorted(world.lost_work_by_cause.items()) if value > 1e-6
         },
+        steps_trained=round(world.steps_trained()),
+        steps_lost=round(steps_lost),
+        steps_lost_by_cause={
+            cause: round(value) for cause, value in sorted(world.lost_steps_by_cause.items()) if value >= 0.5
+        },
+        job_stops=stops,
+        steps_lost_per_failure=round(steps_lost / stops, 1) if stops else 0.0,
         failures=len(world.failures),
         visible_failures=len(visible),
         incidents=len({r.incident for r in world.failures if r.incident is not None}),

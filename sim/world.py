@@ -8,9 +8,11 @@ checkpoint is written, a pending job starting once enough nodes are free. Times 
 the run's start.
 
 A job runs on whole nodes. Each run begins with a start-up (loading the checkpoint) that trains
-nothing; after it the job saves a checkpoint every ``checkpoint_seconds``. A crash loses the work
-since the last one; a SIGTERM makes the job write one (``checkpoint_write_seconds``) and exit, so
-it loses nothing. Every second a job does not train counts against the failure that stopped it.
+nothing; after it the job trains ``steps_per_second`` optimizer steps a second and saves a
+checkpoint every ``checkpoint_seconds``. A crash loses the work since the last one (the steps
+trained since, to compute again); a SIGTERM makes the job write one (``checkpoint_write_seconds``)
+and exit, so it loses nothing. Every second a job does not train counts against the failure that
+stopped it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class JobSpec(BaseModel):
     restart_seconds: float = Field(default=600.0, ge=0)
     # How long writing a checkpoint takes after SIGTERM (within the incident's grace).
     checkpoint_write_seconds: float = Field(default=60.0, ge=0)
+    # Optimizer steps per second of training (after the start-up): one every 8 s by default.
+    steps_per_second: float = Field(default=0.125, gt=0)
 
 
 class FleetSpec(BaseModel):
@@ -117,6 +121,11 @@ class Job:
     # Seconds that trained and were kept.
     trained: float = 0.0
 
+    @property
+    def steps_trained(self) -> float:
+        """Optimizer steps trained and kept (``trained`` seconds at the job's step rate)."""
+        return self.trained * self.spec.steps_per_second
+
 
 @dataclass
 class FailureRecord:
@@ -127,6 +136,7 @@ class FailureRecord:
     kills_job: bool
     job: int | None = None  # the job it stopped
     lost_work: float = 0.0  # seconds of training lost since the last checkpoint
+    lost_steps: float = 0.0  # the steps trained in those seconds, to compute again
     incident: tuple[str, str] | None = None  # (workflow ID, run ID) of the incident it opened
     # The job it stopped: when it was stopped (SIGTERM, or the crash), ran again, trained again.
     stopped_at: float | None = None
@@ -165,6 +175,7 @@ class World:
         self.failures: list[FailureRecord] = []
         self.lost_by_cause: dict[str, float] = {}  # GPU-seconds
         self.lost_work_by_cause: dict[str, float] = {}
+        self.lost_steps_by_cause: dict[str, float] = {}  # steps trained since a checkpoint, lost
         self.spares_claimed = 0
         self.spare_waits: dict[str, float] = {}  # incident: since when it waited for a spare
         self.waiting_nodes: dict[str, str] = {}  # incident: its node, while it waits for a spare
@@ -241,9 +252,11 @@ class World:
         if at >= job.productive and (saved or kept > 0):
             job.checkpointed = job.productive + kept
         lost = trained - kept
+        steps = lost * job.spec.steps_per_second
         if lost > 0:
             self._lose(cause, lost * job.gpus)
             self.lost_work_by_cause[cause] = self.lost_work_by_cause.get(cause, 0.0) + lost * job.gpus
+            self.lost_steps_by_cause[cause] = self.lost_steps_by_cause.get(cause, 0.0) + steps
         # A run stopped during its start-up already counted its start-up past ``at``: given back.
         if at < job.productive:
             self._lose(job.run_cause or START_CAUSE, -(job.productive - at) * job.gpus)
@@ -251,7 +264,7 @@ class World:
         job.down_cause, job.down_since = cause, at
         for failure in reversed(self.failures):
             if failure.job == job.job_id and failure.stopped_at is None:
-                failure.lost_work, failure.stopped_at = lost, at
+                failure.lost_work, failure.lost_steps, failure.stopped_at = lost, steps, at
                 break
 
     def saved(self, job: Job, at: float) -> float:
@@ -458,3 +471,11 @@ class World:
 
     def trained_gpu_seconds(self) -> float:
         return sum(job.trained * job.gpus for job in self.jobs.values())
+
+    def steps_trained(self) -> float:
+        """Optimizer steps the jobs trained and kept, all together."""
+        return sum(job.steps_trained for job in self.jobs.values())
+
+    def steps_lost(self) -> float:
+        """Optimizer steps trained since a checkpoint and lost to a crash, to compute again."""
+        return sum(self.lost_steps_by_cause.values())

@@ -857,12 +857,15 @@ def _print_guard(cluster: str, status: GuardStatus | None, *, as_json: bool) -> 
         f"{share} ({', '.join(status.nodes_in_window) or '-'}), limit {limits.max_share:.0%}; pages sent {state.pages}"
     )
     table = Table("", "node", "incident", "since (UTC)")
-    for label, requests in (("in flight", state.in_flight), ("waiting", state.waiting)):
-        for request in requests:
-            since = request.asked_at.strftime("%H:%M:%S") if request.asked_at else ""
-            table.add_row(label, request.node, request.incident_id, since)
-    if state.in_flight or state.waiting:
+    held = [("in flight", r) for r in state.in_flight] + [("waiting", r) for r in state.waiting]
+    held += [(f"held by {r.held_by.removeprefix('domain:')}", r) for r in state.domain_held]
+    for label, request in held:
+        since = request.asked_at.strftime("%H:%M:%S") if request.asked_at else ""
+        table.add_row(escape(label), request.node, request.incident_id, since)
+    if held:
         console.print(table)
+    if state.domain_held:
+        console.print("  held for their domain incident: `gpufleet domains list` shows the domains (docs/domains.md)")
     if state.waiting:
         console.print(f"  `gpufleet breaker reset --cluster {cluster}` lets the waiting go on, one slot at a time;")
         console.print("  `gpufleet approve INCIDENT` lets one past, `gpufleet reject INCIDENT` closes it.")

@@ -333,6 +333,7 @@ def command() -> typer.Typer:
         return _built[0]
     from detector.cli import detect
     from starters.cluster import cluster_app
+    from starters.domains import domains_app
     from starters.pool import pool_app
 
     app.command()(detect)
@@ -343,6 +344,7 @@ def command() -> typer.Typer:
     )(health_check)
     app.add_typer(cluster_app, name="cluster")
     app.add_typer(pool_app, name="pool")
+    app.add_typer(domains_app, name="domains")
     _add_whatif(app)
     # Commands of installed packages (the lab's, in a checkout). One whose own package is absent
     # is left out; one that needs a module not installed is left out saying which, so that the

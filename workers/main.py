@@ -61,6 +61,7 @@ from models.slinky import REMEDIATION_CONFIGMAP, cluster_namespace, configmap_re
 from workers.metrics import report_spares
 from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
 from workflows.clusterusers import ClusterUsersWorkflow
+from workflows.domain import DomainIncidentWorkflow
 from workflows.guard import FleetGuardWorkflow
 from workflows.nodes import (
     NodeDomainsWorkflow,
@@ -408,6 +409,7 @@ def build_activities(
         guard_acts.tell,
         guard_acts.fleet_size,
         guard_acts.running,
+        guard_acts.domain_join,
         topology_acts.node_domains,
         topology_acts.domain_nodes,
     ]
@@ -522,7 +524,7 @@ CLUSTER_WORKFLOWS: tuple[type, ...] = (
     PoolRebalanceWorkflow,
     ReaperWorkflow,
 )
-GUARD_WORKFLOWS: tuple[type, ...] = (FleetGuardWorkflow,)
+GUARD_WORKFLOWS: tuple[type, ...] = (FleetGuardWorkflow, DomainIncidentWorkflow)
 CREATION_WORKFLOWS: tuple[type, ...] = (ClusterCreationWorkflow, ClusterDeletionWorkflow, ClusterUsersWorkflow)
 
 

@@ -28,6 +28,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 from workflows.guard_answers import GuardAnswers
+from workflows.guard_domains import DomainCounts
 from workflows.guard_records import NodeRecords
 from workflows.patches import GUARD_SLOTS_WAIT
 from workflows.retries import (
@@ -85,6 +86,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from models.policy import GuardSettings
     from models.requests import NotifyRequest, WorkerConfig
+    from models.topology import GUARD_DOMAIN_SIGNAL, DomainSettings
 
 # The partition's size is counted again when older than this.
 RECOUNT = timedelta(minutes=1)
@@ -93,13 +95,14 @@ MESSAGES_PER_RUN = 300
 
 
 @workflow.defn(name=GUARD_WORKFLOW)
-class FleetGuardWorkflow(GuardAnswers, NodeRecords):
+class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
     @workflow.init
     def __init__(self, params: GuardInput) -> None:
         super().__init__()
         self._state = params.state or GuardState(cluster=params.cluster)
         self._inbox: list[tuple[str, SlotRequest | GuardCommand]] = []
         self._limits = GuardSettings()
+        self._domain_settings = DomainSettings()
         self._nodes = 0
         self._counted_at: datetime | None = None
         self._pages: list[asyncio.Task[None]] = []
@@ -146,6 +149,11 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
     def validation_failed(self, command: GuardCommand) -> None:
         self._inbox.append((GUARD_VALIDATION_FAILED_SIGNAL, command))
 
+    @workflow.signal(name=GUARD_DOMAIN_SIGNAL)
+    def domain(self, command: GuardCommand) -> None:
+        """A person's confirm or release of a domain incident, passed on by it."""
+        self._inbox.append((GUARD_DOMAIN_SIGNAL, command))
+
     @workflow.query
     def status(self) -> GuardStatus:
         return GuardStatus(
@@ -163,6 +171,7 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
             if self._slot_freed:
                 self._slot_freed = False
                 await self._let_waiting_in()
+                await self._let_domain_in()
             while self._inbox:
                 kind, message = self._inbox.pop(0)
                 await self._handle(kind, message)
@@ -170,6 +179,7 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
                 self._state.handled += 1
                 # Those already waiting come before a request that arrives after a slot frees up.
                 await self._let_waiting_in()
+                await self._let_domain_in()
             self._prune()
             self._describe()
             if handled >= MESSAGES_PER_RUN or workflow.info().is_continue_as_new_suggested():
@@ -193,6 +203,7 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
                 record.repaired_by, record.repaired_at = message.repaired_by, workflow.now()
             state.in_flight = [r for r in state.in_flight if r.incident_id != message.incident_id]
             state.waiting = [r for r in state.waiting if r.incident_id != message.incident_id]
+            state.domain_held = [r for r in state.domain_held if r.incident_id != message.incident_id]
             if held:
                 self._log("released", held[0], message.reason)
         elif kind == GUARD_DRAINED_SIGNAL and message.node:
@@ -202,6 +213,9 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
                 state.window.append(WindowEntry(node=message.node, incident_id=message.incident_id, at=workflow.now()))
             self._record_incident(message.node, message.incident_id)
             self._log("drained", detail=f"{message.node} ({message.incident_id})")
+            await self._count_in_domains(message)
+        elif kind == GUARD_DOMAIN_SIGNAL:
+            await self._decide_domain(message)
         elif kind == GUARD_ADMIT_SIGNAL:
             waiting = next((r for r in state.waiting if r.incident_id == message.incident_id), None)
             if waiting is not None:
@@ -249,6 +263,8 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
             queued.ask, queued.step = request.ask, request.step
             await self._queue_answer(queued, granted=False, why=self._waiting_why(queued))
             return
+        if await self._domain_reask(request):
+            return
         code, why = self._quarantine_earned(request.node, request.incident_id)
         escalate_to, escalate_why = self._escalation(request.node)
         request = request.model_copy(
@@ -264,6 +280,8 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
             self._log("lemon", request, why)
         if escalate_to:
             self._log("escalated", request, f"to {escalate_to}: {escalate_why}")
+        if await self._held_for_domain(request):
+            return
         if state.paused or state.tripped:
             request.held_by = "breaker" if state.tripped else "pause"
             state.waiting.append(request)
@@ -392,6 +410,7 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
             self._log("limits", detail=f"the worker's policy could not be read ({exc.cause or exc}); limits kept")
             return
         self._limits = config.policy.guard
+        self._domain_settings = config.policy.domains
 
     async def _count_nodes(self) -> None:
         """The partition's size (and the limits, so that a policy edit reaches the guard), at
@@ -420,13 +439,14 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords):
 
     def _nodes_in_window(self) -> list[str]:
         since = self._window_start()
-        return sorted({entry.node for entry in self._state.window if entry.at >= since})
+        return sorted(self._domains_in_window({entry.node for entry in self._state.window if entry.at >= since}))
 
     def _prune(self) -> None:
         """Forget what no limit looks at any more: old window entries, nodes with no recent record."""
         state, limits, now = self._state, self._limits, workflow.now()
         since = self._window_start()
         state.window = [entry for entry in state.window if entry.at >= since]
+        self._prune_domains(now)
         keep = timedelta(
             seconds=max(limits.quarantine_window_seconds, limits.cooldown_seconds, limits.escalation_window_seconds)
         )

@@ -46,7 +46,7 @@ class GuardAnswers:
         self._outbox: list[tuple[SlotRequest, GuardDecision]] = []
         self._sending: asyncio.Task[None] | None = None
 
-    async def _queue_answer(self, request: SlotRequest, *, granted: bool, why: str) -> None:
+    async def _queue_answer(self, request: SlotRequest, *, granted: bool, why: str, domain_released: str = "") -> None:
         """Answer the incident (with what the guard knows of its node), in the next batch."""
         decision = GuardDecision(
             incident_id=request.incident_id,
@@ -57,6 +57,7 @@ class GuardAnswers:
             escalate_to=request.escalate_to,
             escalate_why=request.escalate_why,
             ask=request.ask,
+            domain_released=domain_released,
         )
         self._outbox.append((request, decision))
         if self._sending is None or self._sending.done():

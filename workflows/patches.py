@@ -86,3 +86,8 @@ HOOK_DRAINS_TAKEN = "hook-drains-taken"
 # test server knows neither). Histories from before it replay without the upsert; the ledger in the
 # result needs no patch (no command).
 GOODPUT_LEDGER = "goodput-ledger"
+
+# The fleet guard reads each drained node's failure domains and counts failures per domain; a
+# domain with enough of them opens a domain incident, and its nodes' repairs and replacements
+# wait for a person's confirm or release (workflows/guard_domains.py, workflows/domain.py).
+GUARD_DOMAINS = "guard-domains"

@@ -11,8 +11,11 @@ detector restarted without its cursor (old Xids not reported again, a fresh one 
 Every Xid does to the job's processes on its node what the real failure does (lab/faults.py:
 for Xid 79, the rank dies with a CUDA error). Last, each in a four-node lab of its own: a
 storm, Xids on every training node at once with the default fleet guard (``storm_drained``,
-``storm_waiting``, ``storm_paged``); and a guard saturated by two incidents waiting for spares
-when a third Xid comes, whose node must be drained at once and whose ended job requeued. A drill
+``storm_waiting``, ``storm_paged``); a guard saturated by two incidents waiting for spares
+when a third Xid comes, whose node must be drained at once and whose ended job requeued; and a
+rack storm (lab/chaos/domains.py), Xids on all of one rack's nodes and one node of the other
+rack at once: one domain incident, no spare claimed for it, the other rack's node replaced as
+usual, then `gpufleet domains confirm` replacing the rack's nodes one at a time. A drill
 in the same run is the baseline. Between scenarios the retired nodes are returned as spares
 (``gpufleet nodes return``), as an operator would after a repair.
 
@@ -56,6 +59,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from lab.chaos.domains import RACK_STORM, rack_storm
 from lab.chaos.fleet import chaos_lab, record_and_stop
 from lab.chaos.goodput import incidents_of, report_accounts
 from lab.chaos.guard import SATURATED, STORM, guard_saturated, storm
@@ -72,6 +76,7 @@ __all__ = [
     "CURSOR_LOST",
     "POD_PROTECT_BLOCKS",
     "RACE",
+    "RACK_STORM",
     "SATURATED",
     "STORM",
     "TERMINATED",
@@ -90,7 +95,14 @@ def scenario_names(flavor: str) -> set[str]:
     """Every scenario a full run of the flavor has, besides the baseline."""
     if flavor == "slinky":
         return {scenario.name for scenario in slinky_scenarios(short=False)} | {POD_PROTECT_BLOCKS, RACE}
-    return {scenario.name for scenario in scenarios(short=False)} | {RACE, TERMINATED, CURSOR_LOST, STORM, SATURATED}
+    return {scenario.name for scenario in scenarios(short=False)} | {
+        RACE,
+        TERMINATED,
+        CURSOR_LOST,
+        STORM,
+        SATURATED,
+        RACK_STORM,
+    }
 
 
 async def chaos(
@@ -146,6 +158,9 @@ async def chaos(
     if not slinky and not short and (only is None or SATURATED in only):
         say(f"scenario: {SATURATED} (a four-node lab of its own, the guard's in-flight limit)")
         results.append(await guard_saturated(home / "saturated", say=say))
+    if not slinky and not short and (only is None or RACK_STORM in only):
+        say(f"scenario: {RACK_STORM} (a lab of its own, two racks)")
+        results.append(await rack_storm(home / "rack-storm", say=say))
     delays = [r["added_delay_s"] for r in results if r.get("added_delay_s") is not None]
     totals = {key: sum(r.get(key, 0) for r in results) for key in TOTALS}
     return {

@@ -159,10 +159,17 @@ async def return_failed(lab: FleetLab, node: str, say: Say) -> None:
 
 
 def chaos_lab(
-    home: Path, training: list[str], *, say: Say, spares: list[str] | None = None, flavor: str = "default"
+    home: Path,
+    training: list[str],
+    *,
+    say: Say,
+    spares: list[str] | None = None,
+    flavor: str = "default",
+    racks: dict[str, list[str]] | None = None,
 ) -> FleetLab:
-    """A lab of the chaos run's own: these training nodes, two spares (unless said), a 60 s grace,
-    free ports; on the slinky flavor a NodeSet of one pod per training node, on Slurm 26.05."""
+    """A lab of the chaos run's own: these training nodes, two spares (unless said), the lab's
+    racks (unless said), a 60 s grace, free ports; on the slinky flavor a NodeSet of one pod per
+    training node, on Slurm 26.05."""
     config = LabConfig(
         training=training,
         spares=["spare1", "spare2"] if spares is None else spares,
@@ -173,6 +180,8 @@ def chaos_lab(
     )
     if flavor == "slinky":
         config.slurm = SLINKY_RELEASE
+    if racks is not None:
+        config.racks = racks
     lab = FleetLab(home, config)
     lab.up(say=say)
     return lab

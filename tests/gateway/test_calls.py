@@ -36,7 +36,7 @@ from models.guard import GuardCommand, GuardInput, GuardState
 from models.incident import Approval, CancelRequest, RemediationInput
 from models.poolops import PoolSettings, PoolState
 from models.requests import ReleaseNodeRequest, ReturnNodeRequest
-from models.topology import NodeDomainsInput
+from models.topology import DomainDecision, NodeDomainsInput
 from models.xid import XidEvent
 
 NS = "default"
@@ -238,6 +238,19 @@ EVERY_CALL: list[tuple[str, str, Any, list[Access]]] = [
         [Access("get", "nodes", "lab")],
     ),
     ("breaker status", "QueryWorkflow", query("guard-lab"), [Access("get", "breaker", "lab")]),
+    ("domains show", "QueryWorkflow", query("domain-lab-rack-a"), [Access("get", "incidents", "lab")]),
+    (
+        "domains confirm",
+        "SignalWorkflowExecution",
+        signal("domain-lab-rack-a", "domain_decide", DomainDecision(confirm=True)),
+        [Access("approve", "incidents", "lab")],
+    ),
+    (
+        "domains release (a cluster with '-')",
+        "SignalWorkflowExecution",
+        signal("domain-lab-east-switch-leaf-3", "domain_decide", DomainDecision(confirm=False)),
+        [Access("approve", "incidents", "lab-east")],
+    ),
     (
         "breaker reset",
         "SignalWorkflowExecution",

@@ -66,3 +66,14 @@ async def test_a_clock_that_moves_on_its_own_is_watched_until_the_end() -> None:
     over.set()
     await asyncio.wait_for(watch, 5)
     assert clock.nudges == 0 and said
+
+
+async def test_a_clock_that_keeps_only_the_walls_pace_is_given_up_on() -> None:
+    """A server that stopped skipping time runs its timers in real time: seconds a look, where a
+    month's simulation needs hours; that is a stall too."""
+    clock = Clock(runs=timedelta(seconds=5))  # a look every 5 s, as the run looks
+    over = asyncio.Event()
+    with pytest.raises(whatif.WhatIfError, match="stood still"):
+        await asyncio.wait_for(
+            whatif._watch(cast(Any, clock), fleets(), Trace(seconds=30 * 86400), lambda _: None, over), 5
+        )

@@ -67,7 +67,7 @@ async def test_a_day_of_a_small_fleet_gains_with_spares_and_every_visible_failur
 def hand_case(*, kills_job: bool) -> tuple[Trace, FleetSpec]:
     """One GPU off the bus at 4,000 s on one of 4 nodes, one spare free: a job of 4 x 8 GPUs that
     saves every 1,800 s (so 400 s since its last checkpoint), detected 30 s later, 13 s to write
-    a checkpoint on SIGTERM, 600 s to start again."""
+    a checkpoint on SIGTERM, 600 s to start again, training a step every 2 s."""
     trace = Trace(
         seconds=3 * HOUR,
         nodes=4,
@@ -78,7 +78,7 @@ def hand_case(*, kills_job: bool) -> tuple[Trace, FleetSpec]:
     fleet = FleetSpec(
         nodes=4,
         detection_seconds=30,
-        jobs=[JobSpec(checkpoint_seconds=1800, restart_seconds=600, checkpoint_write_seconds=13)],
+        jobs=[JobSpec(checkpoint_seconds=1800, restart_seconds=600, checkpoint_write_seconds=13, steps_per_second=0.5)],
         needs={"gpu_faulty": "REPLACE_NODE"},
     )
     return trace, fleet
@@ -112,6 +112,11 @@ async def test_one_failure_costs_what_its_timings_say(temporal_test_server: str,
     assert record.training_again_at - record.running_again_at == pytest.approx(600, abs=1e-6)
     lost_work = 400.0 if kills_job else 0.0
     assert record.lost_work == pytest.approx(lost_work, abs=1e-6)
+    # Steps: the 400 s since the checkpoint at 0.5 a second lost to the crash, none to SIGTERM;
+    # trained, what was kept before the failure and all from the start-up's end to the trace's.
+    assert (record.lost_steps, case.steps_lost, case.job_stops) == (pytest.approx(lost_work / 2), lost_work / 2, 1)
+    kept_before = 3600.0 if kills_job else record.stopped_at
+    assert case.steps_trained == pytest.approx((kept_before + trace.seconds - record.training_again_at) / 2, abs=1)
     down = record.training_again_at - record.stopped_at
     assert case.lost_gpu_hours == pytest.approx((down + lost_work) * gpus / HOUR, abs=1 * gpus / HOUR)
     ((closed, ledger),) = incidents

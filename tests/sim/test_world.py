@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from models.policy import Action
+from sim.whatif import case_result
 from sim.world import FleetSpec, JobSpec, Where, World
 
 GPUS = 4 * 8
@@ -113,3 +114,56 @@ def test_a_claim_asked_again_for_the_same_incident_is_the_same_spare() -> None:
     # An activity asked again (a retry, a run continued as new) takes no second spare.
     assert w.claim("incident-1", "gpu0001") == first == "spare001"
     assert w.spares_claimed == 1 and w.nodes["spare002"].where is Where.POOL
+
+
+def test_a_crash_loses_the_steps_since_the_checkpoint_and_the_report_counts_them() -> None:
+    # Two steps a second, checkpoints every 1,800 s: a crash at 4,000 s loses the 400 s since the
+    # checkpoint at 3,600 s, 800 steps; back on the spare at 4,030 s, training again at 4,630 s.
+    w = world(jobs=[JobSpec(checkpoint_seconds=1800, restart_seconds=600, steps_per_second=2.0)])
+    record = w.fail(4000, cause="gpu", node="gpu0002", visible=True, kills_job=True)
+    assert record.lost_work == pytest.approx(400) and record.lost_steps == pytest.approx(800)
+    w.advance(4030)
+    w.drain("gpu0002", "gpufleet: Xid 79")
+    w.requeue(1000)
+    assert w.claim("incident-1", "gpu0002") == "spare001"
+    w.fail(5000, cause="software", node=None, visible=False, kills_job=True)  # 370 s in, no checkpoint
+    w.finish(86400)
+    trained = 3600 + (86400 - 5600)  # kept before the crash, then from the second restart's end
+    assert w.steps_trained() == pytest.approx(2 * trained)
+    assert w.steps_lost() == pytest.approx(800 + 2 * 370)
+    assert w.lost_steps_by_cause == pytest.approx({"gpu": 800, "software": 740})
+    case = case_result("hand", w, 86400, [])
+    assert case.steps_trained == 2 * trained == round(case.trained_gpu_hours * 3600 / GPUS * 2)
+    assert (case.steps_lost, case.steps_lost_by_cause) == (1540, {"gpu": 800, "software": 740})
+    assert case.job_stops == 2 and case.steps_lost_per_failure == pytest.approx(770)
+
+
+def test_a_sigterm_loses_no_steps() -> None:
+    w = world(jobs=[JobSpec(checkpoint_seconds=1800, restart_seconds=600, checkpoint_write_seconds=13)])
+    record = w.fail(4000, cause="gpu", node="gpu0002", visible=True, kills_job=False)
+    w.advance(4030)
+    w.signal(1000)
+    w.advance(4043)
+    assert record.lost_steps == 0 and w.steps_lost() == 0
+    assert w.steps_trained() == pytest.approx(4030 * JobSpec().steps_per_second)  # kept up to SIGTERM
+
+
+def test_each_job_counts_steps_at_its_own_rate() -> None:
+    w = world(
+        spares=0,
+        jobs=[
+            JobSpec(nodes=2, checkpoint_seconds=1800, restart_seconds=600, steps_per_second=1.0),
+            JobSpec(nodes=2, checkpoint_seconds=1800, restart_seconds=600, steps_per_second=0.25),
+        ],
+    )
+    assert w.jobs[1000].nodes == ["gpu0001", "gpu0002"]
+    w.fail(2000, cause="software", node="gpu0001", visible=False, kills_job=True)  # 200 s since 1,800
+    w.finish(3600)
+    assert w.jobs[1000].steps_trained == pytest.approx(1800 + (3600 - 2600))
+    assert w.jobs[1001].steps_trained == pytest.approx(3600 * 0.25)
+    assert w.steps_lost() == pytest.approx(200)
+
+
+def test_a_step_rate_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="steps_per_second"):
+        JobSpec(steps_per_second=0)

@@ -60,8 +60,10 @@ from models.requests import (
     WorkerConfig,
 )
 from models.sxid import sxid_catalog
+from models.topology import Domain, DomainNodesRequest, DomainsRequest, NodeDomains
 from models.xid import GpuEventKind, XidEvent
 from starters.temporal import report_xid
+from workflows.domain import DomainIncidentWorkflow
 from workflows.guard import FleetGuardWorkflow
 from workflows.nodes import ProbationWorkflow
 from workflows.remediation import NodeRemediationWorkflow
@@ -105,6 +107,8 @@ class Fleet:
     drain_attempts: int = 0
     drain_reasons: list[str] = field(default_factory=list)
     cluster: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}")
+    # Each node's failure domains (none unless a test gives them).
+    domains: dict[str, list[Domain]] = field(default_factory=dict)
 
     def activities(self) -> list[object]:
         fleet = self
@@ -249,6 +253,15 @@ class Fleet:
             fleet.calls.append("claim_spare")
             return "spare1" if fleet.spare_free else None
 
+        @activity.defn(name="node_domains")
+        async def node_domains(request: DomainsRequest) -> NodeDomains:
+            fleet.calls.append("guard:node_domains")
+            return NodeDomains(node=request.node, domains=fleet.domains.get(request.node, []))
+
+        @activity.defn(name="domain_nodes")
+        async def domain_nodes(request: DomainNodesRequest) -> list[str]:
+            return sorted(node for node, domains in fleet.domains.items() if request.domain in domains)
+
         @activity.defn(name="quarantine_node")
         async def quarantine(request: QuarantineRequest) -> None:
             fleet.writes.append(request)
@@ -302,6 +315,9 @@ class Fleet:
             guard.answer,
             guard.tell,
             guard.running,
+            guard.domain_join,
+            node_domains,
+            domain_nodes,
             fleet_size,
             node_facts,
             worker_config,
@@ -361,7 +377,7 @@ async def worker(
         Worker(
             env.client,
             task_queue=guard_task_queue(fleet.cluster),
-            workflows=[FleetGuardWorkflow],
+            workflows=[FleetGuardWorkflow, DomainIncidentWorkflow],
             activities=acts,
             **options,
         ),

@@ -303,6 +303,11 @@ class Approvals(Closing, Jobs):
         if decision is not None and decision.granted:
             self._hold_slot(Step.GUARD, f"slot granted: {decision.why}")
             return True
+        if decision is not None and decision.domain_released:
+            # The node's domain incident was released (its shared cause fixed): validated and returned.
+            self._domain_fixed = decision.domain_released
+            self._done(Step.GUARD, decision.why)
+            return True
         why = decision.why if decision is not None else "the fleet guard has not answered"
         self._mark(Step.GUARD, "waiting", why)
         return await self._held_by_guard(why)
@@ -316,7 +321,10 @@ class Approvals(Closing, Jobs):
             why,
             every=GUARD_ASK_WHILE_WAITING,
             meanwhile=self._ask_guard,
-            or_until=lambda: self._guard_decision is not None and self._guard_decision.granted,
+            or_until=lambda: (
+                self._guard_decision is not None
+                and (self._guard_decision.granted or bool(self._guard_decision.domain_released))
+            ),
             # No reminders or expiry here: the guard paged the operators once for all it holds.
             asking=Asking(
                 why=lambda: status.waiting_for_approval or why,
@@ -328,7 +336,13 @@ class Approvals(Closing, Jobs):
         status.approval_asked_at = None
         status.outcome = Outcome.OPEN
         if self._answer is None:
-            granted = self._guard_decision.why if self._guard_decision else ""
+            decision = self._guard_decision
+            if decision is not None and decision.domain_released and not decision.granted:
+                # The domain's shared cause is fixed: no slot, the node is validated and returned.
+                self._domain_fixed = decision.domain_released
+                self._done(Step.AWAITING_APPROVAL, decision.why)
+                return True
+            granted = decision.why if decision else ""
             self._hold_slot(Step.AWAITING_APPROVAL, f"slot granted: {granted}")
             return True
         approval, self._answer = self._answer, None

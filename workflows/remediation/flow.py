@@ -409,7 +409,14 @@ class NodeRemediationWorkflow(DrainAfterJobs, Approvals, Validation, Replacement
 
         # 7 and 8, side by side: the failed node is retired while the spare joins, and the
         # jobs may run again as soon as the spare is in (9), whatever the retirement still does.
-        if self._slot_per_step and not await self._slot_for(Step.RETIRE_NODE):
-            return
+        while True:
+            if self._slot_per_step and not await self._slot_for(Step.RETIRE_NODE):
+                return
+            if not self._domain_fixed:
+                break
+            # Its domain incident was released: the node is validated and returned, not replaced.
+            if not workflow.patched(VALIDATION_LADDER) or await self._validated():
+                await self._return_to_service()
+                return
         await self._side_by_side(self._retire(params), self._replace_and_resume(params))
         await self._close_resolved(params)

@@ -56,6 +56,8 @@ class Repair(Closing, Jobs):
             if self._slot_per_step:
                 if not await self._slot_for(Step.REPAIR):
                     return False  # rejected while the guard held it: closed
+                if self._domain_fixed:
+                    return True  # its domain's fix stands for the repair: validated and returned
                 if status.action not in (Action.RESET_GPU, Action.REBOOT_NODE):
                     break  # the guard knows the node for a lemon: replaced
             seen = len(self._events)
@@ -149,9 +151,13 @@ class Repair(Closing, Jobs):
         else:
             self._done(Step.RESUME, "no jobs to resume")
         jobs = self._resolved()
+        how = (
+            f"the fix of its domain {self._domain_fixed} (released)"
+            if self._domain_fixed
+            else f"{status.action} in place"
+        )
         self._notify(
             str(status.outcome),
-            f"{self._message_prefix()}: {status.outcome} by {status.action} in place; {self._input.node} is back in "
-            f"service, {jobs}.",
+            f"{self._message_prefix()}: {status.outcome} by {how}; {self._input.node} is back in service, {jobs}.",
         )
         await self._close()

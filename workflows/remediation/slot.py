@@ -69,7 +69,12 @@ class GuardSlot(Timeline):
         status = self._status
         if self._dry_run:
             return
-        command = GuardCommand(incident_id=status.incident_id, node=self._input.node, reason=str(status.action))
+        command = GuardCommand(
+            incident_id=status.incident_id,
+            node=self._input.node,
+            reason=str(status.action),
+            event=status.events[0] if status.events else "",
+        )
 
         async def tell() -> None:
             with contextlib.suppress(ActivityError):
@@ -149,9 +154,14 @@ class GuardSlot(Timeline):
         """Give the fleet guard its slot back (or stop waiting for one), saying whether a repair
         in place put the node back (a repeat failure then escalates)."""
         status = self._status
-        repaired = status.outcome in (Outcome.RESOLVED, Outcome.JOBS_LOST) and status.action in (
-            Action.RESET_GPU,
-            Action.REBOOT_NODE,
+        repaired = (
+            not self._domain_fixed
+            and status.outcome in (Outcome.RESOLVED, Outcome.JOBS_LOST)
+            and status.action
+            in (
+                Action.RESET_GPU,
+                Action.REBOOT_NODE,
+            )
         )
         # A slot per step: the last was given back already, but the guard still hears of a
         # repair in place that held (a repeat failure then escalates).

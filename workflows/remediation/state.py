@@ -51,6 +51,9 @@ class IncidentState:
         # The least action this incident may take (the fleet guard's escalation of a repeat failure).
         self._least_action: Action | None = None
         self._guard_decision: GuardDecision | None = None
+        # The node's domain incident was released (its shared cause fixed): the domain, and who
+        # said so; the incident validates the node and returns it instead of its own fix.
+        self._domain_fixed = ""
         # Who cancelled the incident and why (`gpufleet incidents cancel`), and whether a repair
         # Job may be running (a cancel stops it).
         self._cancel_request: CancelRequest | None = None

@@ -132,6 +132,7 @@ class Validation(Repair):
                 summary="tell the fleet guard: validation failed",
             )
             self._escalate(result.summary(), at_least=Action.REPLACE_NODE)
+            self._domain_fixed = ""  # a fault of its own after all: replaced, with a slot of its own
             return False
         until = await begin_probation(
             self._activity, cluster=self._input.cluster, node=self._input.node, policy=self._policy
