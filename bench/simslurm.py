@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from pydantic import BaseModel
 
 from clients.errors import InvalidInput, LastNodeOfPartition, NotFound, NotOwned, checked_node_name
-from clients.slurm import Pending, checked_job_id, owned_reason
+from clients.slurm import Pending, SlurmTopology, checked_job_id, owned_reason
 from models.constants import takes_over
 from models.incident import JobInfo, NodeInfo
 
@@ -322,6 +322,10 @@ class SimulatedSlurm:
                 return False  # slurmctld: "Job has already finished"
             job.admin_comment = f"{job.admin_comment}; {mark}" if job.admin_comment else mark
             return True
+
+    def topology(self) -> SlurmTopology:
+        """The simulated cluster has no switches."""
+        return SlurmTopology(note="the simulated Slurm has no switch topology")
 
     # -- partitions -------------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from clients.nodesets import (
     NotEligible,
     ours_cordon_reason,
 )
-from clients.slurm import Pending, SlurmClient
+from clients.slurm import Pending, SlurmClient, SlurmTopology
 from clients.slurmrest_protocol import PENDING, REQUEUED, unsupported_methods
 from clients.spares import SparePool
 from models.constants import (
@@ -367,6 +367,10 @@ class SlinkySlurm:
 
     def jobs_by_id(self, job_ids: list[int]) -> dict[int, JobInfo]:
         return self._slurm.jobs_by_id(job_ids)
+
+    def topology(self) -> SlurmTopology:
+        """Slurm's switches as Slurm names them (a NodeSet pod's Slurm node, not its Kubernetes node)."""
+        return self._slurm.topology()
 
     def job(self, job_id: int) -> JobInfo:
         return self._slurm.job(job_id)

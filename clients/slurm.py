@@ -19,7 +19,7 @@ import re
 import secrets
 import subprocess
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -123,6 +123,66 @@ class SlurmClient(Protocol):
     def partition_nodes(self, partition: str) -> list[str]: ...
     def add_to_partition(self, partition: str, node: str) -> None: ...
     def remove_from_partition(self, partition: str, node: str) -> None: ...
+    def topology(self) -> SlurmTopology: ...
+
+
+class SlurmSwitch(BaseModel):
+    """One switch of Slurm's tree topology (``scontrol show topology``): level 0 is a leaf,
+    whose nodes hang off it directly; an upper switch's nodes are those under its switches."""
+
+    name: str
+    level: int = 0
+    nodes: list[str] = []
+    switches: list[str] = []  # the switches under it (upper levels only)
+
+    @property
+    def leaf(self) -> bool:
+        return self.level == 0
+
+
+class SlurmTopology(BaseModel):
+    """Slurm's switches, or none and why (no topology plugin, a backend that cannot read it)."""
+
+    switches: list[SlurmSwitch] = []
+    note: str = ""
+
+    def leaves_of(self, node: str) -> list[SlurmSwitch]:
+        """The leaf switches whose node list holds ``node``."""
+        return [switch for switch in self.switches if switch.leaf and node in switch.nodes]
+
+
+# What scontrol says when the cluster has no switches (no TopologyPlugin=topology/tree, or a
+# topology.conf that names none).
+_NO_TOPOLOGY = ("no topology", "not supported", "topology/default", "no switches")
+_TOPOLOGY_FIELD = re.compile(r"(?:^|\s)(\w+)=(\S*)")
+NO_TOPOLOGY_NOTE = "Slurm has no switch topology (no TopologyPlugin=topology/tree with a topology.conf)"
+
+
+def parse_topology(out: str, expand: Callable[[str], list[str]]) -> list[SlurmSwitch]:
+    """``scontrol show topology``: one switch a line, ``SwitchName=s0 Level=0 LinkSpeed=1
+    Nodes=gpu[1-3]``, an upper one with ``Switches=s[0-1]`` too. ``expand`` turns a hostlist into
+    its names (``scontrol show hostnames``, or clients.slurmrest_protocol.expand_hostlist)."""
+    switches: list[SlurmSwitch] = []
+    for line in out.splitlines():
+        fields = dict(_TOPOLOGY_FIELD.findall(line))
+        name = fields.get("SwitchName", "")
+        if not name:
+            continue
+        level = fields.get("Level", "0")
+        switches.append(
+            SlurmSwitch(
+                name=name,
+                level=int(level) if level.isdigit() else 0,
+                nodes=expand(_listed(fields.get("Nodes", ""))),
+                switches=expand(_listed(fields.get("Switches", ""))),
+            )
+        )
+    return switches
+
+
+def _listed(value: str) -> str:
+    """A hostlist field's value, or '' for none (Slurm prints ``(null)``)."""
+    return "" if value in ("", "(null)") else value
 
 
 _MARK = re.compile(r"gpufleet:[a-z]+:[A-Za-z0-9._:-]+")
@@ -430,6 +490,26 @@ class SlurmCli:
     def hostnames(self, hostlist: str) -> list[str]:
         """``gpu[1-2],spare1`` as ``["gpu1", "gpu2", "spare1"]``."""
         return self._hostnames(hostlist)
+
+    # -- topology ---------------------------------------------------------------------------------
+
+    def topology(self) -> SlurmTopology:
+        """The switches of ``scontrol show topology``, their hostlists expanded; none and a note
+        where Slurm has no switch topology (that is no error: the node has no switch domain).
+        InvalidInput for a node list that is no hostlist."""
+        try:
+            out = self._run(["scontrol", "show", "topology"])
+        except ClientError as exc:
+            if isinstance(exc, Unavailable) or not any(marker in str(exc).lower() for marker in _NO_TOPOLOGY):
+                raise
+            return SlurmTopology(note=NO_TOPOLOGY_NOTE)
+        # Expanded here, as scontrol would (one `scontrol show hostnames` per switch would be a
+        # process per switch at every read); the parser lives beside the slurmrestd client, which
+        # imports this module.
+        from clients.slurmrest_protocol import expand_hostlist
+
+        switches = parse_topology(out, expand_hostlist)
+        return SlurmTopology(switches=switches, note="" if switches else NO_TOPOLOGY_NOTE)
 
     # -- partitions -------------------------------------------------------------------------------
 

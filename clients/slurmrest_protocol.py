@@ -94,6 +94,7 @@ from clients.slurm import (
     Pending,
     SlurmCli,
     SlurmClient,
+    SlurmTopology,
     checked_job_id,
     gpus_in,
     job_from_json,
@@ -125,6 +126,7 @@ PROTOCOL_METHODS = (
     "partition_nodes",
     "add_to_partition",
     "remove_from_partition",
+    "topology",
 )
 
 # What the worker's activities and its spare pool and pool mover call (a test checks this
@@ -684,6 +686,16 @@ class SlurmRest:
                 refuse_writes(f"slurmrestd comment on job {job_id}")
                 self._call("POST", self._path("job", str(job_id)), body={"comment": updated})
         return updated
+
+    # -- topology ---------------------------------------------------------------------------------
+
+    def topology(self) -> SlurmTopology:
+        """No switches: slurmrestd serves no topology in any version gpufleet speaks (v0.0.38 to
+        v0.0.45 have no topology path), so Slurm's leaf switches are not read here, and said so."""
+        return SlurmTopology(
+            note=f"slurmrestd {self.version} serves no switch topology: Slurm switches are read only through "
+            "the CLI backend (GPUFLEET_SLURM_BACKEND=cli); node labels still give racks, zones and NVLink domains"
+        )
 
     # -- partitions -------------------------------------------------------------------------------
 

@@ -71,7 +71,7 @@ from models.poolops import (
     pool_workflow_id,
 )
 from models.requests import ReleaseNodeRequest, ReturnNodeRequest
-from models.topology import DOMAIN_DECIDE_SIGNAL
+from models.topology import DOMAIN_DECIDE_SIGNAL, NODE_DOMAINS_WORKFLOW, NodeDomainsInput
 from models.xid import XidEvent
 
 SERVICE = "temporal.api.workflowservice.v1.WorkflowService"
@@ -134,6 +134,7 @@ DOMAIN = Kind("incidents", {DOMAIN_DECIDE_SIGNAL: ("approve", "by")})
 RETURN = Kind("nodes", {})
 RELEASE = Kind("nodes", {})
 QUARANTINED = Kind("nodes", {})
+NODE_DOMAINS = Kind("nodes", {})
 POOL = Kind(
     "pool",
     {
@@ -157,6 +158,7 @@ _IDS: list[tuple[re.Pattern[str], Kind, bool]] = [
     (re.compile(r"^return-(?P<rest>.+)$"), RETURN, True),
     (re.compile(r"^release-(?P<rest>.+)$"), RELEASE, True),
     (re.compile(rf"^quarantined-(?P<rest>{_CLUSTER})-\d+$"), QUARANTINED, False),
+    (re.compile(rf"^show-node-(?P<rest>{_CLUSTER})-\d+$"), NODE_DOMAINS, False),
     (re.compile(r"^pool-(?P<rest>.+)$"), POOL, False),
     (re.compile(r"^delete-cluster-(?P<rest>.+)$"), DELETION, False),
     (re.compile(r"^users-cluster-(?P<rest>.+)$"), USERS, False),
@@ -170,6 +172,7 @@ _STARTS: dict[str, tuple[Kind, str, str | None]] = {
     RETURN_NODE_WORKFLOW: (RETURN, "return", "by"),  # who skipped its validation, if anyone did
     RELEASE_NODE_WORKFLOW: (RELEASE, "release", "by"),
     QUARANTINED_NODES_WORKFLOW: (QUARANTINED, "list", None),
+    NODE_DOMAINS_WORKFLOW: (NODE_DOMAINS, "get", None),
     POOL_WORKFLOW: (POOL, "rebalance", None),
     CLUSTER_CREATION_WORKFLOW: (CREATION, "create", "requested_by"),
     CLUSTER_DELETION_WORKFLOW: (DELETION, "delete", "requested_by"),
@@ -312,7 +315,7 @@ def _options(method: str, request: Any) -> None:
 def _start_options(kind: Kind, request: Any, incident: RemediationInput | None) -> None:
     """The timeouts and search attributes a start of ``kind`` may carry: those its command sets."""
     for field in ("workflow_execution_timeout", "workflow_run_timeout"):
-        if request.HasField(field) and kind not in (QUARANTINED, RELEASE):
+        if request.HasField(field) and kind not in (QUARANTINED, NODE_DOMAINS, RELEASE):
             raise Refused(f"field {field}: a {request.workflow_type.name} runs until it ends, never cut short")
     if request.HasField("workflow_task_timeout"):
         if kind is not INCIDENT:
@@ -383,6 +386,14 @@ def _start_access(workflow_type: str, workflow_id: str, queue: str, payloads: Pa
     elif kind is QUARANTINED:
         if payloads.payloads:
             raise Refused(f"a {workflow_type} takes no input", invalid=True)
+        expected = (workflow_id, task_queue(name))
+    elif kind is NODE_DOMAINS:
+        shown: NodeDomainsInput = _decode(payloads, 0, NodeDomainsInput)
+        _names(name, shown.node)
+        if shown.cluster not in ("", name):
+            raise Refused(
+                f"a {workflow_type} of cluster {name} reads its own cluster, not {shown.cluster}", invalid=True
+            )
         expected = (workflow_id, task_queue(name))
     elif kind is POOL:
         state: PoolState = _decode(payloads, 0, PoolState)

@@ -52,6 +52,7 @@ from lab.slinkylab import (
 from lab.slurm import SlurmLab, SlurmLabSpec
 from lab.slurmrest import jwt_lines, slurmrestd_installed, start_slurmrestd
 from lab.slurmroots import DEFAULT_RELEASE, LAB_SLURM_ENV, RootError, install_for, release
+from models.topology import RACK_LABEL
 from models.xid import xid_catalog
 from starters.server import dev_server_argv
 
@@ -90,6 +91,13 @@ class LabConfig:
     flavor: str = "default"
     # Slurm's Prolog, Epilog and HealthCheckProgram run gpufleet health-check (docs/health-check.md).
     health_checks: bool = True
+    # Failure domains (docs/configuration.md#failure-domains): each Kubernetes node of a rack carries
+    # gpufleet.io/rack=RACK (a node in no rack, none); the default flavor's Slurm has a leaf switch
+    # leaf-RACK per rack under a top switch (topology/tree). Two racks of three: the chaos storm's
+    # four nodes over two racks trips the fleet breaker, never a domain incident (min_nodes 3).
+    racks: dict[str, list[str]] = field(
+        default_factory=lambda: {"a": ["gpu1", "gpu2", "spare1"], "b": ["gpu3", "gpu4", "spare2"]}
+    )
 
 
 def _runs(services: dict[str, Any], name: str) -> bool:
@@ -132,6 +140,7 @@ class FleetLab:
                 spares=[*self.config.spares, *self.config.inference],
                 partition=self.config.partition,
                 requeue_delay_seconds=self.config.requeue_delay_seconds,
+                racks={rack: list(nodes) for rack, nodes in self.config.racks.items()},
             ),
             release=self.config.slurm,
             # The jobs' checkpoints and logs, and the nodes' GPU faults, live under the home.
@@ -543,6 +552,8 @@ class FleetLab:
             f"  grace_seconds: {self.config.grace_seconds:g}\n"
             "  owner_drained: ask   # a node someone else drained waits for gpufleet approve|reject\n"
             "# The fleet guard: the defaults (max_in_flight: 2, max_share: 0.5, ...): docs/fleet-guard.md.\n"
+            "# Failure domains: the defaults (min_nodes: 3; the lab's racks a and b hold three nodes\n"
+            "# each, its Slurm a leaf switch per rack): docs/configuration.md#failure-domains.\n"
             "# Repairs in place: in the lab a repair Job's command runs as a local process standing\n"
             "# for its node (lab/jobrunner.py); lab/repair.py says what a real node would do.\n"
             "repair:\n"
@@ -771,6 +782,11 @@ class FleetLab:
             nodes += [node_object(n, pool="spare") for n in self.config.spares]
         nodes += [node_object(n, pool="inference") for n in self.config.inference]
         nodes += [node_object(n, pool="free") for n in self.config.free]
+        rack_of = {node: rack for rack, members in self.config.racks.items() for node in members}
+        for node in nodes:
+            meta = node["metadata"]
+            if meta["name"] in rack_of:
+                meta.setdefault("labels", {})[RACK_LABEL] = rack_of[meta["name"]]
         every = [*self.config.training, *self.config.spares, *self.config.inference, *self.config.free]
         # The training nodes' own PodDisruptionBudget-protected workload (what remediation's drain
         # evicts), and the inference servers on the inference nodes.

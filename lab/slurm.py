@@ -40,6 +40,10 @@ class SlurmLabSpec:
     # KillWait: how long a job's steps have after their SIGTERM (a cancel, a requeue, a step a
     # rank's failure ended) before Slurm's SIGKILL. A rank that hangs, deaf to SIGTERM, ends only then.
     kill_wait_seconds: int = 10
+    # Slurm's tree topology (TopologyPlugin=topology/tree, topology.conf beside slurm.conf): one
+    # leaf switch per rack, named leaf-RACK, over the rack's nodes, and a top switch over the
+    # leaves. Empty: no topology. Nodes in no rack hang off no switch.
+    racks: dict[str, list[str]] = field(default_factory=dict)
 
 
 class SlurmLab:
@@ -463,12 +467,48 @@ class SlurmLab:
             "AccountingStorageType=accounting_storage/none",
             f"KillWait={spec.kill_wait_seconds}",
         ]
+        topology = self.topology_lines()
+        if topology:
+            lines.append("TopologyPlugin=topology/tree")
         for node in self.all_nodes:
             lines.append(f"NodeName={node} {self.node_options(spec.cpus_per_node)} State=UNKNOWN")
         lines.append(
             f"PartitionName={spec.partition} Nodes={','.join(spec.nodes)} Default=YES MaxTime=INFINITE State=UP"
         )
         self.conf.write_text("\n".join(lines) + "\n")
+        topology_conf = self.conf.with_name("topology.conf")
+        if topology:
+            topology_conf.write_text("\n".join(topology) + "\n")
+        else:
+            topology_conf.unlink(missing_ok=True)
+
+    # The top switch of the lab's tree (leaf_switch names the leaves).
+    TOP_SWITCH = "top"
+
+    @staticmethod
+    def leaf_switch(rack: str) -> str:
+        """The leaf switch of a rack in the lab's topology.conf."""
+        return f"leaf-{rack}"
+
+    def topology_lines(self) -> list[str]:
+        """topology.conf for ``spec.racks``: a leaf switch per rack over its Slurm nodes (a rack's
+        Kubernetes-only nodes left out), a top switch over the leaves; none without racks.
+
+        A Slurm node in no rack gets a leaf of its own (``node-NAME``): under topology/tree a node
+        no switch reaches cannot share a job with others (22.05: "Requested node configuration is
+        not available"), and a domain of one node never makes a domain incident."""
+        known = self.all_nodes
+        racked: dict[str, list[str]] = {}
+        for rack, members in sorted(self.spec.racks.items()):
+            nodes = [node for node in members if node in known]
+            if nodes:
+                racked[self.leaf_switch(rack)] = nodes
+        if not racked:
+            return []
+        placed = {node for nodes in racked.values() for node in nodes}
+        leaves = {**racked, **{f"node-{node}": [node] for node in known if node not in placed}}
+        lines = [f"SwitchName={name} Nodes={','.join(nodes)}" for name, nodes in leaves.items()]
+        return [*lines, f"SwitchName={self.TOP_SWITCH} Switches={','.join(leaves)}"]
 
     def scontrol(self, *args: str) -> str:
         done = subprocess.run(

@@ -23,9 +23,14 @@ DOMAIN_WORKFLOW = "DomainIncidentWorkflow"
 # Signals of the domain incident: a failure joins it; a person confirms or releases it.
 DOMAIN_JOIN_SIGNAL = "domain_join"
 DOMAIN_DECIDE_SIGNAL = "domain_decide"
+# `gpufleet nodes show`: a node's domains, read by the cluster's worker.
+NODE_DOMAINS_WORKFLOW = "NodeDomainsWorkflow"
 # The guard's signal for a domain's decision (confirm: its nodes go on one by one; release:
 # the held incidents return their nodes through validation).
 GUARD_DOMAIN_SIGNAL = "domain"
+
+# The rack label gpufleet reads by default (and the lab sets): DomainSettings.rack_label.
+RACK_LABEL = "gpufleet.io/rack"
 
 # A domain's name: a label value or a Slurm switch name (letters, digits, '.', '_', '-').
 _DOMAIN_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
@@ -76,6 +81,11 @@ def domain_workflow_id(cluster: str, domain: Domain) -> str:
     return f"domain-{cluster}-{domain.kind}-{domain.name}"
 
 
+def node_domains_workflow_id(cluster: str, millis: int) -> str:
+    """A `gpufleet nodes show` of the cluster, started at ``millis`` (the node is in its input)."""
+    return f"show-node-{cluster}-{millis}"
+
+
 class DomainSettings(BaseModel):
     """When failures in one domain make one domain incident (policy ``domains:``)."""
 
@@ -85,7 +95,7 @@ class DomainSettings(BaseModel):
     # The kinds that group failures (a kind left out is still shown by `gpufleet nodes show`).
     kinds: list[DomainKind] = Field(default_factory=lambda: list(DomainKind))
     # Where each kind is read from: Kubernetes node labels, and Slurm's topology for switches.
-    rack_label: str = "gpufleet.io/rack"
+    rack_label: str = RACK_LABEL
     zone_label: str = "topology.kubernetes.io/zone"
     nvlink_label: str = "nvidia.com/gpu.clique"
     slurm_switches: bool = True
@@ -119,6 +129,14 @@ class DomainsRequest(BaseModel):
 
     node: str
     settings: DomainSettings = Field(default_factory=DomainSettings)
+
+
+class NodeDomainsInput(BaseModel):
+    """`gpufleet nodes show NODE`: the node, read with the policy's ``domains:`` of its cluster
+    (the worker's; '' is the cluster of the task queue it runs on)."""
+
+    node: str
+    cluster: str = ""
 
 
 class DomainNodesRequest(BaseModel):

@@ -46,6 +46,7 @@ from models.incident import Approval, CancelRequest, IncidentStatus, Outcome, St
 from models.names import InvalidName, validate_cluster_name, validate_node_name
 from models.requests import QuarantinedNode, ReleaseNodeRequest, ReturnNodeRequest
 from models.settings import CLUSTER_HELP, ClusterNotSet, Settings
+from models.topology import NODE_DOMAINS_WORKFLOW, NodeDomains, NodeDomainsInput, node_domains_workflow_id
 from models.trust import answer_problem
 from models.validation import ValidationResult
 from models.xid import XidEvent
@@ -730,6 +731,46 @@ def nodes_quarantined(
     for node in nodes:
         table.add_row(node.node, node.code, node.reason)
     console.print(table)
+
+
+@nodes_app.command("show")
+def nodes_show(
+    node: Annotated[str, typer.Argument(help="A node of the cluster (Kubernetes or Slurm).")],
+    cluster: Annotated[str | None, typer.Option(help=CLUSTER_HELP)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object for scripts.")] = False,
+) -> None:
+    """Show a node's failure domains (rack, zone, NVLink domain, Slurm leaf switch), where each
+    was read, and what could not be read."""
+    this_cluster = _cluster_of(cluster, node)
+
+    async def go() -> NodeDomains:
+        client = await _client()
+        try:
+            found: NodeDomains = await client.execute_workflow(
+                NODE_DOMAINS_WORKFLOW,
+                NodeDomainsInput(node=node, cluster=this_cluster),
+                id=node_domains_workflow_id(this_cluster, int(time.time() * 1000)),
+                task_queue=task_queue(this_cluster),
+                result_type=NodeDomains,
+                execution_timeout=timedelta(minutes=2),
+            )
+        except WorkflowFailureError as exc:
+            fail(f"cluster {this_cluster}, node {node}: {failure_text(exc)}")
+        return found
+
+    found = run_async(go())
+    if as_json:
+        print(json.dumps({"cluster": this_cluster, **found.model_dump(mode="json")}))
+        return
+    if found.domains:
+        table = Table("kind", "domain", "read from", title=f"{found.node} (cluster {this_cluster})")
+        for domain in found.domains:
+            table.add_row(str(domain.kind), domain.name, found.sources.get(domain.key, ""))
+        console.print(table)
+    else:
+        console.print(f"{found.node} (cluster {this_cluster}): in no failure domain")
+    for note in found.notes:
+        console.print(f"note: {escape(note)}")
 
 
 @nodes_app.command("release")

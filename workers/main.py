@@ -29,6 +29,7 @@ from activities.reaper import ReaperActivities
 from activities.repair import RepairActivities
 from activities.slurm import SlurmActivities
 from activities.spares import SpareActivities
+from activities.topology import TopologyActivities
 from activities.validation import ValidationActivities
 from clients.clusters import ClusterBackend
 from clients.errors import ClientError
@@ -62,7 +63,13 @@ from workflows.cluster import ClusterCreationWorkflow, ClusterDeletionWorkflow
 from workflows.clusterusers import ClusterUsersWorkflow
 from workflows.domain import DomainIncidentWorkflow
 from workflows.guard import FleetGuardWorkflow
-from workflows.nodes import ProbationWorkflow, QuarantinedNodesWorkflow, ReleaseNodeWorkflow, ReturnNodeWorkflow
+from workflows.nodes import (
+    NodeDomainsWorkflow,
+    ProbationWorkflow,
+    QuarantinedNodesWorkflow,
+    ReleaseNodeWorkflow,
+    ReturnNodeWorkflow,
+)
 from workflows.pool import PoolRebalanceWorkflow
 from workflows.reaper import ReaperWorkflow
 from workflows.remediation import NodeRemediationWorkflow
@@ -348,6 +355,8 @@ def build_activities(
     repair_acts = RepairActivities(kube, poll_seconds=settings.poll_seconds)
     validation_acts = ValidationActivities(kube, poll_seconds=settings.poll_seconds)
     reaper_acts = ReaperActivities(kube, cluster=settings.cluster)
+    # The cluster's queue (gpufleet nodes show) and the guard's (a domain's nodes) alike.
+    topology_acts = TopologyActivities(kube, slurm)
     mover = (
         SlinkyPoolMover(kube, slurm, pool, namespace=slinky_namespace(settings), poll_seconds=settings.poll_seconds)
         if clients.mode == "slinky"
@@ -401,6 +410,8 @@ def build_activities(
         guard_acts.fleet_size,
         guard_acts.running,
         guard_acts.domain_join,
+        topology_acts.node_domains,
+        topology_acts.domain_nodes,
     ]
 
 
@@ -508,6 +519,7 @@ CLUSTER_WORKFLOWS: tuple[type, ...] = (
     ReturnNodeWorkflow,
     ProbationWorkflow,
     QuarantinedNodesWorkflow,
+    NodeDomainsWorkflow,
     ReleaseNodeWorkflow,
     PoolRebalanceWorkflow,
     ReaperWorkflow,

@@ -1,5 +1,5 @@
 """Operator workflows on nodes: return a repaired node (after its validation), list and release
-quarantined ones, and the end of a node's probation.
+quarantined ones, the end of a node's probation, and a node's failure domains.
 
 Each is a short workflow (so the CLI reaches Kubernetes and Slurm only through the worker of
 the cluster) and tells the cluster's fleet guard what happened to the node.
@@ -22,6 +22,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.guard import GuardActivities
     from activities.policy import PolicyActivities
     from activities.spares import SpareActivities
+    from activities.topology import TopologyActivities
     from activities.validation import ValidationActivities
     from models.constants import (
         GUARD_FORGIVE_SIGNAL,
@@ -34,6 +35,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from models.guard import GuardCommand
     from models.requests import QuarantinedNode, ReleaseNodeRequest, ReturnNodeRequest, WorkerConfig
+    from models.topology import NODE_DOMAINS_WORKFLOW, DomainKind, DomainsRequest, NodeDomains, NodeDomainsInput
     from models.trust import answer_problem
     from models.validation import ProbationInput, ProbationRequest, RungResult, ValidationResult
 
@@ -198,3 +200,24 @@ class ReleaseNodeWorkflow:
             return f"{request.node} is not quarantined; nothing to release"
         await _tell_guard(GUARD_FORGIVE_SIGNAL, GuardCommand(node=request.node, by=request.by, reason=request.reason))
         return f"{request.node} released from quarantine; `gpufleet nodes return {request.node}` brings it back"
+
+
+@workflow.defn(name=NODE_DOMAINS_WORKFLOW)
+class NodeDomainsWorkflow:
+    """`gpufleet nodes show`: the node's failure domains of every kind, read where the policy's
+    ``domains:`` says (its labels, whether Slurm's switches count), and what could not be read. A
+    kind the policy does not group failures by is shown all the same."""
+
+    @workflow.run
+    async def run(self, request: NodeDomainsInput) -> NodeDomains:
+        cluster = request.cluster or workflow.info().task_queue.removeprefix("gpufleet-")
+        config: WorkerConfig = await _step(
+            PolicyActivities.worker_config, cluster, summary="read the worker's settings and policy"
+        )
+        every_kind = config.policy.domains.model_copy(update={"kinds": list(DomainKind)})
+        found: NodeDomains = await _step(
+            TopologyActivities.node_domains,
+            DomainsRequest(node=request.node, settings=every_kind),
+            summary=f"read the failure domains of {request.node}",
+        )
+        return found

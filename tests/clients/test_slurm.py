@@ -115,6 +115,15 @@ def test_node_drained_by_someone_else_keeps_their_reason(slurm: SlurmCli, slurm_
 
 
 @slurm_daemons
+def test_a_slurm_without_a_topology_plugin_has_no_switches_and_says_so(slurm: SlurmCli) -> None:
+    """22.05's scontrol says "No topology information available" on stderr and exits 0; 26.05
+    prints nothing: either way no switches, and a note, never an error."""
+    topology = slurm.topology()
+    assert topology.switches == []
+    assert "Slurm has no switch topology" in topology.note
+
+
+@slurm_daemons
 def test_unknown_node_is_not_found(slurm: SlurmCli) -> None:
     with pytest.raises(NotFound, match="no node named 'nosuch'"):
         slurm.node("nosuch")

@@ -218,6 +218,21 @@ def test_lab_status_shows_both_sides(lab: tuple[FleetLab, list[str]]) -> None:
     assert f"export GPUFLEET_API_KUBECONFIG={api['users']['lab-viewer']}" in lines
 
 
+def test_a_viewer_sees_a_nodes_rack_and_leaf_switch(lab: tuple[FleetLab, list[str]]) -> None:
+    """`gpufleet nodes show` through the lab's gpufleet API as lab-viewer: the rack from the
+    Kubernetes label the lab sets, the leaf switch from the lab's Slurm topology."""
+    fleet, _ = lab
+    viewer = {**fleet.env(), "GPUFLEET_API_KUBECONFIG": str(fleet.user_kubeconfig("lab-viewer"))}
+    done = gpufleet_cli("nodes", "show", "gpu1", "--json", env=viewer, timeout=400)
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    assert shown["domains"] == [{"kind": "rack", "name": "a"}, {"kind": "switch", "name": "leaf-a"}]
+    assert shown["sources"] == {"rack/a": "label gpufleet.io/rack", "switch/leaf-a": "slurm topology"}
+    unknown = gpufleet_cli("nodes", "show", "gpu99", env=viewer, timeout=400)
+    assert unknown.returncode == 1
+    assert "no node gpu99: neither Kubernetes nor Slurm knows it" in unknown.stderr
+
+
 def test_the_detectors_tokens_outlive_a_restart_of_the_kubernetes_api(lab: tuple[FleetLab, list[str]]) -> None:
     fleet, _ = lab
     token = (fleet.token_folder / "gpu2").read_text()

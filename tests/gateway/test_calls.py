@@ -36,7 +36,7 @@ from models.guard import GuardCommand, GuardInput, GuardState
 from models.incident import Approval, CancelRequest, RemediationInput
 from models.poolops import PoolSettings, PoolState
 from models.requests import ReleaseNodeRequest, ReturnNodeRequest
-from models.topology import DomainDecision
+from models.topology import DomainDecision, NodeDomainsInput
 from models.xid import XidEvent
 
 NS = "default"
@@ -217,6 +217,25 @@ EVERY_CALL: list[tuple[str, str, Any, list[Access]]] = [
         "StartWorkflowExecution",
         start("QuarantinedNodesWorkflow", "quarantined-lab-1765000000000", "gpufleet-lab"),
         [Access("list", "nodes", "lab")],
+    ),
+    (
+        "nodes show",
+        "StartWorkflowExecution",
+        start(
+            "NodeDomainsWorkflow",
+            "show-node-lab-1765000000000",
+            "gpufleet-lab",
+            NodeDomainsInput(node="gpu1", cluster="lab"),
+        ),
+        [Access("get", "nodes", "lab")],
+    ),
+    (
+        "nodes show (result)",
+        "GetWorkflowExecutionHistory",
+        ws.GetWorkflowExecutionHistoryRequest(
+            namespace=NS, execution=WorkflowExecution(workflow_id="show-node-lab-1765000000000")
+        ),
+        [Access("get", "nodes", "lab")],
     ),
     ("breaker status", "QueryWorkflow", query("guard-lab"), [Access("get", "breaker", "lab")]),
     ("domains show", "QueryWorkflow", query("domain-lab-rack-a"), [Access("get", "incidents", "lab")]),
@@ -487,6 +506,21 @@ MALFORMED: list[tuple[str, Any, str]] = [
         "not a ClusterDeleteInput",
     ),
     ("QueryWorkflow", query("guard-Not_A_Cluster"), "invalid cluster name"),
+    (
+        "StartWorkflowExecution",
+        start("NodeDomainsWorkflow", "show-node-lab-1", "gpufleet-other", NodeDomainsInput(node="gpu1")),
+        "runs as show-node-lab-1 on task queue gpufleet-lab",
+    ),
+    (
+        "StartWorkflowExecution",
+        start("NodeDomainsWorkflow", "show-node-lab-1", "gpufleet-lab", NodeDomainsInput(node="gpu1", cluster="other")),
+        "reads its own cluster, not other",
+    ),
+    (
+        "StartWorkflowExecution",
+        start("NodeDomainsWorkflow", "show-node-lab-1", "gpufleet-lab", NodeDomainsInput(node="$(reboot)")),
+        "invalid node name",
+    ),
 ]
 
 
