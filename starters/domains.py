@@ -77,7 +77,7 @@ def domains_list(
 
 async def _incident(client: Client, cluster: str, domain: Domain) -> tuple[DomainIncidentStatus, bool]:
     """The domain incident's status and whether it still runs; exit 2 when there is none."""
-    handle = client.get_workflow_handle(domain_workflow_id(cluster, domain))
+    handle = client.get_workflow_handle(domain_workflow_id(cluster, domain), result_type=DomainIncidentStatus)
     try:
         described = await handle.describe()
         running = described.status == WorkflowExecutionStatus.RUNNING
@@ -153,7 +153,7 @@ def _decide(domain: str, cluster: str | None, reason: str, *, confirm: bool) -> 
                 f"{status.decision.by if status.decision else '?'}",
                 code=2,
             )
-        handle = client.get_workflow_handle(domain_workflow_id(name, which))
+        handle = client.get_workflow_handle(domain_workflow_id(name, which), result_type=DomainIncidentStatus)
         await handle.signal(DOMAIN_DECIDE_SIGNAL, decision)
         deadline = time.monotonic() + DECIDED_WITHIN_S
         with console.status("waiting for the domain incident to tell the fleet guard", spinner="dots"):
