@@ -71,7 +71,7 @@ from models.poolops import (
     pool_workflow_id,
 )
 from models.requests import ReleaseNodeRequest, ReturnNodeRequest
-from models.topology import DOMAIN_DECIDE_SIGNAL, NODE_DOMAINS_WORKFLOW, NodeDomainsInput
+from models.topology import DOMAIN_DECIDE_SIGNAL, GUARD_DOMAIN_SIGNAL, NODE_DOMAINS_WORKFLOW, NodeDomainsInput
 from models.xid import XidEvent
 
 SERVICE = "temporal.api.workflowservice.v1.WorkflowService"
@@ -126,7 +126,13 @@ INCIDENT = Kind(
 )
 GUARD = Kind(
     "breaker",
-    {GUARD_RESET_SIGNAL: ("reset", "by"), GUARD_PAUSE_SIGNAL: ("pause", "by"), GUARD_RESUME_SIGNAL: ("pause", "by")},
+    {
+        GUARD_RESET_SIGNAL: ("reset", "by"),
+        GUARD_PAUSE_SIGNAL: ("pause", "by"),
+        GUARD_RESUME_SIGNAL: ("pause", "by"),
+        # A domain's decision told to the guard itself, when its domain incident has ended without one.
+        GUARD_DOMAIN_SIGNAL: ("reset", "by"),
+    },
 )
 # A domain incident (workflows/domain.py): confirming or releasing it decides its nodes' fixes, as
 # approving an incident does; its ID's name is the cluster.

@@ -101,6 +101,8 @@ class WindowEntry(BaseModel):
     node: str
     incident_id: str
     at: datetime
+    # The domain incident the failure is part of ("rack/a"): the breaker counts a domain as one node.
+    domain: str = ""
 
 
 class GuardEvent(BaseModel):
@@ -128,8 +130,12 @@ class DomainWatch(BaseModel):
     failures: list[DomainFailure] = Field(default_factory=list)
     opened_at: datetime | None = None
     decided_at: datetime | None = None
-    # Released: the incidents still to be told so when they ask for a slot to fix their node.
+    # Released: its incidents, told so each time they ask for a slot to fix their node, until
+    # they close (an answer may be lost, or crossed by an ask sent before it).
     released: list[str] = Field(default_factory=list)
+    # Whether its domain incident (the workflow) was started and told of every failure; a
+    # failed telling is tried again when one of its incidents asks.
+    told: bool = False
 
 
 class GuardState(BaseModel):

@@ -11,19 +11,20 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 from rich.markup import escape
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.service import RPCError, RPCStatusCode
 
-from models.guard import DomainWatch
+from models.guard import DomainWatch, GuardCommand
 from models.settings import CLUSTER_HELP
 from models.topology import (
     DOMAIN_DECIDE_SIGNAL,
+    GUARD_DOMAIN_SIGNAL,
     Domain,
     DomainDecision,
     DomainIncidentStatus,
     domain_workflow_id,
 )
-from starters.cli import _client, _cluster, _guard_status, _who, console, fail, run_async
+from starters.cli import _client, _cluster, _guard_status, _tell_guard, _who, console, fail, run_async
 from workflows.domain import DomainIncidentWorkflow
 
 domains_app = typer.Typer(
@@ -44,7 +45,7 @@ def _domain(text: str) -> Domain:
 
 
 def _line(watch: DomainWatch) -> str:
-    nodes = ", ".join(f.node for f in watch.failures) or "-"
+    nodes = ", ".join(sorted(f.node for f in watch.failures)) or "-"
     of = f" of {watch.size}" if watch.size else ""
     since = f" since {watch.opened_at:%Y-%m-%d %H:%M:%S} UTC" if watch.opened_at else ""
     return f"{watch.domain.key}: {watch.state}; {len(watch.failures)}{of} failed{since}: {nodes}"
@@ -75,15 +76,20 @@ def domains_list(
         console.print(escape(_line(watch)), highlight=False)
 
 
-async def _incident(client: Client, cluster: str, domain: Domain) -> tuple[DomainIncidentStatus, bool]:
-    """The domain incident's status and whether it still runs; exit 2 when there is none."""
+async def _incident(client: Client, cluster: str, domain: Domain) -> tuple[DomainIncidentStatus | None, bool]:
+    """The domain incident's status (None: it ended without one, failed or terminated) and
+    whether it still runs; exit 2 when there is none."""
     handle = client.get_workflow_handle(domain_workflow_id(cluster, domain), result_type=DomainIncidentStatus)
     try:
         described = await handle.describe()
         running = described.status == WorkflowExecutionStatus.RUNNING
-        status: DomainIncidentStatus = (
-            await handle.query(DomainIncidentWorkflow.status) if running else await handle.result()
-        )
+        if running:
+            status: DomainIncidentStatus = await handle.query(DomainIncidentWorkflow.status)
+            return status, True
+        try:
+            return await handle.result(), False
+        except WorkflowFailureError:
+            return None, False
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
             fail(
@@ -92,7 +98,12 @@ async def _incident(client: Client, cluster: str, domain: Domain) -> tuple[Domai
                 code=2,
             )
         raise
-    return status, running
+
+
+async def _watch(client: Client, cluster: str, domain: Domain) -> DomainWatch | None:
+    """What the fleet guard holds for the domain (None: nothing)."""
+    status = await _guard_status(client, cluster)
+    return status.state.domains.get(domain.key) if status is not None else None
 
 
 def _print_incident(status: DomainIncidentStatus, running: bool) -> None:
@@ -129,10 +140,24 @@ def domains_show(
     """One domain incident: its failed nodes and their events, since when, and its decision."""
     name, which = _cluster(cluster), _domain(domain)
 
-    async def go() -> tuple[DomainIncidentStatus, bool]:
-        return await _incident(await _client(), name, which)
+    async def go() -> tuple[DomainIncidentStatus | None, bool, DomainWatch | None]:
+        client = await _client()
+        status, running = await _incident(client, name, which)
+        return status, running, await _watch(client, name, which) if status is None else None
 
-    status, running = run_async(go())
+    status, running, watch = run_async(go())
+    if status is None:
+        # Its workflow failed or was terminated before a decision reached the guard.
+        if as_json:
+            typer.echo(
+                json.dumps({"ended_without_status": True, "guard": watch.model_dump(mode="json") if watch else None})
+            )
+            return
+        console.print(escape(f"the domain incident {which.key} in cluster {name} ended without a decision"))
+        if watch is not None:
+            console.print(escape(f"the fleet guard holds: {_line(watch)}"), highlight=False)
+            console.print(f"`gpufleet domains confirm|release {which.key} --cluster {name}` still decide it")
+        return
     if as_json:
         typer.echo(status.model_dump_json(indent=2))
         return
@@ -143,16 +168,23 @@ def _decide(domain: str, cluster: str | None, reason: str, *, confirm: bool) -> 
     name, which = _cluster(cluster), _domain(domain)
     decision = DomainDecision(confirm=confirm, by=_who(), reason=reason)
 
-    async def go() -> DomainIncidentStatus:
+    async def go() -> DomainIncidentStatus | None:
         client = await _client()
         status, running = await _incident(client, name, which)
-        if not running:
-            verb = "confirmed" if status.decision and status.decision.confirm else "released"
+        if not running and status is not None and status.decision is not None:
+            verb = "confirmed" if status.decision.confirm else "released"
             fail(
-                f"the domain incident {which.key} in cluster {name} was {verb} already by "
-                f"{status.decision.by if status.decision else '?'}",
-                code=2,
+                f"the domain incident {which.key} in cluster {name} was {verb} already by {status.decision.by}", code=2
             )
+        if not running:
+            # Its workflow ended without passing a decision on (failed, or terminated): the word
+            # goes to the fleet guard itself, which holds the nodes.
+            watch = await _watch(client, name, which)
+            if watch is None or watch.state not in ("open", "confirmed"):
+                fail(f"cluster {name}'s fleet guard holds nothing for {which.key}: nothing to decide", code=2)
+            command = GuardCommand(domain=which.key, confirm=confirm, by=decision.by, reason=decision.reason)
+            await _tell_guard(name, GUARD_DOMAIN_SIGNAL, command, start=False)
+            return None
         handle = client.get_workflow_handle(domain_workflow_id(name, which), result_type=DomainIncidentStatus)
         await handle.signal(DOMAIN_DECIDE_SIGNAL, decision)
         deadline = time.monotonic() + DECIDED_WITHIN_S
@@ -172,7 +204,11 @@ def _decide(domain: str, cluster: str | None, reason: str, *, confirm: bool) -> 
         return done
 
     status = run_async(go())
-    if status.decision is None or status.decision.confirm != confirm or status.decision.by != decision.by:
+    if status is None:
+        console.print(escape(f"{which.key}: {'confirmed' if confirm else 'released'}, told to the fleet guard."))
+        return
+    # (Through `gpufleet api`, who decided is the authenticated user, not this login.)
+    if status.decision is None or status.decision.confirm != confirm or status.decision.reason != decision.reason:
         _print_incident(status, False)
         fail("another decision came first; the domain incident took that one")
     count = len(status.failures)

@@ -204,6 +204,7 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
             state.in_flight = [r for r in state.in_flight if r.incident_id != message.incident_id]
             state.waiting = [r for r in state.waiting if r.incident_id != message.incident_id]
             state.domain_held = [r for r in state.domain_held if r.incident_id != message.incident_id]
+            self._forget_released(message.incident_id)
             if held:
                 self._log("released", held[0], message.reason)
         elif kind == GUARD_DRAINED_SIGNAL and message.node:
@@ -218,6 +219,11 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
             await self._decide_domain(message)
         elif kind == GUARD_ADMIT_SIGNAL:
             waiting = next((r for r in state.waiting if r.incident_id == message.incident_id), None)
+            for_domain = next((r for r in state.domain_held if r.incident_id == message.incident_id), None)
+            if waiting is None and for_domain is not None:  # approved past its domain incident too
+                state.domain_held.remove(for_domain)
+                state.waiting.append(for_domain)
+                waiting = for_domain
             if waiting is not None:
                 state.waiting.remove(waiting)
                 self._take_slot(waiting)
@@ -241,6 +247,9 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
             )
         elif kind == GUARD_VALIDATION_FAILED_SIGNAL and message.node:
             record = self._record_failed_validation(message.node, message.incident_id)
+            # A node its released domain returned failed its validation: a fault of its own, no
+            # longer told `released` when its incident asks to replace it.
+            self._forget_released(message.incident_id.split("/")[0])
             self._log(
                 "validation failed",
                 detail=f"{message.node}: {message.reason}; {len(record.incidents)} incident(s) in the window",
@@ -322,7 +331,7 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
         if in_flight + 1 > limits.max_in_flight:
             return f"{in_flight + 1} incidents would be in flight; the limit is {limits.max_in_flight}"
         await self._count_nodes()
-        nodes = set(self._nodes_in_window()) | {request.node}
+        nodes = set(self._nodes_in_window()) | {self._window_key(request.node)}
         if limits.max_share and self._nodes and len(nodes) / self._nodes > limits.max_share:
             return (
                 f"{len(nodes)} of the partition's {self._nodes} nodes would have incidents within "
@@ -370,7 +379,12 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
         self._state.in_flight.append(request)
         if not any(entry.incident_id == request.incident_id for entry in self._state.window):
             self._state.window.append(
-                WindowEntry(node=request.node, incident_id=request.incident_id, at=workflow.now())
+                WindowEntry(
+                    node=request.node,
+                    incident_id=request.incident_id,
+                    at=workflow.now(),
+                    domain=self._in_domain(request.node),
+                )
             )
 
     async def _reap(self) -> None:
@@ -439,7 +453,7 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
 
     def _nodes_in_window(self) -> list[str]:
         since = self._window_start()
-        return sorted(self._domains_in_window({entry.node for entry in self._state.window if entry.at >= since}))
+        return sorted({entry.domain or entry.node for entry in self._state.window if entry.at >= since})
 
     def _prune(self) -> None:
         """Forget what no limit looks at any more: old window entries, nodes with no recent record."""

@@ -110,5 +110,6 @@ class GuardAnswers:
         state = self._state
         state.in_flight = [r for r in state.in_flight if r.incident_id != request.incident_id]
         state.waiting = [r for r in state.waiting if r.incident_id != request.incident_id]
+        state.domain_held = [r for r in state.domain_held if r.incident_id != request.incident_id]
         self._log("released", request, why)
         self._slot_freed = True

@@ -55,6 +55,9 @@ FIX_STEPS = frozenset({Step.REPAIR.value, Step.RETIRE_NODE.value})
 PRECEDENCE = (DomainKind.NVLINK, DomainKind.RACK, DomainKind.SWITCH, DomainKind.ZONE)
 # A released domain remembers, this long, the incidents it still has to tell that it was fixed.
 RELEASED_KEPT = timedelta(days=1)
+# A slot held for a fix (the retirement's or the repair's action) longer than this: the guard looks
+# whether its incident still runs before the confirmed domain's next node waits on it any longer.
+FIX_TAKES = timedelta(minutes=10)
 OPEN, CONFIRMED, RELEASED, COUNTING = "open", "confirmed", "released", "counting"
 
 
@@ -66,6 +69,7 @@ class DomainCounts:
     _log: Callable[..., None]
     _queue_answer: Callable[..., Awaitable[None]]
     _decide: Callable[[SlotRequest], Awaitable[None]]
+    _reap: Callable[[], Awaitable[None]]
 
     # -- counting (on each drain) -------------------------------------------------------------------
 
@@ -121,7 +125,7 @@ class DomainCounts:
         if settings.min_share and len(nodes) / size < settings.min_share:
             return False
         watch.state, watch.size, watch.opened_at, watch.decided_at = OPEN, size, workflow.now(), None
-        watch.failures = failures
+        watch.failures, watch.told = failures, False
         self._log(
             "domain opened",
             detail=f"{watch.domain.key}: {len(nodes)} of its {size} nodes failed within "
@@ -136,6 +140,11 @@ class DomainCounts:
         if all(f.incident_id != failure.incident_id for f in watch.failures):
             watch.failures.append(failure)
             self._log("domain joined", detail=f"{failure.node} ({failure.incident_id}) joins {watch.domain.key}")
+        # The breaker counts the domain's failures as one node, from now until they leave its window.
+        ids = {f.incident_id for f in watch.failures}
+        for entry in self._state.window:
+            if entry.incident_id in ids:
+                entry.domain = watch.domain.key
         if watch.state == CONFIRMED:
             return  # decided already (its incident has ended): fixed one at a time with the rest
         opening = DomainIncidentInput(
@@ -151,8 +160,10 @@ class DomainCounts:
                 retry_policy=STEP_RETRY,
                 summary=f"{failure.node} joins the domain incident {watch.domain.key}",
             )
+            watch.told = True
         except ActivityError as exc:
-            # Its nodes wait all the same; the next failure in it tries again.
+            # Its nodes wait all the same; told again when one of them asks (every 30 min while held).
+            watch.told = False
             self._log("domain", detail=f"{watch.domain.key}: its incident could not be told ({exc.cause or exc})")
 
     async def _read(self, method: Any, arg: Any, *, summary: str) -> Any:
@@ -171,6 +182,29 @@ class DomainCounts:
             self._log("domain", detail=f"{summary}: not read ({exc.cause or exc}); not counted in its domains")
             return None
 
+    def _in_domain(self, node: str) -> str:
+        """The key of the open or confirmed domain incident the node's failure is part of ("")."""
+        watch = self._open_domain_of(node)
+        return watch.domain.key if watch is not None else ""
+
+    def _window_key(self, node: str) -> str:
+        """What the node counts as in the breaker's window: its domain incident, or itself."""
+        return self._in_domain(node) or node
+
+    async def _tell_again(self, request: SlotRequest) -> None:
+        """The request's domain incident, if its telling failed, is told again."""
+        watch = self._open_domain_of(request.node)
+        if watch is None or watch.told or watch.state != OPEN:
+            return
+        failure = next((f for f in watch.failures if f.incident_id == request.incident_id), watch.failures[-1])
+        await self._join(watch, failure)
+
+    def _forget_released(self, incident_id: str) -> None:
+        """An incident closed: no released domain has it to tell any more."""
+        for watch in self._state.domains.values():
+            if incident_id in watch.released:
+                watch.released.remove(incident_id)
+
     def _open_domain_of(self, node: str) -> DomainWatch | None:
         """The open or confirmed domain incident the node's failure is part of."""
         for watch in self._state.domains.values():
@@ -187,6 +221,7 @@ class DomainCounts:
             return False
         held.ask, held.step = request.ask, request.step
         await self._queue_answer(held, granted=False, why=self._domain_why(held))
+        await self._tell_again(held)
         return True
 
     async def _held_for_domain(self, request: SlotRequest) -> bool:
@@ -197,8 +232,7 @@ class DomainCounts:
         if request.step not in FIX_STEPS or not state.domains:
             return False
         for released in state.domains.values():
-            if request.incident_id in released.released:
-                released.released.remove(request.incident_id)
+            if request.incident_id in released.released:  # told each time it asks, until it closes
                 why = f"its domain {released.domain.key} was released (fixed): the node is validated and returned"
                 self._log("domain released", request, why)
                 await self._queue_answer(request, granted=False, why=why, domain_released=released.domain.key)
@@ -210,12 +244,21 @@ class DomainCounts:
         state.domain_held.append(request)
         self._log("held by domain", request, watch.domain.key)
         await self._queue_answer(request, granted=False, why=self._domain_why(request))
+        await self._tell_again(request)
         return True
 
     def _fixing(self, watch: DomainWatch) -> bool:
         """Whether one of the domain's nodes is being fixed (or in line for a slot to be)."""
         nodes = {f.node for f in watch.failures}
         return any(r.node in nodes and r.step in FIX_STEPS for r in [*self._state.in_flight, *self._state.waiting])
+
+    def _fixing_long(self, watch: DomainWatch) -> bool:
+        """Whether one of the domain's nodes has held its slot longer than a fix takes."""
+        nodes, now = {f.node for f in watch.failures}, workflow.now()
+        return any(
+            r.node in nodes and r.step in FIX_STEPS and r.asked_at is not None and now - r.asked_at > FIX_TAKES
+            for r in self._state.in_flight
+        )
 
     def _domain_why(self, request: SlotRequest) -> str:
         key = request.held_by.removeprefix("domain:")
@@ -234,6 +277,8 @@ class DomainCounts:
         (to the guard's usual slots and limits)."""
         state = self._state
         for watch in [w for w in state.domains.values() if w.state == CONFIRMED]:
+            if self._fixing(watch) and self._fixing_long(watch):
+                await self._reap()  # a node being fixed this long: its incident may be gone
             if self._fixing(watch):
                 continue
             nodes = {f.node for f in watch.failures}
@@ -267,9 +312,8 @@ class DomainCounts:
         why = f"its domain {watch.domain.key} was released (fixed) by {by_whom}: the node is validated and returned"
         for request in held:
             await self._queue_answer(request, granted=False, why=why, domain_released=watch.domain.key)
-        # Those not asking yet (their jobs still being requeued) are told when they ask.
-        answered = {r.incident_id for r in held}
-        watch.released = [f.incident_id for f in watch.failures if f.incident_id not in answered]
+        # Each is told again whenever it asks (those not asking yet: their jobs still being requeued).
+        watch.released = sorted({*watch.released, *(f.incident_id for f in watch.failures)})
         watch.state, watch.failures, watch.size = RELEASED, [], 0
         self._log("domain released", detail=f"{watch.domain.key} by {by_whom}: {len(held)} node(s) returned")
 
@@ -292,12 +336,3 @@ class DomainCounts:
                 quiet = all(now - f.at > window for f in watch.failures)
                 if quiet and not self._fixing(watch) and not any(r.node in nodes for r in state.domain_held):
                     del state.domains[key]
-
-    def _domains_in_window(self, nodes: set[str]) -> set[str]:
-        """The window's nodes, each open or confirmed domain incident's counted as one."""
-        for watch in self._state.domains.values():
-            if watch.state in (OPEN, CONFIRMED):
-                members = nodes & {f.node for f in watch.failures}
-                if members:
-                    nodes = (nodes - members) | {watch.domain.key}
-        return nodes

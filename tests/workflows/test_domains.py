@@ -15,6 +15,7 @@ from typing import Any
 from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
+from models.constants import GUARD_REQUEST_SIGNAL
 from models.guard import GuardEvent, GuardStatus
 from models.incident import IncidentStatus, Outcome
 from models.policy import GuardSettings, Policy
@@ -29,6 +30,7 @@ from models.topology import (
 )
 from tests.workflows.test_guard import guard, running, until
 from tests.workflows.test_remediation import Fleet, start
+from tests.workflows.test_validation import LADDER, Ladder, climbing
 from workflows.domain import DomainIncidentWorkflow
 from workflows.guard import FleetGuardWorkflow
 from workflows.remediation import NodeRemediationWorkflow
@@ -188,3 +190,62 @@ async def test_domains_switched_off_count_nothing(env: WorkflowEnvironment) -> N
         state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
     assert all(r.outcome == Outcome.RESOLVED and r.spare for r in results)
     assert not state.state.domains and "guard:node_domains" not in fleet.calls
+
+
+async def released(env: WorkflowEnvironment, fleet: Fleet) -> list[IncidentStatus]:
+    """A storm on rack a, then rack a released by ops: the rack's incidents' results."""
+    rack, other = await storm(env, fleet)
+    await other.result()
+    await until(domain(env.client, fleet), DomainIncidentWorkflow.status, lambda s: s.notified, "told")
+    await domain(env.client, fleet).signal(DOMAIN_DECIDE_SIGNAL, DomainDecision(confirm=False, by="ops", reason="PDU"))
+    await domain(env.client, fleet).result()
+    return [await handle.result() for handle in rack]
+
+
+async def test_a_released_storm_still_counts_as_one_node_for_the_breaker(env: WorkflowEnvironment) -> None:
+    """Rack a's drains stay in the breaker's window after its release, still as one node: an
+    Xid in rack b within the window is remediated as usual, the breaker closed."""
+    fleet = racked()
+    async with running(env, fleet):
+        await released(env, fleet)
+        late = await start(env.client, fleet, node="gpu6")
+        status: IncidentStatus = await late.result()
+        state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
+    assert status.outcome == Outcome.RESOLVED and status.spare
+    assert not state.state.tripped, state.state.tripped_why
+    assert RACK_A.key in state.nodes_in_window and not set(A_NODES) & set(state.nodes_in_window)
+
+
+async def test_a_held_incident_asking_again_after_the_release_is_told_released(env: WorkflowEnvironment) -> None:
+    """An ask crossed by the release (sent before the incident heard it, or its answer lost) is
+    answered `released` again, never granted: no node of the rack is replaced."""
+    fleet = racked()
+    async with running(env, fleet):
+        rack, other = await storm(env, fleet)
+        await other.result()
+        state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
+        request = next(r for r in state.state.domain_held if r.node == "gpu1")
+        await domain(env.client, fleet).signal(
+            DOMAIN_DECIDE_SIGNAL, DomainDecision(confirm=False, by="ops", reason="PDU")
+        )
+        await domain(env.client, fleet).result()
+        handle = guard(env.client, fleet)
+        seen = state.state.handled
+        await handle.signal(GUARD_REQUEST_SIGNAL, request.model_copy(update={"held_by": ""}))
+        state = await until(handle, FleetGuardWorkflow.status, lambda s: s.state.handled >= seen + 2, "handled")
+        results = [await h.result() for h in rack]
+    assert not [r for r in state.state.in_flight if r.node == "gpu1"], "granted a fix after its domain's release"
+    assert claims(fleet, A_NODES) == [] and all(r.outcome == Outcome.RESOLVED for r in results)
+
+
+async def test_a_released_node_that_fails_validation_is_replaced(env: WorkflowEnvironment) -> None:
+    """The release returns each node through the validation ladder; one that fails it has a
+    fault of its own and is replaced after all, with a slot of its own."""
+    fleet = racked()
+    fleet.policy = fleet.policy.model_copy(update={"validation": LADDER})
+    ladder = Ladder(fleet)
+    ladder.busbw = 40.0  # under the ladder's NCCL floor: every node fails
+    async with climbing(env, ladder):
+        results = await released(env, fleet)
+    assert all(r.outcome == Outcome.RESOLVED and r.spare for r in results)
+    assert sorted(claims(fleet, A_NODES)) == A_NODES[:3]
