@@ -13,7 +13,8 @@ answers:
   their nodes and return them to service, claiming no spare.
 
 The decision is passed to the guard, and the workflow ends with its record (the Temporal UI
-keeps it); a failure after that counts toward a new domain incident.
+keeps it). After a confirm, a later failure in the domain is fixed in its turn with the rest (the
+guard's log names it); after a release, failures count toward a new domain incident.
 """
 
 from __future__ import annotations
