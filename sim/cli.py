@@ -189,6 +189,15 @@ def _sized(base: FleetSpec, given: FleetSpec | None, path: Path | None, nodes: i
         if job.nodes > built.nodes:
             source = f"--fleet: {path}: jobs.{index}.nodes" if path is not None else f"jobs.{index}.nodes"
             fail(f"{source}: {job.nodes} nodes, more than the fleet's {built.nodes}: give a smaller job", code=2)
+    # A job of 0 nodes spans the fleet: only one such job, and alone, fits.
+    wanted = sum(job.nodes or built.nodes for job in built.jobs)
+    if wanted > built.nodes:
+        source = f"--fleet: {path}: jobs" if path is not None else "jobs"
+        fail(
+            f"{source}: the jobs need {wanted} nodes together, more than the fleet's {built.nodes} "
+            "(a job of 0 nodes spans the fleet): a job that could never start would be counted as lost",
+            code=2,
+        )
     return built
 
 
@@ -215,7 +224,7 @@ def text(result: WhatIfResult) -> str:
         f"({result.visible_failures} visible to gpufleet), seed {result.seed}; {result.wall_seconds:g} s",
         "",
         f"{'policy':<24} {'spares':>6} {'effective':>9} {'lost GPU-h':>11} {'steps':>9} {'lost steps':>10} "
-        f"{'per failure':>11} {'claimed':>7} {'waited h':>8} {'incidents':>9} {'closed':>6}",
+        f"{'per stop':>11} {'claimed':>7} {'waited h':>8} {'incidents':>9} {'closed':>6}",
     ]
     for case in result.cases:
         lines.append(

@@ -50,8 +50,12 @@ STALL_SECONDS = 180.0
 NUDGE = timedelta(seconds=1)
 # The clock moved on its own only when, between two looks, it moved more than the nudges did by
 # more than this: a clock that only keeps pace with the wall (a server that stopped skipping
-# time, running its timers in real time) stands still for a simulation of days.
+# time, running its timers in real time) stands still for a simulation of days...
 NUDGE_MARGIN = timedelta(seconds=3 * PROGRESS_SECONDS)
+# ...unless the cases are busy: at one simulated instant with many activities running, the clock
+# keeps the wall's pace too, while at least this many stand-in activities ran between two looks
+# (a server running its timers in real time runs a few).
+BUSY_CALLS = 20
 
 
 # An incident at the trace's end: whether it closed, and its ledger (None: open, or none computed).
@@ -265,6 +269,7 @@ async def _watch(
     last: datetime | None = None  # the clock at the last look
     nudged = timedelta(0)  # how far the nudges moved it since
     still = 0.0
+    calls = 0  # the stand-in activities run, at the last look
     while not over.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(over.wait(), PROGRESS_SECONDS)
@@ -277,11 +282,12 @@ async def _watch(
         start = fleets[0][1].start if fleets else _EPOCH
         if start == _EPOCH:
             continue
-        if last is None or now - last > nudged + NUDGE_MARGIN:
+        ran = sum(sum(case.calls.values()) for _, case in fleets)
+        if last is None or now - last > nudged + NUDGE_MARGIN or ran - calls >= BUSY_CALLS:
             still = 0.0
         else:
             still += PROGRESS_SECONDS
-        last, nudged = now, timedelta(0)
+        last, nudged, calls = now, timedelta(0), ran
         if still >= STALL_SECONDS:
             raise WhatIfError(
                 f"the test server's clock stood still (or kept only the wall clock's pace) at day "

@@ -21,6 +21,7 @@ import math
 import random
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,36 +30,42 @@ from models.policy import Action
 START_CAUSE = "start"
 
 
+# The longest time any modelled wait may take (a year): beyond it a timer cannot be set, and
+# nothing in a what-if of at most 366 days needs more.
+LONGEST = 366 * 86400.0
+Seconds = Annotated[float, Field(ge=0, le=LONGEST)]
+
+
 class JobSpec(BaseModel):
     """One training job of the simulated fleet."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     # Nodes it runs on (0: the whole training fleet).
     nodes: int = Field(default=0, ge=0)
-    checkpoint_seconds: float = Field(default=1800.0, gt=0)
+    checkpoint_seconds: float = Field(default=1800.0, gt=0, le=LONGEST)
     # Start-up of each run until it trains again: scheduling, loading the checkpoint, warm-up.
-    restart_seconds: float = Field(default=600.0, ge=0)
+    restart_seconds: Seconds = 600.0
     # How long writing a checkpoint takes after SIGTERM (within the incident's grace).
-    checkpoint_write_seconds: float = Field(default=60.0, ge=0)
+    checkpoint_write_seconds: Seconds = 60.0
     # Optimizer steps per second of training (after the start-up): one every 8 s by default.
-    steps_per_second: float = Field(default=0.125, gt=0)
+    steps_per_second: float = Field(default=0.125, gt=0, le=1e6)
 
 
 class FleetSpec(BaseModel):
     """The simulated fleet and its outside world: what a what-if case runs on."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     nodes: int = Field(default=2048, ge=1)
     gpus_per_node: int = Field(default=8, ge=1, le=64)
     spares: int = Field(default=0, ge=0)
     jobs: list[JobSpec] = Field(default_factory=lambda: [JobSpec()])
     # From the failure until gpufleet's detector reports it (the kernel log line, the intake).
-    detection_seconds: float = Field(default=30.0, ge=0)
+    detection_seconds: Seconds = 30.0
     # How long each action keeps the node out: a reset or a reboot in place, or (REPLACE_NODE) the
     # retired node's repair until it is back in the pool as a spare.
-    repair_seconds: dict[Action, float] = Field(
+    repair_seconds: dict[Action, Seconds] = Field(
         default_factory=lambda: {
             Action.RESET_GPU: 300.0,
             Action.REBOOT_NODE: 900.0,

@@ -189,6 +189,10 @@ def test_a_bad_fleet_file_is_refused_naming_the_file_and_the_field(tmp_path: Pat
         "list.yaml": "- nodes: 8\n",
         "broken.yaml": "jobs: [\n",
         "broken.json": "{nodes: 8}",
+        "forever.yaml": "repair_seconds: {REPLACE_NODE: .inf}\n",
+        "nan.yaml": "jobs:\n  - checkpoint_seconds: .nan\n",
+        "negative.yaml": "repair_seconds: {RESET_GPU: -100}\n",
+        "crowded.yaml": "nodes: 8\njobs: [{nodes: 5}, {nodes: 5}]\n",
     }
     for name, text in files.items():
         (tmp_path / name).write_text(text, encoding="utf-8")
@@ -201,6 +205,10 @@ def test_a_bad_fleet_file_is_refused_naming_the_file_and_the_field(tmp_path: Pat
         "list.yaml": "a fleet file is a mapping",
         "broken.yaml": "not YAML (line 2",
         "broken.json": "not JSON (line 1",
+        "forever.yaml": "repair_seconds.REPLACE_NODE: Input should be a finite number",
+        "nan.yaml": "jobs.0.checkpoint_seconds: Input should be a finite number",
+        "negative.yaml": "repair_seconds.RESET_GPU: Input should be greater than or equal to 0",
+        "crowded.yaml": "jobs: the jobs need 10 nodes together, more than the fleet's 8",
         "absent.yaml": "cannot read the fleet file",
     }
     trace = tmp_path / "trace.json"

@@ -77,3 +77,24 @@ async def test_a_clock_that_keeps_only_the_walls_pace_is_given_up_on() -> None:
         await asyncio.wait_for(
             whatif._watch(cast(Any, clock), fleets(), Trace(seconds=30 * 86400), lambda _: None, over), 5
         )
+
+
+async def test_a_busy_run_at_the_walls_pace_is_watched_until_the_end() -> None:
+    """Many activities at one simulated instant: the clock keeps the wall's pace, but work is
+    done between looks; that is no stall."""
+    clock = Clock(runs=timedelta(seconds=5))
+    cases = fleets()
+    over = asyncio.Event()
+
+    class Busy(Clock):
+        async def get_current_time(self) -> datetime:
+            cases[0][1].calls["claim_spare"] += 50  # the stand-ins at work between two looks
+            return await super().get_current_time()
+
+    busy = Busy(runs=clock.runs)
+    watch = asyncio.create_task(whatif._watch(cast(Any, busy), cases, Trace(seconds=30 * 86400), lambda _: None, over))
+    await asyncio.sleep(0.4)  # past STALL_SECONDS (0.2 s here)
+    assert not watch.done()
+    over.set()
+    await asyncio.wait_for(watch, 5)
+    assert busy.nudges == 0
