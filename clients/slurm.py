@@ -155,13 +155,21 @@ class SlurmTopology(BaseModel):
 # topology.conf that names none).
 _NO_TOPOLOGY = ("no topology", "not supported", "topology/default", "no switches")
 _TOPOLOGY_FIELD = re.compile(r"(?:^|\s)(\w+)=(\S*)")
+# The longest line scontrol before 23.11 prints for a switch, asked for (SLURM_TOPO_LEN).
+TOPO_LINE = 262144
 NO_TOPOLOGY_NOTE = "Slurm has no switch topology (no TopologyPlugin=topology/tree with a topology.conf)"
 
 
-def parse_topology(out: str, expand: Callable[[str], list[str]]) -> list[SlurmSwitch]:
+def parse_topology(
+    out: str, expand: Callable[[str], list[str]], notes: list[str] | None = None
+) -> list[SlurmSwitch]:
     """``scontrol show topology``: one switch a line, ``SwitchName=s0 Level=0 LinkSpeed=1
     Nodes=gpu[1-3]``, an upper one with ``Switches=s[0-1]`` too. ``expand`` turns a hostlist into
-    its names (``scontrol show hostnames``, or clients.slurmrest_protocol.expand_hostlist)."""
+    its names (``scontrol show hostnames``, or clients.slurmrest_protocol.expand_hostlist).
+
+    A line that cannot be read (a level that is no number; a node list cut short, as scontrol
+    before 23.11 cuts each line at SLURM_TOPO_LEN, 512 characters by default) is left out and
+    said in ``notes``: one switch misread never costs the others."""
     switches: list[SlurmSwitch] = []
     for line in out.splitlines():
         fields = dict(_TOPOLOGY_FIELD.findall(line))
@@ -169,14 +177,16 @@ def parse_topology(out: str, expand: Callable[[str], list[str]]) -> list[SlurmSw
         if not name:
             continue
         level = fields.get("Level", "0")
-        switches.append(
-            SlurmSwitch(
-                name=name,
-                level=int(level) if level.isdigit() else 0,
-                nodes=expand(_listed(fields.get("Nodes", ""))),
-                switches=expand(_listed(fields.get("Switches", ""))),
-            )
-        )
+        try:
+            if not level.isdigit():
+                raise ValueError(f"Level={level} is no number")
+            nodes = expand(_listed(fields.get("Nodes", "")))
+            below = expand(_listed(fields.get("Switches", "")))
+        except (ValueError, ClientError) as exc:
+            if notes is not None:
+                notes.append(f"switch {name} of scontrol show topology left out: {exc}")
+            continue
+        switches.append(SlurmSwitch(name=name, level=int(level), nodes=nodes, switches=below))
     return switches
 
 
@@ -213,7 +223,7 @@ class SlurmCli:
 
     # -- plumbing ---------------------------------------------------------------------------------
 
-    def _run(self, argv: list[str]) -> str:
+    def _run(self, argv: list[str], *, env: dict[str, str] | None = None) -> str:
         if argv[0] == "scancel" or (argv[0] == "scontrol" and argv[1] not in _READS):
             refuse_writes(" ".join(argv))
         program = str(self._bin_dir / argv[0]) if self._bin_dir else argv[0]
@@ -223,7 +233,7 @@ class SlurmCli:
                 capture_output=True,
                 text=True,
                 timeout=self._timeout,
-                env=self._env,
+                env={**self._env, **env} if env else self._env,
                 check=False,
             )
         except FileNotFoundError:
@@ -498,7 +508,9 @@ class SlurmCli:
         where Slurm has no switch topology (that is no error: the node has no switch domain).
         InvalidInput for a node list that is no hostlist."""
         try:
-            out = self._run(["scontrol", "show", "topology"])
+            # Before 23.11 scontrol cuts each switch's line at SLURM_TOPO_LEN (512 by default): a
+            # top switch over a real cluster's nodes is longer. (It sizes a buffer on the stack.)
+            out = self._run(["scontrol", "show", "topology"], env={"SLURM_TOPO_LEN": str(TOPO_LINE)})
         except ClientError as exc:
             if isinstance(exc, Unavailable) or not any(marker in str(exc).lower() for marker in _NO_TOPOLOGY):
                 raise
@@ -508,8 +520,10 @@ class SlurmCli:
         # imports this module.
         from clients.slurmrest_protocol import expand_hostlist
 
-        switches = parse_topology(out, expand_hostlist)
-        return SlurmTopology(switches=switches, note="" if switches else NO_TOPOLOGY_NOTE)
+        notes: list[str] = []
+        switches = parse_topology(out, expand_hostlist, notes)
+        note = "; ".join(notes) or ("" if switches else NO_TOPOLOGY_NOTE)
+        return SlurmTopology(switches=switches, note=note)
 
     # -- partitions -------------------------------------------------------------------------------
 

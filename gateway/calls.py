@@ -71,7 +71,14 @@ from models.poolops import (
     pool_workflow_id,
 )
 from models.requests import ReleaseNodeRequest, ReturnNodeRequest
-from models.topology import DOMAIN_DECIDE_SIGNAL, GUARD_DOMAIN_SIGNAL, NODE_DOMAINS_WORKFLOW, NodeDomainsInput
+from models.topology import (
+    DOMAIN_DECIDE_SIGNAL,
+    GUARD_DOMAIN_SIGNAL,
+    NODE_DOMAINS_WORKFLOW,
+    Domain,
+    DomainKind,
+    NodeDomainsInput,
+)
 from models.xid import XidEvent
 
 SERVICE = "temporal.api.workflowservice.v1.WorkflowService"
@@ -208,6 +215,29 @@ def _pair(rest: str) -> bool:
     return False
 
 
+def _domain_cluster(workflow_id: str) -> str:
+    """The cluster of a domain incident's ID (``domain-CLUSTER-KIND-NAME``); '' where two readings
+    are valid (cluster ``prod`` and rack ``zone-x``, or cluster ``prod-rack`` and zone ``x``): the
+    caller then needs the permission on every cluster, never on the wrong one."""
+    rest = workflow_id.removeprefix("domain-")
+    clusters = set()
+    for kind in DomainKind:
+        at = rest.find(f"-{kind}-")
+        while at > 0:
+            cluster, name = rest[:at], rest[at + len(kind) + 2 :]
+            try:
+                validate_cluster_name(cluster)
+                Domain(kind=kind, name=name)
+            except (InvalidName, ValueError):
+                pass
+            else:
+                clusters.add(cluster)
+            at = rest.find(f"-{kind}-", at + 1)
+    if not clusters:
+        raise Refused(f"workflow ID {workflow_id!r}: no valid cluster, kind and domain name", invalid=True)
+    return clusters.pop() if len(clusters) == 1 else ""
+
+
 def workflow_kind(workflow_id: str) -> tuple[Kind, str]:
     """The kind of a gpufleet workflow ID and the name it concerns (a cluster or pool; '' where the
     ID joins a cluster and a node, which cannot be told apart: both may hold '-').
@@ -220,6 +250,8 @@ def workflow_kind(workflow_id: str) -> tuple[Kind, str]:
         if found is None:
             continue
         rest = found["rest"]
+        if kind is DOMAIN:
+            return kind, _domain_cluster(workflow_id)
         if pair:
             if not _pair(rest):
                 raise Refused(

@@ -33,6 +33,8 @@ GUARD_DOMAIN_SIGNAL = "domain"
 RACK_LABEL = "gpufleet.io/rack"
 
 # A domain's name: a label value or a Slurm switch name (letters, digits, '.', '_', '-').
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
+_LABEL_PREFIX = re.compile(r"^[a-z0-9](?:[a-z0-9-]*[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]*[a-z0-9])?)*$")
 _DOMAIN_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
 
 
@@ -104,6 +106,19 @@ class DomainSettings(BaseModel):
     min_nodes: Whole = Field(default=3, ge=2, le=100000)
     min_share: Finite = Field(default=0.5, ge=0, le=1)
     window_seconds: Finite = Field(default=600.0, gt=0, le=7 * 86400)
+
+    @field_validator("rack_label", "zone_label", "nvlink_label")
+    @classmethod
+    def _label_key(cls, value: str) -> str:
+        """A Kubernetes label key ([prefix/]name): anything else would change the selector that
+        counts a domain's nodes (``a,b``, ``x!=y``)."""
+        prefix, _, name = value.rpartition("/")
+        if not _LABEL_NAME.match(name) or ("/" in value and (len(prefix) > 253 or not _LABEL_PREFIX.match(prefix))):
+            raise ValueError(
+                f"{value!r} is no Kubernetes label key: [prefix/]name, the name at most 63 letters, digits, "
+                "'-', '_' or '.' (e.g. example.com/rack)"
+            )
+        return value
 
     def label_of(self, kind: DomainKind) -> str:
         """The node label a kind is read from ("" for switches, read from Slurm)."""

@@ -242,9 +242,9 @@ class RecordingSlurmCli(SlurmCli):
         super().__init__(slurm_conf=lab.conf, bin_dir=lab.bin_dir)
         self.calls: list[list[str]] = []
 
-    def _run(self, argv: list[str]) -> str:
+    def _run(self, argv: list[str], *, env: dict[str, str] | None = None) -> str:
         self.calls.append(list(argv))
-        return super()._run(argv)
+        return super()._run(argv, env=env)
 
 
 @slurm_daemons

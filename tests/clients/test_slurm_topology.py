@@ -65,3 +65,17 @@ def test_slurmrestd_serves_no_topology_and_says_so(tmp_path: Path) -> None:
     assert topology.switches == []
     assert "slurmrestd v0.0.42 serves no switch topology" in topology.note
     assert "GPUFLEET_SLURM_BACKEND=cli" in topology.note
+
+
+def test_a_line_cut_short_is_left_out_and_said_the_others_read() -> None:
+    """scontrol before 23.11 cuts each line at 512 characters: a top switch over many nodes ends
+    mid-hostlist. That switch is left out, saying so; the leaves (all a node's domain needs) stay."""
+    out = (
+        "SwitchName=leaf-a Level=0 LinkSpeed=1 Nodes=gpu[001-064]\n"
+        "SwitchName=top Level=1 LinkSpeed=1 Nodes=gpu[001-128],cpu[0\n"
+        "SwitchName=odd Level=x LinkSpeed=1 Nodes=gpu1\n"
+    )
+    notes: list[str] = []
+    switches = parse_topology(out, expand_hostlist, notes)
+    assert [s.name for s in switches] == ["leaf-a"] and len(switches[0].nodes) == 64
+    assert len(notes) == 2 and "switch top" in notes[0] and "Level=x" in notes[1]

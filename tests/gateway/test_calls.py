@@ -246,6 +246,12 @@ EVERY_CALL: list[tuple[str, str, Any, list[Access]]] = [
         [Access("approve", "incidents", "lab")],
     ),
     (
+        "domains confirm (two readings: cluster prod, rack zone-x; or cluster prod-rack, zone x)",
+        "SignalWorkflowExecution",
+        signal("domain-prod-rack-zone-x", "domain_decide", DomainDecision(confirm=True)),
+        [Access("approve", "incidents")],
+    ),
+    (
         "domains release (a cluster with '-')",
         "SignalWorkflowExecution",
         signal("domain-lab-east-switch-leaf-3", "domain_decide", DomainDecision(confirm=False)),
