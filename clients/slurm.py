@@ -160,9 +160,7 @@ TOPO_LINE = 262144
 NO_TOPOLOGY_NOTE = "Slurm has no switch topology (no TopologyPlugin=topology/tree with a topology.conf)"
 
 
-def parse_topology(
-    out: str, expand: Callable[[str], list[str]], notes: list[str] | None = None
-) -> list[SlurmSwitch]:
+def parse_topology(out: str, expand: Callable[[str], list[str]], notes: list[str] | None = None) -> list[SlurmSwitch]:
     """``scontrol show topology``: one switch a line, ``SwitchName=s0 Level=0 LinkSpeed=1
     Nodes=gpu[1-3]``, an upper one with ``Switches=s[0-1]`` too. ``expand`` turns a hostlist into
     its names (``scontrol show hostnames``, or clients.slurmrest_protocol.expand_hostlist).
