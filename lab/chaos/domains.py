@@ -65,7 +65,8 @@ async def _until(check: Any, *, timeout: float, what: str) -> Any:
 
 
 async def rack_storm(home: Path, *, say: Say) -> dict[str, Any]:
-    lab = chaos_lab(home, [*RACK_A, *RACK_B], spares=SPARES, racks={"a": list(RACK_A), "b": list(RACK_B)}, say=say)
+    racks = {"a": list(RACK_A), "b": list(RACK_B)}
+    lab = chaos_lab(home, [*RACK_A, *RACK_B], spares=SPARES, racks=racks, domain_incidents=True, say=say)
     # Evictions a budget forbids are forced after 5 s, as in the main chaos lab (each replacement's
     # Kubernetes drain would wait 60 s for the training pods' PodDisruptionBudget otherwise).
     lab.policy_file.write_text(

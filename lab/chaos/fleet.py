@@ -166,6 +166,7 @@ def chaos_lab(
     spares: list[str] | None = None,
     flavor: str = "default",
     racks: dict[str, list[str]] | None = None,
+    domain_incidents: bool = False,
 ) -> FleetLab:
     """A lab of the chaos run's own: these training nodes, two spares (unless said), the lab's
     racks (unless said), a 60 s grace, free ports; on the slinky flavor a NodeSet of one pod per
@@ -182,6 +183,7 @@ def chaos_lab(
         config.slurm = SLINKY_RELEASE
     if racks is not None:
         config.racks = racks
+    config.domain_incidents = domain_incidents
     lab = FleetLab(home, config)
     lab.up(say=say)
     return lab
