@@ -91,3 +91,9 @@ GOODPUT_LEDGER = "goodput-ledger"
 # domain with enough of them opens a domain incident, and its nodes' repairs and replacements
 # wait for a person's confirm or release (workflows/guard_domains.py, workflows/domain.py).
 GUARD_DOMAINS = "guard-domains"
+
+# NodeRemediationWorkflow: the requeue step also takes the jobs seen on the node before that the
+# checkpoint step's listing no longer showed (a job the failure ended meanwhile leaves the node's
+# listing as its nodes finish completing), each requeued by its state as one the failure ended
+# (a job still running elsewhere is left alone). Before, such a job was left unrequeued.
+JOBS_LEFT_REQUEUED = "jobs-left-requeued"

@@ -636,6 +636,28 @@ async def test_jobs_are_signalled_and_requeued_one_by_one_with_their_guards(env:
     assert sorted(c for c in fleet.calls if c.startswith("signal_job")) == [f"signal_job:{j}" for j in (10, 7, 8, 9)]
 
 
+async def test_a_job_the_failure_ends_between_two_listings_is_requeued(env: WorkflowEnvironment) -> None:
+    """The job runs at the drain's listing; by the checkpoint step's it has ended and left the
+    node's listing (its nodes finish completing one by one). It is requeued by its state, as one
+    the failure ended, not forgotten."""
+    fleet = Fleet(states_at_requeue={7: ("FAILED", 0)})
+    looks: list[int] = []
+
+    @activity.defn(name="jobs_hit_by_failure")
+    async def jobs_hit(request: FailureJobsRequest) -> list[JobInfo]:
+        looks.append(1)
+        return fleet.jobs if len(looks) == 1 else []
+
+    acts = [a for a in fleet.activities() if activity._Definition.must_from_callable(a).name != "jobs_hit_by_failure"]
+    async with worker(env, fleet, activities=[*acts, jobs_hit]):
+        status: IncidentStatus = await (await start(env.client, fleet)).result()
+    assert len(looks) == 2 and status.signalled == []
+    assert status.requeued == [7] and status.unrequeued == {}
+    requeue = next(w for w in fleet.writes if isinstance(w, RequeueJobRequest))
+    assert requeue.ended_by_failure and not requeue.signalled
+    assert status.outcome == Outcome.RESOLVED
+
+
 async def test_a_node_drained_by_its_owner_waits_for_approval(env: WorkflowEnvironment) -> None:
     fleet = Fleet(node_drained=True, node_reason="bob: swapping the NIC, back at 3pm")
     async with worker(env, fleet):

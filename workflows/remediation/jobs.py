@@ -11,6 +11,7 @@ from datetime import UTC, timedelta
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
+from workflows.patches import JOBS_LEFT_REQUEUED
 from workflows.remediation.notify import Notifications
 from workflows.retries import SHORT_STEP
 
@@ -220,9 +221,15 @@ class Jobs(Notifications):
             interval = min(interval * 1.5, max(5.0, grace_seconds / 200))
 
     async def _requeue_jobs(self, jobs: list[JobInfo]) -> None:
-        """Requeue the jobs, one at a time, each guarded by its state and restart count."""
+        """Requeue the jobs, one at a time, each guarded by its state and restart count; and
+        those seen on the node before that the last listing missed (ended meanwhile)."""
         status = self._status
         self._enter(Step.REQUEUE)
+        if self._slot_per_step and self._jobs_left_on_node():
+            listed = {job.job_id for job in jobs}
+            missed = [job for job in self._jobs_left_on_node() if job.job_id not in listed]
+            if missed and workflow.patched(JOBS_LEFT_REQUEUED):
+                jobs = [*jobs, *missed]
         lost = await self._requeue_each(
             [
                 RequeueJobRequest(
