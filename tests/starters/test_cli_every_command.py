@@ -126,6 +126,7 @@ PLAUSIBLE = {
     "user": "carol",
     "uid": "2100",
     "policy": str(REPO / "examples" / "policy.yaml"),
+    "domain": "rack/a",
 }
 USER_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGbRLO3ZFsuyq0E7A3y5lV8Kfy2kOQH9S+8q0q3JmfpH carol@laptop"
 # What a command needs beyond that to do its work once: the detector reads a log holding an Xid
