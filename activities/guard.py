@@ -57,6 +57,28 @@ def refuse_for_good(exc: RPCError) -> None:
         raise ApplicationError(f"the Temporal service refused: {exc}", type="Refused", non_retryable=True) from exc
 
 
+async def _start_with_signal(
+    workflow: str, arg: object, *, workflow_id: str, cluster: str, signal: str, message: object, summary: str
+) -> None:
+    """Signal a workflow on the cluster's guard queue, starting it first when it does not run
+    (signal-with-start: two callers never start two); heartbeating meanwhile."""
+    async with heartbeats():
+        try:
+            await activity.client().start_workflow(
+                workflow,
+                arg,
+                id=workflow_id,
+                task_queue=guard_task_queue(cluster),
+                start_signal=signal,
+                start_signal_args=[message],
+                static_summary=summary,
+                rpc_timeout=RPC_TIMEOUT,
+            )
+        except RPCError as exc:
+            refuse_for_good(exc)
+            raise
+
+
 class GuardActivities:
     def __init__(self, slurm: SlurmClient, *, cluster: str, partition: str) -> None:
         self._slurm = slurm
@@ -77,46 +99,36 @@ class GuardActivities:
         await self._signal_with_start(GUARD_DRAINED_SIGNAL, command)
 
     async def _signal_with_start(self, signal: str, message: SlotRequest | GuardCommand) -> None:
+        cluster = self._cluster_name()
+        await _start_with_signal(
+            GUARD_WORKFLOW,
+            GuardInput(cluster=cluster),
+            workflow_id=guard_workflow_id(cluster),
+            cluster=cluster,
+            signal=signal,
+            message=message,
+            summary=f"fleet guard of cluster {cluster}",
+        )
+
+    def _cluster_name(self) -> str:
         with client_errors():
-            cluster = validate_cluster_name(self._cluster)
-        async with heartbeats():
-            try:
-                await activity.client().start_workflow(
-                    GUARD_WORKFLOW,
-                    GuardInput(cluster=cluster),
-                    id=guard_workflow_id(cluster),
-                    task_queue=guard_task_queue(cluster),
-                    start_signal=signal,
-                    start_signal_args=[message],
-                    static_summary=f"fleet guard of cluster {cluster}",
-                    rpc_timeout=RPC_TIMEOUT,
-                )
-            except RPCError as exc:
-                refuse_for_good(exc)
-                raise
+            return validate_cluster_name(self._cluster)
 
     @activity.defn(name="guard_domain_join")
     async def domain_join(self, opening: DomainIncidentInput, failure: DomainFailure) -> None:
         """A failure joins its domain's incident, starting the incident (``opening`` its input)
         when none runs (signal-with-start: two failures never open two). Joining twice is one
         join: the incident counts each incident ID once."""
-        with client_errors():
-            cluster = validate_cluster_name(self._cluster)
-        async with heartbeats():
-            try:
-                await activity.client().start_workflow(
-                    DOMAIN_WORKFLOW,
-                    opening,
-                    id=domain_workflow_id(cluster, opening.domain),
-                    task_queue=guard_task_queue(cluster),
-                    start_signal=DOMAIN_JOIN_SIGNAL,
-                    start_signal_args=[failure],
-                    static_summary=f"domain incident: {opening.domain.key} in cluster {cluster}",
-                    rpc_timeout=RPC_TIMEOUT,
-                )
-            except RPCError as exc:
-                refuse_for_good(exc)
-                raise
+        cluster = self._cluster_name()
+        await _start_with_signal(
+            DOMAIN_WORKFLOW,
+            opening,
+            workflow_id=domain_workflow_id(cluster, opening.domain),
+            cluster=cluster,
+            signal=DOMAIN_JOIN_SIGNAL,
+            message=failure,
+            summary=f"domain incident: {opening.domain.key} in cluster {cluster}",
+        )
 
     @activity.defn(name="guard_answer")
     async def answer(self, answers: list[GuardAnswer]) -> list[str]:
@@ -163,9 +175,8 @@ class GuardActivities:
     @activity.defn(name="guard_tell")
     async def tell(self, signal: str, command: GuardCommand) -> bool:
         """Send the guard a word (``release``, ``admit``); False when no guard runs (nothing to tell)."""
-        with client_errors():
-            cluster = validate_cluster_name(self._cluster)
-        handle = activity.client().get_workflow_handle(guard_workflow_id(cluster))
+        workflow_id = guard_workflow_id(self._cluster_name())  # a bad name refused before anything
+        handle = activity.client().get_workflow_handle(workflow_id)
         async with heartbeats():
             try:
                 await handle.signal(signal, command, rpc_timeout=RPC_TIMEOUT)
