@@ -133,7 +133,11 @@ async def test_a_node_its_owner_drained_is_reminded_about_too(env: WorkflowEnvir
     async with running(env, fleet, manual_clock=True):
         handle = await start(env.client, fleet, node="gpu1")
         asked = await waiting(handle)
-        await env.sleep(timedelta(minutes=6))
+        # Past the reminder at 5 minutes, and a minute short of the next timer: the wait's watch for
+        # ended jobs looks every 2 minutes, and a skip that ends on one of its looks lets the answer
+        # below race that timer (the time-skipping server then refuses the workflow task that
+        # cancels a timer it has just fired, and strands the run: temporalio/sdk-java#3088).
+        await env.sleep(timedelta(minutes=7))
         reminded = await until(
             handle, NodeRemediationWorkflow.status, count("approval_reminder")(1), "a reminder to the owner"
         )
