@@ -158,6 +158,7 @@ def _inputs(
             fail(str(exc), code=2)
         built = spec.fleet_spec(nodes=DEFAULT_NODES, gpus_per_node=spec.reference.gpus_per_node)
         built = _sized(built, given, fleet, nodes)
+        _check_needs(given, fleet, {cause.cause for cause in spec.causes}, f"the {synthetic} synthetic", refuse=True)
         made = spec.trace(nodes=built.nodes, gpus_per_node=built.gpus_per_node, days=days or DEFAULT_DAYS, seed=seed)
         return made, built
     assert trace is not None
@@ -165,6 +166,7 @@ def _inputs(
         loaded = load_trace(trace)
     except TraceError as exc:
         fail(str(exc), code=2)
+    _check_needs(given, fleet, {failure.cause for failure in loaded.failures}, f"the trace {trace}", refuse=False)
     if days is not None:
         if days * DAY > loaded.seconds:
             fail(f"--days: the trace covers {loaded.seconds / DAY:g} days, fewer than {days:g}", code=2)
@@ -177,6 +179,20 @@ def _inputs(
     if size > MAX_NODES and nodes is None and (given is None or "nodes" not in given.model_fields_set):
         fail(f"--trace: {trace} has {size} nodes, more than {MAX_NODES}: give --nodes", code=2)
     return loaded, _sized(FleetSpec(nodes=size, gpus_per_node=loaded.gpus_per_node), given, fleet, nodes)
+
+
+def _check_needs(given: FleetSpec | None, path: Path | None, causes: set[str], source: str, *, refuse: bool) -> None:
+    """The causes the fleet file's ``needs`` names should be the run's: a misspelled one never
+    matches, and its failures would be fixed by any action without a word. A synthetic's causes
+    are all known (refused); a trace may just lack a cause a shared file names (a warning)."""
+    if given is None or "needs" not in given.model_fields_set:
+        return
+    for cause in sorted(set(given.needs) - causes):
+        known = ", ".join(sorted(causes)) or "none"
+        line = f"--fleet: {path}: needs.{cause}: no failure of {source} has this cause (its causes: {known})"
+        if refuse:
+            fail(line, code=2)
+        print(f"warning: {line}", file=sys.stderr)
 
 
 def _sized(base: FleetSpec, given: FleetSpec | None, path: Path | None, nodes: int | None) -> FleetSpec:

@@ -168,7 +168,7 @@ def test_a_fleet_file_sets_the_fleet_of_a_trace_and_of_a_synthetic(
     ]
     assert on_trace.repair_seconds[Action.REPLACE_NODE] == 259200 and on_trace.spares == 0
     # Over the synthetic's fleet: the file's needs add to those of the synthetic's causes.
-    assert on_synthetic.needs["gpu_nvlink"] is Action.REBOOT_NODE
+    assert on_synthetic.needs["gpu_thermal_sensor"] is Action.REBOOT_NODE
     assert on_synthetic.needs["gpu_system_processor"] is Action.RESET_GPU
     # --nodes over the file's; a file naming only a reset's time keeps the base's others.
     partial = tmp_path / "partial.yaml"
@@ -177,6 +177,29 @@ def test_a_fleet_file_sets_the_fleet_of_a_trace_and_of_a_synthetic(
     assert result.exit_code == 0, (result.output, result.exception)
     assert given[-1].nodes == 12 and given[-1].jobs == [JobSpec()]
     assert given[-1].repair_seconds == {**FleetSpec().repair_seconds, Action.RESET_GPU: 60}
+
+
+def test_a_cause_the_run_never_sees_under_needs_is_refused_or_warned_of(
+    whatif_fleet: tuple[typer.Typer, list[FleetSpec]], tmp_path: Path
+) -> None:
+    """A misspelled cause would never match (its failures fixed by any action, silently): against
+    a synthetic, whose causes are all known, the file is refused and nothing runs; against a
+    trace, which may just lack a cause a shared file names, the run goes on with a warning."""
+    app, given = whatif_fleet
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("needs: {gpu_hbm: RESET_GPU, gpu_faulty: REPLACE_NODE}\n", encoding="utf-8")
+    common = ["--policy", EXAMPLE, "--spares", "0", "--fleet", str(typo)]
+    refused = CliRunner().invoke(app, ["whatif", "--synthetic", "llama3", "--days", "1", *common])
+    assert refused.exit_code == 2 and given == []
+    assert f"--fleet: {typo}: needs.gpu_hbm: no failure of the llama3 synthetic has this cause" in refused.output
+    assert "gpu_hbm3" in refused.output  # the causes it has, to pick from
+    trace = tmp_path / "trace.json"
+    failures = [TraceFailure(at=60, cause="gpu_faulty", event=TraceEvent(xid=79))]
+    trace.write_text(Trace(seconds=3600, nodes=8, failures=failures).model_dump_json(), encoding="utf-8")
+    warned = CliRunner().invoke(app, ["whatif", "--trace", str(trace), *common])
+    assert warned.exit_code == 0, (warned.output, warned.exception)
+    assert f"warning: --fleet: {typo}: needs.gpu_hbm: no failure of the trace {trace}" in warned.output
+    assert "needs.gpu_faulty" not in warned.output and len(given) == 1
 
 
 def test_a_bad_fleet_file_is_refused_naming_the_file_and_the_field(tmp_path: Path) -> None:
