@@ -321,12 +321,37 @@ class SlurmCli:
         return [job for job in jobs if job.state in _ACTIVE_STATES]
 
     def recent_jobs_on_node(self, name: str) -> list[JobInfo]:
-        """The jobs on the node, finished ones too (those slurmctld still keeps: MinJobAge)."""
+        """The jobs on the node, finished ones too (those slurmctld still keeps: MinJobAge), and
+        those still completing on other nodes after this one finished its part (`_completing_elsewhere`)."""
         name = checked_node_name(name)
         try:
-            return self._squeue("--states=all", f"--nodelist={name}")
+            listed = self._squeue("--states=all", f"--nodelist={name}")
         except NotFound:
             raise NotFound(f"Slurm has no node named {name!r}") from None
+        return listed + self._completing_elsewhere(name, {job.job_id for job in listed})
+
+    def _completing_elsewhere(self, name: str, listed: set[int]) -> list[JobInfo]:
+        """The COMPLETING jobs whose allocation held ``name`` though the node's listing leaves them
+        out: while a job completes, Slurm shows it (``squeue --nodelist``, its NodeList) on the
+        nodes still completing only, so a job a failure ended here vanished from this node until
+        its other nodes were done. Its whole allocation is in ``scontrol show job --details``
+        (``Nodes=`` lines); the job comes back with that as its nodes."""
+        found = []
+        for job in self._squeue("--states=COMPLETING"):
+            if job.job_id in listed:
+                continue
+            allocation = self._allocation(job.job_id)
+            if allocation and name in self._hostnames(allocation):
+                found.append(job.model_copy(update={"nodes": allocation}))
+        return found
+
+    def _allocation(self, job_id: int) -> str:
+        """The hostlist of every node the job was given ("" once Slurm has forgotten it)."""
+        try:
+            out = self._run(["scontrol", "show", "job", str(checked_job_id(job_id)), "--details"])
+        except NotFound:
+            return ""
+        return ",".join(parse_allocation(out))
 
     def accounted_jobs(self, name: str, since: datetime) -> list[JobInfo] | None:
         """The jobs that ran on the node and ended since ``since``, from the accounting database
@@ -598,6 +623,17 @@ _REASON = re.compile(r" Reason=(.*?)(?: \[[^\]]*\])?$")
 # State flags that say how a node was made (``slurmd -Z``, ``-F``: Slinky's NodeSet pods are
 # ``DYNAMIC_NORM``), not what is wrong with it: not reported as flags.
 _ORIGIN_FLAGS = frozenset({"DYNAMIC_NORM", "DYNAMIC_FUTURE"})
+
+
+def parse_allocation(text: str) -> list[str]:
+    """The hostlists of ``scontrol show job --details``'s ``Nodes=`` lines: the nodes the job was
+    given, which its NodeList stops showing as they finish completing."""
+    hostlists = []
+    for line in text.splitlines():
+        words = line.split()
+        if words and words[0].startswith("Nodes=") and len(words[0]) > len("Nodes="):
+            hostlists.append(words[0].removeprefix("Nodes="))
+    return hostlists
 
 
 def parse_node_record(line: str) -> NodeInfo:

@@ -241,6 +241,16 @@ def _expand_ranges(body: str, whole: str) -> list[str]:
     return out
 
 
+def _allocation(raw: dict[str, Any]) -> str:
+    """The hostlist of every node a job was given (``job_resources``: a string up to v0.0.39, an
+    object with ``list`` after), which its ``nodes`` stops showing as they finish completing."""
+    resources = raw.get("job_resources")
+    nodes = resources.get("nodes") if isinstance(resources, dict) else None
+    if isinstance(nodes, dict):
+        nodes = nodes.get("list")
+    return nodes if isinstance(nodes, str) else ""
+
+
 def expand_hostlist(hostlist: str) -> list[str]:
     """A Slurm hostlist as its names, in Slurm's order: ``gpu[1-3,5],cpu[01-02]`` is
     ``gpu1 gpu2 gpu3 gpu5 cpu01 cpu02``, ``r[1-2]n[1-2]`` is ``r1n1 r1n2 r2n1 r2n2``.
@@ -483,22 +493,32 @@ class SlurmRest:
         jobs: list[dict[str, Any]] = self._call("GET", self._path("jobs")).get("jobs") or []
         return jobs
 
-    def _on_node(self, name: str) -> list[JobInfo]:
+    def _on_node(self, name: str, *, completing_elsewhere: bool = False) -> list[JobInfo]:
+        """The jobs whose nodes hold ``name``; with ``completing_elsewhere``, also the COMPLETING
+        ones the node has finished its part of (their nodes are those still completing)."""
         name = checked_node_name(name)
         self.node(name)  # NotFound for a node Slurm does not know, as squeue -w says
-        return [
-            job
-            for job in (job_from_json(raw) for raw in self._raw_jobs())
-            if job.nodes and name in expand_hostlist(job.nodes)
-        ]
+        found = []
+        for raw in self._raw_jobs():
+            job = job_from_json(raw)
+            if job.nodes and name in expand_hostlist(job.nodes):
+                found.append(job)
+            elif (
+                completing_elsewhere
+                and job.state == "COMPLETING"
+                and name in expand_hostlist(allocation := _allocation(raw))
+            ):
+                found.append(job.model_copy(update={"nodes": allocation}))
+        return found
 
     def jobs_on_node(self, name: str) -> list[JobInfo]:
         """The jobs running (or completing, suspended, ...) on the node."""
         return [job for job in self._on_node(name) if job.state in _ACTIVE_STATES]
 
     def recent_jobs_on_node(self, name: str) -> list[JobInfo]:
-        """The jobs on the node, finished ones too (those slurmctld still keeps: MinJobAge)."""
-        return self._on_node(name)
+        """The jobs on the node, finished ones too (those slurmctld still keeps: MinJobAge), and
+        those still completing on other nodes after this one finished its part."""
+        return self._on_node(name, completing_elsewhere=True)
 
     def accounted_jobs(self, name: str, since: datetime) -> list[JobInfo] | None:
         """Not read over slurmrestd yet (its slurmdb endpoints): None, as without accounting."""

@@ -131,6 +131,20 @@ class SlurmLab:
             env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', os.defpath)}"
         return env
 
+    def slurmd_pid(self, node: str) -> int:
+        """The PID of the node's slurmd itself (under a Slurm root, a child of the recorded
+        wrapper): what a test stops to keep a node from answering slurmctld."""
+        todo = [self.pids()[f"slurmd-{node}"]]
+        while todo:
+            pid = todo.pop()
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "slurmd":
+                    return pid
+                todo += [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+            except FileNotFoundError:
+                continue
+        raise LookupError(f"no slurmd process runs for {node}")
+
     def pids(self) -> dict[str, int]:
         if not self._pids_file.exists():
             return {}

@@ -96,6 +96,38 @@ def test_what_is_not_a_hostlist_is_refused(hostlist: str) -> None:
         expand_hostlist(hostlist)
 
 
+@pytest.mark.parametrize("release", ["22.05", "24.11", "26.05"])
+def test_a_job_completing_on_another_node_is_among_the_nodes_recent_jobs(release: str, tmp_path: Path) -> None:
+    """A COMPLETING job's ``nodes`` are those still completing (what tests/clients/test_slurm.py
+    sees on real daemons); its allocation (``job_resources``, as each release prints it) keeps
+    the node that finished its part: the job is among that node's recent jobs, not its running
+    ones (the node is free)."""
+    raw = json.loads((REPO / "tests" / "clients" / "data" / f"squeue_{release}.json").read_text())["jobs"][0]
+    resources = raw["job_resources"]
+    if isinstance(resources["nodes"], dict):
+        resources["nodes"]["list"] = "gpu[2-3]"
+    else:
+        resources["nodes"] = "gpu[2-3]"
+    state = ["COMPLETING"] if isinstance(raw["job_state"], list) else "COMPLETING"
+    raw.update(nodes="gpu3", job_state=state)
+
+    class Served(SlurmRest):
+        """The protocol's filtering over what slurmrestd served (its HTTP left out)."""
+
+        def node(self, name: str) -> NodeInfo:
+            return NodeInfo(name=name, state="idle")
+
+        def _raw_jobs(self) -> list[dict[str, object]]:
+            return [raw]
+
+    key = tmp_path / "jwt.key"
+    key.write_bytes(b"k" * 32)
+    rest = Served("http://127.0.0.1:1", version="v0.0.42", key_file=key)
+    assert [(job.state, job.nodes) for job in rest.recent_jobs_on_node("gpu2")] == [("COMPLETING", "gpu[2-3]")]
+    assert [job.nodes for job in rest.recent_jobs_on_node("gpu3")] == ["gpu3"]
+    assert rest.jobs_on_node("gpu2") == [] and rest.recent_jobs_on_node("gpu1") == []
+
+
 def test_the_worker_methods_are_what_the_worker_calls() -> None:
     """WORKER_METHODS (what a worker refuses to start without) against the Protocol methods
     the activities, the spare pool and the pool mover call."""
