@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import datetime
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -144,7 +145,8 @@ class SlurmActivities:
         touched = {
             job.job_id: job
             for job in recent
-            if job.state in ACTIVE_STATES or (job.end_time is not None and job.end_time >= request.since)
+            if (job.state in ACTIVE_STATES and not _ended_before(job, request.since))
+            or (job.end_time is not None and job.end_time >= request.since)
         }
         for job in accounted:
             known = any(other.job_id == job.job_id for other in recent)
@@ -295,3 +297,9 @@ class SlurmActivities:
                 return check
             activity.heartbeat(f"{len(check.waiting)} job(s) not running again yet")
             time.sleep(self._poll)
+
+
+def _ended_before(job: JobInfo, since: datetime) -> bool:
+    """A job still COMPLETING that ended before ``since`` (stuck cleaning up since before the
+    failure): not the failure's doing. A running job's EndTime is its time limit, not an end."""
+    return job.state == "COMPLETING" and job.end_time is not None and job.end_time < since

@@ -322,36 +322,21 @@ class SlurmCli:
 
     def recent_jobs_on_node(self, name: str) -> list[JobInfo]:
         """The jobs on the node, finished ones too (those slurmctld still keeps: MinJobAge), and
-        those still completing on other nodes after this one finished its part (`_completing_elsewhere`)."""
+        those still completing on other nodes after this one finished its part (`completing_on`)."""
         name = checked_node_name(name)
+        # The completing jobs first: one that finishes completing between the two reads is then
+        # in the node's listing (with its whole node list again), not in neither.
+        completing = self._squeue_json(["--states=COMPLETING"])
         try:
             listed = self._squeue("--states=all", f"--nodelist={name}")
         except NotFound:
             raise NotFound(f"Slurm has no node named {name!r}") from None
-        return listed + self._completing_elsewhere(name, {job.job_id for job in listed})
+        return listed + completing_on(name, completing, {job.job_id for job in listed})
 
-    def _completing_elsewhere(self, name: str, listed: set[int]) -> list[JobInfo]:
-        """The COMPLETING jobs whose allocation held ``name`` though the node's listing leaves them
-        out: while a job completes, Slurm shows it (``squeue --nodelist``, its NodeList) on the
-        nodes still completing only, so a job a failure ended here vanished from this node until
-        its other nodes were done. Its whole allocation is in ``scontrol show job --details``
-        (``Nodes=`` lines); the job comes back with that as its nodes."""
-        found = []
-        for job in self._squeue("--states=COMPLETING"):
-            if job.job_id in listed:
-                continue
-            allocation = self._allocation(job.job_id)
-            if allocation and name in self._hostnames(allocation):
-                found.append(job.model_copy(update={"nodes": allocation}))
-        return found
-
-    def _allocation(self, job_id: int) -> str:
-        """The hostlist of every node the job was given ("" once Slurm has forgotten it)."""
-        try:
-            out = self._run(["scontrol", "show", "job", str(checked_job_id(job_id)), "--details"])
-        except NotFound:
-            return ""
-        return ",".join(parse_allocation(out))
+    def _squeue_json(self, filters: list[str]) -> list[dict[str, Any]]:
+        """``squeue --json``'s job records (22.05 ignores ``filters``: the caller filters again)."""
+        jobs: list[dict[str, Any]] = self._json(["squeue", "--json", *filters]).get("jobs") or []
+        return jobs
 
     def accounted_jobs(self, name: str, since: datetime) -> list[JobInfo] | None:
         """The jobs that ran on the node and ended since ``since``, from the accounting database
@@ -625,17 +610,6 @@ _REASON = re.compile(r" Reason=(.*?)(?: \[[^\]]*\])?$")
 _ORIGIN_FLAGS = frozenset({"DYNAMIC_NORM", "DYNAMIC_FUTURE"})
 
 
-def parse_allocation(text: str) -> list[str]:
-    """The hostlists of ``scontrol show job --details``'s ``Nodes=`` lines: the nodes the job was
-    given, which its NodeList stops showing as they finish completing."""
-    hostlists = []
-    for line in text.splitlines():
-        words = line.split()
-        if words and words[0].startswith("Nodes=") and len(words[0]) > len("Nodes="):
-            hostlists.append(words[0].removeprefix("Nodes="))
-    return hostlists
-
-
 def parse_node_record(line: str) -> NodeInfo:
     """One line of ``scontrol show -o node``: ``State=IDLE+DRAIN``, ``Reason=... [user@time]`` last.
 
@@ -816,6 +790,42 @@ def _flag(value: object, *, default: bool) -> bool:
 
 def _text(value: object) -> str:
     return value if isinstance(value, str) else ""
+
+
+def allocation_of(raw: dict[str, Any]) -> str:
+    """The hostlist of every node a job was given (``job_resources``: a string in Slurm 22.05's
+    JSON, an object with ``list`` after), which its ``nodes`` stop showing as they finish completing."""
+    resources = raw.get("job_resources")
+    nodes = resources.get("nodes") if isinstance(resources, dict) else None
+    if isinstance(nodes, dict):
+        nodes = nodes.get("list")
+    return nodes if isinstance(nodes, str) else ""
+
+
+def completing_on(name: str, records: list[dict[str, Any]], listed: set[int]) -> list[JobInfo]:
+    """The COMPLETING jobs among ``records`` (``squeue --json``'s or slurmrestd's) whose
+    allocation held ``name`` though the node's own listing (``listed``: its job IDs) leaves them out.
+
+    While a job completes, Slurm shows it (``squeue --nodelist``, its NodeList, its ``nodes``) on
+    the nodes still completing only: a job a failure ended on a node vanished from that node
+    until its other nodes were done. Each record (an array task, a het component) carries its
+    own allocation; the job comes back with that as its nodes. A record whose allocation is not
+    a hostlist is skipped."""
+    from clients.slurmrest_protocol import expand_hostlist  # (that module imports this one)
+
+    found = []
+    for raw in records:
+        job = job_from_json(raw)
+        if job.state != "COMPLETING" or job.job_id in listed:
+            continue
+        allocation = allocation_of(raw)
+        try:
+            held = name in expand_hostlist(allocation)
+        except InvalidInput:
+            held = False
+        if held:
+            found.append(job.model_copy(update={"nodes": allocation}))
+    return found
 
 
 def job_from_json(raw: Mapping[str, Any]) -> JobInfo:

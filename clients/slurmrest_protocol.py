@@ -96,6 +96,7 @@ from clients.slurm import (
     SlurmClient,
     SlurmTopology,
     checked_job_id,
+    completing_on,
     gpus_in,
     job_from_json,
     primary_state,
@@ -239,16 +240,6 @@ def _expand_ranges(body: str, whole: str) -> list[str]:
         width = len(low) if low.startswith("0") else 0
         out.extend(str(number).zfill(width) for number in range(int(low), int(high) + 1))
     return out
-
-
-def _allocation(raw: dict[str, Any]) -> str:
-    """The hostlist of every node a job was given (``job_resources``: a string up to v0.0.39, an
-    object with ``list`` after), which its ``nodes`` stops showing as they finish completing."""
-    resources = raw.get("job_resources")
-    nodes = resources.get("nodes") if isinstance(resources, dict) else None
-    if isinstance(nodes, dict):
-        nodes = nodes.get("list")
-    return nodes if isinstance(nodes, str) else ""
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -495,20 +486,13 @@ class SlurmRest:
 
     def _on_node(self, name: str, *, completing_elsewhere: bool = False) -> list[JobInfo]:
         """The jobs whose nodes hold ``name``; with ``completing_elsewhere``, also the COMPLETING
-        ones the node has finished its part of (their nodes are those still completing)."""
+        ones the node has finished its part of (clients/slurm.py ``completing_on``)."""
         name = checked_node_name(name)
         self.node(name)  # NotFound for a node Slurm does not know, as squeue -w says
-        found = []
-        for raw in self._raw_jobs():
-            job = job_from_json(raw)
-            if job.nodes and name in expand_hostlist(job.nodes):
-                found.append(job)
-            elif (
-                completing_elsewhere
-                and job.state == "COMPLETING"
-                and name in expand_hostlist(allocation := _allocation(raw))
-            ):
-                found.append(job.model_copy(update={"nodes": allocation}))
+        raw_jobs = self._raw_jobs()
+        found = [job for job in map(job_from_json, raw_jobs) if job.nodes and name in expand_hostlist(job.nodes)]
+        if completing_elsewhere:
+            found += completing_on(name, raw_jobs, {job.job_id for job in found})
         return found
 
     def jobs_on_node(self, name: str) -> list[JobInfo]:

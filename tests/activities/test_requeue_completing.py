@@ -8,6 +8,7 @@ real Slurm)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from temporalio.exceptions import ApplicationError
@@ -16,7 +17,7 @@ from temporalio.testing import ActivityEnvironment
 import activities.slurm as slurm_activities
 from activities.slurm import SlurmActivities
 from models.incident import JobInfo, RequeueOutcome
-from models.requests import RequeueJobRequest
+from models.requests import FailureJobsRequest, RequeueJobRequest
 
 
 @dataclass
@@ -67,3 +68,33 @@ def test_a_job_still_completing_past_the_wait_is_looked_at_again(monkeypatch: py
     assert not retried.value.non_retryable
     assert "job 5 is still COMPLETING" in str(retried.value)
     assert squeue.requeued == []
+
+
+@dataclass
+class NodeShows:
+    """What the node's listing shows: jobs in a state, each with its end time."""
+
+    jobs: list[JobInfo]
+
+    def recent_jobs_on_node(self, name: str) -> list[JobInfo]:
+        return self.jobs
+
+    def accounted_jobs(self, name: str, since: datetime) -> list[JobInfo] | None:
+        return None
+
+
+def test_a_job_completing_since_before_the_failure_is_not_the_failures() -> None:
+    """A job stuck COMPLETING since before the failure's window (its cleanup hung long ago) is
+    not among the jobs the failure touched; one that ended inside it, or that still runs, is."""
+    failure = datetime(2026, 12, 7, 4, 0, tzinfo=UTC)
+    shows = NodeShows(
+        [
+            JobInfo(job_id=1, state="COMPLETING", end_time=failure - timedelta(hours=2)),
+            JobInfo(job_id=2, state="COMPLETING", end_time=failure + timedelta(seconds=3)),
+            JobInfo(job_id=3, state="RUNNING", end_time=failure - timedelta(hours=1)),  # its time limit, oddly past
+            JobInfo(job_id=4, state="FAILED", end_time=failure - timedelta(hours=2)),
+        ]
+    )
+    acts = SlurmActivities(shows, poll_seconds=0.01)  # type: ignore[arg-type]
+    touched = ActivityEnvironment().run(acts.jobs_hit, FailureJobsRequest(node="gpu1", since=failure))
+    assert [job.job_id for job in touched] == [2, 3]

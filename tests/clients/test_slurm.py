@@ -25,10 +25,10 @@ from clients.errors import ClientError, InvalidInput, NotFound, NotOwned, Unavai
 from clients.slurm import (
     Pending,
     SlurmCli,
+    completing_on,
     gpus_allocated,
     gpus_in,
     job_from_json,
-    parse_allocation,
     parse_node_record,
     parse_squeue_format,
     parse_squeue_json,
@@ -309,13 +309,36 @@ def test_a_job_still_completing_on_another_node_is_listed_on_the_node_it_left(
     assert again == ["gpu[1-2]"]
 
 
-def test_the_allocation_is_read_from_the_details_nodes_lines() -> None:
-    details = (
-        "JobId=7 JobName=train\n   JobState=COMPLETING Reason=None\n   NodeList=gpu2 BatchHost=gpu1\n"
-        "   Nodes=gpu[1-2] CPU_IDs=0 Mem=0 GRES=\n   Nodes=cpu7 CPU_IDs=0-3 Mem=0 GRES=\n   ReqNodeList=(null)\n"
-    )
-    assert parse_allocation(details) == ["gpu[1-2]", "cpu7"]
-    assert parse_allocation("JobId=8 JobState=PENDING\n   NodeList=(null)\n") == []
+@pytest.mark.parametrize("release", ["22.05", "24.11", "26.05"])
+def test_only_a_completing_jobs_own_allocation_places_it_on_a_node(release: str) -> None:
+    """Each record carries its own allocation (an array task, a het component: never its
+    siblings'); text its owner controls (the name) is never read as nodes; a record whose
+    allocation is not a hostlist is skipped, not an error; a job the node lists already is not
+    listed twice."""
+    base = json.loads((DATA / f"squeue_{release}.json").read_text())["jobs"][0]
+
+    def record(job_id: int, state: str, nodes: str, allocation: str, name: str = "train") -> dict[str, Any]:
+        raw = json.loads(json.dumps(base))
+        resources = raw["job_resources"]
+        if isinstance(resources["nodes"], dict):
+            resources["nodes"]["list"] = allocation
+        else:
+            resources["nodes"] = allocation
+        listed_state = isinstance(raw["job_state"], list)
+        raw.update(job_id=job_id, nodes=nodes, name=name, job_state=[state] if listed_state else state)
+        return raw
+
+    records = [
+        record(100, "COMPLETING", "gpu4", "gpu[3-4]", name="x\nNodes=gpu1"),  # an array task on gpu[3-4]
+        record(101, "COMPLETING", "gpu2", "gpu[1-2]"),  # its sibling, which ran on gpu1
+        record(102, "RUNNING", "gpu1", "gpu1"),  # listed by the node itself
+        record(103, "COMPLETING", "gpu5", "gpu[1-"),  # not a hostlist
+        record(104, "COMPLETING", "gpu9", "gpu[1,9]"),  # the node lists it already
+    ]
+    found = completing_on("gpu1", records, listed={102, 104})
+    assert [(job.job_id, job.state, job.nodes) for job in found] == [(101, "COMPLETING", "gpu[1-2]")]
+    assert completing_on("gpu3", records, listed=set())[0].job_id == 100
+    assert completing_on("spare1", records, listed=set()) == []
 
 
 @slurm_daemons

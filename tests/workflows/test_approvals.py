@@ -29,6 +29,7 @@ from models.xid import XidEvent
 from tests.workflows.test_guard import guarded, paused_guard, running, tell, until, waiting
 from tests.workflows.test_remediation import Fleet, start
 from workflows.remediation import NodeRemediationWorkflow
+from workflows.remediation.jobs import ENDED_RECHECK
 
 MINUTE = 60
 
@@ -133,11 +134,13 @@ async def test_a_node_its_owner_drained_is_reminded_about_too(env: WorkflowEnvir
     async with running(env, fleet, manual_clock=True):
         handle = await start(env.client, fleet, node="gpu1")
         asked = await waiting(handle)
-        # Past the reminder at 5 minutes, and a minute short of the next timer: the wait's watch for
-        # ended jobs looks every 2 minutes, and a skip that ends on one of its looks lets the answer
-        # below race that timer (the time-skipping server then refuses the workflow task that
+        # Past the reminder at 5 minutes, and half a look short of the next timer: the wait's watch
+        # for ended jobs looks every ENDED_RECHECK, and a skip that ends on one of its looks lets the
+        # answer below race that timer (the time-skipping server then refuses the workflow task that
         # cancels a timer it has just fired, and strands the run: temporalio/sdk-java#3088).
-        await env.sleep(timedelta(minutes=7))
+        skip = ENDED_RECHECK * 3.5
+        assert skip > timedelta(minutes=5)
+        await env.sleep(skip)
         reminded = await until(
             handle, NodeRemediationWorkflow.status, count("approval_reminder")(1), "a reminder to the owner"
         )
