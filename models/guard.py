@@ -147,6 +147,8 @@ class GuardState(BaseModel):
     window: list[WindowEntry] = Field(default_factory=list)
     # Nodes counted in the window only from here (set by a reset).
     window_since: datetime | None = None
+    # The incidents the last reset let through: never counted in the window again (until they close).
+    let_through: list[str] = Field(default_factory=list)
     tripped: bool = False
     tripped_at: datetime | None = None
     tripped_why: str = ""

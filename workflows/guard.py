@@ -30,7 +30,7 @@ from temporalio.exceptions import ActivityError
 from workflows.guard_answers import GuardAnswers
 from workflows.guard_domains import DomainCounts
 from workflows.guard_records import NodeRecords
-from workflows.patches import GUARD_SLOTS_WAIT
+from workflows.patches import GUARD_RESET_LETS_THROUGH, GUARD_SLOTS_WAIT
 from workflows.retries import (
     GUARD_COUNT,
     GUARD_COUNT_BUDGET,
@@ -231,6 +231,11 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
         elif kind == GUARD_RESET_SIGNAL:
             was = "tripped" if state.tripped else "not tripped"
             state.tripped, state.tripped_why = False, ""
+            if workflow.patched(GUARD_RESET_LETS_THROUGH):
+                # What the reset is for goes through: not counted again at each later step.
+                held = [*state.in_flight, *state.waiting, *state.domain_held]
+                ids = {*(entry.incident_id for entry in state.window), *(r.incident_id for r in held)}
+                state.let_through = sorted({*state.let_through, *ids})
             state.window, state.window_since = [], workflow.now()
             self._log("reset", detail=f"by {by_whom} (was {was}); the window starts again")
         elif kind == GUARD_PAUSE_SIGNAL:
@@ -331,7 +336,9 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
         if in_flight + 1 > limits.max_in_flight:
             return f"{in_flight + 1} incidents would be in flight; the limit is {limits.max_in_flight}"
         await self._count_nodes()
-        nodes = set(self._nodes_in_window()) | {self._window_key(request.node)}
+        nodes = set(self._nodes_in_window())
+        if request.incident_id not in self._state.let_through:
+            nodes.add(self._window_key(request.node))
         if limits.max_share and self._nodes and len(nodes) / self._nodes > limits.max_share:
             return (
                 f"{len(nodes)} of the partition's {self._nodes} nodes would have incidents within "
@@ -377,6 +384,8 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
 
     def _take_slot(self, request: SlotRequest) -> None:
         self._state.in_flight.append(request)
+        if request.incident_id in self._state.let_through:
+            return  # a reset let it through: not counted again
         if not any(entry.incident_id == request.incident_id for entry in self._state.window):
             self._state.window.append(
                 WindowEntry(
@@ -460,6 +469,10 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
         state, limits, now = self._state, self._limits, workflow.now()
         since = self._window_start()
         state.window = [entry for entry in state.window if entry.at >= since]
+        reset_window = timedelta(seconds=limits.window_seconds)
+        if state.let_through and (state.window_since is None or now - state.window_since > reset_window):
+            # Past the reset's window, as any incident's entry ages out: a later step counts anew.
+            state.let_through = []
         self._prune_domains(now)
         keep = timedelta(
             seconds=max(limits.quarantine_window_seconds, limits.cooldown_seconds, limits.escalation_window_seconds)

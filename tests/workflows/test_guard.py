@@ -147,6 +147,33 @@ async def test_the_breaker_trips_at_exactly_the_share_and_holds_until_reset(
     assert len(pages(fleet)) == 1
 
 
+async def test_a_reset_lets_a_storm_through_every_step_of_its_incidents(env: WorkflowEnvironment) -> None:
+    """Four nodes fail at once, each with a running job, two slots: the breaker trips once and a
+    reset lets the four through. Each incident asks for a slot per step (killing its jobs, then
+    the retirement), the later ones in line as slots free up; the reset's incidents are not
+    counted again in the window it starts (patch guard-reset-lets-through), so the second step's
+    asks never trip it again (make chaos's storm was held a second time, for ever)."""
+    fleet = guarded(max_in_flight=2, max_share=0.5)
+    order = ["gpu1", "gpu2", "gpu3", "gpu4"]
+    async with running(env, fleet, manual_clock=True):
+        held = [await start(env.client, fleet, node=node) for node in order]
+        await until(
+            guard(env.client, fleet),
+            FleetGuardWorkflow.status,
+            lambda s: s.state.tripped and len(s.state.waiting) == 4,
+            "all four held by the tripped breaker",
+        )
+        await tell(env.client, fleet, GUARD_RESET_SIGNAL)
+        # (Held again, they would wait for ever: each is given a minute, not the test's timeout.)
+        resolved = lambda s: s.outcome == Outcome.RESOLVED  # noqa: E731
+        results = [await until(h, NodeRemediationWorkflow.status, resolved, f"{h.id} resolved") for h in held]
+        state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
+    assert all(r.signalled for r in results)  # each killed its jobs under a slot of its own
+    assert len(pages(fleet)) == 1 and not state.state.tripped
+    assert [e.event for e in state.state.log].count("tripped") == 1
+    assert state.nodes_in_window == []  # the reset's four are not counted again
+
+
 async def test_incidents_waiting_for_spares_hold_no_slot_and_a_new_node_is_drained_at_once(
     env: WorkflowEnvironment,
 ) -> None:
