@@ -14,6 +14,7 @@ every version. ``--json`` is kept for the whole-cluster listing (``SlurmCli.jobs
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import secrets
@@ -197,6 +198,8 @@ _MARK = re.compile(r"gpufleet:[a-z]+:[A-Za-z0-9._:-]+")
 _MARK_SAFE = re.compile(r"^gpufleet:[a-z]+:[A-Za-z0-9._:-]+$")
 
 
+_log = logging.getLogger(__name__)
+
 # scontrol subcommands that only read (anything else, and scancel, changes the cluster).
 _READS = frozenset({"show", "ping", "version", "listpids"})
 
@@ -326,7 +329,11 @@ class SlurmCli:
         name = checked_node_name(name)
         # The completing jobs first: one that finishes completing between the two reads is then
         # in the node's listing (with its whole node list again), not in neither.
-        completing = self._squeue_json(["--states=COMPLETING"])
+        try:
+            completing = self._squeue_json(["--states=COMPLETING"])
+        except ClientError as exc:  # a Slurm without JSON output: the node's own listing only
+            _log.warning("squeue --json did not answer; jobs completing elsewhere are not seen: %s", exc)
+            completing = []
         try:
             listed = self._squeue("--states=all", f"--nodelist={name}")
         except NotFound:
@@ -601,6 +608,8 @@ ACTIVE_STATES = _ACTIVE_STATES = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPE
 ENDED_STATES = frozenset(
     {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
 )
+# Ended, with an EndTime that says when: the ended states, and COMPLETING (its nodes clean up).
+_HAS_ENDED = ENDED_STATES | {"COMPLETING"}
 
 
 _FIELD = re.compile(r"(?:^| )(NodeName|State|Partitions)=(\S*)")
@@ -683,7 +692,8 @@ def parse_squeue_format(out: str, *, separator: str, terminator: str) -> list[Jo
                 stdout=stdout,
                 start_time=_slurm_time(started),
                 # A job that still runs (or waits) has an EndTime too: when its time limit ends.
-                end_time=_slurm_time(ended) if state in ENDED_STATES else None,
+                # A COMPLETING one has ended (its nodes clean up): its EndTime is when.
+                end_time=_slurm_time(ended) if state in _HAS_ENDED else None,
                 comment="" if comment.strip() == "(null)" else comment,
                 gpus=gpus_allocated(tres),
             )
@@ -815,16 +825,16 @@ def completing_on(name: str, records: list[dict[str, Any]], listed: set[int]) ->
 
     found = []
     for raw in records:
-        job = job_from_json(raw)
-        if job.state != "COMPLETING" or job.job_id in listed:
+        if primary_state(raw.get("job_state")) != "COMPLETING" or raw.get("job_id") in listed:
             continue
         allocation = allocation_of(raw)
         try:
             held = name in expand_hostlist(allocation)
         except InvalidInput:
-            held = False
+            _log.warning("job %s: its allocation %r is not a hostlist; not read", raw.get("job_id"), allocation)
+            continue
         if held:
-            found.append(job.model_copy(update={"nodes": allocation}))
+            found.append(job_from_json(raw).model_copy(update={"nodes": allocation}))
     return found
 
 
@@ -844,7 +854,7 @@ def job_from_json(raw: Mapping[str, Any]) -> JobInfo:
         requeue=_flag(raw.get("requeue"), default=True),
         stdout=_text(raw.get("standard_output")),
         start_time=_epoch(_number(raw.get("start_time"), default=0)),
-        end_time=_epoch(_number(raw.get("end_time"), default=0)) if state in ENDED_STATES else None,
+        end_time=_epoch(_number(raw.get("end_time"), default=0)) if state in _HAS_ENDED else None,
         comment=_text(raw.get("comment")),
         # Allocated once it runs; what it asked for while it waits (a requeued job, say).
         gpus=gpus_allocated(_text(raw.get("tres_alloc_str"))) or gpus_allocated(_text(raw.get("tres_req_str"))),

@@ -147,7 +147,8 @@ class GuardState(BaseModel):
     window: list[WindowEntry] = Field(default_factory=list)
     # Nodes counted in the window only from here (set by a reset).
     window_since: datetime | None = None
-    # The incidents the last reset let through: never counted in the window again (until they close).
+    # The incidents a reset of the tripped breaker let through: not counted in the window again
+    # while the window that reset started lasts (window_seconds from window_since).
     let_through: list[str] = Field(default_factory=list)
     tripped: bool = False
     tripped_at: datetime | None = None

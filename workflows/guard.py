@@ -210,7 +210,8 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
         elif kind == GUARD_DRAINED_SIGNAL and message.node:
             # A drain is never held back: it is counted (storms trip the breaker at the next
             # request for a slot), and the node's record takes the incident.
-            if not any(entry.incident_id == message.incident_id for entry in state.window):
+            counted = any(entry.incident_id == message.incident_id for entry in state.window)
+            if not counted and not self._let_through(message.incident_id):  # (a drain told again)
                 state.window.append(WindowEntry(node=message.node, incident_id=message.incident_id, at=workflow.now()))
             self._record_incident(message.node, message.incident_id)
             self._log("drained", detail=f"{message.node} ({message.incident_id})")
@@ -230,12 +231,14 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
                 self._log("approved", waiting, f"let past the guard by {by_whom}")
         elif kind == GUARD_RESET_SIGNAL:
             was = "tripped" if state.tripped else "not tripped"
-            state.tripped, state.tripped_why = False, ""
-            if workflow.patched(GUARD_RESET_LETS_THROUGH):
-                # What the reset is for goes through: not counted again at each later step.
-                held = [*state.in_flight, *state.waiting, *state.domain_held]
+            if state.tripped and workflow.patched(GUARD_RESET_LETS_THROUGH):
+                # What the trip held goes through: not counted again at each later step. (A reset
+                # during a pause lets nothing through: the limits apply to what the pause held.)
+                held = [*state.in_flight, *(r for r in state.waiting if r.held_by == "breaker")]
                 ids = {*(entry.incident_id for entry in state.window), *(r.incident_id for r in held)}
-                state.let_through = sorted({*state.let_through, *ids})
+                still = {i for i in state.let_through if self._let_through(i)}  # an earlier reset's, if it runs
+                state.let_through = sorted(still | ids)
+            state.tripped, state.tripped_why = False, ""
             state.window, state.window_since = [], workflow.now()
             self._log("reset", detail=f"by {by_whom} (was {was}); the window starts again")
         elif kind == GUARD_PAUSE_SIGNAL:
@@ -337,7 +340,7 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
             return f"{in_flight + 1} incidents would be in flight; the limit is {limits.max_in_flight}"
         await self._count_nodes()
         nodes = set(self._nodes_in_window())
-        if request.incident_id not in self._state.let_through:
+        if not self._let_through(request.incident_id):
             nodes.add(self._window_key(request.node))
         if limits.max_share and self._nodes and len(nodes) / self._nodes > limits.max_share:
             return (
@@ -384,7 +387,7 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
 
     def _take_slot(self, request: SlotRequest) -> None:
         self._state.in_flight.append(request)
-        if request.incident_id in self._state.let_through:
+        if self._let_through(request.incident_id):
             return  # a reset let it through: not counted again
         if not any(entry.incident_id == request.incident_id for entry in self._state.window):
             self._state.window.append(
@@ -459,6 +462,13 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
         since = workflow.now() - timedelta(seconds=self._limits.window_seconds)
         window_since = self._state.window_since
         return window_since if window_since is not None and window_since > since else since
+
+    def _let_through(self, incident_id: str) -> bool:
+        """Whether the last reset let this incident through, and the reset's window still runs."""
+        state = self._state
+        if incident_id not in state.let_through or state.window_since is None:
+            return False
+        return workflow.now() - state.window_since <= timedelta(seconds=self._limits.window_seconds)
 
     def _nodes_in_window(self) -> list[str]:
         since = self._window_start()

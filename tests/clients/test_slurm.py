@@ -316,6 +316,7 @@ def test_only_a_completing_jobs_own_allocation_places_it_on_a_node(release: str)
     allocation is not a hostlist is skipped, not an error; a job the node lists already is not
     listed twice."""
     base = json.loads((DATA / f"squeue_{release}.json").read_text())["jobs"][0]
+    ENDED = 1796615750
 
     def record(job_id: int, state: str, nodes: str, allocation: str, name: str = "train") -> dict[str, Any]:
         raw = json.loads(json.dumps(base))
@@ -326,6 +327,10 @@ def test_only_a_completing_jobs_own_allocation_places_it_on_a_node(release: str)
             resources["nodes"] = allocation
         listed_state = isinstance(raw["job_state"], list)
         raw.update(job_id=job_id, nodes=nodes, name=name, job_state=[state] if listed_state else state)
+        if isinstance(raw["end_time"], dict):
+            raw["end_time"].update(set=True, number=ENDED)
+        else:
+            raw["end_time"] = ENDED
         return raw
 
     records = [
@@ -337,6 +342,9 @@ def test_only_a_completing_jobs_own_allocation_places_it_on_a_node(release: str)
     ]
     found = completing_on("gpu1", records, listed={102, 104})
     assert [(job.job_id, job.state, job.nodes) for job in found] == [(101, "COMPLETING", "gpu[1-2]")]
+    # A completing job has ended: its EndTime says when (a running one's is its time limit).
+    assert found[0].end_time == datetime.fromtimestamp(ENDED, UTC)
+    assert job_from_json(records[2]).end_time is None
     assert completing_on("gpu3", records, listed=set())[0].job_id == 100
     assert completing_on("spare1", records, listed=set()) == []
 

@@ -174,6 +174,28 @@ async def test_a_reset_lets_a_storm_through_every_step_of_its_incidents(env: Wor
     assert state.nodes_in_window == []  # the reset's four are not counted again
 
 
+async def test_a_reset_during_a_pause_lets_nothing_past_the_limits(env: WorkflowEnvironment) -> None:
+    """Four nodes fail while remediation is paused: a reset (the breaker not tripped) lets none of
+    them through; at the resume the share limit applies to what the pause held, and the breaker
+    trips on the third (two of four is the limit), paging once."""
+    fleet = guarded(max_in_flight=10, max_share=0.5)
+    async with running(env, fleet, manual_clock=True):
+        await paused_guard(env.client, fleet, reason="driver roll-out")
+        held = [await start(env.client, fleet, node=node) for node in ("gpu1", "gpu2", "gpu3", "gpu4")]
+        for handle in held:
+            await waiting(handle)
+        await tell(env.client, fleet, GUARD_RESET_SIGNAL)
+        await tell(env.client, fleet, GUARD_RESUME_SIGNAL)
+        state: GuardStatus = await until(
+            guard(env.client, fleet), FleetGuardWorkflow.status, lambda s: s.state.tripped, "the breaker to trip"
+        )
+        assert state.state.let_through == [] and len(state.state.waiting) == 2
+        deadline = time.monotonic() + 60
+        while not pages(fleet) and time.monotonic() < deadline:  # sent beside the guard's work
+            await asyncio.sleep(0.1)
+    assert len(pages(fleet)) == 1
+
+
 async def test_incidents_waiting_for_spares_hold_no_slot_and_a_new_node_is_drained_at_once(
     env: WorkflowEnvironment,
 ) -> None:
