@@ -331,6 +331,8 @@ class SlurmCli:
         # in the node's listing (with its whole node list again), not in neither.
         try:
             completing = self._squeue_json(["--states=COMPLETING"])
+        except Unavailable:
+            raise  # a timeout or slurmctld away: retried, never taken for "nothing completing"
         except ClientError as exc:  # a Slurm without JSON output: the node's own listing only
             _log.warning("squeue --json did not answer; jobs completing elsewhere are not seen: %s", exc)
             completing = []
@@ -825,7 +827,7 @@ def completing_on(name: str, records: list[dict[str, Any]], listed: set[int]) ->
 
     found = []
     for raw in records:
-        if primary_state(raw.get("job_state")) != "COMPLETING" or raw.get("job_id") in listed:
+        if primary_state(raw.get("job_state")) != "COMPLETING" or _number(raw.get("job_id"), default=-1) in listed:
             continue
         allocation = allocation_of(raw)
         try:

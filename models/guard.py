@@ -148,8 +148,9 @@ class GuardState(BaseModel):
     # Nodes counted in the window only from here (set by a reset).
     window_since: datetime | None = None
     # The incidents a reset of the tripped breaker let through: not counted in the window again
-    # while the window that reset started lasts (window_seconds from window_since).
+    # until let_through_until (window_seconds after that reset; a later reset does not extend it).
     let_through: list[str] = Field(default_factory=list)
+    let_through_until: datetime | None = None
     tripped: bool = False
     tripped_at: datetime | None = None
     tripped_why: str = ""

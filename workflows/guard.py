@@ -238,6 +238,7 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
                 ids = {*(entry.incident_id for entry in state.window), *(r.incident_id for r in held)}
                 still = {i for i in state.let_through if self._let_through(i)}  # an earlier reset's, if it runs
                 state.let_through = sorted(still | ids)
+                state.let_through_until = workflow.now() + timedelta(seconds=self._limits.window_seconds)
             state.tripped, state.tripped_why = False, ""
             state.window, state.window_since = [], workflow.now()
             self._log("reset", detail=f"by {by_whom} (was {was}); the window starts again")
@@ -466,9 +467,8 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
     def _let_through(self, incident_id: str) -> bool:
         """Whether the last reset let this incident through, and the reset's window still runs."""
         state = self._state
-        if incident_id not in state.let_through or state.window_since is None:
-            return False
-        return workflow.now() - state.window_since <= timedelta(seconds=self._limits.window_seconds)
+        until = state.let_through_until
+        return incident_id in state.let_through and until is not None and workflow.now() <= until
 
     def _nodes_in_window(self) -> list[str]:
         since = self._window_start()
@@ -479,10 +479,9 @@ class FleetGuardWorkflow(GuardAnswers, NodeRecords, DomainCounts):
         state, limits, now = self._state, self._limits, workflow.now()
         since = self._window_start()
         state.window = [entry for entry in state.window if entry.at >= since]
-        reset_window = timedelta(seconds=limits.window_seconds)
-        if state.let_through and (state.window_since is None or now - state.window_since > reset_window):
+        if state.let_through and (state.let_through_until is None or now > state.let_through_until):
             # Past the reset's window, as any incident's entry ages out: a later step counts anew.
-            state.let_through = []
+            state.let_through, state.let_through_until = [], None
         self._prune_domains(now)
         keep = timedelta(
             seconds=max(limits.quarantine_window_seconds, limits.cooldown_seconds, limits.escalation_window_seconds)

@@ -98,8 +98,9 @@ GUARD_DOMAINS = "guard-domains"
 # (a job still running elsewhere is left alone). Before, such a job was left unrequeued.
 JOBS_LEFT_REQUEUED = "jobs-left-requeued"
 
-# FleetGuardWorkflow: a reset lets the incidents it was held for through: those in the window,
-# waiting or in flight at the reset are not counted again in the window that starts then (their
-# later steps' slots each re-counted them, and a storm of incidents with running jobs tripped the
-# breaker again on its second step). A new failure is counted as before.
+# FleetGuardWorkflow: a reset of the tripped breaker lets the incidents it held through: those in
+# the window, held by the breaker or in flight at the reset are not counted again for the next
+# window_seconds (their later steps' slots each re-counted them, and a storm of incidents with
+# running jobs tripped the breaker again on its second step). A reset during a pause lets nothing
+# through; a new failure is counted as before.
 GUARD_RESET_LETS_THROUGH = "guard-reset-lets-through"

@@ -168,10 +168,20 @@ async def test_a_reset_lets_a_storm_through_every_step_of_its_incidents(env: Wor
         resolved = lambda s: s.outcome == Outcome.RESOLVED  # noqa: E731
         results = [await until(h, NodeRemediationWorkflow.status, resolved, f"{h.id} resolved") for h in held]
         state: GuardStatus = await guard(env.client, fleet).query(FleetGuardWorkflow.status)
+        # Let through for the reset's window only, as any incident's entry ages out.
+        assert sorted(state.state.let_through) == sorted(r.incident_id for r in results)
+        window = timedelta(seconds=state.limits.window_seconds)
+        assert state.state.let_through_until == state.state.window_since + window
+        await env.sleep(window + timedelta(seconds=17))
+        await tell(env.client, fleet, GUARD_RESUME_SIGNAL)  # any message: the guard prunes after it
+        lapsed: GuardStatus = await until(
+            guard(env.client, fleet), FleetGuardWorkflow.status, lambda s: not s.state.let_through, "it to lapse"
+        )
     assert all(r.signalled for r in results)  # each killed its jobs under a slot of its own
     assert len(pages(fleet)) == 1 and not state.state.tripped
     assert [e.event for e in state.state.log].count("tripped") == 1
     assert state.nodes_in_window == []  # the reset's four are not counted again
+    assert lapsed.state.let_through_until is None
 
 
 async def test_a_reset_during_a_pause_lets_nothing_past_the_limits(env: WorkflowEnvironment) -> None:
