@@ -148,7 +148,7 @@ class GuardState(BaseModel):
     # Nodes counted in the window only from here (set by a reset).
     window_since: datetime | None = None
     # The incidents a reset of the tripped breaker let through: not counted in the window again
-    # until let_through_until (window_seconds after that reset; a later reset does not extend it).
+    # until let_through_until (window_seconds after that reset; a reset of a breaker not tripped does not extend it).
     let_through: list[str] = Field(default_factory=list)
     let_through_until: datetime | None = None
     tripped: bool = False
